@@ -1,0 +1,191 @@
+//! The validated Rust API under the C ABI: every `nccl*` entry point converts its arguments and
+//! calls exactly one function here. Nothing in this module sees a raw C struct.
+
+use crate::comm::Comm;
+use crate::error::{Error, Result};
+use crate::types::{CollKind, DataType, Scalar};
+use std::sync::Arc;
+
+pub const VERSION_CODE: i32 = 23203;
+pub const UNIQUE_ID_BYTES: usize = 128;
+
+/// The parsed, size-checked contents of an `ncclConfig_t`.
+#[derive(Clone, Debug, Default)]
+pub struct CommConfig {
+    /// `blocking`: None when the caller left it undefined (then blocking).
+    pub blocking: Option<bool>,
+    pub comm_name: Option<String>,
+    pub net_name: Option<String>,
+    pub split_share: Option<bool>,
+    pub min_ctas: Option<i32>,
+    pub max_ctas: Option<i32>,
+    pub cta_policy: Option<i32>,
+}
+
+/// Where a `cudaStream_t` argument points.
+#[derive(Clone)]
+pub enum StreamArg {
+    /// NULL: the call (or the `ncclGroupEnd` of its group) returns when the work is done.
+    Null,
+    /// An oxccl host stream (created with `oxcclHostStreamCreate`).
+    Host(Arc<crate::stream::HostStream>),
+}
+
+/// One collective or point-to-point call, as the C caller gave it (buffers are addresses).
+#[derive(Clone, Copy, Debug)]
+pub struct CollArgs {
+    pub kind: CollKind,
+    pub send: usize,
+    pub recv: usize,
+    pub count: usize,
+    pub dtype: DataType,
+    /// Raw `ncclRedOp_t` (builtin or created by `ncclRedOpCreatePreMulSum`); ignored where unused.
+    pub op: i32,
+    /// Root for rooted collectives, peer for Send/Recv, 0 otherwise.
+    pub root: i32,
+}
+
+/// A PreMulSum scalar: read now (host immediate) or at execution time from an address.
+#[derive(Clone, Copy, Debug)]
+pub enum ScalarArg {
+    Host(Scalar),
+    Device(usize),
+}
+
+pub fn version() -> i32 {
+    VERSION_CODE
+}
+
+pub fn get_unique_id() -> Result<[u8; UNIQUE_ID_BYTES]> {
+    crate::bootstrap::UniqueId::generate().map(|id| id.to_bytes())
+}
+
+/// `ncclCommInitRank[Config]`: blocking, or deferred to `ncclGroupEnd` inside a group.
+pub fn comm_init_rank(
+    nranks: i32,
+    id: &[u8; UNIQUE_ID_BYTES],
+    rank: i32,
+    config: CommConfig,
+) -> Result<Arc<Comm>> {
+    comm_init_rank_scalable(nranks, rank, &[*id], config)
+}
+
+pub fn comm_init_rank_scalable(
+    nranks: i32,
+    rank: i32,
+    ids: &[[u8; UNIQUE_ID_BYTES]],
+    config: CommConfig,
+) -> Result<Arc<Comm>> {
+    crate::comm::init_rank(nranks, rank, ids, config)
+}
+
+/// `ncclCommInitAll`: `devs` are the device (or host slot) numbers, one per rank.
+pub fn comm_init_all(devs: &[i32]) -> Result<Vec<Arc<Comm>>> {
+    crate::comm::init_all(devs)
+}
+
+/// Hand a comm to C: its handle stays valid until `release_comm_handle`.
+pub fn comm_handle(comm: &Arc<Comm>) -> usize {
+    crate::comm::handles::register(comm)
+}
+
+/// Look a C handle up: null, never-issued or destroyed handles are `ncclInvalidArgument`.
+pub fn comm_from_handle(h: usize) -> Result<Arc<Comm>> {
+    crate::comm::handles::lookup(h)
+}
+
+pub fn comm_finalize(comm: &Arc<Comm>) -> Result<()> {
+    comm.finalize()
+}
+
+/// `ncclCommDestroy`: the handle is invalid afterwards.
+pub fn comm_destroy(h: usize) -> Result<()> {
+    let comm = crate::comm::handles::unregister(h)?;
+    comm.destroy()
+}
+
+/// `ncclCommAbort`: stops in-flight work, then destroys.
+pub fn comm_abort(h: usize) -> Result<()> {
+    let comm = crate::comm::handles::unregister(h)?;
+    comm.abort();
+    comm.destroy()
+}
+
+pub fn comm_async_error(comm: &Arc<Comm>) -> crate::error::Code {
+    comm.async_error()
+}
+
+pub fn comm_split(
+    comm: &Arc<Comm>,
+    color: i32,
+    key: i32,
+    config: Option<CommConfig>,
+) -> Result<Option<Arc<Comm>>> {
+    crate::comm::split(comm, color, key, config)
+}
+
+/// Queue a collective or a send/recv (executes at once outside a group).
+pub fn enqueue(comm: &Arc<Comm>, args: CollArgs, stream: StreamArg) -> Result<()> {
+    crate::group::enqueue(comm, args, stream)
+}
+
+pub fn group_start() -> Result<()> {
+    crate::group::start()
+}
+
+pub fn group_end() -> Result<()> {
+    crate::group::end()
+}
+
+pub fn redop_create_premulsum(comm: &Arc<Comm>, dtype: DataType, scalar: ScalarArg) -> Result<i32> {
+    comm.redops.create(dtype, scalar)
+}
+
+pub fn redop_destroy(comm: &Arc<Comm>, op: i32) -> Result<()> {
+    comm.redops.destroy(op)
+}
+
+pub fn mem_alloc(size: usize) -> Result<usize> {
+    crate::memory::alloc(size)
+}
+
+pub fn mem_free(ptr: usize) -> Result<()> {
+    crate::memory::free(ptr)
+}
+
+pub fn comm_register(comm: &Arc<Comm>, buf: usize, size: usize) -> Result<usize> {
+    comm.registry.register(buf, size)
+}
+
+pub fn comm_deregister(comm: &Arc<Comm>, handle: usize) -> Result<()> {
+    comm.registry.deregister(handle)
+}
+
+pub fn stream_from_handle(h: usize) -> Result<StreamArg> {
+    if h == 0 {
+        return Ok(StreamArg::Null);
+    }
+    crate::stream::lookup(h).map(StreamArg::Host)
+}
+
+pub fn host_stream_create() -> Result<usize> {
+    crate::stream::create()
+}
+
+pub fn host_stream_synchronize(h: usize) -> Result<()> {
+    crate::stream::lookup(h)?.synchronize()
+}
+
+/// `Ok(true)` when all work queued on the stream is done.
+pub fn host_stream_query(h: usize) -> Result<bool> {
+    crate::stream::lookup(h)?.query()
+}
+
+pub fn host_stream_destroy(h: usize) -> Result<()> {
+    crate::stream::destroy(h)
+}
+
+/// For features that belong to a later issue: a clear `ncclInvalidUsage`.
+pub fn not_yet<T>(what: &str) -> Result<T> {
+    Err(Error::not_yet(what))
+}

@@ -1,0 +1,1 @@
+//! Executors that run schedules in stream order.

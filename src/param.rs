@@ -1,0 +1,90 @@
+//! One typed registry of every knob: environment variables (NCCL's and `OXCCL_*`), read once.
+//! Later: `NCCL_CONF_FILE`, `~/.nccl.conf`, `/etc/nccl.conf` and the `ncclParam*` API.
+
+use std::time::Duration;
+
+/// A parameter: name, documentation, default.
+pub struct Param {
+    pub name: &'static str,
+    pub doc: &'static str,
+    pub default: &'static str,
+}
+
+pub const PARAMS: &[Param] = &[
+    Param {
+        name: "NCCL_DEBUG",
+        doc: "log level: VERSION, WARN, INFO, TRACE",
+        default: "",
+    },
+    Param {
+        name: "OXCCL_DEVICE",
+        doc: "executor: 'host' forces the host executor",
+        default: "",
+    },
+    Param {
+        name: "OXCCL_TIMEOUT_S",
+        doc: "seconds any wait (bootstrap, peer progress) may take before ncclTimeout",
+        default: "300",
+    },
+    Param {
+        name: "OXCCL_CHUNK_BYTES",
+        doc: "bytes per FIFO slot of a connection",
+        default: "131072",
+    },
+    Param {
+        name: "OXCCL_NSTEPS",
+        doc: "slots per connection FIFO",
+        default: "8",
+    },
+    Param {
+        name: "NCCL_ALGO",
+        doc: "algorithms allowed: Ring, Direct (comma list, ^ to exclude)",
+        default: "",
+    },
+    Param {
+        name: "OXCCL_FAULT",
+        doc: "fault injection for tests: 'corrupt' flips a bit in every reduction result",
+        default: "",
+    },
+];
+
+fn raw(name: &str) -> Option<String> {
+    std::env::var(name).ok().filter(|v| !v.is_empty())
+}
+
+pub fn get_str(name: &str) -> Option<String> {
+    raw(name).or_else(|| {
+        PARAMS
+            .iter()
+            .find(|p| p.name == name && !p.default.is_empty())
+            .map(|p| p.default.to_string())
+    })
+}
+
+pub fn get_u64(name: &str) -> u64 {
+    get_str(name)
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or_else(|| {
+            PARAMS
+                .iter()
+                .find(|p| p.name == name)
+                .and_then(|p| p.default.parse().ok())
+                .unwrap_or(0)
+        })
+}
+
+pub fn nccl_debug() -> Option<String> {
+    raw("NCCL_DEBUG")
+}
+
+pub fn timeout() -> Duration {
+    Duration::from_secs(get_u64("OXCCL_TIMEOUT_S").max(1))
+}
+
+pub fn chunk_bytes() -> usize {
+    (get_u64("OXCCL_CHUNK_BYTES") as usize).clamp(4096, 64 << 20) & !63
+}
+
+pub fn nsteps() -> usize {
+    (get_u64("OXCCL_NSTEPS") as usize).clamp(2, 64)
+}

@@ -1,0 +1,1 @@
+//! Planning: a collective becomes a per-rank schedule of steps.

@@ -1,0 +1,1 @@
+//! Connections between two ranks: FIFOs of slots in memory both ends reach.
