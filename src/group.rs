@@ -1,18 +1,434 @@
 //! Groups: calls collected until the outermost `ncclGroupEnd`, then planned and launched.
+//! Outside a group every call is a group of one. Deferred inits run first, all at once; then each
+//! communicator's calls become one task; tasks on a NULL stream run on this thread before
+//! `ncclGroupEnd` returns, tasks on host streams are handed to those streams.
 
 use crate::api::{CollArgs, StreamArg};
-use crate::comm::Comm;
+use crate::comm::{Comm, Core};
 use crate::error::{Error, Result};
+use crate::exec::Task;
+use crate::plan::{self, direct, ring, RedSpec, Stage};
+use crate::transport::Class;
+use crate::types::{
+    CollKind, DataType, ReduceKind, Reduction, Scalar, NUM_BUILTIN_OPS, OP_AVG, OP_MAX, OP_MIN,
+    OP_PROD, OP_SUM,
+};
+use std::cell::RefCell;
 use std::sync::Arc;
 
-pub fn enqueue(_comm: &Arc<Comm>, _args: CollArgs, _stream: StreamArg) -> Result<()> {
-    Err(Error::not_yet("collectives"))
+struct Queued {
+    comm: Arc<Comm>,
+    core: Arc<Core>,
+    args: CollArgs,
+    red: Option<RedSpec>,
+    stream: StreamArg,
+}
+
+#[derive(Default)]
+struct GroupState {
+    depth: usize,
+    inits: Vec<Arc<Comm>>,
+    ops: Vec<Queued>,
+    error: Option<Error>,
+}
+
+thread_local! {
+    static GROUP: RefCell<GroupState> = RefCell::new(GroupState::default());
+}
+
+/// Inside a group, queue a comm's init for `ncclGroupEnd` and return true.
+pub fn defer_init(comm: &Arc<Comm>) -> bool {
+    GROUP.with(|g| {
+        let mut g = g.borrow_mut();
+        if g.depth == 0 {
+            return false;
+        }
+        g.inits.push(comm.clone());
+        true
+    })
 }
 
 pub fn start() -> Result<()> {
+    GROUP.with(|g| g.borrow_mut().depth += 1);
     Ok(())
 }
 
 pub fn end() -> Result<()> {
-    Ok(())
+    let state = GROUP.with(|g| {
+        let mut g = g.borrow_mut();
+        if g.depth == 0 {
+            return Err(Error::invalid_usage(
+                "ncclGroupEnd called without a matching ncclGroupStart",
+            ));
+        }
+        g.depth -= 1;
+        if g.depth > 0 {
+            return Ok(None);
+        }
+        Ok(Some(std::mem::take(&mut *g)))
+    })?;
+    match state {
+        None => Ok(()),
+        Some(s) => launch_group(s),
+    }
+}
+
+fn launch_group(s: GroupState) -> Result<()> {
+    let init_result = crate::comm::run_inits(&s.inits);
+    if let Some(e) = s.error {
+        return Err(e);
+    }
+    init_result?;
+    launch(s.ops)
+}
+
+/// Validates a call and queues it (or runs it at once outside a group).
+pub fn enqueue(comm: &Arc<Comm>, args: CollArgs, stream: StreamArg) -> Result<()> {
+    let in_group = GROUP.with(|g| g.borrow().depth > 0);
+    let checked = validate(comm, &args).map(|(core, red)| Queued {
+        comm: comm.clone(),
+        core,
+        args,
+        red,
+        stream,
+    });
+    if !in_group {
+        return launch(vec![checked?]);
+    }
+    GROUP.with(|g| {
+        let mut g = g.borrow_mut();
+        match checked {
+            Ok(q) => {
+                g.ops.push(q);
+                Ok(())
+            }
+            Err(e) => {
+                if g.error.is_none() {
+                    g.error = Some(e.clone());
+                }
+                Err(e)
+            }
+        }
+    })
+}
+
+fn bytes_of(count: usize, mult: usize, dtype: DataType, what: &str) -> Result<usize> {
+    count
+        .checked_mul(mult)
+        .and_then(|c| c.checked_mul(dtype.size()))
+        .filter(|&b| b <= isize::MAX as usize)
+        .ok_or_else(|| {
+            Error::invalid_argument(format!("{what}: count {count} overflows the address space"))
+        })
+}
+
+fn validate(comm: &Arc<Comm>, a: &CollArgs) -> Result<(Arc<Core>, Option<RedSpec>)> {
+    let core = comm.core()?.clone();
+    if let Some(e) = core.broken() {
+        return Err(e);
+    }
+    let n = core.nranks;
+    let name = a.kind.name();
+    let rooted = matches!(
+        a.kind,
+        CollKind::Broadcast
+            | CollKind::Reduce
+            | CollKind::Gather
+            | CollKind::Scatter
+            | CollKind::Send
+            | CollKind::Recv
+    );
+    if rooted && (a.root < 0 || a.root as usize >= n) {
+        let what = if a.kind.is_p2p() { "peer" } else { "root" };
+        return Err(Error::invalid_argument(format!(
+            "{name}: invalid {what} {} (nranks is {n})",
+            a.root
+        )));
+    }
+    let (send_mult, recv_mult) = match a.kind {
+        CollKind::AllReduce | CollKind::Broadcast | CollKind::Reduce => (1, 1),
+        CollKind::AllGather => (1, n),
+        CollKind::ReduceScatter => (n, 1),
+        CollKind::AlltoAll => (n, n),
+        CollKind::Gather => (1, n),
+        CollKind::Scatter => (n, 1),
+        CollKind::Send => (1, 0),
+        CollKind::Recv => (0, 1),
+    };
+    let me = core.rank as i32;
+    let uses_send =
+        !(matches!(a.kind, CollKind::Recv) || (a.kind == CollKind::Broadcast && a.root != me));
+    let uses_recv = match a.kind {
+        CollKind::Send => false,
+        CollKind::Reduce | CollKind::Gather => a.root == me,
+        _ => true,
+    };
+    let sb = bytes_of(a.count, send_mult, a.dtype, name)?;
+    let rb = bytes_of(a.count, recv_mult, a.dtype, name)?;
+    if uses_send && sb > 0 && a.send == 0 {
+        return Err(Error::invalid_argument(format!("{name}: sendbuff is NULL")));
+    }
+    if uses_recv && rb > 0 && a.recv == 0 {
+        return Err(Error::invalid_argument(format!("{name}: recvbuff is NULL")));
+    }
+    let reduces = matches!(
+        a.kind,
+        CollKind::AllReduce | CollKind::Reduce | CollKind::ReduceScatter
+    );
+    let red = if reduces {
+        Some(resolve_op(comm, a.op, a.dtype, n, name)?)
+    } else {
+        None
+    };
+    Ok((core, red))
+}
+
+fn resolve_op(comm: &Comm, op: i32, dtype: DataType, n: usize, name: &str) -> Result<RedSpec> {
+    let ready = |kind| {
+        Ok(RedSpec::Ready(Reduction {
+            dtype,
+            kind,
+            premul: None,
+            postdiv: None,
+        }))
+    };
+    match op {
+        OP_SUM => ready(ReduceKind::Sum),
+        OP_PROD => ready(ReduceKind::Prod),
+        OP_MAX => ready(ReduceKind::Max),
+        OP_MIN => ready(ReduceKind::Min),
+        OP_AVG if dtype.is_float() => Ok(RedSpec::Ready(Reduction {
+            dtype,
+            kind: ReduceKind::Sum,
+            premul: Some(scalar_from_f64(dtype, 1.0 / n as f64)),
+            postdiv: None,
+        })),
+        OP_AVG => Ok(RedSpec::Ready(Reduction {
+            dtype,
+            kind: ReduceKind::Sum,
+            premul: None,
+            postdiv: Some(n as u64),
+        })),
+        _ if op >= NUM_BUILTIN_OPS => match comm.redops.get(op) {
+            Some((d, scalar)) if d == dtype => Ok(RedSpec::PreMul { dtype, scalar }),
+            Some((d, _)) => Err(Error::invalid_argument(format!(
+                "{name}: operator {op} was created for datatype {} but used with {}",
+                d.name(),
+                dtype.name()
+            ))),
+            None => Err(Error::invalid_argument(format!(
+                "{name}: invalid reduction operator {op} (not created on this communicator, or destroyed)"
+            ))),
+        },
+        _ => Err(Error::invalid_argument(format!("{name}: invalid reduction operator {op}"))),
+    }
+}
+
+/// A float scalar in the bits of `dtype`.
+pub fn scalar_from_f64(dtype: DataType, v: f64) -> Scalar {
+    use crate::reduce::convert;
+    let bits = match dtype {
+        DataType::Float64 => v.to_bits(),
+        DataType::Float32 => (v as f32).to_bits() as u64,
+        DataType::Float16 => convert::f32_to_f16(v as f32) as u64,
+        DataType::Bfloat16 => convert::f32_to_bf16(v as f32) as u64,
+        DataType::Float8e4m3 => convert::f32_to_e4m3(v as f32) as u64,
+        DataType::Float8e5m2 => convert::f32_to_e5m2(v as f32) as u64,
+        _ => v as i64 as u64,
+    };
+    Scalar { bits }
+}
+
+/// Turns queued calls into one task per communicator and runs them.
+fn launch(ops: Vec<Queued>) -> Result<()> {
+    if ops.is_empty() {
+        return Ok(());
+    }
+    // Group by communicator, keeping call order.
+    let mut per_comm: Vec<(Arc<Comm>, Vec<Queued>)> = Vec::new();
+    for q in ops {
+        match per_comm.iter_mut().find(|(c, _)| Arc::ptr_eq(c, &q.comm)) {
+            Some((_, v)) => v.push(q),
+            None => per_comm.push((q.comm.clone(), vec![q])),
+        }
+    }
+    let mut inline = Vec::new();
+    let mut streamed: Vec<(Arc<crate::stream::HostStream>, Vec<Task>)> = Vec::new();
+    let mut first_err = None;
+    for (_, qs) in per_comm {
+        let stream = qs[0].stream.clone();
+        match build_task(qs) {
+            Ok(t) => match stream {
+                StreamArg::Null => inline.push(t),
+                StreamArg::Host(s) => match streamed.iter_mut().find(|(x, _)| Arc::ptr_eq(x, &s)) {
+                    Some((_, v)) => v.push(t),
+                    None => streamed.push((s, vec![t])),
+                },
+            },
+            Err(e) => {
+                first_err.get_or_insert(e);
+            }
+        }
+    }
+    for (s, tasks) in streamed {
+        s.submit(tasks);
+    }
+    for r in crate::exec::host::run(inline) {
+        if let Err(e) = r {
+            first_err.get_or_insert(e);
+        }
+    }
+    match first_err {
+        Some(e) => Err(e),
+        None => Ok(()),
+    }
+}
+
+fn describe(qs: &[Queued]) -> String {
+    let a = &qs[0].args;
+    let more = if qs.len() > 1 {
+        format!(" (+{} more in the group)", qs.len() - 1)
+    } else {
+        String::new()
+    };
+    format!(
+        "{} of {} x {}{more}",
+        a.kind.name(),
+        a.count,
+        a.dtype.name()
+    )
+}
+
+/// Plans one communicator's calls of a group into a task.
+fn build_task(qs: Vec<Queued>) -> Result<Task> {
+    let core = qs[0].core.clone();
+    let mut task = Task::new(core.clone(), describe(&qs));
+    let l: &dyn ring::Links = &*core;
+    // Self send/recv pairs, matched in order.
+    let mut self_sends = std::collections::VecDeque::new();
+    let mut self_recvs = std::collections::VecDeque::new();
+    // One lane per (peer, direction).
+    let mut p2p_lanes: Vec<((usize, bool), Vec<plan::Program>)> = Vec::new();
+    let res = (|| -> Result<()> {
+        for q in &qs {
+            let a = q.args;
+            let root = a.root.max(0) as usize;
+            let red = q.red;
+            let fault = Some((a.dtype, a.recv, out_count(&a, core.nranks, core.rank)));
+            let stage = |p: plan::Program| {
+                let mut s = Stage::default();
+                s.lanes.push(vec![p]);
+                s.fault = fault;
+                s
+            };
+            match a.kind {
+                CollKind::AllReduce => task.stages.push_back(stage(ring::all_reduce(
+                    l,
+                    a.send,
+                    a.recv,
+                    a.count,
+                    a.dtype,
+                    red.expect("red"),
+                )?)),
+                CollKind::ReduceScatter => task.stages.push_back(stage(ring::reduce_scatter(
+                    l,
+                    a.send,
+                    a.recv,
+                    a.count,
+                    a.dtype,
+                    red.expect("red"),
+                )?)),
+                CollKind::AllGather => task.stages.push_back(stage(ring::all_gather(
+                    l, a.send, a.recv, a.count, a.dtype,
+                )?)),
+                CollKind::Broadcast => task.stages.push_back(stage(ring::broadcast(
+                    l, a.send, a.recv, a.count, a.dtype, root,
+                )?)),
+                CollKind::Reduce => task.stages.push_back(stage(ring::reduce(
+                    l,
+                    a.send,
+                    a.recv,
+                    a.count,
+                    a.dtype,
+                    red.expect("red"),
+                    root,
+                )?)),
+                CollKind::AlltoAll => {
+                    let mut s = direct::all_to_all(l, a.send, a.recv, a.count, a.dtype)?;
+                    s.fault = fault;
+                    task.stages.push_back(s);
+                }
+                CollKind::Gather => {
+                    let mut s = direct::gather(l, a.send, a.recv, a.count, a.dtype, root)?;
+                    s.fault = fault;
+                    task.stages.push_back(s);
+                }
+                CollKind::Scatter => {
+                    let mut s = direct::scatter(l, a.send, a.recv, a.count, a.dtype, root)?;
+                    s.fault = fault;
+                    task.stages.push_back(s);
+                }
+                CollKind::Send | CollKind::Recv => {
+                    let is_send = a.kind == CollKind::Send;
+                    if root == core.rank {
+                        if is_send {
+                            self_sends.push_back(a);
+                        } else {
+                            self_recvs.push_back(a);
+                        }
+                        continue;
+                    }
+                    let prog = if is_send {
+                        direct::send(l, a.send, a.count, a.dtype, root, Class::P2p)?
+                    } else {
+                        direct::recv(l, a.recv, a.count, a.dtype, root, Class::P2p)?
+                    };
+                    match p2p_lanes.iter_mut().find(|(k, _)| *k == (root, is_send)) {
+                        Some((_, v)) => v.push(prog),
+                        None => p2p_lanes.push(((root, is_send), vec![prog])),
+                    }
+                }
+            }
+        }
+        if self_sends.len() != self_recvs.len() {
+            return Err(Error::invalid_usage(format!(
+                "rank {}: {} send(s) to itself but {} recv(s) from itself in one group",
+                core.rank,
+                self_sends.len(),
+                self_recvs.len()
+            )));
+        }
+        for (s, r) in self_sends.into_iter().zip(self_recvs) {
+            if s.count * s.dtype.size() != r.count * r.dtype.size() {
+                return Err(Error::invalid_usage(format!(
+                    "rank {}: send to itself of {} bytes matched with a recv of {} bytes",
+                    core.rank,
+                    s.count * s.dtype.size(),
+                    r.count * r.dtype.size()
+                )));
+            }
+            p2p_lanes.push((
+                (core.rank, true),
+                vec![direct::local_copy(l, s.send, r.recv, s.count, s.dtype)],
+            ));
+        }
+        Ok(())
+    })();
+    res?;
+    // The ticket is taken only once planning succeeded, so a failed plan never blocks the comm.
+    task.ticket = core.take_ticket();
+    task.p2p = p2p_lanes.into_iter().map(|(_, v)| v).collect();
+    Ok(task)
+}
+
+/// Elements a collective writes on this rank (for fault injection).
+fn out_count(a: &CollArgs, n: usize, rank: usize) -> usize {
+    let root = a.root.max(0) as usize;
+    match a.kind {
+        CollKind::AllGather | CollKind::AlltoAll => a.count * n,
+        CollKind::Gather if rank == root => a.count * n,
+        CollKind::Gather => 0,
+        CollKind::Reduce if rank != root => 0,
+        _ => a.count,
+    }
 }

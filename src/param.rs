@@ -88,3 +88,10 @@ pub fn chunk_bytes() -> usize {
 pub fn nsteps() -> usize {
     (get_u64("OXCCL_NSTEPS") as usize).clamp(2, 64)
 }
+
+/// `OXCCL_FAULT=corrupt`: spoil every collective's output on purpose (tests of result checks).
+pub fn fault_corrupt() -> bool {
+    static F: once_cell::sync::Lazy<bool> =
+        once_cell::sync::Lazy::new(|| raw("OXCCL_FAULT").as_deref() == Some("corrupt"));
+    *F
+}

@@ -1,30 +1,128 @@
-//! Host streams: ordered queues of work with their own worker thread (the `oxcclHostStream*`
-//! extension), standing in for `cudaStream_t` on the host executor.
+//! Host streams (`oxcclHostStream*`): ordered queues of work, each with one worker thread, standing
+//! in for `cudaStream_t` on the host executor. Work handed over by one `ncclGroupEnd` is run as
+//! one batch, so several ranks of one process may share a stream without deadlock.
 
 use crate::error::{Error, Result};
+use crate::exec::Task;
+use parking_lot::{Condvar, Mutex};
+use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 
-pub struct HostStream {}
+#[derive(Default)]
+struct State {
+    queue: VecDeque<Vec<Task>>,
+    busy: bool,
+    error: Option<Error>,
+    shutdown: bool,
+}
+
+pub struct HostStream {
+    state: Mutex<State>,
+    cv: Condvar,
+    worker: Mutex<Option<std::thread::JoinHandle<()>>>,
+}
 
 impl HostStream {
-    pub fn synchronize(&self) -> Result<()> {
-        Ok(())
+    pub fn submit(&self, tasks: Vec<Task>) {
+        let mut s = self.state.lock();
+        s.queue.push_back(tasks);
+        self.cv.notify_all();
     }
+
+    /// Waits for all queued work; returns (and clears) the first error it met.
+    pub fn synchronize(&self) -> Result<()> {
+        let mut s = self.state.lock();
+        while s.busy || !s.queue.is_empty() {
+            self.cv.wait(&mut s);
+        }
+        match s.error.take() {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+
+    /// `Ok(true)` when idle; an error met by finished work is returned (and cleared).
     pub fn query(&self) -> Result<bool> {
-        Ok(true)
+        let mut s = self.state.lock();
+        if let Some(e) = s.error.take() {
+            return Err(e);
+        }
+        Ok(!s.busy && s.queue.is_empty())
+    }
+
+    fn work(self: Arc<Self>) {
+        loop {
+            let batch = {
+                let mut s = self.state.lock();
+                loop {
+                    if let Some(b) = s.queue.pop_front() {
+                        s.busy = true;
+                        break b;
+                    }
+                    if s.shutdown {
+                        return;
+                    }
+                    self.cv.wait(&mut s);
+                }
+            };
+            let results = crate::exec::host::run(batch);
+            let mut s = self.state.lock();
+            for r in results {
+                if let Err(e) = r {
+                    s.error.get_or_insert(e);
+                }
+            }
+            s.busy = false;
+            self.cv.notify_all();
+        }
     }
 }
 
+static STREAMS: Mutex<Option<HashMap<usize, Arc<HostStream>>>> = Mutex::new(None);
+
 pub fn create() -> Result<usize> {
-    Err(Error::not_yet("host streams"))
+    let s = Arc::new(HostStream {
+        state: Mutex::new(State::default()),
+        cv: Condvar::new(),
+        worker: Mutex::new(None),
+    });
+    let w = s.clone();
+    let h = std::thread::Builder::new()
+        .name("oxccl-stream".into())
+        .spawn(move || w.work())
+        .map_err(|e| Error::os("cannot start a host stream thread", e))?;
+    *s.worker.lock() = Some(h);
+    let id = Arc::as_ptr(&s) as usize;
+    STREAMS
+        .lock()
+        .get_or_insert_with(HashMap::new)
+        .insert(id, s);
+    Ok(id)
 }
 
 pub fn lookup(h: usize) -> Result<Arc<HostStream>> {
-    Err(Error::invalid_argument(format!(
-        "stream {h:#x} is not an oxccl host stream"
-    )))
+    STREAMS
+        .lock()
+        .as_ref()
+        .and_then(|m| m.get(&h).cloned())
+        .ok_or_else(|| {
+            Error::invalid_argument(format!(
+                "stream {h:#x} is not an oxccl host stream (the host executor cannot run on CUDA streams; create one with oxcclHostStreamCreate)"
+            ))
+        })
 }
 
+/// Waits for the stream's work, stops its thread and forgets it.
 pub fn destroy(h: usize) -> Result<()> {
-    lookup(h).map(|_| ())
+    let s = lookup(h)?;
+    let r = s.synchronize();
+    if let Some(m) = STREAMS.lock().as_mut() {
+        m.remove(&h);
+    }
+    s.state.lock().shutdown = true;
+    s.cv.notify_all();
+    if let Some(t) = s.worker.lock().take() {
+        let _ = t.join();
+    }
+    r
 }

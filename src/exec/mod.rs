@@ -1,1 +1,8 @@
-//! Executors that run schedules in stream order.
+//! Executors run planned work in stream order. `host` runs programs on host memory (CPU copies
+//! and reductions, polling the connections' counters); the CUDA executor (a later step) runs the
+//! same programs with the same counters on a GPU stream.
+
+pub mod host;
+pub mod task;
+
+pub use task::Task;

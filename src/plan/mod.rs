@@ -1,1 +1,173 @@
-//! Planning: a collective becomes a per-rank schedule of steps.
+//! Planning: a collective or point-to-point call becomes, on each rank, a set of *lanes* of
+//! *programs*. A program is a list of primitive steps (NCCL's vocabulary: send, recv, copySend,
+//! recvCopySend, recvReduceSend, recvReduceCopy, recvReduceCopySend, localCopy) over connections,
+//! repeated for each slice of the data (one FIFO slot per step and slice). Lanes run concurrently;
+//! the programs of a lane run in order. Executors run programs without knowing the transport.
+
+pub mod direct;
+pub mod ring;
+
+use crate::api::ScalarArg;
+use crate::transport::Conn;
+use crate::types::{DataType, ReduceKind, Reduction, Scalar};
+use std::sync::Arc;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Prim {
+    /// slot <- pre?(src)
+    Send,
+    /// dst <- slot
+    Recv,
+    /// dst <- src; slot <- src
+    CopySend,
+    /// dst <- in; slot <- in
+    RecvCopySend,
+    /// slot <- pre(src) op in
+    RecvReduceSend,
+    /// dst <- post(pre(src) op in)
+    RecvReduceCopy,
+    /// dst <- post(pre(src) op in); slot <- dst
+    RecvReduceCopySend,
+    /// dst <- src
+    LocalCopy,
+    /// dst <- post(pre(src))  (a reduction over one rank)
+    LocalReduce,
+}
+
+impl Prim {
+    pub fn recvs(self) -> bool {
+        matches!(
+            self,
+            Prim::Recv
+                | Prim::RecvCopySend
+                | Prim::RecvReduceSend
+                | Prim::RecvReduceCopy
+                | Prim::RecvReduceCopySend
+        )
+    }
+    pub fn sends(self) -> bool {
+        matches!(
+            self,
+            Prim::Send
+                | Prim::CopySend
+                | Prim::RecvCopySend
+                | Prim::RecvReduceSend
+                | Prim::RecvReduceCopySend
+        )
+    }
+}
+
+/// One step: a primitive over one segment of `len` elements (`src`/`dst` are the segment's start
+/// addresses). Each iteration of its program handles the next slice of the segment.
+#[derive(Clone)]
+pub struct Step {
+    pub prim: Prim,
+    pub recv: Option<Arc<Conn>>,
+    pub send: Option<Arc<Conn>>,
+    pub src: usize,
+    pub dst: usize,
+    pub len: usize,
+    /// `Send` applies the reduction's pre-multiplication (first hop of a reduction).
+    pub prep: bool,
+}
+
+/// How the reduction of a program is known: resolved before it runs (a device-resident PreMulSum
+/// scalar is read when the program starts, as NCCL reads it when the kernel runs).
+#[derive(Clone, Copy, Debug)]
+pub enum RedSpec {
+    Ready(Reduction),
+    PreMul { dtype: DataType, scalar: ScalarArg },
+}
+
+impl RedSpec {
+    pub fn resolve(&self) -> Reduction {
+        match *self {
+            RedSpec::Ready(r) => r,
+            RedSpec::PreMul { dtype, scalar } => {
+                let bits = match scalar {
+                    ScalarArg::Host(s) => s.bits,
+                    ScalarArg::Device(addr) => {
+                        let mut b = [0u8; 8];
+                        // SAFETY: the caller registered this address as a scalar of `dtype`
+                        // that stays valid until the collective completes (NCCL's contract).
+                        unsafe {
+                            std::ptr::copy_nonoverlapping(
+                                addr as *const u8,
+                                b.as_mut_ptr(),
+                                dtype.size(),
+                            )
+                        };
+                        u64::from_le_bytes(b)
+                    }
+                };
+                Reduction {
+                    dtype,
+                    kind: ReduceKind::Sum,
+                    premul: Some(Scalar { bits }),
+                    postdiv: None,
+                }
+            }
+        }
+    }
+}
+
+/// A list of steps repeated over `niter` slices of at most `slice` elements.
+#[derive(Clone)]
+pub struct Program {
+    pub steps: Vec<Step>,
+    pub esize: usize,
+    pub slice: usize,
+    pub niter: usize,
+    pub red: Option<RedSpec>,
+}
+
+impl Program {
+    pub fn new(
+        steps: Vec<Step>,
+        dtype: DataType,
+        slot_bytes: usize,
+        red: Option<RedSpec>,
+    ) -> Program {
+        let esize = dtype.size();
+        let slice = (slot_bytes / esize).max(1);
+        let maxlen = steps.iter().map(|s| s.len).max().unwrap_or(0);
+        Program {
+            steps,
+            esize,
+            slice,
+            niter: maxlen.div_ceil(slice),
+            red,
+        }
+    }
+
+    /// Elements step `k` handles in iteration `i`, and its element offset in the segment.
+    #[inline]
+    pub fn slice_of(&self, k: usize, i: usize) -> (usize, usize) {
+        let len = self.steps[k].len;
+        let off = i * self.slice;
+        if off >= len {
+            (off, 0)
+        } else {
+            (off, (len - off).min(self.slice))
+        }
+    }
+}
+
+/// Lanes run concurrently; programs in a lane in order.
+#[derive(Default)]
+pub struct Stage {
+    pub lanes: Vec<Vec<Program>>,
+    /// Output to spoil on purpose after the stage (OXCCL_FAULT=corrupt): (dtype, address, count).
+    pub fault: Option<(DataType, usize, usize)>,
+    /// Scratch memory the stage's programs point into; freed with the stage.
+    pub scratch: Vec<Vec<u8>>,
+}
+
+/// Split `count` elements into `n` nearly equal segments: (offset, len) of segment `j`.
+pub fn segment(count: usize, n: usize, j: usize) -> (usize, usize) {
+    let base = count / n;
+    let rem = count % n;
+    let off = j * base + j.min(rem);
+    let len = base + usize::from(j < rem);
+    (off, len)
+}

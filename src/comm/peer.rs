@@ -1,0 +1,81 @@
+//! What ranks tell each other at init: where they run and the FIFO geometry they use.
+
+use crate::error::{Error, Result};
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PeerInfo {
+    pub host: u64,
+    pub pid: u32,
+    pub dev: i32,
+    pub slot_bytes: u64,
+    pub nsteps: u32,
+}
+
+const BYTES: usize = 8 + 4 + 4 + 8 + 4;
+
+/// This host's identity: hostname and boot id (`OXCCL_HOSTID` overrides, for tests).
+fn host_hash() -> u64 {
+    let id = std::env::var("OXCCL_HOSTID").unwrap_or_else(|_| {
+        let host = nix::unistd::gethostname()
+            .ok()
+            .and_then(|h| h.into_string().ok())
+            .unwrap_or_default();
+        let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").unwrap_or_default();
+        format!("{host}|{}", boot.trim())
+    });
+    // FNV-1a: stable across processes and builds.
+    id.bytes().fold(0xcbf29ce484222325u64, |h, b| {
+        (h ^ b as u64).wrapping_mul(0x100000001b3)
+    })
+}
+
+impl PeerInfo {
+    pub fn mine(dev: i32) -> PeerInfo {
+        PeerInfo {
+            host: host_hash(),
+            pid: std::process::id(),
+            dev,
+            slot_bytes: crate::param::chunk_bytes() as u64,
+            nsteps: crate::param::nsteps() as u32,
+        }
+    }
+
+    pub fn to_bytes(&self) -> Vec<u8> {
+        let mut v = Vec::with_capacity(BYTES);
+        v.extend_from_slice(&self.host.to_le_bytes());
+        v.extend_from_slice(&self.pid.to_le_bytes());
+        v.extend_from_slice(&self.dev.to_le_bytes());
+        v.extend_from_slice(&self.slot_bytes.to_le_bytes());
+        v.extend_from_slice(&self.nsteps.to_le_bytes());
+        v
+    }
+
+    pub fn from_bytes(b: &[u8]) -> Result<PeerInfo> {
+        if b.len() != BYTES {
+            return Err(Error::internal(format!(
+                "peer info of {} bytes, expected {BYTES}",
+                b.len()
+            )));
+        }
+        let u64_at = |o: usize| u64::from_le_bytes(b[o..o + 8].try_into().expect("8 bytes"));
+        let u32_at = |o: usize| u32::from_le_bytes(b[o..o + 4].try_into().expect("4 bytes"));
+        Ok(PeerInfo {
+            host: u64_at(0),
+            pid: u32_at(8),
+            dev: u32_at(12) as i32,
+            slot_bytes: u64_at(16),
+            nsteps: u32_at(24),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    #[test]
+    fn round_trip() {
+        let p = PeerInfo::mine(3);
+        assert_eq!(PeerInfo::from_bytes(&p.to_bytes()).unwrap(), p);
+        assert!(PeerInfo::from_bytes(&[0u8; 3]).is_err());
+    }
+}

@@ -1,0 +1,173 @@
+//! Direct algorithms: every rank talks to each peer over its own connection (Class::Direct for
+//! collectives, Class::P2p for user Send/Recv), one lane per peer and direction so that all
+//! transfers progress together.
+
+use super::ring::Links;
+use super::{Prim, Program, Stage, Step};
+use crate::error::Result;
+use crate::transport::Class;
+use crate::types::DataType;
+
+fn one(prim: Prim, src: usize, dst: usize, len: usize) -> Step {
+    Step {
+        prim,
+        recv: None,
+        send: None,
+        src,
+        dst,
+        len,
+        prep: false,
+    }
+}
+
+/// A program sending `count` elements at `src` to `peer`.
+pub fn send(
+    l: &dyn Links,
+    src: usize,
+    count: usize,
+    dtype: DataType,
+    peer: usize,
+    class: Class,
+) -> Result<Program> {
+    let mut s = one(Prim::Send, src, 0, count);
+    s.send = Some(l.conn(peer, true, class)?);
+    Ok(Program::new(vec![s], dtype, l.slot_bytes(), None))
+}
+
+/// A program receiving `count` elements from `peer` into `dst`.
+pub fn recv(
+    l: &dyn Links,
+    dst: usize,
+    count: usize,
+    dtype: DataType,
+    peer: usize,
+    class: Class,
+) -> Result<Program> {
+    let mut s = one(Prim::Recv, 0, dst, count);
+    s.recv = Some(l.conn(peer, false, class)?);
+    Ok(Program::new(vec![s], dtype, l.slot_bytes(), None))
+}
+
+pub fn local_copy(l: &dyn Links, src: usize, dst: usize, count: usize, dtype: DataType) -> Program {
+    Program::new(
+        vec![one(Prim::LocalCopy, src, dst, count)],
+        dtype,
+        l.slot_bytes(),
+        None,
+    )
+}
+
+/// Keep a private copy of `bytes` at `src` in the stage (in-place operations whose receives
+/// would overwrite data still to be sent).
+fn stash(stage: &mut Stage, src: usize, bytes: usize) -> usize {
+    let mut v = vec![0u8; bytes.max(1)];
+    // SAFETY: the caller's buffer holds `bytes` bytes (validated at enqueue); `v` is fresh.
+    unsafe { std::ptr::copy_nonoverlapping(src as *const u8, v.as_mut_ptr(), bytes) };
+    let p = v.as_ptr() as usize;
+    stage.scratch.push(v);
+    p
+}
+
+fn overlaps(a: usize, alen: usize, b: usize, blen: usize) -> bool {
+    a < b + blen && b < a + alen
+}
+
+pub fn all_to_all(
+    l: &dyn Links,
+    send: usize,
+    recv: usize,
+    count: usize,
+    dtype: DataType,
+) -> Result<Stage> {
+    let (r, n, es) = (l.rank(), l.nranks(), dtype.size());
+    let mut stage = Stage::default();
+    let total = n * count * es;
+    let src = if overlaps(send, total, recv, total) && count > 0 {
+        stash(&mut stage, send, total)
+    } else {
+        send
+    };
+    stage.lanes.push(vec![local_copy(
+        l,
+        src + r * count * es,
+        recv + r * count * es,
+        count,
+        dtype,
+    )]);
+    for p in (0..n).filter(|&p| p != r) {
+        stage
+            .lanes
+            .push(vec![send_p(l, src + p * count * es, count, dtype, p)?]);
+        stage
+            .lanes
+            .push(vec![recv_p(l, recv + p * count * es, count, dtype, p)?]);
+    }
+    Ok(stage)
+}
+
+fn send_p(l: &dyn Links, src: usize, count: usize, dtype: DataType, p: usize) -> Result<Program> {
+    send(l, src, count, dtype, p, Class::Direct)
+}
+
+fn recv_p(l: &dyn Links, dst: usize, count: usize, dtype: DataType, p: usize) -> Result<Program> {
+    recv(l, dst, count, dtype, p, Class::Direct)
+}
+
+pub fn gather(
+    l: &dyn Links,
+    send: usize,
+    recv: usize,
+    count: usize,
+    dtype: DataType,
+    root: usize,
+) -> Result<Stage> {
+    let (r, n, es) = (l.rank(), l.nranks(), dtype.size());
+    let mut stage = Stage::default();
+    if r != root {
+        stage.lanes.push(vec![send_p(l, send, count, dtype, root)?]);
+        return Ok(stage);
+    }
+    stage.lanes.push(vec![local_copy(
+        l,
+        send,
+        recv + r * count * es,
+        count,
+        dtype,
+    )]);
+    for p in (0..n).filter(|&p| p != r) {
+        stage
+            .lanes
+            .push(vec![recv_p(l, recv + p * count * es, count, dtype, p)?]);
+    }
+    Ok(stage)
+}
+
+pub fn scatter(
+    l: &dyn Links,
+    send: usize,
+    recv: usize,
+    count: usize,
+    dtype: DataType,
+    root: usize,
+) -> Result<Stage> {
+    let (r, n, es) = (l.rank(), l.nranks(), dtype.size());
+    let mut stage = Stage::default();
+    if r != root {
+        stage.lanes.push(vec![recv_p(l, recv, count, dtype, root)?]);
+        return Ok(stage);
+    }
+    for p in (0..n).filter(|&p| p != r) {
+        stage
+            .lanes
+            .push(vec![send_p(l, send + p * count * es, count, dtype, p)?]);
+    }
+    // Last, so an in-place root does not overwrite blocks before they are sent.
+    stage.lanes.push(vec![local_copy(
+        l,
+        send + r * count * es,
+        recv,
+        count,
+        dtype,
+    )]);
+    Ok(stage)
+}

@@ -1,0 +1,228 @@
+//! Ring and chain algorithms: every rank talks to its ring neighbours only (Class::Ring).
+//! AllReduce = reduce-scatter then all-gather around the ring, 2(n-1) steps per slice;
+//! Broadcast/Reduce = a pipelined chain starting/ending at the root.
+
+use super::{segment, Prim, Program, RedSpec, Step};
+use crate::error::Result;
+use crate::transport::{Class, Conn};
+use crate::types::DataType;
+use std::sync::Arc;
+
+/// What an algorithm builder needs from its communicator.
+pub trait Links {
+    fn rank(&self) -> usize;
+    fn nranks(&self) -> usize;
+    fn slot_bytes(&self) -> usize;
+    /// This rank's end of the connection with `peer` (`is_sender`: we send to it).
+    fn conn(&self, peer: usize, is_sender: bool, class: Class) -> Result<Arc<Conn>>;
+}
+
+fn step(prim: Prim, src: usize, dst: usize, len: usize) -> Step {
+    Step {
+        prim,
+        recv: None,
+        send: None,
+        src,
+        dst,
+        len,
+        prep: false,
+    }
+}
+
+fn ring_conns(l: &dyn Links) -> Result<(Arc<Conn>, Arc<Conn>)> {
+    let (r, n) = (l.rank(), l.nranks());
+    let next = l.conn((r + 1) % n, true, Class::Ring)?;
+    let prev = l.conn((r + n - 1) % n, false, Class::Ring)?;
+    Ok((next, prev))
+}
+
+/// Attach the ring connections each step needs.
+fn wire(mut steps: Vec<Step>, next: &Arc<Conn>, prev: &Arc<Conn>) -> Vec<Step> {
+    for s in &mut steps {
+        if s.prim.sends() {
+            s.send = Some(next.clone());
+        }
+        if s.prim.recvs() {
+            s.recv = Some(prev.clone());
+        }
+    }
+    steps
+}
+
+pub fn all_reduce(
+    l: &dyn Links,
+    send: usize,
+    recv: usize,
+    count: usize,
+    dtype: DataType,
+    red: RedSpec,
+) -> Result<Program> {
+    let (r, n, es) = (l.rank(), l.nranks(), dtype.size());
+    if n == 1 {
+        let s = step(Prim::LocalReduce, send, recv, count);
+        return Ok(Program::new(vec![s], dtype, l.slot_bytes(), Some(red)));
+    }
+    let seg = |j: usize| segment(count, n, j % n);
+    let at = |base: usize, j: usize| base + seg(j).0 * es;
+    let mut steps = Vec::with_capacity(2 * n - 1);
+    let mut first = step(Prim::Send, at(send, r), 0, seg(r).1);
+    first.prep = true;
+    steps.push(first);
+    for s in 1..n - 1 {
+        let j = (r + n - s) % n;
+        steps.push(step(Prim::RecvReduceSend, at(send, j), 0, seg(j).1));
+    }
+    let j = (r + 1) % n;
+    steps.push(step(
+        Prim::RecvReduceCopySend,
+        at(send, j),
+        at(recv, j),
+        seg(j).1,
+    ));
+    for t in 1..n {
+        let j = (r + 1 + n - t) % n;
+        let prim = if t == n - 1 {
+            Prim::Recv
+        } else {
+            Prim::RecvCopySend
+        };
+        steps.push(step(prim, 0, at(recv, j), seg(j).1));
+    }
+    let (next, prev) = ring_conns(l)?;
+    Ok(Program::new(
+        wire(steps, &next, &prev),
+        dtype,
+        l.slot_bytes(),
+        Some(red),
+    ))
+}
+
+/// `recvcount` elements per rank; rank r ends with the reduction of block r.
+pub fn reduce_scatter(
+    l: &dyn Links,
+    send: usize,
+    recv: usize,
+    recvcount: usize,
+    dtype: DataType,
+    red: RedSpec,
+) -> Result<Program> {
+    let (r, n, es) = (l.rank(), l.nranks(), dtype.size());
+    let blk = |j: usize| send + (j % n) * recvcount * es;
+    if n == 1 {
+        let s = step(Prim::LocalReduce, send, recv, recvcount);
+        return Ok(Program::new(vec![s], dtype, l.slot_bytes(), Some(red)));
+    }
+    let mut steps = Vec::with_capacity(n);
+    let mut first = step(Prim::Send, blk(r + n - 1), 0, recvcount);
+    first.prep = true;
+    steps.push(first);
+    for s in 1..n - 1 {
+        steps.push(step(
+            Prim::RecvReduceSend,
+            blk(r + 2 * n - 1 - s),
+            0,
+            recvcount,
+        ));
+    }
+    steps.push(step(Prim::RecvReduceCopy, blk(r), recv, recvcount));
+    let (next, prev) = ring_conns(l)?;
+    Ok(Program::new(
+        wire(steps, &next, &prev),
+        dtype,
+        l.slot_bytes(),
+        Some(red),
+    ))
+}
+
+/// `count` elements from every rank, gathered in rank order.
+pub fn all_gather(
+    l: &dyn Links,
+    send: usize,
+    recv: usize,
+    count: usize,
+    dtype: DataType,
+) -> Result<Program> {
+    let (r, n, es) = (l.rank(), l.nranks(), dtype.size());
+    let blk = |j: usize| recv + (j % n) * count * es;
+    if n == 1 {
+        let s = step(Prim::LocalCopy, send, recv, count);
+        return Ok(Program::new(vec![s], dtype, l.slot_bytes(), None));
+    }
+    let mut steps = vec![step(Prim::CopySend, send, blk(r), count)];
+    for t in 1..n {
+        let prim = if t == n - 1 {
+            Prim::Recv
+        } else {
+            Prim::RecvCopySend
+        };
+        steps.push(step(prim, 0, blk(r + n - t), count));
+    }
+    let (next, prev) = ring_conns(l)?;
+    Ok(Program::new(
+        wire(steps, &next, &prev),
+        dtype,
+        l.slot_bytes(),
+        None,
+    ))
+}
+
+/// Chain from the root around the ring.
+pub fn broadcast(
+    l: &dyn Links,
+    send: usize,
+    recv: usize,
+    count: usize,
+    dtype: DataType,
+    root: usize,
+) -> Result<Program> {
+    let (r, n) = (l.rank(), l.nranks());
+    let pos = (r + n - root) % n;
+    let s = if n == 1 {
+        step(Prim::LocalCopy, send, recv, count)
+    } else if pos == 0 {
+        step(Prim::CopySend, send, recv, count)
+    } else if pos == n - 1 {
+        step(Prim::Recv, 0, recv, count)
+    } else {
+        step(Prim::RecvCopySend, 0, recv, count)
+    };
+    let steps = if n == 1 {
+        vec![s]
+    } else {
+        let (next, prev) = ring_conns(l)?;
+        wire(vec![s], &next, &prev)
+    };
+    Ok(Program::new(steps, dtype, l.slot_bytes(), None))
+}
+
+/// Chain around the ring ending at the root.
+pub fn reduce(
+    l: &dyn Links,
+    send: usize,
+    recv: usize,
+    count: usize,
+    dtype: DataType,
+    red: RedSpec,
+    root: usize,
+) -> Result<Program> {
+    let (r, n) = (l.rank(), l.nranks());
+    let pos = (r + 2 * n - root - 1) % n;
+    let s = if n == 1 {
+        step(Prim::LocalReduce, send, recv, count)
+    } else if pos == 0 {
+        let mut s = step(Prim::Send, send, 0, count);
+        s.prep = true;
+        s
+    } else if pos == n - 1 {
+        step(Prim::RecvReduceCopy, send, recv, count)
+    } else {
+        step(Prim::RecvReduceSend, send, 0, count)
+    };
+    let steps = if n == 1 {
+        vec![s]
+    } else {
+        let (next, prev) = ring_conns(l)?;
+        wire(vec![s], &next, &prev)
+    };
+    Ok(Program::new(steps, dtype, l.slot_bytes(), Some(red)))
+}

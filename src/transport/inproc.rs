@@ -1,0 +1,74 @@
+//! Same-process connections: a zeroed, page-aligned heap region found by name in a process-wide
+//! table until both ends hold it.
+
+use crate::error::{Error, Result};
+use parking_lot::Mutex;
+use std::alloc::{alloc_zeroed, dealloc, Layout};
+use std::collections::HashMap;
+use std::sync::Arc;
+
+pub struct HeapRegion {
+    ptr: *mut u8,
+    layout: Layout,
+    name: String,
+}
+
+// SAFETY: the allocation is owned by the region and freed only on drop; concurrent access goes
+// through the connection protocol's atomics.
+unsafe impl Send for HeapRegion {}
+// SAFETY: as above.
+unsafe impl Sync for HeapRegion {}
+
+impl HeapRegion {
+    pub fn ptr(&self) -> *mut u8 {
+        self.ptr
+    }
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+}
+
+impl Drop for HeapRegion {
+    fn drop(&mut self) {
+        // SAFETY: allocated in `open` with this layout.
+        unsafe { dealloc(self.ptr, self.layout) };
+    }
+}
+
+static TABLE: Mutex<Option<HashMap<String, Arc<HeapRegion>>>> = Mutex::new(None);
+
+pub fn open(name: &str, bytes: usize) -> Result<Arc<HeapRegion>> {
+    super::check_size(bytes)?;
+    let mut t = TABLE.lock();
+    let map = t.get_or_insert_with(HashMap::new);
+    if let Some(r) = map.get(name) {
+        if r.layout.size() != bytes {
+            return Err(Error::internal(format!(
+                "connection {name}: ends disagree on its size"
+            )));
+        }
+        return Ok(r.clone());
+    }
+    let layout =
+        Layout::from_size_align(bytes, 4096).map_err(|e| Error::internal(e.to_string()))?;
+    // SAFETY: layout has non-zero size.
+    let ptr = unsafe { alloc_zeroed(layout) };
+    if ptr.is_null() {
+        return Err(Error::system(format!(
+            "out of memory allocating {bytes} bytes for connection {name}"
+        )));
+    }
+    let r = Arc::new(HeapRegion {
+        ptr,
+        layout,
+        name: name.to_string(),
+    });
+    map.insert(name.to_string(), r.clone());
+    Ok(r)
+}
+
+pub fn forget(name: &str) {
+    if let Some(map) = TABLE.lock().as_mut() {
+        map.remove(name);
+    }
+}
