@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# Runs every test of the project on the host executor (no GPU needed):
+# formatting and lints, the Rust unit and integration tests (engine, ABI conformance against
+# NCCL 2.32.3's header, the C/C++ programs of ffi-tests/, the perf tools' sweep).
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+cd "$root"
+scripts/setup.sh
+export OXCCL_DEVICE=host
+cargo fmt --check
+cargo clippy --all-targets -- -D warnings
+cargo test --release 2>&1

@@ -1,0 +1,478 @@
+//! Engine tests through the validated Rust API (the C ABI's tests live in ffi-tests/).
+//! Ranks are communicators of this process, driven from one thread inside groups, from one
+//! thread per rank, or through host streams. Every result is checked element by element
+//! against a reference computed here.
+
+use nccl::api::{self, CollArgs, ScalarArg, StreamArg};
+use nccl::comm::Comm;
+use nccl::types::{CollKind, DataType, Scalar, OP_AVG, OP_MAX, OP_MIN, OP_PROD, OP_SUM};
+use std::sync::Arc;
+
+fn comms(n: usize) -> Vec<Arc<Comm>> {
+    std::env::set_var("OXCCL_DEVICE", "host");
+    let devs: Vec<i32> = (0..n as i32).collect();
+    api::comm_init_all(&devs).expect("init all")
+}
+
+fn destroy(cs: Vec<Arc<Comm>>) {
+    for c in cs {
+        let h = api::comm_handle(&c);
+        api::comm_destroy(h).expect("destroy");
+    }
+}
+
+fn args(
+    kind: CollKind,
+    send: &[i32],
+    recv: &mut [i32],
+    count: usize,
+    op: i32,
+    root: i32,
+) -> CollArgs {
+    CollArgs {
+        kind,
+        send: send.as_ptr() as usize,
+        recv: recv.as_mut_ptr() as usize,
+        count,
+        dtype: DataType::Int32,
+        op,
+        root,
+    }
+}
+
+fn input(rank: usize, i: usize) -> i32 {
+    ((rank * 7 + i * 3) % 11) as i32 - 5
+}
+
+/// Runs one collective on all ranks of `cs` in one group, i32 data.
+fn run_group(cs: &[Arc<Comm>], mk: impl Fn(usize) -> CollArgs) {
+    api::group_start().unwrap();
+    for (r, c) in cs.iter().enumerate() {
+        api::enqueue(c, mk(r), StreamArg::Null).unwrap();
+    }
+    api::group_end().unwrap();
+}
+
+#[test]
+fn allreduce_all_ops_many_sizes() {
+    for n in [1usize, 2, 3, 4, 8] {
+        let cs = comms(n);
+        // 100_003 i32 = several FIFO slots per segment.
+        for count in [0usize, 1, 5, 1000, 100_003] {
+            for op in [OP_SUM, OP_PROD, OP_MAX, OP_MIN, OP_AVG] {
+                let sends: Vec<Vec<i32>> = (0..n)
+                    .map(|r| (0..count).map(|i| input(r, i)).collect())
+                    .collect();
+                let mut recvs: Vec<Vec<i32>> = vec![vec![i32::MIN; count]; n];
+                let rp: Vec<usize> = recvs.iter_mut().map(|v| v.as_mut_ptr() as usize).collect();
+                run_group(&cs, |r| CollArgs {
+                    kind: CollKind::AllReduce,
+                    send: sends[r].as_ptr() as usize,
+                    recv: rp[r],
+                    count,
+                    dtype: DataType::Int32,
+                    op,
+                    root: 0,
+                });
+                for i in 0..count {
+                    let col = (0..n).map(|r| sends[r][i]);
+                    let want = match op {
+                        OP_SUM => col.fold(0i32, |a, b| a.wrapping_add(b)),
+                        OP_PROD => col.fold(1i32, |a, b| a.wrapping_mul(b)),
+                        OP_MAX => col.max().unwrap(),
+                        OP_MIN => col.min().unwrap(),
+                        _ => col.fold(0i32, |a, b| a.wrapping_add(b)) / n as i32,
+                    };
+                    for (r, recv) in recvs.iter().enumerate() {
+                        assert_eq!(recv[i], want, "n={n} count={count} op={op} rank={r} i={i}");
+                    }
+                }
+            }
+        }
+        destroy(cs);
+    }
+}
+
+#[test]
+fn in_place_collectives_and_roots() {
+    let n = 3;
+    let cs = comms(n);
+    let count = 70_001;
+    // in-place allreduce
+    let mut bufs: Vec<Vec<i32>> = (0..n)
+        .map(|r| (0..count).map(|i| input(r, i)).collect())
+        .collect();
+    let want: Vec<i32> = (0..count)
+        .map(|i| (0..n).map(|r| input(r, i)).sum())
+        .collect();
+    let ps: Vec<usize> = bufs.iter_mut().map(|v| v.as_mut_ptr() as usize).collect();
+    run_group(&cs, |r| CollArgs {
+        kind: CollKind::AllReduce,
+        send: ps[r],
+        recv: ps[r],
+        count,
+        dtype: DataType::Int32,
+        op: OP_SUM,
+        root: 0,
+    });
+    for b in &bufs {
+        assert_eq!(b, &want);
+    }
+    // broadcast and reduce from every root
+    for root in 0..n {
+        let mut bufs: Vec<Vec<i32>> = (0..n)
+            .map(|r| (0..count).map(|i| input(r, i)).collect())
+            .collect();
+        let ps: Vec<usize> = bufs.iter_mut().map(|v| v.as_mut_ptr() as usize).collect();
+        run_group(&cs, |r| CollArgs {
+            kind: CollKind::Broadcast,
+            send: ps[r],
+            recv: ps[r],
+            count,
+            dtype: DataType::Int32,
+            op: 0,
+            root: root as i32,
+        });
+        for b in &bufs {
+            assert!(
+                b.iter().enumerate().all(|(i, &v)| v == input(root, i)),
+                "bcast root {root}"
+            );
+        }
+        let sends: Vec<Vec<i32>> = (0..n)
+            .map(|r| (0..count).map(|i| input(r, i)).collect())
+            .collect();
+        let mut out = vec![0i32; count];
+        let op = out.as_mut_ptr() as usize;
+        run_group(&cs, |r| CollArgs {
+            kind: CollKind::Reduce,
+            send: sends[r].as_ptr() as usize,
+            recv: if r == root { op } else { 0 },
+            count,
+            dtype: DataType::Int32,
+            op: OP_MAX,
+            root: root as i32,
+        });
+        for (i, &v) in out.iter().enumerate() {
+            assert_eq!(v, (0..n).map(|r| input(r, i)).max().unwrap());
+        }
+    }
+    // in-place allgather (send = recv + rank*count) and reduce-scatter (recv = send + rank*count)
+    let c = 33_333;
+    let mut bufs: Vec<Vec<i32>> = (0..n).map(|_| vec![-99; c * n]).collect();
+    for (r, b) in bufs.iter_mut().enumerate() {
+        for i in 0..c {
+            b[r * c + i] = input(r, i);
+        }
+    }
+    let ps: Vec<usize> = bufs.iter_mut().map(|v| v.as_mut_ptr() as usize).collect();
+    run_group(&cs, |r| CollArgs {
+        kind: CollKind::AllGather,
+        send: ps[r] + r * c * 4,
+        recv: ps[r],
+        count: c,
+        dtype: DataType::Int32,
+        op: 0,
+        root: 0,
+    });
+    for b in &bufs {
+        for r in 0..n {
+            for i in 0..c {
+                assert_eq!(b[r * c + i], input(r, i));
+            }
+        }
+    }
+    let mut bufs: Vec<Vec<i32>> = (0..n)
+        .map(|r| (0..c * n).map(|i| input(r, i)).collect())
+        .collect();
+    let ps: Vec<usize> = bufs.iter_mut().map(|v| v.as_mut_ptr() as usize).collect();
+    run_group(&cs, |r| CollArgs {
+        kind: CollKind::ReduceScatter,
+        send: ps[r],
+        recv: ps[r] + r * c * 4,
+        count: c,
+        dtype: DataType::Int32,
+        op: OP_SUM,
+        root: 0,
+    });
+    for (r, b) in bufs.iter().enumerate() {
+        for i in 0..c {
+            let want: i32 = (0..n).map(|q| input(q, r * c + i)).sum();
+            assert_eq!(b[r * c + i], want, "rank {r} i {i}");
+        }
+    }
+    destroy(cs);
+}
+
+#[test]
+fn alltoall_gather_scatter_and_p2p() {
+    for n in [1usize, 2, 4, 5] {
+        let cs = comms(n);
+        let c = 20_000;
+        let sends: Vec<Vec<i32>> = (0..n)
+            .map(|r| (0..c * n).map(|i| input(r, i) + 100 * r as i32).collect())
+            .collect();
+        let mut recvs: Vec<Vec<i32>> = vec![vec![0; c * n]; n];
+        let rp: Vec<usize> = recvs.iter_mut().map(|v| v.as_mut_ptr() as usize).collect();
+        run_group(&cs, |r| CollArgs {
+            kind: CollKind::AlltoAll,
+            send: sends[r].as_ptr() as usize,
+            recv: rp[r],
+            count: c,
+            dtype: DataType::Int32,
+            op: 0,
+            root: 0,
+        });
+        for (r, recv) in recvs.iter().enumerate() {
+            for p in 0..n {
+                assert_eq!(&recv[p * c..(p + 1) * c], &sends[p][r * c..(r + 1) * c]);
+            }
+        }
+        let root = n - 1;
+        let mut g = vec![0i32; c * n];
+        let gp = g.as_mut_ptr() as usize;
+        run_group(&cs, |r| CollArgs {
+            kind: CollKind::Gather,
+            send: sends[r].as_ptr() as usize,
+            recv: if r == root { gp } else { 0 },
+            count: c,
+            dtype: DataType::Int32,
+            op: 0,
+            root: root as i32,
+        });
+        for p in 0..n {
+            assert_eq!(&g[p * c..(p + 1) * c], &sends[p][..c]);
+        }
+        let mut recvs: Vec<Vec<i32>> = vec![vec![0; c]; n];
+        let rp: Vec<usize> = recvs.iter_mut().map(|v| v.as_mut_ptr() as usize).collect();
+        run_group(&cs, |r| CollArgs {
+            kind: CollKind::Scatter,
+            send: sends[root].as_ptr() as usize,
+            recv: rp[r],
+            count: c,
+            dtype: DataType::Int32,
+            op: 0,
+            root: root as i32,
+        });
+        for (r, recv) in recvs.iter().enumerate() {
+            assert_eq!(&recv[..], &sends[root][r * c..(r + 1) * c]);
+        }
+        // all-to-all-v from grouped send/recv: rank r sends (r + p + 1) * 1000 elements to p.
+        let cnt = |from: usize, to: usize| (from + to + 1) * 1000;
+        let payload =
+            |from: usize, to: usize, i: usize| (from * 1_000_000 + to * 10_000 + i) as i32;
+        let sbufs: Vec<Vec<Vec<i32>>> = (0..n)
+            .map(|r| {
+                (0..n)
+                    .map(|p| (0..cnt(r, p)).map(|i| payload(r, p, i)).collect())
+                    .collect()
+            })
+            .collect();
+        let mut rbufs: Vec<Vec<Vec<i32>>> = (0..n)
+            .map(|r| (0..n).map(|p| vec![0; cnt(p, r)]).collect())
+            .collect();
+        api::group_start().unwrap();
+        for r in 0..n {
+            for p in 0..n {
+                let s = args(
+                    CollKind::Send,
+                    &sbufs[r][p],
+                    &mut [],
+                    cnt(r, p),
+                    0,
+                    p as i32,
+                );
+                api::enqueue(&cs[r], s, StreamArg::Null).unwrap();
+                let rv = CollArgs {
+                    kind: CollKind::Recv,
+                    send: 0,
+                    recv: rbufs[r][p].as_mut_ptr() as usize,
+                    count: cnt(p, r),
+                    dtype: DataType::Int32,
+                    op: 0,
+                    root: p as i32,
+                };
+                api::enqueue(&cs[r], rv, StreamArg::Null).unwrap();
+            }
+        }
+        api::group_end().unwrap();
+        for r in 0..n {
+            for p in 0..n {
+                assert!(
+                    rbufs[r][p]
+                        .iter()
+                        .enumerate()
+                        .all(|(i, &v)| v == payload(p, r, i)),
+                    "a2av {p}->{r}"
+                );
+            }
+        }
+        destroy(cs);
+    }
+}
+
+#[test]
+fn one_thread_per_rank_and_host_streams() {
+    std::env::set_var("OXCCL_DEVICE", "host");
+    let n = 4;
+    let id = api::get_unique_id().unwrap();
+    let count = 300_000;
+    std::thread::scope(|s| {
+        for r in 0..n {
+            s.spawn(move || {
+                let c = api::comm_init_rank(n as i32, &id, r as i32, Default::default()).unwrap();
+                let stream = api::host_stream_create().unwrap();
+                let sa = api::stream_from_handle(stream).unwrap();
+                let send: Vec<f32> = (0..count)
+                    .map(|i| ((i % 13) as f32) * (r as f32 + 1.0))
+                    .collect();
+                let mut recv = vec![0f32; count];
+                let mut recv2 = vec![0f32; count];
+                for out in [&mut recv, &mut recv2] {
+                    let a = CollArgs {
+                        kind: CollKind::AllReduce,
+                        send: send.as_ptr() as usize,
+                        recv: out.as_mut_ptr() as usize,
+                        count,
+                        dtype: DataType::Float32,
+                        op: OP_SUM,
+                        root: 0,
+                    };
+                    api::enqueue(&c, a, sa.clone()).unwrap();
+                }
+                api::host_stream_synchronize(stream).unwrap();
+                assert!(api::host_stream_query(stream).unwrap());
+                let k: f32 = (1..=n).map(|x| x as f32).sum();
+                for i in 0..count {
+                    assert_eq!(recv[i], ((i % 13) as f32) * k);
+                    assert_eq!(recv2[i], recv[i]);
+                }
+                api::host_stream_destroy(stream).unwrap();
+                api::comm_destroy(api::comm_handle(&c)).unwrap();
+            });
+        }
+    });
+}
+
+#[test]
+fn premulsum_host_and_device_scalars() {
+    let n = 3;
+    let cs = comms(n);
+    let count = 5000;
+    let scalar = 2.0f64;
+    let dev_scalar = 3.0f64;
+    let ops: Vec<(i32, i32)> = cs
+        .iter()
+        .map(|c| {
+            let h = api::redop_create_premulsum(
+                c,
+                DataType::Float64,
+                ScalarArg::Host(Scalar {
+                    bits: scalar.to_bits(),
+                }),
+            )
+            .unwrap();
+            let d = api::redop_create_premulsum(
+                c,
+                DataType::Float64,
+                ScalarArg::Device(&dev_scalar as *const f64 as usize),
+            )
+            .unwrap();
+            (h, d)
+        })
+        .collect();
+    for (which, k) in [(0, scalar), (1, dev_scalar)] {
+        let sends: Vec<Vec<f64>> = (0..n)
+            .map(|r| (0..count).map(|i| (i % 7) as f64 + r as f64).collect())
+            .collect();
+        let mut recvs = vec![vec![0f64; count]; n];
+        let rp: Vec<usize> = recvs.iter_mut().map(|v| v.as_mut_ptr() as usize).collect();
+        run_group(&cs, |r| CollArgs {
+            kind: CollKind::AllReduce,
+            send: sends[r].as_ptr() as usize,
+            recv: rp[r],
+            count,
+            dtype: DataType::Float64,
+            op: if which == 0 { ops[r].0 } else { ops[r].1 },
+            root: 0,
+        });
+        for recv in &recvs {
+            for i in 0..count {
+                let want: f64 = (0..n).map(|r| ((i % 7) as f64 + r as f64) * k).sum();
+                assert_eq!(recv[i], want);
+            }
+        }
+    }
+    // an op used with another datatype, and a destroyed op, are errors
+    let f = [0f32; 4];
+    let mut g = [0f32; 4];
+    let bad = CollArgs {
+        kind: CollKind::AllReduce,
+        send: f.as_ptr() as usize,
+        recv: g.as_mut_ptr() as usize,
+        count: 4,
+        dtype: DataType::Float32,
+        op: ops[0].0,
+        root: 0,
+    };
+    assert_eq!(
+        api::enqueue(&cs[0], bad, StreamArg::Null).unwrap_err().code,
+        nccl::error::Code::InvalidArgument
+    );
+    for (c, (h, d)) in cs.iter().zip(&ops) {
+        api::redop_destroy(c, *h).unwrap();
+        api::redop_destroy(c, *d).unwrap();
+        assert!(api::redop_destroy(c, *h).is_err());
+        assert!(api::redop_destroy(c, OP_SUM).is_err());
+    }
+    destroy(cs);
+}
+
+#[test]
+fn bad_arguments_are_errors() {
+    use nccl::error::Code;
+    let cs = comms(2);
+    let b = [0i32; 8];
+    let mut o = [0i32; 8];
+    let bad_root = args(CollKind::Broadcast, &b, &mut o, 8, 0, 2);
+    assert_eq!(
+        api::enqueue(&cs[0], bad_root, StreamArg::Null)
+            .unwrap_err()
+            .code,
+        Code::InvalidArgument
+    );
+    let bad_op = args(CollKind::AllReduce, &b, &mut o, 8, 77, 0);
+    assert_eq!(
+        api::enqueue(&cs[0], bad_op, StreamArg::Null)
+            .unwrap_err()
+            .code,
+        Code::InvalidArgument
+    );
+    let mut null_recv = args(CollKind::AllReduce, &b, &mut o, 8, 0, 0);
+    null_recv.recv = 0;
+    assert_eq!(
+        api::enqueue(&cs[0], null_recv, StreamArg::Null)
+            .unwrap_err()
+            .code,
+        Code::InvalidArgument
+    );
+    let huge = args(CollKind::AllGather, &b, &mut o, usize::MAX / 2, 0, 0);
+    assert_eq!(
+        api::enqueue(&cs[0], huge, StreamArg::Null)
+            .unwrap_err()
+            .code,
+        Code::InvalidArgument
+    );
+    assert_eq!(
+        api::stream_from_handle(0x1234).err().unwrap().code,
+        Code::InvalidArgument
+    );
+    assert_eq!(api::group_end().unwrap_err().code, Code::InvalidUsage);
+    let h = api::comm_handle(&cs[0]);
+    api::comm_destroy(h).unwrap();
+    assert_eq!(
+        api::comm_from_handle(h).err().unwrap().code,
+        Code::InvalidArgument
+    );
+    api::comm_destroy(api::comm_handle(&cs[1])).unwrap();
+}
