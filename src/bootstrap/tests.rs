@@ -247,7 +247,11 @@ fn missing_rank_times_out() {
     for e in errs {
         assert_eq!(e.code, Code::Timeout, "{e}");
         assert!(e.msg.contains("waited 1.5 s"), "{e}");
-        assert!(e.msg.contains("2 of 3"), "names the missing rank: {e}");
+        // The root's report names the missing rank; the rank's own names the rendezvous.
+        assert!(
+            e.msg.contains("rank(s) 2 of 3") || e.msg.contains("collect all 3 ranks"),
+            "{e}"
+        );
     }
 }
 
@@ -370,15 +374,14 @@ fn recv_times_out_naming_peer() {
         for r in 0..2 {
             let ids = &ids;
             sc.spawn(move || {
-                let b =
-                    Bootstrap::init_with_timeout(ids, r, 2, no_abort(), Duration::from_millis(300))
-                        .unwrap();
+                let b = Bootstrap::init_with_timeout(ids, r, 2, no_abort(), Duration::from_secs(1))
+                    .unwrap();
                 b.send(1 - r, 0, b"keepalive").unwrap();
                 let e = b.recv(1 - r, 4).unwrap_err();
                 assert_eq!(e.code, Code::Timeout);
                 assert!(
                     e.msg
-                        .contains(&format!("rank {r} waited 0.3 s for rank {}", 1 - r)),
+                        .contains(&format!("rank {r} waited 1 s for rank {}", 1 - r)),
                     "{e}"
                 );
             });
