@@ -38,9 +38,16 @@ const TAG_ALLGATHER: u32 = TAG_RESERVED | 1;
 /// Barrier round k uses `TAG_BARRIER + k`.
 const TAG_BARRIER: u32 = TAG_RESERVED | 0x100;
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, PartialEq, Eq)]
 pub struct UniqueId {
     bytes: [u8; ID_BYTES],
+}
+
+/// Shows the root's address, never the secret.
+impl std::fmt::Debug for UniqueId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "UniqueId(root {})", self.root_addr())
+    }
 }
 
 impl UniqueId {

@@ -137,6 +137,10 @@ fn from_bytes_validates() {
     let back = UniqueId::from_bytes(&id.to_bytes()).unwrap();
     assert_eq!(back, id);
     assert!(back.root_addr().ip().is_loopback());
+    assert_eq!(
+        format!("{id:?}"),
+        format!("UniqueId(root {})", back.root_addr())
+    );
     let mut junk = id.to_bytes();
     junk[0] ^= 0xff;
     assert_eq!(
