@@ -1,27 +1,94 @@
 //! Unique ids and the TCP rendezvous between the ranks of a communicator.
-//! (Interface stub: the real implementation replaces the bodies.)
+//!
+//! - [`UniqueId::generate`] binds a listener (127.0.0.1 by default; the address of the interface
+//!   named by `NCCL_SOCKET_IFNAME`; or `OXCCL_BOOTSTRAP_ADDR`) and starts a root thread for that
+//!   id (see `root.rs`); the id holds the root's address and a 16-byte random secret.
+//! - [`Bootstrap::init`] registers the rank with its root, gets every rank's listen address back,
+//!   and from then on ranks talk directly (see `peer.rs`). Every connection, to a root or to a
+//!   rank, starts with the secret; a connection with a wrong secret is dropped with a warning.
+//! - Every wait polls in short slices and watches the abort flag (-> `InvalidUsage`, "aborted")
+//!   and the timeout (`OXCCL_TIMEOUT_S`, default 300 s -> `Timeout`, naming what was awaited).
+//!
+//! Tags: user tags are `0..=0x7fff_ffff`; tags with the top bit set ([`TAG_RESERVED`]) belong to
+//! the bootstrap's own collectives (`allgather`, `barrier`) and are refused by `send`/`recv`.
+//! Messages are matched by (peer, tag) in the order they were sent; messages for other tags wait
+//! in queues until asked for.
+//!
+//! Collectives (`allgather`, `barrier`) must be called by every rank in the same order; calls on
+//! one `Bootstrap` from several threads are serialized.
 
-use crate::error::{Error, Result};
+mod id;
+mod peer;
+mod root;
+mod wire;
+
+pub use id::{ID_BYTES, SECRET_BYTES};
+
+use crate::error::{Code, Error, Result};
+use parking_lot::Mutex;
+use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
+use std::time::Duration;
+use wire::Wait;
 
-pub const ID_BYTES: usize = 128;
+/// Tags with this bit are reserved for the bootstrap's internal collectives.
+pub const TAG_RESERVED: u32 = 0x8000_0000;
+const TAG_ALLGATHER: u32 = TAG_RESERVED | 1;
+/// Barrier round k uses `TAG_BARRIER + k`.
+const TAG_BARRIER: u32 = TAG_RESERVED | 0x100;
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, PartialEq, Eq)]
 pub struct UniqueId {
     bytes: [u8; ID_BYTES],
 }
 
-impl UniqueId {
-    /// Starts the root's listener for this id and returns the self-contained id.
-    pub fn generate() -> Result<UniqueId> {
-        Err(Error::not_yet("bootstrap"))
+/// Shows the root's address, never the secret.
+impl std::fmt::Debug for UniqueId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "UniqueId(root {})", self.root_addr())
     }
+}
+
+impl UniqueId {
+    /// Starts the root's listener for this id and returns the self-contained id. The root thread
+    /// exits once every rank of the id has been answered, or after the timeout.
+    pub fn generate() -> Result<UniqueId> {
+        Self::generate_with_timeout(crate::param::timeout())
+    }
+
+    /// As `generate`, with the root's timeout given (tests; the C API uses `OXCCL_TIMEOUT_S`).
+    pub fn generate_with_timeout(timeout: Duration) -> Result<UniqueId> {
+        let secret = id::random_secret()?;
+        let addr = root::start(secret, timeout)?;
+        crate::debug::info(&format!("bootstrap: unique id root listening on {addr}"));
+        Ok(UniqueId {
+            bytes: id::encode(&addr, &secret),
+        })
+    }
+
+    /// Checks the layout (magic, version, address); `InvalidArgument` for anything else.
     pub fn from_bytes(b: &[u8; ID_BYTES]) -> Result<UniqueId> {
+        id::decode(b)?;
         Ok(UniqueId { bytes: *b })
     }
+
     pub fn to_bytes(&self) -> [u8; ID_BYTES] {
         self.bytes
+    }
+
+    /// The root's listen address.
+    pub fn root_addr(&self) -> SocketAddr {
+        id::decode(&self.bytes)
+            .expect("validated at construction")
+            .0
+    }
+
+    /// The secret every connection of this rendezvous presents.
+    pub fn secret(&self) -> [u8; SECRET_BYTES] {
+        id::decode(&self.bytes)
+            .expect("validated at construction")
+            .1
     }
 }
 
@@ -29,40 +96,289 @@ impl UniqueId {
 pub struct Bootstrap {
     rank: usize,
     nranks: usize,
+    hash: u64,
+    secret: [u8; SECRET_BYTES],
+    addrs: Vec<SocketAddr>,
+    /// Connections this rank writes to, made by the first send to each peer.
+    out: Vec<Mutex<Option<TcpStream>>>,
+    receiver: Option<peer::Receiver>,
+    shared: Arc<peer::Shared>,
+    abort: Arc<AtomicBool>,
+    timeout: Duration,
+    coll: Mutex<()>,
 }
 
 impl Bootstrap {
     /// Rendezvous through the root(s) of `ids`; every wait watches `abort` and the timeout.
     pub fn init(
-        _ids: &[UniqueId],
+        ids: &[UniqueId],
         rank: usize,
         nranks: usize,
-        _abort: Arc<AtomicBool>,
+        abort: Arc<AtomicBool>,
     ) -> Result<Bootstrap> {
-        let _ = (rank, nranks);
-        Err(Error::not_yet("bootstrap"))
+        Self::init_with_timeout(ids, rank, nranks, abort, crate::param::timeout())
     }
+
+    /// As `init`, with the timeout of every wait (now and later) given.
+    pub fn init_with_timeout(
+        ids: &[UniqueId],
+        rank: usize,
+        nranks: usize,
+        abort: Arc<AtomicBool>,
+        timeout: Duration,
+    ) -> Result<Bootstrap> {
+        if ids.is_empty() {
+            return Err(Error::invalid_argument("bootstrap: no unique id"));
+        }
+        if nranks == 0 || nranks > root::MAX_RANKS || rank >= nranks {
+            return Err(Error::invalid_argument(format!(
+                "bootstrap: rank {rank} of {nranks} is out of range"
+            )));
+        }
+        if ids.len() > nranks {
+            return Err(Error::invalid_argument(format!(
+                "bootstrap: {} unique ids for {nranks} ranks (at most one id per rank)",
+                ids.len()
+            )));
+        }
+        let nids = ids.len();
+        let idx = root::group_of(rank, nranks, nids);
+        let (root_addr, root_secret) = id::decode(&ids[idx].bytes)?;
+        let secret = ids[0].secret();
+        let who = format!("rank {rank}");
+
+        let bind = id::rank_bind_addr()?;
+        let listener = TcpListener::bind(bind)
+            .map_err(|e| Error::os(format!("{who}: binding the bootstrap listener {bind}"), e))?;
+        let my_addr = wire::reachable(listener.local_addr()?);
+        let receiver = peer::Receiver::start(listener, secret, rank, nranks)?;
+        let shared = receiver.shared.clone();
+
+        let w = Wait::new(who.clone(), timeout, Some(&abort));
+        let what = || {
+            format!("the bootstrap root at {root_addr} (id {idx} of {nids}, rendezvous of {nranks} ranks)")
+        };
+        let mut s = wire::connect(root_addr, &w, &what)?;
+        let mut hello = root::handshake(&root_secret, root::KIND_RANK);
+        for x in [rank, nranks, nids, idx] {
+            wire::put_u32(&mut hello, x as u32);
+        }
+        hello.extend_from_slice(&wire::encode_addr(&my_addr));
+        hello.extend_from_slice(&ids[0].bytes);
+        wire::write_all(&mut s, &hello, &w, &what)?;
+        // The root's own deadline usually expires first and names the missing ranks: give its
+        // answer a moment to arrive.
+        let w_reply = Wait {
+            deadline: w.deadline + Duration::from_secs(1),
+            ..w
+        };
+        let what_reply = || {
+            format!("the bootstrap root at {root_addr} to collect all {nranks} ranks (id {idx} of {nids})")
+        };
+        let addrs = root::read_reply(&mut s, nranks, &w_reply, &what_reply).map_err(|e| {
+            if e.code == Code::RemoteError {
+                e.context("the root refused this rank (wrong secret or the rendezvous failed)")
+            } else {
+                e
+            }
+        })?;
+        drop(s);
+        crate::debug::info(&format!(
+            "bootstrap: rank {rank} of {nranks} listening on {my_addr}, rendezvous done"
+        ));
+        Ok(Bootstrap {
+            rank,
+            nranks,
+            hash: id::fnv1a(&secret),
+            secret,
+            addrs,
+            out: (0..nranks).map(|_| Mutex::new(None)).collect(),
+            receiver: Some(receiver),
+            shared,
+            abort,
+            timeout,
+            coll: Mutex::new(()),
+        })
+    }
+
     pub fn rank(&self) -> usize {
         self.rank
     }
+
     pub fn nranks(&self) -> usize {
         self.nranks
     }
+
     /// 64-bit identity of the communicator (same on every rank, random per unique id).
     pub fn comm_hash(&self) -> u64 {
-        0
+        self.hash
     }
-    /// Every rank's `mine`, indexed by rank (sizes may differ).
-    pub fn allgather(&self, _mine: &[u8]) -> Result<Vec<Vec<u8>>> {
-        Err(Error::not_yet("bootstrap"))
+
+    /// Every rank's bootstrap listen address, indexed by rank.
+    pub fn peer_addrs(&self) -> &[SocketAddr] {
+        &self.addrs
     }
+
+    /// Every rank's `mine`, indexed by rank (sizes may differ). A ring: n-1 steps, each rank
+    /// passes on to rank+1 the block it received from rank-1 the step before.
+    pub fn allgather(&self, mine: &[u8]) -> Result<Vec<Vec<u8>>> {
+        let _g = self.coll.lock();
+        if self.receiver.is_none() {
+            return Err(self.closed_err());
+        }
+        let n = self.nranks;
+        let r = self.rank;
+        let mut out = vec![Vec::new(); n];
+        out[r] = mine.to_vec();
+        let next = (r + 1) % n;
+        let prev = (r + n - 1) % n;
+        for step in 0..n.saturating_sub(1) {
+            let send_idx = (r + n - step) % n;
+            let recv_idx = (r + 2 * n - step - 1) % n;
+            self.send_raw(next, TAG_ALLGATHER, &out[send_idx])?;
+            out[recv_idx] = self.recv_raw(prev, TAG_ALLGATHER)?;
+        }
+        Ok(out)
+    }
+
+    /// Returns once every rank has entered the barrier (dissemination: ceil(log2 n) rounds).
     pub fn barrier(&self) -> Result<()> {
-        Err(Error::not_yet("bootstrap"))
+        let _g = self.coll.lock();
+        if self.receiver.is_none() {
+            return Err(self.closed_err());
+        }
+        let n = self.nranks;
+        let r = self.rank;
+        let mut dist = 1;
+        let mut round = 0u32;
+        while dist < n {
+            self.send_raw((r + dist) % n, TAG_BARRIER + round, &[])?;
+            self.recv_raw((r + n - dist) % n, TAG_BARRIER + round)?;
+            dist *= 2;
+            round += 1;
+        }
+        Ok(())
     }
-    pub fn send(&self, _peer: usize, _tag: u32, _data: &[u8]) -> Result<()> {
-        Err(Error::not_yet("bootstrap"))
+
+    /// Sends `data` to `peer` under `tag` (`tag < TAG_RESERVED`). Returns once the bytes are in
+    /// the kernel's socket buffer; the peer's receiver thread drains them even while it sends.
+    pub fn send(&self, peer: usize, tag: u32, data: &[u8]) -> Result<()> {
+        self.check_user(peer, tag)?;
+        self.send_raw(peer, tag, data)
     }
-    pub fn recv(&self, _peer: usize, _tag: u32) -> Result<Vec<u8>> {
-        Err(Error::not_yet("bootstrap"))
+
+    /// The oldest message from `peer` under `tag` not received yet (waits for it).
+    pub fn recv(&self, peer: usize, tag: u32) -> Result<Vec<u8>> {
+        self.check_user(peer, tag)?;
+        self.recv_raw(peer, tag)
+    }
+
+    /// Stops the receiver thread (joined) and closes every socket. Idempotent; `Drop` does it.
+    pub fn close(&mut self) {
+        if let Some(mut r) = self.receiver.take() {
+            r.stop();
+        }
+        for o in &self.out {
+            *o.lock() = None;
+        }
+    }
+
+    fn check_user(&self, peer: usize, tag: u32) -> Result<()> {
+        if peer >= self.nranks {
+            return Err(Error::invalid_argument(format!(
+                "bootstrap: peer {peer} out of range (nranks {})",
+                self.nranks
+            )));
+        }
+        if tag & TAG_RESERVED != 0 {
+            return Err(Error::invalid_argument(format!(
+                "bootstrap: tag {tag:#x} has the reserved top bit set"
+            )));
+        }
+        Ok(())
+    }
+
+    fn closed_err(&self) -> Error {
+        Error::invalid_usage(format!("bootstrap of rank {} is closed", self.rank))
+    }
+
+    fn send_raw(&self, peer: usize, tag: u32, data: &[u8]) -> Result<()> {
+        if self.receiver.is_none() {
+            return Err(self.closed_err());
+        }
+        if peer == self.rank {
+            self.shared.push(peer, tag, data.to_vec());
+            return Ok(());
+        }
+        let w = Wait::new(
+            format!("rank {}", self.rank),
+            self.timeout,
+            Some(&self.abort),
+        );
+        let addr = self.addrs[peer];
+        let what = || format!("rank {peer} at {addr} (bootstrap send, tag {tag:#x})");
+        let mut slot = self.out[peer].lock();
+        if slot.is_none() {
+            let mut s = wire::connect(addr, &w, &what)?;
+            let hs = peer::peer_handshake(&self.secret, self.rank, self.nranks);
+            wire::write_all(&mut s, &hs, &w, &what)?;
+            *slot = Some(s);
+        }
+        let s = slot.as_mut().expect("connected above");
+        let hdr = peer::frame_header(tag, data.len());
+        let res = if data.len() <= 4096 {
+            let mut one = Vec::with_capacity(hdr.len() + data.len());
+            one.extend_from_slice(&hdr);
+            one.extend_from_slice(data);
+            wire::write_all(s, &one, &w, &what)
+        } else {
+            wire::write_all(s, &hdr, &w, &what).and_then(|_| wire::write_all(s, data, &w, &what))
+        };
+        if res.is_err() {
+            // A partly written frame leaves the stream unusable.
+            *slot = None;
+        }
+        res
+    }
+
+    fn recv_raw(&self, peer: usize, tag: u32) -> Result<Vec<u8>> {
+        let w = Wait::new(
+            format!("rank {}", self.rank),
+            self.timeout,
+            Some(&self.abort),
+        );
+        let what = || format!("rank {peer} (bootstrap message, tag {tag:#x})");
+        let mut ib = self.shared.inbox.lock();
+        loop {
+            if let Some(q) = ib.queues.get_mut(&(peer, tag)) {
+                if let Some(m) = q.pop_front() {
+                    if q.is_empty() {
+                        ib.queues.remove(&(peer, tag));
+                    }
+                    return Ok(m);
+                }
+            }
+            if ib.closed[peer] {
+                return Err(Error::remote(format!(
+                    "rank {}: rank {peer} closed its bootstrap connection while rank {} waited \
+                     for a message (tag {tag:#x}); did that rank exit or fail?",
+                    self.rank, self.rank
+                )));
+            }
+            if ib.stopped {
+                return Err(self.closed_err());
+            }
+            w.check(&what)?;
+            self.shared.cv.wait_for(&mut ib, w.slice());
+        }
     }
 }
+
+impl Drop for Bootstrap {
+    fn drop(&mut self) {
+        self.close();
+    }
+}
+
+#[cfg(test)]
+mod tests;

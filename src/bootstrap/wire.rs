@@ -1,0 +1,302 @@
+//! Byte encodings and socket helpers shared by the root and the ranks: every blocking step runs in
+//! short slices that watch an abort flag and a deadline.
+
+use crate::error::{Code, Error, Result};
+use std::io::{ErrorKind, Read, Write};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, SocketAddrV4, SocketAddrV6, TcpStream};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+/// Longest single blocking step; every wait re-checks abort and deadline this often.
+pub(crate) const SLICE: Duration = Duration::from_millis(50);
+
+/// Encoded size of a socket address: family u8, 0 u8, port u16 BE, 16 address bytes, scope u32 LE.
+pub(crate) const ADDR_BYTES: usize = 24;
+
+pub(crate) fn encode_addr(a: &SocketAddr) -> [u8; ADDR_BYTES] {
+    let mut b = [0u8; ADDR_BYTES];
+    b[2..4].copy_from_slice(&a.port().to_be_bytes());
+    match a {
+        SocketAddr::V4(v4) => {
+            b[0] = 4;
+            b[4..8].copy_from_slice(&v4.ip().octets());
+        }
+        SocketAddr::V6(v6) => {
+            b[0] = 6;
+            b[4..20].copy_from_slice(&v6.ip().octets());
+            b[20..24].copy_from_slice(&v6.scope_id().to_le_bytes());
+        }
+    }
+    b
+}
+
+pub(crate) fn decode_addr(b: &[u8]) -> Option<SocketAddr> {
+    if b.len() < ADDR_BYTES || b[1] != 0 {
+        return None;
+    }
+    let port = u16::from_be_bytes([b[2], b[3]]);
+    if port == 0 {
+        return None;
+    }
+    match b[0] {
+        4 => {
+            if b[8..24].iter().any(|&x| x != 0) {
+                return None;
+            }
+            let ip = Ipv4Addr::new(b[4], b[5], b[6], b[7]);
+            Some(SocketAddr::V4(SocketAddrV4::new(ip, port)))
+        }
+        6 => {
+            let mut o = [0u8; 16];
+            o.copy_from_slice(&b[4..20]);
+            let scope = u32::from_le_bytes([b[20], b[21], b[22], b[23]]);
+            Some(SocketAddr::V6(SocketAddrV6::new(
+                Ipv6Addr::from(o),
+                port,
+                0,
+                scope,
+            )))
+        }
+        _ => None,
+    }
+}
+
+/// An unspecified address becomes the matching loopback (a listener bound to 0.0.0.0 is reached
+/// through 127.0.0.1 on this host).
+pub(crate) fn reachable(a: SocketAddr) -> SocketAddr {
+    match a.ip() {
+        IpAddr::V4(ip) if ip.is_unspecified() => {
+            SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), a.port())
+        }
+        IpAddr::V6(ip) if ip.is_unspecified() => {
+            SocketAddr::new(IpAddr::V6(Ipv6Addr::LOCALHOST), a.port())
+        }
+        _ => a,
+    }
+}
+
+pub(crate) fn put_u32(v: &mut Vec<u8>, x: u32) {
+    v.extend_from_slice(&x.to_le_bytes());
+}
+
+pub(crate) fn get_u32(b: &[u8], at: usize) -> u32 {
+    u32::from_le_bytes([b[at], b[at + 1], b[at + 2], b[at + 3]])
+}
+
+pub(crate) fn get_u64(b: &[u8], at: usize) -> u64 {
+    let mut x = [0u8; 8];
+    x.copy_from_slice(&b[at..at + 8]);
+    u64::from_le_bytes(x)
+}
+
+/// Compares two secrets without an early exit.
+pub(crate) fn same_secret(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+/// "300 s", "1.5 s".
+pub(crate) fn fmt_secs(d: Duration) -> String {
+    if d.subsec_millis() == 0 {
+        format!("{} s", d.as_secs())
+    } else {
+        format!("{:.1} s", d.as_secs_f64())
+    }
+}
+
+/// A bounded wait: who is waiting, until when, and the abort flag it watches.
+pub(crate) struct Wait<'a> {
+    pub who: String,
+    pub deadline: Instant,
+    pub timeout: Duration,
+    pub abort: Option<&'a AtomicBool>,
+}
+
+impl<'a> Wait<'a> {
+    pub fn new(who: String, timeout: Duration, abort: Option<&'a AtomicBool>) -> Wait<'a> {
+        Wait {
+            who,
+            deadline: Instant::now() + timeout,
+            timeout,
+            abort,
+        }
+    }
+
+    /// Err when aborted (InvalidUsage) or past the deadline (Timeout, naming `what`).
+    pub fn check(&self, what: &dyn Fn() -> String) -> Result<()> {
+        if let Some(a) = self.abort {
+            if a.load(Ordering::Acquire) {
+                return Err(Error::invalid_usage(format!(
+                    "{} aborted while waiting for {}",
+                    self.who,
+                    what()
+                )));
+            }
+        }
+        if Instant::now() >= self.deadline {
+            return Err(Error::timeout(format!(
+                "{} waited {} for {}",
+                self.who,
+                fmt_secs(self.timeout),
+                what()
+            )));
+        }
+        Ok(())
+    }
+
+    /// The next blocking step's length: a slice, cut at the deadline (never zero).
+    pub fn slice(&self) -> Duration {
+        let left = self.deadline.saturating_duration_since(Instant::now());
+        left.clamp(Duration::from_millis(1), SLICE)
+    }
+}
+
+fn transient(k: ErrorKind) -> bool {
+    matches!(
+        k,
+        ErrorKind::WouldBlock | ErrorKind::TimedOut | ErrorKind::Interrupted
+    )
+}
+
+pub(crate) fn read_exact(
+    s: &mut TcpStream,
+    buf: &mut [u8],
+    w: &Wait,
+    what: &dyn Fn() -> String,
+) -> Result<()> {
+    let mut off = 0;
+    while off < buf.len() {
+        s.set_read_timeout(Some(w.slice()))?;
+        match s.read(&mut buf[off..]) {
+            Ok(0) => {
+                return Err(Error::remote(format!(
+                    "{}: connection closed by {}",
+                    w.who,
+                    what()
+                )))
+            }
+            Ok(n) => off += n,
+            Err(e) if transient(e.kind()) => w.check(what)?,
+            Err(e) => {
+                return Err(Error::remote(format!(
+                    "{}: connection to {} failed: {e}",
+                    w.who,
+                    what()
+                )))
+            }
+        }
+    }
+    Ok(())
+}
+
+pub(crate) fn write_all(
+    s: &mut TcpStream,
+    mut buf: &[u8],
+    w: &Wait,
+    what: &dyn Fn() -> String,
+) -> Result<()> {
+    while !buf.is_empty() {
+        s.set_write_timeout(Some(w.slice()))?;
+        // std's TcpStream writes with MSG_NOSIGNAL on Linux: a dead peer is EPIPE, not SIGPIPE.
+        match s.write(buf) {
+            Ok(0) => {
+                return Err(Error::remote(format!(
+                    "{}: connection to {} closed",
+                    w.who,
+                    what()
+                )))
+            }
+            Ok(n) => buf = &buf[n..],
+            Err(e) if transient(e.kind()) => w.check(what)?,
+            Err(e) => {
+                return Err(Error::remote(format!(
+                    "{}: sending to {} failed: {e}",
+                    w.who,
+                    what()
+                )))
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Connects, retrying while the other side is not listening yet, until the deadline or abort.
+pub(crate) fn connect(addr: SocketAddr, w: &Wait, what: &dyn Fn() -> String) -> Result<TcpStream> {
+    let mut last: Option<std::io::Error> = None;
+    loop {
+        if let Err(e) = w.check(what) {
+            return Err(match last {
+                Some(l) if e.code == Code::Timeout => {
+                    Error::timeout(format!("{} (last connect error to {addr}: {l})", e.msg))
+                }
+                _ => e,
+            });
+        }
+        match TcpStream::connect_timeout(&addr, w.slice()) {
+            Ok(s) => {
+                let _ = s.set_nodelay(true);
+                return Ok(s);
+            }
+            Err(e) => {
+                let refused = e.kind() == ErrorKind::ConnectionRefused;
+                last = Some(e);
+                if refused {
+                    std::thread::sleep(w.slice().min(Duration::from_millis(20)));
+                }
+            }
+        }
+    }
+}
+
+/// Reads a status byte, then either an error (code u8 as status, message) or a payload closure.
+pub(crate) fn read_status(s: &mut TcpStream, w: &Wait, what: &dyn Fn() -> String) -> Result<()> {
+    let mut st = [0u8; 1];
+    read_exact(s, &mut st, w, what)?;
+    if st[0] == 0 {
+        return Ok(());
+    }
+    let mut lenb = [0u8; 4];
+    read_exact(s, &mut lenb, w, what)?;
+    let len = (u32::from_le_bytes(lenb) as usize).min(1 << 16);
+    let mut msg = vec![0u8; len];
+    read_exact(s, &mut msg, w, what)?;
+    let code = Code::from_raw(st[0] as i32).unwrap_or(Code::RemoteError);
+    Err(Error::new(code, String::from_utf8_lossy(&msg).into_owned()))
+}
+
+/// Encodes an error reply (see `read_status`).
+pub(crate) fn error_reply(code: Code, msg: &str) -> Vec<u8> {
+    let mut v = vec![(code as i32).clamp(1, 255) as u8];
+    let m = &msg.as_bytes()[..msg.len().min(1 << 16)];
+    put_u32(&mut v, m.len() as u32);
+    v.extend_from_slice(m);
+    v
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn addr_roundtrip() {
+        for s in [
+            "127.0.0.1:5000",
+            "10.1.2.3:1",
+            "[::1]:65535",
+            "[fe80::1%3]:77",
+        ] {
+            let a: SocketAddr = s.parse().unwrap();
+            assert_eq!(decode_addr(&encode_addr(&a)), Some(a), "{s}");
+        }
+        assert_eq!(decode_addr(&[0u8; ADDR_BYTES]), None);
+        let mut b = encode_addr(&"127.0.0.1:5000".parse().unwrap());
+        b[0] = 5;
+        assert_eq!(decode_addr(&b), None);
+    }
+
+    #[test]
+    fn secrets_compare() {
+        assert!(same_secret(&[1, 2, 3], &[1, 2, 3]));
+        assert!(!same_secret(&[1, 2, 3], &[1, 2, 4]));
+        assert!(!same_secret(&[1, 2], &[1, 2, 3]));
+    }
+}
