@@ -300,7 +300,7 @@ fn ctx<T: Ty>(p: &Params) -> Ctx<T> {
 
 #[inline(always)]
 fn aligned<S>(p: *const u8) -> bool {
-    (p as usize) % std::mem::align_of::<S>() == 0
+    (p as usize).is_multiple_of(std::mem::align_of::<S>())
 }
 
 /// # Safety
@@ -313,7 +313,7 @@ unsafe fn run1<K: Map1>(p: &Params, dst: *mut u8, src: *const u8, n: usize) {
     }
     let c = ctx::<K::T>(p);
     if aligned::<S<K>>(dst) && aligned::<S<K>>(src) {
-        if dst as *const u8 == src {
+        if std::ptr::eq(dst, src) {
             // SAFETY: aligned, valid for n elements, and the only reference to this memory.
             let d = unsafe { std::slice::from_raw_parts_mut(dst as *mut S<K>, n) };
             for v in d.iter_mut() {
@@ -492,7 +492,7 @@ pub(crate) fn pick2<K: Map2>(wide: bool) -> Fn2 {
 /// # Safety
 /// Both valid for `n * size` bytes.
 pub(crate) unsafe fn copy_bytes(size: usize, dst: *mut u8, src: *const u8, n: usize) {
-    if n != 0 && dst as *const u8 != src {
+    if n != 0 && !std::ptr::eq(dst, src) {
         // SAFETY: both valid for n * size bytes; `copy` allows overlap.
         unsafe { std::ptr::copy(src, dst, n * size) }
     }
