@@ -739,29 +739,3 @@ mod tests {
         }
     }
 }
-
-/// Spoils element 0 (OXCCL_FAULT=corrupt). (stub)
-///
-/// # Safety
-/// `ptr` valid for `count` elements of `dtype`.
-pub unsafe fn fault_corrupt(_dtype: crate::types::DataType, ptr: *mut u8, count: usize) {
-    if count > 0 {
-        // SAFETY: per the contract.
-        unsafe { *ptr ^= 1 };
-    }
-}
-
-pub mod convert {
-    pub fn f32_to_f16(_v: f32) -> u16 {
-        unimplemented!()
-    }
-    pub fn f32_to_bf16(_v: f32) -> u16 {
-        unimplemented!()
-    }
-    pub fn f32_to_e4m3(_v: f32) -> u8 {
-        unimplemented!()
-    }
-    pub fn f32_to_e5m2(_v: f32) -> u8 {
-        unimplemented!()
-    }
-}
