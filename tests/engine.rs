@@ -116,7 +116,7 @@ fn in_place_collectives_and_roots() {
         root: 0,
     });
     for b in &bufs {
-        assert_eq!(b, &want);
+        assert!(b == &want, "in-place allreduce");
     }
     // broadcast and reduce from every root
     for root in 0..n {
@@ -475,4 +475,28 @@ fn bad_arguments_are_errors() {
         Code::InvalidArgument
     );
     api::comm_destroy(api::comm_handle(&cs[1])).unwrap();
+}
+
+#[test]
+fn two_ranks_one_element_each_segment_but_one_empty() {
+    let cs = comms(2);
+    let s0 = [3i32];
+    let s1 = [4i32];
+    let mut r0 = [0i32];
+    let mut r1 = [0i32];
+    let (p0, p1) = (r0.as_mut_ptr() as usize, r1.as_mut_ptr() as usize);
+    run_group(&cs, |r| CollArgs {
+        kind: CollKind::AllReduce,
+        send: if r == 0 {
+            s0.as_ptr() as usize
+        } else {
+            s1.as_ptr() as usize
+        },
+        recv: if r == 0 { p0 } else { p1 },
+        count: 1,
+        dtype: DataType::Int32,
+        op: OP_SUM,
+        root: 0,
+    });
+    assert_eq!((r0[0], r1[0]), (7, 7));
 }

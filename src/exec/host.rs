@@ -213,7 +213,10 @@ impl Running {
             let mut all_done = true;
             for l in &mut self.stage_lanes {
                 match poll_lane(l) {
-                    Poll::Progress => progress = true,
+                    Poll::Progress => {
+                        progress = true;
+                        all_done = false;
+                    }
                     Poll::Blocked => all_done = false,
                     Poll::Done => {}
                 }
@@ -229,7 +232,10 @@ impl Running {
         let mut p2p_done = true;
         for l in &mut self.p2p {
             match poll_lane(l) {
-                Poll::Progress => progress = true,
+                Poll::Progress => {
+                    progress = true;
+                    p2p_done = false;
+                }
                 Poll::Blocked => p2p_done = false,
                 Poll::Done => {}
             }
