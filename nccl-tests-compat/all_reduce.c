@@ -1,0 +1,19 @@
+/* all_reduce_perf: ncclAllReduce; busbw = algbw * 2(n-1)/n. */
+#include "common.h"
+
+static void layout(size_t count, int n, perfLayout* L) {
+  (void)n;
+  L->sendCount = L->recvCount = L->paramCount = count;
+  L->sendInplace = L->recvInplace = 0;
+}
+static double algBytes(const perfLayout* L, size_t ws, int n) { (void)n; return (double)(L->paramCount * ws); }
+static double busFactor(int n) { return 2.0 * (n - 1) / n; }
+static int checks(const perfCtx* c, int rank) { (void)c; (void)rank; return 1; }
+static double expected(const perfCtx* c, int rank, size_t i) { (void)rank; return perfReduced(c, i); }
+static ncclResult_t run(const perfCtx* c, int rank, const void* s, void* r, ncclRedOp_t op, ncclComm_t comm,
+                        cudaStream_t st) {
+  (void)rank;
+  return ncclAllReduce(s, r, c->L.paramCount, c->type, op, comm, st);
+}
+
+const perfColl perfTool = {"all_reduce_perf", 1, 0, 0, layout, algBytes, busFactor, checks, expected, run};

@@ -1,0 +1,331 @@
+//! The nccl-tests-compatible perf tools (nccl-tests-compat/) against the libnccl.so that cargo
+//! built: build them with make, run short sweeps on the host executor and check every row of
+//! their output table for wrong elements.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+use std::sync::OnceLock;
+
+const TOOLS: [&str; 10] = [
+    "all_reduce_perf",
+    "all_gather_perf",
+    "broadcast_perf",
+    "reduce_perf",
+    "reduce_scatter_perf",
+    "alltoall_perf",
+    "gather_perf",
+    "scatter_perf",
+    "sendrecv_perf",
+    "hypercube_perf",
+];
+
+struct Built {
+    bin: PathBuf,
+    lib: PathBuf,
+}
+
+/// target/debug (or whichever profile dir holds this test binary and libnccl.so).
+fn profile_dir() -> PathBuf {
+    let exe = std::env::current_exe().expect("current_exe");
+    let deps = exe.parent().expect("deps dir");
+    deps.parent().expect("profile dir").to_path_buf()
+}
+
+fn built() -> &'static Built {
+    static B: OnceLock<Built> = OnceLock::new();
+    B.get_or_init(|| {
+        let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+        // OXCCL_PERF_NCCL_LIB: test another libnccl.so directory instead of cargo's own.
+        let prof = std::env::var_os("OXCCL_PERF_NCCL_LIB").map_or_else(profile_dir, PathBuf::from);
+        let so = prof.join("libnccl.so");
+        assert!(
+            so.exists(),
+            "{} missing: cargo should have built the cdylib",
+            so.display()
+        );
+        // The tools need libnccl.so.2 (the SONAME) at run time: give them a directory with it.
+        let out = profile_dir().join("nccl-tests");
+        let lib = out.join("lib");
+        std::fs::create_dir_all(&lib).unwrap();
+        let link = lib.join("libnccl.so.2");
+        let _ = std::fs::remove_file(&link);
+        std::os::unix::fs::symlink(&so, &link).unwrap();
+        let st = Command::new("make")
+            .arg("-C")
+            .arg(root.join("nccl-tests-compat"))
+            .arg(format!("NCCL_LIB={}", prof.display()))
+            .arg(format!("BUILDDIR={}", out.display()))
+            .status()
+            .expect("make");
+        assert!(st.success(), "building the perf tools failed");
+        Built { bin: out, lib }
+    })
+}
+
+fn tool(name: &str) -> Command {
+    let b = built();
+    let mut c = Command::new(b.bin.join(name));
+    c.env("LD_LIBRARY_PATH", &b.lib)
+        .env("OXCCL_DEVICE", "host")
+        .env_remove("OXCCL_FAULT")
+        .env_remove("NCCL_TESTS_MIN_BW")
+        .env_remove("WORLD_SIZE")
+        .env_remove("OMPI_COMM_WORLD_SIZE");
+    c
+}
+
+fn run(name: &str, args: &[&str]) -> Output {
+    tool(name).args(args).output().expect("spawn perf tool")
+}
+
+fn text(o: &Output) -> String {
+    format!(
+        "{}\n--- stderr ---\n{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    )
+}
+
+/// One data row of the table: (size, count, type, redop, root, wrong out-of-place, wrong in-place).
+#[derive(Debug)]
+struct Row {
+    size: u64,
+    ty: String,
+    op: String,
+    wrong: [i64; 2],
+}
+
+fn rows(stdout: &str) -> Vec<Row> {
+    stdout
+        .lines()
+        .filter(|l| !l.starts_with('#') && !l.trim().is_empty())
+        .map(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            assert_eq!(f.len(), 13, "malformed row: {l}");
+            Row {
+                size: f[0].parse().expect("size"),
+                ty: f[2].to_string(),
+                op: f[3].to_string(),
+                wrong: [
+                    f[8].parse().expect("#wrong"),
+                    f[12].parse().expect("#wrong"),
+                ],
+            }
+        })
+        .collect()
+}
+
+/// Exit 0, the header lines, `expect_rows` rows, all with #wrong == 0, and the OK footer.
+fn assert_clean(o: &Output, expect_rows: usize) -> Vec<Row> {
+    let t = text(o);
+    assert_eq!(o.status.code(), Some(0), "non-zero exit:\n{t}");
+    let out = String::from_utf8_lossy(&o.stdout).to_string();
+    assert!(out.contains("# nThread "), "no header:\n{t}");
+    assert!(out.contains("# Using devices"), "no device list:\n{t}");
+    assert!(
+        out.contains("#       size         count      type   redop    root     time   algbw   busbw #wrong     time   algbw   busbw #wrong"),
+        "no table header:\n{t}"
+    );
+    assert!(
+        out.contains("# Out of bounds values : 0 OK"),
+        "bad footer:\n{t}"
+    );
+    assert!(
+        out.contains("# Avg bus bandwidth    : "),
+        "no avg busbw:\n{t}"
+    );
+    let r = rows(&out);
+    assert_eq!(r.len(), expect_rows, "row count:\n{t}");
+    for row in &r {
+        assert_eq!(row.wrong, [0, 0], "wrong elements in {row:?}:\n{t}");
+    }
+    r
+}
+
+#[test]
+fn help_and_bad_arguments() {
+    let o = run("all_reduce_perf", &["-h"]);
+    assert_eq!(o.status.code(), Some(0));
+    assert!(String::from_utf8_lossy(&o.stdout).contains("USAGE"));
+    let o = run("all_reduce_perf", &["-b", "1M", "-e", "1K"]);
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("minbytes"));
+    let o = run("all_reduce_perf", &["-d", "notatype"]);
+    assert_eq!(o.status.code(), Some(1));
+    let o = run("all_reduce_perf", &["-o", "xor"]);
+    assert_eq!(o.status.code(), Some(1));
+}
+
+#[test]
+fn sweep_every_tool_one_to_four_ranks() {
+    // 8, 32, ..., 128K: 8 sizes
+    for name in TOOLS {
+        for g in 1..=4 {
+            let gs = g.to_string();
+            let o = run(
+                name,
+                &[
+                    "-b", "8", "-e", "256K", "-f", "4", "-g", &gs, "-n", "3", "-w", "1",
+                ],
+            );
+            if name == "hypercube_perf" && g == 3 {
+                assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+                assert!(String::from_utf8_lossy(&o.stdout).contains("power-of-two"));
+                continue;
+            }
+            let r = assert_clean(&o, 8);
+            assert_eq!(r[0].ty, "float");
+            let head = String::from_utf8_lossy(&o.stdout);
+            assert!(head.contains(&format!(
+                "# nThread 1 nGpus {g} minBytes 8 maxBytes 262144 step: 4(factor)"
+            )));
+            assert_eq!(head.matches("#  Rank ").count(), g, "device lines");
+        }
+    }
+}
+
+#[test]
+fn all_types_and_ops() {
+    // 12 types x 6 ops x 3 sizes
+    let o = run(
+        "all_reduce_perf",
+        &[
+            "-b", "64", "-e", "256", "-f", "2", "-g", "3", "-d", "all", "-o", "all", "-n", "2",
+            "-w", "1",
+        ],
+    );
+    let r = assert_clean(&o, 12 * 6 * 3);
+    assert!(r.iter().any(|x| x.ty == "f8e5m2" && x.op == "mulsum"));
+    assert!(r.iter().any(|x| x.ty == "bfloat16" && x.op == "avg"));
+    let o = run(
+        "reduce_scatter_perf",
+        &[
+            "-b", "96", "-e", "192", "-f", "2", "-g", "2", "-d", "all", "-o", "all", "-n", "2",
+            "-w", "1",
+        ],
+    );
+    assert_clean(&o, 12 * 6 * 2);
+    // every root
+    let o = run(
+        "reduce_perf",
+        &[
+            "-b", "64", "-e", "64", "-g", "3", "-r", "-1", "-o", "all", "-d", "half", "-n", "2",
+            "-w", "1",
+        ],
+    );
+    assert_clean(&o, 6 * 3);
+    let o = run(
+        "broadcast_perf",
+        &[
+            "-b", "64", "-e", "64", "-g", "4", "-r", "-1", "-d", "all", "-n", "2", "-w", "1",
+        ],
+    );
+    assert_clean(&o, 12 * 4);
+    for name in [
+        "gather_perf",
+        "scatter_perf",
+        "alltoall_perf",
+        "all_gather_perf",
+    ] {
+        let o = run(
+            name,
+            &[
+                "-b", "8", "-e", "4K", "-f", "8", "-g", "3", "-r", "2", "-d", "f8e4m3", "-n", "2",
+                "-w", "1",
+            ],
+        );
+        // 8, 64, 512, 4096
+        assert_clean(&o, 4);
+    }
+}
+
+#[test]
+fn threads_blocking_and_aggregation() {
+    let o = run(
+        "all_reduce_perf",
+        &[
+            "-t", "2", "-g", "2", "-b", "8", "-e", "8K", "-f", "4", "-n", "2", "-w", "1",
+        ],
+    );
+    let r = assert_clean(&o, 6);
+    assert_eq!(r.last().unwrap().size, 8192);
+    let o = run(
+        "all_gather_perf",
+        &[
+            "-t", "3", "-g", "1", "-b", "1K", "-e", "1K", "-z", "1", "-m", "2", "-n", "2",
+        ],
+    );
+    assert_clean(&o, 1);
+    let o = run(
+        "sendrecv_perf",
+        &["-g", "2", "-b", "1K", "-e", "1K", "-y", "1", "-n", "2"],
+    );
+    assert_clean(&o, 1);
+}
+
+#[test]
+fn two_processes_via_rank_world_size() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    for (k, name) in ["all_reduce_perf", "sendrecv_perf", "all_gather_perf"]
+        .iter()
+        .enumerate()
+    {
+        let port = (port + k as u16 * 7).to_string();
+        let kids: Vec<_> = (0..2)
+            .map(|r| {
+                tool(name)
+                    .args(["-b", "8", "-e", "64K", "-f", "4", "-n", "2", "-w", "1"])
+                    .env("RANK", r.to_string())
+                    .env("LOCAL_RANK", r.to_string())
+                    .env("WORLD_SIZE", "2")
+                    .env("MASTER_ADDR", "127.0.0.1")
+                    .env("MASTER_PORT", &port)
+                    .stdout(Stdio::piped())
+                    .stderr(Stdio::piped())
+                    .spawn()
+                    .unwrap()
+            })
+            .collect();
+        let outs: Vec<Output> = kids
+            .into_iter()
+            .map(|c| c.wait_with_output().unwrap())
+            .collect();
+        assert_eq!(
+            outs[1].status.code(),
+            Some(0),
+            "rank 1:\n{}",
+            text(&outs[1])
+        );
+        assert_clean(&outs[0], 7);
+        assert_eq!(
+            String::from_utf8_lossy(&outs[0].stdout)
+                .matches("#  Rank ")
+                .count(),
+            2
+        );
+    }
+}
+
+#[test]
+fn corrupt_fault_is_detected() {
+    let o = tool("all_reduce_perf")
+        .args([
+            "-b", "8", "-e", "1K", "-f", "4", "-g", "2", "-n", "2", "-w", "1",
+        ])
+        .env("OXCCL_FAULT", "corrupt")
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(7), "{}", text(&o));
+    let r = rows(&String::from_utf8_lossy(&o.stdout));
+    assert_eq!(r.len(), 4, "{}", text(&o));
+    assert!(
+        r.iter().any(|x| x.wrong[0] > 0 || x.wrong[1] > 0),
+        "{}",
+        text(&o)
+    );
+    assert!(String::from_utf8_lossy(&o.stdout).contains("FAILED"));
+}
