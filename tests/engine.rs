@@ -500,3 +500,100 @@ fn two_ranks_one_element_each_segment_but_one_empty() {
     });
     assert_eq!((r0[0], r1[0]), (7, 7));
 }
+
+/// Child side of `separate_processes_share_memory`: one rank of a comm whose ranks are
+/// processes (the unique id travels in the environment, hex-encoded).
+fn child_rank() {
+    let hex = std::env::var("OXCCL_TEST_ID").unwrap();
+    let mut id = [0u8; 128];
+    for (i, b) in id.iter_mut().enumerate() {
+        *b = u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).unwrap();
+    }
+    let n: usize = std::env::var("OXCCL_TEST_N").unwrap().parse().unwrap();
+    let r: usize = std::env::var("OXCCL_TEST_RANK").unwrap().parse().unwrap();
+    let c = api::comm_init_rank(n as i32, &id, r as i32, Default::default()).unwrap();
+    let count = 1_000_003;
+    let send: Vec<i64> = (0..count)
+        .map(|i| (i as i64 % 1000) * (r as i64 + 1))
+        .collect();
+    let mut recv = vec![0i64; count];
+    let a = CollArgs {
+        kind: CollKind::AllReduce,
+        send: send.as_ptr() as usize,
+        recv: recv.as_mut_ptr() as usize,
+        count,
+        dtype: DataType::Int64,
+        op: OP_SUM,
+        root: 0,
+    };
+    api::enqueue(&c, a, StreamArg::Null).unwrap();
+    let k: i64 = (1..=n as i64).sum();
+    for (i, &v) in recv.iter().enumerate() {
+        assert_eq!(v, (i as i64 % 1000) * k, "rank {r} element {i}");
+    }
+    // all-gather of rank-tagged blocks
+    let blk = 10_000;
+    let mine: Vec<i64> = (0..blk).map(|i| (r * 1_000_000 + i) as i64).collect();
+    let mut all = vec![0i64; blk * n];
+    let a = CollArgs {
+        kind: CollKind::AllGather,
+        send: mine.as_ptr() as usize,
+        recv: all.as_mut_ptr() as usize,
+        count: blk,
+        dtype: DataType::Int64,
+        op: 0,
+        root: 0,
+    };
+    api::enqueue(&c, a, StreamArg::Null).unwrap();
+    for q in 0..n {
+        for i in 0..blk {
+            assert_eq!(all[q * blk + i], (q * 1_000_000 + i) as i64);
+        }
+    }
+    api::comm_destroy(api::comm_handle(&c)).unwrap();
+}
+
+fn shm_files() -> Vec<String> {
+    std::fs::read_dir("/dev/shm")
+        .map(|d| {
+            d.filter_map(|e| e.ok())
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .filter(|n| n.starts_with("oxccl"))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+#[test]
+fn separate_processes_share_memory() {
+    if std::env::var("OXCCL_TEST_RANK").is_ok() {
+        return child_rank();
+    }
+    std::env::set_var("OXCCL_DEVICE", "host");
+    for n in [2usize, 3] {
+        let id = api::get_unique_id().unwrap();
+        let hex: String = id.iter().map(|b| format!("{b:02x}")).collect();
+        let exe = std::env::current_exe().unwrap();
+        let kids: Vec<_> = (0..n)
+            .map(|r| {
+                std::process::Command::new(&exe)
+                    .args(["--exact", "separate_processes_share_memory", "--nocapture"])
+                    .env("OXCCL_TEST_ID", &hex)
+                    .env("OXCCL_TEST_N", n.to_string())
+                    .env("OXCCL_TEST_RANK", r.to_string())
+                    .env("OXCCL_TIMEOUT_S", "60")
+                    .stdout(std::process::Stdio::null())
+                    .spawn()
+                    .unwrap()
+            })
+            .collect();
+        for mut k in kids {
+            assert!(k.wait().unwrap().success(), "a rank process failed (n={n})");
+        }
+    }
+    let left: Vec<String> = shm_files()
+        .into_iter()
+        .filter(|f| f.contains("oxccl-"))
+        .collect();
+    assert!(left.is_empty(), "shared memory left behind: {left:?}");
+}
