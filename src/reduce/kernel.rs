@@ -1,5 +1,5 @@
 //! Monomorphised element-wise loops. One instantiation per (datatype, operation, options), each
-//! compiled twice on x86_64 (baseline SSE2 and AVX2) and picked once by `Reducer::new`.
+//! compiled twice on x86_64 (baseline SSE2, and AVX2+F16C) and picked once by `Reducer::new`.
 //!
 //! The loops run over slices when every pointer is aligned for the element type (the fast path
 //! LLVM vectorises), handling the allowed aliasing (`dst` equal to an input) with in-place
@@ -653,15 +653,15 @@ unsafe fn base2<K: Map2>(p: &Params, dst: *mut u8, x: *const u8, y: *const u8, n
 mod avx2 {
     use super::*;
     /// # Safety
-    /// As `run1`, and the CPU supports AVX2.
-    #[target_feature(enable = "avx2")]
+    /// As `run1`, and the CPU supports AVX2 and F16C.
+    #[target_feature(enable = "avx2,f16c")]
     pub(super) unsafe fn avx2_1<K: Map1>(p: &Params, dst: *mut u8, src: *const u8, n: usize) {
         // SAFETY: forwarded contract.
         unsafe { run1::<K>(p, dst, src, n) }
     }
     /// # Safety
-    /// As `run2`, and the CPU supports AVX2.
-    #[target_feature(enable = "avx2")]
+    /// As `run2`, and the CPU supports AVX2 and F16C.
+    #[target_feature(enable = "avx2,f16c")]
     pub(super) unsafe fn avx2_2<K: Map2>(
         p: &Params,
         dst: *mut u8,
@@ -674,12 +674,13 @@ mod avx2 {
     }
 }
 
-/// Whether the AVX2 instantiations may run here (checked once per process by std).
+/// Whether the AVX2 (+F16C, which every AVX2 CPU has) instantiations may run here (checked
+/// once per process by std).
 #[inline]
 pub(crate) fn have_avx2() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
-        std::arch::is_x86_feature_detected!("avx2")
+        std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("f16c")
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
