@@ -1,5 +1,5 @@
 //! Monomorphised element-wise loops. One instantiation per (datatype, operation, options), each
-//! compiled twice on x86_64 (baseline SSE2 and AVX2) and picked once by `Reducer::new`.
+//! compiled twice on x86_64 (baseline SSE2, and AVX2+F16C) and picked once by `Reducer::new`.
 //!
 //! The loops run over slices when every pointer is aligned for the element type (the fast path
 //! LLVM vectorises), handling the allowed aliasing (`dst` equal to an input) with in-place
@@ -23,6 +23,17 @@ pub(crate) trait Ty: 'static {
     fn scalar(bits: u64) -> Self::C;
     fn divisor(d: u64) -> Self::D;
     fn div(s: Self::S, d: Self::D) -> Self::S;
+    /// Whether loops go 8 elements at a time through `load8` / `store8` (types whose
+    /// conversions are hardware vector instructions); else LLVM vectorises `load` / `store`.
+    const WIDE8: bool = false;
+    #[inline(always)]
+    fn load8(s: [Self::S; 8]) -> [Self::C; 8] {
+        s.map(Self::load)
+    }
+    #[inline(always)]
+    fn store8(c: [Self::C; 8]) -> [Self::S; 8] {
+        c.map(Self::store)
+    }
 }
 
 macro_rules! int_ty {
@@ -194,6 +205,105 @@ narrow_ty!(Bf16, u16, convert::bf16_to_f32, convert::f32_to_bf16);
 narrow_ty!(E4m3, u8, convert::e4m3_to_f32, convert::f32_to_e4m3);
 narrow_ty!(E5m2, u8, convert::e5m2_to_f32, convert::f32_to_e5m2);
 
+/// float16 through the F16C conversion instructions, 8 at a time (the tails use the software
+/// conversions, which agree bit for bit except that the hardware quiets signalling NaNs).
+/// Only selected by `Reducer::new` after detecting AVX2 and F16C.
+#[cfg(target_arch = "x86_64")]
+pub(crate) struct F16Hw;
+
+#[cfg(target_arch = "x86_64")]
+mod f16c {
+    use std::arch::x86_64::*;
+
+    /// # Safety
+    /// The CPU supports F16C and AVX.
+    #[target_feature(enable = "avx2,f16c")]
+    #[inline]
+    pub(super) unsafe fn widen8(s: [u16; 8]) -> [f32; 8] {
+        // SAFETY: plain bit reinterpretations between same-sized vector/array types.
+        unsafe { std::mem::transmute(_mm256_cvtph_ps(std::mem::transmute::<[u16; 8], __m128i>(s))) }
+    }
+
+    /// # Safety
+    /// As `widen8`.
+    #[target_feature(enable = "avx2,f16c")]
+    #[inline]
+    pub(super) unsafe fn narrow8(c: [f32; 8]) -> [u16; 8] {
+        // SAFETY: as above; the rounding immediate selects round-to-nearest-even.
+        unsafe {
+            let v = std::mem::transmute::<[f32; 8], __m256>(c);
+            std::mem::transmute(_mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(v))
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+impl Ty for F16Hw {
+    type S = u16;
+    type C = f32;
+    type D = f32;
+    const WIDE8: bool = true;
+    #[inline(always)]
+    fn load(s: u16) -> f32 {
+        F16::load(s)
+    }
+    #[inline(always)]
+    fn store(c: f32) -> u16 {
+        F16::store(c)
+    }
+    #[inline(always)]
+    fn load8(s: [u16; 8]) -> [f32; 8] {
+        // SAFETY: F16Hw is only instantiated after detecting AVX2 and F16C.
+        unsafe { f16c::widen8(s) }
+    }
+    #[inline(always)]
+    fn store8(c: [f32; 8]) -> [u16; 8] {
+        // SAFETY: as above.
+        unsafe { f16c::narrow8(c) }
+    }
+    #[inline(always)]
+    fn add(a: f32, b: f32) -> f32 {
+        a + b
+    }
+    #[inline(always)]
+    fn mul(a: f32, b: f32) -> f32 {
+        a * b
+    }
+    #[inline(always)]
+    fn max(a: f32, b: f32) -> f32 {
+        a.max(b)
+    }
+    #[inline(always)]
+    fn min(a: f32, b: f32) -> f32 {
+        a.min(b)
+    }
+    #[inline(always)]
+    fn scalar(bits: u64) -> f32 {
+        F16::scalar(bits)
+    }
+    #[inline(always)]
+    fn divisor(d: u64) -> f32 {
+        d as f32
+    }
+    #[inline(always)]
+    fn div(x: u16, d: f32) -> u16 {
+        F16::div(x, d)
+    }
+}
+
+/// Whether the F16C float16 kernels may run here.
+#[inline]
+pub(crate) fn have_f16c() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("f16c")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
 /// A reduction operator.
 pub(crate) trait Op: 'static {
     fn apply<T: Ty>(a: T::C, b: T::C) -> T::C;
@@ -244,11 +354,17 @@ pub(crate) struct Ctx<T: Ty> {
 pub(crate) trait Map1: 'static {
     type T: Ty;
     fn f(x: <Self::T as Ty>::S, c: &Ctx<Self::T>) -> <Self::T as Ty>::S;
+    fn f8(x: [<Self::T as Ty>::S; 8], c: &Ctx<Self::T>) -> [<Self::T as Ty>::S; 8];
 }
 /// An element-wise binary map (`x` = local, `y` = accumulator).
 pub(crate) trait Map2: 'static {
     type T: Ty;
     fn f(x: <Self::T as Ty>::S, y: <Self::T as Ty>::S, c: &Ctx<Self::T>) -> <Self::T as Ty>::S;
+    fn f8(
+        x: [<Self::T as Ty>::S; 8],
+        y: [<Self::T as Ty>::S; 8],
+        c: &Ctx<Self::T>,
+    ) -> [<Self::T as Ty>::S; 8];
 }
 
 /// `x * premul`, rounded back to the storage type.
@@ -259,6 +375,10 @@ impl<T: Ty> Map1 for PreMul<T> {
     fn f(x: T::S, c: &Ctx<T>) -> T::S {
         T::store(T::mul(T::load(x), c.p))
     }
+    #[inline(always)]
+    fn f8(x: [T::S; 8], c: &Ctx<T>) -> [T::S; 8] {
+        T::store8(T::load8(x).map(|v| T::mul(v, c.p)))
+    }
 }
 
 /// `x / postdiv`.
@@ -268,6 +388,10 @@ impl<T: Ty> Map1 for PostDiv<T> {
     #[inline(always)]
     fn f(x: T::S, c: &Ctx<T>) -> T::S {
         T::div(x, c.d)
+    }
+    #[inline(always)]
+    fn f8(x: [T::S; 8], c: &Ctx<T>) -> [T::S; 8] {
+        x.map(|v| T::div(v, c.d))
     }
 }
 
@@ -284,6 +408,16 @@ impl<T: Ty, O: Op, const P: bool> Map2 for Combine<T, O, P> {
             x
         };
         T::store(O::apply::<T>(T::load(x), T::load(y)))
+    }
+    #[inline(always)]
+    fn f8(x: [T::S; 8], y: [T::S; 8], c: &Ctx<T>) -> [T::S; 8] {
+        let x = if P {
+            T::store8(T::load8(x).map(|v| T::mul(v, c.p)))
+        } else {
+            x
+        };
+        let (a, b) = (T::load8(x), T::load8(y));
+        T::store8(std::array::from_fn(|i| O::apply::<T>(a[i], b[i])))
     }
 }
 
@@ -303,38 +437,138 @@ fn aligned<S>(p: *const u8) -> bool {
     (p as usize).is_multiple_of(std::mem::align_of::<S>())
 }
 
+type S1<K> = <<K as Map1>::T as Ty>::S;
+type S2<K> = <<K as Map2>::T as Ty>::S;
+
+#[inline(always)]
+fn a8<S: Copy>(s: &[S]) -> [S; 8] {
+    std::array::from_fn(|i| s[i])
+}
+
+/// `d[i] = f(d[i])`.
+#[inline(always)]
+fn map1_in<K: Map1>(d: &mut [S1<K>], c: &Ctx<K::T>) {
+    let mut rest: &mut [S1<K>] = d;
+    if K::T::WIDE8 {
+        let mut it = rest.chunks_exact_mut(8);
+        for ch in &mut it {
+            ch.copy_from_slice(&K::f8(a8(ch), c));
+        }
+        rest = it.into_remainder();
+    }
+    for v in rest.iter_mut() {
+        *v = K::f(*v, c);
+    }
+}
+
+/// `d[i] = f(s[i])`.
+#[inline(always)]
+fn map1<K: Map1>(d: &mut [S1<K>], s: &[S1<K>], c: &Ctx<K::T>) {
+    let (mut d, mut s) = (d, s);
+    if K::T::WIDE8 {
+        let mut it = d.chunks_exact_mut(8);
+        let mut is = s.chunks_exact(8);
+        for (dc, sc) in (&mut it).zip(&mut is) {
+            dc.copy_from_slice(&K::f8(a8(sc), c));
+        }
+        (d, s) = (it.into_remainder(), is.remainder());
+    }
+    for (d, s) in d.iter_mut().zip(s) {
+        *d = K::f(*s, c);
+    }
+}
+
+/// Which operand the destination slice also is.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Alias {
+    /// `d[i] = f(d[i], o[i])`.
+    X,
+    /// `d[i] = f(o[i], d[i])`.
+    Y,
+}
+
+/// In place on one operand; `alias` is a constant after inlining.
+#[inline(always)]
+fn map2_in<K: Map2>(d: &mut [S2<K>], o: &[S2<K>], alias: Alias, c: &Ctx<K::T>) {
+    let (mut d, mut o) = (d, o);
+    if K::T::WIDE8 {
+        let mut it = d.chunks_exact_mut(8);
+        let mut io = o.chunks_exact(8);
+        for (dc, oc) in (&mut it).zip(&mut io) {
+            let r = match alias {
+                Alias::X => K::f8(a8(dc), a8(oc), c),
+                Alias::Y => K::f8(a8(oc), a8(dc), c),
+            };
+            dc.copy_from_slice(&r);
+        }
+        (d, o) = (it.into_remainder(), io.remainder());
+    }
+    for (d, o) in d.iter_mut().zip(o) {
+        *d = match alias {
+            Alias::X => K::f(*d, *o, c),
+            Alias::Y => K::f(*o, *d, c),
+        };
+    }
+}
+
+/// `d[i] = f(d[i], d[i])`.
+#[inline(always)]
+fn map2_self<K: Map2>(d: &mut [S2<K>], c: &Ctx<K::T>) {
+    let mut rest: &mut [S2<K>] = d;
+    if K::T::WIDE8 {
+        let mut it = rest.chunks_exact_mut(8);
+        for ch in &mut it {
+            let v = a8(ch);
+            ch.copy_from_slice(&K::f8(v, v, c));
+        }
+        rest = it.into_remainder();
+    }
+    for v in rest.iter_mut() {
+        *v = K::f(*v, *v, c);
+    }
+}
+
+/// `d[i] = f(x[i], y[i])`.
+#[inline(always)]
+fn map2<K: Map2>(d: &mut [S2<K>], x: &[S2<K>], y: &[S2<K>], c: &Ctx<K::T>) {
+    let (mut d, mut x, mut y) = (d, x, y);
+    if K::T::WIDE8 {
+        let mut it = d.chunks_exact_mut(8);
+        let mut ix = x.chunks_exact(8);
+        let mut iy = y.chunks_exact(8);
+        for ((dc, xc), yc) in (&mut it).zip(&mut ix).zip(&mut iy) {
+            dc.copy_from_slice(&K::f8(a8(xc), a8(yc), c));
+        }
+        (d, x, y) = (it.into_remainder(), ix.remainder(), iy.remainder());
+    }
+    for ((d, x), y) in d.iter_mut().zip(x).zip(y) {
+        *d = K::f(*x, *y, c);
+    }
+}
+
 /// # Safety
 /// `dst`, `src` valid for `n` elements of `K::T`; equal or not overlapping.
 #[inline(always)]
 unsafe fn run1<K: Map1>(p: &Params, dst: *mut u8, src: *const u8, n: usize) {
-    type S<K> = <<K as Map1>::T as Ty>::S;
     if n == 0 {
         return;
     }
     let c = ctx::<K::T>(p);
-    if aligned::<S<K>>(dst) && aligned::<S<K>>(src) {
-        if std::ptr::eq(dst, src) {
-            // SAFETY: aligned, valid for n elements, and the only reference to this memory.
-            let d = unsafe { std::slice::from_raw_parts_mut(dst as *mut S<K>, n) };
-            for v in d.iter_mut() {
-                *v = K::f(*v, &c);
-            }
-        } else {
-            // SAFETY: aligned, valid for n elements, and (by the contract) not overlapping.
-            let (d, s) = unsafe {
-                (
-                    std::slice::from_raw_parts_mut(dst as *mut S<K>, n),
-                    std::slice::from_raw_parts(src as *const S<K>, n),
-                )
-            };
-            for (d, s) in d.iter_mut().zip(s) {
-                *d = K::f(*s, &c);
+    if aligned::<S1<K>>(dst) && aligned::<S1<K>>(src) {
+        // SAFETY: aligned and valid for n elements; when dst == src only the mutable slice
+        // exists, otherwise (by the contract) the two do not overlap.
+        unsafe {
+            let d = std::slice::from_raw_parts_mut(dst as *mut S1<K>, n);
+            if std::ptr::eq(dst, src) {
+                map1_in::<K>(d, &c);
+            } else {
+                map1::<K>(d, std::slice::from_raw_parts(src as *const S1<K>, n), &c);
             }
         }
         return;
     }
-    let sz = std::mem::size_of::<S<K>>();
-    let mut buf = [S::<K>::default(); CHUNK];
+    let sz = std::mem::size_of::<S1<K>>();
+    let mut buf = [S1::<K>::default(); CHUNK];
     let mut i = 0;
     while i < n {
         let m = CHUNK.min(n - i);
@@ -342,9 +576,7 @@ unsafe fn run1<K: Map1>(p: &Params, dst: *mut u8, src: *const u8, n: usize) {
         unsafe {
             std::ptr::copy_nonoverlapping(src.add(i * sz), buf.as_mut_ptr() as *mut u8, m * sz)
         };
-        for v in buf[..m].iter_mut() {
-            *v = K::f(*v, &c);
-        }
+        map1_in::<K>(&mut buf[..m], &c);
         // SAFETY: as above, for dst; the chunk of src was read before it is overwritten.
         unsafe {
             std::ptr::copy_nonoverlapping(buf.as_ptr() as *const u8, dst.add(i * sz), m * sz)
@@ -357,47 +589,35 @@ unsafe fn run1<K: Map1>(p: &Params, dst: *mut u8, src: *const u8, n: usize) {
 /// All valid for `n` elements of `K::T`; `dst` equals an input or overlaps neither.
 #[inline(always)]
 unsafe fn run2<K: Map2>(p: &Params, dst: *mut u8, x: *const u8, y: *const u8, n: usize) {
-    type S<K> = <<K as Map2>::T as Ty>::S;
     if n == 0 {
         return;
     }
     let c = ctx::<K::T>(p);
-    let dc = dst as *const u8;
-    if aligned::<S<K>>(dst) && aligned::<S<K>>(x) && aligned::<S<K>>(y) {
-        // SAFETY (all four arms): every pointer is aligned and valid for n elements; a mutable
+    if aligned::<S2<K>>(dst) && aligned::<S2<K>>(x) && aligned::<S2<K>>(y) {
+        // SAFETY (all arms): every pointer is aligned and valid for n elements; the mutable
         // slice is only made over memory no other live slice covers.
         unsafe {
-            if dc == x && dc == y {
-                let d = std::slice::from_raw_parts_mut(dst as *mut S<K>, n);
-                for v in d.iter_mut() {
-                    *v = K::f(*v, *v, &c);
-                }
-            } else if dc == x {
-                let d = std::slice::from_raw_parts_mut(dst as *mut S<K>, n);
-                let ys = std::slice::from_raw_parts(y as *const S<K>, n);
-                for (d, y) in d.iter_mut().zip(ys) {
-                    *d = K::f(*d, *y, &c);
-                }
-            } else if dc == y {
-                let d = std::slice::from_raw_parts_mut(dst as *mut S<K>, n);
-                let xs = std::slice::from_raw_parts(x as *const S<K>, n);
-                for (d, x) in d.iter_mut().zip(xs) {
-                    *d = K::f(*x, *d, &c);
-                }
+            let d = std::slice::from_raw_parts_mut(dst as *mut S2<K>, n);
+            let (dx, dy) = (std::ptr::eq(dst, x), std::ptr::eq(dst, y));
+            if dx && dy {
+                map2_self::<K>(d, &c);
+            } else if dx {
+                let ys = std::slice::from_raw_parts(y as *const S2<K>, n);
+                map2_in::<K>(d, ys, Alias::X, &c);
+            } else if dy {
+                let xs = std::slice::from_raw_parts(x as *const S2<K>, n);
+                map2_in::<K>(d, xs, Alias::Y, &c);
             } else {
-                let d = std::slice::from_raw_parts_mut(dst as *mut S<K>, n);
-                let xs = std::slice::from_raw_parts(x as *const S<K>, n);
-                let ys = std::slice::from_raw_parts(y as *const S<K>, n);
-                for ((d, x), y) in d.iter_mut().zip(xs).zip(ys) {
-                    *d = K::f(*x, *y, &c);
-                }
+                let xs = std::slice::from_raw_parts(x as *const S2<K>, n);
+                let ys = std::slice::from_raw_parts(y as *const S2<K>, n);
+                map2::<K>(d, xs, ys, &c);
             }
         }
         return;
     }
-    let sz = std::mem::size_of::<S<K>>();
-    let mut bx = [S::<K>::default(); CHUNK];
-    let mut by = [S::<K>::default(); CHUNK];
+    let sz = std::mem::size_of::<S2<K>>();
+    let mut bx = [S2::<K>::default(); CHUNK];
+    let mut by = [S2::<K>::default(); CHUNK];
     let mut i = 0;
     while i < n {
         let m = CHUNK.min(n - i);
@@ -406,9 +626,7 @@ unsafe fn run2<K: Map2>(p: &Params, dst: *mut u8, x: *const u8, y: *const u8, n:
             std::ptr::copy_nonoverlapping(x.add(i * sz), bx.as_mut_ptr() as *mut u8, m * sz);
             std::ptr::copy_nonoverlapping(y.add(i * sz), by.as_mut_ptr() as *mut u8, m * sz);
         }
-        for (a, b) in bx[..m].iter_mut().zip(&by[..m]) {
-            *a = K::f(*a, *b, &c);
-        }
+        map2_in::<K>(&mut bx[..m], &by[..m], Alias::X, &c);
         // SAFETY: elements i..i+m of dst are in bounds; both inputs' chunks were already read.
         unsafe { std::ptr::copy_nonoverlapping(bx.as_ptr() as *const u8, dst.add(i * sz), m * sz) };
         i += m;
@@ -435,15 +653,15 @@ unsafe fn base2<K: Map2>(p: &Params, dst: *mut u8, x: *const u8, y: *const u8, n
 mod avx2 {
     use super::*;
     /// # Safety
-    /// As `run1`, and the CPU supports AVX2.
-    #[target_feature(enable = "avx2")]
+    /// As `run1`, and the CPU supports AVX2 and F16C.
+    #[target_feature(enable = "avx2,f16c")]
     pub(super) unsafe fn avx2_1<K: Map1>(p: &Params, dst: *mut u8, src: *const u8, n: usize) {
         // SAFETY: forwarded contract.
         unsafe { run1::<K>(p, dst, src, n) }
     }
     /// # Safety
-    /// As `run2`, and the CPU supports AVX2.
-    #[target_feature(enable = "avx2")]
+    /// As `run2`, and the CPU supports AVX2 and F16C.
+    #[target_feature(enable = "avx2,f16c")]
     pub(super) unsafe fn avx2_2<K: Map2>(
         p: &Params,
         dst: *mut u8,
@@ -456,12 +674,13 @@ mod avx2 {
     }
 }
 
-/// Whether the AVX2 instantiations may run here (checked once per process by std).
+/// Whether the AVX2 (+F16C, which every AVX2 CPU has) instantiations may run here (checked
+/// once per process by std).
 #[inline]
 pub(crate) fn have_avx2() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
-        std::arch::is_x86_feature_detected!("avx2")
+        std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("f16c")
     }
     #[cfg(not(target_arch = "x86_64"))]
     {

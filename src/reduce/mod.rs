@@ -29,6 +29,16 @@ pub struct Reducer {
     finish_fn: Option<Fn1>,
 }
 
+/// Whether float16 uses the F16C instructions (when detected; tests also force the portable
+/// path so that both are exercised).
+fn hw_f16() -> bool {
+    #[cfg(test)]
+    if tests::force_soft_f16() {
+        return false;
+    }
+    kernel::have_f16c()
+}
+
 fn build<T: Ty>(red: &Reduction, wide: bool) -> (Option<Fn1>, Fn2, Option<Fn1>) {
     fn p1<K: Map1>(w: bool) -> Option<Fn1> {
         Some(kernel::pick1::<K>(w))
@@ -66,6 +76,8 @@ impl Reducer {
             DataType::Uint32 => build::<kernel::U32>(&red, w),
             DataType::Int64 => build::<kernel::I64>(&red, w),
             DataType::Uint64 => build::<kernel::U64>(&red, w),
+            #[cfg(target_arch = "x86_64")]
+            DataType::Float16 if w && hw_f16() => build::<kernel::F16Hw>(&red, true),
             DataType::Float16 => build::<kernel::F16>(&red, w),
             DataType::Float32 => build::<kernel::F32>(&red, w),
             DataType::Float64 => build::<kernel::F64>(&red, w),
@@ -173,7 +185,27 @@ mod tests {
     use super::convert::reference::{self as cref, Format};
     use super::*;
     use crate::types::Scalar;
+    use std::cell::Cell;
     use std::sync::OnceLock;
+
+    thread_local! {
+        static SOFT_F16: Cell<bool> = const { Cell::new(false) };
+    }
+    pub(super) fn force_soft_f16() -> bool {
+        SOFT_F16.with(|s| s.get())
+    }
+    /// Every datatype, plus float16 again on the portable path (when F16C is present it is the
+    /// default); sets the thread's choice as it goes.
+    fn variants() -> impl Iterator<Item = DataType> {
+        DataType::ALL
+            .into_iter()
+            .map(|d| (d, false))
+            .chain(std::iter::once((DataType::Float16, true)))
+            .map(|(d, soft)| {
+                SOFT_F16.with(|s| s.set(soft));
+                d
+            })
+    }
 
     const KINDS: [ReduceKind; 4] = [
         ReduceKind::Sum,
@@ -472,7 +504,7 @@ mod tests {
     #[test]
     fn combine_every_type_kind_premul_alignment_and_alias() {
         let mut rng = Rng(0x1234_5678_9abc_def1);
-        for dt in DataType::ALL {
+        for dt in variants() {
             for kind in KINDS {
                 for pre in [false, true] {
                     let p = pre.then(|| premul_scalar(dt, &mut rng));
@@ -544,7 +576,7 @@ mod tests {
     #[test]
     fn prep_and_finish_every_type() {
         let mut rng = Rng(0x0bad_cafe_f00d_0001);
-        for dt in DataType::ALL {
+        for dt in variants() {
             let mut divs = vec![None, Some(0), Some(1), Some(3), Some(7)];
             if !dt.is_float() {
                 divs.extend([Some(300), Some(1 << 40), Some(1 << 63), Some(u64::MAX)]);
@@ -591,7 +623,7 @@ mod tests {
     #[test]
     fn pipeline_with_premul_and_postdiv() {
         let mut rng = Rng(0x5eed_5eed_5eed_5eed);
-        for dt in DataType::ALL {
+        for dt in variants() {
             for kind in KINDS {
                 for pre in [false, true] {
                     for d in [None, Some(3)] {
@@ -627,7 +659,7 @@ mod tests {
 
     #[test]
     fn zero_count_touches_nothing() {
-        for dt in DataType::ALL {
+        for dt in variants() {
             let r = red(dt, ReduceKind::Sum, Some(1), Some(3));
             // SAFETY: count 0: the pointers are never dereferenced.
             unsafe {
@@ -642,7 +674,7 @@ mod tests {
     #[test]
     fn fault_corrupt_changes_element_zero_only() {
         let mut rng = Rng(77);
-        for dt in DataType::ALL {
+        for dt in variants() {
             let mut vals = gen(dt, &mut rng, 64);
             vals[0] = 0;
             if dt.is_float() {
