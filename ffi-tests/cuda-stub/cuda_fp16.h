@@ -1,0 +1,4 @@
+/* Stand-in for CUDA's cuda_fp16.h (see cuda_runtime.h here): nccl.h only includes it. */
+#ifndef OXCCL_FFI_CUDA_FP16_STUB_H
+#define OXCCL_FFI_CUDA_FP16_STUB_H
+#endif

@@ -1,0 +1,311 @@
+//! C and C++ programs that use the library only through `nccl.h` and `-lnccl` (ffi-tests/),
+//! built with gcc/g++ `-Wall -Wextra -Werror` against the freshly built `libnccl.so` and run with
+//! `OXCCL_DEVICE=host`, each under a timeout.
+//!
+//! The header is the repository's `include/nccl.h` when it exists; until then NCCL's upstream
+//! header (`/tmp/up/nvidia/nccl/include`, or `$OXCCL_UPSTREAM_INCLUDE`) with the stand-in CUDA
+//! headers of `ffi-tests/cuda-stub`. `OXCCL_FFI_TIMEOUT` (seconds) overrides every timeout.
+
+use std::collections::HashMap;
+use std::io::Read;
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::{Mutex, OnceLock, RwLock};
+use std::time::{Duration, Instant};
+
+fn manifest_dir() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+/// `target/<profile>/`: this test binary lives in `target/<profile>/deps/`.
+fn profile_dir() -> PathBuf {
+    let exe = std::env::current_exe().expect("current_exe");
+    let deps = exe.parent().expect("test binary has a parent directory");
+    deps.parent().unwrap_or(deps).to_path_buf()
+}
+
+/// A directory holding `libnccl.so` and `libnccl.so.2` (the SONAME the programs load), both
+/// links to the cdylib cargo built for this test run.
+fn lib_dir() -> &'static Path {
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
+    DIR.get_or_init(|| {
+        let prof = profile_dir();
+        let lib = [
+            prof.join("libnccl.so"),
+            prof.join("deps").join("libnccl.so"),
+        ]
+        .into_iter()
+        .find(|p| p.exists())
+        .unwrap_or_else(|| panic!("no libnccl.so in {} (or deps/)", prof.display()));
+        let dir = prof.join("ffi-tests").join("lib");
+        std::fs::create_dir_all(&dir).expect("create ffi-tests/lib");
+        for name in ["libnccl.so", "libnccl.so.2"] {
+            let link = dir.join(name);
+            let _ = std::fs::remove_file(&link);
+            std::os::unix::fs::symlink(&lib, &link)
+                .unwrap_or_else(|e| panic!("symlink {}: {e}", link.display()));
+        }
+        dir
+    })
+}
+
+/// `-I` flags: the repository's header when there is one, else upstream's with the CUDA stubs.
+fn include_flags() -> Vec<String> {
+    let repo_inc = manifest_dir().join("include");
+    if repo_inc.join("nccl.h").exists() {
+        return vec![format!("-I{}", repo_inc.display())];
+    }
+    let upstream = std::env::var("OXCCL_UPSTREAM_INCLUDE")
+        .unwrap_or_else(|_| "/tmp/up/nvidia/nccl/include".to_string());
+    assert!(
+        Path::new(&upstream).join("nccl.h").exists(),
+        "no include/nccl.h in the repository and no upstream nccl.h in {upstream}"
+    );
+    vec![
+        format!("-I{}", manifest_dir().join("ffi-tests/cuda-stub").display()),
+        format!("-I{upstream}"),
+    ]
+}
+
+/// Compile `ffi-tests/<src>` once per test run; returns the executable.
+fn build(src: &str) -> PathBuf {
+    static BUILT: OnceLock<Mutex<HashMap<String, PathBuf>>> = OnceLock::new();
+    let map = BUILT.get_or_init(|| Mutex::new(HashMap::new()));
+    let mut map = map.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some(p) = map.get(src) {
+        return p.clone();
+    }
+    let libdir = lib_dir();
+    let out_dir = profile_dir().join("ffi-tests").join("bin");
+    std::fs::create_dir_all(&out_dir).expect("create ffi-tests/bin");
+    let stem = Path::new(src)
+        .file_stem()
+        .unwrap()
+        .to_string_lossy()
+        .to_string();
+    let exe = out_dir.join(&stem);
+    let cpp = src.ends_with(".cpp");
+    let compiler = if cpp {
+        std::env::var("CXX").unwrap_or_else(|_| "g++".into())
+    } else {
+        std::env::var("CC").unwrap_or_else(|_| "gcc".into())
+    };
+    let mut cmd = Command::new(&compiler);
+    cmd.arg(if cpp { "-std=c++17" } else { "-std=c11" })
+        .args(["-D_GNU_SOURCE", "-O2", "-g", "-Wall", "-Wextra", "-Werror"])
+        .arg(format!("-I{}", manifest_dir().join("ffi-tests").display()))
+        .args(include_flags())
+        .arg(manifest_dir().join("ffi-tests").join(src))
+        .arg("-o")
+        .arg(&exe)
+        .arg(format!("-L{}", libdir.display()))
+        .arg(format!("-Wl,-rpath,{}", libdir.display()))
+        .args(["-lnccl", "-lm", "-pthread"]);
+    let out = cmd
+        .output()
+        .unwrap_or_else(|e| panic!("cannot run {compiler}: {e}"));
+    assert!(
+        out.status.success(),
+        "compiling {src} failed ({:?}):\n{}{}",
+        cmd,
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    map.insert(src.to_string(), exe.clone());
+    exe
+}
+
+/// leak_check looks at machine-wide /dev/shm and must not see other tests' files: it runs alone.
+fn exclusive() -> &'static RwLock<()> {
+    static L: RwLock<()> = RwLock::new(());
+    &L
+}
+
+fn timeout_for(default_s: u64) -> Duration {
+    let s = std::env::var("OXCCL_FFI_TIMEOUT")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default_s);
+    Duration::from_secs(s)
+}
+
+fn tail(s: &str, n: usize) -> &str {
+    if s.len() <= n {
+        return s;
+    }
+    let mut i = s.len() - n;
+    while !s.is_char_boundary(i) {
+        i += 1;
+    }
+    &s[i..]
+}
+
+/// Run a built program with OXCCL_DEVICE=host in its own process group; kill the group and fail
+/// on timeout; fail with its output when it exits non-zero.
+fn run(src: &str, args: &[&str], timeout_s: u64) {
+    let exe = build(src);
+    let timeout = timeout_for(timeout_s);
+    let mut child = Command::new(&exe)
+        .args(args)
+        .env("OXCCL_DEVICE", "host")
+        .env_remove("OXCCL_FAULT")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .process_group(0)
+        .spawn()
+        .unwrap_or_else(|e| panic!("spawn {}: {e}", exe.display()));
+    let mut so = child.stdout.take().unwrap();
+    let mut se = child.stderr.take().unwrap();
+    let t_out = std::thread::spawn(move || {
+        let mut s = String::new();
+        let _ = so.read_to_string(&mut s);
+        s
+    });
+    let t_err = std::thread::spawn(move || {
+        let mut s = String::new();
+        let _ = se.read_to_string(&mut s);
+        s
+    });
+    let start = Instant::now();
+    let pid = child.id() as i32;
+    let status = loop {
+        if let Some(st) = child.try_wait().expect("try_wait") {
+            break Some(st);
+        }
+        if start.elapsed() > timeout {
+            let _ = nix::sys::signal::killpg(
+                nix::unistd::Pid::from_raw(pid),
+                nix::sys::signal::Signal::SIGKILL,
+            );
+            let _ = child.wait();
+            break None;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    // Forked ranks may outlive a failed parent: never leave them behind.
+    let _ = nix::sys::signal::killpg(
+        nix::unistd::Pid::from_raw(pid),
+        nix::sys::signal::Signal::SIGKILL,
+    );
+    let stdout = t_out.join().unwrap_or_default();
+    let stderr = t_err.join().unwrap_or_default();
+    let what = format!("{} {}", exe.display(), args.join(" "));
+    match status {
+        None => panic!(
+            "{what}: still running after {:?}, killed\n--- stdout\n{}\n--- stderr\n{}",
+            timeout,
+            tail(&stdout, 4000),
+            tail(&stderr, 8000)
+        ),
+        Some(st) if !st.success() => panic!(
+            "{what}: {st}\n--- stdout\n{}\n--- stderr\n{}",
+            tail(&stdout, 4000),
+            tail(&stderr, 8000)
+        ),
+        Some(_) => {
+            print!("{what} ({:.1}s): {stdout}", start.elapsed().as_secs_f64());
+            if !stderr.is_empty() {
+                eprint!("{}", tail(&stderr, 4000));
+            }
+        }
+    }
+}
+
+fn shared() -> std::sync::RwLockReadGuard<'static, ()> {
+    exclusive().read().unwrap_or_else(|e| e.into_inner())
+}
+
+const RANKS: [&str; 5] = ["1", "2", "3", "4", "8"];
+
+#[test]
+fn bad_input_error_codes_and_messages() {
+    let _g = shared();
+    run("bad_input.c", &[], 120);
+}
+
+#[test]
+fn cpp_smoke_extern_c_and_allreduce() {
+    let _g = shared();
+    run("cpp_smoke.cpp", &[], 120);
+}
+
+#[test]
+fn ex_single_process_init_all_and_group() {
+    let _g = shared();
+    for n in RANKS {
+        run("ex_single_process.c", &[n], 120);
+    }
+}
+
+#[test]
+fn ex_threads_one_thread_per_rank() {
+    let _g = shared();
+    for n in RANKS {
+        run("ex_threads.c", &[n], 120);
+    }
+}
+
+#[test]
+fn ex_processes_one_process_per_rank() {
+    let _g = shared();
+    for n in RANKS {
+        run("ex_processes.c", &[n, "parent", "100"], 120);
+        run("ex_processes.c", &[n, "pipe", "100"], 120);
+    }
+}
+
+#[test]
+fn coll_matrix_1_rank() {
+    let _g = shared();
+    run("coll_matrix.c", &["1"], 300);
+}
+
+#[test]
+fn coll_matrix_2_ranks() {
+    let _g = shared();
+    run("coll_matrix.c", &["2"], 300);
+}
+
+#[test]
+fn coll_matrix_3_ranks() {
+    let _g = shared();
+    run("coll_matrix.c", &["3"], 300);
+}
+
+#[test]
+fn coll_matrix_4_ranks() {
+    let _g = shared();
+    run("coll_matrix.c", &["4"], 300);
+}
+
+#[test]
+fn coll_matrix_8_ranks() {
+    let _g = shared();
+    run("coll_matrix.c", &["8"], 600);
+}
+
+#[test]
+fn coll_matrix_host_streams() {
+    let _g = shared();
+    run("coll_matrix.c", &["3", "stream"], 300);
+    run("coll_matrix.c", &["8", "stream", "big=none"], 300);
+}
+
+#[test]
+fn coll_matrix_mem_alloc() {
+    let _g = shared();
+    run("coll_matrix.c", &["2", "memalloc", "big=none"], 300);
+    run(
+        "coll_matrix.c",
+        &["4", "stream", "memalloc", "big=none"],
+        300,
+    );
+}
+
+#[test]
+fn leak_check_after_destroy() {
+    let _g = exclusive().write().unwrap_or_else(|e| e.into_inner());
+    run("leak_check.c", &["4"], 120);
+    run("leak_check.c", &["2"], 120);
+}
