@@ -113,7 +113,7 @@ pub fn error_string(code: i32) -> &'static str {
         5 => "invalid usage (run with NCCL_DEBUG=WARN for details)",
         6 => "remote process exited or there was a network error",
         7 => "NCCL operation in progress",
-        8 => "NCCL operation timed out",
+        8 => "timeout",
         _ => "unknown result code",
     }
 }
