@@ -20,7 +20,7 @@ fn add_twins(text: &str) -> String {
         .then(|| {
             let open = line.find('(')?;
             let head = &line[..open];
-            let name = head.rsplit(|c: char| c == ' ' || c == '*').next()?;
+            let name = head.rsplit([' ', '*']).next()?;
             name.starts_with("nccl").then(|| name.to_string())
         })
         .flatten();
