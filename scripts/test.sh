@@ -9,4 +9,6 @@ scripts/setup.sh
 export OXCCL_DEVICE=host
 cargo fmt --check
 cargo clippy --all-targets -- -D warnings
+# The C programs and the ABI checks load target/release/libnccl.so: build it first.
+cargo build --release --lib
 cargo test --release 2>&1

@@ -158,8 +158,11 @@ fn config_magic_and_size() {
     full.blocking = 7;
     // SAFETY: valid pointers.
     unsafe {
-        let r = ncclCommInitRankConfig(&mut c, 1, std::mem::zeroed(), 0, &mut short).0;
-        assert_ne!(r, INVALID_ARGUMENT, "{}", last_error());
+        let mut id: ncclUniqueId = std::mem::zeroed();
+        assert_eq!(ncclGetUniqueId(&mut id).0, 0);
+        let r = ncclCommInitRankConfig(&mut c, 1, id, 0, &mut short).0;
+        assert_eq!(r, 0, "{}", last_error());
+        assert_eq!(ncclCommDestroy(c).0, 0);
         assert_eq!(
             ncclCommInitRankConfig(&mut c, 1, std::mem::zeroed(), 0, &mut full).0,
             INVALID_ARGUMENT
