@@ -21,4 +21,4 @@ static ncclResult_t run(const perfCtx* c, int rank, const void* s, void* r, nccl
   return ncclAlltoAll(s, r, c->L.paramCount, c->type, comm, st);
 }
 
-const perfColl perfTool = {"alltoall_perf", 0, 0, 0, layout, algBytes, busFactor, checks, expected, run};
+const perfColl perfTool = {"alltoall_perf", 0, 0, 0, layout, algBytes, busFactor, checks, expected, run, NULL, NULL};

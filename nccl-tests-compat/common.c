@@ -612,6 +612,25 @@ static void setCtx(perfCtx* c, size_t bytes, ncclDataType_t type, int op, int ro
 
 static void startOp(threadState* st, const perfCtx* c, int inPlace) {
   size_t ws = perfWordSize(c->type);
+  if (perfTool.nPhases) {
+    int phases = perfTool.nPhases(c->nranks);
+    for (int ph = 0; ph < phases; ph++) {
+      if (st->nLocal > 1) NCCLCHECK(ncclGroupStart());
+      for (int i = 0; i < st->nLocal; i++) {
+        int rank = st->ranks[i];
+        char* rb = st->recv[i];
+        const void* sb = inPlace ? rb + c->L.sendInplace * ws * rank : st->send[i];
+        void* out = inPlace ? rb + c->L.recvInplace * ws * rank : rb;
+        NCCLCHECK(perfTool.runPhase(c, rank, sb, out, st->comms[i], st->streams[i], ph));
+      }
+      if (st->nLocal > 1) NCCLCHECK(ncclGroupEnd());
+    }
+    if (optBlocking) {
+      waitStreams(st);
+      syncBarrier(st->thread);
+    }
+    return;
+  }
   if (st->nLocal > 1) NCCLCHECK(ncclGroupStart());
   for (int i = 0; i < st->nLocal; i++) {
     int rank = st->ranks[i];

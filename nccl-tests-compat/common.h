@@ -62,6 +62,12 @@ typedef struct {
   /* issue the operation for one rank (inside a group when needed) */
   ncclResult_t (*run)(const perfCtx* c, int rank, const void* sendbuf, void* recvbuf,
                       ncclRedOp_t op, ncclComm_t comm, cudaStream_t stream);
+  /* Optional: operations made of dependent phases. Each phase is issued for every local rank in
+   * its own group (ranks driven by one thread must not merge dependent phases into one group,
+   * where operations run concurrently). NULL: one phase, `run`. */
+  int (*nPhases)(int nranks);
+  ncclResult_t (*runPhase)(const perfCtx* c, int rank, const void* sendbuf, void* recvbuf,
+                           ncclComm_t comm, cudaStream_t stream, int phase);
 } perfColl;
 
 /* Defined by each tool's own source file. */

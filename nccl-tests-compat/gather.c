@@ -23,4 +23,4 @@ static ncclResult_t run(const perfCtx* c, int rank, const void* s, void* r, nccl
   return ncclGather(s, r, c->L.paramCount, c->type, c->root, comm, st);
 }
 
-const perfColl perfTool = {"gather_perf", 0, 1, 0, layout, algBytes, busFactor, checks, expected, run};
+const perfColl perfTool = {"gather_perf", 0, 1, 0, layout, algBytes, busFactor, checks, expected, run, NULL, NULL};

@@ -16,4 +16,4 @@ static ncclResult_t run(const perfCtx* c, int rank, const void* s, void* r, nccl
   return ncclReduce(s, r, c->L.paramCount, c->type, op, c->root, comm, st);
 }
 
-const perfColl perfTool = {"reduce_perf", 1, 1, 0, layout, algBytes, busFactor, checks, expected, run};
+const perfColl perfTool = {"reduce_perf", 1, 1, 0, layout, algBytes, busFactor, checks, expected, run, NULL, NULL};

@@ -21,4 +21,4 @@ static ncclResult_t run(const perfCtx* c, int rank, const void* s, void* r, nccl
   return ncclReduceScatter(s, r, c->L.paramCount, c->type, op, comm, st);
 }
 
-const perfColl perfTool = {"reduce_scatter_perf", 1, 0, 0, layout, algBytes, busFactor, checks, expected, run};
+const perfColl perfTool = {"reduce_scatter_perf", 1, 0, 0, layout, algBytes, busFactor, checks, expected, run, NULL, NULL};

@@ -27,4 +27,4 @@ static ncclResult_t run(const perfCtx* c, int rank, const void* s, void* r, nccl
   return res;
 }
 
-const perfColl perfTool = {"sendrecv_perf", 0, 0, 0, layout, algBytes, busFactor, checks, expected, run};
+const perfColl perfTool = {"sendrecv_perf", 0, 0, 0, layout, algBytes, busFactor, checks, expected, run, NULL, NULL};

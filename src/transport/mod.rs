@@ -60,6 +60,9 @@ pub struct Conn {
     pub slot_bytes: usize,
     pub peer: usize,
     pub is_sender: bool,
+    /// Sender: the receiver has attached (until then nothing is written, so data never goes to a
+    /// region the receiver will not see).
+    peer_ready: std::sync::atomic::AtomicBool,
 }
 
 // SAFETY: the region stays mapped while the Conn lives; the counters are atomics and the slot
@@ -88,6 +91,7 @@ impl Conn {
             slot_bytes,
             peer,
             is_sender,
+            peer_ready: std::sync::atomic::AtomicBool::new(false),
         }
     }
 
@@ -105,11 +109,14 @@ impl Conn {
         self.counter(HEAD_OFF)
     }
 
+    fn attached(&self) -> &AtomicU32 {
+        // SAFETY: as for `counter`.
+        unsafe { &*(self.base.add(ATTACH_OFF) as *const AtomicU32) }
+    }
+
     /// Increments the attach count; returns how many ends had attached before.
     pub fn attach(&self) -> u32 {
-        // SAFETY: as for `counter`.
-        let a = unsafe { &*(self.base.add(ATTACH_OFF) as *const AtomicU32) };
-        a.fetch_add(1, Ordering::AcqRel)
+        self.attached().fetch_add(1, Ordering::AcqRel)
     }
 
     pub fn slot(&self, step: u64) -> *mut u8 {
@@ -121,6 +128,12 @@ impl Conn {
     /// Sender: the slot to fill next, if one is free.
     #[inline]
     pub fn send_slot(&self) -> Option<(u64, *mut u8)> {
+        if !self.peer_ready.load(Ordering::Relaxed) {
+            if self.attached().load(Ordering::Acquire) < 2 {
+                return None;
+            }
+            self.peer_ready.store(true, Ordering::Relaxed);
+        }
         let tail = self.tail().load(Ordering::Relaxed);
         let head = self.head().load(Ordering::Acquire);
         if tail - head < self.nsteps {
@@ -222,7 +235,8 @@ pub fn connect(spec: &ConnSpec) -> Result<Conn> {
 
 impl Drop for Conn {
     fn drop(&mut self) {
-        // If the peer never attached, nobody else will remove the name.
+        // If the peer never attached, nobody else will remove the name (and nothing was sent:
+        // senders wait for the receiver to attach).
         match &self.region {
             Region::Heap(h) => inproc::forget(h.name()),
             Region::Shm(s) => s.unlink(),
