@@ -296,13 +296,10 @@ fn alltoall_gather_scatter_and_p2p() {
             }
         }
         api::group_end().unwrap();
-        for r in 0..n {
-            for p in 0..n {
+        for (r, rb) in rbufs.iter().enumerate() {
+            for (p, buf) in rb.iter().enumerate() {
                 assert!(
-                    rbufs[r][p]
-                        .iter()
-                        .enumerate()
-                        .all(|(i, &v)| v == payload(p, r, i)),
+                    buf.iter().enumerate().all(|(i, &v)| v == payload(p, r, i)),
                     "a2av {p}->{r}"
                 );
             }
@@ -320,7 +317,7 @@ fn one_thread_per_rank_and_host_streams() {
     std::thread::scope(|s| {
         for r in 0..n {
             s.spawn(move || {
-                let c = api::comm_init_rank(n as i32, &id, r as i32, Default::default()).unwrap();
+                let c = api::comm_init_rank(n, &id, r, Default::default()).unwrap();
                 let stream = api::host_stream_create().unwrap();
                 let sa = api::stream_from_handle(stream).unwrap();
                 let send: Vec<f32> = (0..count)
@@ -397,9 +394,9 @@ fn premulsum_host_and_device_scalars() {
             root: 0,
         });
         for recv in &recvs {
-            for i in 0..count {
+            for (i, &got) in recv.iter().enumerate() {
                 let want: f64 = (0..n).map(|r| ((i % 7) as f64 + r as f64) * k).sum();
-                assert_eq!(recv[i], want);
+                assert_eq!(got, want);
             }
         }
     }
