@@ -13,5 +13,5 @@ if [ ${#need[@]} -gt 0 ]; then
 fi
 root=$(cd "$(dirname "$0")/.." && pwd)
 if [ -x "$root/scripts/fetch-upstream-nccl.sh" ]; then
-  "$root/scripts/fetch-upstream-nccl.sh" >/dev/null
+  "$root/scripts/fetch-upstream-nccl.sh" "$root/target/upstream-nccl" >/dev/null
 fi
