@@ -11,6 +11,8 @@
 # under target/bench/raw/. Installs what it lacks (OpenMPI via apt-get, matplotlib via pip).
 # Iterations per size band (same for a, b, c; warm-up in parentheses):
 #   8 B .. 64 KiB: N_SMALL (W_SMALL)   128 KiB .. 8 MiB: N_MID (W_MID)   16 MiB ..: N_LARGE (W_LARGE)
+# The whole set of sweeps runs REPEATS times (default 3; --quick: 1), the kinds interleaved, and
+# the table shows each size's median time (the machine is shared: single runs are noisy).
 # Override with those environment variables. Nothing in the library is tuned here.
 set -euo pipefail
 
@@ -19,17 +21,17 @@ QUICK=0
 for arg in "$@"; do
   case "$arg" in
     --quick) QUICK=1 ;;
-    -h|--help) sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,18p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "usage: $0 [--quick]" >&2; exit 2 ;;
   esac
 done
 
 if [ "$QUICK" = 1 ]; then
   MAX=16M; MAX_BYTES=$((16 << 20))
-  : "${N_SMALL:=300}" "${W_SMALL:=30}" "${N_MID:=40}" "${W_MID:=5}" "${N_LARGE:=10}" "${W_LARGE:=3}"
+  : "${N_SMALL:=300}" "${W_SMALL:=30}" "${N_MID:=40}" "${W_MID:=5}" "${N_LARGE:=10}" "${W_LARGE:=3}" "${REPEATS:=1}"
 else
   MAX=256M; MAX_BYTES=$((256 << 20))
-  : "${N_SMALL:=2000}" "${W_SMALL:=100}" "${N_MID:=200}" "${W_MID:=10}" "${N_LARGE:=40}" "${W_LARGE:=5}"
+  : "${N_SMALL:=1000}" "${W_SMALL:=100}" "${N_MID:=100}" "${W_MID:=10}" "${N_LARGE:=20}" "${W_LARGE:=5}" "${REPEATS:=3}"
 fi
 
 OUT="$ROOT/target/bench"
@@ -104,23 +106,27 @@ run_mpi() {
 
 START=$SECONDS
 STATUS=0
-for band in "${BANDS[@]}"; do
-  read -r lo hi n w <<<"$band"
-  for kind in 2proc 2thread mpi; do
-    log "$kind all_reduce $lo..$hi, $n iters ($w warm-up)"
-    "run_$kind" "$lo" "$hi" "$n" "$w" || { STATUS=1; log "$kind run failed (exit $?), see $RAW"; }
+LOAD0="$(cut -d' ' -f1-3 /proc/loadavg)"
+for rep in $(seq 1 "$REPEATS"); do
+  for band in "${BANDS[@]}"; do
+    read -r lo hi n w <<<"$band"
+    for kind in 2proc 2thread mpi; do
+      log "[$rep/$REPEATS] $kind all_reduce $lo..$hi, $n iters ($w warm-up)"
+      "run_$kind" "$lo" "$hi" "$n" "$w" || { STATUS=1; log "$kind run failed (exit $?), see $RAW"; }
+    done
   done
 done
 log "memcpy probe 8..$MAX"
 "$BIN/memcpy_probe" -b 8 -e "$MAX" -f 2 -m "$([ "$QUICK" = 1 ] && echo 20 || echo 100)" -t 5 >"$RAW/memcpy.txt" || STATUS=1
 log "measured in $((SECONDS - START)) s"
+LOADS="load average (1/5/15 min) before: $LOAD0, after: $(cut -d' ' -f1-3 /proc/loadavg)"
 
 # ---- report -------------------------------------------------------------------------------
 echo
 "$PY" "$ROOT/nccl-tests-compat/bench/report.py" \
   --proc "$RAW/oxccl-2proc.txt" --thread "$RAW/oxccl-2thread.txt" --mpi "$RAW/mpi.txt" \
   --memcpy "$RAW/memcpy.txt" --csv "$OUT/allreduce.csv" --png "$OUT/allreduce.png" \
-  --max-bytes "$MAX_BYTES" \
+  --max-bytes "$MAX_BYTES" --repeats "$REPEATS" --note "$LOADS" \
   --title "all_reduce f32 sum, 2 ranks, $(nproc) cores$([ "$QUICK" = 1 ] && echo ' (--quick)')" || STATUS=1
 [ "$STATUS" = 0 ] || echo "bench.sh: some runs failed or reported wrong results; see $RAW" >&2
 exit "$STATUS"

@@ -22,7 +22,8 @@ MIB = 1 << 20
 
 
 def parse_coll(path):
-    """{size: (time_us, wrong)} from all_reduce_perf / mpi_allreduce output (first 9 columns)."""
+    """{size: ([time_us, ...], wrong)} from all_reduce_perf / mpi_allreduce output (first 9
+    columns); a size measured several times (repeated sweeps) keeps every time, wrong is summed."""
     rows = {}
     with open(path, errors="replace") as f:
         for line in f:
@@ -37,10 +38,15 @@ def parse_coll(path):
                 continue
             wrong = p[8]
             wrong = int(wrong) if wrong.lstrip("-").isdigit() else 0
-            if size in rows:  # overlapping sweeps: keep the first
-                continue
-            rows[size] = (t, wrong)
+            times, w = rows.get(size, ([], 0))
+            rows[size] = (times + [t], w + wrong)
     return rows
+
+
+def median(v):
+    v = sorted(v)
+    n = len(v)
+    return None if n == 0 else (v[n // 2] if n % 2 else 0.5 * (v[n // 2 - 1] + v[n // 2]))
 
 
 def parse_memcpy(path):
@@ -83,6 +89,8 @@ def main():
     ap.add_argument("--png", required=True)
     ap.add_argument("--max-bytes", type=int, required=True)
     ap.add_argument("--title", default="all_reduce f32 sum, 2 ranks")
+    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--note", default="")
     a = ap.parse_args()
 
     proc, thread, mpi = parse_coll(a.proc), parse_coll(a.thread), parse_coll(a.mpi)
@@ -94,9 +102,10 @@ def main():
 
     table = []
     for s in sizes:
-        tp, wp = proc.get(s, (None, 0))
-        tt, wt = thread.get(s, (None, 0))
-        tm, wm = mpi.get(s, (None, 0))
+        lp, wp = proc.get(s, ([], 0))
+        lt, wt = thread.get(s, ([], 0))
+        lm, wm = mpi.get(s, ([], 0))
+        tp, tt, tm = median(lp), median(lt), median(lm)
         bp, bt, bm = busbw(s, tp), busbw(s, tt), busbw(s, tm)
         mc = mcp.get(s)
         table.append(dict(
@@ -104,11 +113,16 @@ def main():
             ratio_mpi=(bp / bm) if bp and bm else None,
             ratio_memcpy=(bp / mc) if bp and mc else None,
             proc_us=tp, thread_us=tt, mpi_us=tm,
-            wrong=wp + wt + wm, wrong_detail=(wp, wt, wm)))
+            wrong=wp + wt + wm, wrong_detail=(wp, wt, wm),
+            spread=[(min(x), max(x)) if x else (None, None) for x in (lp, lt, lm)]))
 
     hdr = (f"{'size':>10}  {'oxccl-2proc':>11}  {'oxccl-2thr':>10}  {'MPI':>8}  {'memcpy':>8}"
            f"  {'oxccl/MPI':>9}  {'oxccl/memcpy':>12}  {'2proc us':>9}  {'MPI us':>9}")
     print(f"# {a.title}; busbw in GB/s (2(n-1)/n * bytes / time), memcpy in GB/s (1 thread)")
+    if a.repeats > 1:
+        print(f"# median time of {a.repeats} runs per size (min..max of each in the CSV)")
+    if a.note:
+        print(f"# {a.note}")
     print(hdr)
     print("-" * len(hdr))
     for r in table:
@@ -122,14 +136,17 @@ def main():
         w.writerow(["size_bytes", "oxccl_2proc_busbw_GBps", "oxccl_2thread_busbw_GBps", "mpi_busbw_GBps",
                     "memcpy_GBps", "ratio_oxccl2proc_over_mpi", "ratio_oxccl2proc_over_memcpy",
                     "oxccl_2proc_time_us", "oxccl_2thread_time_us", "mpi_time_us",
-                    "wrong_2proc", "wrong_2thread", "wrong_mpi"])
+                    "wrong_2proc", "wrong_2thread", "wrong_mpi",
+                    "oxccl_2proc_time_us_min", "oxccl_2proc_time_us_max",
+                    "oxccl_2thread_time_us_min", "oxccl_2thread_time_us_max",
+                    "mpi_time_us_min", "mpi_time_us_max"])
 
         def c(v):
             return "" if v is None else f"{v:.6g}"
         for r in table:
             w.writerow([r["size"], c(r["proc_bw"]), c(r["thread_bw"]), c(r["mpi_bw"]), c(r["memcpy"]),
                         c(r["ratio_mpi"]), c(r["ratio_memcpy"]), c(r["proc_us"]), c(r["thread_us"]),
-                        c(r["mpi_us"]), *r["wrong_detail"]])
+                        c(r["mpi_us"]), *r["wrong_detail"], *[c(v) for mm in r["spread"] for v in mm]])
     print(f"\nCSV: {a.csv}")
 
     by = {r["size"]: r for r in table}
