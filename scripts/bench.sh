@@ -1,0 +1,132 @@
+#!/usr/bin/env bash
+# scripts/bench.sh [--quick]
+#
+# One benchmark of oxccl's host executor on this machine, side by side with its baselines:
+#   (a) all_reduce_perf, 2 processes (env launcher RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT, shared memory)
+#   (b) all_reduce_perf -g 2: 2 ranks as threads of one process
+#   (c) OpenMPI MPI_Allreduce (nccl-tests-compat/bench/mpi_allreduce.c), mpirun -np 2
+#   (d) memcpy bandwidth (nccl-tests-compat/bench/memcpy_probe.c), the machine's copy ceiling
+# f32 sum, sizes 8 B .. 256 MiB by factor 2 (--quick: .. 16 MiB). Prints one table and the
+# project's targets with PASS/FAIL; writes target/bench/allreduce.{csv,png} and the raw outputs
+# under target/bench/raw/. Installs what it lacks (OpenMPI via apt-get, matplotlib via pip).
+# Iterations per size band (same for a, b, c; warm-up in parentheses):
+#   8 B .. 64 KiB: N_SMALL (W_SMALL)   128 KiB .. 8 MiB: N_MID (W_MID)   16 MiB ..: N_LARGE (W_LARGE)
+# The whole set of sweeps runs REPEATS times (default 3; --quick: 1), the kinds interleaved, and
+# the table shows each size's median time (the machine is shared: single runs are noisy).
+# Override with those environment variables. Nothing in the library is tuned here.
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+QUICK=0
+for arg in "$@"; do
+  case "$arg" in
+    --quick) QUICK=1 ;;
+    -h|--help) sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    *) echo "usage: $0 [--quick]" >&2; exit 2 ;;
+  esac
+done
+
+if [ "$QUICK" = 1 ]; then
+  MAX=16M; MAX_BYTES=$((16 << 20))
+  : "${N_SMALL:=300}" "${W_SMALL:=30}" "${N_MID:=40}" "${W_MID:=5}" "${N_LARGE:=10}" "${W_LARGE:=3}" "${REPEATS:=1}"
+else
+  MAX=256M; MAX_BYTES=$((256 << 20))
+  : "${N_SMALL:=1000}" "${W_SMALL:=100}" "${N_MID:=100}" "${W_MID:=10}" "${N_LARGE:=20}" "${W_LARGE:=5}" "${REPEATS:=3}"
+fi
+
+OUT="$ROOT/target/bench"
+RAW="$OUT/raw"
+BIN="$OUT/bin"
+LIB="$OUT/lib"
+mkdir -p "$RAW" "$BIN" "$LIB"
+rm -f "$RAW"/*.txt
+log() { printf '== %s\n' "$*" >&2; }
+die() { printf 'bench.sh: %s\n' "$*" >&2; exit 1; }
+SUDO=""
+[ "$(id -u)" = 0 ] || SUDO="sudo"
+
+# ---- prerequisites ------------------------------------------------------------------------
+if ! command -v mpicc >/dev/null || ! command -v mpirun >/dev/null; then
+  log "installing OpenMPI (openmpi-bin libopenmpi-dev)"
+  export DEBIAN_FRONTEND=noninteractive
+  $SUDO apt-get install -y -q openmpi-bin libopenmpi-dev >/dev/null 2>&1 ||
+    { $SUDO apt-get update -q >/dev/null && $SUDO apt-get install -y -q openmpi-bin libopenmpi-dev >/dev/null; } ||
+    die "could not install OpenMPI"
+fi
+PY=python3
+command -v "$PY" >/dev/null || die "python3 is needed for the report"
+if ! "$PY" -c 'import matplotlib' 2>/dev/null; then
+  log "installing matplotlib"
+  "$PY" -m pip install -q matplotlib >&2 || log "matplotlib could not be installed: no plot"
+fi
+
+# ---- build --------------------------------------------------------------------------------
+log "cargo build --release"
+(cd "$ROOT" && cargo build --release -q) || die "cargo build --release failed"
+SO="$ROOT/target/release/libnccl.so"
+[ -f "$SO" ] || die "$SO missing"
+[ "$(nm -D --defined-only "$SO" | grep -cw ncclAllReduce)" != 0 ] || die "$SO does not export ncclAllReduce (C ABI not merged yet?)"
+ln -sf "$SO" "$LIB/libnccl.so.2"   # the tools need the SONAME at run time
+log "building the perf tools and the probes"
+make -s -C "$ROOT/nccl-tests-compat" NCCL_LIB="$ROOT/target/release" BUILDDIR="$BIN" "$BIN/all_reduce_perf" >&2
+mpicc -O2 -Wall -Wextra -o "$BIN/mpi_allreduce" "$ROOT/nccl-tests-compat/bench/mpi_allreduce.c"
+cc -O2 -Wall -Wextra -std=c11 -o "$BIN/memcpy_probe" "$ROOT/nccl-tests-compat/bench/memcpy_probe.c"
+
+# ---- runs ---------------------------------------------------------------------------------
+# size bands: "min max iters warmup"
+BANDS=("8 64K $N_SMALL $W_SMALL" "128K 8M $N_MID $W_MID" "16M $MAX $N_LARGE $W_LARGE")
+oxenv=(env -u OXCCL_FAULT -u NCCL_TESTS_MIN_BW -u OMPI_COMM_WORLD_SIZE
+       LD_LIBRARY_PATH="$LIB${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" OXCCL_DEVICE=host)
+
+free_port() { "$PY" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+
+run_2proc() {  # min max iters warmup
+  local port pids=() rc=0
+  port="$(free_port)"
+  for r in 1 0; do
+    "${oxenv[@]}" RANK=$r LOCAL_RANK=$r WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT="$port" \
+      "$BIN/all_reduce_perf" -b "$1" -e "$2" -f 2 -n "$3" -w "$4" -d float -o sum -T 600 \
+      >"$RAW/2proc.rank$r.tmp" 2>&1 &
+    pids+=($!)
+  done
+  for p in "${pids[@]}"; do wait "$p" || rc=$?; done
+  cat "$RAW/2proc.rank0.tmp" >>"$RAW/oxccl-2proc.txt"
+  sed 's/^/[rank1] /' "$RAW/2proc.rank1.tmp" >>"$RAW/oxccl-2proc.rank1.txt"
+  rm -f "$RAW"/2proc.rank*.tmp
+  return $rc
+}
+run_2thread() {
+  "${oxenv[@]}" "$BIN/all_reduce_perf" -g 2 -b "$1" -e "$2" -f 2 -n "$3" -w "$4" -d float -o sum -T 600 \
+    >>"$RAW/oxccl-2thread.txt" 2>&1
+}
+run_mpi() {
+  mpirun --allow-run-as-root --oversubscribe -np 2 "$BIN/mpi_allreduce" -b "$1" -e "$2" -f 2 -n "$3" -w "$4" \
+    >>"$RAW/mpi.txt" 2>&1
+}
+
+START=$SECONDS
+STATUS=0
+LOAD0="$(cut -d' ' -f1-3 /proc/loadavg)"
+for rep in $(seq 1 "$REPEATS"); do
+  for band in "${BANDS[@]}"; do
+    read -r lo hi n w <<<"$band"
+    for kind in 2proc 2thread mpi; do
+      log "[$rep/$REPEATS] $kind all_reduce $lo..$hi, $n iters ($w warm-up)"
+      "run_$kind" "$lo" "$hi" "$n" "$w" || { STATUS=1; log "$kind run failed (exit $?), see $RAW"; }
+    done
+  done
+done
+log "memcpy probe 8..$MAX"
+"$BIN/memcpy_probe" -b 8 -e "$MAX" -f 2 -m "$([ "$QUICK" = 1 ] && echo 20 || echo 100)" -t 5 >"$RAW/memcpy.txt" || STATUS=1
+log "measured in $((SECONDS - START)) s"
+LOADS="load average (1/5/15 min) before: $LOAD0, after: $(cut -d' ' -f1-3 /proc/loadavg)"
+
+# ---- report -------------------------------------------------------------------------------
+echo
+"$PY" "$ROOT/nccl-tests-compat/bench/report.py" \
+  --proc "$RAW/oxccl-2proc.txt" --thread "$RAW/oxccl-2thread.txt" --mpi "$RAW/mpi.txt" \
+  --memcpy "$RAW/memcpy.txt" --csv "$OUT/allreduce.csv" --png "$OUT/allreduce.png" \
+  --max-bytes "$MAX_BYTES" --repeats "$REPEATS" --note "$LOADS" \
+  --title "all_reduce f32 sum, 2 ranks, $(nproc) cores$([ "$QUICK" = 1 ] && echo ' (--quick)')" || STATUS=1
+[ "$STATUS" = 0 ] || echo "bench.sh: some runs failed or reported wrong results; see $RAW" >&2
+exit "$STATUS"
