@@ -7,6 +7,7 @@ use crate::api::{CollArgs, StreamArg};
 use crate::comm::{Comm, Core};
 use crate::error::{Error, Result};
 use crate::exec::Task;
+use crate::plan::board::{BoardKind, BoardOp};
 use crate::plan::{self, direct, ring, RedSpec, Stage};
 use crate::transport::Class;
 use crate::types::{
@@ -315,44 +316,61 @@ fn build_task(qs: Vec<Queued>) -> Result<Task> {
             let root = a.root.max(0) as usize;
             let red = q.red;
             let fault = Some((a.dtype, a.recv, out_count(&a, core.nranks, core.rank)));
-            let stage = |p: plan::Program| {
+            let stage = |w: plan::Work| {
                 let mut s = Stage::default();
-                s.lanes.push(vec![p]);
+                s.lanes.push(vec![w]);
                 s.fault = fault;
                 s
             };
             match a.kind {
-                CollKind::AllReduce => task.stages.push_back(stage(ring::all_reduce(
-                    l,
-                    a.send,
-                    a.recv,
-                    a.count,
-                    a.dtype,
-                    red.expect("red"),
-                )?)),
-                CollKind::ReduceScatter => task.stages.push_back(stage(ring::reduce_scatter(
-                    l,
-                    a.send,
-                    a.recv,
-                    a.count,
-                    a.dtype,
-                    red.expect("red"),
-                )?)),
-                CollKind::AllGather => task.stages.push_back(stage(ring::all_gather(
-                    l, a.send, a.recv, a.count, a.dtype,
-                )?)),
-                CollKind::Broadcast => task.stages.push_back(stage(ring::broadcast(
-                    l, a.send, a.recv, a.count, a.dtype, root,
-                )?)),
-                CollKind::Reduce => task.stages.push_back(stage(ring::reduce(
-                    l,
-                    a.send,
-                    a.recv,
-                    a.count,
-                    a.dtype,
-                    red.expect("red"),
-                    root,
-                )?)),
+                CollKind::AllReduce
+                | CollKind::ReduceScatter
+                | CollKind::AllGather
+                | CollKind::Broadcast
+                | CollKind::Reduce => {
+                    let (prog, bk) = match a.kind {
+                        CollKind::AllReduce => (
+                            ring::all_reduce(l, a.send, a.recv, a.count, a.dtype, red.expect("red"))?,
+                            BoardKind::AllReduce,
+                        ),
+                        CollKind::ReduceScatter => (
+                            ring::reduce_scatter(l, a.send, a.recv, a.count, a.dtype, red.expect("red"))?,
+                            BoardKind::ReduceScatter,
+                        ),
+                        CollKind::AllGather => (
+                            ring::all_gather(l, a.send, a.recv, a.count, a.dtype)?,
+                            BoardKind::AllGather,
+                        ),
+                        CollKind::Broadcast => (
+                            ring::broadcast(l, a.send, a.recv, a.count, a.dtype, root)?,
+                            BoardKind::Broadcast,
+                        ),
+                        _ => (
+                            ring::reduce(l, a.send, a.recv, a.count, a.dtype, red.expect("red"), root)?,
+                            BoardKind::Reduce,
+                        ),
+                    };
+                    let board = if core.nranks > 1 { core.board_op() } else { None };
+                    let work = match board {
+                        Some((board, seq)) => plan::Work::Board(Box::new(BoardOp {
+                            board,
+                            maps: core.maps.clone(),
+                            seq,
+                            rank: core.rank,
+                            nranks: core.nranks,
+                            kind: bk,
+                            send: a.send,
+                            recv: a.recv,
+                            count: a.count,
+                            dtype: a.dtype,
+                            red,
+                            root,
+                            fallback: prog,
+                        })),
+                        None => prog.into(),
+                    };
+                    task.stages.push_back(stage(work));
+                }
                 CollKind::AlltoAll => {
                     let mut s = direct::all_to_all(l, a.send, a.recv, a.count, a.dtype)?;
                     s.fault = fault;
@@ -417,7 +435,10 @@ fn build_task(qs: Vec<Queued>) -> Result<Task> {
     res?;
     // The ticket is taken only once planning succeeded, so a failed plan never blocks the comm.
     task.ticket = core.take_ticket();
-    task.p2p = p2p_lanes.into_iter().map(|(_, v)| v).collect();
+    task.p2p = p2p_lanes
+        .into_iter()
+        .map(|(_, v)| v.into_iter().map(plan::Work::from).collect())
+        .collect();
     Ok(task)
 }
 

@@ -4,17 +4,23 @@
 use crate::error::{Error, Result};
 use nix::sys::mman::{mmap, munmap, MapFlags, ProtFlags};
 use parking_lot::Mutex;
-use std::collections::HashMap;
+use crate::transport::board::BufInfo;
+use std::collections::{BTreeMap, HashMap};
+use std::os::fd::AsRawFd;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::num::NonZeroUsize;
 use std::os::fd::OwnedFd;
 use std::ptr::NonNull;
 
 struct Alloc {
     len: usize,
-    _fd: OwnedFd,
+    id: u64,
+    fd: OwnedFd,
 }
 
-static ALLOCS: Mutex<Option<HashMap<usize, Alloc>>> = Mutex::new(None);
+/// Live allocations by base address.
+static ALLOCS: Mutex<BTreeMap<usize, Alloc>> = Mutex::new(BTreeMap::new());
+static NEXT_ID: AtomicU64 = AtomicU64::new(1);
 
 pub fn alloc(size: usize) -> Result<usize> {
     if size == 0 {
@@ -43,10 +49,8 @@ pub fn alloc(size: usize) -> Result<usize> {
     }
     .map_err(|e| Error::os(format!("ncclMemAlloc: mmap of {size} bytes"), e))?;
     let addr = p.as_ptr() as usize;
-    ALLOCS
-        .lock()
-        .get_or_insert_with(HashMap::new)
-        .insert(addr, Alloc { len, _fd: fd });
+    let id = NEXT_ID.fetch_add(1, Ordering::Relaxed);
+    ALLOCS.lock().insert(addr, Alloc { len, id, fd });
     Ok(addr)
 }
 
@@ -56,8 +60,7 @@ pub fn free(ptr: usize) -> Result<()> {
     }
     let a = ALLOCS
         .lock()
-        .as_mut()
-        .and_then(|m| m.remove(&ptr))
+        .remove(&ptr)
         .ok_or_else(|| {
             Error::invalid_argument(format!(
                 "ncclMemFree: {ptr:#x} was not returned by ncclMemAlloc (or is already freed)"
@@ -71,4 +74,88 @@ pub fn free(ptr: usize) -> Result<()> {
         )
     }
     .map_err(|e| Error::os("ncclMemFree: munmap", e))
+}
+
+/// How a peer process can reach `bytes` bytes at `addr`: through the `ncclMemAlloc` allocation
+/// holding them, if there is one.
+pub fn describe(addr: usize, bytes: usize) -> BufInfo {
+    let allocs = ALLOCS.lock();
+    let mut info = BufInfo {
+        addr: addr as u64,
+        ..BufInfo::default()
+    };
+    if let Some((&base, a)) = allocs.range(..=addr).next_back() {
+        if addr + bytes <= base + a.len {
+            info.alloc_id = a.id;
+            info.fd = a.fd.as_raw_fd() as u64;
+            info.base = base as u64;
+            info.len = a.len as u64;
+        }
+    }
+    info
+}
+
+struct Mapping {
+    ptr: NonNull<std::ffi::c_void>,
+    len: usize,
+}
+
+// SAFETY: a shared mapping owned by this struct; peers synchronise through the board.
+unsafe impl Send for Mapping {}
+
+impl Drop for Mapping {
+    fn drop(&mut self) {
+        // SAFETY: mapped by `PeerMaps::resolve` with this length.
+        let _ = unsafe { munmap(self.ptr, self.len) };
+    }
+}
+
+/// Peers' `ncclMemAlloc` allocations mapped into this process, by (pid, allocation id).
+#[derive(Default)]
+pub struct PeerMaps {
+    maps: Mutex<HashMap<(u32, u64), Mapping>>,
+}
+
+impl PeerMaps {
+    /// The local address of a peer's buffer: its own address when the peer is this process, a
+    /// mapping of its allocation when it has one; None when it cannot be reached.
+    pub fn resolve(&self, pid: u32, info: &BufInfo) -> Result<Option<usize>> {
+        if pid == std::process::id() {
+            return Ok(Some(info.addr as usize));
+        }
+        if info.alloc_id == 0 {
+            return Ok(None);
+        }
+        let mut maps = self.maps.lock();
+        let key = (pid, info.alloc_id);
+        if !maps.contains_key(&key) {
+            let path = format!("/proc/{pid}/fd/{}", info.fd);
+            let f = std::fs::OpenOptions::new()
+                .read(true)
+                .write(true)
+                .open(&path)
+                .map_err(|e| Error::os(format!("mapping a peer's ncclMemAlloc buffer ({path})"), e))?;
+            let len = info.len as usize;
+            if f.metadata().map(|m| m.len()).unwrap_or(0) != len as u64 {
+                return Err(Error::system(format!(
+                    "{path} is not the peer's allocation of {len} bytes"
+                )));
+            }
+            // SAFETY: a fresh shared mapping of the peer's memfd, of its full length.
+            let ptr = unsafe {
+                mmap(
+                    None,
+                    NonZeroUsize::new(len).ok_or_else(|| Error::internal("empty allocation"))?,
+                    ProtFlags::PROT_READ | ProtFlags::PROT_WRITE,
+                    MapFlags::MAP_SHARED,
+                    &f,
+                    0,
+                )
+            }
+            .map_err(|e| Error::os(format!("mmap of {path}"), e))?;
+            maps.insert(key, Mapping { ptr, len });
+        }
+        let m = &maps[&key];
+        Ok(Some(m.ptr.as_ptr() as usize + (info.addr - info.base) as usize))
+    }
 }

@@ -95,3 +95,14 @@ pub fn fault_corrupt() -> bool {
         once_cell::sync::Lazy::new(|| raw("OXCCL_FAULT").as_deref() == Some("corrupt"));
     *F
 }
+
+/// Whether direct (board, zero-copy) algorithms may be used: not when `OXCCL_ALGO=ring`, nor when
+/// `NCCL_ALGO` asks for Ring only.
+pub fn direct_algorithms() -> bool {
+    static D: once_cell::sync::Lazy<bool> = once_cell::sync::Lazy::new(|| {
+        let ox = raw("OXCCL_ALGO").map(|v| v.to_ascii_lowercase());
+        let nc = raw("NCCL_ALGO").map(|v| v.to_ascii_lowercase());
+        !(ox.as_deref() == Some("ring") || nc.as_deref() == Some("ring"))
+    });
+    *D
+}

@@ -10,6 +10,8 @@ use crate::api::{CommConfig, UNIQUE_ID_BYTES};
 use crate::bootstrap::{Bootstrap, UniqueId};
 use crate::error::{Code, Error, Result};
 use crate::plan::ring::Links;
+use crate::memory::PeerMaps;
+use crate::transport::board::Board;
 use crate::transport::{self, Class, Conn, Locality};
 use once_cell::sync::OnceCell;
 use parking_lot::Mutex;
@@ -36,6 +38,11 @@ pub struct Core {
     abort: Arc<AtomicBool>,
     broken: Mutex<Option<Error>>,
     bootstrap: Mutex<Option<Bootstrap>>,
+    /// The board of direct algorithms (all ranks on this host), its operation counter, and the
+    /// peers' buffers mapped into this process.
+    board: Mutex<Option<Arc<Board>>>,
+    board_seq: AtomicU64,
+    pub maps: Arc<PeerMaps>,
 }
 
 impl Core {
@@ -99,8 +106,19 @@ impl Core {
         Ok(())
     }
 
+    /// The board and the sequence number of the next direct operation, if direct algorithms
+    /// are available and allowed.
+    pub fn board_op(&self) -> Option<(Arc<Board>, u64)> {
+        if !crate::param::direct_algorithms() {
+            return None;
+        }
+        let b = self.board.lock().clone()?;
+        Some((b, self.board_seq.fetch_add(1, Ordering::AcqRel) + 1))
+    }
+
     fn teardown(&self) {
         self.conns.lock().clear();
+        let _ = self.board.lock().take();
         // Dropping the bootstrap closes its sockets and joins its threads.
         let _ = self.bootstrap.lock().take();
     }
@@ -280,6 +298,12 @@ fn build_core(p: PendingInit) -> Result<Core> {
             .count() as i32,
     };
     let hash = boot.comm_hash();
+    let board = if p.nranks > 1 && peers.iter().all(|q| q.host == me.host) {
+        let shared = peers.iter().any(|q| q.pid != me.pid);
+        Some(Arc::new(Board::open(hash, p.nranks, shared)?))
+    } else {
+        None
+    };
     crate::debug::info(&format!(
         "comm {hash:#x} rank {} nRanks {} nNodes 1 localRanks {} - Init COMPLETE (host executor)",
         p.rank,
@@ -301,6 +325,9 @@ fn build_core(p: PendingInit) -> Result<Core> {
         abort,
         broken: Mutex::new(None),
         bootstrap: Mutex::new(Some(boot)),
+        board: Mutex::new(board),
+        board_seq: AtomicU64::new(0),
+        maps: Arc::new(PeerMaps::default()),
     })
 }
 

@@ -3,164 +3,65 @@
 //! Nothing blocks: several ranks' tasks can be driven by one thread, as `ncclGroupEnd` over
 //! several communicators requires.
 
+use super::board::BoardState;
+use super::steps::{poll_program, Cursor, Poll};
 use super::task::{Outcome, Task};
 use crate::comm::Core;
 use crate::error::{Error, Result};
-use crate::plan::{Prim, Program};
-use crate::reduce::Reducer;
+use crate::plan::Work;
+use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
-/// Where a program is: iteration, step, and its resolved reduction.
-struct Cursor {
-    iter: usize,
-    step: usize,
-    reducer: Option<Reducer>,
+/// Where the current work of a lane is.
+enum Cur {
+    Steps(Cursor),
+    Board(BoardState),
 }
 
 struct Lane {
-    programs: std::collections::VecDeque<Program>,
-    cur: Option<Cursor>,
+    works: VecDeque<Work>,
+    cur: Option<Cur>,
 }
 
 impl Lane {
-    fn new(programs: Vec<Program>) -> Lane {
+    fn new(works: Vec<Work>) -> Lane {
         Lane {
-            programs: programs.into(),
+            works: works.into(),
             cur: None,
         }
     }
     fn done(&self) -> bool {
-        self.programs.is_empty()
+        self.works.is_empty()
     }
 }
 
-#[derive(PartialEq, Eq, Clone, Copy)]
-enum Poll {
-    Done,
-    Progress,
-    Blocked,
-}
-
-/// Copy `bytes` bytes; `src == dst` is a no-op.
-///
-/// # Safety
-/// Both ranges valid; equal or disjoint.
-#[inline]
-unsafe fn copy(dst: *mut u8, src: *const u8, bytes: usize) {
-    if bytes > 0 && !std::ptr::eq(dst, src) {
-        // SAFETY: per the contract above.
-        unsafe { std::ptr::copy_nonoverlapping(src, dst, bytes) };
-    }
-}
-
-/// Runs as many slices of the lane's current program as the connections allow.
-fn poll_lane(lane: &mut Lane) -> Poll {
+/// Runs the lane's work in order as far as it can go without waiting.
+fn poll_lane(lane: &mut Lane) -> Result<Poll> {
     let mut progressed = false;
     loop {
-        let Some(prog) = lane.programs.front() else {
-            return Poll::Done;
+        let Some(work) = lane.works.front_mut() else {
+            return Ok(Poll::Done);
         };
-        let cur = lane.cur.get_or_insert_with(|| Cursor {
-            iter: 0,
-            step: 0,
-            reducer: prog.red.map(|r| Reducer::new(r.resolve())),
+        let cur = lane.cur.get_or_insert_with(|| match work {
+            Work::Steps(p) => Cur::Steps(Cursor::new(p)),
+            Work::Board(op) => Cur::Board(BoardState::new(op)),
         });
-        if cur.iter >= prog.niter || prog.steps.is_empty() {
-            lane.programs.pop_front();
-            lane.cur = None;
-            progressed = true;
-            continue;
-        }
-        let (off, n) = prog.slice_of(cur.step, cur.iter);
-        if n > 0 && !run_step(prog, cur, off, n) {
-            return if progressed {
-                Poll::Progress
-            } else {
-                Poll::Blocked
-            };
-        }
-        progressed = true;
-        cur.step += 1;
-        if cur.step == prog.steps.len() {
-            cur.step = 0;
-            cur.iter += 1;
+        let p = match (work, cur) {
+            (Work::Steps(prog), Cur::Steps(c)) => poll_program(prog, c),
+            (Work::Board(op), Cur::Board(st)) => st.poll(op)?,
+            _ => unreachable!("a lane's cursor matches its work"),
+        };
+        match p {
+            Poll::Done => {
+                lane.works.pop_front();
+                lane.cur = None;
+                progressed = true;
+            }
+            Poll::Progress => return Ok(Poll::Progress),
+            Poll::Blocked if progressed => return Ok(Poll::Progress),
+            Poll::Blocked => return Ok(Poll::Blocked),
         }
     }
-}
-
-/// Performs step `cur.step` on `n` elements at element offset `off`, if its slots are ready.
-fn run_step(prog: &Program, cur: &Cursor, off: usize, n: usize) -> bool {
-    let s = &prog.steps[cur.step];
-    let es = prog.esize;
-    let bytes = n * es;
-    let rslot = match &s.recv {
-        Some(c) => match c.recv_slot() {
-            Some(x) => Some(x),
-            None => return false,
-        },
-        None => None,
-    };
-    let sslot = match &s.send {
-        Some(c) => match c.send_slot() {
-            Some(x) => Some(x),
-            None => return false,
-        },
-        None => None,
-    };
-    let src = (s.src + off * es) as *const u8;
-    let dst = (s.dst + off * es) as *mut u8;
-    let inp = rslot.map(|x| x.1).unwrap_or(std::ptr::null());
-    let out = sslot.map(|x| x.1).unwrap_or(std::ptr::null_mut());
-    let red = cur.reducer.as_ref();
-    // SAFETY: src/dst lie inside the caller's buffers (validated at enqueue: `len` elements from
-    // the segment start), slots hold `slot_bytes >= bytes`, and a slot is owned by this side
-    // between seeing it ready and posting it.
-    unsafe {
-        match s.prim {
-            Prim::Send => match red {
-                Some(r) if s.prep => r.prep(out, src, n),
-                _ => copy(out, src, bytes),
-            },
-            Prim::Recv => copy(dst, inp, bytes),
-            Prim::CopySend => {
-                copy(dst, src, bytes);
-                copy(out, src, bytes);
-            }
-            Prim::RecvCopySend => {
-                copy(dst, inp, bytes);
-                copy(out, inp, bytes);
-            }
-            Prim::RecvReduceSend => reducer(red).combine(out, src, inp, n),
-            Prim::RecvReduceCopy => {
-                let r = reducer(red);
-                r.combine(dst, src, inp, n);
-                r.finish(dst, dst, n);
-            }
-            Prim::RecvReduceCopySend => {
-                let r = reducer(red);
-                r.combine(dst, src, inp, n);
-                r.finish(dst, dst, n);
-                copy(out, dst, bytes);
-            }
-            Prim::LocalCopy => copy(dst, src, bytes),
-            Prim::LocalReduce => {
-                let r = reducer(red);
-                r.prep(dst, src, n);
-                r.finish(dst, dst, n);
-            }
-        }
-    }
-    if let (Some(c), Some((step, _))) = (&s.recv, rslot) {
-        c.post_recv(step);
-    }
-    if let (Some(c), Some((step, _))) = (&s.send, sslot) {
-        c.post_send(step);
-    }
-    true
-}
-
-fn reducer(r: Option<&Reducer>) -> &Reducer {
-    r.expect("planner attaches a reduction to every reducing program")
 }
 
 /// A task being run.
@@ -212,7 +113,11 @@ impl Running {
         loop {
             let mut all_done = true;
             for l in &mut self.stage_lanes {
-                match poll_lane(l) {
+                let polled = match poll_lane(l) {
+                    Ok(p) => p,
+                    Err(e) => return self.finish(Err(e)),
+                };
+                match polled {
                     Poll::Progress => {
                         progress = true;
                         all_done = false;
@@ -231,7 +136,11 @@ impl Running {
         let stage_done = self.task.stages.is_empty() && self.stage_lanes.iter().all(Lane::done);
         let mut p2p_done = true;
         for l in &mut self.p2p {
-            match poll_lane(l) {
+            let polled = match poll_lane(l) {
+                Ok(p) => p,
+                Err(e) => return self.finish(Err(e)),
+            };
+            match polled {
                 Poll::Progress => {
                     progress = true;
                     p2p_done = false;
@@ -322,15 +231,11 @@ impl Running {
 }
 
 fn describe_wait(l: &Lane) -> Option<String> {
-    let p = l.programs.front()?;
-    let c = l.cur.as_ref()?;
-    let s = p.steps.get(c.step)?;
-    let conn = s
-        .recv
-        .as_ref()
-        .filter(|c| c.recv_slot().is_none())
-        .or(s.send.as_ref())?;
-    Some(conn.describe())
+    match (l.works.front()?, l.cur.as_ref()?) {
+        (Work::Steps(p), Cur::Steps(c)) => c.describe_wait(p),
+        (Work::Board(op), Cur::Board(st)) => Some(st.describe_wait(op)),
+        _ => None,
+    }
 }
 
 /// Runs tasks to completion on this thread; returns each task's result.

@@ -2,7 +2,9 @@
 //! and reductions, polling the connections' counters); the CUDA executor (a later step) runs the
 //! same programs with the same counters on a GPU stream.
 
+mod board;
 pub mod host;
+mod steps;
 pub mod task;
 
 pub use task::Task;

@@ -4,7 +4,7 @@
 
 use crate::comm::Core;
 use crate::error::Result;
-use crate::plan::{Program, Stage};
+use crate::plan::{Stage, Work};
 use std::collections::VecDeque;
 use std::sync::Arc;
 
@@ -12,7 +12,7 @@ pub struct Task {
     pub core: Arc<Core>,
     pub ticket: u64,
     pub stages: VecDeque<Stage>,
-    pub p2p: Vec<Vec<Program>>,
+    pub p2p: Vec<Vec<Work>>,
     /// What the task does, for log and timeout messages.
     pub what: String,
 }

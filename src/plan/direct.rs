@@ -87,20 +87,20 @@ pub fn all_to_all(
     } else {
         send
     };
-    stage.lanes.push(vec![local_copy(
+    stage.lanes.push(vec![(local_copy(
         l,
         src + r * count * es,
         recv + r * count * es,
         count,
         dtype,
-    )]);
+    )).into()]);
     for p in (0..n).filter(|&p| p != r) {
         stage
             .lanes
-            .push(vec![send_p(l, src + p * count * es, count, dtype, p)?]);
+            .push(vec![send_p(l, src + p * count * es, count, dtype, p)?.into()]);
         stage
             .lanes
-            .push(vec![recv_p(l, recv + p * count * es, count, dtype, p)?]);
+            .push(vec![recv_p(l, recv + p * count * es, count, dtype, p)?.into()]);
     }
     Ok(stage)
 }
@@ -124,20 +124,20 @@ pub fn gather(
     let (r, n, es) = (l.rank(), l.nranks(), dtype.size());
     let mut stage = Stage::default();
     if r != root {
-        stage.lanes.push(vec![send_p(l, send, count, dtype, root)?]);
+        stage.lanes.push(vec![(send_p(l, send, count, dtype, root)?).into()]);
         return Ok(stage);
     }
-    stage.lanes.push(vec![local_copy(
+    stage.lanes.push(vec![(local_copy(
         l,
         send,
         recv + r * count * es,
         count,
         dtype,
-    )]);
+    )).into()]);
     for p in (0..n).filter(|&p| p != r) {
         stage
             .lanes
-            .push(vec![recv_p(l, recv + p * count * es, count, dtype, p)?]);
+            .push(vec![recv_p(l, recv + p * count * es, count, dtype, p)?.into()]);
     }
     Ok(stage)
 }
@@ -153,21 +153,21 @@ pub fn scatter(
     let (r, n, es) = (l.rank(), l.nranks(), dtype.size());
     let mut stage = Stage::default();
     if r != root {
-        stage.lanes.push(vec![recv_p(l, recv, count, dtype, root)?]);
+        stage.lanes.push(vec![(recv_p(l, recv, count, dtype, root)?).into()]);
         return Ok(stage);
     }
     for p in (0..n).filter(|&p| p != r) {
         stage
             .lanes
-            .push(vec![send_p(l, send + p * count * es, count, dtype, p)?]);
+            .push(vec![send_p(l, send + p * count * es, count, dtype, p)?.into()]);
     }
     // Last, so an in-place root does not overwrite blocks before they are sent.
-    stage.lanes.push(vec![local_copy(
+    stage.lanes.push(vec![(local_copy(
         l,
         send + r * count * es,
         recv,
         count,
         dtype,
-    )]);
+    )).into()]);
     Ok(stage)
 }

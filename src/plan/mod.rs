@@ -4,6 +4,7 @@
 //! repeated for each slice of the data (one FIFO slot per step and slice). Lanes run concurrently;
 //! the programs of a lane run in order. Executors run programs without knowing the transport.
 
+pub mod board;
 pub mod direct;
 pub mod ring;
 
@@ -153,10 +154,23 @@ impl Program {
     }
 }
 
-/// Lanes run concurrently; programs in a lane in order.
+/// A unit of work in a lane: a step program over connections, or a direct operation over the
+/// communicator's board.
+pub enum Work {
+    Steps(Program),
+    Board(Box<board::BoardOp>),
+}
+
+impl From<Program> for Work {
+    fn from(p: Program) -> Work {
+        Work::Steps(p)
+    }
+}
+
+/// Lanes run concurrently; the work of a lane in order.
 #[derive(Default)]
 pub struct Stage {
-    pub lanes: Vec<Vec<Program>>,
+    pub lanes: Vec<Vec<Work>>,
     /// Output to spoil on purpose after the stage (OXCCL_FAULT=corrupt): (dtype, address, count).
     pub fault: Option<(DataType, usize, usize)>,
     /// Scratch memory the stage's programs point into; freed with the stage.

@@ -6,6 +6,7 @@
 //!
 //! The executor never knows which one it has.
 
+pub mod board;
 pub mod inproc;
 pub mod shm;
 

@@ -1,0 +1,211 @@
+//! Direct operations over the board, on the host: publish, wait for every rank to arrive, then
+//! compute this rank's share straight between the peers' buffers, post done, and wait until every
+//! rank is done (peers write into our output). Falls back to the op's ring program when some
+//! peer buffer cannot be reached.
+
+use super::steps::{copy, poll_program, Cursor, Poll};
+use crate::error::{Error, Result};
+use crate::plan::board::{BoardKind, BoardOp};
+use crate::plan::segment;
+use crate::reduce::Reducer;
+
+/// Bytes reduced at a time: small enough to stay in cache between the reduction and the copies.
+const SLICE_BYTES: usize = 64 << 10;
+
+enum Phase {
+    Publish,
+    Arrive,
+    Fallback(Cursor),
+    Done,
+}
+
+pub(super) struct BoardState {
+    phase: Phase,
+}
+
+impl BoardState {
+    pub(super) fn new(_op: &BoardOp) -> BoardState {
+        BoardState {
+            phase: Phase::Publish,
+        }
+    }
+
+    pub(super) fn describe_wait(&self, op: &BoardOp) -> String {
+        let (what, test): (&str, &dyn Fn(usize) -> bool) = match self.phase {
+            Phase::Done => ("finish", &|p| op.board.is_done(p, op.seq)),
+            _ => ("arrive", &|p| op.board.arrived(p, op.seq)),
+        };
+        let late: Vec<String> = (0..op.nranks)
+            .filter(|&p| !test(p))
+            .map(|p| p.to_string())
+            .collect();
+        format!(
+            "rank(s) {} to {what} direct operation #{}",
+            late.join(","),
+            op.seq
+        )
+    }
+
+    pub(super) fn poll(&mut self, op: &BoardOp) -> Result<Poll> {
+        let mut progressed = false;
+        loop {
+            match &mut self.phase {
+                Phase::Publish => {
+                    let (sb, rb) = op.extents();
+                    let send = crate::memory::describe(op.send, sb);
+                    let recv = crate::memory::describe(op.recv, rb);
+                    op.board.publish(op.rank, op.seq, send, recv);
+                    self.phase = Phase::Arrive;
+                    progressed = true;
+                }
+                Phase::Arrive => {
+                    if !(0..op.nranks).all(|p| op.board.arrived(p, op.seq)) {
+                        return Ok(if progressed { Poll::Progress } else { Poll::Blocked });
+                    }
+                    match resolve(op)? {
+                        Some(peers) => {
+                            compute(op, &peers);
+                            op.board.post_done(op.rank, op.seq);
+                            self.phase = Phase::Done;
+                        }
+                        None => self.phase = Phase::Fallback(Cursor::new(&op.fallback)),
+                    }
+                    progressed = true;
+                }
+                Phase::Fallback(c) => match poll_program(&op.fallback, c) {
+                    Poll::Done => {
+                        op.board.post_done(op.rank, op.seq);
+                        self.phase = Phase::Done;
+                        progressed = true;
+                    }
+                    p => return Ok(p),
+                },
+                Phase::Done => {
+                    return Ok(if (0..op.nranks).all(|p| op.board.is_done(p, op.seq)) {
+                        Poll::Done
+                    } else if progressed {
+                        Poll::Progress
+                    } else {
+                        Poll::Blocked
+                    });
+                }
+            }
+        }
+    }
+}
+
+/// Local addresses of every rank's (send, recv) buffers, or None when one this rank needs cannot
+/// be reached. Every rank reaches the same verdict: it depends only on what all ranks published.
+fn resolve(op: &BoardOp) -> Result<Option<Vec<(usize, usize)>>> {
+    // Reachability first, from the published facts alone (identical on every rank).
+    let mut infos = Vec::with_capacity(op.nranks);
+    for p in 0..op.nranks {
+        let (pid, s, r) = op.board.peer(p);
+        infos.push((pid, s, r));
+    }
+    // A rank needs what its role needs; the verdict must not depend on the role, so check the
+    // union of every rank's needs: all sends, and every recv that some rank writes.
+    let writes_peer_recv = matches!(op.kind, BoardKind::AllReduce | BoardKind::Reduce);
+    let all_ok = (0..op.nranks).all(|p| {
+        let want_recv = writes_peer_recv && (op.kind == BoardKind::AllReduce || p == op.root);
+        let want_send = op.kind != BoardKind::Broadcast || p == op.root;
+        let (pid, s, r) = &infos[p];
+        // Reachable from every process: same-process peers count only when all ranks share it.
+        let from_all = |i: &crate::transport::board::BufInfo| {
+            i.alloc_id != 0 || infos.iter().all(|(q, _, _)| q == pid)
+        };
+        (!want_send || from_all(s)) && (!want_recv || from_all(r))
+    });
+    if !all_ok {
+        return Ok(None);
+    }
+    let mut out = Vec::with_capacity(op.nranks);
+    for p in 0..op.nranks {
+        let (pid, s, r) = infos[p];
+        if p == op.rank {
+            out.push((op.send, op.recv));
+            continue;
+        }
+        let (ws, wr) = op.needs(p);
+        let sa = if ws { op.maps.resolve(pid, &s)? } else { Some(0) };
+        let ra = if wr { op.maps.resolve(pid, &r)? } else { Some(0) };
+        match (sa, ra) {
+            (Some(sa), Some(ra)) => out.push((sa, ra)),
+            _ => {
+                return Err(Error::internal(format!(
+                    "direct operation #{}: rank {p}'s buffer is unreachable after all",
+                    op.seq
+                )))
+            }
+        }
+    }
+    Ok(Some(out))
+}
+
+/// Reduces `elems` elements at element offset `at` of every rank's send buffer (`src(p)`) into
+/// `acc`, then finishes them.
+///
+/// # Safety
+/// Every `src(p) + at` range is valid for `elems` elements; `acc` holds them.
+unsafe fn reduce_into(red: &Reducer, n: usize, src: &dyn Fn(usize) -> usize, at: usize, es: usize, acc: *mut u8, elems: usize) {
+    // SAFETY: per the contract; `acc` is a private scratch buffer.
+    unsafe {
+        red.prep(acc, (src(0) + at * es) as *const u8, elems);
+        for p in 1..n {
+            red.combine(acc, (src(p) + at * es) as *const u8, acc, elems);
+        }
+        red.finish(acc, acc, elems);
+    }
+}
+
+fn compute(op: &BoardOp, peers: &[(usize, usize)]) {
+    let (n, r, es, c) = (op.nranks, op.rank, op.dtype.size(), op.count);
+    let send = |p: usize| peers[p].0;
+    let recv = |p: usize| peers[p].1;
+    let slice = (SLICE_BYTES / es).max(1);
+    let red = op.red.map(|s| Reducer::new(s.resolve()));
+    let mut scratch = vec![0u8; slice * es];
+    let acc = scratch.as_mut_ptr();
+    // SAFETY: every address comes from a rank's validated buffer (its own, mapped, or in this
+    // process) and stays within the extents that rank published; only this rank writes the
+    // ranges it owns (its segment or block) until everyone is done.
+    unsafe {
+        match op.kind {
+            BoardKind::AllReduce | BoardKind::Reduce => {
+                let red = red.as_ref().expect("reduction");
+                let (off, len) = segment(c, n, r);
+                let mut o = 0;
+                while o < len {
+                    let m = slice.min(len - o);
+                    reduce_into(red, n, &send, off + o, es, acc, m);
+                    if op.kind == BoardKind::AllReduce {
+                        for p in 0..n {
+                            copy((recv(p) + (off + o) * es) as *mut u8, acc, m * es);
+                        }
+                    } else {
+                        copy((recv(op.root) + (off + o) * es) as *mut u8, acc, m * es);
+                    }
+                    o += m;
+                }
+            }
+            BoardKind::ReduceScatter => {
+                let red = red.as_ref().expect("reduction");
+                let mut o = 0;
+                while o < c {
+                    let m = slice.min(c - o);
+                    reduce_into(red, n, &send, r * c + o, es, acc, m);
+                    copy((recv(r) + o * es) as *mut u8, acc, m * es);
+                    o += m;
+                }
+            }
+            BoardKind::AllGather => {
+                for p in 0..n {
+                    copy((recv(r) + p * c * es) as *mut u8, send(p) as *const u8, c * es);
+                }
+            }
+            BoardKind::Broadcast => {
+                copy(recv(r) as *mut u8, send(op.root) as *const u8, c * es);
+            }
+        }
+    }
+}

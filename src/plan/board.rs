@@ -1,0 +1,67 @@
+//! Direct (zero-copy) algorithms over the communicator's board: every rank publishes where its
+//! buffers are, then reads its peers' inputs and writes their outputs in place. Each rank owns one
+//! segment of the work, so each element is read once per input and written once per output; two
+//! board rounds (arrive, done) replace the 2(n-1) FIFO hops of a ring.
+//!
+//! Whether peers' buffers can be reached is only known once everyone has published (another
+//! process's buffer must come from `ncclMemAlloc`); every rank decides the same way from the same
+//! published facts, and falls back to the ring program it carries when some buffer cannot be
+//! reached.
+
+use super::{Program, RedSpec};
+use crate::memory::PeerMaps;
+use crate::transport::board::Board;
+use crate::types::DataType;
+use std::sync::Arc;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BoardKind {
+    AllReduce,
+    Reduce,
+    ReduceScatter,
+    AllGather,
+    Broadcast,
+}
+
+pub struct BoardOp {
+    pub board: Arc<Board>,
+    pub maps: Arc<PeerMaps>,
+    pub seq: u64,
+    pub rank: usize,
+    pub nranks: usize,
+    pub kind: BoardKind,
+    pub send: usize,
+    pub recv: usize,
+    /// Elements: per rank for ReduceScatter/AllGather, of the vector otherwise.
+    pub count: usize,
+    pub dtype: DataType,
+    pub red: Option<RedSpec>,
+    pub root: usize,
+    /// What runs instead when some peer buffer cannot be reached.
+    pub fallback: Program,
+}
+
+impl BoardOp {
+    /// Bytes of this rank's send and receive buffers that the operation touches.
+    pub fn extents(&self) -> (usize, usize) {
+        let (n, c, es) = (self.nranks, self.count, self.dtype.size());
+        match self.kind {
+            BoardKind::AllReduce | BoardKind::Reduce | BoardKind::Broadcast => (c * es, c * es),
+            BoardKind::ReduceScatter => (n * c * es, c * es),
+            BoardKind::AllGather => (c * es, n * c * es),
+        }
+    }
+
+    /// Which peers' (send, recv) buffers this rank needs.
+    pub fn needs(&self, peer: usize) -> (bool, bool) {
+        if peer == self.rank {
+            return (false, false);
+        }
+        match self.kind {
+            BoardKind::AllReduce => (true, true),
+            BoardKind::Reduce => (true, peer == self.root),
+            BoardKind::ReduceScatter | BoardKind::AllGather => (true, false),
+            BoardKind::Broadcast => (peer == self.root, false),
+        }
+    }
+}

@@ -1,0 +1,132 @@
+//! The board: one small region per communicator, shared by all its ranks on this host, where each
+//! rank publishes, per operation, where its buffers are and how far it has got. Direct algorithms
+//! use it to read and write peers' buffers in place (zero copy): ranks of one process address each
+//! other's memory directly; ranks in other processes map `ncclMemAlloc` memory of their peers.
+
+use super::{inproc, shm, Region};
+use crate::error::Result;
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+
+const SLOT: usize = 256;
+const HDR: usize = 256;
+
+/// How a peer can reach one of this rank's buffers.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct BufInfo {
+    /// The address in its owner's address space.
+    pub addr: u64,
+    /// Owner-side `ncclMemAlloc` allocation holding it: (id, fd, base, len); id 0 = none.
+    pub alloc_id: u64,
+    pub fd: u64,
+    pub base: u64,
+    pub len: u64,
+}
+
+/// One rank's slot: `arrive`/`done` are operation sequence numbers; the buffer descriptions are
+/// written before `arrive` is published and read by peers only between `arrive` and `done`.
+#[repr(C)]
+struct Slot {
+    arrive: AtomicU64,
+    done: AtomicU64,
+    pid: AtomicU64,
+    words: [AtomicU64; 10],
+}
+
+pub struct Board {
+    region: Region,
+    base: *mut u8,
+    pub nranks: usize,
+}
+
+// SAFETY: all accesses to the region go through atomics; the mapping lives as long as the Board.
+unsafe impl Send for Board {}
+// SAFETY: as above.
+unsafe impl Sync for Board {}
+
+impl Board {
+    /// Opens the comm's board (`shared`: some ranks are in other processes) and attaches.
+    pub fn open(comm_hash: u64, nranks: usize, shared: bool) -> Result<Board> {
+        let name = format!("oxccl-{comm_hash:016x}-board");
+        let bytes = (HDR + nranks * SLOT).max(4096);
+        let region = if shared {
+            Region::Shm(shm::ShmRegion::open(&name, bytes)?)
+        } else {
+            Region::Heap(inproc::open(&name, bytes)?)
+        };
+        let base = match &region {
+            Region::Heap(h) => h.ptr(),
+            Region::Shm(s) => s.ptr(),
+        };
+        let b = Board {
+            region,
+            base,
+            nranks,
+        };
+        // SAFETY: the header's first word is inside the region and used only atomically.
+        let attached = unsafe { &*(b.base as *const AtomicU32) };
+        if attached.fetch_add(1, Ordering::AcqRel) + 1 == nranks as u32 {
+            b.forget_name();
+        }
+        Ok(b)
+    }
+
+    fn forget_name(&self) {
+        match &self.region {
+            Region::Heap(h) => inproc::forget(h.name()),
+            Region::Shm(s) => s.unlink(),
+        }
+    }
+
+    fn slot(&self, rank: usize) -> &Slot {
+        assert!(rank < self.nranks);
+        // SAFETY: slot `rank` lies inside the region; Slot is all atomics (valid for any bits).
+        unsafe { &*(self.base.add(HDR + rank * SLOT) as *const Slot) }
+    }
+
+    /// Publishes this rank's buffers for operation `seq`, then its arrival.
+    pub fn publish(&self, rank: usize, seq: u64, send: BufInfo, recv: BufInfo) {
+        let s = self.slot(rank);
+        s.pid.store(std::process::id() as u64, Ordering::Relaxed);
+        for (i, v) in [send.addr, send.alloc_id, send.fd, send.base, send.len]
+            .into_iter()
+            .chain([recv.addr, recv.alloc_id, recv.fd, recv.base, recv.len])
+            .enumerate()
+        {
+            s.words[i].store(v, Ordering::Relaxed);
+        }
+        s.arrive.store(seq, Ordering::Release);
+    }
+
+    pub fn arrived(&self, rank: usize, seq: u64) -> bool {
+        self.slot(rank).arrive.load(Ordering::Acquire) >= seq
+    }
+
+    pub fn post_done(&self, rank: usize, seq: u64) {
+        self.slot(rank).done.store(seq, Ordering::Release);
+    }
+
+    pub fn is_done(&self, rank: usize, seq: u64) -> bool {
+        self.slot(rank).done.load(Ordering::Acquire) >= seq
+    }
+
+    /// A peer's published (pid, send, recv); valid between its arrival and its done.
+    pub fn peer(&self, rank: usize) -> (u32, BufInfo, BufInfo) {
+        let s = self.slot(rank);
+        let w: Vec<u64> = s.words.iter().map(|w| w.load(Ordering::Relaxed)).collect();
+        let info = |o: usize| BufInfo {
+            addr: w[o],
+            alloc_id: w[o + 1],
+            fd: w[o + 2],
+            base: w[o + 3],
+            len: w[o + 4],
+        };
+        (s.pid.load(Ordering::Relaxed) as u32, info(0), info(5))
+    }
+}
+
+impl Drop for Board {
+    fn drop(&mut self) {
+        // If some rank never attached, nobody else removes the name.
+        self.forget_name();
+    }
+}
