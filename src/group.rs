@@ -330,11 +330,25 @@ fn build_task(qs: Vec<Queued>) -> Result<Task> {
                 | CollKind::Reduce => {
                     let (prog, bk) = match a.kind {
                         CollKind::AllReduce => (
-                            ring::all_reduce(l, a.send, a.recv, a.count, a.dtype, red.expect("red"))?,
+                            ring::all_reduce(
+                                l,
+                                a.send,
+                                a.recv,
+                                a.count,
+                                a.dtype,
+                                red.expect("red"),
+                            )?,
                             BoardKind::AllReduce,
                         ),
                         CollKind::ReduceScatter => (
-                            ring::reduce_scatter(l, a.send, a.recv, a.count, a.dtype, red.expect("red"))?,
+                            ring::reduce_scatter(
+                                l,
+                                a.send,
+                                a.recv,
+                                a.count,
+                                a.dtype,
+                                red.expect("red"),
+                            )?,
                             BoardKind::ReduceScatter,
                         ),
                         CollKind::AllGather => (
@@ -346,11 +360,23 @@ fn build_task(qs: Vec<Queued>) -> Result<Task> {
                             BoardKind::Broadcast,
                         ),
                         _ => (
-                            ring::reduce(l, a.send, a.recv, a.count, a.dtype, red.expect("red"), root)?,
+                            ring::reduce(
+                                l,
+                                a.send,
+                                a.recv,
+                                a.count,
+                                a.dtype,
+                                red.expect("red"),
+                                root,
+                            )?,
                             BoardKind::Reduce,
                         ),
                     };
-                    let board = if core.nranks > 1 { core.board_op() } else { None };
+                    let board = if core.nranks > 1 {
+                        core.board_op()
+                    } else {
+                        None
+                    };
                     let work = match board {
                         Some((board, seq)) => plan::Work::Board(Box::new(BoardOp {
                             board,

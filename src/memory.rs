@@ -2,15 +2,15 @@
 //! so that peers in other processes can map the same pages.
 
 use crate::error::{Error, Result};
+use crate::transport::board::BufInfo;
 use nix::sys::mman::{mmap, munmap, MapFlags, ProtFlags};
 use parking_lot::Mutex;
-use crate::transport::board::BufInfo;
 use std::collections::{BTreeMap, HashMap};
-use std::os::fd::AsRawFd;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::num::NonZeroUsize;
+use std::os::fd::AsRawFd;
 use std::os::fd::OwnedFd;
 use std::ptr::NonNull;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 struct Alloc {
     len: usize,
@@ -58,14 +58,11 @@ pub fn free(ptr: usize) -> Result<()> {
     if ptr == 0 {
         return Ok(());
     }
-    let a = ALLOCS
-        .lock()
-        .remove(&ptr)
-        .ok_or_else(|| {
-            Error::invalid_argument(format!(
-                "ncclMemFree: {ptr:#x} was not returned by ncclMemAlloc (or is already freed)"
-            ))
-        })?;
+    let a = ALLOCS.lock().remove(&ptr).ok_or_else(|| {
+        Error::invalid_argument(format!(
+            "ncclMemFree: {ptr:#x} was not returned by ncclMemAlloc (or is already freed)"
+        ))
+    })?;
     // SAFETY: `ptr` and `len` are a mapping made by `alloc` and removed from the table above.
     unsafe {
         munmap(
@@ -134,7 +131,9 @@ impl PeerMaps {
                 .read(true)
                 .write(true)
                 .open(&path)
-                .map_err(|e| Error::os(format!("mapping a peer's ncclMemAlloc buffer ({path})"), e))?;
+                .map_err(|e| {
+                    Error::os(format!("mapping a peer's ncclMemAlloc buffer ({path})"), e)
+                })?;
             let len = info.len as usize;
             if f.metadata().map(|m| m.len()).unwrap_or(0) != len as u64 {
                 return Err(Error::system(format!(
@@ -156,6 +155,8 @@ impl PeerMaps {
             maps.insert(key, Mapping { ptr, len });
         }
         let m = &maps[&key];
-        Ok(Some(m.ptr.as_ptr() as usize + (info.addr - info.base) as usize))
+        Ok(Some(
+            m.ptr.as_ptr() as usize + (info.addr - info.base) as usize,
+        ))
     }
 }

@@ -547,6 +547,60 @@ fn child_rank() {
             assert_eq!(all[q * blk + i], (q * 1_000_000 + i) as i64);
         }
     }
+    // ncclMemAlloc buffers: peers in other processes map them and work in place (zero copy).
+    let count = 300_001;
+    let bytes = count * 8;
+    let (sp, rp) = (
+        api::mem_alloc(bytes).unwrap(),
+        api::mem_alloc(bytes * n).unwrap(),
+    );
+    // SAFETY: fresh allocations of the sizes used.
+    let (sv, rv) = unsafe {
+        (
+            std::slice::from_raw_parts_mut(sp as *mut i64, count),
+            std::slice::from_raw_parts_mut(rp as *mut i64, count * n),
+        )
+    };
+    for (i, v) in sv.iter_mut().enumerate() {
+        *v = (i as i64 % 977) - (r as i64) * 3;
+    }
+    for (kind, recv) in [(CollKind::AllReduce, rp), (CollKind::AllReduce, sp)] {
+        let a = CollArgs {
+            kind,
+            send: sp,
+            recv,
+            count,
+            dtype: DataType::Int64,
+            op: OP_SUM,
+            root: 0,
+        };
+        api::enqueue(&c, a, StreamArg::Null).unwrap();
+    }
+    // out of place, then in place over the same inputs: both give the sum
+    let ksum: i64 = (0..n as i64).map(|q| -q * 3).sum();
+    for i in 0..count {
+        let once = (i as i64 % 977) * n as i64 + ksum;
+        assert_eq!(rv[i], once, "memalloc allreduce rank {r} element {i}");
+        assert_eq!(
+            sv[i], once,
+            "memalloc in-place allreduce rank {r} element {i}"
+        );
+    }
+    let a = CollArgs {
+        kind: CollKind::AllGather,
+        send: sp,
+        recv: rp,
+        count,
+        dtype: DataType::Int64,
+        op: 0,
+        root: 0,
+    };
+    api::enqueue(&c, a, StreamArg::Null).unwrap();
+    for q in 0..n {
+        assert_eq!(rv[q * count + 5], sv[5], "memalloc allgather block {q}");
+    }
+    api::mem_free(sp).unwrap();
+    api::mem_free(rp).unwrap();
     api::comm_destroy(api::comm_handle(&c)).unwrap();
 }
 

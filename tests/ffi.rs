@@ -144,10 +144,16 @@ fn tail(s: &str, n: usize) -> &str {
 /// Run a built program with OXCCL_DEVICE=host in its own process group; kill the group and fail
 /// on timeout; fail with its output when it exits non-zero.
 fn run(src: &str, args: &[&str], timeout_s: u64) {
+    run_env(src, args, &[], timeout_s)
+}
+
+/// `run` with extra environment variables.
+fn run_env(src: &str, args: &[&str], envs: &[(&str, &str)], timeout_s: u64) {
     let exe = build(src);
     let timeout = timeout_for(timeout_s);
     let mut child = Command::new(&exe)
         .args(args)
+        .envs(envs.iter().copied())
         .env("OXCCL_DEVICE", "host")
         .env_remove("OXCCL_FAULT")
         .stdout(Stdio::piped())
@@ -283,6 +289,21 @@ fn coll_matrix_4_ranks() {
 fn coll_matrix_8_ranks() {
     let _g = shared();
     run("coll_matrix.c", &["8"], 600);
+}
+
+/// The ring and chain algorithms (the direct ones are the default where buffers are reachable).
+#[test]
+fn coll_matrix_ring_algorithms() {
+    let _g = shared();
+    for n in ["2", "3", "4"] {
+        run_env("coll_matrix.c", &[n], &[("OXCCL_ALGO", "ring")], 300);
+    }
+    run_env(
+        "coll_matrix.c",
+        &["8", "big=none"],
+        &[("OXCCL_ALGO", "ring")],
+        300,
+    );
 }
 
 #[test]

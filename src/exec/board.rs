@@ -60,7 +60,11 @@ impl BoardState {
                 }
                 Phase::Arrive => {
                     if !(0..op.nranks).all(|p| op.board.arrived(p, op.seq)) {
-                        return Ok(if progressed { Poll::Progress } else { Poll::Blocked });
+                        return Ok(if progressed {
+                            Poll::Progress
+                        } else {
+                            Poll::Blocked
+                        });
                     }
                     match resolve(op)? {
                         Some(peers) => {
@@ -127,8 +131,16 @@ fn resolve(op: &BoardOp) -> Result<Option<Vec<(usize, usize)>>> {
             continue;
         }
         let (ws, wr) = op.needs(p);
-        let sa = if ws { op.maps.resolve(pid, &s)? } else { Some(0) };
-        let ra = if wr { op.maps.resolve(pid, &r)? } else { Some(0) };
+        let sa = if ws {
+            op.maps.resolve(pid, &s)?
+        } else {
+            Some(0)
+        };
+        let ra = if wr {
+            op.maps.resolve(pid, &r)?
+        } else {
+            Some(0)
+        };
         match (sa, ra) {
             (Some(sa), Some(ra)) => out.push((sa, ra)),
             _ => {
@@ -147,7 +159,15 @@ fn resolve(op: &BoardOp) -> Result<Option<Vec<(usize, usize)>>> {
 ///
 /// # Safety
 /// Every `src(p) + at` range is valid for `elems` elements; `acc` holds them.
-unsafe fn reduce_into(red: &Reducer, n: usize, src: &dyn Fn(usize) -> usize, at: usize, es: usize, acc: *mut u8, elems: usize) {
+unsafe fn reduce_into(
+    red: &Reducer,
+    n: usize,
+    src: &dyn Fn(usize) -> usize,
+    at: usize,
+    es: usize,
+    acc: *mut u8,
+    elems: usize,
+) {
     // SAFETY: per the contract; `acc` is a private scratch buffer.
     unsafe {
         red.prep(acc, (src(0) + at * es) as *const u8, elems);
@@ -200,7 +220,11 @@ fn compute(op: &BoardOp, peers: &[(usize, usize)]) {
             }
             BoardKind::AllGather => {
                 for p in 0..n {
-                    copy((recv(r) + p * c * es) as *mut u8, send(p) as *const u8, c * es);
+                    copy(
+                        (recv(r) + p * c * es) as *mut u8,
+                        send(p) as *const u8,
+                        c * es,
+                    );
                 }
             }
             BoardKind::Broadcast => {

@@ -149,4 +149,3 @@ fn run_step(prog: &Program, cur: &Cursor, off: usize, n: usize) -> bool {
 fn reducer(r: Option<&Reducer>) -> &Reducer {
     r.expect("planner attaches a reduction to every reducing program")
 }
-

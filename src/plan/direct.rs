@@ -93,14 +93,15 @@ pub fn all_to_all(
         recv + r * count * es,
         count,
         dtype,
-    )).into()]);
+    ))
+    .into()]);
     for p in (0..n).filter(|&p| p != r) {
-        stage
-            .lanes
-            .push(vec![send_p(l, src + p * count * es, count, dtype, p)?.into()]);
-        stage
-            .lanes
-            .push(vec![recv_p(l, recv + p * count * es, count, dtype, p)?.into()]);
+        stage.lanes.push(vec![
+            send_p(l, src + p * count * es, count, dtype, p)?.into()
+        ]);
+        stage.lanes.push(vec![
+            recv_p(l, recv + p * count * es, count, dtype, p)?.into()
+        ]);
     }
     Ok(stage)
 }
@@ -124,7 +125,9 @@ pub fn gather(
     let (r, n, es) = (l.rank(), l.nranks(), dtype.size());
     let mut stage = Stage::default();
     if r != root {
-        stage.lanes.push(vec![(send_p(l, send, count, dtype, root)?).into()]);
+        stage
+            .lanes
+            .push(vec![(send_p(l, send, count, dtype, root)?).into()]);
         return Ok(stage);
     }
     stage.lanes.push(vec![(local_copy(
@@ -133,11 +136,12 @@ pub fn gather(
         recv + r * count * es,
         count,
         dtype,
-    )).into()]);
+    ))
+    .into()]);
     for p in (0..n).filter(|&p| p != r) {
-        stage
-            .lanes
-            .push(vec![recv_p(l, recv + p * count * es, count, dtype, p)?.into()]);
+        stage.lanes.push(vec![
+            recv_p(l, recv + p * count * es, count, dtype, p)?.into()
+        ]);
     }
     Ok(stage)
 }
@@ -153,13 +157,15 @@ pub fn scatter(
     let (r, n, es) = (l.rank(), l.nranks(), dtype.size());
     let mut stage = Stage::default();
     if r != root {
-        stage.lanes.push(vec![(recv_p(l, recv, count, dtype, root)?).into()]);
+        stage
+            .lanes
+            .push(vec![(recv_p(l, recv, count, dtype, root)?).into()]);
         return Ok(stage);
     }
     for p in (0..n).filter(|&p| p != r) {
-        stage
-            .lanes
-            .push(vec![send_p(l, send + p * count * es, count, dtype, p)?.into()]);
+        stage.lanes.push(vec![
+            send_p(l, send + p * count * es, count, dtype, p)?.into()
+        ]);
     }
     // Last, so an in-place root does not overwrite blocks before they are sent.
     stage.lanes.push(vec![(local_copy(
@@ -168,6 +174,7 @@ pub fn scatter(
         recv,
         count,
         dtype,
-    )).into()]);
+    ))
+    .into()]);
     Ok(stage)
 }
