@@ -125,7 +125,7 @@ impl PeerMaps {
         }
         let mut maps = self.maps.lock();
         let key = (pid, info.alloc_id);
-        if !maps.contains_key(&key) {
+        if let std::collections::hash_map::Entry::Vacant(slot) = maps.entry(key) {
             let path = format!("/proc/{pid}/fd/{}", info.fd);
             let f = std::fs::OpenOptions::new()
                 .read(true)
@@ -152,7 +152,7 @@ impl PeerMaps {
                 )
             }
             .map_err(|e| Error::os(format!("mmap of {path}"), e))?;
-            maps.insert(key, Mapping { ptr, len });
+            slot.insert(Mapping { ptr, len });
         }
         let m = &maps[&key];
         Ok(Some(

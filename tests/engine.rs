@@ -648,3 +648,54 @@ fn separate_processes_share_memory() {
         .collect();
     assert!(left.is_empty(), "shared memory left behind: {left:?}");
 }
+
+/// Not a test: times 2-rank AllReduce from two threads (`cargo test --release --test engine
+/// timing -- --ignored --nocapture`; compare with OXCCL_ALGO=ring).
+#[test]
+#[ignore]
+fn timing_two_threads_allreduce() {
+    std::env::set_var("OXCCL_DEVICE", "host");
+    let id = api::get_unique_id().unwrap();
+    for count in [2usize, 1 << 15, 1 << 19, 1 << 22] {
+        let iters = if count < 1 << 18 { 2000 } else { 100 };
+        let t = std::thread::scope(|s| {
+            let hs: Vec<_> = (0..2)
+                .map(|r| {
+                    s.spawn(move || {
+                        let c = api::comm_init_rank(2, &id, r, Default::default()).unwrap();
+                        let send = vec![1f32; count];
+                        let mut recv = vec![0f32; count];
+                        let a = CollArgs {
+                            kind: CollKind::AllReduce,
+                            send: send.as_ptr() as usize,
+                            recv: recv.as_mut_ptr() as usize,
+                            count,
+                            dtype: DataType::Float32,
+                            op: OP_SUM,
+                            root: 0,
+                        };
+                        for _ in 0..10 {
+                            api::enqueue(&c, a, StreamArg::Null).unwrap();
+                        }
+                        let t0 = std::time::Instant::now();
+                        for _ in 0..iters {
+                            api::enqueue(&c, a, StreamArg::Null).unwrap();
+                        }
+                        let dt = t0.elapsed().as_secs_f64() / iters as f64;
+                        assert!(recv.iter().all(|&v| v == 2.0));
+                        api::comm_destroy(api::comm_handle(&c)).unwrap();
+                        dt
+                    })
+                })
+                .collect();
+            hs.into_iter()
+                .map(|h| h.join().unwrap())
+                .fold(0f64, f64::max)
+        });
+        eprintln!(
+            "count {count:>8}: {:>9.2} us  busbw {:.2} GB/s",
+            t * 1e6,
+            (count * 4) as f64 / t / 1e9
+        );
+    }
+}

@@ -124,8 +124,7 @@ fn resolve(op: &BoardOp) -> Result<Option<Vec<(usize, usize)>>> {
         return Ok(None);
     }
     let mut out = Vec::with_capacity(op.nranks);
-    for p in 0..op.nranks {
-        let (pid, s, r) = infos[p];
+    for (p, &(pid, s, r)) in infos.iter().enumerate().take(op.nranks) {
         if p == op.rank {
             out.push((op.send, op.recv));
             continue;

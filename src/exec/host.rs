@@ -238,11 +238,15 @@ fn describe_wait(l: &Lane) -> Option<String> {
     }
 }
 
+/// How long a blocked executor yields its core before it starts sleeping.
+const YIELD_BEFORE_SLEEP: Duration = Duration::from_millis(5);
+
 /// Runs tasks to completion on this thread; returns each task's result.
 pub fn run(tasks: Vec<Task>) -> Outcome {
     let timeout = crate::param::timeout();
     let mut running: Vec<Running> = tasks.into_iter().map(Running::new).collect();
     let mut idle_spins: u32 = 0;
+    let mut idle_since = Instant::now();
     loop {
         let mut all_done = true;
         let mut progress = false;
@@ -263,14 +267,19 @@ pub fn run(tasks: Vec<Task>) -> Outcome {
             idle_spins = 0;
             continue;
         }
-        idle_spins += 1;
+        if idle_spins == 0 {
+            idle_since = Instant::now();
+        }
+        idle_spins = idle_spins.saturating_add(1);
+        // Waiting: spin, then yield (peers on this host answer within microseconds), and only
+        // after a while without progress sleep, checking for aborts and timeouts.
         if idle_spins < 64 {
             std::hint::spin_loop();
-        } else if idle_spins < 2048 {
+        } else if idle_since.elapsed() < YIELD_BEFORE_SLEEP {
             std::thread::yield_now();
         } else {
             std::thread::sleep(Duration::from_micros(50));
-            if idle_spins.is_multiple_of(256) {
+            if idle_spins.is_multiple_of(64) {
                 for t in &mut running {
                     t.check_stuck(timeout);
                 }
