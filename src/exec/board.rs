@@ -8,6 +8,7 @@ use crate::error::{Error, Result};
 use crate::plan::board::{BoardKind, BoardOp};
 use crate::plan::segment;
 use crate::reduce::Reducer;
+use crate::types::{Reduction, Scalar};
 
 /// Bytes reduced at a time: small enough to stay in cache between the reduction and the copies.
 const SLICE_BYTES: usize = 64 << 10;
@@ -54,7 +55,12 @@ impl BoardState {
                     let (sb, rb) = op.extents();
                     let send = crate::memory::describe(op.send, sb);
                     let recv = crate::memory::describe(op.recv, rb);
-                    op.board.publish(op.rank, op.seq, send, recv);
+                    // Every rank's inputs are scaled by that rank's own PreMulSum scalar.
+                    let scalar = op
+                        .red
+                        .and_then(|r| r.resolve().premul)
+                        .map_or(0, |s| s.bits);
+                    op.board.publish(op.rank, op.seq, send, recv, scalar);
                     self.phase = Phase::Arrive;
                     progressed = true;
                 }
@@ -159,7 +165,7 @@ fn resolve(op: &BoardOp) -> Result<Option<Vec<(usize, usize)>>> {
 /// # Safety
 /// Every `src(p) + at` range is valid for `elems` elements; `acc` holds them.
 unsafe fn reduce_into(
-    red: &Reducer,
+    reducers: &[Reducer],
     n: usize,
     src: &dyn Fn(usize) -> usize,
     at: usize,
@@ -167,13 +173,15 @@ unsafe fn reduce_into(
     acc: *mut u8,
     elems: usize,
 ) {
+    // With per-rank PreMulSum scalars, rank p's reducer applies p's scalar.
+    let red = |p: usize| &reducers[p.min(reducers.len() - 1)];
     // SAFETY: per the contract; `acc` is a private scratch buffer.
     unsafe {
-        red.prep(acc, (src(0) + at * es) as *const u8, elems);
+        red(0).prep(acc, (src(0) + at * es) as *const u8, elems);
         for p in 1..n {
-            red.combine(acc, (src(p) + at * es) as *const u8, acc, elems);
+            red(p).combine(acc, (src(p) + at * es) as *const u8, acc, elems);
         }
-        red.finish(acc, acc, elems);
+        red(0).finish(acc, acc, elems);
     }
 }
 
@@ -182,7 +190,21 @@ fn compute(op: &BoardOp, peers: &[(usize, usize)]) {
     let send = |p: usize| peers[p].0;
     let recv = |p: usize| peers[p].1;
     let slice = (SLICE_BYTES / es).max(1);
-    let red = op.red.map(|s| Reducer::new(s.resolve()));
+    // One reducer per rank when each brings its own PreMulSum scalar, else one for all.
+    let reducers: Vec<Reducer> = match op.red.map(|s| s.resolve()) {
+        None => Vec::new(),
+        Some(r) if r.premul.is_some() => (0..n)
+            .map(|p| {
+                Reducer::new(Reduction {
+                    premul: Some(Scalar {
+                        bits: op.board.scalar(p),
+                    }),
+                    ..r
+                })
+            })
+            .collect(),
+        Some(r) => vec![Reducer::new(r)],
+    };
     let mut scratch = vec![0u8; slice * es];
     let acc = scratch.as_mut_ptr();
     // SAFETY: every address comes from a rank's validated buffer (its own, mapped, or in this
@@ -191,12 +213,11 @@ fn compute(op: &BoardOp, peers: &[(usize, usize)]) {
     unsafe {
         match op.kind {
             BoardKind::AllReduce | BoardKind::Reduce => {
-                let red = red.as_ref().expect("reduction");
                 let (off, len) = segment(c, n, r);
                 let mut o = 0;
                 while o < len {
                     let m = slice.min(len - o);
-                    reduce_into(red, n, &send, off + o, es, acc, m);
+                    reduce_into(&reducers, n, &send, off + o, es, acc, m);
                     if op.kind == BoardKind::AllReduce {
                         for p in 0..n {
                             copy((recv(p) + (off + o) * es) as *mut u8, acc, m * es);
@@ -208,11 +229,10 @@ fn compute(op: &BoardOp, peers: &[(usize, usize)]) {
                 }
             }
             BoardKind::ReduceScatter => {
-                let red = red.as_ref().expect("reduction");
                 let mut o = 0;
                 while o < c {
                     let m = slice.min(c - o);
-                    reduce_into(red, n, &send, r * c + o, es, acc, m);
+                    reduce_into(&reducers, n, &send, r * c + o, es, acc, m);
                     copy((recv(r) + o * es) as *mut u8, acc, m * es);
                     o += m;
                 }

@@ -29,6 +29,8 @@ struct Slot {
     arrive: AtomicU64,
     done: AtomicU64,
     pid: AtomicU64,
+    /// The rank's PreMulSum scalar (its bits), which may differ from rank to rank.
+    scalar: AtomicU64,
     words: [AtomicU64; 10],
 }
 
@@ -84,9 +86,10 @@ impl Board {
     }
 
     /// Publishes this rank's buffers for operation `seq`, then its arrival.
-    pub fn publish(&self, rank: usize, seq: u64, send: BufInfo, recv: BufInfo) {
+    pub fn publish(&self, rank: usize, seq: u64, send: BufInfo, recv: BufInfo, scalar: u64) {
         let s = self.slot(rank);
         s.pid.store(std::process::id() as u64, Ordering::Relaxed);
+        s.scalar.store(scalar, Ordering::Relaxed);
         for (i, v) in [send.addr, send.alloc_id, send.fd, send.base, send.len]
             .into_iter()
             .chain([recv.addr, recv.alloc_id, recv.fd, recv.base, recv.len])
@@ -121,6 +124,11 @@ impl Board {
             len: w[o + 4],
         };
         (s.pid.load(Ordering::Relaxed) as u32, info(0), info(5))
+    }
+
+    /// A peer's published PreMulSum scalar bits; valid between its arrival and its done.
+    pub fn scalar(&self, rank: usize) -> u64 {
+        self.slot(rank).scalar.load(Ordering::Relaxed)
     }
 }
 
