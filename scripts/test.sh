@@ -11,4 +11,4 @@ cargo fmt --check
 cargo clippy --all-targets -- -D warnings
 # The C programs and the ABI checks load target/release/libnccl.so: build it first.
 cargo build --release --lib
-cargo test --release 2>&1
+cargo test --release --no-fail-fast 2>&1
