@@ -597,7 +597,13 @@ static void waitStreams(threadState* st) {
       for (int i = 0; i < st->nLocal; i++) NCCLCHECK(oxcclHostStreamSynchronize(st->streams[i]));
       return;
     }
-    sched_yield();
+    if (executor == 0) {
+      /* The host executor does the work on this machine's cores: watch it without spinning. */
+      struct timespec nap = {0, 20000};
+      nanosleep(&nap, NULL);
+    } else {
+      sched_yield();
+    }
   }
 }
 

@@ -37,6 +37,11 @@ pub const PARAMS: &[Param] = &[
         default: "8",
     },
     Param {
+        name: "OXCCL_STREAM_BYTES",
+        doc: "outputs of at least this many bytes (per rank) are written with streaming stores",
+        default: "8388608",
+    },
+    Param {
         name: "NCCL_ALGO",
         doc: "algorithms allowed: Ring, Direct (comma list, ^ to exclude)",
         default: "",
@@ -87,6 +92,13 @@ pub fn chunk_bytes() -> usize {
 
 pub fn nsteps() -> usize {
     (get_u64("OXCCL_NSTEPS") as usize).clamp(2, 64)
+}
+
+/// Output size from which copies into the caller's buffers use streaming stores.
+pub fn stream_bytes() -> usize {
+    static B: once_cell::sync::Lazy<usize> =
+        once_cell::sync::Lazy::new(|| get_u64("OXCCL_STREAM_BYTES") as usize);
+    *B
 }
 
 /// `OXCCL_FAULT=corrupt`: spoil every collective's output on purpose (tests of result checks).

@@ -298,6 +298,16 @@ fn coll_matrix_ring_algorithms() {
     for n in ["2", "3", "4"] {
         run_env("coll_matrix.c", &[n], &[("OXCCL_ALGO", "ring")], 300);
     }
+    // Streaming stores for every out-of-place output (normally only for large ones), on both
+    // the ring and the direct algorithms.
+    for algo in ["ring", "direct"] {
+        run_env(
+            "coll_matrix.c",
+            &["3"],
+            &[("OXCCL_ALGO", algo), ("OXCCL_STREAM_BYTES", "0")],
+            300,
+        );
+    }
     run_env(
         "coll_matrix.c",
         &["8", "big=none"],

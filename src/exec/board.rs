@@ -3,7 +3,8 @@
 //! rank is done (peers write into our output). Falls back to the op's ring program when some
 //! peer buffer cannot be reached.
 
-use super::steps::{copy, poll_program, Cursor, Poll};
+use super::copy::copy_out;
+use super::steps::{poll_program, Cursor, Poll};
 use crate::error::{Error, Result};
 use crate::plan::board::{BoardKind, BoardOp};
 use crate::plan::segment;
@@ -205,6 +206,8 @@ fn compute(op: &BoardOp, peers: &[(usize, usize)]) {
             .collect(),
         Some(r) => vec![Reducer::new(r)],
     };
+    // Streaming stores for large outputs, unless in place (see Program::stream_out).
+    let nt = op.send != op.recv && op.extents().1 >= crate::param::stream_bytes();
     let mut scratch = vec![0u8; slice * es];
     let acc = scratch.as_mut_ptr();
     // SAFETY: every address comes from a rank's validated buffer (its own, mapped, or in this
@@ -220,10 +223,10 @@ fn compute(op: &BoardOp, peers: &[(usize, usize)]) {
                     reduce_into(&reducers, n, &send, off + o, es, acc, m);
                     if op.kind == BoardKind::AllReduce {
                         for p in 0..n {
-                            copy((recv(p) + (off + o) * es) as *mut u8, acc, m * es);
+                            copy_out((recv(p) + (off + o) * es) as *mut u8, acc, m * es, nt);
                         }
                     } else {
-                        copy((recv(op.root) + (off + o) * es) as *mut u8, acc, m * es);
+                        copy_out((recv(op.root) + (off + o) * es) as *mut u8, acc, m * es, nt);
                     }
                     o += m;
                 }
@@ -233,21 +236,22 @@ fn compute(op: &BoardOp, peers: &[(usize, usize)]) {
                 while o < c {
                     let m = slice.min(c - o);
                     reduce_into(&reducers, n, &send, r * c + o, es, acc, m);
-                    copy((recv(r) + o * es) as *mut u8, acc, m * es);
+                    copy_out((recv(r) + o * es) as *mut u8, acc, m * es, nt);
                     o += m;
                 }
             }
             BoardKind::AllGather => {
                 for p in 0..n {
-                    copy(
+                    copy_out(
                         (recv(r) + p * c * es) as *mut u8,
                         send(p) as *const u8,
                         c * es,
+                        nt,
                     );
                 }
             }
             BoardKind::Broadcast => {
-                copy(recv(r) as *mut u8, send(op.root) as *const u8, c * es);
+                copy_out(recv(r) as *mut u8, send(op.root) as *const u8, c * es, nt);
             }
         }
     }

@@ -3,6 +3,7 @@
 //! same programs with the same counters on a GPU stream.
 
 mod board;
+mod copy;
 pub mod host;
 mod steps;
 pub mod task;

@@ -1,6 +1,7 @@
 //! Step programs on the host: each primitive moves one FIFO slot of data between the caller's
 //! buffers and a connection, whenever the connection's counters allow. Never blocks.
 
+use super::copy::copy_out;
 use crate::plan::{Prim, Program};
 use crate::reduce::Reducer;
 
@@ -99,6 +100,7 @@ fn run_step(prog: &Program, cur: &Cursor, off: usize, n: usize) -> bool {
     let inp = rslot.map(|x| x.1).unwrap_or(std::ptr::null());
     let out = sslot.map(|x| x.1).unwrap_or(std::ptr::null_mut());
     let red = cur.reducer.as_ref();
+    let nt = prog.stream_out;
     // SAFETY: src/dst lie inside the caller's buffers (validated at enqueue: `len` elements from
     // the segment start), slots hold `slot_bytes >= bytes`, and a slot is owned by this side
     // between seeing it ready and posting it.
@@ -108,14 +110,14 @@ fn run_step(prog: &Program, cur: &Cursor, off: usize, n: usize) -> bool {
                 Some(r) if s.prep => r.prep(out, src, n),
                 _ => copy(out, src, bytes),
             },
-            Prim::Recv => copy(dst, inp, bytes),
+            Prim::Recv => copy_out(dst, inp, bytes, nt),
             Prim::CopySend => {
-                copy(dst, src, bytes);
                 copy(out, src, bytes);
+                copy_out(dst, src, bytes, nt);
             }
             Prim::RecvCopySend => {
-                copy(dst, inp, bytes);
                 copy(out, inp, bytes);
+                copy_out(dst, inp, bytes, nt);
             }
             Prim::RecvReduceSend => reducer(red).combine(out, src, inp, n),
             Prim::RecvReduceCopy => {
@@ -123,13 +125,20 @@ fn run_step(prog: &Program, cur: &Cursor, off: usize, n: usize) -> bool {
                 r.combine(dst, src, inp, n);
                 r.finish(dst, dst, n);
             }
+            Prim::RecvReduceCopySend if nt => {
+                // Reduce into the outgoing slot (cached), then stream it to the output.
+                let r = reducer(red);
+                r.combine(out, src, inp, n);
+                r.finish(out, out, n);
+                copy_out(dst, out, bytes, true);
+            }
             Prim::RecvReduceCopySend => {
                 let r = reducer(red);
                 r.combine(dst, src, inp, n);
                 r.finish(dst, dst, n);
                 copy(out, dst, bytes);
             }
-            Prim::LocalCopy => copy(dst, src, bytes),
+            Prim::LocalCopy => copy_out(dst, src, bytes, nt),
             Prim::LocalReduce => {
                 let r = reducer(red);
                 r.prep(dst, src, n);
