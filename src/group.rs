@@ -271,9 +271,7 @@ fn launch(ops: Vec<Queued>) -> Result<()> {
             }
         }
     }
-    for (s, tasks) in streamed {
-        s.submit(tasks);
-    }
+    crate::stream::submit_all(streamed);
     for r in crate::exec::host::run(inline) {
         if let Err(e) = r {
             first_err.get_or_insert(e);
@@ -285,19 +283,14 @@ fn launch(ops: Vec<Queued>) -> Result<()> {
     }
 }
 
-fn describe(qs: &[Queued]) -> String {
+fn describe(qs: &[Queued]) -> crate::exec::task::What {
     let a = &qs[0].args;
-    let more = if qs.len() > 1 {
-        format!(" (+{} more in the group)", qs.len() - 1)
-    } else {
-        String::new()
-    };
-    format!(
-        "{} of {} x {}{more}",
-        a.kind.name(),
-        a.count,
-        a.dtype.name()
-    )
+    crate::exec::task::What {
+        kind: a.kind.name(),
+        count: a.count,
+        dtype: a.dtype.name(),
+        more: qs.len() - 1,
+    }
 }
 
 /// Plans one communicator's calls of a group into a task.
@@ -391,6 +384,7 @@ fn build_task(qs: Vec<Queued>) -> Result<Task> {
                             dtype: a.dtype,
                             red,
                             root,
+                            eager: BoardOp::fits_inline(bk, core.nranks, a.count, a.dtype),
                             fallback: prog,
                         })),
                         None => prog.into(),

@@ -42,6 +42,11 @@ pub const PARAMS: &[Param] = &[
         default: "8388608",
     },
     Param {
+        name: "OXCCL_INLINE_US",
+        doc: "microseconds a thread launching on an idle host stream runs the work itself first",
+        default: "50",
+    },
+    Param {
         name: "NCCL_ALGO",
         doc: "algorithms allowed: Ring, Direct (comma list, ^ to exclude)",
         default: "",
@@ -83,15 +88,32 @@ pub fn nccl_debug() -> Option<String> {
 }
 
 pub fn timeout() -> Duration {
-    Duration::from_secs(get_u64("OXCCL_TIMEOUT_S").max(1))
+    static T: once_cell::sync::Lazy<Duration> =
+        once_cell::sync::Lazy::new(|| Duration::from_secs(get_u64("OXCCL_TIMEOUT_S").max(1)));
+    *T
 }
 
 pub fn chunk_bytes() -> usize {
-    (get_u64("OXCCL_CHUNK_BYTES") as usize).clamp(4096, 64 << 20) & !63
+    static B: once_cell::sync::Lazy<usize> = once_cell::sync::Lazy::new(|| {
+        (get_u64("OXCCL_CHUNK_BYTES") as usize).clamp(4096, 64 << 20) & !63
+    });
+    *B
 }
 
 pub fn nsteps() -> usize {
-    (get_u64("OXCCL_NSTEPS") as usize).clamp(2, 64)
+    static N: once_cell::sync::Lazy<usize> =
+        once_cell::sync::Lazy::new(|| (get_u64("OXCCL_NSTEPS") as usize).clamp(2, 64));
+    *N
+}
+
+/// How long a launch on an idle host stream runs the work on the calling thread first.
+pub fn inline_budget() -> Duration {
+    static B: once_cell::sync::Lazy<Duration> = once_cell::sync::Lazy::new(|| {
+        Duration::from_micros(
+            get_str("OXCCL_INLINE_US").map_or(50, |v| v.trim().parse().unwrap_or(50)),
+        )
+    });
+    *B
 }
 
 /// Output size from which copies into the caller's buffers use streaming stores.

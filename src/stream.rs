@@ -3,6 +3,7 @@
 //! one batch, so several ranks of one process may share a stream without deadlock.
 
 use crate::error::{Error, Result};
+use crate::exec::host::Batch;
 use crate::exec::Task;
 use parking_lot::{Condvar, Mutex};
 use std::collections::{HashMap, VecDeque};
@@ -12,10 +13,13 @@ use std::time::{Duration, Instant};
 
 #[derive(Default)]
 struct State {
-    queue: VecDeque<Vec<Task>>,
+    queue: VecDeque<Batch>,
+    /// The worker is running a batch, or a submitting thread is running one inline.
     busy: bool,
     error: Option<Error>,
     shutdown: bool,
+    /// Threads sleeping in `synchronize` (a claim's release wakes no one else).
+    syncing: usize,
 }
 
 pub struct HostStream {
@@ -49,11 +53,49 @@ fn poll_until(mut ready: impl FnMut() -> bool) -> bool {
 }
 
 impl HostStream {
-    pub fn submit(&self, tasks: Vec<Task>) {
+    /// Hands work to the stream. When the stream is idle, the submitting thread first runs the
+    /// work itself for up to `OXCCL_INLINE_US` microseconds: small operations then finish
+    /// without waking the worker (on a host with few cores, a hand-over between threads costs
+    /// more than the operation). Whatever is not done by then goes to the worker, which carries
+    /// on where the submitter stopped; so the call still returns after a bounded time, as an
+    /// asynchronous launch must (a peer may be waiting for something this thread does next).
+    pub fn submit(self: &Arc<Self>, tasks: Vec<Task>) {
+        submit_all(vec![(self.clone(), tasks)]);
+    }
+
+    /// Queues a batch at the back (`front`: ahead of everything, for work begun inline).
+    fn enqueue(&self, batch: Batch, front: bool) {
         let mut s = self.state.lock();
-        s.queue.push_back(tasks);
+        if front {
+            s.queue.push_front(batch);
+        } else {
+            s.queue.push_back(batch);
+        }
+        s.busy = false;
         self.submitted.fetch_add(1, Ordering::AcqRel);
         self.cv.notify_all();
+    }
+
+    /// Marks the stream as run by the calling thread, if it is idle.
+    fn claim(&self) -> bool {
+        let mut s = self.state.lock();
+        let idle = !s.busy && s.queue.is_empty();
+        if idle {
+            s.busy = true;
+        }
+        idle
+    }
+
+    /// Ends a claim whose work finished inline, recording its errors.
+    fn release(&self, errors: impl IntoIterator<Item = Error>) {
+        let mut s = self.state.lock();
+        for e in errors {
+            s.error.get_or_insert(e);
+        }
+        s.busy = false;
+        if s.syncing > 0 {
+            self.cv.notify_all();
+        }
     }
 
     /// Waits for all queued work; returns (and clears) the first error it met.
@@ -63,7 +105,9 @@ impl HostStream {
         });
         let mut s = self.state.lock();
         while s.busy || !s.queue.is_empty() {
+            s.syncing += 1;
             self.cv.wait(&mut s);
+            s.syncing -= 1;
         }
         match s.error.take() {
             Some(e) => Err(e),
@@ -87,7 +131,8 @@ impl HostStream {
             let batch = {
                 let mut s = self.state.lock();
                 loop {
-                    if let Some(b) = s.queue.pop_front() {
+                    // Not while a submitter runs work inline: it goes first.
+                    if let Some(b) = (!s.busy).then(|| s.queue.pop_front()).flatten() {
                         s.busy = true;
                         taken += 1;
                         break b;
@@ -98,7 +143,9 @@ impl HostStream {
                     self.cv.wait(&mut s);
                 }
             };
-            let results = crate::exec::host::run(batch);
+            let mut batch = batch;
+            batch.run_until(None);
+            let results = batch.results();
             let mut s = self.state.lock();
             for r in results {
                 if let Err(e) = r {
@@ -109,6 +156,57 @@ impl HostStream {
             self.completed.fetch_add(1, Ordering::AcqRel);
             self.cv.notify_all();
         }
+    }
+}
+
+/// Hands one `ncclGroupEnd`'s work to its streams (see `HostStream::submit`). When every one
+/// of them is idle, the calling thread first runs all of it together, for up to
+/// `OXCCL_INLINE_US`: ranks of one process launched by one group (nccl-tests' `-g N`) then meet
+/// inside one polling loop. What is not done by then goes to each task's own stream.
+pub fn submit_all(per_stream: Vec<(Arc<HostStream>, Vec<Task>)>) {
+    let budget = crate::param::inline_budget();
+    let mut claimed = 0;
+    if !budget.is_zero() {
+        for (s, _) in &per_stream {
+            if !s.claim() {
+                break;
+            }
+            claimed += 1;
+        }
+    }
+    if claimed < per_stream.len() {
+        for (s, _) in &per_stream[..claimed] {
+            s.release([]);
+        }
+        for (s, tasks) in per_stream {
+            s.enqueue(Batch::new(tasks), false);
+        }
+        return;
+    }
+    let k = per_stream.len();
+    let mut owner = Vec::new();
+    let mut all = Vec::new();
+    let mut streams = Vec::with_capacity(k);
+    for (i, (s, tasks)) in per_stream.into_iter().enumerate() {
+        owner.extend(std::iter::repeat_n(i, tasks.len()));
+        all.extend(tasks);
+        streams.push(s);
+    }
+    let mut batch = Batch::new(all);
+    if batch.run_until(Some(Instant::now() + budget)) {
+        let mut errors: Vec<Vec<Error>> = (0..k).map(|_| Vec::new()).collect();
+        for (r, &o) in batch.results().into_iter().zip(&owner) {
+            if let Err(e) = r {
+                errors[o].push(e);
+            }
+        }
+        for (s, e) in streams.iter().zip(errors) {
+            s.release(e);
+        }
+        return;
+    }
+    for (s, part) in streams.iter().zip(batch.split(&owner, k)) {
+        s.enqueue(part, true);
     }
 }
 

@@ -601,6 +601,53 @@ fn child_rank() {
     }
     api::mem_free(sp).unwrap();
     api::mem_free(rp).unwrap();
+    // Small operations back to back (eager: inputs on the board, two areas by parity), each
+    // rank with its own PreMulSum scalar, alternating with a sum and an all-gather.
+    let scalar = (r + 1) as f64;
+    let op = api::redop_create_premulsum(
+        &c,
+        DataType::Float64,
+        ScalarArg::Host(Scalar {
+            bits: scalar.to_bits(),
+        }),
+    )
+    .unwrap();
+    let small = 7;
+    for it in 0..300usize {
+        let x: Vec<f64> = (0..small).map(|i| (it * 10 + i + r) as f64).collect();
+        let mut y = vec![0f64; small * n];
+        let a = CollArgs {
+            kind: [CollKind::AllReduce, CollKind::AllGather][it % 2],
+            send: x.as_ptr() as usize,
+            recv: y.as_mut_ptr() as usize,
+            count: small,
+            dtype: DataType::Float64,
+            op: [op, 0][it % 2],
+            root: 0,
+        };
+        api::enqueue(&c, a, StreamArg::Null).unwrap();
+        for i in 0..small {
+            if it % 2 == 0 {
+                let want: f64 = (0..n)
+                    .map(|q| (q + 1) as f64 * (it * 10 + i + q) as f64)
+                    .sum();
+                assert_eq!(
+                    y[i], want,
+                    "eager premulsum rank {r} iteration {it} element {i}"
+                );
+            } else {
+                for q in 0..n {
+                    let want = (it * 10 + i + q) as f64;
+                    assert_eq!(
+                        y[q * small + i],
+                        want,
+                        "eager allgather rank {r} iteration {it}"
+                    );
+                }
+            }
+        }
+    }
+    api::redop_destroy(&c, op).unwrap();
     api::comm_destroy(api::comm_handle(&c)).unwrap();
 }
 

@@ -321,6 +321,16 @@ fn coll_matrix_host_streams() {
     let _g = shared();
     run("coll_matrix.c", &["3", "stream"], 300);
     run("coll_matrix.c", &["8", "stream", "big=none"], 300);
+    // Launches on idle streams run inline first (OXCCL_INLINE_US): never (all on the streams'
+    // workers), and for 1 us (nearly every batch is handed over half done).
+    for us in ["0", "1"] {
+        run_env(
+            "coll_matrix.c",
+            &["4", "stream", "big=none"],
+            &[("OXCCL_INLINE_US", us)],
+            300,
+        );
+    }
 }
 
 #[test]

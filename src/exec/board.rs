@@ -19,6 +19,8 @@ enum Phase {
     Arrive,
     Fallback(Cursor),
     Done,
+    /// An eager operation, complete: no done barrier.
+    Finished,
 }
 
 pub(super) struct BoardState {
@@ -52,16 +54,36 @@ impl BoardState {
         let mut progressed = false;
         loop {
             match &mut self.phase {
+                Phase::Publish if op.eager => {
+                    if op.sends() {
+                        let (sb, _) = op.extents();
+                        // SAFETY: the send buffer holds `sb` bytes (validated at enqueue); the
+                        // inline area holds INLINE >= sb (fits_inline) and is ours for `seq`.
+                        unsafe {
+                            copy_out(
+                                op.board.inline_area(op.rank, op.seq),
+                                op.send as *const u8,
+                                sb,
+                                false,
+                            )
+                        };
+                    }
+                    op.board.publish(
+                        op.rank,
+                        op.seq,
+                        Default::default(),
+                        Default::default(),
+                        own_scalar(op),
+                    );
+                    self.phase = Phase::Arrive;
+                    progressed = true;
+                }
                 Phase::Publish => {
                     let (sb, rb) = op.extents();
                     let send = crate::memory::describe(op.send, sb);
                     let recv = crate::memory::describe(op.recv, rb);
-                    // Every rank's inputs are scaled by that rank's own PreMulSum scalar.
-                    let scalar = op
-                        .red
-                        .and_then(|r| r.resolve().premul)
-                        .map_or(0, |s| s.bits);
-                    op.board.publish(op.rank, op.seq, send, recv, scalar);
+                    op.board
+                        .publish(op.rank, op.seq, send, recv, own_scalar(op));
                     self.phase = Phase::Arrive;
                     progressed = true;
                 }
@@ -72,6 +94,14 @@ impl BoardState {
                         } else {
                             Poll::Blocked
                         });
+                    }
+                    if op.eager {
+                        let src = |p: usize| op.board.inline_area(p, op.seq) as usize;
+                        // SAFETY: every rank's inline area holds its input for `seq` until
+                        // everyone has arrived at `seq + 1`, which needs this rank to finish.
+                        unsafe { compute_eager(op, &src) };
+                        self.phase = Phase::Finished;
+                        return Ok(Poll::Done);
                     }
                     match resolve(op)? {
                         Some(peers) => {
@@ -91,6 +121,7 @@ impl BoardState {
                     }
                     p => return Ok(p),
                 },
+                Phase::Finished => return Ok(Poll::Done),
                 Phase::Done => {
                     return Ok(if (0..op.nranks).all(|p| op.board.is_done(p, op.seq)) {
                         Poll::Done
@@ -101,6 +132,57 @@ impl BoardState {
                     });
                 }
             }
+        }
+    }
+}
+
+/// Every rank's inputs are scaled by that rank's own PreMulSum scalar: this rank's, to publish.
+fn own_scalar(op: &BoardOp) -> u64 {
+    op.red
+        .and_then(|r| r.resolve().premul)
+        .map_or(0, |s| s.bits)
+}
+
+/// The reducers of an operation: one per rank when each brings its own PreMulSum scalar (read
+/// from the board), else one for all; empty for operations that do not reduce.
+fn reducers(op: &BoardOp) -> Vec<Reducer> {
+    match op.red.map(|s| s.resolve()) {
+        None => Vec::new(),
+        Some(r) if r.premul.is_some() => (0..op.nranks)
+            .map(|p| {
+                Reducer::new(Reduction {
+                    premul: Some(Scalar {
+                        bits: op.board.scalar(p, op.seq),
+                    }),
+                    ..r
+                })
+            })
+            .collect(),
+        Some(r) => vec![Reducer::new(r)],
+    }
+}
+
+/// This rank's output of an eager operation, from every rank's input at `src(p)`.
+///
+/// # Safety
+/// Each `src(p)` holds rank p's input (its send extent); the receive buffer is valid.
+unsafe fn compute_eager(op: &BoardOp, src: &dyn Fn(usize) -> usize) {
+    let (n, r, es, c) = (op.nranks, op.rank, op.dtype.size(), op.count);
+    let reducers = reducers(op);
+    let out = op.recv as *mut u8;
+    // SAFETY: per the contract; the output never overlaps the board.
+    unsafe {
+        match op.kind {
+            BoardKind::AllReduce => reduce_into(&reducers, n, src, 0, es, out, c),
+            BoardKind::Reduce if r == op.root => reduce_into(&reducers, n, src, 0, es, out, c),
+            BoardKind::Reduce => {}
+            BoardKind::ReduceScatter => reduce_into(&reducers, n, src, r * c, es, out, c),
+            BoardKind::AllGather => {
+                for p in 0..n {
+                    copy_out(out.add(p * c * es), src(p) as *const u8, c * es, false);
+                }
+            }
+            BoardKind::Broadcast => copy_out(out, src(op.root) as *const u8, c * es, false),
         }
     }
 }
@@ -191,21 +273,7 @@ fn compute(op: &BoardOp, peers: &[(usize, usize)]) {
     let send = |p: usize| peers[p].0;
     let recv = |p: usize| peers[p].1;
     let slice = (SLICE_BYTES / es).max(1);
-    // One reducer per rank when each brings its own PreMulSum scalar, else one for all.
-    let reducers: Vec<Reducer> = match op.red.map(|s| s.resolve()) {
-        None => Vec::new(),
-        Some(r) if r.premul.is_some() => (0..n)
-            .map(|p| {
-                Reducer::new(Reduction {
-                    premul: Some(Scalar {
-                        bits: op.board.scalar(p),
-                    }),
-                    ..r
-                })
-            })
-            .collect(),
-        Some(r) => vec![Reducer::new(r)],
-    };
+    let reducers = reducers(op);
     // Streaming stores for large outputs, unless in place (see Program::stream_out).
     let nt = op.send != op.recv && op.extents().1 >= crate::param::stream_bytes();
     let mut scratch = vec![0u8; slice * es];

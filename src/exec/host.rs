@@ -241,53 +241,98 @@ fn describe_wait(l: &Lane) -> Option<String> {
 /// How long a blocked executor yields its core before it starts sleeping.
 const YIELD_BEFORE_SLEEP: Duration = Duration::from_millis(5);
 
-/// Runs tasks to completion on this thread; returns each task's result.
-pub fn run(tasks: Vec<Task>) -> Outcome {
-    let timeout = crate::param::timeout();
-    let mut running: Vec<Running> = tasks.into_iter().map(Running::new).collect();
-    let mut idle_spins: u32 = 0;
-    let mut idle_since = Instant::now();
-    loop {
-        let mut all_done = true;
-        let mut progress = false;
-        for t in &mut running {
-            match t.poll() {
-                Poll::Done => {}
-                Poll::Progress => {
-                    progress = true;
-                    all_done = false;
+/// Tasks being run together by one thread; they can be handed to another thread between polls.
+pub struct Batch {
+    running: Vec<Running>,
+}
+
+impl Batch {
+    pub fn new(tasks: Vec<Task>) -> Batch {
+        Batch {
+            running: tasks.into_iter().map(Running::new).collect(),
+        }
+    }
+
+    /// Runs until every task is done (true), or until `deadline` passes (false; call again, from
+    /// any thread, to go on). Without a deadline it waits as long as it takes: spinning, then
+    /// yielding, then sleeping, checking for aborts and timeouts.
+    pub fn run_until(&mut self, deadline: Option<Instant>) -> bool {
+        let timeout = crate::param::timeout();
+        let mut idle_spins: u32 = 0;
+        let mut idle_since = Instant::now();
+        loop {
+            let mut all_done = true;
+            let mut progress = false;
+            for t in &mut self.running {
+                match t.poll() {
+                    Poll::Done => {}
+                    Poll::Progress => {
+                        progress = true;
+                        all_done = false;
+                    }
+                    Poll::Blocked => all_done = false,
                 }
-                Poll::Blocked => all_done = false,
             }
-        }
-        if all_done {
-            break;
-        }
-        if progress {
-            idle_spins = 0;
-            continue;
-        }
-        if idle_spins == 0 {
-            idle_since = Instant::now();
-        }
-        idle_spins = idle_spins.saturating_add(1);
-        // Waiting: spin, then yield (peers on this host answer within microseconds), and only
-        // after a while without progress sleep, checking for aborts and timeouts.
-        if idle_spins < 64 {
-            std::hint::spin_loop();
-        } else if idle_since.elapsed() < YIELD_BEFORE_SLEEP {
-            std::thread::yield_now();
-        } else {
-            std::thread::sleep(Duration::from_micros(50));
-            if idle_spins.is_multiple_of(64) {
-                for t in &mut running {
-                    t.check_stuck(timeout);
+            if all_done {
+                return true;
+            }
+            if progress {
+                idle_spins = 0;
+                continue;
+            }
+            if idle_spins == 0 {
+                idle_since = Instant::now();
+            }
+            idle_spins = idle_spins.saturating_add(1);
+            if let Some(d) = deadline {
+                if idle_spins.is_multiple_of(16) && Instant::now() >= d {
+                    return false;
+                }
+                std::hint::spin_loop();
+                continue;
+            }
+            // Waiting: spin, then yield (peers on this host answer within microseconds), and
+            // only after a while without progress sleep, checking for aborts and timeouts.
+            if idle_spins < 64 {
+                std::hint::spin_loop();
+            } else if idle_since.elapsed() < YIELD_BEFORE_SLEEP {
+                std::thread::yield_now();
+            } else {
+                std::thread::sleep(Duration::from_micros(50));
+                if idle_spins.is_multiple_of(64) {
+                    for t in &mut self.running {
+                        t.check_stuck(timeout);
+                    }
                 }
             }
         }
     }
-    running
-        .into_iter()
-        .map(|r| r.result.unwrap_or(Ok(())))
-        .collect()
+
+    /// Splits the batch by `owner[i]` (in 0..k) of task i, keeping each part's task order.
+    pub fn split(self, owner: &[usize], k: usize) -> Vec<Batch> {
+        let mut parts: Vec<Batch> = (0..k)
+            .map(|_| Batch {
+                running: Vec::new(),
+            })
+            .collect();
+        for (r, &o) in self.running.into_iter().zip(owner) {
+            parts[o].running.push(r);
+        }
+        parts
+    }
+
+    /// Each task's result (Ok for tasks that did not finish: only call this when all are done).
+    pub fn results(self) -> Outcome {
+        self.running
+            .into_iter()
+            .map(|r| r.result.unwrap_or(Ok(())))
+            .collect()
+    }
+}
+
+/// Runs tasks to completion on this thread; returns each task's result.
+pub fn run(tasks: Vec<Task>) -> Outcome {
+    let mut b = Batch::new(tasks);
+    b.run_until(None);
+    b.results()
 }

@@ -14,11 +14,31 @@ pub struct Task {
     pub stages: VecDeque<Stage>,
     pub p2p: Vec<Vec<Work>>,
     /// What the task does, for log and timeout messages.
-    pub what: String,
+    pub what: What,
+}
+
+/// A task's description, formatted only when a message needs it (not on every launch).
+#[derive(Clone, Copy, Debug)]
+pub struct What {
+    pub kind: &'static str,
+    pub count: usize,
+    pub dtype: &'static str,
+    /// Further calls of the same communicator in the group.
+    pub more: usize,
+}
+
+impl std::fmt::Display for What {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} of {} x {}", self.kind, self.count, self.dtype)?;
+        if self.more > 0 {
+            write!(f, " (+{} more in the group)", self.more)?;
+        }
+        Ok(())
+    }
 }
 
 impl Task {
-    pub fn new(core: Arc<Core>, what: String) -> Task {
+    pub fn new(core: Arc<Core>, what: What) -> Task {
         Task {
             core,
             ticket: u64::MAX,

@@ -3,6 +3,9 @@
 //! segment of the work, so each element is read once per input and written once per output; two
 //! board rounds (arrive, done) replace the 2(n-1) FIFO hops of a ring.
 //!
+//! Small operations are *eager*: inputs travel on the board itself, and every rank computes its
+//! own output from them in one round.
+//!
 //! Whether peers' buffers can be reached is only known once everyone has published (another
 //! process's buffer must come from `ncclMemAlloc`); every rank decides the same way from the same
 //! published facts, and falls back to the ring program it carries when some buffer cannot be
@@ -39,9 +42,27 @@ pub struct BoardOp {
     pub root: usize,
     /// What runs instead when some peer buffer cannot be reached.
     pub fallback: Program,
+    /// Small enough for every rank to carry its input on the board (`Board::inline_area`): each
+    /// rank copies its input there, arrives, and computes its own output from everyone's copies;
+    /// one round, no done barrier, any buffers (nothing is read from peers' memory).
+    pub eager: bool,
 }
 
 impl BoardOp {
+    /// Whether an operation of this shape fits the board's inline areas.
+    pub fn fits_inline(kind: BoardKind, nranks: usize, count: usize, dtype: DataType) -> bool {
+        let input = match kind {
+            BoardKind::ReduceScatter => nranks * count,
+            _ => count,
+        };
+        input * dtype.size() <= crate::transport::board::INLINE
+    }
+
+    /// Whether this rank's send buffer is an input (a non-root's Broadcast send buffer is not).
+    pub fn sends(&self) -> bool {
+        self.kind != BoardKind::Broadcast || self.rank == self.root
+    }
+
     /// Bytes of this rank's send and receive buffers that the operation touches.
     pub fn extents(&self) -> (usize, usize) {
         let (n, c, es) = (self.nranks, self.count, self.dtype.size());

@@ -9,6 +9,9 @@ use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 
 const SLOT: usize = 256;
 const HDR: usize = 256;
+/// Bytes of each rank's inline data area (two of them, by operation parity): small operations
+/// carry their inputs on the board itself (see `plan::board`, eager operations).
+pub const INLINE: usize = 4096;
 
 /// How a peer can reach one of this rank's buffers.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -29,8 +32,9 @@ struct Slot {
     arrive: AtomicU64,
     done: AtomicU64,
     pid: AtomicU64,
-    /// The rank's PreMulSum scalar (its bits), which may differ from rank to rank.
-    scalar: AtomicU64,
+    /// The rank's PreMulSum scalar (its bits; it may differ from rank to rank), by operation
+    /// parity like the inline areas (eager operations have no done barrier).
+    scalar: [AtomicU64; 2],
     words: [AtomicU64; 10],
 }
 
@@ -38,6 +42,8 @@ pub struct Board {
     region: Region,
     base: *mut u8,
     pub nranks: usize,
+    /// This process (a board is not used across fork).
+    pid: u32,
 }
 
 // SAFETY: all accesses to the region go through atomics; the mapping lives as long as the Board.
@@ -49,7 +55,7 @@ impl Board {
     /// Opens the comm's board (`shared`: some ranks are in other processes) and attaches.
     pub fn open(comm_hash: u64, nranks: usize, shared: bool) -> Result<Board> {
         let name = format!("oxccl-{comm_hash:016x}-board");
-        let bytes = (HDR + nranks * SLOT).max(4096);
+        let bytes = HDR + nranks * SLOT + nranks * 2 * INLINE;
         let region = if shared {
             Region::Shm(shm::ShmRegion::open(&name, bytes)?)
         } else {
@@ -63,6 +69,7 @@ impl Board {
             region,
             base,
             nranks,
+            pid: std::process::id(),
         };
         // SAFETY: the header's first word is inside the region and used only atomically.
         let attached = unsafe { &*(b.base as *const AtomicU32) };
@@ -85,11 +92,21 @@ impl Board {
         unsafe { &*(self.base.add(HDR + rank * SLOT) as *const Slot) }
     }
 
+    /// Rank `rank`'s inline data area for operation `seq` (`INLINE` bytes). Written by its rank
+    /// before it arrives at `seq`; read by all between their arrival and the end of `seq + 1`
+    /// (which no rank can finish before every rank has finished `seq`), so two areas suffice.
+    pub fn inline_area(&self, rank: usize, seq: u64) -> *mut u8 {
+        assert!(rank < self.nranks);
+        let i = rank * 2 + (seq & 1) as usize;
+        // SAFETY: the area lies inside the region (see `open`).
+        unsafe { self.base.add(HDR + self.nranks * SLOT + i * INLINE) }
+    }
+
     /// Publishes this rank's buffers for operation `seq`, then its arrival.
     pub fn publish(&self, rank: usize, seq: u64, send: BufInfo, recv: BufInfo, scalar: u64) {
         let s = self.slot(rank);
-        s.pid.store(std::process::id() as u64, Ordering::Relaxed);
-        s.scalar.store(scalar, Ordering::Relaxed);
+        s.pid.store(self.pid as u64, Ordering::Relaxed);
+        s.scalar[(seq & 1) as usize].store(scalar, Ordering::Relaxed);
         for (i, v) in [send.addr, send.alloc_id, send.fd, send.base, send.len]
             .into_iter()
             .chain([recv.addr, recv.alloc_id, recv.fd, recv.base, recv.len])
@@ -126,9 +143,9 @@ impl Board {
         (s.pid.load(Ordering::Relaxed) as u32, info(0), info(5))
     }
 
-    /// A peer's published PreMulSum scalar bits; valid between its arrival and its done.
-    pub fn scalar(&self, rank: usize) -> u64 {
-        self.slot(rank).scalar.load(Ordering::Relaxed)
+    /// A peer's PreMulSum scalar bits for operation `seq`; valid as its inline area is.
+    pub fn scalar(&self, rank: usize, seq: u64) -> u64 {
+        self.slot(rank).scalar[(seq & 1) as usize].load(Ordering::Relaxed)
     }
 }
 
