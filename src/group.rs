@@ -321,39 +321,38 @@ fn build_task(qs: Vec<Queued>) -> Result<Task> {
                 | CollKind::AllGather
                 | CollKind::Broadcast
                 | CollKind::Reduce => {
-                    let (prog, bk) = match a.kind {
-                        CollKind::AllReduce => (
-                            ring::all_reduce(
+                    let bk = match a.kind {
+                        CollKind::AllReduce => BoardKind::AllReduce,
+                        CollKind::ReduceScatter => BoardKind::ReduceScatter,
+                        CollKind::AllGather => BoardKind::AllGather,
+                        CollKind::Broadcast => BoardKind::Broadcast,
+                        _ => BoardKind::Reduce,
+                    };
+                    let ring_program = || -> Result<plan::Program> {
+                        match bk {
+                            BoardKind::AllReduce => ring::all_reduce(
                                 l,
                                 a.send,
                                 a.recv,
                                 a.count,
                                 a.dtype,
                                 red.expect("red"),
-                            )?,
-                            BoardKind::AllReduce,
-                        ),
-                        CollKind::ReduceScatter => (
-                            ring::reduce_scatter(
+                            ),
+                            BoardKind::ReduceScatter => ring::reduce_scatter(
                                 l,
                                 a.send,
                                 a.recv,
                                 a.count,
                                 a.dtype,
                                 red.expect("red"),
-                            )?,
-                            BoardKind::ReduceScatter,
-                        ),
-                        CollKind::AllGather => (
-                            ring::all_gather(l, a.send, a.recv, a.count, a.dtype)?,
-                            BoardKind::AllGather,
-                        ),
-                        CollKind::Broadcast => (
-                            ring::broadcast(l, a.send, a.recv, a.count, a.dtype, root)?,
-                            BoardKind::Broadcast,
-                        ),
-                        _ => (
-                            ring::reduce(
+                            ),
+                            BoardKind::AllGather => {
+                                ring::all_gather(l, a.send, a.recv, a.count, a.dtype)
+                            }
+                            BoardKind::Broadcast => {
+                                ring::broadcast(l, a.send, a.recv, a.count, a.dtype, root)
+                            }
+                            BoardKind::Reduce => ring::reduce(
                                 l,
                                 a.send,
                                 a.recv,
@@ -361,9 +360,8 @@ fn build_task(qs: Vec<Queued>) -> Result<Task> {
                                 a.dtype,
                                 red.expect("red"),
                                 root,
-                            )?,
-                            BoardKind::Reduce,
-                        ),
+                            ),
+                        }
                     };
                     let board = if core.nranks > 1 {
                         core.board_op()
@@ -371,23 +369,32 @@ fn build_task(qs: Vec<Queued>) -> Result<Task> {
                         None
                     };
                     let work = match board {
-                        Some((board, seq)) => plan::Work::Board(Box::new(BoardOp {
-                            board,
-                            maps: core.maps.clone(),
-                            seq,
-                            rank: core.rank,
-                            nranks: core.nranks,
-                            kind: bk,
-                            send: a.send,
-                            recv: a.recv,
-                            count: a.count,
-                            dtype: a.dtype,
-                            red,
-                            root,
-                            eager: BoardOp::fits_inline(bk, core.nranks, a.count, a.dtype),
-                            fallback: prog,
-                        })),
-                        None => prog.into(),
+                        Some((board, seq)) => {
+                            // An eager operation never falls back: no ring to plan.
+                            let eager = BoardOp::fits_inline(bk, core.nranks, a.count, a.dtype);
+                            let fallback = if eager {
+                                plan::Program::new(Vec::new(), a.dtype, l.slot_bytes(), red)
+                            } else {
+                                ring_program()?
+                            };
+                            plan::Work::Board(Box::new(BoardOp {
+                                board,
+                                maps: core.maps.clone(),
+                                seq,
+                                rank: core.rank,
+                                nranks: core.nranks,
+                                kind: bk,
+                                send: a.send,
+                                recv: a.recv,
+                                count: a.count,
+                                dtype: a.dtype,
+                                red,
+                                root,
+                                eager,
+                                fallback,
+                            }))
+                        }
+                        None => ring_program()?.into(),
                     };
                     task.stages.push_back(stage(work));
                 }

@@ -63,15 +63,16 @@ impl HostStream {
         submit_all(vec![(self.clone(), tasks)]);
     }
 
-    /// Queues a batch at the back (`front`: ahead of everything, for work begun inline).
-    fn enqueue(&self, batch: Batch, front: bool) {
+    /// Queues a batch at the back, or (`claimed`: work this thread began inline while it held
+    /// the stream) at the front, ending the claim.
+    fn enqueue(&self, batch: Batch, claimed: bool) {
         let mut s = self.state.lock();
-        if front {
+        if claimed {
             s.queue.push_front(batch);
+            s.busy = false;
         } else {
             s.queue.push_back(batch);
         }
-        s.busy = false;
         self.submitted.fetch_add(1, Ordering::AcqRel);
         self.cv.notify_all();
     }
