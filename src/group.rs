@@ -380,6 +380,7 @@ fn build_task(qs: Vec<Queued>) -> Result<Task> {
                             plan::Work::Board(Box::new(BoardOp {
                                 board,
                                 maps: core.maps.clone(),
+                                cma: core.cma,
                                 seq,
                                 rank: core.rank,
                                 nranks: core.nranks,

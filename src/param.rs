@@ -47,6 +47,16 @@ pub const PARAMS: &[Param] = &[
         default: "50",
     },
     Param {
+        name: "OXCCL_CMA",
+        doc: "0 turns off cross-memory attach (process_vm_readv/writev) between processes",
+        default: "1",
+    },
+    Param {
+        name: "OXCCL_CMA_MIN_BYTES",
+        doc: "smallest operation (bytes of its vector) that uses cross-memory attach",
+        default: "67108864",
+    },
+    Param {
         name: "NCCL_ALGO",
         doc: "algorithms allowed: Ring, Direct (comma list, ^ to exclude)",
         default: "",
@@ -113,6 +123,20 @@ pub fn inline_budget() -> Duration {
             get_str("OXCCL_INLINE_US").map_or(50, |v| v.trim().parse().unwrap_or(50)),
         )
     });
+    *B
+}
+
+/// Whether direct algorithms may use cross-memory attach for other processes' buffers.
+pub fn cma_enabled() -> bool {
+    static C: once_cell::sync::Lazy<bool> =
+        once_cell::sync::Lazy::new(|| get_u64("OXCCL_CMA") != 0);
+    *C
+}
+
+/// The smallest operation that reaches other processes' buffers by cross-memory attach.
+pub fn cma_min_bytes() -> usize {
+    static B: once_cell::sync::Lazy<usize> =
+        once_cell::sync::Lazy::new(|| get_u64("OXCCL_CMA_MIN_BYTES") as usize);
     *B
 }
 

@@ -263,50 +263,81 @@ fn threads_blocking_and_aggregation() {
     assert_clean(&o, 1);
 }
 
-#[test]
-fn two_processes_via_rank_world_size() {
+/// Runs `name` as 2 processes (env launcher) with `args` and `envs`; returns (rank 0, rank 1).
+fn two_processes(name: &str, args: &[&str], envs: &[(&str, &str)]) -> (Output, Output) {
     let port = std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
         .local_addr()
         .unwrap()
-        .port();
-    for (k, name) in ["all_reduce_perf", "sendrecv_perf", "all_gather_perf"]
-        .iter()
-        .enumerate()
-    {
-        let port = (port + k as u16 * 7).to_string();
-        let kids: Vec<_> = (0..2)
-            .map(|r| {
-                tool(name)
-                    .args(["-b", "8", "-e", "64K", "-f", "4", "-n", "2", "-w", "1"])
-                    .env("RANK", r.to_string())
-                    .env("LOCAL_RANK", r.to_string())
-                    .env("WORLD_SIZE", "2")
-                    .env("MASTER_ADDR", "127.0.0.1")
-                    .env("MASTER_PORT", &port)
-                    .stdout(Stdio::piped())
-                    .stderr(Stdio::piped())
-                    .spawn()
-                    .unwrap()
-            })
-            .collect();
-        let outs: Vec<Output> = kids
-            .into_iter()
-            .map(|c| c.wait_with_output().unwrap())
-            .collect();
-        assert_eq!(
-            outs[1].status.code(),
-            Some(0),
-            "rank 1:\n{}",
-            text(&outs[1])
+        .port()
+        .to_string();
+    let kids: Vec<_> = (0..2)
+        .map(|r| {
+            tool(name)
+                .args(args)
+                .envs(envs.iter().copied())
+                .env("RANK", r.to_string())
+                .env("LOCAL_RANK", r.to_string())
+                .env("WORLD_SIZE", "2")
+                .env("MASTER_ADDR", "127.0.0.1")
+                .env("MASTER_PORT", &port)
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    let mut outs = kids.into_iter().map(|c| c.wait_with_output().unwrap());
+    let (a, b) = (outs.next().unwrap(), outs.next().unwrap());
+    assert_eq!(b.status.code(), Some(0), "{name} rank 1:\n{}", text(&b));
+    (a, b)
+}
+
+#[test]
+fn two_processes_via_rank_world_size() {
+    for name in ["all_reduce_perf", "sendrecv_perf", "all_gather_perf"] {
+        let (o, _) = two_processes(
+            name,
+            &["-b", "8", "-e", "64K", "-f", "4", "-n", "2", "-w", "1"],
+            &[],
         );
-        assert_clean(&outs[0], 7);
+        assert_clean(&o, 7);
         assert_eq!(
-            String::from_utf8_lossy(&outs[0].stdout)
+            String::from_utf8_lossy(&o.stdout)
                 .matches("#  Rank ")
                 .count(),
             2
         );
+    }
+}
+
+/// Ordinary (malloc) buffers in two processes, every type and op, in and out of place: eager
+/// operations for small sizes, then the ring (default), cross-memory attach for every larger
+/// size (OXCCL_CMA_MIN_BYTES=0), and the ring when cross-memory attach is off (OXCCL_CMA=0).
+#[test]
+fn two_processes_every_algorithm() {
+    let reducing = ["all_reduce_perf", "reduce_perf", "reduce_scatter_perf"];
+    for envs in [
+        &[][..],
+        &[("OXCCL_CMA_MIN_BYTES", "0")][..],
+        &[("OXCCL_CMA", "0"), ("OXCCL_CMA_MIN_BYTES", "0")][..],
+    ] {
+        for name in reducing
+            .iter()
+            .chain(&["all_gather_perf", "broadcast_perf"])
+        {
+            let ops = if reducing.contains(name) { 6 } else { 1 };
+            let (o, _) = two_processes(
+                name,
+                &[
+                    "-b", "8", "-e", "512K", "-f", "16", "-d", "all", "-o", "all", "-n", "1", "-w",
+                    "1", "-r", "1",
+                ],
+                envs,
+            );
+            // sizes 8 B, 128 B, 2 KiB, 32 KiB, 512 KiB x 12 types x ops
+            assert_clean(&o, 5 * 12 * ops);
+        }
     }
 }
 

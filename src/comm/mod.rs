@@ -43,6 +43,8 @@ pub struct Core {
     board: Mutex<Option<Arc<Board>>>,
     board_seq: AtomicU64,
     pub maps: Arc<PeerMaps>,
+    /// Every rank can read and write every other rank's process memory (`transport::cma`).
+    pub cma: bool,
 }
 
 impl Core {
@@ -298,8 +300,17 @@ fn build_core(p: PendingInit) -> Result<Core> {
             .count() as i32,
     };
     let hash = boot.comm_hash();
+    let mut cma = false;
     let board = if p.nranks > 1 && peers.iter().all(|q| q.host == me.host) {
         let shared = peers.iter().any(|q| q.pid != me.pid);
+        if shared {
+            // Cross-memory attach only if every rank reaches every other process.
+            let mine = peers
+                .iter()
+                .all(|q| q.pid == me.pid || crate::transport::cma::can_reach(q.pid, q.probe));
+            let all = boot.allgather(&[mine as u8])?;
+            cma = all.iter().all(|v| v.first() == Some(&1));
+        }
         Some(Arc::new(Board::open(hash, p.nranks, shared)?))
     } else {
         None
@@ -328,6 +339,7 @@ fn build_core(p: PendingInit) -> Result<Core> {
         board: Mutex::new(board),
         board_seq: AtomicU64::new(0),
         maps: Arc::new(PeerMaps::default()),
+        cma,
     })
 }
 

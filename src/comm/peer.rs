@@ -9,9 +9,11 @@ pub struct PeerInfo {
     pub dev: i32,
     pub slot_bytes: u64,
     pub nsteps: u32,
+    /// Where this process keeps its cross-memory-attach probe word (`transport::cma`).
+    pub probe: u64,
 }
 
-const BYTES: usize = 8 + 4 + 4 + 8 + 4;
+const BYTES: usize = 8 + 4 + 4 + 8 + 4 + 8;
 
 /// This host's identity: hostname and boot id (`OXCCL_HOSTID` overrides, for tests).
 fn host_hash() -> u64 {
@@ -37,6 +39,7 @@ impl PeerInfo {
             dev,
             slot_bytes: crate::param::chunk_bytes() as u64,
             nsteps: crate::param::nsteps() as u32,
+            probe: crate::transport::cma::probe_addr(),
         }
     }
 
@@ -47,6 +50,7 @@ impl PeerInfo {
         v.extend_from_slice(&self.dev.to_le_bytes());
         v.extend_from_slice(&self.slot_bytes.to_le_bytes());
         v.extend_from_slice(&self.nsteps.to_le_bytes());
+        v.extend_from_slice(&self.probe.to_le_bytes());
         v
     }
 
@@ -65,6 +69,7 @@ impl PeerInfo {
             dev: u32_at(12) as i32,
             slot_bytes: u64_at(16),
             nsteps: u32_at(24),
+            probe: u64_at(28),
         })
     }
 }

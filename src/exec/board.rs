@@ -9,6 +9,7 @@ use crate::error::{Error, Result};
 use crate::plan::board::{BoardKind, BoardOp};
 use crate::plan::segment;
 use crate::reduce::Reducer;
+use crate::transport::cma;
 use crate::types::{Reduction, Scalar};
 
 /// Bytes reduced at a time: small enough to stay in cache between the reduction and the copies.
@@ -99,13 +100,13 @@ impl BoardState {
                         let src = |p: usize| op.board.inline_area(p, op.seq) as usize;
                         // SAFETY: every rank's inline area holds its input for `seq` until
                         // everyone has arrived at `seq + 1`, which needs this rank to finish.
-                        unsafe { compute_eager(op, &src) };
+                        unsafe { compute_eager(op, &src)? };
                         self.phase = Phase::Finished;
                         return Ok(Poll::Done);
                     }
                     match resolve(op)? {
                         Some(peers) => {
-                            compute(op, &peers);
+                            compute(op, &peers)?;
                             op.board.post_done(op.rank, op.seq);
                             self.phase = Phase::Done;
                         }
@@ -166,17 +167,21 @@ fn reducers(op: &BoardOp) -> Vec<Reducer> {
 ///
 /// # Safety
 /// Each `src(p)` holds rank p's input (its send extent); the receive buffer is valid.
-unsafe fn compute_eager(op: &BoardOp, src: &dyn Fn(usize) -> usize) {
+unsafe fn compute_eager(op: &BoardOp, src: &dyn Fn(usize) -> usize) -> Result<()> {
     let (n, r, es, c) = (op.nranks, op.rank, op.dtype.size(), op.count);
     let reducers = reducers(op);
     let out = op.recv as *mut u8;
+    let from =
+        |p: usize, first: usize| -> Result<*const u8> { Ok((src(p) + first * es) as *const u8) };
     // SAFETY: per the contract; the output never overlaps the board.
     unsafe {
         match op.kind {
-            BoardKind::AllReduce => reduce_into(&reducers, n, src, 0, es, out, c),
-            BoardKind::Reduce if r == op.root => reduce_into(&reducers, n, src, 0, es, out, c),
+            BoardKind::AllReduce => reduce_into(&reducers, n, &mut |p| from(p, 0), out, c)?,
+            BoardKind::Reduce if r == op.root => {
+                reduce_into(&reducers, n, &mut |p| from(p, 0), out, c)?
+            }
             BoardKind::Reduce => {}
-            BoardKind::ReduceScatter => reduce_into(&reducers, n, src, r * c, es, out, c),
+            BoardKind::ReduceScatter => reduce_into(&reducers, n, &mut |p| from(p, r * c), out, c)?,
             BoardKind::AllGather => {
                 for p in 0..n {
                     copy_out(out.add(p * c * es), src(p) as *const u8, c * es, false);
@@ -185,11 +190,22 @@ unsafe fn compute_eager(op: &BoardOp, src: &dyn Fn(usize) -> usize) {
             BoardKind::Broadcast => copy_out(out, src(op.root) as *const u8, c * es, false),
         }
     }
+    Ok(())
 }
 
-/// Local addresses of every rank's (send, recv) buffers, or None when one this rank needs cannot
-/// be reached. Every rank reaches the same verdict: it depends only on what all ranks published.
-fn resolve(op: &BoardOp) -> Result<Option<Vec<(usize, usize)>>> {
+/// Where a rank's buffer is, seen from this process.
+#[derive(Clone, Copy, Debug)]
+enum Loc {
+    /// Addressable here: this process's memory, or a peer's `ncclMemAlloc` buffer mapped in.
+    Here(usize),
+    /// In another process, reached by cross-memory attach.
+    Remote { pid: u32, addr: usize },
+}
+
+/// Where every rank's (send, recv) buffers are, or None when one that some rank needs cannot be
+/// reached. Every rank reaches the same verdict: it depends only on what all ranks published
+/// and on the communicator's cross-memory-attach verdict, agreed at init.
+fn resolve(op: &BoardOp) -> Result<Option<Vec<(Loc, Loc)>>> {
     // Reachability first, from the published facts alone (identical on every rank).
     let mut infos = Vec::with_capacity(op.nranks);
     for p in 0..op.nranks {
@@ -199,128 +215,189 @@ fn resolve(op: &BoardOp) -> Result<Option<Vec<(usize, usize)>>> {
     // A rank needs what its role needs; the verdict must not depend on the role, so check the
     // union of every rank's needs: all sends, and every recv that some rank writes.
     let writes_peer_recv = matches!(op.kind, BoardKind::AllReduce | BoardKind::Reduce);
+    // Cross-memory attach costs a system call per slice and a page walk per page: the ring's
+    // shared FIFOs are quicker until the data outgrows the caches (OXCCL_CMA_MIN_BYTES).
+    let cma = op.cma && op.count * op.dtype.size() >= crate::param::cma_min_bytes();
     let all_ok = (0..op.nranks).all(|p| {
         let want_recv = writes_peer_recv && (op.kind == BoardKind::AllReduce || p == op.root);
         let want_send = op.kind != BoardKind::Broadcast || p == op.root;
         let (pid, s, r) = &infos[p];
         // Reachable from every process: same-process peers count only when all ranks share it.
         let from_all = |i: &crate::transport::board::BufInfo| {
-            i.alloc_id != 0 || infos.iter().all(|(q, _, _)| q == pid)
+            cma || i.alloc_id != 0 || infos.iter().all(|(q, _, _)| q == pid)
         };
         (!want_send || from_all(s)) && (!want_recv || from_all(r))
     });
     if !all_ok {
         return Ok(None);
     }
+    let locate = |pid: u32, i: &crate::transport::board::BufInfo, p: usize| -> Result<Loc> {
+        match op.maps.resolve(pid, i)? {
+            Some(a) => Ok(Loc::Here(a)),
+            None if cma => Ok(Loc::Remote {
+                pid,
+                addr: i.addr as usize,
+            }),
+            None => Err(Error::internal(format!(
+                "direct operation #{}: rank {p}'s buffer is unreachable after all",
+                op.seq
+            ))),
+        }
+    };
     let mut out = Vec::with_capacity(op.nranks);
     for (p, &(pid, s, r)) in infos.iter().enumerate().take(op.nranks) {
         if p == op.rank {
-            out.push((op.send, op.recv));
+            out.push((Loc::Here(op.send), Loc::Here(op.recv)));
             continue;
         }
         let (ws, wr) = op.needs(p);
         let sa = if ws {
-            op.maps.resolve(pid, &s)?
+            locate(pid, &s, p)?
         } else {
-            Some(0)
+            Loc::Here(0)
         };
         let ra = if wr {
-            op.maps.resolve(pid, &r)?
+            locate(pid, &r, p)?
         } else {
-            Some(0)
+            Loc::Here(0)
         };
-        match (sa, ra) {
-            (Some(sa), Some(ra)) => out.push((sa, ra)),
-            _ => {
-                return Err(Error::internal(format!(
-                    "direct operation #{}: rank {p}'s buffer is unreachable after all",
-                    op.seq
-                )))
-            }
-        }
+        out.push((sa, ra));
     }
     Ok(Some(out))
 }
 
-/// Reduces `elems` elements at element offset `at` of every rank's send buffer (`src(p)`) into
-/// `acc`, then finishes them.
+/// Reduces `elems` elements of every rank's input into `acc`, then finishes them; `fetch(p)`
+/// gives the address of rank p's elements (it may copy them somewhere first).
 ///
 /// # Safety
-/// Every `src(p) + at` range is valid for `elems` elements; `acc` holds them.
+/// Every address `fetch` returns is valid for `elems` elements; `acc` holds them and is none of
+/// those addresses.
 unsafe fn reduce_into(
     reducers: &[Reducer],
     n: usize,
-    src: &dyn Fn(usize) -> usize,
-    at: usize,
-    es: usize,
+    fetch: &mut dyn FnMut(usize) -> Result<*const u8>,
     acc: *mut u8,
     elems: usize,
-) {
+) -> Result<()> {
     // With per-rank PreMulSum scalars, rank p's reducer applies p's scalar.
     let red = |p: usize| &reducers[p.min(reducers.len() - 1)];
-    // SAFETY: per the contract; `acc` is a private scratch buffer.
+    // SAFETY: per the contract (`fetch` keeps the last two addresses it gave valid).
     unsafe {
-        red(0).prep(acc, (src(0) + at * es) as *const u8, elems);
-        for p in 1..n {
-            red(p).combine(acc, (src(p) + at * es) as *const u8, acc, elems);
+        let first = fetch(0)?;
+        let mut p = 1;
+        if n > 1 && !red(0).has_prep() {
+            // The first two inputs straight into `acc`: no copy of the first.
+            red(1).combine(acc, fetch(1)?, first, elems);
+            p = 2;
+        } else {
+            red(0).prep(acc, first, elems);
+        }
+        while p < n {
+            let src = fetch(p)?;
+            red(p).combine(acc, src, acc, elems);
+            p += 1;
         }
         red(0).finish(acc, acc, elems);
     }
+    Ok(())
 }
 
-fn compute(op: &BoardOp, peers: &[(usize, usize)]) {
+/// Bytes reduced at a time when some input comes by cross-memory attach (a system call each).
+const CMA_SLICE_BYTES: usize = 256 << 10;
+
+fn compute(op: &BoardOp, peers: &[(Loc, Loc)]) -> Result<()> {
     let (n, r, es, c) = (op.nranks, op.rank, op.dtype.size(), op.count);
     let send = |p: usize| peers[p].0;
     let recv = |p: usize| peers[p].1;
-    let slice = (SLICE_BYTES / es).max(1);
+    let remote = peers
+        .iter()
+        .any(|(s, d)| matches!(s, Loc::Remote { .. }) || matches!(d, Loc::Remote { .. }));
+    let slice = (if remote { CMA_SLICE_BYTES } else { SLICE_BYTES } / es).max(1);
     let reducers = reducers(op);
     // Streaming stores for large outputs, unless in place (see Program::stream_out).
     let nt = op.send != op.recv && op.extents().1 >= crate::param::stream_bytes();
     let mut scratch = vec![0u8; slice * es];
     let acc = scratch.as_mut_ptr();
-    // SAFETY: every address comes from a rank's validated buffer (its own, mapped, or in this
-    // process) and stays within the extents that rank published; only this rank writes the
-    // ranges it owns (its segment or block) until everyone is done.
-    unsafe {
-        match op.kind {
-            BoardKind::AllReduce | BoardKind::Reduce => {
-                let (off, len) = segment(c, n, r);
-                let mut o = 0;
-                while o < len {
-                    let m = slice.min(len - o);
-                    reduce_into(&reducers, n, &send, off + o, es, acc, m);
-                    if op.kind == BoardKind::AllReduce {
-                        for p in 0..n {
-                            copy_out((recv(p) + (off + o) * es) as *mut u8, acc, m * es, nt);
-                        }
-                    } else {
-                        copy_out((recv(op.root) + (off + o) * es) as *mut u8, acc, m * es, nt);
-                    }
-                    o += m;
+    // Two staging slices, used in turn: the last two inputs fetched stay valid.
+    let mut staging = vec![0u8; if remote { 2 * slice * es } else { 0 }];
+    let tmp = staging.as_mut_ptr();
+    let turn = std::cell::Cell::new(0usize);
+    // Rank p's input elements [at, at + m): in place, or copied into staging from its process.
+    let fetch = |p: usize, at: usize, m: usize| -> Result<*const u8> {
+        match send(p) {
+            Loc::Here(a) => Ok((a + at * es) as *const u8),
+            Loc::Remote { pid, addr } => {
+                let t = turn.get();
+                turn.set(t ^ 1);
+                // SAFETY: staging holds two slices; the remote range is in p's published extent.
+                unsafe {
+                    let buf = tmp.add(t * slice * es);
+                    cma::read(pid, addr + at * es, buf, m * es)?;
+                    Ok(buf as *const u8)
                 }
-            }
-            BoardKind::ReduceScatter => {
-                let mut o = 0;
-                while o < c {
-                    let m = slice.min(c - o);
-                    reduce_into(&reducers, n, &send, r * c + o, es, acc, m);
-                    copy_out((recv(r) + o * es) as *mut u8, acc, m * es, nt);
-                    o += m;
-                }
-            }
-            BoardKind::AllGather => {
-                for p in 0..n {
-                    copy_out(
-                        (recv(r) + p * c * es) as *mut u8,
-                        send(p) as *const u8,
-                        c * es,
-                        nt,
-                    );
-                }
-            }
-            BoardKind::Broadcast => {
-                copy_out(recv(r) as *mut u8, send(op.root) as *const u8, c * es, nt);
             }
         }
+    };
+    // Writes m elements from `src` at element offset `at` of rank p's output.
+    let put = |p: usize, at: usize, src: *const u8, m: usize| -> Result<()> {
+        // SAFETY: `src` holds m elements; the destination lies in p's published extent.
+        unsafe {
+            match recv(p) {
+                Loc::Here(a) => copy_out((a + at * es) as *mut u8, src, m * es, nt),
+                Loc::Remote { pid, addr } => cma::write(pid, addr + at * es, src, m * es)?,
+            }
+        }
+        Ok(())
+    };
+    // Copies m elements of rank p's input from `from` into this rank's output at `to`.
+    let gather = |p: usize, from: usize, to: usize, m: usize| -> Result<()> {
+        let dst = match recv(r) {
+            Loc::Here(a) => (a + to * es) as *mut u8,
+            Loc::Remote { .. } => unreachable!("this rank's own buffer is here"),
+        };
+        // SAFETY: both ranges lie in published extents (this rank's, and p's).
+        unsafe {
+            match send(p) {
+                Loc::Here(a) => copy_out(dst, (a + from * es) as *const u8, m * es, nt),
+                Loc::Remote { pid, addr } => cma::read(pid, addr + from * es, dst, m * es)?,
+            }
+        }
+        Ok(())
+    };
+    // SAFETY (reduce_into): `fetch` returns in-extent addresses or `tmp`; `acc` is private.
+    // Only this rank writes the ranges it owns (its segment or block) until everyone is done.
+    match op.kind {
+        BoardKind::AllReduce | BoardKind::Reduce => {
+            let (off, len) = segment(c, n, r);
+            let mut o = 0;
+            while o < len {
+                let m = slice.min(len - o);
+                unsafe { reduce_into(&reducers, n, &mut |p| fetch(p, off + o, m), acc, m)? };
+                if op.kind == BoardKind::AllReduce {
+                    for p in 0..n {
+                        put(p, off + o, acc, m)?;
+                    }
+                } else {
+                    put(op.root, off + o, acc, m)?;
+                }
+                o += m;
+            }
+        }
+        BoardKind::ReduceScatter => {
+            let mut o = 0;
+            while o < c {
+                let m = slice.min(c - o);
+                unsafe { reduce_into(&reducers, n, &mut |p| fetch(p, r * c + o, m), acc, m)? };
+                put(r, o, acc, m)?;
+                o += m;
+            }
+        }
+        BoardKind::AllGather => {
+            for p in 0..n {
+                gather(p, 0, p * c, c)?;
+            }
+        }
+        BoardKind::Broadcast => gather(op.root, 0, 0, c)?,
     }
+    Ok(())
 }

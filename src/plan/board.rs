@@ -29,6 +29,8 @@ pub enum BoardKind {
 pub struct BoardOp {
     pub board: Arc<Board>,
     pub maps: Arc<PeerMaps>,
+    /// Buffers of other processes that cannot be mapped are reached by cross-memory attach.
+    pub cma: bool,
     pub seq: u64,
     pub rank: usize,
     pub nranks: usize,

@@ -98,6 +98,11 @@ impl Reducer {
         }
     }
 
+    /// Whether inputs are scaled before they are combined (PreMulSum, float averages).
+    pub fn has_prep(&self) -> bool {
+        self.prep_fn.is_some()
+    }
+
     /// `dst[i] = pre(src[i])`: a copy, or the PreMulSum multiplication.
     ///
     /// # Safety

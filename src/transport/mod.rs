@@ -7,6 +7,7 @@
 //! The executor never knows which one it has.
 
 pub mod board;
+pub mod cma;
 pub mod inproc;
 pub mod shm;
 
