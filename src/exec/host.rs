@@ -64,6 +64,22 @@ fn poll_lane(lane: &mut Lane) -> Result<Poll> {
     }
 }
 
+/// Polls every lane once; sets `progress` when one moved; true when all are done.
+fn poll_lanes(lanes: &mut [Lane], progress: &mut bool) -> Result<bool> {
+    let mut all_done = true;
+    for l in lanes {
+        match poll_lane(l)? {
+            Poll::Progress => {
+                *progress = true;
+                all_done = false;
+            }
+            Poll::Blocked => all_done = false,
+            Poll::Done => {}
+        }
+    }
+    Ok(all_done)
+}
+
 /// A task being run.
 struct Running {
     task: Task,
@@ -111,21 +127,10 @@ impl Running {
         }
         let mut progress = false;
         loop {
-            let mut all_done = true;
-            for l in &mut self.stage_lanes {
-                let polled = match poll_lane(l) {
-                    Ok(p) => p,
-                    Err(e) => return self.finish(Err(e)),
-                };
-                match polled {
-                    Poll::Progress => {
-                        progress = true;
-                        all_done = false;
-                    }
-                    Poll::Blocked => all_done = false,
-                    Poll::Done => {}
-                }
-            }
+            let all_done = match poll_lanes(&mut self.stage_lanes, &mut progress) {
+                Ok(d) => d,
+                Err(e) => return self.finish(Err(e)),
+            };
             if !all_done || self.task.stages.is_empty() {
                 break;
             }
@@ -134,21 +139,10 @@ impl Running {
             progress = true;
         }
         let stage_done = self.task.stages.is_empty() && self.stage_lanes.iter().all(Lane::done);
-        let mut p2p_done = true;
-        for l in &mut self.p2p {
-            let polled = match poll_lane(l) {
-                Ok(p) => p,
-                Err(e) => return self.finish(Err(e)),
-            };
-            match polled {
-                Poll::Progress => {
-                    progress = true;
-                    p2p_done = false;
-                }
-                Poll::Blocked => p2p_done = false,
-                Poll::Done => {}
-            }
-        }
+        let p2p_done = match poll_lanes(&mut self.p2p, &mut progress) {
+            Ok(d) => d,
+            Err(e) => return self.finish(Err(e)),
+        };
         if stage_done && p2p_done {
             self.end_stage();
             return self.finish(Ok(()));
