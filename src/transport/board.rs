@@ -11,7 +11,7 @@ const SLOT: usize = 256;
 const HDR: usize = 256;
 /// Bytes of each rank's inline data area (two of them, by operation parity): small operations
 /// carry their inputs on the board itself (see `plan::board`, eager operations).
-pub const INLINE: usize = 4096;
+pub const INLINE: usize = 32 << 10;
 
 /// How a peer can reach one of this rank's buffers.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
