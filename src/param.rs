@@ -57,6 +57,11 @@ pub const PARAMS: &[Param] = &[
         default: "67108864",
     },
     Param {
+        name: "OXCCL_RUN_AHEAD",
+        doc: "0: step programs run strictly slice after slice (no run-ahead across iterations)",
+        default: "1",
+    },
+    Param {
         name: "NCCL_ALGO",
         doc: "algorithms allowed: Ring, Direct (comma list, ^ to exclude)",
         default: "",
@@ -138,6 +143,13 @@ pub fn cma_min_bytes() -> usize {
     static B: once_cell::sync::Lazy<usize> =
         once_cell::sync::Lazy::new(|| get_u64("OXCCL_CMA_MIN_BYTES") as usize);
     *B
+}
+
+/// Whether step programs may run later slices ahead of blocked earlier ones.
+pub fn run_ahead() -> bool {
+    static R: once_cell::sync::Lazy<bool> =
+        once_cell::sync::Lazy::new(|| get_u64("OXCCL_RUN_AHEAD") != 0);
+    *R
 }
 
 /// Output size from which copies into the caller's buffers use streaming stores.

@@ -298,6 +298,13 @@ fn coll_matrix_ring_algorithms() {
     for n in ["2", "3", "4"] {
         run_env("coll_matrix.c", &[n], &[("OXCCL_ALGO", "ring")], 300);
     }
+    // Strictly in order (no run-ahead across iterations).
+    run_env(
+        "coll_matrix.c",
+        &["3"],
+        &[("OXCCL_ALGO", "ring"), ("OXCCL_RUN_AHEAD", "0")],
+        300,
+    );
     // Streaming stores for every out-of-place output (normally only for large ones), on both
     // the ring and the direct algorithms.
     for algo in ["ring", "direct"] {

@@ -5,25 +5,30 @@ use super::copy::copy_out;
 use crate::plan::{Prim, Program};
 use crate::reduce::Reducer;
 
-/// Where a program is: iteration, step, and its resolved reduction.
+/// Where a program is: the first slice not done (`head`, counting step by step through the
+/// iterations), which of the following slices are done already (run ahead), and the program's
+/// resolved reduction.
 pub(super) struct Cursor {
-    iter: usize,
-    step: usize,
+    head: usize,
+    ahead: std::collections::VecDeque<bool>,
     reducer: Option<Reducer>,
 }
+
+/// How many slices past the head a program may run ahead, in iterations.
+const AHEAD_ITERS: usize = 4;
 
 impl Cursor {
     pub(super) fn new(prog: &Program) -> Cursor {
         Cursor {
-            iter: 0,
-            step: 0,
+            head: 0,
+            ahead: std::collections::VecDeque::new(),
             reducer: prog.red.map(|r| Reducer::new(r.resolve())),
         }
     }
 
     /// What this program waits for, for timeout messages.
     pub(super) fn describe_wait(&self, prog: &Program) -> Option<String> {
-        let s = prog.steps.get(self.step)?;
+        let s = prog.steps.get(self.head % prog.steps.len().max(1))?;
         let conn = s
             .recv
             .as_ref()
@@ -52,15 +57,61 @@ pub(super) unsafe fn copy(dst: *mut u8, src: *const u8, bytes: usize) {
     }
 }
 
-/// Runs as many slices of the program as the connections allow.
+/// Runs as many slices of the program as the connections allow: in order, and, where the
+/// program allows it (`run_ahead`), slices of later iterations past blocked ones, as long as
+/// each connection's slots are used in program order and no earlier slice of the same iteration
+/// is still pending.
 pub(super) fn poll_program(prog: &Program, cur: &mut Cursor) -> Poll {
+    let nsteps = prog.steps.len();
+    let total = prog.niter * nsteps;
+    let window = if prog.run_ahead {
+        AHEAD_ITERS * nsteps
+    } else {
+        1
+    };
     let mut progressed = false;
     loop {
-        if cur.iter >= prog.niter || prog.steps.is_empty() {
+        if cur.head >= total {
             return Poll::Done;
         }
-        let (off, n) = prog.slice_of(cur.step, cur.iter);
-        if n > 0 && !run_step(prog, cur, off, n) {
+        let mut ran = false;
+        // Connections and iterations held by pending earlier slices in this pass.
+        let mut held: Vec<*const crate::transport::Conn> = Vec::new();
+        let mut held_iters: Vec<usize> = Vec::new();
+        let end = (cur.head + window).min(total);
+        for j in cur.head..end {
+            let a = j - cur.head;
+            if cur.ahead.get(a).copied().unwrap_or(false) {
+                continue;
+            }
+            let (k, i) = (j % nsteps, j / nsteps);
+            let s = &prog.steps[k];
+            let conns = [s.recv.as_ref(), s.send.as_ref()];
+            let blocked_by_order = held_iters.contains(&i)
+                || conns
+                    .iter()
+                    .flatten()
+                    .any(|c| held.contains(&std::sync::Arc::as_ptr(c)));
+            let (off, n) = prog.slice_of(k, i);
+            let done = !blocked_by_order && (n == 0 || run_step(prog, cur, k, off, n));
+            if done {
+                if a >= cur.ahead.len() {
+                    cur.ahead.resize(a + 1, false);
+                }
+                cur.ahead[a] = true;
+                ran = true;
+            } else {
+                held.extend(conns.iter().flatten().map(|c| std::sync::Arc::as_ptr(c)));
+                if !held_iters.contains(&i) {
+                    held_iters.push(i);
+                }
+            }
+        }
+        while cur.ahead.front() == Some(&true) {
+            cur.ahead.pop_front();
+            cur.head += 1;
+        }
+        if !ran {
             return if progressed {
                 Poll::Progress
             } else {
@@ -68,17 +119,12 @@ pub(super) fn poll_program(prog: &Program, cur: &mut Cursor) -> Poll {
             };
         }
         progressed = true;
-        cur.step += 1;
-        if cur.step == prog.steps.len() {
-            cur.step = 0;
-            cur.iter += 1;
-        }
     }
 }
 
-/// Performs step `cur.step` on `n` elements at element offset `off`, if its slots are ready.
-fn run_step(prog: &Program, cur: &Cursor, off: usize, n: usize) -> bool {
-    let s = &prog.steps[cur.step];
+/// Performs step `k` on `n` elements at element offset `off`, if its slots are ready.
+fn run_step(prog: &Program, cur: &Cursor, k: usize, off: usize, n: usize) -> bool {
+    let s = &prog.steps[k];
     let es = prog.esize;
     let bytes = n * es;
     let rslot = match &s.recv {

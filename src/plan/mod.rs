@@ -127,6 +127,10 @@ pub struct Program {
     pub red: Option<RedSpec>,
     /// Write the caller's output with streaming stores (it is too large to stay in the cache).
     pub stream_out: bool,
+    /// Slices of a later iteration may run before blocked slices of an earlier one (each
+    /// connection still in order): every two steps' buffer regions start at the same address or
+    /// do not overlap, so slices of different iterations never touch the same memory.
+    pub run_ahead: bool,
 }
 
 impl Program {
@@ -149,6 +153,18 @@ impl Program {
         let in_place = steps
             .iter()
             .any(|s| s.prim.writes_dst() && s.len > 0 && s.src == s.dst);
+        let regions: Vec<(usize, usize)> = steps
+            .iter()
+            .filter(|s| s.len > 0)
+            .flat_map(|s| [(s.src, s.len * esize), (s.dst, s.len * esize)])
+            .filter(|&(a, _)| a != 0)
+            .collect();
+        let run_ahead = crate::param::run_ahead()
+            && regions.iter().enumerate().all(|(i, &(a, la))| {
+                regions[i + 1..]
+                    .iter()
+                    .all(|&(b, lb)| a == b || a + la <= b || b + lb <= a)
+            });
         Program {
             steps,
             esize,
@@ -156,6 +172,7 @@ impl Program {
             niter: maxlen.div_ceil(slice),
             red,
             stream_out: !in_place && out_bytes >= crate::param::stream_bytes(),
+            run_ahead,
         }
     }
 
