@@ -18,7 +18,7 @@ struct State {
     busy: bool,
     error: Option<Error>,
     shutdown: bool,
-    /// Threads sleeping in `synchronize` (a claim's release wakes no one else).
+    /// Threads sleeping in `synchronize` (a claim's release wakes the worker only for queued work).
     syncing: usize,
 }
 
@@ -94,7 +94,10 @@ impl HostStream {
             s.error.get_or_insert(e);
         }
         s.busy = false;
-        if s.syncing > 0 {
+        // Wake whoever waits on the claim: a synchronizing thread, or the worker, when another
+        // thread queued work behind the claim meanwhile (the worker does not take work while a
+        // submitter holds the stream, and nothing else would wake it).
+        if s.syncing > 0 || !s.queue.is_empty() {
             self.cv.notify_all();
         }
     }
