@@ -123,11 +123,8 @@ pub fn nsteps() -> usize {
 
 /// How long a launch on an idle host stream runs the work on the calling thread first.
 pub fn inline_budget() -> Duration {
-    static B: once_cell::sync::Lazy<Duration> = once_cell::sync::Lazy::new(|| {
-        Duration::from_micros(
-            get_str("OXCCL_INLINE_US").map_or(50, |v| v.trim().parse().unwrap_or(50)),
-        )
-    });
+    static B: once_cell::sync::Lazy<Duration> =
+        once_cell::sync::Lazy::new(|| Duration::from_micros(get_u64("OXCCL_INLINE_US")));
     *B
 }
 

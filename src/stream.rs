@@ -53,16 +53,6 @@ fn poll_until(mut ready: impl FnMut() -> bool) -> bool {
 }
 
 impl HostStream {
-    /// Hands work to the stream. When the stream is idle, the submitting thread first runs the
-    /// work itself for up to `OXCCL_INLINE_US` microseconds: small operations then finish
-    /// without waking the worker (on a host with few cores, a hand-over between threads costs
-    /// more than the operation). Whatever is not done by then goes to the worker, which carries
-    /// on where the submitter stopped; so the call still returns after a bounded time, as an
-    /// asynchronous launch must (a peer may be waiting for something this thread does next).
-    pub fn submit(self: &Arc<Self>, tasks: Vec<Task>) {
-        submit_all(vec![(self.clone(), tasks)]);
-    }
-
     /// Queues a batch at the back, or (`claimed`: work this thread began inline while it held
     /// the stream) at the front, ending the claim.
     fn enqueue(&self, batch: Batch, claimed: bool) {
@@ -163,10 +153,13 @@ impl HostStream {
     }
 }
 
-/// Hands one `ncclGroupEnd`'s work to its streams (see `HostStream::submit`). When every one
-/// of them is idle, the calling thread first runs all of it together, for up to
-/// `OXCCL_INLINE_US`: ranks of one process launched by one group (nccl-tests' `-g N`) then meet
-/// inside one polling loop. What is not done by then goes to each task's own stream.
+/// Hands one `ncclGroupEnd`'s work to its streams. When every one of them is idle, the calling
+/// thread first runs all of it together, for up to `OXCCL_INLINE_US`: small operations then
+/// finish without a hand-over between threads (on a host with few cores that costs more than the
+/// operation), and ranks of one process launched by one group (nccl-tests' `-g N`) meet inside
+/// one polling loop. What is not done by then goes to each task's own stream, whose worker
+/// carries on where the caller stopped; so a launch returns after a bounded time, as an
+/// asynchronous launch must (a peer may be waiting for something this thread does next).
 pub fn submit_all(per_stream: Vec<(Arc<HostStream>, Vec<Task>)>) {
     let budget = crate::param::inline_budget();
     let mut claimed = 0;

@@ -56,7 +56,7 @@ impl BoardState {
         loop {
             match &mut self.phase {
                 Phase::Publish if op.eager => {
-                    if op.sends() {
+                    if op.sends(op.rank) {
                         let (sb, _) = op.extents();
                         // SAFETY: the send buffer holds `sb` bytes (validated at enqueue); the
                         // inline area holds INLINE >= sb (fits_inline) and is ours for `seq`.
@@ -220,7 +220,7 @@ fn resolve(op: &BoardOp) -> Result<Option<Vec<(Loc, Loc)>>> {
     let cma = op.cma && op.count * op.dtype.size() >= crate::param::cma_min_bytes();
     let all_ok = (0..op.nranks).all(|p| {
         let want_recv = writes_peer_recv && (op.kind == BoardKind::AllReduce || p == op.root);
-        let want_send = op.kind != BoardKind::Broadcast || p == op.root;
+        let want_send = op.sends(p);
         let (pid, s, r) = &infos[p];
         // Reachable from every process: same-process peers count only when all ranks share it.
         let from_all = |i: &crate::transport::board::BufInfo| {

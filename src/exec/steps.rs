@@ -12,6 +12,9 @@ pub(super) struct Cursor {
     head: usize,
     ahead: std::collections::VecDeque<bool>,
     reducer: Option<Reducer>,
+    /// Scratch for `poll_program`: connections (by address) held by pending slices, kept to
+    /// reuse its memory.
+    held: Vec<usize>,
 }
 
 /// How many slices past the head a program may run ahead, in iterations.
@@ -23,6 +26,7 @@ impl Cursor {
             head: 0,
             ahead: std::collections::VecDeque::new(),
             reducer: prog.red.map(|r| Reducer::new(r.resolve())),
+            held: Vec::new(),
         }
     }
 
@@ -75,9 +79,11 @@ pub(super) fn poll_program(prog: &Program, cur: &mut Cursor) -> Poll {
             return Poll::Done;
         }
         let mut ran = false;
-        // Connections and iterations held by pending earlier slices in this pass.
-        let mut held: Vec<*const crate::transport::Conn> = Vec::new();
-        let mut held_iters: Vec<usize> = Vec::new();
+        // Connections held by pending earlier slices in this pass, and the iteration of the last
+        // pending one (slices are visited in iteration order, so no earlier one can recur).
+        let mut held = std::mem::take(&mut cur.held);
+        held.clear();
+        let mut held_iter = None;
         let end = (cur.head + window).min(total);
         for j in cur.head..end {
             let a = j - cur.head;
@@ -87,11 +93,11 @@ pub(super) fn poll_program(prog: &Program, cur: &mut Cursor) -> Poll {
             let (k, i) = (j % nsteps, j / nsteps);
             let s = &prog.steps[k];
             let conns = [s.recv.as_ref(), s.send.as_ref()];
-            let blocked_by_order = held_iters.contains(&i)
+            let blocked_by_order = held_iter == Some(i)
                 || conns
                     .iter()
                     .flatten()
-                    .any(|c| held.contains(&std::sync::Arc::as_ptr(c)));
+                    .any(|c| held.contains(&(std::sync::Arc::as_ptr(c) as usize)));
             let (off, n) = prog.slice_of(k, i);
             let done = !blocked_by_order && (n == 0 || run_step(prog, cur, k, off, n));
             if done {
@@ -101,12 +107,16 @@ pub(super) fn poll_program(prog: &Program, cur: &mut Cursor) -> Poll {
                 cur.ahead[a] = true;
                 ran = true;
             } else {
-                held.extend(conns.iter().flatten().map(|c| std::sync::Arc::as_ptr(c)));
-                if !held_iters.contains(&i) {
-                    held_iters.push(i);
-                }
+                held.extend(
+                    conns
+                        .iter()
+                        .flatten()
+                        .map(|c| std::sync::Arc::as_ptr(c) as usize),
+                );
+                held_iter = Some(i);
             }
         }
+        cur.held = held;
         while cur.ahead.front() == Some(&true) {
             cur.ahead.pop_front();
             cur.head += 1;

@@ -60,9 +60,9 @@ impl BoardOp {
         input * dtype.size() <= crate::transport::board::INLINE
     }
 
-    /// Whether this rank's send buffer is an input (a non-root's Broadcast send buffer is not).
-    pub fn sends(&self) -> bool {
-        self.kind != BoardKind::Broadcast || self.rank == self.root
+    /// Whether rank `p`'s send buffer is an input (a non-root's Broadcast send buffer is not).
+    pub fn sends(&self, p: usize) -> bool {
+        self.kind != BoardKind::Broadcast || p == self.root
     }
 
     /// Bytes of this rank's send and receive buffers that the operation touches.

@@ -37,24 +37,20 @@ fn os(what: &str, pid: u32, e: nix::Error) -> Error {
     ))
 }
 
-/// Copies `len` bytes at `remote` in process `pid` to `local`.
-///
-/// # Safety
-/// `local` is valid for writing `len` bytes.
-pub unsafe fn read(pid: u32, remote: usize, local: *mut u8, len: usize) -> Result<()> {
+/// Moves `len` bytes in turns of `step(done)` (a system call that moves what it can of the
+/// bytes from offset `done` on, and says how many) until all are moved.
+fn whole(
+    pid: u32,
+    what: &str,
+    len: usize,
+    mut step: impl FnMut(usize) -> nix::Result<usize>,
+) -> Result<()> {
     let mut done = 0;
     while done < len {
-        // SAFETY: per the contract.
-        let buf = unsafe { std::slice::from_raw_parts_mut(local.add(done), len - done) };
-        let r = RemoteIoVec {
-            base: remote + done,
-            len: len - done,
-        };
-        let n = process_vm_readv(Pid::from_raw(pid as i32), &mut [IoSliceMut::new(buf)], &[r])
-            .map_err(|e| os("reading", pid, e))?;
+        let n = step(done).map_err(|e| os(what, pid, e))?;
         if n == 0 {
             return Err(Error::system(format!(
-                "reading process {pid}'s memory made no progress"
+                "{what} process {pid}'s memory made no progress"
             )));
         }
         done += n;
@@ -62,29 +58,36 @@ pub unsafe fn read(pid: u32, remote: usize, local: *mut u8, len: usize) -> Resul
     Ok(())
 }
 
+/// Copies `len` bytes at `remote` in process `pid` to `local`.
+///
+/// # Safety
+/// `local` is valid for writing `len` bytes.
+pub unsafe fn read(pid: u32, remote: usize, local: *mut u8, len: usize) -> Result<()> {
+    whole(pid, "reading", len, |done| {
+        // SAFETY: per the contract.
+        let buf = unsafe { std::slice::from_raw_parts_mut(local.add(done), len - done) };
+        let r = RemoteIoVec {
+            base: remote + done,
+            len: len - done,
+        };
+        process_vm_readv(Pid::from_raw(pid as i32), &mut [IoSliceMut::new(buf)], &[r])
+    })
+}
+
 /// Copies `len` bytes from `local` to `remote` in process `pid`.
 ///
 /// # Safety
 /// `local` is valid for reading `len` bytes.
 pub unsafe fn write(pid: u32, remote: usize, local: *const u8, len: usize) -> Result<()> {
-    let mut done = 0;
-    while done < len {
+    whole(pid, "writing", len, |done| {
         // SAFETY: per the contract.
         let buf = unsafe { std::slice::from_raw_parts(local.add(done), len - done) };
         let r = RemoteIoVec {
             base: remote + done,
             len: len - done,
         };
-        let n = process_vm_writev(Pid::from_raw(pid as i32), &[IoSlice::new(buf)], &[r])
-            .map_err(|e| os("writing", pid, e))?;
-        if n == 0 {
-            return Err(Error::system(format!(
-                "writing process {pid}'s memory made no progress"
-            )));
-        }
-        done += n;
-    }
-    Ok(())
+        process_vm_writev(Pid::from_raw(pid as i32), &[IoSlice::new(buf)], &[r])
+    })
 }
 
 #[cfg(test)]
