@@ -94,7 +94,7 @@ pub fn enqueue(comm: &Arc<Comm>, args: CollArgs, stream: StreamArg) -> Result<()
         stream,
     });
     if !in_group {
-        return launch(vec![checked?]);
+        return launch_one(checked?);
     }
     GROUP.with(|g| {
         let mut g = g.borrow_mut();
@@ -240,8 +240,114 @@ pub fn scalar_from_f64(dtype: DataType, v: f64) -> Scalar {
     Scalar { bits }
 }
 
+/// Launches a group of one call.
+fn launch_one(q: Queued) -> Result<()> {
+    match run_lone(&q) {
+        Some(r) => r,
+        None => launch_tasks(vec![q]),
+    }
+}
+
+/// The board collective a collective call can run as.
+fn board_kind(kind: CollKind) -> Option<BoardKind> {
+    Some(match kind {
+        CollKind::AllReduce => BoardKind::AllReduce,
+        CollKind::ReduceScatter => BoardKind::ReduceScatter,
+        CollKind::AllGather => BoardKind::AllGather,
+        CollKind::Broadcast => BoardKind::Broadcast,
+        CollKind::Reduce => BoardKind::Reduce,
+        _ => return None,
+    })
+}
+
+/// A call alone in its group that fits the board (an eager operation), on a communicator with
+/// nothing outstanding and a stream that is idle, runs on this thread at once (`exec::lone`);
+/// None when it does not qualify (nothing was taken: plan it as usual).
+fn run_lone(q: &Queued) -> Option<Result<()>> {
+    let (core, a) = (&q.core, &q.args);
+    let bk = board_kind(a.kind)?;
+    if core.nranks < 2 || !BoardOp::fits_inline(bk, core.nranks, a.count, a.dtype) {
+        return None;
+    }
+    let budget = crate::param::inline_budget();
+    // Claiming the stream runs what it has queued, which may be this communicator's earlier work.
+    let stream = match &q.stream {
+        StreamArg::Host(s) if budget.is_zero() || !s.claim_within(budget) => return None,
+        StreamArg::Host(s) => Some(s),
+        StreamArg::Null => None,
+    };
+    let board = if core.idle() { core.board_op() } else { None };
+    let Some((board, seq)) = board else {
+        if let Some(s) = stream {
+            s.release([]);
+        }
+        return None;
+    };
+    let ticket = core.take_ticket();
+    let op = new_board_op(core, a, q.red, bk, board, seq, None);
+    let fault = Some((a.dtype, a.recv, out_count(a, core.nranks, core.rank)));
+    let what = describe(std::slice::from_ref(q));
+    use crate::exec::lone::{self, Lone};
+    let outcome = lone::run(core, ticket, op, fault, what, budget);
+    Some(match (outcome, stream) {
+        (Lone::Done(r), None) => r,
+        (Lone::Done(r), Some(s)) => {
+            s.release(r.err());
+            Ok(())
+        }
+        (Lone::Pending(mut b), None) => {
+            b.run_until(None);
+            b.results().pop().unwrap_or(Ok(()))
+        }
+        (Lone::Pending(b), Some(s)) => {
+            s.enqueue(b, true);
+            Ok(())
+        }
+    })
+}
+
+/// A board operation for call `a`: eager when `fallback` (the ring program to run instead when
+/// peers' buffers cannot be reached) is None.
+fn new_board_op(
+    core: &Core,
+    a: &CollArgs,
+    red: Option<RedSpec>,
+    kind: BoardKind,
+    board: Arc<crate::transport::board::Board>,
+    seq: u64,
+    fallback: Option<plan::Program>,
+) -> BoardOp {
+    let eager = fallback.is_none();
+    BoardOp {
+        board,
+        maps: core.maps.clone(),
+        cma: core.cma,
+        seq,
+        rank: core.rank,
+        nranks: core.nranks,
+        kind,
+        send: a.send,
+        recv: a.recv,
+        count: a.count,
+        dtype: a.dtype,
+        red,
+        root: a.root.max(0) as usize,
+        eager,
+        fallback: fallback
+            .unwrap_or_else(|| plan::Program::new(Vec::new(), a.dtype, core.slot_bytes, red)),
+    }
+}
+
+/// Launches a group's calls.
+fn launch(mut ops: Vec<Queued>) -> Result<()> {
+    if ops.len() == 1 {
+        return launch_one(ops.pop().expect("one call"));
+    }
+    launch_tasks(ops)
+}
+
 /// Turns queued calls into one task per communicator and runs them.
-fn launch(ops: Vec<Queued>) -> Result<()> {
+fn launch_tasks(ops: Vec<Queued>) -> Result<()> {
     if ops.is_empty() {
         return Ok(());
     }
@@ -321,13 +427,7 @@ fn build_task(qs: Vec<Queued>) -> Result<Task> {
                 | CollKind::AllGather
                 | CollKind::Broadcast
                 | CollKind::Reduce => {
-                    let bk = match a.kind {
-                        CollKind::AllReduce => BoardKind::AllReduce,
-                        CollKind::ReduceScatter => BoardKind::ReduceScatter,
-                        CollKind::AllGather => BoardKind::AllGather,
-                        CollKind::Broadcast => BoardKind::Broadcast,
-                        _ => BoardKind::Reduce,
-                    };
+                    let bk = board_kind(a.kind).expect("a board collective");
                     let ring_program = || -> Result<plan::Program> {
                         match bk {
                             BoardKind::AllReduce => ring::all_reduce(
@@ -372,28 +472,10 @@ fn build_task(qs: Vec<Queued>) -> Result<Task> {
                         Some((board, seq)) => {
                             // An eager operation never falls back: no ring to plan.
                             let eager = BoardOp::fits_inline(bk, core.nranks, a.count, a.dtype);
-                            let fallback = if eager {
-                                plan::Program::new(Vec::new(), a.dtype, l.slot_bytes(), red)
-                            } else {
-                                ring_program()?
-                            };
-                            plan::Work::Board(Box::new(BoardOp {
-                                board,
-                                maps: core.maps.clone(),
-                                cma: core.cma,
-                                seq,
-                                rank: core.rank,
-                                nranks: core.nranks,
-                                kind: bk,
-                                send: a.send,
-                                recv: a.recv,
-                                count: a.count,
-                                dtype: a.dtype,
-                                red,
-                                root,
-                                eager,
-                                fallback,
-                            }))
+                            let fallback = if eager { None } else { Some(ring_program()?) };
+                            plan::Work::Board(Box::new(new_board_op(
+                                &core, &a, red, bk, board, seq, fallback,
+                            )))
                         }
                         None => ring_program()?.into(),
                     };

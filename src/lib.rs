@@ -18,6 +18,7 @@ pub mod memory;
 pub mod param;
 pub mod plan;
 pub mod reduce;
+pub mod registry;
 pub mod stream;
 pub mod transport;
 pub mod types;

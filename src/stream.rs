@@ -6,7 +6,7 @@ use crate::error::{Error, Result};
 use crate::exec::host::Batch;
 use crate::exec::Task;
 use parking_lot::{Condvar, Mutex};
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -20,16 +20,25 @@ struct State {
     shutdown: bool,
     /// Threads sleeping in `synchronize` (a claim's release wakes the worker only for queued work).
     syncing: usize,
+    /// The worker leaves queued work alone until then: it was handed over by a launching thread
+    /// whose inline time ran out, and that thread takes it back at its next launch or
+    /// synchronize (see `claim_by`) unless it is busy elsewhere for longer.
+    lazy_until: Option<Instant>,
 }
+
+/// How long the worker leaves work to the thread that handed it over (see `State::lazy_until`).
+const LAZY: Duration = Duration::from_millis(2);
 
 pub struct HostStream {
     state: Mutex<State>,
     cv: Condvar,
     worker: Mutex<Option<std::thread::JoinHandle<()>>>,
-    /// Batches handed over / finished: lets both sides poll briefly before sleeping, which keeps
-    /// the latency of small operations at microseconds instead of a futex wake-up each way.
+    /// Batches handed over / finished, and the length of the queue: let both sides poll briefly
+    /// before sleeping, which keeps the latency of small operations at microseconds instead of a
+    /// futex wake-up each way.
     submitted: AtomicU64,
     completed: AtomicU64,
+    queued: AtomicU64,
 }
 
 /// How long a stream's worker, or a thread synchronizing with it, polls before sleeping.
@@ -53,22 +62,28 @@ fn poll_until(mut ready: impl FnMut() -> bool) -> bool {
 }
 
 impl HostStream {
+    fn set_queued(&self, s: &State) {
+        self.queued.store(s.queue.len() as u64, Ordering::Release);
+    }
+
     /// Queues a batch at the back, or (`claimed`: work this thread began inline while it held
     /// the stream) at the front, ending the claim.
-    fn enqueue(&self, batch: Batch, claimed: bool) {
+    pub fn enqueue(&self, batch: Batch, claimed: bool) {
         let mut s = self.state.lock();
         if claimed {
             s.queue.push_front(batch);
             s.busy = false;
+            s.lazy_until = Some(Instant::now() + LAZY);
         } else {
             s.queue.push_back(batch);
         }
+        self.set_queued(&s);
         self.submitted.fetch_add(1, Ordering::AcqRel);
         self.cv.notify_all();
     }
 
     /// Marks the stream as run by the calling thread, if it is idle.
-    fn claim(&self) -> bool {
+    pub fn claim(&self) -> bool {
         let mut s = self.state.lock();
         let idle = !s.busy && s.queue.is_empty();
         if idle {
@@ -77,8 +92,75 @@ impl HostStream {
         idle
     }
 
+    /// Claims the stream for work of the calling thread, which first runs, in order, whatever
+    /// the stream has queued that its worker has not begun: a thread launching one small
+    /// operation after another then stays in step with its peers, and does not leave its work
+    /// to a worker thread that has to wait for a core (on a host with few cores, the launching
+    /// threads hold them). False, with the claim ended and what was not finished queued again,
+    /// when the worker is busy or the queued work is not done within `budget`.
+    pub fn claim_within(&self, budget: Duration) -> bool {
+        let mut spins = 0u32;
+        // The clock is read only when there is something to wait for.
+        let mut deadline = None;
+        let mut deadline = || *deadline.get_or_insert_with(|| Instant::now() + budget);
+        loop {
+            if let Some(mut work) = self.take_over() {
+                while let Some(mut b) = work.pop_front() {
+                    if !b.run_until(Some(deadline())) {
+                        work.push_front(b);
+                        self.give_back(work);
+                        return false;
+                    }
+                    self.record(b.results());
+                }
+                return true;
+            }
+            spins = spins.wrapping_add(1);
+            if spins.is_multiple_of(16) && Instant::now() >= deadline() {
+                return false;
+            }
+            std::hint::spin_loop();
+        }
+    }
+
+    /// Claims the stream with the work queued on it, unless the worker is running some.
+    fn take_over(&self) -> Option<VecDeque<Batch>> {
+        let mut s = self.state.lock();
+        if s.busy {
+            return None;
+        }
+        s.busy = true;
+        s.lazy_until = None;
+        let work = std::mem::take(&mut s.queue);
+        self.set_queued(&s);
+        Some(work)
+    }
+
+    /// Ends a claim, queueing `work` (taken over, not finished) again in front.
+    fn give_back(&self, work: VecDeque<Batch>) {
+        let mut s = self.state.lock();
+        for b in work.into_iter().rev() {
+            s.queue.push_front(b);
+        }
+        s.busy = false;
+        s.lazy_until = Some(Instant::now() + LAZY);
+        self.set_queued(&s);
+        self.cv.notify_all();
+    }
+
+    /// Records the results of a batch that was queued and is finished (the claim goes on).
+    fn record(&self, results: crate::exec::task::Outcome) {
+        let mut s = self.state.lock();
+        for r in results {
+            if let Err(e) = r {
+                s.error.get_or_insert(e);
+            }
+        }
+        self.completed.fetch_add(1, Ordering::AcqRel);
+    }
+
     /// Ends a claim whose work finished inline, recording its errors.
-    fn release(&self, errors: impl IntoIterator<Item = Error>) {
+    pub fn release(&self, errors: impl IntoIterator<Item = Error>) {
         let mut s = self.state.lock();
         for e in errors {
             s.error.get_or_insert(e);
@@ -92,20 +174,34 @@ impl HostStream {
         }
     }
 
-    /// Waits for all queued work; returns (and clears) the first error it met.
+    /// Waits for all queued work, running what the worker has not begun on this thread;
+    /// returns (and clears) the first error it met.
     pub fn synchronize(&self) -> Result<()> {
-        poll_until(|| {
-            self.completed.load(Ordering::Acquire) == self.submitted.load(Ordering::Acquire)
-        });
-        let mut s = self.state.lock();
-        while s.busy || !s.queue.is_empty() {
-            s.syncing += 1;
-            self.cv.wait(&mut s);
-            s.syncing -= 1;
-        }
-        match s.error.take() {
-            Some(e) => Err(e),
-            None => Ok(()),
+        loop {
+            if let Some(mut work) = self.take_over() {
+                while let Some(mut b) = work.pop_front() {
+                    b.run_until(None);
+                    self.record(b.results());
+                }
+                self.release([]);
+            } else {
+                poll_until(|| {
+                    self.completed.load(Ordering::Acquire) == self.submitted.load(Ordering::Acquire)
+                });
+                let mut s = self.state.lock();
+                while s.busy {
+                    s.syncing += 1;
+                    self.cv.wait(&mut s);
+                    s.syncing -= 1;
+                }
+            }
+            let mut s = self.state.lock();
+            if !s.busy && s.queue.is_empty() {
+                return match s.error.take() {
+                    Some(e) => Err(e),
+                    None => Ok(()),
+                };
+            }
         }
     }
 
@@ -119,16 +215,24 @@ impl HostStream {
     }
 
     fn work(self: Arc<Self>) {
-        let mut taken = 0u64;
         loop {
-            poll_until(|| self.submitted.load(Ordering::Acquire) > taken);
+            poll_until(|| self.queued.load(Ordering::Acquire) > 0);
             let batch = {
                 let mut s = self.state.lock();
                 loop {
                     // Not while a submitter runs work inline: it goes first.
-                    if let Some(b) = (!s.busy).then(|| s.queue.pop_front()).flatten() {
+                    if !s.busy && !s.queue.is_empty() {
+                        match s.lazy_until {
+                            Some(t) if Instant::now() < t && !s.shutdown => {
+                                self.cv.wait_until(&mut s, t);
+                                continue;
+                            }
+                            _ => {}
+                        }
+                        s.lazy_until = None;
                         s.busy = true;
-                        taken += 1;
+                        let b = s.queue.pop_front().expect("queued work");
+                        self.set_queued(&s);
                         break b;
                     }
                     if s.shutdown {
@@ -207,7 +311,7 @@ pub fn submit_all(per_stream: Vec<(Arc<HostStream>, Vec<Task>)>) {
     }
 }
 
-static STREAMS: Mutex<Option<HashMap<usize, Arc<HostStream>>>> = Mutex::new(None);
+static STREAMS: crate::registry::Registry<HostStream> = crate::registry::Registry::new();
 
 pub fn create() -> Result<usize> {
     let s = Arc::new(HostStream {
@@ -216,6 +320,7 @@ pub fn create() -> Result<usize> {
         worker: Mutex::new(None),
         submitted: AtomicU64::new(0),
         completed: AtomicU64::new(0),
+        queued: AtomicU64::new(0),
     });
     let w = s.clone();
     let h = std::thread::Builder::new()
@@ -223,20 +328,11 @@ pub fn create() -> Result<usize> {
         .spawn(move || w.work())
         .map_err(|e| Error::os("cannot start a host stream thread", e))?;
     *s.worker.lock() = Some(h);
-    let id = Arc::as_ptr(&s) as usize;
-    STREAMS
-        .lock()
-        .get_or_insert_with(HashMap::new)
-        .insert(id, s);
-    Ok(id)
+    Ok(STREAMS.insert(&s))
 }
 
 pub fn lookup(h: usize) -> Result<Arc<HostStream>> {
-    STREAMS
-        .lock()
-        .as_ref()
-        .and_then(|m| m.get(&h).cloned())
-        .ok_or_else(|| {
+    STREAMS.get(h).ok_or_else(|| {
             Error::invalid_argument(format!(
                 "stream {h:#x} is not an oxccl host stream (the host executor cannot run on CUDA streams; create one with oxcclHostStreamCreate)"
             ))
@@ -247,9 +343,7 @@ pub fn lookup(h: usize) -> Result<Arc<HostStream>> {
 pub fn destroy(h: usize) -> Result<()> {
     let s = lookup(h)?;
     let r = s.synchronize();
-    if let Some(m) = STREAMS.lock().as_mut() {
-        m.remove(&h);
-    }
+    STREAMS.remove(h);
     s.state.lock().shutdown = true;
     s.cv.notify_all();
     if let Some(t) = s.worker.lock().take() {

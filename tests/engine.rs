@@ -351,6 +351,83 @@ fn one_thread_per_rank_and_host_streams() {
     });
 }
 
+/// Small operations run on the launching thread at once; when a peer is late they are handed
+/// to the stream, taken back by the next launch or synchronize, or left to the stream's worker
+/// when the launching thread is busy elsewhere. Every path must keep stream order and results.
+#[test]
+fn small_operations_with_late_peers() {
+    std::env::set_var("OXCCL_DEVICE", "host");
+    let id = api::get_unique_id().unwrap();
+    let ops = 80;
+    let count_of = |k: usize| match k % 9 {
+        8 => 100_000, // planned as usual, queued behind small ones
+        m => 1 + m * 700 + k,
+    };
+    let expect = |k: usize, i: usize| -> i32 { (0..2).map(|r| input(r + k, i)).sum() };
+    std::thread::scope(|s| {
+        let (tx, rx) = std::sync::mpsc::channel::<()>();
+        let mut rx = Some(rx);
+        for r in 0..2usize {
+            let rx = if r == 0 { rx.take() } else { None };
+            let tx = tx.clone();
+            s.spawn(move || {
+                let c = api::comm_init_rank(2, &id, r as i32, Default::default()).unwrap();
+                let h = api::host_stream_create().unwrap();
+                let stream = api::stream_from_handle(h).unwrap();
+                let sends: Vec<Vec<i32>> = (0..ops)
+                    .map(|k| (0..count_of(k)).map(|i| input(r + k, i)).collect())
+                    .collect();
+                let mut recvs: Vec<Vec<i32>> = (0..ops).map(|k| vec![0; count_of(k)]).collect();
+                for (k, (send, recv)) in sends.iter().zip(recvs.iter_mut()).enumerate() {
+                    // Late peers, one side or the other, for longer than a launch waits.
+                    if (r == 1 && k % 7 == 3) || (r == 0 && k % 5 == 1) {
+                        std::thread::sleep(std::time::Duration::from_millis(1 + (k % 3) as u64));
+                    }
+                    let st = if k % 11 == 10 {
+                        StreamArg::Null
+                    } else {
+                        stream.clone()
+                    };
+                    let a = args(CollKind::AllReduce, send, recv, count_of(k), OP_SUM, 0);
+                    api::enqueue(&c, a, st).unwrap();
+                    if k % 13 == 12 {
+                        api::host_stream_query(h).unwrap();
+                    }
+                }
+                api::host_stream_synchronize(h).unwrap();
+                for (k, recv) in recvs.iter().enumerate() {
+                    for (i, &v) in recv.iter().enumerate() {
+                        assert_eq!(v, expect(k, i), "rank {r} op {k} element {i}");
+                    }
+                }
+                // Rank 0 hands an operation over (rank 1 is late) and then waits for rank 1 to
+                // finish it, calling nothing: only the stream's worker can run rank 0's part.
+                let send: Vec<i32> = (0..64).map(|i| input(r, i)).collect();
+                let mut recv = vec![0i32; 64];
+                if r == 1 {
+                    std::thread::sleep(std::time::Duration::from_millis(20));
+                }
+                let a = args(CollKind::AllReduce, &send, &mut recv, 64, OP_SUM, 0);
+                api::enqueue(&c, a, stream.clone()).unwrap();
+                if r == 0 {
+                    rx.expect("rank 0 listens")
+                        .recv_timeout(std::time::Duration::from_secs(60))
+                        .expect("rank 1 finished without rank 0's thread");
+                } else {
+                    api::host_stream_synchronize(h).unwrap();
+                    tx.send(()).unwrap();
+                }
+                api::host_stream_synchronize(h).unwrap();
+                for (i, &v) in recv.iter().enumerate() {
+                    assert_eq!(v, input(0, i) + input(1, i), "rank {r} element {i}");
+                }
+                api::host_stream_destroy(h).unwrap();
+                api::comm_destroy(api::comm_handle(&c)).unwrap();
+            });
+        }
+    });
+}
+
 #[test]
 fn premulsum_host_and_device_scalars() {
     let n = 3;

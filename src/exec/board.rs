@@ -145,21 +145,41 @@ fn own_scalar(op: &BoardOp) -> u64 {
 }
 
 /// The reducers of an operation: one per rank when each brings its own PreMulSum scalar (read
-/// from the board), else one for all; empty for operations that do not reduce.
-fn reducers(op: &BoardOp) -> Vec<Reducer> {
+/// from the board), else one for all (no allocation: small operations make many of these);
+/// none for operations that do not reduce. Seen as a slice.
+enum Reducers {
+    None,
+    One(Reducer),
+    PerRank(Vec<Reducer>),
+}
+
+impl std::ops::Deref for Reducers {
+    type Target = [Reducer];
+    fn deref(&self) -> &[Reducer] {
+        match self {
+            Reducers::None => &[],
+            Reducers::One(r) => std::slice::from_ref(r),
+            Reducers::PerRank(v) => v,
+        }
+    }
+}
+
+fn reducers(op: &BoardOp) -> Reducers {
     match op.red.map(|s| s.resolve()) {
-        None => Vec::new(),
-        Some(r) if r.premul.is_some() => (0..op.nranks)
-            .map(|p| {
-                Reducer::new(Reduction {
-                    premul: Some(Scalar {
-                        bits: op.board.scalar(p, op.seq),
-                    }),
-                    ..r
+        None => Reducers::None,
+        Some(r) if r.premul.is_some() => Reducers::PerRank(
+            (0..op.nranks)
+                .map(|p| {
+                    Reducer::new(Reduction {
+                        premul: Some(Scalar {
+                            bits: op.board.scalar(p, op.seq),
+                        }),
+                        ..r
+                    })
                 })
-            })
-            .collect(),
-        Some(r) => vec![Reducer::new(r)],
+                .collect(),
+        ),
+        Some(r) => Reducers::One(Reducer::new(r)),
     }
 }
 

@@ -8,6 +8,7 @@ use super::steps::{poll_program, Cursor, Poll};
 use super::task::{Outcome, Task};
 use crate::comm::Core;
 use crate::error::{Error, Result};
+use crate::plan::board::BoardOp;
 use crate::plan::Work;
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
@@ -168,12 +169,7 @@ impl Running {
 
     fn end_stage(&mut self) {
         if let Some(st) = self.task.stages.pop_front() {
-            if let Some((dtype, addr, count)) = st.fault {
-                if count > 0 && crate::param::fault_corrupt() {
-                    // SAFETY: the stage's output buffer holds `count` elements of `dtype`.
-                    unsafe { crate::reduce::fault_corrupt(dtype, addr as *mut u8, count) };
-                }
-            }
+            spoil(st.fault);
         }
         self.stage_lanes.clear();
     }
@@ -224,6 +220,16 @@ impl Running {
     }
 }
 
+/// Spoils a finished stage's output on purpose when OXCCL_FAULT=corrupt asks for it.
+pub(super) fn spoil(fault: Option<(crate::types::DataType, usize, usize)>) {
+    if let Some((dtype, addr, count)) = fault {
+        if count > 0 && crate::param::fault_corrupt() {
+            // SAFETY: the stage's output buffer holds `count` elements of `dtype`.
+            unsafe { crate::reduce::fault_corrupt(dtype, addr as *mut u8, count) };
+        }
+    }
+}
+
 fn describe_wait(l: &Lane) -> Option<String> {
     match (l.works.front()?, l.cur.as_ref()?) {
         (Work::Steps(p), Cur::Steps(c)) => c.describe_wait(p),
@@ -241,6 +247,19 @@ pub struct Batch {
 }
 
 impl Batch {
+    /// A batch of one task whose only work, a board operation, was begun by the caller (see
+    /// `exec::lone`): it goes on from `state`.
+    pub(super) fn resume_board(mut task: Task, op: Box<BoardOp>, state: BoardState) -> Batch {
+        let _ = task.stages.front_mut().map(|s| s.lanes.clear());
+        let mut r = Running::new(task);
+        r.started = true;
+        r.stage_lanes = vec![Lane {
+            works: VecDeque::from([Work::Board(op)]),
+            cur: Some(Cur::Board(state)),
+        }];
+        Batch { running: vec![r] }
+    }
+
     pub fn new(tasks: Vec<Task>) -> Batch {
         Batch {
             running: tasks.into_iter().map(Running::new).collect(),

@@ -5,6 +5,7 @@
 mod board;
 mod copy;
 pub mod host;
+pub mod lone;
 mod steps;
 pub mod task;
 
