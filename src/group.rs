@@ -333,8 +333,8 @@ fn new_board_op(
         red,
         root: a.root.max(0) as usize,
         eager,
-        fallback: fallback
-            .unwrap_or_else(|| plan::Program::new(Vec::new(), a.dtype, core.slot_bytes, red)),
+        tuner: (!eager).then(|| core.tuner.clone()),
+        fallback,
     }
 }
 

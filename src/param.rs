@@ -53,8 +53,8 @@ pub const PARAMS: &[Param] = &[
     },
     Param {
         name: "OXCCL_CMA_MIN_BYTES",
-        doc: "smallest operation (bytes of its vector) that uses cross-memory attach",
-        default: "67108864",
+        doc: "smallest operation (bytes of its vector) for which cross-memory attach competes with the ring (K/M/G suffixes)",
+        default: "16777216",
     },
     Param {
         name: "OXCCL_RUN_AHEAD",
@@ -86,9 +86,21 @@ pub fn get_str(name: &str) -> Option<String> {
     })
 }
 
+/// A number, optionally with a K, M or G suffix (powers of 1024), as the perf tools take sizes.
+fn parse_u64(v: &str) -> Option<u64> {
+    let v = v.trim();
+    let (digits, mult) = match v.char_indices().last()? {
+        (i, 'k' | 'K') => (&v[..i], 1u64 << 10),
+        (i, 'm' | 'M') => (&v[..i], 1 << 20),
+        (i, 'g' | 'G') => (&v[..i], 1 << 30),
+        _ => (v, 1),
+    };
+    digits.trim().parse::<u64>().ok()?.checked_mul(mult)
+}
+
 pub fn get_u64(name: &str) -> u64 {
     get_str(name)
-        .and_then(|v| v.trim().parse().ok())
+        .and_then(|v| parse_u64(&v))
         .unwrap_or_else(|| {
             PARAMS
                 .iter()
@@ -172,4 +184,21 @@ pub fn direct_algorithms() -> bool {
         !(ox.as_deref() == Some("ring") || nc.as_deref() == Some("ring"))
     });
     *D
+}
+
+#[cfg(test)]
+mod tests {
+    use super::parse_u64;
+
+    #[test]
+    fn sizes_take_binary_suffixes() {
+        assert_eq!(parse_u64("4096"), Some(4096));
+        assert_eq!(parse_u64(" 64K "), Some(64 << 10));
+        assert_eq!(parse_u64("16M"), Some(16 << 20));
+        assert_eq!(parse_u64("2g"), Some(2 << 30));
+        assert_eq!(parse_u64("M"), None);
+        assert_eq!(parse_u64("-1"), None);
+        assert_eq!(parse_u64("1.5M"), None);
+        assert_eq!(parse_u64("99999999999G"), None);
+    }
 }

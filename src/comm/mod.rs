@@ -43,6 +43,8 @@ pub struct Core {
     board: Mutex<Option<Arc<Board>>>,
     board_seq: AtomicU64,
     pub maps: Arc<PeerMaps>,
+    /// Bandwidth seen on the ring and by cross-memory attach (see `plan::tune`).
+    pub tuner: Arc<crate::plan::tune::Tuner>,
     /// Every rank can read and write every other rank's process memory (`transport::cma`).
     pub cma: bool,
 }
@@ -339,6 +341,7 @@ fn build_core(p: PendingInit) -> Result<Core> {
         board: Mutex::new(board),
         board_seq: AtomicU64::new(0),
         maps: Arc::new(PeerMaps::default()),
+        tuner: Default::default(),
         cma,
     })
 }

@@ -8,9 +8,11 @@ use super::steps::{poll_program, Cursor, Poll};
 use crate::error::{Error, Result};
 use crate::plan::board::{BoardKind, BoardOp};
 use crate::plan::segment;
+use crate::plan::tune::{self, Path};
 use crate::reduce::Reducer;
 use crate::transport::cma;
 use crate::types::{Reduction, Scalar};
+use std::time::Instant;
 
 /// Bytes reduced at a time: small enough to stay in cache between the reduction and the copies.
 const SLICE_BYTES: usize = 64 << 10;
@@ -26,12 +28,15 @@ enum Phase {
 
 pub(super) struct BoardState {
     phase: Phase,
+    /// When every rank had arrived, and the path the tuner chose (when it chose one).
+    timed: Option<(Instant, Path)>,
 }
 
 impl BoardState {
     pub(super) fn new(_op: &BoardOp) -> BoardState {
         BoardState {
             phase: Phase::Publish,
+            timed: None,
         }
     }
 
@@ -69,13 +74,7 @@ impl BoardState {
                             )
                         };
                     }
-                    op.board.publish(
-                        op.rank,
-                        op.seq,
-                        Default::default(),
-                        Default::default(),
-                        own_scalar(op),
-                    );
+                    op.board.publish_eager(op.rank, op.seq, own_scalar(op));
                     self.phase = Phase::Arrive;
                     progressed = true;
                 }
@@ -83,8 +82,9 @@ impl BoardState {
                     let (sb, rb) = op.extents();
                     let send = crate::memory::describe(op.send, sb);
                     let recv = crate::memory::describe(op.recv, rb);
+                    let vote = op.tuner.as_ref().is_some_and(|t| t.vote_cma());
                     op.board
-                        .publish(op.rank, op.seq, send, recv, own_scalar(op));
+                        .publish(op.rank, op.seq, (send, recv), own_scalar(op), vote);
                     self.phase = Phase::Arrive;
                     progressed = true;
                 }
@@ -104,17 +104,25 @@ impl BoardState {
                         self.phase = Phase::Finished;
                         return Ok(Poll::Done);
                     }
-                    match resolve(op)? {
+                    let (peers, path) = resolve(op)?;
+                    // Timed from when all have arrived: a late peer is not the path's fault.
+                    self.timed = path.map(|p| (Instant::now(), p));
+                    match peers {
                         Some(peers) => {
                             compute(op, &peers)?;
                             op.board.post_done(op.rank, op.seq);
                             self.phase = Phase::Done;
                         }
-                        None => self.phase = Phase::Fallback(Cursor::new(&op.fallback)),
+                        None => {
+                            let prog = op.fallback.as_ref().ok_or_else(|| {
+                                Error::internal("an eager operation has no ring to fall back on")
+                            })?;
+                            self.phase = Phase::Fallback(Cursor::new(prog))
+                        }
                     }
                     progressed = true;
                 }
-                Phase::Fallback(c) => match poll_program(&op.fallback, c) {
+                Phase::Fallback(c) => match poll_program(op.fallback.as_ref().expect("set"), c) {
                     Poll::Done => {
                         op.board.post_done(op.rank, op.seq);
                         self.phase = Phase::Done;
@@ -125,6 +133,9 @@ impl BoardState {
                 Phase::Finished => return Ok(Poll::Done),
                 Phase::Done => {
                     return Ok(if (0..op.nranks).all(|p| op.board.is_done(p, op.seq)) {
+                        if let (Some((t0, path)), Some(t)) = (self.timed, &op.tuner) {
+                            t.record(path, op.count * op.dtype.size(), t0.elapsed());
+                        }
                         Poll::Done
                     } else if progressed {
                         Poll::Progress
@@ -222,10 +233,14 @@ enum Loc {
     Remote { pid: u32, addr: usize },
 }
 
+/// Every rank's (send, recv) buffers.
+type Peers = Vec<(Loc, Loc)>;
+
 /// Where every rank's (send, recv) buffers are, or None when one that some rank needs cannot be
-/// reached. Every rank reaches the same verdict: it depends only on what all ranks published
-/// and on the communicator's cross-memory-attach verdict, agreed at init.
-fn resolve(op: &BoardOp) -> Result<Option<Vec<(Loc, Loc)>>> {
+/// reached (or the tuner chose the ring), with the path the tuner chose when it chose one. Every
+/// rank reaches the same verdict: it depends only on what all ranks published and on the
+/// communicator's cross-memory-attach verdict, agreed at init.
+fn resolve(op: &BoardOp) -> Result<(Option<Peers>, Option<Path>)> {
     // Reachability first, from the published facts alone (identical on every rank).
     let mut infos = Vec::with_capacity(op.nranks);
     for p in 0..op.nranks {
@@ -235,21 +250,34 @@ fn resolve(op: &BoardOp) -> Result<Option<Vec<(Loc, Loc)>>> {
     // A rank needs what its role needs; the verdict must not depend on the role, so check the
     // union of every rank's needs: all sends, and every recv that some rank writes.
     let writes_peer_recv = matches!(op.kind, BoardKind::AllReduce | BoardKind::Reduce);
+    let reachable = |cma: bool| {
+        (0..op.nranks).all(|p| {
+            let want_recv = writes_peer_recv && (op.kind == BoardKind::AllReduce || p == op.root);
+            let want_send = op.sends(p);
+            let (pid, s, r) = &infos[p];
+            // Reachable from every process: same-process peers count only when all ranks share
+            // it.
+            let from_all = |i: &crate::transport::board::BufInfo| {
+                cma || i.alloc_id != 0 || infos.iter().all(|(q, _, _)| q == pid)
+            };
+            (!want_send || from_all(s)) && (!want_recv || from_all(r))
+        })
+    };
     // Cross-memory attach costs a system call per slice and a page walk per page: the ring's
-    // shared FIFOs are quicker until the data outgrows the caches (OXCCL_CMA_MIN_BYTES).
-    let cma = op.cma && op.count * op.dtype.size() >= crate::param::cma_min_bytes();
-    let all_ok = (0..op.nranks).all(|p| {
-        let want_recv = writes_peer_recv && (op.kind == BoardKind::AllReduce || p == op.root);
-        let want_send = op.sends(p);
-        let (pid, s, r) = &infos[p];
-        // Reachable from every process: same-process peers count only when all ranks share it.
-        let from_all = |i: &crate::transport::board::BufInfo| {
-            cma || i.alloc_id != 0 || infos.iter().all(|(q, _, _)| q == pid)
+    // shared FIFOs are quicker until the data outgrows the caches (OXCCL_CMA_MIN_BYTES); above
+    // that, the tuner picks whichever has been faster.
+    let mut path = None;
+    let cma = !reachable(false)
+        && op.cma
+        && op.count * op.dtype.size() >= crate::param::cma_min_bytes()
+        && reachable(true)
+        && {
+            let p = tune::verdict(op.seq, (0..op.nranks).map(|q| op.board.vote(q)));
+            path = Some(p);
+            p == Path::Cma
         };
-        (!want_send || from_all(s)) && (!want_recv || from_all(r))
-    });
-    if !all_ok {
-        return Ok(None);
+    if !cma && !reachable(false) {
+        return Ok((None, path));
     }
     let locate = |pid: u32, i: &crate::transport::board::BufInfo, p: usize| -> Result<Loc> {
         match op.maps.resolve(pid, i)? {
@@ -283,7 +311,7 @@ fn resolve(op: &BoardOp) -> Result<Option<Vec<(Loc, Loc)>>> {
         };
         out.push((sa, ra));
     }
-    Ok(Some(out))
+    Ok((Some(out), path))
 }
 
 /// Reduces `elems` elements of every rank's input into `acc`, then finishes them; `fetch(p)`

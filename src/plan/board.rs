@@ -42,8 +42,11 @@ pub struct BoardOp {
     pub dtype: DataType,
     pub red: Option<RedSpec>,
     pub root: usize,
-    /// What runs instead when some peer buffer cannot be reached.
-    pub fallback: Program,
+    /// What runs instead when some peer buffer cannot be reached (None for eager operations,
+    /// which read no peer's buffer).
+    pub fallback: Option<Program>,
+    /// Where to vote from and record into when cross-memory attach competes with the ring.
+    pub tuner: Option<Arc<super::tune::Tuner>>,
     /// Small enough for every rank to carry its input on the board (`Board::inline_area`): each
     /// rank copies its input there, arrives, and computes its own output from everyone's copies;
     /// one round, no done barrier, any buffers (nothing is read from peers' memory).

@@ -7,6 +7,7 @@
 pub mod board;
 pub mod direct;
 pub mod ring;
+pub mod tune;
 
 use crate::api::ScalarArg;
 use crate::transport::Conn;

@@ -36,6 +36,8 @@ struct Slot {
     /// parity like the inline areas (eager operations have no done barrier).
     scalar: [AtomicU64; 2],
     words: [AtomicU64; 10],
+    /// The rank's vote for cross-memory attach (see `plan::tune`).
+    vote: AtomicU64,
 }
 
 pub struct Board {
@@ -103,8 +105,16 @@ impl Board {
     }
 
     /// Publishes this rank's buffers for operation `seq`, then its arrival.
-    pub fn publish(&self, rank: usize, seq: u64, send: BufInfo, recv: BufInfo, scalar: u64) {
+    pub fn publish(
+        &self,
+        rank: usize,
+        seq: u64,
+        (send, recv): (BufInfo, BufInfo),
+        scalar: u64,
+        vote: bool,
+    ) {
         let s = self.slot(rank);
+        s.vote.store(vote as u64, Ordering::Relaxed);
         s.pid.store(self.pid as u64, Ordering::Relaxed);
         s.scalar[(seq & 1) as usize].store(scalar, Ordering::Relaxed);
         for (i, v) in [send.addr, send.alloc_id, send.fd, send.base, send.len]
@@ -114,6 +124,14 @@ impl Board {
         {
             s.words[i].store(v, Ordering::Relaxed);
         }
+        s.arrive.store(seq, Ordering::Release);
+    }
+
+    /// Publishes this rank's arrival at an eager operation `seq` (its input is in its inline
+    /// area; peers read nothing else of its slot but the scalar).
+    pub fn publish_eager(&self, rank: usize, seq: u64, scalar: u64) {
+        let s = self.slot(rank);
+        s.scalar[(seq & 1) as usize].store(scalar, Ordering::Relaxed);
         s.arrive.store(seq, Ordering::Release);
     }
 
@@ -141,6 +159,11 @@ impl Board {
             len: w[o + 4],
         };
         (s.pid.load(Ordering::Relaxed) as u32, info(0), info(5))
+    }
+
+    /// A peer's vote for cross-memory attach; valid as its buffers are.
+    pub fn vote(&self, rank: usize) -> bool {
+        self.slot(rank).vote.load(Ordering::Relaxed) != 0
     }
 
     /// A peer's PreMulSum scalar bits for operation `seq`; valid as its inline area is.
