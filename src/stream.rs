@@ -22,8 +22,10 @@ struct State {
     syncing: usize,
     /// The worker leaves queued work alone until then: it was handed over by a launching thread
     /// whose inline time ran out, and that thread takes it back at its next launch or
-    /// synchronize (see `claim_by`) unless it is busy elsewhere for longer.
+    /// synchronize (see `claim_within`) unless it is busy elsewhere for longer.
     lazy_until: Option<Instant>,
+    /// The worker sleeps until it is woken (not until `lazy_until`): lazy work must wake it once.
+    worker_asleep: bool,
 }
 
 /// How long the worker leaves work to the thread that handed it over (see `State::lazy_until`).
@@ -33,15 +35,13 @@ pub struct HostStream {
     state: Mutex<State>,
     cv: Condvar,
     worker: Mutex<Option<std::thread::JoinHandle<()>>>,
-    /// Batches handed over / finished, and the length of the queue: let both sides poll briefly
-    /// before sleeping, which keeps the latency of small operations at microseconds instead of a
-    /// futex wake-up each way.
+    /// Batches handed over / finished: a synchronizing thread polls them briefly before it
+    /// sleeps.
     submitted: AtomicU64,
     completed: AtomicU64,
-    queued: AtomicU64,
 }
 
-/// How long a stream's worker, or a thread synchronizing with it, polls before sleeping.
+/// How long a thread synchronizing with a stream's worker polls before sleeping.
 const POLL_BEFORE_SLEEP: Duration = Duration::from_micros(200);
 
 fn poll_until(mut ready: impl FnMut() -> bool) -> bool {
@@ -62,10 +62,6 @@ fn poll_until(mut ready: impl FnMut() -> bool) -> bool {
 }
 
 impl HostStream {
-    fn set_queued(&self, s: &State) {
-        self.queued.store(s.queue.len() as u64, Ordering::Release);
-    }
-
     /// Queues a batch at the back, or (`claimed`: work this thread began inline while it held
     /// the stream) at the front, ending the claim.
     pub fn enqueue(&self, batch: Batch, claimed: bool) {
@@ -77,9 +73,8 @@ impl HostStream {
         } else {
             s.queue.push_back(batch);
         }
-        self.set_queued(&s);
         self.submitted.fetch_add(1, Ordering::AcqRel);
-        self.cv.notify_all();
+        self.wake(&s);
     }
 
     /// Marks the stream as run by the calling thread, if it is idle.
@@ -132,7 +127,6 @@ impl HostStream {
         s.busy = true;
         s.lazy_until = None;
         let work = std::mem::take(&mut s.queue);
-        self.set_queued(&s);
         Some(work)
     }
 
@@ -144,8 +138,7 @@ impl HostStream {
         }
         s.busy = false;
         s.lazy_until = Some(Instant::now() + LAZY);
-        self.set_queued(&s);
-        self.cv.notify_all();
+        self.wake(&s);
     }
 
     /// Records the results of a batch that was queued and is finished (the claim goes on).
@@ -169,7 +162,18 @@ impl HostStream {
         // Wake whoever waits on the claim: a synchronizing thread, or the worker, when another
         // thread queued work behind the claim meanwhile (the worker does not take work while a
         // submitter holds the stream, and nothing else would wake it).
-        if s.syncing > 0 || !s.queue.is_empty() {
+        if !s.queue.is_empty() {
+            self.wake(&s);
+        } else if s.syncing > 0 {
+            self.cv.notify_all();
+        }
+    }
+
+    /// Wakes whoever must see new queued work, or a stream no longer busy: synchronizing
+    /// threads, and the worker unless it already sleeps only until the lazy work is its own
+    /// (each wake-up costs a context switch on the cores the launching threads use).
+    fn wake(&self, s: &State) {
+        if s.syncing > 0 || s.worker_asleep || s.lazy_until.is_none() {
             self.cv.notify_all();
         }
     }
@@ -216,7 +220,6 @@ impl HostStream {
 
     fn work(self: Arc<Self>) {
         loop {
-            poll_until(|| self.queued.load(Ordering::Acquire) > 0);
             let batch = {
                 let mut s = self.state.lock();
                 loop {
@@ -232,13 +235,14 @@ impl HostStream {
                         s.lazy_until = None;
                         s.busy = true;
                         let b = s.queue.pop_front().expect("queued work");
-                        self.set_queued(&s);
                         break b;
                     }
                     if s.shutdown {
                         return;
                     }
+                    s.worker_asleep = true;
                     self.cv.wait(&mut s);
+                    s.worker_asleep = false;
                 }
             };
             let mut batch = batch;
@@ -320,7 +324,6 @@ pub fn create() -> Result<usize> {
         worker: Mutex::new(None),
         submitted: AtomicU64::new(0),
         completed: AtomicU64::new(0),
-        queued: AtomicU64::new(0),
     });
     let w = s.clone();
     let h = std::thread::Builder::new()
