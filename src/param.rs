@@ -47,6 +47,11 @@ pub const PARAMS: &[Param] = &[
         default: "50",
     },
     Param {
+        name: "OXCCL_FIFO_STREAM",
+        doc: "how ring senders fill FIFO slots: auto (measured), 0 (ordinary stores), 1 (streaming stores)",
+        default: "auto",
+    },
+    Param {
         name: "OXCCL_CMA",
         doc: "0 turns off cross-memory attach (process_vm_readv/writev) between processes",
         default: "1",
@@ -155,6 +160,17 @@ pub fn cma_min_bytes() -> usize {
 }
 
 /// Whether step programs may run later slices ahead of blocked earlier ones.
+/// `OXCCL_FIFO_STREAM`: Some(forced choice), or None to measure (see `plan::tune`).
+pub fn fifo_stream() -> Option<bool> {
+    static F: once_cell::sync::Lazy<Option<bool>> =
+        once_cell::sync::Lazy::new(|| match get_str("OXCCL_FIFO_STREAM").as_deref() {
+            Some("0") => Some(false),
+            Some("1") => Some(true),
+            _ => None,
+        });
+    *F
+}
+
 pub fn run_ahead() -> bool {
     static R: once_cell::sync::Lazy<bool> =
         once_cell::sync::Lazy::new(|| get_u64("OXCCL_RUN_AHEAD") != 0);

@@ -298,6 +298,14 @@ fn coll_matrix_ring_algorithms() {
     for n in ["2", "3", "4"] {
         run_env("coll_matrix.c", &[n], &[("OXCCL_ALGO", "ring")], 300);
     }
+    // FIFO slots always filled with streaming stores (normally a measured choice for large
+    // programs).
+    run_env(
+        "coll_matrix.c",
+        &["3"],
+        &[("OXCCL_ALGO", "ring"), ("OXCCL_FIFO_STREAM", "1")],
+        300,
+    );
     // Strictly in order (no run-ahead across iterations).
     run_env(
         "coll_matrix.c",

@@ -8,7 +8,7 @@ use super::steps::{poll_program, Cursor, Poll};
 use crate::error::{Error, Result};
 use crate::plan::board::{BoardKind, BoardOp};
 use crate::plan::segment;
-use crate::plan::tune::{self, Path};
+use crate::plan::tune::{self, CMA};
 use crate::reduce::Reducer;
 use crate::transport::cma;
 use crate::types::{Reduction, Scalar};
@@ -20,7 +20,7 @@ const SLICE_BYTES: usize = 64 << 10;
 enum Phase {
     Publish,
     Arrive,
-    Fallback(Cursor),
+    Fallback(Box<Cursor>),
     Done,
     /// An eager operation, complete: no done barrier.
     Finished,
@@ -29,7 +29,7 @@ enum Phase {
 pub(super) struct BoardState {
     phase: Phase,
     /// When every rank had arrived, and the path the tuner chose (when it chose one).
-    timed: Option<(Instant, Path)>,
+    timed: Option<(Instant, usize)>,
 }
 
 impl BoardState {
@@ -82,7 +82,7 @@ impl BoardState {
                     let (sb, rb) = op.extents();
                     let send = crate::memory::describe(op.send, sb);
                     let recv = crate::memory::describe(op.recv, rb);
-                    let vote = op.tuner.as_ref().is_some_and(|t| t.vote_cma());
+                    let vote = op.tuner.as_ref().is_some_and(|t| t.cma.better() == CMA);
                     op.board
                         .publish(op.rank, op.seq, (send, recv), own_scalar(op), vote);
                     self.phase = Phase::Arrive;
@@ -117,13 +117,17 @@ impl BoardState {
                             let prog = op.fallback.as_ref().ok_or_else(|| {
                                 Error::internal("an eager operation has no ring to fall back on")
                             })?;
-                            self.phase = Phase::Fallback(Cursor::new(prog))
+                            let fifo = op.tuner.as_deref().map(|t| (&t.fifo, op.seq));
+                            self.phase = Phase::Fallback(Box::new(Cursor::new(prog, fifo)))
                         }
                     }
                     progressed = true;
                 }
                 Phase::Fallback(c) => match poll_program(op.fallback.as_ref().expect("set"), c) {
                     Poll::Done => {
+                        if let (Some(t), Some(prog)) = (&op.tuner, &op.fallback) {
+                            c.finish(prog, &t.fifo);
+                        }
                         op.board.post_done(op.rank, op.seq);
                         self.phase = Phase::Done;
                         progressed = true;
@@ -134,7 +138,7 @@ impl BoardState {
                 Phase::Done => {
                     return Ok(if (0..op.nranks).all(|p| op.board.is_done(p, op.seq)) {
                         if let (Some((t0, path)), Some(t)) = (self.timed, &op.tuner) {
-                            t.record(path, op.count * op.dtype.size(), t0.elapsed());
+                            t.cma.record(path, op.count * op.dtype.size(), t0.elapsed());
                         }
                         Poll::Done
                     } else if progressed {
@@ -240,7 +244,7 @@ type Peers = Vec<(Loc, Loc)>;
 /// reached (or the tuner chose the ring), with the path the tuner chose when it chose one. Every
 /// rank reaches the same verdict: it depends only on what all ranks published and on the
 /// communicator's cross-memory-attach verdict, agreed at init.
-fn resolve(op: &BoardOp) -> Result<(Option<Peers>, Option<Path>)> {
+fn resolve(op: &BoardOp) -> Result<(Option<Peers>, Option<usize>)> {
     // Reachability first, from the published facts alone (identical on every rank).
     let mut infos = Vec::with_capacity(op.nranks);
     for p in 0..op.nranks {
@@ -274,7 +278,7 @@ fn resolve(op: &BoardOp) -> Result<(Option<Peers>, Option<Path>)> {
         && {
             let p = tune::verdict(op.seq, (0..op.nranks).map(|q| op.board.vote(q)));
             path = Some(p);
-            p == Path::Cma
+            p == CMA
         };
     if !cma && !reachable(false) {
         return Ok((None, path));

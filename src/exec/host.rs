@@ -9,6 +9,7 @@ use super::task::{Outcome, Task};
 use crate::comm::Core;
 use crate::error::{Error, Result};
 use crate::plan::board::BoardOp;
+use crate::plan::tune::Estimates;
 use crate::plan::Work;
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
@@ -37,18 +38,24 @@ impl Lane {
 }
 
 /// Runs the lane's work in order as far as it can go without waiting.
-fn poll_lane(lane: &mut Lane) -> Result<Poll> {
+fn poll_lane(lane: &mut Lane, fifo: (&Estimates, u64)) -> Result<Poll> {
     let mut progressed = false;
     loop {
         let Some(work) = lane.works.front_mut() else {
             return Ok(Poll::Done);
         };
         let cur = lane.cur.get_or_insert_with(|| match work {
-            Work::Steps(p) => Cur::Steps(Cursor::new(p)),
+            Work::Steps(p) => Cur::Steps(Cursor::new(p, Some(fifo))),
             Work::Board(op) => Cur::Board(BoardState::new(op)),
         });
         let p = match (work, cur) {
-            (Work::Steps(prog), Cur::Steps(c)) => poll_program(prog, c),
+            (Work::Steps(prog), Cur::Steps(c)) => {
+                let p = poll_program(prog, c);
+                if p == Poll::Done {
+                    c.finish(prog, fifo.0);
+                }
+                p
+            }
             (Work::Board(op), Cur::Board(st)) => st.poll(op)?,
             _ => unreachable!("a lane's cursor matches its work"),
         };
@@ -66,10 +73,10 @@ fn poll_lane(lane: &mut Lane) -> Result<Poll> {
 }
 
 /// Polls every lane once; sets `progress` when one moved; true when all are done.
-fn poll_lanes(lanes: &mut [Lane], progress: &mut bool) -> Result<bool> {
+fn poll_lanes(lanes: &mut [Lane], fifo: (&Estimates, u64), progress: &mut bool) -> Result<bool> {
     let mut all_done = true;
     for l in lanes {
-        match poll_lane(l)? {
+        match poll_lane(l, fifo)? {
             Poll::Progress => {
                 *progress = true;
                 all_done = false;
@@ -128,7 +135,8 @@ impl Running {
         }
         let mut progress = false;
         loop {
-            let all_done = match poll_lanes(&mut self.stage_lanes, &mut progress) {
+            let fifo = (&self.task.core.tuner.fifo, self.task.ticket);
+            let all_done = match poll_lanes(&mut self.stage_lanes, fifo, &mut progress) {
                 Ok(d) => d,
                 Err(e) => return self.finish(Err(e)),
             };
@@ -140,7 +148,8 @@ impl Running {
             progress = true;
         }
         let stage_done = self.task.stages.is_empty() && self.stage_lanes.iter().all(Lane::done);
-        let p2p_done = match poll_lanes(&mut self.p2p, &mut progress) {
+        let fifo = (&self.task.core.tuner.fifo, self.task.ticket);
+        let p2p_done = match poll_lanes(&mut self.p2p, fifo, &mut progress) {
             Ok(d) => d,
             Err(e) => return self.finish(Err(e)),
         };

@@ -2,8 +2,10 @@
 //! buffers and a connection, whenever the connection's counters allow. Never blocks.
 
 use super::copy::copy_out;
+use crate::plan::tune::{Estimates, FIFO_TUNE_BYTES, STREAMED};
 use crate::plan::{Prim, Program};
 use crate::reduce::Reducer;
+use std::time::Instant;
 
 /// Where a program is: the first slice not done (`head`, counting step by step through the
 /// iterations), which of the following slices are done already (run ahead), and the program's
@@ -15,18 +17,40 @@ pub(super) struct Cursor {
     /// Scratch for `poll_program`: connections (by address) held by pending slices, kept to
     /// reuse its memory.
     held: Vec<usize>,
+    /// FIFO slots are filled with streaming stores (see `plan::tune`).
+    streamed: bool,
+    /// Where a reduction goes before it is streamed into a slot (one slot's bytes, when needed).
+    scratch: Vec<u8>,
+    /// Where the program's speed is recorded when it ends, the option measured, and its start.
+    timed: Option<(usize, Instant)>,
 }
 
 /// How many slices past the head a program may run ahead, in iterations.
 const AHEAD_ITERS: usize = 4;
 
 impl Cursor {
-    pub(super) fn new(prog: &Program) -> Cursor {
+    /// `fifo`: the estimates to choose how to fill FIFO slots from, and the operation's round
+    /// (shared by all ranks, see `Estimates::pick`).
+    pub(super) fn new(prog: &Program, fifo: Option<(&Estimates, u64)>) -> Cursor {
+        let forced = crate::param::fifo_stream();
+        let timed = fifo
+            .filter(|_| forced.is_none() && prog.sent_bytes() >= FIFO_TUNE_BYTES)
+            .map(|(e, round)| (e.pick(round), Instant::now()));
         Cursor {
             head: 0,
             ahead: std::collections::VecDeque::new(),
             reducer: prog.red.map(|r| Reducer::new(r.resolve())),
             held: Vec::new(),
+            streamed: forced.unwrap_or(timed.is_some_and(|(o, _)| o == STREAMED)),
+            scratch: Vec::new(),
+            timed,
+        }
+    }
+
+    /// Records the finished program's speed with the option it used.
+    pub(super) fn finish(&self, prog: &Program, fifo: &Estimates) {
+        if let Some((option, t0)) = self.timed {
+            fifo.record(option, prog.sent_bytes(), t0.elapsed());
         }
     }
 
@@ -133,7 +157,7 @@ pub(super) fn poll_program(prog: &Program, cur: &mut Cursor) -> Poll {
 }
 
 /// Performs step `k` on `n` elements at element offset `off`, if its slots are ready.
-fn run_step(prog: &Program, cur: &Cursor, k: usize, off: usize, n: usize) -> bool {
+fn run_step(prog: &Program, cur: &mut Cursor, k: usize, off: usize, n: usize) -> bool {
     let s = &prog.steps[k];
     let es = prog.esize;
     let bytes = n * es;
@@ -157,6 +181,11 @@ fn run_step(prog: &Program, cur: &Cursor, k: usize, off: usize, n: usize) -> boo
     let out = sslot.map(|x| x.1).unwrap_or(std::ptr::null_mut());
     let red = cur.reducer.as_ref();
     let nt = prog.stream_out;
+    let st = cur.streamed;
+    if st && cur.scratch.len() < bytes {
+        cur.scratch.resize(prog.slice * es, 0);
+    }
+    let tmp = cur.scratch.as_mut_ptr();
     // SAFETY: src/dst lie inside the caller's buffers (validated at enqueue: `len` elements from
     // the segment start), slots hold `slot_bytes >= bytes`, and a slot is owned by this side
     // between seeing it ready and posting it.
@@ -164,22 +193,36 @@ fn run_step(prog: &Program, cur: &Cursor, k: usize, off: usize, n: usize) -> boo
         match s.prim {
             Prim::Send => match red {
                 Some(r) if s.prep => r.prep(out, src, n),
-                _ => copy(out, src, bytes),
+                _ => copy_out(out, src, bytes, st),
             },
             Prim::Recv => copy_out(dst, inp, bytes, nt),
             Prim::CopySend => {
-                copy(out, src, bytes);
+                copy_out(out, src, bytes, st);
                 copy_out(dst, src, bytes, nt);
             }
             Prim::RecvCopySend => {
-                copy(out, inp, bytes);
+                copy_out(out, inp, bytes, st);
                 copy_out(dst, inp, bytes, nt);
+            }
+            Prim::RecvReduceSend if st => {
+                // Reduce in cache, then stream into the slot.
+                reducer(red).combine(tmp, src, inp, n);
+                copy_out(out, tmp, bytes, true);
             }
             Prim::RecvReduceSend => reducer(red).combine(out, src, inp, n),
             Prim::RecvReduceCopy => {
                 let r = reducer(red);
                 r.combine(dst, src, inp, n);
                 r.finish(dst, dst, n);
+            }
+            Prim::RecvReduceCopySend if st => {
+                // Reduce in cache (into the output, unless that is streamed too), then stream.
+                let r = reducer(red);
+                let acc = if nt { tmp } else { dst };
+                r.combine(acc, src, inp, n);
+                r.finish(acc, acc, n);
+                copy_out(dst, acc, bytes, true);
+                copy_out(out, acc, bytes, true);
             }
             Prim::RecvReduceCopySend if nt => {
                 // Reduce into the outgoing slot (cached), then stream it to the output.
