@@ -320,7 +320,7 @@ fn new_board_op(
     let eager = fallback.is_none();
     BoardOp {
         board,
-        maps: core.maps.clone(),
+        maps: fallback.is_some().then(|| core.maps.clone()),
         cma: core.cma,
         seq,
         rank: core.rank,

@@ -67,7 +67,7 @@ impl BoardState {
                         // inline area holds INLINE >= sb (fits_inline) and is ours for `seq`.
                         unsafe {
                             copy_out(
-                                op.board.inline_area(op.rank, op.seq),
+                                op.board.eager_area(op.rank, op.seq, sb),
                                 op.send as *const u8,
                                 sb,
                                 false,
@@ -97,7 +97,8 @@ impl BoardState {
                         });
                     }
                     if op.eager {
-                        let src = |p: usize| op.board.inline_area(p, op.seq) as usize;
+                        let sb = op.extents().0;
+                        let src = |p: usize| op.board.eager_area(p, op.seq, sb) as usize;
                         // SAFETY: every rank's inline area holds its input for `seq` until
                         // everyone has arrived at `seq + 1`, which needs this rank to finish.
                         unsafe { compute_eager(op, &src)? };
@@ -194,7 +195,7 @@ fn reducers(op: &BoardOp) -> Reducers {
                 })
                 .collect(),
         ),
-        Some(r) => Reducers::One(Reducer::new(r)),
+        Some(r) => Reducers::One(Reducer::cached(r)),
     }
 }
 
@@ -284,7 +285,11 @@ fn resolve(op: &BoardOp) -> Result<(Option<Peers>, Option<usize>)> {
         return Ok((None, path));
     }
     let locate = |pid: u32, i: &crate::transport::board::BufInfo, p: usize| -> Result<Loc> {
-        match op.maps.resolve(pid, i)? {
+        let maps = op
+            .maps
+            .as_ref()
+            .ok_or_else(|| Error::internal("a direct operation without peer maps"))?;
+        match maps.resolve(pid, i)? {
             Some(a) => Ok(Loc::Here(a)),
             None if cma => Ok(Loc::Remote {
                 pid,

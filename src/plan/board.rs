@@ -28,7 +28,8 @@ pub enum BoardKind {
 
 pub struct BoardOp {
     pub board: Arc<Board>,
-    pub maps: Arc<PeerMaps>,
+    /// Peers' mapped allocations (None for eager operations, which read no peer's buffer).
+    pub maps: Option<Arc<PeerMaps>>,
     /// Buffers of other processes that cannot be mapped are reached by cross-memory attach.
     pub cma: bool,
     pub seq: u64,

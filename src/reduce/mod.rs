@@ -98,6 +98,22 @@ impl Reducer {
         }
     }
 
+    /// `new`, remembering the last reducer this thread made: small operations ask for the same
+    /// one again and again, and picking the kernels costs as much as reducing a few elements.
+    pub fn cached(red: Reduction) -> Reducer {
+        thread_local! {
+            static LAST: std::cell::Cell<Option<Reducer>> = const { std::cell::Cell::new(None) };
+        }
+        LAST.with(|c| match c.get() {
+            Some(r) if r.red == red && !cfg!(test) => r,
+            _ => {
+                let r = Reducer::new(red);
+                c.set(Some(r));
+                r
+            }
+        })
+    }
+
     /// Whether inputs are scaled before they are combined (PreMulSum, float averages).
     pub fn has_prep(&self) -> bool {
         self.prep_fn.is_some()

@@ -12,6 +12,8 @@ const HDR: usize = 256;
 /// Bytes of each rank's inline data area (two of them, by operation parity): small operations
 /// carry their inputs on the board itself (see `plan::board`, eager operations).
 pub const INLINE: usize = 32 << 10;
+/// Bytes of the inline areas that share a cache line with the rank's arrival.
+pub const TINY: usize = 24;
 
 /// How a peer can reach one of this rank's buffers.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -27,9 +29,12 @@ pub struct BufInfo {
 
 /// One rank's slot: `arrive`/`done` are operation sequence numbers; the buffer descriptions are
 /// written before `arrive` is published and read by peers only between `arrive` and `done`.
-#[repr(C)]
+#[repr(C, align(64))]
 struct Slot {
     arrive: AtomicU64,
+    /// Inputs of up to `TINY` bytes, by operation parity, in the cache line of `arrive`: a peer
+    /// that sees the arrival has the data too (one transfer between cores instead of two).
+    tiny: [[AtomicU64; 3]; 2],
     done: AtomicU64,
     pid: AtomicU64,
     /// The rank's PreMulSum scalar (its bits; it may differ from rank to rank), by operation
@@ -39,6 +44,8 @@ struct Slot {
     /// The rank's vote for cross-memory attach (see `plan::tune`).
     vote: AtomicU64,
 }
+
+const _: () = assert!(std::mem::size_of::<Slot>() <= SLOT);
 
 pub struct Board {
     region: Region,
@@ -102,6 +109,16 @@ impl Board {
         let i = rank * 2 + (seq & 1) as usize;
         // SAFETY: the area lies inside the region (see `open`).
         unsafe { self.base.add(HDR + self.nranks * SLOT + i * INLINE) }
+    }
+
+    /// Where rank `rank` puts the input (`bytes` long) of an eager operation `seq`: next to its
+    /// arrival when it is tiny, else its inline area. Same reuse rules as `inline_area`.
+    pub fn eager_area(&self, rank: usize, seq: u64, bytes: usize) -> *mut u8 {
+        if bytes <= TINY {
+            self.slot(rank).tiny[(seq & 1) as usize][0].as_ptr() as *mut u8
+        } else {
+            self.inline_area(rank, seq)
+        }
     }
 
     /// Publishes this rank's buffers for operation `seq`, then its arrival.
