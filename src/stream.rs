@@ -29,7 +29,7 @@ struct State {
 }
 
 /// How long the worker leaves work to the thread that handed it over (see `State::lazy_until`).
-const LAZY: Duration = Duration::from_millis(2);
+const LAZY: Duration = Duration::from_millis(1);
 
 pub struct HostStream {
     state: Mutex<State>,
@@ -39,6 +39,8 @@ pub struct HostStream {
     /// sleeps.
     submitted: AtomicU64,
     completed: AtomicU64,
+    /// A thread in `claim_within` waits for the worker's batch (see `work`).
+    wanted: std::sync::atomic::AtomicBool,
 }
 
 /// How long a thread synchronizing with a stream's worker polls before sleeping.
@@ -99,23 +101,34 @@ impl HostStream {
         let mut deadline = None;
         let mut deadline = || *deadline.get_or_insert_with(|| Instant::now() + budget);
         loop {
-            if let Some(mut work) = self.take_over() {
-                while let Some(mut b) = work.pop_front() {
-                    if !b.run_until(Some(deadline())) {
-                        work.push_front(b);
-                        self.give_back(work);
-                        return false;
-                    }
-                    self.record(b.results());
-                }
-                return true;
+            if let Some(work) = self.take_over() {
+                self.wanted.store(false, Ordering::Release);
+                return self.run_taken(work, deadline(), true);
             }
+            // The worker runs a batch: ask for it.
+            self.wanted.store(true, Ordering::Release);
             spins = spins.wrapping_add(1);
             if spins.is_multiple_of(16) && Instant::now() >= deadline() {
+                self.wanted.store(false, Ordering::Release);
                 return false;
             }
             std::hint::spin_loop();
         }
+    }
+
+    /// Runs work taken over, in order, until `deadline`; true when all of it finished (the claim
+    /// goes on), false when the rest was queued again (the claim ended; `lazy`: for the worker
+    /// to leave alone for a while, see `State::lazy_until`).
+    fn run_taken(&self, mut work: VecDeque<Batch>, deadline: Instant, lazy: bool) -> bool {
+        while let Some(mut b) = work.pop_front() {
+            if !b.run_until(Some(deadline)) {
+                work.push_front(b);
+                self.give_back(work, lazy);
+                return false;
+            }
+            self.record(b.results());
+        }
+        true
     }
 
     /// Claims the stream with the work queued on it, unless the worker is running some.
@@ -131,13 +144,13 @@ impl HostStream {
     }
 
     /// Ends a claim, queueing `work` (taken over, not finished) again in front.
-    fn give_back(&self, work: VecDeque<Batch>) {
+    fn give_back(&self, work: VecDeque<Batch>, lazy: bool) {
         let mut s = self.state.lock();
         for b in work.into_iter().rev() {
             s.queue.push_front(b);
         }
         s.busy = false;
-        s.lazy_until = Some(Instant::now() + LAZY);
+        s.lazy_until = lazy.then(|| Instant::now() + LAZY);
         self.wake(&s);
     }
 
@@ -189,8 +202,11 @@ impl HostStream {
                 }
                 self.release([]);
             } else {
+                // The worker (or another thread) runs a batch: ask for it, to run it here.
+                self.wanted.store(true, Ordering::Release);
                 poll_until(|| {
                     self.completed.load(Ordering::Acquire) == self.submitted.load(Ordering::Acquire)
+                        || !self.state.lock().busy
                 });
                 let mut s = self.state.lock();
                 while s.busy {
@@ -198,6 +214,7 @@ impl HostStream {
                     self.cv.wait(&mut s);
                     s.syncing -= 1;
                 }
+                self.wanted.store(false, Ordering::Release);
             }
             let mut s = self.state.lock();
             if !s.busy && s.queue.is_empty() {
@@ -209,8 +226,20 @@ impl HostStream {
         }
     }
 
-    /// `Ok(true)` when idle; an error met by finished work is returned (and cleared).
+    /// `Ok(true)` when idle; an error met by finished work is returned (and cleared). Work the
+    /// worker has not begun runs on the calling thread first, for up to `OXCCL_INLINE_US`: a
+    /// thread that polls for completion then drives its own work.
     pub fn query(&self) -> Result<bool> {
+        let budget = crate::param::inline_budget();
+        if !budget.is_zero() {
+            // What is not finished goes back to the worker at once: a polling thread sleeps
+            // between queries, and the work must go on meanwhile.
+            if let Some(work) = self.take_over() {
+                if self.run_taken(work, Instant::now() + budget, false) {
+                    self.release([]);
+                }
+            }
+        }
         let mut s = self.state.lock();
         if let Some(e) = s.error.take() {
             return Err(e);
@@ -246,7 +275,16 @@ impl HostStream {
                 }
             };
             let mut batch = batch;
-            batch.run_until(None);
+            // A launching thread that wants the stream gets the batch back (it runs it inline):
+            // on a host with few cores the worker would only compete with it for a core.
+            if !batch.run_unless(None, &|| self.wanted.load(Ordering::Acquire)) {
+                let mut s = self.state.lock();
+                s.queue.push_front(batch);
+                s.busy = false;
+                s.lazy_until = Some(Instant::now() + LAZY);
+                self.cv.notify_all();
+                continue;
+            }
             let results = batch.results();
             let mut s = self.state.lock();
             for r in results {
@@ -324,6 +362,7 @@ pub fn create() -> Result<usize> {
         worker: Mutex::new(None),
         submitted: AtomicU64::new(0),
         completed: AtomicU64::new(0),
+        wanted: Default::default(),
     });
     let w = s.clone();
     let h = std::thread::Builder::new()

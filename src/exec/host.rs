@@ -279,6 +279,12 @@ impl Batch {
     /// any thread, to go on). Without a deadline it waits as long as it takes: spinning, then
     /// yielding, then sleeping, checking for aborts and timeouts.
     pub fn run_until(&mut self, deadline: Option<Instant>) -> bool {
+        self.run_unless(deadline, &|| false)
+    }
+
+    /// `run_until`, also giving up (false) when, while it waits, `yield_to()` says another
+    /// thread wants to run the batch.
+    pub fn run_unless(&mut self, deadline: Option<Instant>, yield_to: &dyn Fn() -> bool) -> bool {
         let timeout = crate::param::timeout();
         let mut idle_spins: u32 = 0;
         let mut idle_since = Instant::now();
@@ -306,6 +312,9 @@ impl Batch {
                 idle_since = Instant::now();
             }
             idle_spins = idle_spins.saturating_add(1);
+            if idle_spins.is_multiple_of(16) && yield_to() {
+                return false;
+            }
             if let Some(d) = deadline {
                 if idle_spins.is_multiple_of(16) && Instant::now() >= d {
                     return false;
