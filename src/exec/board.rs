@@ -82,7 +82,7 @@ impl BoardState {
                     let (sb, rb) = op.extents();
                     let send = crate::memory::describe(op.send, sb);
                     let recv = crate::memory::describe(op.recv, rb);
-                    let vote = op.tuner.as_ref().is_some_and(|t| t.cma.better() == CMA);
+                    let vote = op.tuner.as_ref().map_or(0.0, |t| t.cma.vote());
                     op.board
                         .publish(op.rank, op.seq, (send, recv), own_scalar(op), vote);
                     self.phase = Phase::Arrive;

@@ -21,11 +21,20 @@ use std::time::Duration;
 /// One operation in this many takes the option not chosen.
 pub const EXPLORE: u64 = 8;
 
-/// Bandwidth estimates (bytes per second, as f64 bits; 0 = not measured) of two options.
+/// Bandwidth estimates (bytes per second, as f64 bits; 0 = not measured) of two options, and
+/// how many times each was measured.
 #[derive(Default)]
 pub struct Estimates {
     bw: [AtomicU64; 2],
+    samples: [AtomicU64; 2],
 }
+
+/// Each option is measured this many times before the estimates are compared (a first run also
+/// pays for first touches of its buffers).
+const WARM_SAMPLES: u64 = 2;
+
+/// Weight of a new measurement in its option's estimate.
+const ALPHA: f64 = 0.75;
 
 impl Estimates {
     pub fn estimate(&self, option: usize) -> Option<f64> {
@@ -33,29 +42,52 @@ impl Estimates {
         (v > 0.0).then_some(v)
     }
 
-    /// Records that `bytes` took `elapsed` with `option`: the estimate moves halfway.
+    fn samples(&self, option: usize) -> u64 {
+        self.samples[option].load(Ordering::Relaxed)
+    }
+
+    /// Records that `bytes` took `elapsed` with `option`.
     pub fn record(&self, option: usize, bytes: usize, elapsed: Duration) {
         let bw = bytes as f64 / elapsed.as_secs_f64().max(1e-9);
         let new = match self.estimate(option) {
-            Some(old) => 0.5 * old + 0.5 * bw,
+            Some(old) => (1.0 - ALPHA) * old + ALPHA * bw,
             None => bw,
         };
         self.bw[option].store(new.to_bits(), Ordering::Relaxed);
+        self.samples[option].fetch_add(1, Ordering::Relaxed);
     }
 
-    /// The option that looks faster. One never measured is presumed fast, so that each is
-    /// tried (option 0 first).
+    /// The option that looks faster; until both have been measured `WARM_SAMPLES` times, the
+    /// one measured less (option 0 first).
     pub fn better(&self) -> usize {
+        let (n0, n1) = (self.samples(0), self.samples(1));
+        if n0.min(n1) < WARM_SAMPLES {
+            return usize::from(n1 < n0);
+        }
         match (self.estimate(0), self.estimate(1)) {
-            (None, _) => 0,
-            (Some(_), None) => 1,
             (Some(a), Some(b)) => usize::from(b > a),
+            _ => 0,
         }
     }
 
-    /// The option for operation `round`: the better one, or the other on exploring rounds.
+    /// The option for operation `round`: the better one, or the other on exploring rounds
+    /// (once both are warm).
     pub fn pick(&self, round: u64) -> usize {
-        self.better() ^ usize::from(round.is_multiple_of(EXPLORE))
+        let warm = self.samples(0).min(self.samples(1)) >= WARM_SAMPLES;
+        self.better() ^ usize::from(warm && round.is_multiple_of(EXPLORE))
+    }
+
+    /// This rank's published preference for option 1 over option 0 (see `verdict`): how much
+    /// faster it has seen option 1, or a large value for whichever still needs measuring.
+    pub fn vote(&self) -> f64 {
+        let (n0, n1) = (self.samples(0), self.samples(1));
+        if n0.min(n1) < WARM_SAMPLES {
+            return if n1 < n0 { 1e30 } else { -1e30 };
+        }
+        match (self.estimate(0), self.estimate(1)) {
+            (Some(a), Some(b)) => b - a,
+            _ => 0.0,
+        }
     }
 }
 
@@ -79,10 +111,11 @@ pub struct Tuner {
 /// are dominated by latency) and before streaming stores are considered.
 pub const FIFO_TUNE_BYTES: usize = 256 << 10;
 
-/// The collective verdict for operation `seq` from every rank's vote for cross-memory attach:
-/// it when any rank wants it (its side is the slow one), the other way on exploring operations.
-pub fn verdict(seq: u64, votes: impl IntoIterator<Item = bool>) -> usize {
-    let cma = votes.into_iter().any(|v| v);
+/// The collective verdict for operation `seq` from every rank's published preference for
+/// cross-memory attach (`Estimates::vote`): it when the preferences add up in its favour, the
+/// other way on exploring operations.
+pub fn verdict(seq: u64, votes: impl IntoIterator<Item = f64>) -> usize {
+    let cma = votes.into_iter().sum::<f64>() > 0.0;
     usize::from(cma != seq.is_multiple_of(EXPLORE))
 }
 
@@ -91,22 +124,27 @@ mod tests {
     use super::*;
 
     #[test]
-    fn tries_both_then_follows_the_faster_and_explores() {
+    fn measures_both_then_follows_the_faster_and_explores() {
         let t = Estimates::default();
+        let gbs = |g: f64| Duration::from_secs_f64(1.0 / g);
         assert_eq!(t.better(), 0, "option 0 first");
-        t.record(0, 1 << 30, Duration::from_millis(500)); // 2 GB/s
-        assert_eq!(t.better(), 1, "then option 1, never measured");
-        t.record(1, 1 << 30, Duration::from_millis(250)); // 4 GB/s
+        t.record(0, 1 << 30, gbs(2.0));
+        assert_eq!(t.better(), 1, "then option 1, measured less");
+        assert!(t.vote() > 1e20);
+        t.record(1, 1 << 30, gbs(4.0));
+        t.record(0, 1 << 30, gbs(2.0));
+        assert_eq!(t.pick(EXPLORE), 1, "no exploring before both are warm");
+        t.record(1, 1 << 30, gbs(4.0));
         assert_eq!(t.better(), 1);
         assert_eq!(t.pick(3), 1);
         assert_eq!(t.pick(EXPLORE), 0, "exploring");
-        for _ in 0..4 {
-            t.record(0, 1 << 30, Duration::from_millis(125)); // 8 GB/s
-        }
+        assert!(t.vote() > 0.0);
+        t.record(0, 1 << 30, gbs(8.0));
         assert_eq!(t.better(), 0, "option 0 got faster");
-        assert_eq!(verdict(1, [false, false]), RING);
-        assert_eq!(verdict(1, [false, true]), CMA);
-        assert_eq!(verdict(EXPLORE, [false, false]), CMA);
-        assert_eq!(verdict(2 * EXPLORE, [true, false]), RING);
+        assert!(t.vote() < 0.0);
+        assert_eq!(verdict(1, [-1.0, -2.0]), RING);
+        assert_eq!(verdict(1, [-1.0, 2.0]), CMA);
+        assert_eq!(verdict(EXPLORE, [-1.0, 0.5]), CMA);
+        assert_eq!(verdict(2 * EXPLORE, [3.0, -1.0]), RING);
     }
 }

@@ -128,10 +128,10 @@ impl Board {
         seq: u64,
         (send, recv): (BufInfo, BufInfo),
         scalar: u64,
-        vote: bool,
+        vote: f64,
     ) {
         let s = self.slot(rank);
-        s.vote.store(vote as u64, Ordering::Relaxed);
+        s.vote.store(vote.to_bits(), Ordering::Relaxed);
         s.pid.store(self.pid as u64, Ordering::Relaxed);
         s.scalar[(seq & 1) as usize].store(scalar, Ordering::Relaxed);
         for (i, v) in [send.addr, send.alloc_id, send.fd, send.base, send.len]
@@ -179,8 +179,8 @@ impl Board {
     }
 
     /// A peer's vote for cross-memory attach; valid as its buffers are.
-    pub fn vote(&self, rank: usize) -> bool {
-        self.slot(rank).vote.load(Ordering::Relaxed) != 0
+    pub fn vote(&self, rank: usize) -> f64 {
+        f64::from_bits(self.slot(rank).vote.load(Ordering::Relaxed))
     }
 
     /// A peer's PreMulSum scalar bits for operation `seq`; valid as its inline area is.
