@@ -321,6 +321,8 @@ fn two_processes_every_algorithm() {
         &[][..],
         &[("OXCCL_CMA_MIN_BYTES", "0")][..],
         &[("OXCCL_CMA", "0"), ("OXCCL_CMA_MIN_BYTES", "0")][..],
+        // The ring with FIFO slots filled by streaming stores at every size.
+        &[("OXCCL_CMA", "0"), ("OXCCL_FIFO_STREAM", "1")][..],
     ] {
         for name in reducing
             .iter()
