@@ -108,7 +108,8 @@ impl HostStream {
             // The worker runs a batch: ask for it.
             self.wanted.store(true, Ordering::Release);
             spins = spins.wrapping_add(1);
-            if spins.is_multiple_of(16) && Instant::now() >= deadline() {
+            if spins.is_multiple_of(crate::exec::host::CLOCK_EVERY) && Instant::now() >= deadline()
+            {
                 self.wanted.store(false, Ordering::Release);
                 return false;
             }

@@ -4,7 +4,7 @@
 //! deadline, the operation becomes a one-task batch that goes on where it stopped, like any other.
 
 use super::board::BoardState;
-use super::host::{spoil, Batch};
+use super::host::{spoil, Batch, CLOCK_EVERY};
 use super::steps::Poll;
 use super::task::{Task, What};
 use crate::comm::Core;
@@ -68,7 +68,7 @@ pub fn run(
             }
             Ok(_) => {
                 spins = spins.wrapping_add(1);
-                let now = spins.is_multiple_of(16).then(Instant::now);
+                let now = spins.is_multiple_of(CLOCK_EVERY).then(Instant::now);
                 if now.is_some_and(|t| t >= *deadline.get_or_insert(t + budget)) {
                     return Lone::Pending(Batch::resume_board(
                         task(Vec::new()),
