@@ -15,6 +15,7 @@ use crate::types::{
     OP_PROD, OP_SUM,
 };
 use std::cell::RefCell;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 struct Queued {
@@ -37,6 +38,11 @@ thread_local! {
     static GROUP: RefCell<GroupState> = RefCell::new(GroupState::default());
 }
 
+/// Threads inside a group: while none is, a call need not look at its thread's group state
+/// (a thread-local access in a shared library goes through `__tls_get_addr`, a good part of a
+/// small operation's launch).
+static THREADS_IN_GROUPS: AtomicUsize = AtomicUsize::new(0);
+
 /// Inside a group, queue a comm's init for `ncclGroupEnd` and return true.
 pub fn defer_init(comm: &Arc<Comm>) -> bool {
     GROUP.with(|g| {
@@ -50,7 +56,13 @@ pub fn defer_init(comm: &Arc<Comm>) -> bool {
 }
 
 pub fn start() -> Result<()> {
-    GROUP.with(|g| g.borrow_mut().depth += 1);
+    GROUP.with(|g| {
+        let mut g = g.borrow_mut();
+        if g.depth == 0 {
+            THREADS_IN_GROUPS.fetch_add(1, Ordering::AcqRel);
+        }
+        g.depth += 1;
+    });
     Ok(())
 }
 
@@ -66,6 +78,7 @@ pub fn end() -> Result<()> {
         if g.depth > 0 {
             return Ok(None);
         }
+        THREADS_IN_GROUPS.fetch_sub(1, Ordering::AcqRel);
         Ok(Some(std::mem::take(&mut *g)))
     })?;
     match state {
@@ -85,7 +98,9 @@ fn launch_group(s: GroupState) -> Result<()> {
 
 /// Validates a call and queues it (or runs it at once outside a group).
 pub fn enqueue(comm: &Arc<Comm>, args: CollArgs, stream: StreamArg) -> Result<()> {
-    let in_group = GROUP.with(|g| g.borrow().depth > 0);
+    // This thread's own count is exact: if it is in a group, the counter is not zero.
+    let in_group =
+        THREADS_IN_GROUPS.load(Ordering::Acquire) > 0 && GROUP.with(|g| g.borrow().depth > 0);
     let checked = validate(comm, &args).map(|(core, red)| Queued {
         comm: comm.clone(),
         core,
