@@ -428,6 +428,53 @@ fn small_operations_with_late_peers() {
     });
 }
 
+/// A small operation whose peer never comes is stopped by ncclCommAbort from another thread,
+/// whether it waits on a host stream (handed over by its launch) or blocks its caller (NULL
+/// stream): an error, not a hang.
+#[test]
+fn abort_stops_a_small_operation_waiting_for_its_peer() {
+    std::env::set_var("OXCCL_DEVICE", "host");
+    for null_stream in [false, true] {
+        let id = api::get_unique_id().unwrap();
+        let (done_tx, done_rx) = std::sync::mpsc::channel::<()>();
+        std::thread::scope(|s| {
+            s.spawn(move || {
+                // Rank 1 joins the communicator but never calls the collective.
+                let c = api::comm_init_rank(2, &id, 1, Default::default()).unwrap();
+                done_rx
+                    .recv_timeout(std::time::Duration::from_secs(120))
+                    .expect("rank 0 finished");
+                api::comm_destroy(api::comm_handle(&c)).unwrap();
+            });
+            let c = api::comm_init_rank(2, &id, 0, Default::default()).unwrap();
+            let h = api::comm_handle(&c);
+            let send = [1i32; 4];
+            let mut recv = [0i32; 4];
+            let a = args(CollKind::AllReduce, &send, &mut recv, 4, OP_SUM, 0);
+            let t0 = std::time::Instant::now();
+            let aborter = s.spawn(move || {
+                std::thread::sleep(std::time::Duration::from_millis(200));
+                api::comm_abort(h)
+            });
+            let r = if null_stream {
+                api::enqueue(&c, a, StreamArg::Null)
+            } else {
+                let st = api::host_stream_create().unwrap();
+                api::enqueue(&c, a, api::stream_from_handle(st).unwrap()).unwrap();
+                let r = api::host_stream_synchronize(st);
+                api::host_stream_destroy(st).unwrap();
+                r
+            };
+            let e = r.expect_err("the operation cannot have completed");
+            assert!(e.to_string().contains("abort"), "{e}");
+            aborter.join().unwrap().unwrap();
+            assert!(t0.elapsed() < std::time::Duration::from_secs(60));
+            assert_eq!(recv, [0; 4], "no output without the peer");
+            done_tx.send(()).unwrap();
+        });
+    }
+}
+
 #[test]
 fn premulsum_host_and_device_scalars() {
     let n = 3;
