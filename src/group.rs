@@ -6,9 +6,11 @@
 use crate::api::{CollArgs, StreamArg};
 use crate::comm::{Comm, Core};
 use crate::error::{Error, Result};
+use crate::exec::host::Batch;
 use crate::exec::Task;
 use crate::plan::board::{BoardKind, BoardOp};
 use crate::plan::{self, direct, ring, RedSpec, Stage};
+use crate::stream::HostStream;
 use crate::transport::Class;
 use crate::types::{
     CollKind, DataType, ReduceKind, Reduction, Scalar, NUM_BUILTIN_OPS, OP_AVG, OP_MAX, OP_MIN,
@@ -257,7 +259,7 @@ pub fn scalar_from_f64(dtype: DataType, v: f64) -> Scalar {
 
 /// Launches a group of one call.
 fn launch_one(q: Queued) -> Result<()> {
-    match run_lone(&q) {
+    match run_lone(std::slice::from_ref(&q)) {
         Some(r) => r,
         None => launch_tasks(vec![q]),
     }
@@ -275,50 +277,107 @@ fn board_kind(kind: CollKind) -> Option<BoardKind> {
     })
 }
 
-/// A call alone in its group that fits the board (an eager operation), on a communicator with
-/// nothing outstanding and a stream that is idle, runs on this thread at once (`exec::lone`);
-/// None when it does not qualify (nothing was taken: plan it as usual).
-fn run_lone(q: &Queued) -> Option<Result<()>> {
-    let (core, a) = (&q.core, &q.args);
-    let bk = board_kind(a.kind)?;
-    if core.nranks < 2 || !BoardOp::fits_inline(bk, core.nranks, a.count, a.dtype) {
-        return None;
-    }
+/// Calls that all fit the board (eager operations), at most one per communicator, on
+/// communicators with nothing outstanding and streams that are idle, run on this thread at once,
+/// polled together (`exec::lone`); None when they do not qualify (nothing was taken: plan them
+/// as usual).
+fn run_lone(qs: &[Queued]) -> Option<Result<()>> {
     let budget = crate::param::inline_budget();
-    // Claiming the stream runs what it has queued, which may be this communicator's earlier work.
-    let stream = match &q.stream {
-        StreamArg::Host(s) if budget.is_zero() || !s.claim_within(budget) => return None,
-        StreamArg::Host(s) => Some(s),
-        StreamArg::Null => None,
-    };
-    let board = if core.idle() { core.board_op() } else { None };
-    let Some((board, seq)) = board else {
-        if let Some(s) = stream {
+    for (i, q) in qs.iter().enumerate() {
+        let (core, a) = (&q.core, &q.args);
+        let bk = board_kind(a.kind)?;
+        if core.nranks < 2
+            || !BoardOp::fits_inline(bk, core.nranks, a.count, a.dtype)
+            || !core.has_board()
+            || qs[..i].iter().any(|p| Arc::ptr_eq(&p.core, core))
+            || (budget.is_zero() && matches!(q.stream, StreamArg::Host(_)))
+        {
+            return None;
+        }
+    }
+    // Claim each host stream once. A call alone in its group first runs what its stream has
+    // queued (which may be this communicator's earlier work); a group only takes idle streams
+    // (what one stream has queued may wait for another's).
+    let mut streams: Vec<&Arc<HostStream>> = Vec::new();
+    let mut claimed = true;
+    for q in qs {
+        if let StreamArg::Host(s) = &q.stream {
+            if streams.iter().any(|x| Arc::ptr_eq(x, s)) {
+                continue;
+            }
+            let ok = if qs.len() == 1 {
+                s.claim_within(budget)
+            } else {
+                s.claim()
+            };
+            if !ok {
+                claimed = false;
+                break;
+            }
+            streams.push(s);
+        }
+    }
+    if !claimed || !qs.iter().all(|q| q.core.idle()) {
+        for s in streams {
             s.release([]);
         }
         return None;
-    };
-    let ticket = core.take_ticket();
-    let op = new_board_op(core, a, q.red, bk, board, seq, None);
-    let fault = Some((a.dtype, a.recv, out_count(a, core.nranks, core.rank)));
-    let what = describe(std::slice::from_ref(q));
-    use crate::exec::lone::{self, Lone};
-    let outcome = lone::run(core, ticket, op, fault, what, budget);
-    Some(match (outcome, stream) {
-        (Lone::Done(r), None) => r,
-        (Lone::Done(r), Some(s)) => {
-            s.release(r.err());
-            Ok(())
+    }
+    use crate::exec::lone::{self, LoneOp};
+    let mut ops: Vec<LoneOp> = Vec::with_capacity(qs.len());
+    for q in qs {
+        let (core, a) = (&q.core, &q.args);
+        let (board, seq) = core
+            .board_op()
+            .expect("checked: the communicator has a board");
+        let ticket = core.take_ticket();
+        let bk = board_kind(a.kind).expect("checked: a board collective");
+        let op = new_board_op(core, a, q.red, bk, board, seq, None);
+        let fault = Some((a.dtype, a.recv, out_count(a, core.nranks, core.rank)));
+        ops.push(LoneOp::new(
+            core,
+            ticket,
+            op,
+            fault,
+            describe(std::slice::from_ref(q)),
+        ));
+    }
+    lone::run(&mut ops, budget);
+    // Results: the NULL stream's returned (its unfinished work runs here to the end), each host
+    // stream's recorded on it (its unfinished work handed to it).
+    let mut first_err = None;
+    let mut null_pending = Vec::new();
+    let mut per_stream: Vec<(Vec<Batch>, Vec<Error>)> =
+        streams.iter().map(|_| Default::default()).collect();
+    for (q, o) in qs.iter().zip(ops) {
+        let at = match &q.stream {
+            StreamArg::Host(s) => streams.iter().position(|x| Arc::ptr_eq(x, s)),
+            StreamArg::Null => None,
+        };
+        match (o.finish(), at) {
+            (Ok(Err(e)), None) => {
+                first_err.get_or_insert(e);
+            }
+            (Ok(r), None) => r.unwrap_or(()),
+            (Ok(r), Some(i)) => per_stream[i].1.extend(r.err()),
+            (Err(b), None) => null_pending.push(b),
+            (Err(b), Some(i)) => per_stream[i].0.push(b),
         }
-        (Lone::Pending(mut b), None) => {
-            b.run_until(None);
-            b.results().pop().unwrap_or(Ok(()))
+    }
+    for (s, (pending, errors)) in streams.into_iter().zip(per_stream) {
+        let pending = (!pending.is_empty()).then(|| Batch::join(pending));
+        s.end_claim(pending, errors);
+    }
+    if !null_pending.is_empty() {
+        let mut b = Batch::join(null_pending);
+        b.run_until(None);
+        for r in b.results() {
+            if let Err(e) = r {
+                first_err.get_or_insert(e);
+            }
         }
-        (Lone::Pending(b), Some(s)) => {
-            s.enqueue(b, true);
-            Ok(())
-        }
-    })
+    }
+    Some(first_err.map_or(Ok(()), Err))
 }
 
 /// A board operation for call `a`: eager when `fallback` (the ring program to run instead when
@@ -358,7 +417,10 @@ fn launch(mut ops: Vec<Queued>) -> Result<()> {
     if ops.len() == 1 {
         return launch_one(ops.pop().expect("one call"));
     }
-    launch_tasks(ops)
+    match run_lone(&ops) {
+        Some(r) => r,
+        None => launch_tasks(ops),
+    }
 }
 
 /// Turns queued calls into one task per communicator and runs them.

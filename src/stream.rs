@@ -166,6 +166,23 @@ impl HostStream {
         self.completed.fetch_add(1, Ordering::AcqRel);
     }
 
+    /// Ends a claim, recording the errors of work that finished inline and queueing in front the
+    /// work that did not (to be taken back by the next launch, see `State::lazy_until`).
+    pub fn end_claim(&self, pending: Option<Batch>, errors: impl IntoIterator<Item = Error>) {
+        match pending {
+            None => self.release(errors),
+            Some(b) => {
+                {
+                    let mut s = self.state.lock();
+                    for e in errors {
+                        s.error.get_or_insert(e);
+                    }
+                }
+                self.enqueue(b, true);
+            }
+        }
+    }
+
     /// Ends a claim whose work finished inline, recording its errors.
     pub fn release(&self, errors: impl IntoIterator<Item = Error>) {
         let mut s = self.state.lock();

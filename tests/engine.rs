@@ -428,6 +428,75 @@ fn small_operations_with_late_peers() {
     });
 }
 
+/// Groups of small operations over several ranks of one thread run together on that thread;
+/// with the other thread's ranks late, their unfinished parts go to each rank's stream (or, on
+/// the NULL stream, run to the end in the group's `ncclGroupEnd`). Four ranks, two threads of
+/// two ranks each.
+#[test]
+fn groups_of_small_operations_with_late_peers() {
+    std::env::set_var("OXCCL_DEVICE", "host");
+    let id = api::get_unique_id().unwrap();
+    let ops = 60;
+    let count_of = |k: usize| 1 + (k * 37) % 3000;
+    let expect = |k: usize, i: usize| -> i32 { (0..4).map(|r| input(r + k, i)).sum() };
+    std::thread::scope(|s| {
+        for t in 0..2usize {
+            s.spawn(move || {
+                let ranks = [2 * t, 2 * t + 1];
+                api::group_start().unwrap();
+                let cs: Vec<_> = ranks
+                    .iter()
+                    .map(|&r| api::comm_init_rank(4, &id, r as i32, Default::default()).unwrap())
+                    .collect();
+                api::group_end().unwrap();
+                let hs: Vec<usize> = (0..2).map(|_| api::host_stream_create().unwrap()).collect();
+                let sends: Vec<Vec<Vec<i32>>> = ranks
+                    .iter()
+                    .map(|&r| {
+                        (0..ops)
+                            .map(|k| (0..count_of(k)).map(|i| input(r + k, i)).collect())
+                            .collect()
+                    })
+                    .collect();
+                let mut recvs: Vec<Vec<Vec<i32>>> = (0..2)
+                    .map(|_| (0..ops).map(|k| vec![0; count_of(k)]).collect())
+                    .collect();
+                for k in 0..ops {
+                    if (t == 1 && k % 5 == 2) || (t == 0 && k % 7 == 4) {
+                        std::thread::sleep(std::time::Duration::from_millis(1 + (k % 3) as u64));
+                    }
+                    api::group_start().unwrap();
+                    for j in 0..2 {
+                        let st = if k % 6 == 5 {
+                            StreamArg::Null
+                        } else {
+                            api::stream_from_handle(hs[j]).unwrap()
+                        };
+                        let (send, recv) = (&sends[j][k], &mut recvs[j][k]);
+                        let a = args(CollKind::AllReduce, send, recv, count_of(k), OP_SUM, 0);
+                        api::enqueue(&cs[j], a, st).unwrap();
+                    }
+                    api::group_end().unwrap();
+                }
+                for &h in &hs {
+                    api::host_stream_synchronize(h).unwrap();
+                    api::host_stream_destroy(h).unwrap();
+                }
+                for (j, rv) in recvs.iter().enumerate() {
+                    for (k, recv) in rv.iter().enumerate() {
+                        for (i, &v) in recv.iter().enumerate() {
+                            assert_eq!(v, expect(k, i), "rank {} op {k} element {i}", ranks[j]);
+                        }
+                    }
+                }
+                for c in cs {
+                    api::comm_destroy(api::comm_handle(&c)).unwrap();
+                }
+            });
+        }
+    });
+}
+
 /// A small operation whose peer never comes is stopped by ncclCommAbort from another thread,
 /// whether it waits on a host stream (handed over by its launch) or blocks its caller (NULL
 /// stream): an error, not a hang.

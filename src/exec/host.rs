@@ -343,6 +343,13 @@ impl Batch {
         }
     }
 
+    /// One batch of several, keeping their task order.
+    pub fn join(parts: Vec<Batch>) -> Batch {
+        Batch {
+            running: parts.into_iter().flat_map(|b| b.running).collect(),
+        }
+    }
+
     /// Splits the batch by `owner[i]` (in 0..k) of task i, keeping each part's task order.
     pub fn split(self, owner: &[usize], k: usize) -> Vec<Batch> {
         let mut parts: Vec<Batch> = (0..k)

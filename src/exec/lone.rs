@@ -1,7 +1,9 @@
-//! A lone operation on the calling thread: a launch of one eager board operation onto an idle
-//! stream (or the NULL stream) runs it here at once, without a task, a batch or any allocation,
-//! which is what a small operation's latency is made of. When the peers are not there by the
-//! deadline, the operation becomes a one-task batch that goes on where it stopped, like any other.
+//! Lone operations on the calling thread: a launch of eager board operations (at most one per
+//! communicator, as a group of `ncclAllReduce`s over the ranks of one thread makes) onto idle
+//! streams or the NULL stream runs them here at once, polled together, without a task, a batch
+//! or any allocation, which is what a small operation's latency is made of. An operation whose
+//! peers are not there by the deadline becomes a one-task batch that goes on where it stopped,
+//! like any other.
 
 use super::board::BoardState;
 use super::host::{spoil, Batch, CLOCK_EVERY};
@@ -13,71 +15,110 @@ use crate::plan::board::BoardOp;
 use crate::plan::{Stage, Work};
 use crate::types::DataType;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
-pub enum Lone {
-    /// Finished here, with this result.
-    Done(Result<()>),
-    /// Not finished by the deadline: run the batch to go on.
-    Pending(Batch),
-}
-
-/// Runs `op` (this rank's `ticket` of the communicator) until it is done or has waited for about
-/// `budget`.
-/// `fault` is the output that OXCCL_FAULT=corrupt spoils, as for a stage.
-pub fn run(
-    core: &Arc<Core>,
+/// One eager board operation, this rank's `ticket` of its communicator.
+pub struct LoneOp {
+    core: Arc<Core>,
     ticket: u64,
     op: BoardOp,
+    /// None when the operation cannot start here (earlier work of the communicator, or a broken
+    /// or aborted communicator): the batch knows how to wait for it, or to fail.
+    state: Option<BoardState>,
+    /// The output that OXCCL_FAULT=corrupt spoils, as for a stage.
     fault: Option<(DataType, usize, usize)>,
     what: What,
-    budget: std::time::Duration,
-) -> Lone {
-    let task = |lanes| {
-        let mut t = Task::new(core.clone(), what);
-        t.ticket = ticket;
-        t.stages.push_back(Stage {
-            lanes,
-            fault,
-            scratch: Vec::new(),
-        });
-        t
-    };
-    // Earlier work of the communicator, or a broken or aborted communicator: the batch knows
-    // how to wait for it, or to fail.
-    if !core.is_serving(ticket) || core.aborted() || core.broken().is_some() {
-        return Lone::Pending(Batch::new(vec![task(vec![vec![Work::Board(Box::new(
+    result: Option<Result<()>>,
+}
+
+impl LoneOp {
+    pub fn new(
+        core: &Arc<Core>,
+        ticket: u64,
+        op: BoardOp,
+        fault: Option<(DataType, usize, usize)>,
+        what: What,
+    ) -> LoneOp {
+        let startable = core.is_serving(ticket) && !core.aborted() && core.broken().is_none();
+        LoneOp {
+            core: core.clone(),
+            ticket,
+            state: startable.then(|| BoardState::new(&op)),
             op,
-        ))]])]));
+            fault,
+            what,
+            result: None,
+        }
     }
-    let mut state = BoardState::new(&op);
-    let mut spins = 0u32;
-    // Read the clock only once the operation has to wait (it costs as much as the operation).
-    let mut deadline = None;
-    loop {
-        match state.poll(&op) {
+
+    /// Polls once; true when the operation is finished (see `result`).
+    fn poll(&mut self) -> bool {
+        if self.result.is_some() {
+            return true;
+        }
+        let Some(state) = &mut self.state else {
+            return false;
+        };
+        let r = match state.poll(&self.op) {
             Ok(Poll::Done) => {
-                spoil(fault);
-                core.advance_serving(ticket);
-                return Lone::Done(Ok(()));
+                spoil(self.fault);
+                Ok(())
             }
             Err(e) => {
-                core.set_broken(e.clone());
-                core.advance_serving(ticket);
-                return Lone::Done(Err(e));
+                self.core.set_broken(e.clone());
+                Err(e)
             }
-            Ok(_) => {
-                spins = spins.wrapping_add(1);
-                let now = spins.is_multiple_of(CLOCK_EVERY).then(Instant::now);
-                if now.is_some_and(|t| t >= *deadline.get_or_insert(t + budget)) {
-                    return Lone::Pending(Batch::resume_board(
-                        task(Vec::new()),
-                        Box::new(op),
-                        state,
-                    ));
-                }
-                std::hint::spin_loop();
-            }
+            Ok(_) => return false,
+        };
+        self.core.advance_serving(self.ticket);
+        self.result = Some(r);
+        true
+    }
+
+    /// The result when finished, or the batch that goes on with it.
+    pub fn finish(self) -> std::result::Result<Result<()>, Batch> {
+        if let Some(r) = self.result {
+            return Ok(r);
         }
+        let mut t = Task::new(self.core.clone(), self.what);
+        t.ticket = self.ticket;
+        let op = Box::new(self.op);
+        let stage = |lanes| Stage {
+            lanes,
+            fault: self.fault,
+            scratch: Vec::new(),
+        };
+        Err(match self.state {
+            Some(state) => {
+                t.stages.push_back(stage(Vec::new()));
+                Batch::resume_board(t, op, state)
+            }
+            None => {
+                t.stages.push_back(stage(vec![vec![Work::Board(op)]]));
+                Batch::new(vec![t])
+            }
+        })
+    }
+}
+
+/// Polls `ops` together until all are finished or they have waited for about `budget`.
+pub fn run(ops: &mut [LoneOp], budget: Duration) {
+    let mut spins = 0u32;
+    // Read the clock only once the operations have to wait (it costs as much as one).
+    let mut deadline = None;
+    loop {
+        let mut all = true;
+        for o in ops.iter_mut() {
+            all &= o.poll();
+        }
+        if all {
+            return;
+        }
+        spins = spins.wrapping_add(1);
+        let now = spins.is_multiple_of(CLOCK_EVERY).then(Instant::now);
+        if now.is_some_and(|t| t >= *deadline.get_or_insert(t + budget)) {
+            return;
+        }
+        std::hint::spin_loop();
     }
 }
