@@ -394,7 +394,7 @@ fn new_board_op(
     let eager = fallback.is_none();
     BoardOp {
         board,
-        maps: fallback.is_some().then(|| core.maps.clone()),
+        maps: (!eager).then(|| core.maps.clone()),
         cma: core.cma,
         seq,
         rank: core.rank,
@@ -406,7 +406,6 @@ fn new_board_op(
         dtype: a.dtype,
         red,
         root: a.root.max(0) as usize,
-        eager,
         tuner: (!eager).then(|| core.tuner.clone()),
         fallback,
     }

@@ -159,7 +159,6 @@ pub fn cma_min_bytes() -> usize {
     *B
 }
 
-/// Whether step programs may run later slices ahead of blocked earlier ones.
 /// `OXCCL_FIFO_STREAM`: Some(forced choice), or None to measure (see `plan::tune`).
 pub fn fifo_stream() -> Option<bool> {
     static F: once_cell::sync::Lazy<Option<bool>> =
@@ -171,6 +170,7 @@ pub fn fifo_stream() -> Option<bool> {
     *F
 }
 
+/// Whether step programs may run later slices ahead of blocked earlier ones.
 pub fn run_ahead() -> bool {
     static R: once_cell::sync::Lazy<bool> =
         once_cell::sync::Lazy::new(|| get_u64("OXCCL_RUN_AHEAD") != 0);

@@ -28,6 +28,15 @@ struct State {
     worker_asleep: bool,
 }
 
+impl State {
+    /// Keeps the first error met by the stream's work, for `synchronize` or `query`.
+    fn keep(&mut self, errors: impl IntoIterator<Item = Error>) {
+        for e in errors {
+            self.error.get_or_insert(e);
+        }
+    }
+}
+
 /// How long the worker leaves work to the thread that handed it over (see `State::lazy_until`).
 const LAZY: Duration = Duration::from_millis(1);
 
@@ -39,7 +48,7 @@ pub struct HostStream {
     /// sleeps.
     submitted: AtomicU64,
     completed: AtomicU64,
-    /// A thread in `claim_within` waits for the worker's batch (see `work`).
+    /// A thread in `claim_within` or `synchronize` waits for the worker's batch (see `work`).
     wanted: std::sync::atomic::AtomicBool,
 }
 
@@ -103,7 +112,7 @@ impl HostStream {
         loop {
             if let Some(work) = self.take_over() {
                 self.wanted.store(false, Ordering::Release);
-                return self.run_taken(work, deadline(), true);
+                return self.run_taken(work, Some(deadline()), true);
             }
             // The worker runs a batch: ask for it.
             self.wanted.store(true, Ordering::Release);
@@ -117,12 +126,12 @@ impl HostStream {
         }
     }
 
-    /// Runs work taken over, in order, until `deadline`; true when all of it finished (the claim
-    /// goes on), false when the rest was queued again (the claim ended; `lazy`: for the worker
-    /// to leave alone for a while, see `State::lazy_until`).
-    fn run_taken(&self, mut work: VecDeque<Batch>, deadline: Instant, lazy: bool) -> bool {
+    /// Runs work taken over, in order, until `deadline` (None: to the end); true when all of it
+    /// finished (the claim goes on), false when the rest was queued again (the claim ended;
+    /// `lazy`: for the worker to leave alone for a while, see `State::lazy_until`).
+    fn run_taken(&self, mut work: VecDeque<Batch>, deadline: Option<Instant>, lazy: bool) -> bool {
         while let Some(mut b) = work.pop_front() {
-            if !b.run_until(Some(deadline)) {
+            if !b.run_until(deadline) {
                 work.push_front(b);
                 self.give_back(work, lazy);
                 return false;
@@ -157,12 +166,9 @@ impl HostStream {
 
     /// Records the results of a batch that was queued and is finished (the claim goes on).
     fn record(&self, results: crate::exec::task::Outcome) {
-        let mut s = self.state.lock();
-        for r in results {
-            if let Err(e) = r {
-                s.error.get_or_insert(e);
-            }
-        }
+        self.state
+            .lock()
+            .keep(results.into_iter().filter_map(|r| r.err()));
         self.completed.fetch_add(1, Ordering::AcqRel);
     }
 
@@ -172,12 +178,7 @@ impl HostStream {
         match pending {
             None => self.release(errors),
             Some(b) => {
-                {
-                    let mut s = self.state.lock();
-                    for e in errors {
-                        s.error.get_or_insert(e);
-                    }
-                }
+                self.state.lock().keep(errors);
                 self.enqueue(b, true);
             }
         }
@@ -186,9 +187,7 @@ impl HostStream {
     /// Ends a claim whose work finished inline, recording its errors.
     pub fn release(&self, errors: impl IntoIterator<Item = Error>) {
         let mut s = self.state.lock();
-        for e in errors {
-            s.error.get_or_insert(e);
-        }
+        s.keep(errors);
         s.busy = false;
         // Wake whoever waits on the claim: a synchronizing thread, or the worker, when another
         // thread queued work behind the claim meanwhile (the worker does not take work while a
@@ -213,11 +212,8 @@ impl HostStream {
     /// returns (and clears) the first error it met.
     pub fn synchronize(&self) -> Result<()> {
         loop {
-            if let Some(mut work) = self.take_over() {
-                while let Some(mut b) = work.pop_front() {
-                    b.run_until(None);
-                    self.record(b.results());
-                }
+            if let Some(work) = self.take_over() {
+                self.run_taken(work, None, false);
                 self.release([]);
             } else {
                 // The worker (or another thread) runs a batch: ask for it, to run it here.
@@ -253,7 +249,7 @@ impl HostStream {
             // What is not finished goes back to the worker at once: a polling thread sleeps
             // between queries, and the work must go on meanwhile.
             if let Some(work) = self.take_over() {
-                if self.run_taken(work, Instant::now() + budget, false) {
+                if self.run_taken(work, Some(Instant::now() + budget), false) {
                     self.release([]);
                 }
             }
@@ -296,20 +292,12 @@ impl HostStream {
             // A launching thread that wants the stream gets the batch back (it runs it inline):
             // on a host with few cores the worker would only compete with it for a core.
             if !batch.run_unless(None, &|| self.wanted.load(Ordering::Acquire)) {
-                let mut s = self.state.lock();
-                s.queue.push_front(batch);
-                s.busy = false;
-                s.lazy_until = Some(Instant::now() + LAZY);
-                self.cv.notify_all();
+                self.give_back(VecDeque::from([batch]), true);
                 continue;
             }
             let results = batch.results();
             let mut s = self.state.lock();
-            for r in results {
-                if let Err(e) = r {
-                    s.error.get_or_insert(e);
-                }
-            }
+            s.keep(results.into_iter().filter_map(|r| r.err()));
             s.busy = false;
             self.completed.fetch_add(1, Ordering::AcqRel);
             self.cv.notify_all();

@@ -110,13 +110,13 @@ impl Core {
         Ok(())
     }
 
-    /// The board and the sequence number of the next direct operation, if direct algorithms
-    /// are available and allowed.
     /// Whether `board_op` gives an operation.
     pub fn has_board(&self) -> bool {
         crate::param::direct_algorithms() && self.board.lock().is_some()
     }
 
+    /// The board and the sequence number of the next direct operation, if direct algorithms
+    /// are available and allowed.
     pub fn board_op(&self) -> Option<(Arc<Board>, u64)> {
         if !crate::param::direct_algorithms() {
             return None;

@@ -60,11 +60,11 @@ impl BoardState {
         let mut progressed = false;
         loop {
             match &mut self.phase {
-                Phase::Publish if op.eager => {
+                Phase::Publish if op.eager() => {
                     if op.sends(op.rank) {
                         let (sb, _) = op.extents();
                         // SAFETY: the send buffer holds `sb` bytes (validated at enqueue); the
-                        // inline area holds INLINE >= sb (fits_inline) and is ours for `seq`.
+                        // eager area holds at least `sb` (fits_inline) and is ours for `seq`.
                         unsafe {
                             copy_out(
                                 op.board.eager_area(op.rank, op.seq, sb),
@@ -96,7 +96,7 @@ impl BoardState {
                             Poll::Blocked
                         });
                     }
-                    if op.eager {
+                    if op.eager() {
                         let sb = op.extents().0;
                         let src = |p: usize| op.board.eager_area(p, op.seq, sb) as usize;
                         // SAFETY: every rank's inline area holds its input for `seq` until
@@ -124,17 +124,23 @@ impl BoardState {
                     }
                     progressed = true;
                 }
-                Phase::Fallback(c) => match poll_program(op.fallback.as_ref().expect("set"), c) {
-                    Poll::Done => {
-                        if let (Some(t), Some(prog)) = (&op.tuner, &op.fallback) {
-                            c.finish(prog, &t.fifo);
+                Phase::Fallback(c) => {
+                    let prog = op
+                        .fallback
+                        .as_ref()
+                        .expect("a fallback phase has its program");
+                    match poll_program(prog, c) {
+                        Poll::Done => {
+                            if let Some(t) = &op.tuner {
+                                c.finish(prog, &t.fifo);
+                            }
+                            op.board.post_done(op.rank, op.seq);
+                            self.phase = Phase::Done;
+                            progressed = true;
                         }
-                        op.board.post_done(op.rank, op.seq);
-                        self.phase = Phase::Done;
-                        progressed = true;
+                        p => return Ok(p),
                     }
-                    p => return Ok(p),
-                },
+                }
                 Phase::Finished => return Ok(Poll::Done),
                 Phase::Done => {
                     return Ok(if (0..op.nranks).all(|p| op.board.is_done(p, op.seq)) {

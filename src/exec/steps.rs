@@ -73,18 +73,6 @@ pub(super) enum Poll {
     Blocked,
 }
 
-/// Copy `bytes` bytes; `src == dst` is a no-op.
-///
-/// # Safety
-/// Both ranges valid; equal or disjoint.
-#[inline]
-pub(super) unsafe fn copy(dst: *mut u8, src: *const u8, bytes: usize) {
-    if bytes > 0 && !std::ptr::eq(dst, src) {
-        // SAFETY: per the contract above.
-        unsafe { std::ptr::copy_nonoverlapping(src, dst, bytes) };
-    }
-}
-
 /// Runs as many slices of the program as the connections allow: in order, and, where the
 /// program allows it (`run_ahead`), slices of later iterations past blocked ones, as long as
 /// each connection's slots are used in program order and no earlier slice of the same iteration
@@ -235,7 +223,7 @@ fn run_step(prog: &Program, cur: &mut Cursor, k: usize, off: usize, n: usize) ->
                 let r = reducer(red);
                 r.combine(dst, src, inp, n);
                 r.finish(dst, dst, n);
-                copy(out, dst, bytes);
+                copy_out(out, dst, bytes, false);
             }
             Prim::LocalCopy => copy_out(dst, src, bytes, nt),
             Prim::LocalReduce => {

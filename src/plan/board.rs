@@ -43,18 +43,22 @@ pub struct BoardOp {
     pub dtype: DataType,
     pub red: Option<RedSpec>,
     pub root: usize,
-    /// What runs instead when some peer buffer cannot be reached (None for eager operations,
-    /// which read no peer's buffer).
+    /// What runs instead when some peer buffer cannot be reached; None for eager operations
+    /// (see `eager`), which read no peer's buffer.
     pub fallback: Option<Program>,
     /// Where to vote from and record into when cross-memory attach competes with the ring.
     pub tuner: Option<Arc<super::tune::Tuner>>,
-    /// Small enough for every rank to carry its input on the board (`Board::inline_area`): each
-    /// rank copies its input there, arrives, and computes its own output from everyone's copies;
-    /// one round, no done barrier, any buffers (nothing is read from peers' memory).
-    pub eager: bool,
 }
 
 impl BoardOp {
+    /// Small enough for every rank to carry its input on the board (`Board::eager_area`): each
+    /// rank copies its input there, arrives, and computes its own output from everyone's copies;
+    /// one round, no done barrier, any buffers (nothing is read from peers' memory). Planned as
+    /// such when the operation `fits_inline`, with no ring to fall back on.
+    pub fn eager(&self) -> bool {
+        self.fallback.is_none()
+    }
+
     /// Whether an operation of this shape fits the board's inline areas.
     pub fn fits_inline(kind: BoardKind, nranks: usize, count: usize, dtype: DataType) -> bool {
         let input = match kind {
