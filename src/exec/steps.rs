@@ -180,7 +180,12 @@ fn run_step(prog: &Program, cur: &mut Cursor, k: usize, off: usize, n: usize) ->
     unsafe {
         match s.prim {
             Prim::Send => match red {
-                Some(r) if s.prep => r.prep(out, src, n),
+                Some(r) if s.prep && !r.prep_is_copy() && st => {
+                    // Transform in cache, then stream into the slot.
+                    r.prep(tmp, src, n);
+                    copy_out(out, tmp, bytes, true);
+                }
+                Some(r) if s.prep && !r.prep_is_copy() => r.prep(out, src, n),
                 _ => copy_out(out, src, bytes, st),
             },
             Prim::Recv => copy_out(dst, inp, bytes, nt),

@@ -133,6 +133,11 @@ impl Reducer {
         }
     }
 
+    /// Whether `prep` is a plain copy (no pre-multiplication, no conversion).
+    pub fn prep_is_copy(&self) -> bool {
+        self.prep_fn.is_none()
+    }
+
     /// `dst[i] = pre(local[i]) op acc[i]`.
     ///
     /// # Safety
