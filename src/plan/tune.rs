@@ -11,15 +11,28 @@
 //!   attach (`Tuner::cma`): a collective choice, so each rank votes on the board and all derive
 //!   the same verdict from the published votes (`verdict`).
 //!
-//! Each choice keeps a running estimate of the bandwidth seen with each option; every
-//! `EXPLORE`-th operation takes the option not chosen, so that an estimate gone stale is
-//! refreshed (exploring operations are picked by sequence numbers that all ranks share).
+//! Each choice keeps a running estimate of the bandwidth seen with each option; now and then an
+//! operation takes the option not chosen, so that an estimate gone stale is refreshed (exploring
+//! operations are picked by sequence numbers that all ranks share). How often depends on how far
+//! behind the other option is (`explore_every`): from every `EXPLORE`-th operation when the two
+//! are close to every `8 * EXPLORE`-th when it is several times slower, since trying it then
+//! costs the most (cached FIFO slots at 2 GB/s against streamed ones at 7 cost a quarter of the
+//! bandwidth when tried one operation in eight).
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-/// One operation in this many takes the option not chosen.
+/// One operation in this many, at most, takes the option not chosen.
 pub const EXPLORE: u64 = 8;
+
+/// How many operations apart the option not chosen is tried, given how far behind it is
+/// (`gap`: 1 - its bandwidth / the chosen one's): `EXPLORE` for a gap under a fifth, doubling
+/// each further fifth, up to `8 * EXPLORE`. Always a power of two times `EXPLORE`, so ranks
+/// whose estimates differ slightly still explore on the same operations most of the time.
+pub fn explore_every(gap: f64) -> u64 {
+    let steps = (gap.clamp(0.0, 1.0) * 5.0) as u32;
+    EXPLORE << steps.min(3)
+}
 
 /// Bandwidth estimates (bytes per second, as f64 bits; 0 = not measured) of two options, and
 /// how many times each was measured.
@@ -74,20 +87,27 @@ impl Estimates {
     /// (once both are warm).
     pub fn pick(&self, round: u64) -> usize {
         let warm = self.samples(0).min(self.samples(1)) >= WARM_SAMPLES;
-        self.better() ^ usize::from(warm && round.is_multiple_of(EXPLORE))
+        let explore = warm && round.is_multiple_of(explore_every(self.relative().abs()));
+        self.better() ^ usize::from(explore)
+    }
+
+    /// How much faster option 1 has been than option 0, relative to the faster (in -1..=1).
+    fn relative(&self) -> f64 {
+        match (self.estimate(0), self.estimate(1)) {
+            (Some(a), Some(b)) => (b - a) / a.max(b),
+            _ => 0.0,
+        }
     }
 
     /// This rank's published preference for option 1 over option 0 (see `verdict`): how much
-    /// faster it has seen option 1, or a large value for whichever still needs measuring.
+    /// faster it has seen option 1, relative to the faster (in -1..=1), or a large value for
+    /// whichever still needs measuring.
     pub fn vote(&self) -> f64 {
         let (n0, n1) = (self.samples(0), self.samples(1));
         if n0.min(n1) < WARM_SAMPLES {
             return if n1 < n0 { 1e30 } else { -1e30 };
         }
-        match (self.estimate(0), self.estimate(1)) {
-            (Some(a), Some(b)) => b - a,
-            _ => 0.0,
-        }
+        self.relative()
     }
 }
 
@@ -113,10 +133,15 @@ pub const FIFO_TUNE_BYTES: usize = 256 << 10;
 
 /// The collective verdict for operation `seq` from every rank's published preference for
 /// cross-memory attach (`Estimates::vote`): it when the preferences add up in its favour, the
-/// other way on exploring operations.
+/// other way on exploring operations (as often as the mean preference's size says, see
+/// `explore_every`).
 pub fn verdict(seq: u64, votes: impl IntoIterator<Item = f64>) -> usize {
-    let cma = votes.into_iter().sum::<f64>() > 0.0;
-    usize::from(cma != seq.is_multiple_of(EXPLORE))
+    let (sum, n) = votes
+        .into_iter()
+        .fold((0.0, 0usize), |(s, n), v| (s + v, n + 1));
+    let cma = sum > 0.0;
+    let explore = seq.is_multiple_of(explore_every(sum.abs() / n.max(1) as f64));
+    usize::from(cma != explore)
 }
 
 #[cfg(test)]
@@ -137,14 +162,30 @@ mod tests {
         t.record(1, 1 << 30, gbs(4.0));
         assert_eq!(t.better(), 1);
         assert_eq!(t.pick(3), 1);
-        assert_eq!(t.pick(EXPLORE), 0, "exploring");
-        assert!(t.vote() > 0.0);
+        // Option 0 at half the speed: tried every 4 * EXPLORE operations.
+        assert!((t.vote() - 0.5).abs() < 1e-9);
+        assert_eq!(t.pick(EXPLORE), 1, "not exploring yet");
+        assert_eq!(t.pick(4 * EXPLORE), 0, "exploring");
         t.record(0, 1 << 30, gbs(8.0));
         assert_eq!(t.better(), 0, "option 0 got faster");
         assert!(t.vote() < 0.0);
-        assert_eq!(verdict(1, [-1.0, -2.0]), RING);
-        assert_eq!(verdict(1, [-1.0, 2.0]), CMA);
-        assert_eq!(verdict(EXPLORE, [-1.0, 0.5]), CMA);
-        assert_eq!(verdict(2 * EXPLORE, [3.0, -1.0]), RING);
+        assert_eq!(verdict(1, [-0.1, -0.2]), RING);
+        assert_eq!(verdict(1, [-0.1, 0.2]), CMA);
+        assert_eq!(verdict(EXPLORE, [-0.1, 0.05]), CMA);
+        assert_eq!(verdict(2 * EXPLORE, [0.3, -0.1]), RING);
+        // Far apart: explored rarely; while measuring, the warm-up vote decides.
+        assert_eq!(verdict(EXPLORE, [-0.9, -0.7]), RING);
+        assert_eq!(verdict(8 * EXPLORE, [-0.9, -0.7]), CMA);
+        assert_eq!(verdict(3, [1e30, -0.5]), CMA);
+    }
+
+    #[test]
+    fn exploring_gets_rarer_as_the_gap_grows() {
+        assert_eq!(explore_every(0.0), EXPLORE);
+        assert_eq!(explore_every(0.19), EXPLORE);
+        assert_eq!(explore_every(0.3), 2 * EXPLORE);
+        assert_eq!(explore_every(0.5), 4 * EXPLORE);
+        assert_eq!(explore_every(0.7), 8 * EXPLORE);
+        assert_eq!(explore_every(5.0), 8 * EXPLORE);
     }
 }
