@@ -295,37 +295,40 @@ fn run_lone(qs: &[Queued]) -> Option<Result<()>> {
             return None;
         }
     }
-    // Claim each host stream once. A call alone in its group first runs what its stream has
-    // queued (which may be this communicator's earlier work); a group only takes idle streams
-    // (what one stream has queued may wait for another's).
-    let mut streams: Vec<&Arc<HostStream>> = Vec::new();
-    let mut claimed = true;
-    for q in qs {
-        if let StreamArg::Host(s) = &q.stream {
-            if streams.iter().any(|x| Arc::ptr_eq(x, s)) {
-                continue;
-            }
-            let ok = if qs.len() == 1 {
-                s.claim_within(budget)
-            } else {
-                s.claim()
-            };
+    // Claim each host stream once (at its first call). A call alone in its group first runs
+    // what its stream has queued (which may be this communicator's earlier work); a group only
+    // takes idle streams (what one stream has queued may wait for another's).
+    let first_on_stream = |i: usize| match &qs[i].stream {
+        StreamArg::Host(s) => !qs[..i]
+            .iter()
+            .any(|p| matches!(&p.stream, StreamArg::Host(x) if Arc::ptr_eq(x, s))),
+        StreamArg::Null => false,
+    };
+    let mut claimed = 0;
+    while claimed < qs.len() {
+        if let StreamArg::Host(s) = &qs[claimed].stream {
+            let ok = !first_on_stream(claimed)
+                || if qs.len() == 1 {
+                    s.claim_within(budget)
+                } else {
+                    s.claim()
+                };
             if !ok {
-                claimed = false;
                 break;
             }
-            streams.push(s);
         }
+        claimed += 1;
     }
-    if !claimed || !qs.iter().all(|q| q.core.idle()) {
-        for s in streams {
-            s.release([]);
+    if claimed < qs.len() || !qs.iter().all(|q| q.core.idle()) {
+        for (i, q) in qs[..claimed].iter().enumerate() {
+            if let (StreamArg::Host(s), true) = (&q.stream, first_on_stream(i)) {
+                s.release([]);
+            }
         }
         return None;
     }
     use crate::exec::lone::{self, LoneOp};
-    let mut ops: Vec<LoneOp> = Vec::with_capacity(qs.len());
-    for q in qs {
+    let start = |q: &Queued| {
         let (core, a) = (&q.core, &q.args);
         let (board, seq) = core
             .board_op()
@@ -334,37 +337,63 @@ fn run_lone(qs: &[Queued]) -> Option<Result<()>> {
         let bk = board_kind(a.kind).expect("checked: a board collective");
         let op = new_board_op(core, a, q.red, bk, board, seq, None);
         let fault = Some((a.dtype, a.recv, out_count(a, core.nranks, core.rank)));
-        ops.push(LoneOp::new(
-            core,
-            ticket,
-            op,
-            fault,
-            describe(std::slice::from_ref(q)),
-        ));
-    }
-    lone::run(&mut ops, budget);
-    // Results: the NULL stream's returned (its unfinished work runs here to the end), each host
-    // stream's recorded on it (its unfinished work handed to it).
+        LoneOp::new(core, ticket, op, fault, describe(std::slice::from_ref(q)))
+    };
+    // A single call (the common case) allocates nothing.
+    Some(if qs.len() == 1 {
+        let mut ops = [start(&qs[0])];
+        lone::run(&mut ops, budget);
+        end_lone(qs, ops)
+    } else {
+        let mut ops: Vec<LoneOp> = qs.iter().map(start).collect();
+        lone::run(&mut ops, budget);
+        end_lone(qs, ops)
+    })
+}
+
+/// Results of lone operations (`ops`, one per call of `qs`): the NULL stream's returned (its
+/// unfinished work runs here to the end), each host stream's recorded on it (its unfinished work
+/// handed to it), which ends that stream's claim.
+fn end_lone(qs: &[Queued], ops: impl IntoIterator<Item = crate::exec::lone::LoneOp>) -> Result<()> {
     let mut first_err = None;
     let mut null_pending = Vec::new();
-    let mut per_stream: Vec<(Vec<Batch>, Vec<Error>)> =
-        streams.iter().map(|_| Default::default()).collect();
+    // Streams with several of the calls, and what they have so far.
+    let mut shared: Vec<(&Arc<HostStream>, Vec<Batch>, Vec<Error>)> = Vec::new();
     for (q, o) in qs.iter().zip(ops) {
-        let at = match &q.stream {
-            StreamArg::Host(s) => streams.iter().position(|x| Arc::ptr_eq(x, s)),
-            StreamArg::Null => None,
-        };
-        match (o.finish(), at) {
-            (Ok(Err(e)), None) => {
-                first_err.get_or_insert(e);
+        let r = o.finish();
+        let s = match &q.stream {
+            StreamArg::Null => {
+                match r {
+                    Ok(Err(e)) => {
+                        first_err.get_or_insert(e);
+                    }
+                    Ok(Ok(())) => {}
+                    Err(b) => null_pending.push(b),
+                }
+                continue;
             }
-            (Ok(r), None) => r.unwrap_or(()),
-            (Ok(r), Some(i)) => per_stream[i].1.extend(r.err()),
-            (Err(b), None) => null_pending.push(b),
-            (Err(b), Some(i)) => per_stream[i].0.push(b),
+            StreamArg::Host(s) => s,
+        };
+        let (pending, error) = match r {
+            Ok(r) => (None, r.err()),
+            Err(b) => (Some(b), None),
+        };
+        let on_stream = |p: &Queued| matches!(&p.stream, StreamArg::Host(x) if Arc::ptr_eq(x, s));
+        if qs.iter().filter(|p| on_stream(p)).count() == 1 {
+            s.end_claim(pending, error);
+            continue;
         }
+        let at = match shared.iter().position(|(x, _, _)| Arc::ptr_eq(x, s)) {
+            Some(at) => at,
+            None => {
+                shared.push((s, Vec::new(), Vec::new()));
+                shared.len() - 1
+            }
+        };
+        shared[at].1.extend(pending);
+        shared[at].2.extend(error);
     }
-    for (s, (pending, errors)) in streams.into_iter().zip(per_stream) {
+    for (s, pending, errors) in shared {
         let pending = (!pending.is_empty()).then(|| Batch::join(pending));
         s.end_claim(pending, errors);
     }
@@ -377,7 +406,7 @@ fn run_lone(qs: &[Queued]) -> Option<Result<()>> {
             }
         }
     }
-    Some(first_err.map_or(Ok(()), Err))
+    first_err.map_or(Ok(()), Err)
 }
 
 /// A board operation for call `a`: eager when `fallback` (the ring program to run instead when

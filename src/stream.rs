@@ -111,8 +111,10 @@ impl HostStream {
         let mut deadline = || *deadline.get_or_insert_with(|| Instant::now() + budget);
         loop {
             if let Some(work) = self.take_over() {
-                self.wanted.store(false, Ordering::Release);
-                return self.run_taken(work, Some(deadline()), true);
+                if spins > 0 {
+                    self.wanted.store(false, Ordering::Release);
+                }
+                return work.is_empty() || self.run_taken(work, Some(deadline()), true);
             }
             // The worker runs a batch: ask for it.
             self.wanted.store(true, Ordering::Release);
