@@ -75,6 +75,10 @@ impl Shared {
 pub(crate) struct Receiver {
     pub shared: Arc<Shared>,
     thread: Option<JoinHandle<()>>,
+    /// Dropped to wake the thread when it should stop (it sleeps in `poll` without a timeout
+    /// while no connection waits for its handshake: a thread that woke up every few
+    /// milliseconds would take a core from the ranks' busy waits each time).
+    waker: Option<std::os::unix::net::UnixStream>,
 }
 
 impl Receiver {
@@ -95,6 +99,8 @@ impl Receiver {
             stop: AtomicBool::new(false),
         });
         let sh = shared.clone();
+        let (waker, woken) = std::os::unix::net::UnixStream::pair()
+            .map_err(|e| crate::error::Error::os("creating the bootstrap receiver's waker", e))?;
         let thread = std::thread::Builder::new()
             .name(format!("oxccl-boot{rank}"))
             .spawn(move || {
@@ -106,7 +112,7 @@ impl Receiver {
                     conns: Vec::new(),
                     tmp: vec![0u8; 1 << 16],
                 };
-                l.run(&listener);
+                l.run(&listener, &woken);
                 let mut ib = l.shared.inbox.lock();
                 ib.stopped = true;
                 l.shared.cv.notify_all();
@@ -115,12 +121,14 @@ impl Receiver {
         Ok(Receiver {
             shared,
             thread: Some(thread),
+            waker: Some(waker),
         })
     }
 
     /// Stops and joins the thread; its sockets (listener, accepted connections) close with it.
     pub fn stop(&mut self) {
         self.shared.stop.store(true, Ordering::Release);
+        drop(self.waker.take());
         if let Some(t) = self.thread.take() {
             let _ = t.join();
         }
@@ -156,17 +164,26 @@ enum After {
 }
 
 impl Loop {
-    fn run(&mut self, listener: &TcpListener) {
-        use nix::poll::{poll, PollFd, PollFlags};
+    /// Serves the listener and the accepted connections until `stop` (`woken` becomes readable
+    /// or hangs up when the receiver wants the thread to look at it).
+    fn run(&mut self, listener: &TcpListener, woken: &std::os::unix::net::UnixStream) {
+        use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
         while !self.shared.stop.load(Ordering::Acquire) {
+            // Time matters only to drop connections that never send their handshake.
+            let timeout = if self.conns.iter().any(|c| c.from.is_none()) {
+                PollTimeout::from(wire::SLICE.as_millis() as u16)
+            } else {
+                PollTimeout::NONE
+            };
             let ready: Vec<bool> = {
-                let mut fds = Vec::with_capacity(self.conns.len() + 1);
+                let mut fds = Vec::with_capacity(self.conns.len() + 2);
                 fds.push(PollFd::new(listener.as_fd(), PollFlags::POLLIN));
                 for c in &self.conns {
                     fds.push(PollFd::new(c.stream.as_fd(), PollFlags::POLLIN));
                 }
-                match poll(&mut fds, wire::SLICE.as_millis() as u16) {
-                    Ok(_) => fds
+                fds.push(PollFd::new(woken.as_fd(), PollFlags::POLLIN));
+                match poll(&mut fds, timeout) {
+                    Ok(_) => fds[..fds.len() - 1]
                         .iter()
                         .map(|f| f.revents().is_some_and(|r| !r.is_empty()))
                         .collect(),

@@ -374,14 +374,17 @@ fn closed_peer_is_remote_error() {
 fn recv_times_out_naming_peer() {
     let id = UniqueId::generate_with_timeout(T).unwrap();
     let ids = [id];
+    // Neither closes its bootstrap before both have timed out (a closed peer is another error).
+    let both = std::sync::Barrier::new(2);
     std::thread::scope(|sc| {
         for r in 0..2 {
-            let ids = &ids;
+            let (ids, both) = (&ids, &both);
             sc.spawn(move || {
                 let b = Bootstrap::init_with_timeout(ids, r, 2, no_abort(), Duration::from_secs(1))
                     .unwrap();
                 b.send(1 - r, 0, b"keepalive").unwrap();
                 let e = b.recv(1 - r, 4).unwrap_err();
+                both.wait();
                 assert_eq!(e.code, Code::Timeout);
                 assert!(
                     e.msg
