@@ -418,7 +418,7 @@ fn new_board_op(
     kind: BoardKind,
     board: Arc<crate::transport::board::Board>,
     seq: u64,
-    fallback: Option<plan::Program>,
+    fallback: Option<Box<plan::Program>>,
 ) -> BoardOp {
     let eager = fallback.is_none();
     BoardOp {
@@ -577,7 +577,11 @@ fn build_task(qs: Vec<Queued>) -> Result<Task> {
                         Some((board, seq)) => {
                             // An eager operation never falls back: no ring to plan.
                             let eager = BoardOp::fits_inline(bk, core.nranks, a.count, a.dtype);
-                            let fallback = if eager { None } else { Some(ring_program()?) };
+                            let fallback = if eager {
+                                None
+                            } else {
+                                Some(Box::new(ring_program()?))
+                            };
                             plan::Work::Board(Box::new(new_board_op(
                                 &core, &a, red, bk, board, seq, fallback,
                             )))

@@ -37,6 +37,8 @@ pub struct Core {
     serving: AtomicU64,
     abort: Arc<AtomicBool>,
     broken: Mutex<Option<Error>>,
+    /// Whether `broken` holds an error (read first, so that a healthy call takes no lock).
+    is_broken: AtomicBool,
     bootstrap: Mutex<Option<Bootstrap>>,
     /// The board of direct algorithms (all ranks on this host), its operation counter, and the
     /// peers' buffers mapped into this process.
@@ -69,12 +71,16 @@ impl Core {
         self.abort.load(Ordering::Acquire)
     }
     pub fn broken(&self) -> Option<Error> {
+        if !self.is_broken.load(Ordering::Acquire) {
+            return None;
+        }
         self.broken.lock().clone()
     }
     pub fn set_broken(&self, e: Error) {
         let mut b = self.broken.lock();
         if b.is_none() {
             *b = Some(e);
+            self.is_broken.store(true, Ordering::Release);
         }
     }
 
@@ -342,6 +348,7 @@ fn build_core(p: PendingInit) -> Result<Core> {
         serving: AtomicU64::new(0),
         abort,
         broken: Mutex::new(None),
+        is_broken: AtomicBool::new(false),
         bootstrap: Mutex::new(Some(boot)),
         board: Mutex::new(board),
         board_seq: AtomicU64::new(0),

@@ -45,7 +45,7 @@ pub struct BoardOp {
     pub root: usize,
     /// What runs instead when some peer buffer cannot be reached; None for eager operations
     /// (see `eager`), which read no peer's buffer.
-    pub fallback: Option<Program>,
+    pub fallback: Option<Box<Program>>,
     /// Where to vote from and record into when cross-memory attach competes with the ring.
     pub tuner: Option<Arc<super::tune::Tuner>>,
 }
