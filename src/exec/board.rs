@@ -82,7 +82,8 @@ impl BoardState {
                     let (sb, rb) = op.extents();
                     let send = crate::memory::describe(op.send, sb);
                     let recv = crate::memory::describe(op.recv, rb);
-                    let vote = op.tuner.as_ref().map_or(0.0, |t| t.cma.vote());
+                    let bytes = op.count * op.dtype.size();
+                    let vote = op.tuner.as_ref().map_or(0.0, |t| t.cma.get(bytes).vote());
                     op.board
                         .publish(op.rank, op.seq, (send, recv), own_scalar(op), vote);
                     self.phase = Phase::Arrive;
@@ -145,7 +146,8 @@ impl BoardState {
                 Phase::Done => {
                     return Ok(if (0..op.nranks).all(|p| op.board.is_done(p, op.seq)) {
                         if let (Some((t0, path)), Some(t)) = (self.timed, &op.tuner) {
-                            t.cma.record(path, op.count * op.dtype.size(), t0.elapsed());
+                            let bytes = op.count * op.dtype.size();
+                            t.cma.get(bytes).record(path, bytes, t0.elapsed());
                         }
                         Poll::Done
                     } else if progressed {

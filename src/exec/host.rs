@@ -9,7 +9,7 @@ use super::task::{Outcome, Task};
 use crate::comm::Core;
 use crate::error::{Error, Result};
 use crate::plan::board::BoardOp;
-use crate::plan::tune::Estimates;
+use crate::plan::tune::BySize;
 use crate::plan::Work;
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
@@ -38,7 +38,7 @@ impl Lane {
 }
 
 /// Runs the lane's work in order as far as it can go without waiting.
-fn poll_lane(lane: &mut Lane, fifo: (&Estimates, u64)) -> Result<Poll> {
+fn poll_lane(lane: &mut Lane, fifo: (&BySize, u64)) -> Result<Poll> {
     let mut progressed = false;
     loop {
         let Some(work) = lane.works.front_mut() else {
@@ -73,7 +73,7 @@ fn poll_lane(lane: &mut Lane, fifo: (&Estimates, u64)) -> Result<Poll> {
 }
 
 /// Polls every lane once; sets `progress` when one moved; true when all are done.
-fn poll_lanes(lanes: &mut [Lane], fifo: (&Estimates, u64), progress: &mut bool) -> Result<bool> {
+fn poll_lanes(lanes: &mut [Lane], fifo: (&BySize, u64), progress: &mut bool) -> Result<bool> {
     let mut all_done = true;
     for l in lanes {
         match poll_lane(l, fifo)? {

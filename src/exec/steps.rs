@@ -2,7 +2,7 @@
 //! buffers and a connection, whenever the connection's counters allow. Never blocks.
 
 use super::copy::copy_out;
-use crate::plan::tune::{Estimates, FIFO_TUNE_BYTES, STREAMED};
+use crate::plan::tune::{BySize, FIFO_TUNE_BYTES, STREAMED};
 use crate::plan::{Prim, Program};
 use crate::reduce::Reducer;
 use std::time::Instant;
@@ -31,11 +31,11 @@ const AHEAD_ITERS: usize = 4;
 impl Cursor {
     /// `fifo`: the estimates to choose how to fill FIFO slots from, and the operation's round
     /// (shared by all ranks, see `Estimates::pick`).
-    pub(super) fn new(prog: &Program, fifo: Option<(&Estimates, u64)>) -> Cursor {
+    pub(super) fn new(prog: &Program, fifo: Option<(&BySize, u64)>) -> Cursor {
         let forced = crate::param::fifo_stream();
         let timed = fifo
             .filter(|_| forced.is_none() && prog.sent_bytes() >= FIFO_TUNE_BYTES)
-            .map(|(e, round)| (e.pick(round), Instant::now()));
+            .map(|(e, round)| (e.get(prog.sent_bytes()).pick(round), Instant::now()));
         Cursor {
             head: 0,
             ahead: std::collections::VecDeque::new(),
@@ -48,9 +48,10 @@ impl Cursor {
     }
 
     /// Records the finished program's speed with the option it used.
-    pub(super) fn finish(&self, prog: &Program, fifo: &Estimates) {
+    pub(super) fn finish(&self, prog: &Program, fifo: &BySize) {
         if let Some((option, t0)) = self.timed {
-            fifo.record(option, prog.sent_bytes(), t0.elapsed());
+            let bytes = prog.sent_bytes();
+            fifo.get(bytes).record(option, bytes, t0.elapsed());
         }
     }
 

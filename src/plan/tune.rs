@@ -42,9 +42,11 @@ pub struct Estimates {
     samples: [AtomicU64; 2],
 }
 
-/// Each option is measured this many times before the estimates are compared (a first run also
-/// pays for first touches of its buffers).
-const WARM_SAMPLES: u64 = 2;
+/// Each option is measured this many times before the estimates are compared. Once: every size
+/// class warms up on its own (see `BySize`), and each warm-up operation with the slower option
+/// can cost 3-4 times a good one; a first measurement that paid for first touches is soon
+/// replaced, since the option is tried again (`explore_every`).
+const WARM_SAMPLES: u64 = 1;
 
 /// Weight of a new measurement in its option's estimate.
 const ALPHA: f64 = 0.75;
@@ -118,13 +120,35 @@ pub const CMA: usize = 1;
 pub const CACHED: usize = 0;
 pub const STREAMED: usize = 1;
 
+/// Estimates per size class (bytes measured, rounded down to a power of two): whether the data
+/// fits a cache decides which option wins (cached FIFO slots win by far while a program's data
+/// stays in the shared cache, and lose by far beyond it when the cores pass lines slowly), so
+/// one size's measurements say little about another's.
+pub struct BySize([Estimates; SIZE_CLASSES]);
+
+const SIZE_CLASSES: usize = 64;
+
+impl Default for BySize {
+    fn default() -> Self {
+        BySize(std::array::from_fn(|_| Estimates::default()))
+    }
+}
+
+impl BySize {
+    /// The estimates of operations that measure `bytes`.
+    pub fn get(&self, bytes: usize) -> &Estimates {
+        let class = (usize::BITS - bytes.leading_zeros()) as usize;
+        &self.0[class.min(SIZE_CLASSES - 1)]
+    }
+}
+
 /// A communicator's measured choices (one per rank).
 #[derive(Default)]
 pub struct Tuner {
     /// Ring or cross-memory attach, for large direct operations (voted).
-    pub cma: Estimates,
+    pub cma: BySize,
     /// Ordinary or streaming stores into FIFO slots, for large ring programs.
-    pub fifo: Estimates,
+    pub fifo: BySize,
 }
 
 /// Ring programs move at least this much per rank before their speed is measured (smaller ones
@@ -156,9 +180,11 @@ mod tests {
         t.record(0, 1 << 30, gbs(2.0));
         assert_eq!(t.better(), 1, "then option 1, measured less");
         assert!(t.vote() > 1e20);
-        t.record(1, 1 << 30, gbs(4.0));
-        t.record(0, 1 << 30, gbs(2.0));
-        assert_eq!(t.pick(EXPLORE), 1, "no exploring before both are warm");
+        assert_eq!(
+            t.pick(8 * EXPLORE),
+            1,
+            "no exploring before both are measured"
+        );
         t.record(1, 1 << 30, gbs(4.0));
         assert_eq!(t.better(), 1);
         assert_eq!(t.pick(3), 1);
@@ -177,6 +203,16 @@ mod tests {
         assert_eq!(verdict(EXPLORE, [-0.9, -0.7]), RING);
         assert_eq!(verdict(8 * EXPLORE, [-0.9, -0.7]), CMA);
         assert_eq!(verdict(3, [1e30, -0.5]), CMA);
+    }
+
+    #[test]
+    fn sizes_are_measured_apart() {
+        let t = BySize::default();
+        let gbs = |g: f64| Duration::from_secs_f64(1.0 / g);
+        t.get(1 << 20).record(0, 1 << 20, gbs(9.0));
+        assert!(t.get((1 << 21) - 1).estimate(0).is_some(), "same class");
+        assert!(t.get(1 << 21).estimate(0).is_none(), "next class");
+        assert!(t.get(usize::MAX).estimate(0).is_none());
     }
 
     #[test]
