@@ -28,6 +28,13 @@ struct Queued {
     stream: StreamArg,
 }
 
+impl Queued {
+    /// Whether the call goes to host stream `s`.
+    fn on(&self, s: &Arc<HostStream>) -> bool {
+        matches!(&self.stream, StreamArg::Host(x) if Arc::ptr_eq(x, s))
+    }
+}
+
 #[derive(Default)]
 struct GroupState {
     depth: usize,
@@ -299,9 +306,7 @@ fn run_lone(qs: &[Queued]) -> Option<Result<()>> {
     // what its stream has queued (which may be this communicator's earlier work); a group only
     // takes idle streams (what one stream has queued may wait for another's).
     let first_on_stream = |i: usize| match &qs[i].stream {
-        StreamArg::Host(s) => !qs[..i]
-            .iter()
-            .any(|p| matches!(&p.stream, StreamArg::Host(x) if Arc::ptr_eq(x, s))),
+        StreamArg::Host(s) => !qs[..i].iter().any(|p| p.on(s)),
         StreamArg::Null => false,
     };
     let mut claimed = 0;
@@ -378,8 +383,7 @@ fn end_lone(qs: &[Queued], ops: impl IntoIterator<Item = crate::exec::lone::Lone
             Ok(r) => (None, r.err()),
             Err(b) => (Some(b), None),
         };
-        let on_stream = |p: &Queued| matches!(&p.stream, StreamArg::Host(x) if Arc::ptr_eq(x, s));
-        if qs.iter().filter(|p| on_stream(p)).count() == 1 {
+        if qs.iter().filter(|p| p.on(s)).count() == 1 {
             s.end_claim(pending, error);
             continue;
         }

@@ -33,9 +33,10 @@ impl Cursor {
     /// (shared by all ranks, see `Estimates::pick`).
     pub(super) fn new(prog: &Program, fifo: Option<(&BySize, u64)>) -> Cursor {
         let forced = crate::param::fifo_stream();
+        let sent = prog.sent_bytes();
         let timed = fifo
-            .filter(|_| forced.is_none() && prog.sent_bytes() >= FIFO_TUNE_BYTES)
-            .map(|(e, round)| (e.get(prog.sent_bytes()).pick(round), Instant::now()));
+            .filter(|_| forced.is_none() && sent >= FIFO_TUNE_BYTES)
+            .map(|(e, round)| (e.get(sent).pick(round), Instant::now()));
         Cursor {
             head: 0,
             ahead: std::collections::VecDeque::new(),
@@ -181,12 +182,15 @@ fn run_step(prog: &Program, cur: &mut Cursor, k: usize, off: usize, n: usize) ->
     unsafe {
         match s.prim {
             Prim::Send => match red {
-                Some(r) if s.prep && !r.prep_is_copy() && st => {
-                    // Transform in cache, then stream into the slot.
-                    r.prep(tmp, src, n);
-                    copy_out(out, tmp, bytes, true);
+                Some(r) if s.prep && !r.prep_is_copy() => {
+                    if st {
+                        // Transform in cache, then stream into the slot.
+                        r.prep(tmp, src, n);
+                        copy_out(out, tmp, bytes, true);
+                    } else {
+                        r.prep(out, src, n);
+                    }
                 }
-                Some(r) if s.prep && !r.prep_is_copy() => r.prep(out, src, n),
                 _ => copy_out(out, src, bytes, st),
             },
             Prim::Recv => copy_out(dst, inp, bytes, nt),

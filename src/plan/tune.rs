@@ -61,6 +61,16 @@ impl Estimates {
         self.samples[option].load(Ordering::Relaxed)
     }
 
+    /// Both options have been measured `WARM_SAMPLES` times.
+    fn warm(&self) -> bool {
+        self.samples(0).min(self.samples(1)) >= WARM_SAMPLES
+    }
+
+    /// Until warm, the option measured less (option 0 first).
+    fn to_measure(&self) -> usize {
+        usize::from(self.samples(1) < self.samples(0))
+    }
+
     /// Records that `bytes` took `elapsed` with `option`.
     pub fn record(&self, option: usize, bytes: usize, elapsed: Duration) {
         let bw = bytes as f64 / elapsed.as_secs_f64().max(1e-9);
@@ -75,9 +85,8 @@ impl Estimates {
     /// The option that looks faster; until both have been measured `WARM_SAMPLES` times, the
     /// one measured less (option 0 first).
     pub fn better(&self) -> usize {
-        let (n0, n1) = (self.samples(0), self.samples(1));
-        if n0.min(n1) < WARM_SAMPLES {
-            return usize::from(n1 < n0);
+        if !self.warm() {
+            return self.to_measure();
         }
         match (self.estimate(0), self.estimate(1)) {
             (Some(a), Some(b)) => usize::from(b > a),
@@ -88,8 +97,7 @@ impl Estimates {
     /// The option for operation `round`: the better one, or the other on exploring rounds
     /// (once both are warm).
     pub fn pick(&self, round: u64) -> usize {
-        let warm = self.samples(0).min(self.samples(1)) >= WARM_SAMPLES;
-        let explore = warm && round.is_multiple_of(explore_every(self.relative().abs()));
+        let explore = self.warm() && round.is_multiple_of(explore_every(self.relative().abs()));
         self.better() ^ usize::from(explore)
     }
 
@@ -105,9 +113,8 @@ impl Estimates {
     /// faster it has seen option 1, relative to the faster (in -1..=1), or a large value for
     /// whichever still needs measuring.
     pub fn vote(&self) -> f64 {
-        let (n0, n1) = (self.samples(0), self.samples(1));
-        if n0.min(n1) < WARM_SAMPLES {
-            return if n1 < n0 { 1e30 } else { -1e30 };
+        if !self.warm() {
+            return if self.to_measure() == 1 { 1e30 } else { -1e30 };
         }
         self.relative()
     }
