@@ -21,7 +21,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 struct Queued {
-    comm: Arc<Comm>,
+    /// The communicator's core (one per communicator).
     core: Arc<Core>,
     args: CollArgs,
     red: Option<RedSpec>,
@@ -111,7 +111,6 @@ pub fn enqueue(comm: &Arc<Comm>, args: CollArgs, stream: StreamArg) -> Result<()
     let in_group =
         THREADS_IN_GROUPS.load(Ordering::Acquire) > 0 && GROUP.with(|g| g.borrow().depth > 0);
     let checked = validate(comm, &args).map(|(core, red)| Queued {
-        comm: comm.clone(),
         core,
         args,
         red,
@@ -333,7 +332,7 @@ fn run_lone(qs: &[Queued]) -> Option<Result<()>> {
         return None;
     }
     use crate::exec::lone::{self, LoneOp};
-    let start = |q: &Queued| {
+    fn start(q: &Queued) -> LoneOp<'_> {
         let (core, a) = (&q.core, &q.args);
         let (board, seq) = core
             .board_op()
@@ -343,28 +342,29 @@ fn run_lone(qs: &[Queued]) -> Option<Result<()>> {
         let op = new_board_op(core, a, q.red, bk, board, seq, None);
         let fault = Some((a.dtype, a.recv, out_count(a, core.nranks, core.rank)));
         LoneOp::new(core, ticket, op, fault, describe(std::slice::from_ref(q)))
-    };
+    }
     // A single call (the common case) allocates nothing.
     Some(if qs.len() == 1 {
-        let mut ops = [start(&qs[0])];
-        lone::run(&mut ops, budget);
+        let mut op = start(&qs[0]);
+        let ops = std::slice::from_mut(&mut op);
+        lone::run(ops, budget);
         end_lone(qs, ops)
     } else {
         let mut ops: Vec<LoneOp> = qs.iter().map(start).collect();
         lone::run(&mut ops, budget);
-        end_lone(qs, ops)
+        end_lone(qs, &mut ops)
     })
 }
 
 /// Results of lone operations (`ops`, one per call of `qs`): the NULL stream's returned (its
 /// unfinished work runs here to the end), each host stream's recorded on it (its unfinished work
 /// handed to it), which ends that stream's claim.
-fn end_lone(qs: &[Queued], ops: impl IntoIterator<Item = crate::exec::lone::LoneOp>) -> Result<()> {
+fn end_lone(qs: &[Queued], ops: &mut [crate::exec::lone::LoneOp<'_>]) -> Result<()> {
     let mut first_err = None;
     let mut null_pending = Vec::new();
     // Streams with several of the calls, and what they have so far.
     let mut shared: Vec<(&Arc<HostStream>, Vec<Batch>, Vec<Error>)> = Vec::new();
-    for (q, o) in qs.iter().zip(ops) {
+    for (q, o) in qs.iter().zip(ops.iter_mut()) {
         let r = o.finish();
         let s = match &q.stream {
             StreamArg::Null => {
@@ -461,17 +461,20 @@ fn launch_tasks(ops: Vec<Queued>) -> Result<()> {
         return Ok(());
     }
     // Group by communicator, keeping call order.
-    let mut per_comm: Vec<(Arc<Comm>, Vec<Queued>)> = Vec::new();
+    let mut per_comm: Vec<Vec<Queued>> = Vec::new();
     for q in ops {
-        match per_comm.iter_mut().find(|(c, _)| Arc::ptr_eq(c, &q.comm)) {
-            Some((_, v)) => v.push(q),
-            None => per_comm.push((q.comm.clone(), vec![q])),
+        match per_comm
+            .iter_mut()
+            .find(|v| Arc::ptr_eq(&v[0].core, &q.core))
+        {
+            Some(v) => v.push(q),
+            None => per_comm.push(vec![q]),
         }
     }
     let mut inline = Vec::new();
     let mut streamed: Vec<(Arc<crate::stream::HostStream>, Vec<Task>)> = Vec::new();
     let mut first_err = None;
-    for (_, qs) in per_comm {
+    for qs in per_comm {
         let stream = qs[0].stream.clone();
         match build_task(qs) {
             Ok(t) => match stream {

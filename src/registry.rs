@@ -1,12 +1,15 @@
 //! Live C handles: the address of a Rust object handed to C, mapped back to the object while it
 //! is registered. Lookups never dereference an unknown pointer, so a destroyed or foreign handle
 //! is reported, not followed. Every call of the API looks its handles up, so the map hashes an
-//! address with one multiplication, not SipHash.
+//! address with one multiplication, not SipHash, and each thread remembers the handle it looked
+//! up last ([`Recent`]): a thread calling on one communicator takes no lock.
 
 use parking_lot::Mutex;
+use std::cell::RefCell;
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
-use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Weak};
 
 /// Hashes an address (a `usize` key): Fibonacci hashing, the high bits spread by one multiply.
 #[derive(Default)]
@@ -32,12 +35,15 @@ type Map<T> = HashMap<usize, Arc<T>, BuildHasherDefault<AddrHasher>>;
 
 pub struct Registry<T> {
     map: Mutex<Option<Map<T>>>,
+    /// Handles removed so far: a remembered lookup is valid while this has not changed.
+    removals: AtomicU64,
 }
 
 impl<T> Registry<T> {
     pub const fn new() -> Registry<T> {
         Registry {
             map: Mutex::new(None),
+            removals: AtomicU64::new(0),
         }
     }
 
@@ -56,7 +62,42 @@ impl<T> Registry<T> {
     }
 
     pub fn remove(&self, h: usize) -> Option<Arc<T>> {
-        self.map.lock().as_mut().and_then(|m| m.remove(&h))
+        let mut m = self.map.lock();
+        let v = m.as_mut().and_then(|m| m.remove(&h));
+        self.removals.fetch_add(1, Ordering::AcqRel);
+        v
+    }
+
+    /// `get`, through the thread's memory of its last lookup (`recent`, a thread-local of the
+    /// registry's user): no lock while no handle has been removed since.
+    pub fn get_recent(&'static self, recent: &Recent<T>, h: usize) -> Option<Arc<T>> {
+        let removals = self.removals.load(Ordering::Acquire);
+        if let Some((rh, rr, w)) = &*recent.0.borrow() {
+            if *rh == h && *rr == removals {
+                if let Some(v) = w.upgrade() {
+                    return Some(v);
+                }
+            }
+        }
+        let v = self.get(h)?;
+        *recent.0.borrow_mut() = Some((h, removals, Arc::downgrade(&v)));
+        Some(v)
+    }
+}
+
+/// A thread's last lookup in a registry: (handle, the registry's removals then, the object).
+/// Weak, so that it keeps nothing alive.
+pub struct Recent<T>(RefCell<Option<(usize, u64, Weak<T>)>>);
+
+impl<T> Recent<T> {
+    pub const fn new() -> Recent<T> {
+        Recent(RefCell::new(None))
+    }
+}
+
+impl<T> Default for Recent<T> {
+    fn default() -> Self {
+        Self::new()
     }
 }
 
@@ -83,5 +124,27 @@ mod tests {
         assert!(r.get(hs[7]).is_none());
         assert!(r.remove(hs[7]).is_none());
         assert_eq!(*r.get(hs[8]).expect("still registered"), 8);
+    }
+
+    #[test]
+    fn recent_lookups_forget_removed_handles() {
+        static R: Registry<u32> = Registry::new();
+        let recent = Recent::new();
+        let a = Arc::new(1u32);
+        let b = Arc::new(2u32);
+        let (ha, hb) = (R.insert(&a), R.insert(&b));
+        assert!(Arc::ptr_eq(&R.get_recent(&recent, ha).expect("a"), &a));
+        // Remembered: the same again, then another handle replaces it.
+        assert!(Arc::ptr_eq(&R.get_recent(&recent, ha).expect("a"), &a));
+        assert!(Arc::ptr_eq(&R.get_recent(&recent, hb).expect("b"), &b));
+        assert!(Arc::ptr_eq(&R.get_recent(&recent, ha).expect("a"), &a));
+        // Removed while remembered: reported, though the object still lives.
+        R.remove(ha);
+        assert!(R.get_recent(&recent, ha).is_none());
+        assert!(R.get_recent(&recent, ha + 1).is_none());
+        assert_eq!(*R.get_recent(&recent, hb).expect("b"), 2);
+        // Re-registered at the same address: found again.
+        assert_eq!(R.insert(&a), ha);
+        assert_eq!(*R.get_recent(&recent, ha).expect("a again"), 1);
     }
 }

@@ -362,6 +362,9 @@ pub fn submit_all(per_stream: Vec<(Arc<HostStream>, Vec<Task>)>) {
 }
 
 static STREAMS: crate::registry::Registry<HostStream> = crate::registry::Registry::new();
+thread_local! {
+    static RECENT: crate::registry::Recent<HostStream> = const { crate::registry::Recent::new() };
+}
 
 pub fn create() -> Result<usize> {
     let s = Arc::new(HostStream {
@@ -382,7 +385,7 @@ pub fn create() -> Result<usize> {
 }
 
 pub fn lookup(h: usize) -> Result<Arc<HostStream>> {
-    STREAMS.get(h).ok_or_else(|| {
+    RECENT.with(|r| STREAMS.get_recent(r, h)).ok_or_else(|| {
             Error::invalid_argument(format!(
                 "stream {h:#x} is not an oxccl host stream (the host executor cannot run on CUDA streams; create one with oxcclHostStreamCreate)"
             ))

@@ -3,10 +3,13 @@
 
 use super::Comm;
 use crate::error::{Error, Result};
-use crate::registry::Registry;
+use crate::registry::{Recent, Registry};
 use std::sync::Arc;
 
 static LIVE: Registry<Comm> = Registry::new();
+thread_local! {
+    static RECENT: Recent<Comm> = const { Recent::new() };
+}
 
 pub fn register(c: &Arc<Comm>) -> usize {
     LIVE.insert(c)
@@ -16,7 +19,7 @@ pub fn lookup(h: usize) -> Result<Arc<Comm>> {
     if h == 0 {
         return Err(Error::invalid_argument("communicator is NULL"));
     }
-    LIVE.get(h).ok_or_else(|| {
+    RECENT.with(|r| LIVE.get_recent(r, h)).ok_or_else(|| {
         Error::invalid_argument(format!(
             "invalid communicator {h:#x} (destroyed, or not created by ncclCommInit*)"
         ))

@@ -42,7 +42,8 @@ pub struct Core {
     bootstrap: Mutex<Option<Bootstrap>>,
     /// The board of direct algorithms (all ranks on this host), its operation counter, and the
     /// peers' buffers mapped into this process.
-    board: Mutex<Option<Arc<Board>>>,
+    /// Set at init and kept as long as the core (tasks and peers' late reads hold their own).
+    board: Option<Arc<Board>>,
     board_seq: AtomicU64,
     pub maps: Arc<PeerMaps>,
     /// Bandwidth seen on the ring and by cross-memory attach (see `plan::tune`).
@@ -118,7 +119,7 @@ impl Core {
 
     /// Whether `board_op` gives an operation.
     pub fn has_board(&self) -> bool {
-        crate::param::direct_algorithms() && self.board.lock().is_some()
+        crate::param::direct_algorithms() && self.board.is_some()
     }
 
     /// The board and the sequence number of the next direct operation, if direct algorithms
@@ -127,13 +128,12 @@ impl Core {
         if !crate::param::direct_algorithms() {
             return None;
         }
-        let b = self.board.lock().clone()?;
+        let b = self.board.clone()?;
         Some((b, self.board_seq.fetch_add(1, Ordering::AcqRel) + 1))
     }
 
     fn teardown(&self) {
         self.conns.lock().clear();
-        let _ = self.board.lock().take();
         // Dropping the bootstrap closes its sockets and joins its threads.
         let _ = self.bootstrap.lock().take();
     }
@@ -350,7 +350,7 @@ fn build_core(p: PendingInit) -> Result<Core> {
         broken: Mutex::new(None),
         is_broken: AtomicBool::new(false),
         bootstrap: Mutex::new(Some(boot)),
-        board: Mutex::new(board),
+        board,
         board_seq: AtomicU64::new(0),
         maps: Arc::new(PeerMaps::default()),
         tuner: Default::default(),

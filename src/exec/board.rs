@@ -173,6 +173,7 @@ fn own_scalar(op: &BoardOp) -> u64 {
 /// none for operations that do not reduce. Seen as a slice.
 enum Reducers {
     None,
+    Plain(&'static Reducer),
     One(Reducer),
     PerRank(Vec<Reducer>),
 }
@@ -182,6 +183,7 @@ impl std::ops::Deref for Reducers {
     fn deref(&self) -> &[Reducer] {
         match self {
             Reducers::None => &[],
+            Reducers::Plain(r) => std::slice::from_ref(*r),
             Reducers::One(r) => std::slice::from_ref(r),
             Reducers::PerRank(v) => v,
         }
@@ -203,7 +205,10 @@ fn reducers(op: &BoardOp) -> Reducers {
                 })
                 .collect(),
         ),
-        Some(r) => Reducers::One(Reducer::cached(r)),
+        Some(r) => match Reducer::plain(&r) {
+            Some(p) => Reducers::Plain(p),
+            None => Reducers::One(Reducer::cached(r)),
+        },
     }
 }
 

@@ -18,10 +18,11 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// One eager board operation, this rank's `ticket` of its communicator.
-pub struct LoneOp {
-    core: Arc<Core>,
+pub struct LoneOp<'a> {
+    core: &'a Arc<Core>,
     ticket: u64,
-    op: BoardOp,
+    /// Taken by `finish`.
+    op: Option<BoardOp>,
     /// None when the operation cannot start here (earlier work of the communicator, or a broken
     /// or aborted communicator): the batch knows how to wait for it, or to fail.
     state: Option<BoardState>,
@@ -31,20 +32,20 @@ pub struct LoneOp {
     result: Option<Result<()>>,
 }
 
-impl LoneOp {
+impl<'a> LoneOp<'a> {
     pub fn new(
-        core: &Arc<Core>,
+        core: &'a Arc<Core>,
         ticket: u64,
         op: BoardOp,
         fault: Option<(DataType, usize, usize)>,
         what: What,
-    ) -> LoneOp {
+    ) -> LoneOp<'a> {
         let startable = core.is_serving(ticket) && !core.aborted() && core.broken().is_none();
         LoneOp {
-            core: core.clone(),
+            core,
             ticket,
             state: startable.then(|| BoardState::new(&op)),
-            op,
+            op: Some(op),
             fault,
             what,
             result: None,
@@ -56,10 +57,10 @@ impl LoneOp {
         if self.result.is_some() {
             return true;
         }
-        let Some(state) = &mut self.state else {
+        let (Some(state), Some(op)) = (&mut self.state, &self.op) else {
             return false;
         };
-        let r = match state.poll(&self.op) {
+        let r = match state.poll(op) {
             Ok(Poll::Done) => {
                 spoil(self.fault);
                 Ok(())
@@ -75,20 +76,21 @@ impl LoneOp {
         true
     }
 
-    /// The result when finished, or the batch that goes on with it.
-    pub fn finish(self) -> std::result::Result<Result<()>, Batch> {
-        if let Some(r) = self.result {
+    /// The result when finished, or the batch that goes on with it (once: the operation is
+    /// taken).
+    pub fn finish(&mut self) -> std::result::Result<Result<()>, Batch> {
+        if let Some(r) = self.result.take() {
             return Ok(r);
         }
+        let op = Box::new(self.op.take().expect("a lone operation finishes once"));
         let mut t = Task::new(self.core.clone(), self.what);
         t.ticket = self.ticket;
-        let op = Box::new(self.op);
         let stage = |lanes| Stage {
             lanes,
             fault: self.fault,
             scratch: Vec::new(),
         };
-        Err(match self.state {
+        Err(match self.state.take() {
             Some(state) => {
                 t.stages.push_back(stage(Vec::new()));
                 Batch::resume_board(t, op, state)
@@ -102,7 +104,7 @@ impl LoneOp {
 }
 
 /// Polls `ops` together until all are finished or they have waited for about `budget`.
-pub fn run(ops: &mut [LoneOp], budget: Duration) {
+pub fn run(ops: &mut [LoneOp<'_>], budget: Duration) {
     let mut spins = 0u32;
     // Read the clock only once the operations have to wait (it costs as much as one).
     let mut deadline = None;

@@ -100,6 +100,7 @@ impl Reducer {
 
     /// `new`, remembering the last reducer this thread made: small operations ask for the same
     /// one again and again, and picking the kernels costs as much as reducing a few elements.
+    /// (Plain reductions have a table: `plain`.)
     pub fn cached(red: Reduction) -> Reducer {
         thread_local! {
             static LAST: std::cell::Cell<Option<Reducer>> = const { std::cell::Cell::new(None) };
@@ -112,6 +113,36 @@ impl Reducer {
                 r
             }
         })
+    }
+
+    /// The reducer of `kind` over `dtype` with no scaling, from a table built once (None under
+    /// unit tests, which switch kernels between cases).
+    pub fn plain(red: &Reduction) -> Option<&'static Reducer> {
+        if red.premul.is_some() || red.postdiv.is_some() || cfg!(test) {
+            return None;
+        }
+        const KINDS: [ReduceKind; 4] = [
+            ReduceKind::Sum,
+            ReduceKind::Prod,
+            ReduceKind::Max,
+            ReduceKind::Min,
+        ];
+        static TABLE: once_cell::sync::Lazy<Vec<Reducer>> = once_cell::sync::Lazy::new(|| {
+            DataType::ALL
+                .iter()
+                .flat_map(|&dtype| {
+                    KINDS.map(|kind| {
+                        Reducer::new(Reduction {
+                            dtype,
+                            kind,
+                            premul: None,
+                            postdiv: None,
+                        })
+                    })
+                })
+                .collect()
+        });
+        Some(&TABLE[red.dtype as usize * KINDS.len() + red.kind as usize])
     }
 
     /// Whether inputs are scaled before they are combined (PreMulSum, float averages).
