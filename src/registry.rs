@@ -69,8 +69,9 @@ impl<T> Registry<T> {
     }
 
     /// `get`, through the thread's memory of its last lookup (`recent`, a thread-local of the
-    /// registry's user): no lock while no handle has been removed since.
-    pub fn get_recent(&'static self, recent: &Recent<T>, h: usize) -> Option<Arc<T>> {
+    /// registry's user): no lock while no handle has been removed since. (Callers use `get`
+    /// where the thread-local is gone: calls from other thread-locals' destructors.)
+    pub fn get_recent(&self, recent: &Recent<T>, h: usize) -> Option<Arc<T>> {
         let removals = self.removals.load(Ordering::Acquire);
         if let Some((rh, rr, w)) = &*recent.0.borrow() {
             if *rh == h && *rr == removals {

@@ -385,7 +385,9 @@ pub fn create() -> Result<usize> {
 }
 
 pub fn lookup(h: usize) -> Result<Arc<HostStream>> {
-    RECENT.with(|r| STREAMS.get_recent(r, h)).ok_or_else(|| {
+    RECENT
+        .try_with(|r| STREAMS.get_recent(r, h))
+        .unwrap_or_else(|_| STREAMS.get(h)).ok_or_else(|| {
             Error::invalid_argument(format!(
                 "stream {h:#x} is not an oxccl host stream (the host executor cannot run on CUDA streams; create one with oxcclHostStreamCreate)"
             ))
