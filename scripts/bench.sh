@@ -2,7 +2,8 @@
 # scripts/bench.sh [--quick]
 #
 # One benchmark of oxccl's host executor on this machine, side by side with its baselines:
-#   (a) all_reduce_perf, 2 processes (env launcher RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT, shared memory)
+#   (a) all_reduce_perf, 2 processes (env launcher RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT, shared memory),
+#       on malloc buffers, and again with -R 1 (buffers from ncclMemAlloc, registered: zero-copy)
 #   (b) all_reduce_perf -g 2: 2 ranks as threads of one process
 #   (c) OpenMPI MPI_Allreduce (nccl-tests-compat/bench/mpi_allreduce.c), mpirun -np 2
 #   (d) memcpy bandwidth (nccl-tests-compat/bench/memcpy_probe.c), the machine's copy ceiling
@@ -11,7 +12,8 @@
 # under target/bench/raw/. Installs what it lacks (OpenMPI via apt-get, matplotlib via pip).
 # Iterations per size band (same for a, b, c; warm-up in parentheses):
 #   8 B .. 64 KiB: N_SMALL (W_SMALL)   128 KiB .. 8 MiB: N_MID (W_MID)   16 MiB ..: N_LARGE (W_LARGE)
-# The whole set of sweeps runs REPEATS times (default 3; --quick: 1), the kinds interleaved, and
+# The whole set of sweeps runs REPEATS times (default 3; --quick: 1), the kinds interleaved (their
+# order rotated from one repeat to the next, so that none always runs first after a pause), and
 # the table shows each size's median time (the machine is shared: single runs are noisy).
 # Override with those environment variables. Nothing in the library is tuned here.
 set -euo pipefail
@@ -80,21 +82,32 @@ oxenv=(env -u OXCCL_FAULT -u NCCL_TESTS_MIN_BW -u OMPI_COMM_WORLD_SIZE
 
 free_port() { "$PY" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
 
-run_2proc() {  # min max iters warmup
-  local port pids=() rc=0
+two_procs() {  # name min max iters warmup [more options]
+  local name=$1 port pids=() rc=0
+  shift
   port="$(free_port)"
   for r in 1 0; do
     "${oxenv[@]}" RANK=$r LOCAL_RANK=$r WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT="$port" \
-      "$BIN/all_reduce_perf" -b "$1" -e "$2" -f 2 -n "$3" -w "$4" -d float -o sum -T 600 \
-      >"$RAW/2proc.rank$r.tmp" 2>&1 &
+      "${bind[@]/\%R/$r}" "$BIN/all_reduce_perf" -b "$1" -e "$2" -f 2 -n "$3" -w "$4" -d float -o sum -T 600 "${@:5}" \
+      >"$RAW/$name.rank$r.tmp" 2>&1 &
     pids+=($!)
   done
   for p in "${pids[@]}"; do wait "$p" || rc=$?; done
-  cat "$RAW/2proc.rank0.tmp" >>"$RAW/oxccl-2proc.txt"
-  sed 's/^/[rank1] /' "$RAW/2proc.rank1.tmp" >>"$RAW/oxccl-2proc.rank1.txt"
-  rm -f "$RAW"/2proc.rank*.tmp
+  cat "$RAW/$name.rank0.tmp" >>"$RAW/oxccl-$name.txt"
+  sed 's/^/[rank1] /' "$RAW/$name.rank1.tmp" >>"$RAW/oxccl-$name.rank1.txt"
+  rm -f "$RAW/$name".rank*.tmp
   return $rc
 }
+# Each rank on its own core, as mpirun places MPI's ranks (--bind-to core, its default for 2
+# processes): a rank that waits spins, and an unbound pair shares one core with whatever else
+# wakes up on the machine far longer than a bound pair (measured with a busy loop running: 8 B
+# took 3-10 us unbound, 1 us bound; MPI, bound, 0.3-0.9). BIND=0 runs them unbound.
+bind=()
+if [ "${BIND:-1}" = 1 ] && command -v taskset >/dev/null && [ "$(nproc)" -ge 2 ]; then
+  bind=(taskset -c %R)
+fi
+run_2proc() { two_procs 2proc "$@"; }
+run_2proc_reg() { two_procs 2proc-reg "$@" -R 1; }
 run_2thread() {
   "${oxenv[@]}" "$BIN/all_reduce_perf" -g 2 -b "$1" -e "$2" -f 2 -n "$3" -w "$4" -d float -o sum -T 600 \
     >>"$RAW/oxccl-2thread.txt" 2>&1
@@ -107,10 +120,12 @@ run_mpi() {
 START=$SECONDS
 STATUS=0
 LOAD0="$(cut -d' ' -f1-3 /proc/loadavg)"
+KINDS=(2proc 2proc_reg 2thread mpi)
 for rep in $(seq 1 "$REPEATS"); do
   for band in "${BANDS[@]}"; do
     read -r lo hi n w <<<"$band"
-    for kind in 2proc 2thread mpi; do
+    for i in "${!KINDS[@]}"; do
+      kind=${KINDS[$(((i + rep - 1) % ${#KINDS[@]}))]}
       log "[$rep/$REPEATS] $kind all_reduce $lo..$hi, $n iters ($w warm-up)"
       "run_$kind" "$lo" "$hi" "$n" "$w" || { STATUS=1; log "$kind run failed (exit $?), see $RAW"; }
     done
@@ -124,7 +139,7 @@ LOADS="load average (1/5/15 min) before: $LOAD0, after: $(cut -d' ' -f1-3 /proc/
 # ---- report -------------------------------------------------------------------------------
 echo
 "$PY" "$ROOT/nccl-tests-compat/bench/report.py" \
-  --proc "$RAW/oxccl-2proc.txt" --thread "$RAW/oxccl-2thread.txt" --mpi "$RAW/mpi.txt" \
+  --proc "$RAW/oxccl-2proc.txt" --reg "$RAW/oxccl-2proc-reg.txt" --thread "$RAW/oxccl-2thread.txt" --mpi "$RAW/mpi.txt" \
   --memcpy "$RAW/memcpy.txt" --csv "$OUT/allreduce.csv" --png "$OUT/allreduce.png" \
   --max-bytes "$MAX_BYTES" --repeats "$REPEATS" --note "$LOADS" \
   --title "all_reduce f32 sum, 2 ranks, $(nproc) cores$([ "$QUICK" = 1 ] && echo ' (--quick)')" || STATUS=1

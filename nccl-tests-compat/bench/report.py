@@ -3,6 +3,7 @@
 
 Inputs (text, as the tools print it):
   --proc    all_reduce_perf, 2 processes (env launcher); may be several sweeps concatenated
+  --reg     the same with -R 1: buffers from ncclMemAlloc, registered (optional)
   --thread  all_reduce_perf -g 2 (2 ranks as threads of one process)
   --mpi     mpi_allreduce under mpirun -np 2
   --memcpy  memcpy_probe
@@ -82,6 +83,7 @@ def fmt(v, spec="8.3f"):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--proc", required=True)
+    ap.add_argument("--reg")
     ap.add_argument("--thread", required=True)
     ap.add_argument("--mpi", required=True)
     ap.add_argument("--memcpy", required=True)
@@ -94,8 +96,9 @@ def main():
     a = ap.parse_args()
 
     proc, thread, mpi = parse_coll(a.proc), parse_coll(a.thread), parse_coll(a.mpi)
+    reg = parse_coll(a.reg) if a.reg else {}
     mcp = parse_memcpy(a.memcpy)
-    sizes = sorted(set(proc) | set(thread) | set(mpi) | set(mcp))
+    sizes = sorted(set(proc) | set(reg) | set(thread) | set(mpi) | set(mcp))
     if not sizes:
         print("report: no measurements parsed", file=sys.stderr)
         return 1
@@ -105,19 +108,21 @@ def main():
         lp, wp = proc.get(s, ([], 0))
         lt, wt = thread.get(s, ([], 0))
         lm, wm = mpi.get(s, ([], 0))
-        tp, tt, tm = median(lp), median(lt), median(lm)
-        bp, bt, bm = busbw(s, tp), busbw(s, tt), busbw(s, tm)
+        lr, wr = reg.get(s, ([], 0))
+        tp, tt, tm, tr = median(lp), median(lt), median(lm), median(lr)
+        bp, bt, bm, br = busbw(s, tp), busbw(s, tt), busbw(s, tm), busbw(s, tr)
         mc = mcp.get(s)
         table.append(dict(
-            size=s, proc_bw=bp, thread_bw=bt, mpi_bw=bm, memcpy=mc,
+            size=s, proc_bw=bp, thread_bw=bt, mpi_bw=bm, memcpy=mc, reg_bw=br,
             ratio_mpi=(bp / bm) if bp and bm else None,
             ratio_memcpy=(bp / mc) if bp and mc else None,
-            proc_us=tp, thread_us=tt, mpi_us=tm,
-            wrong=wp + wt + wm, wrong_detail=(wp, wt, wm),
-            spread=[(min(x), max(x)) if x else (None, None) for x in (lp, lt, lm)]))
+            ratio_reg_mpi=(br / bm) if br and bm else None,
+            proc_us=tp, thread_us=tt, mpi_us=tm, reg_us=tr,
+            wrong=wp + wt + wm + wr, wrong_detail=(wp, wt, wm, wr),
+            spread=[(min(x), max(x)) if x else (None, None) for x in (lp, lt, lm, lr)]))
 
-    hdr = (f"{'size':>10}  {'oxccl-2proc':>11}  {'oxccl-2thr':>10}  {'MPI':>8}  {'memcpy':>8}"
-           f"  {'oxccl/MPI':>9}  {'oxccl/memcpy':>12}  {'2proc us':>9}  {'MPI us':>9}")
+    hdr = (f"{'size':>10}  {'oxccl-2proc':>11}  {'2proc -R':>8}  {'oxccl-2thr':>10}  {'MPI':>8}  {'memcpy':>8}"
+           f"  {'oxccl/MPI':>9}  {'-R/MPI':>6}  {'oxccl/memcpy':>12}  {'2proc us':>9}  {'-R us':>9}  {'MPI us':>9}")
     print(f"# {a.title}; busbw in GB/s (2(n-1)/n * bytes / time), memcpy in GB/s (1 thread)")
     if a.repeats > 1:
         print(f"# median time of {a.repeats} runs per size (min..max of each in the CSV)")
@@ -126,10 +131,12 @@ def main():
     print(hdr)
     print("-" * len(hdr))
     for r in table:
-        flag = "  WRONG RESULTS (proc,thread,mpi)=%s" % (r["wrong_detail"],) if r["wrong"] else ""
-        print(f"{human(r['size']):>10}  {fmt(r['proc_bw'], '11.3f')}  {fmt(r['thread_bw'], '10.3f')}"
-              f"  {fmt(r['mpi_bw'])}  {fmt(r['memcpy'], '8.2f')}  {fmt(r['ratio_mpi'], '9.2f')}"
-              f"  {fmt(r['ratio_memcpy'], '12.3f')}  {fmt(r['proc_us'], '9.2f')}  {fmt(r['mpi_us'], '9.2f')}{flag}")
+        flag = "  WRONG RESULTS (proc,thread,mpi,reg)=%s" % (r["wrong_detail"],) if r["wrong"] else ""
+        print(f"{human(r['size']):>10}  {fmt(r['proc_bw'], '11.3f')}  {fmt(r['reg_bw'])}"
+              f"  {fmt(r['thread_bw'], '10.3f')}  {fmt(r['mpi_bw'])}  {fmt(r['memcpy'], '8.2f')}"
+              f"  {fmt(r['ratio_mpi'], '9.2f')}  {fmt(r['ratio_reg_mpi'], '6.2f')}"
+              f"  {fmt(r['ratio_memcpy'], '12.3f')}  {fmt(r['proc_us'], '9.2f')}  {fmt(r['reg_us'], '9.2f')}"
+              f"  {fmt(r['mpi_us'], '9.2f')}{flag}")
 
     with open(a.csv, "w", newline="") as f:
         w = csv.writer(f)
@@ -139,51 +146,55 @@ def main():
                     "wrong_2proc", "wrong_2thread", "wrong_mpi",
                     "oxccl_2proc_time_us_min", "oxccl_2proc_time_us_max",
                     "oxccl_2thread_time_us_min", "oxccl_2thread_time_us_max",
-                    "mpi_time_us_min", "mpi_time_us_max"])
+                    "mpi_time_us_min", "mpi_time_us_max",
+                    "oxccl_2proc_reg_busbw_GBps", "ratio_oxccl2procreg_over_mpi", "oxccl_2proc_reg_time_us",
+                    "wrong_2proc_reg", "oxccl_2proc_reg_time_us_min", "oxccl_2proc_reg_time_us_max"])
 
         def c(v):
             return "" if v is None else f"{v:.6g}"
         for r in table:
             w.writerow([r["size"], c(r["proc_bw"]), c(r["thread_bw"]), c(r["mpi_bw"]), c(r["memcpy"]),
                         c(r["ratio_mpi"]), c(r["ratio_memcpy"]), c(r["proc_us"]), c(r["thread_us"]),
-                        c(r["mpi_us"]), *r["wrong_detail"], *[c(v) for mm in r["spread"] for v in mm]])
+                        c(r["mpi_us"]), *r["wrong_detail"][:3], *[c(v) for mm in r["spread"][:3] for v in mm],
+                        c(r["reg_bw"]), c(r["ratio_reg_mpi"]), c(r["reg_us"]), r["wrong_detail"][3],
+                        *[c(v) for v in r["spread"][3]]])
     print(f"\nCSV: {a.csv}")
 
     by = {r["size"]: r for r in table}
     l8 = by.get(8, {})
-    print("\n8-byte latency (us): oxccl-2proc %s, oxccl-2thread %s, MPI %s" % (
-        fmt(l8.get("proc_us"), ".2f"), fmt(l8.get("thread_us"), ".2f"), fmt(l8.get("mpi_us"), ".2f")))
-
-    # The project's targets for this machine.
-    print("\nTargets (oxccl 2 processes vs OpenMPI, 2 processes):")
-    failed = 0
+    print("\n8-byte latency (us): oxccl-2proc %s, oxccl-2proc -R %s, oxccl-2thread %s, MPI %s" % (
+        fmt(l8.get("proc_us"), ".2f"), fmt(l8.get("reg_us"), ".2f"), fmt(l8.get("thread_us"), ".2f"),
+        fmt(l8.get("mpi_us"), ".2f")))
 
     def verdict(ok, r):
         if r and r["wrong"]:
             return "FAIL (wrong results)"
         return "PASS" if ok else "FAIL"
 
-    for size, need in ((256 * MIB, 3.0), (1 * MIB, 1.0)):
-        r = by.get(size)
-        label = f"oxccl/MPI busbw >= {need:g} at {human(size)}"
-        if size > a.max_bytes:
-            print(f"  {label:<36} not measured (this sweep stops at {human(a.max_bytes)})")
-        elif not r or r["ratio_mpi"] is None:
+    # The project's targets for this machine, for each kind of buffer oxccl ran on.
+    kinds = [("proc", "malloc buffers")]
+    if reg:
+        kinds.append(("reg", "ncclMemAlloc buffers, registered (-R 1)"))
+    for key, what in kinds:
+        bw, ratio, us = f"{key}_bw", "ratio_mpi" if key == "proc" else "ratio_reg_mpi", f"{key}_us"
+        print(f"\nTargets (oxccl 2 processes, {what}, vs OpenMPI, 2 processes):")
+        for size, need in ((256 * MIB, 3.0), (1 * MIB, 1.0)):
+            r = by.get(size)
+            label = f"oxccl/MPI busbw >= {need:g} at {human(size)}"
+            if size > a.max_bytes:
+                print(f"  {label:<36} not measured (this sweep stops at {human(a.max_bytes)})")
+            elif not r or r[ratio] is None:
+                print(f"  {label:<36} no measurement  FAIL")
+            else:
+                v = verdict(r[ratio] >= need, r)
+                print(f"  {label:<36} measured {r[ratio]:.2f}  "
+                      f"({r[bw]:.3f} vs {r['mpi_bw']:.3f} GB/s)  {v}")
+        label = "8-byte latency oxccl <= MPI"
+        if l8.get(us) is None or l8.get("mpi_us") is None:
             print(f"  {label:<36} no measurement  FAIL")
-            failed += 1
         else:
-            v = verdict(r["ratio_mpi"] >= need, r)
-            failed += v != "PASS"
-            print(f"  {label:<36} measured {r['ratio_mpi']:.2f}  "
-                  f"({r['proc_bw']:.3f} vs {r['mpi_bw']:.3f} GB/s)  {v}")
-    label = "8-byte latency oxccl <= MPI"
-    if l8.get("proc_us") is None or l8.get("mpi_us") is None:
-        print(f"  {label:<36} no measurement  FAIL")
-        failed += 1
-    else:
-        v = verdict(l8["proc_us"] <= l8["mpi_us"], l8)
-        failed += v != "PASS"
-        print(f"  {label:<36} measured {l8['proc_us']:.2f} us vs {l8['mpi_us']:.2f} us  {v}")
+            v = verdict(l8[us] <= l8["mpi_us"], l8)
+            print(f"  {label:<36} measured {l8[us]:.2f} us vs {l8['mpi_us']:.2f} us  {v}")
     nwrong = sum(1 for r in table if r["wrong"])
     if nwrong:
         print(f"\nWARNING: {nwrong} size(s) had wrong results; their numbers are not valid")
@@ -198,6 +209,7 @@ def main():
         return status
     fig, ax = plt.subplots(figsize=(9, 5.5))
     for key, name, style in (("proc_bw", "oxccl, 2 processes (shm)", "o-"),
+                             ("reg_bw", "oxccl, 2 processes, ncclMemAlloc buffers (-R 1)", "D-"),
                              ("thread_bw", "oxccl, 2 threads (-g 2)", "s-"),
                              ("mpi_bw", "OpenMPI MPI_Allreduce, 2 processes", "^-"),
                              ("memcpy", "memcpy, 1 thread (GB/s)", "k--")):
