@@ -142,7 +142,8 @@ impl Reducer {
                 })
                 .collect()
         });
-        Some(&TABLE[red.dtype as usize * KINDS.len() + red.kind as usize])
+        let r = &TABLE[red.dtype as usize * KINDS.len() + red.kind as usize];
+        (r.red == *red).then_some(r)
     }
 
     /// Whether inputs are scaled before they are combined (PreMulSum, float averages).
