@@ -119,7 +119,9 @@ impl BoardState {
                             let prog = op.fallback.as_ref().ok_or_else(|| {
                                 Error::internal("an eager operation has no ring to fall back on")
                             })?;
-                            let fifo = op.tuner.as_deref().map(|t| (&t.fifo, op.seq));
+                            // Never exploring on the operations the verdict explores on.
+                            let round = op.seq + tune::FIFO_ROUND_OFFSET;
+                            let fifo = op.tuner.as_deref().map(|t| (&t.fifo, round));
                             self.phase = Phase::Fallback(Box::new(Cursor::new(prog, fifo)))
                         }
                     }
@@ -134,6 +136,11 @@ impl BoardState {
                         Poll::Done => {
                             if let Some(t) = &op.tuner {
                                 c.finish(prog, &t.fifo);
+                            }
+                            // A ring that tried its worse FIFO option says little about the
+                            // ring against cross-memory attach.
+                            if c.exploring() {
+                                self.timed = None;
                             }
                             op.board.post_done(op.rank, op.seq);
                             self.phase = Phase::Done;

@@ -23,6 +23,8 @@ pub(super) struct Cursor {
     scratch: Vec<u8>,
     /// Where the program's speed is recorded when it ends, the option measured, and its start.
     timed: Option<(usize, Instant)>,
+    /// The option measured is not the one that looks better (an exploring operation).
+    exploring: bool,
 }
 
 /// How many slices past the head a program may run ahead, in iterations.
@@ -34,9 +36,14 @@ impl Cursor {
     pub(super) fn new(prog: &Program, fifo: Option<(&BySize, u64)>) -> Cursor {
         let forced = crate::param::fifo_stream();
         let sent = prog.sent_bytes();
+        let mut exploring = false;
         let timed = fifo
             .filter(|_| forced.is_none() && sent >= FIFO_TUNE_BYTES)
-            .map(|(e, round)| (e.get(sent).pick(round), Instant::now()));
+            .map(|(e, round)| {
+                let (e, option) = (e.get(sent), e.get(sent).pick(round));
+                exploring = option != e.better();
+                (option, Instant::now())
+            });
         Cursor {
             head: 0,
             ahead: std::collections::VecDeque::new(),
@@ -45,7 +52,14 @@ impl Cursor {
             streamed: forced.unwrap_or(timed.is_some_and(|(o, _)| o == STREAMED)),
             scratch: Vec::new(),
             timed,
+            exploring,
         }
+    }
+
+    /// Whether the program tries the FIFO option that looks worse: its speed then says little
+    /// about the ring's.
+    pub(super) fn exploring(&self) -> bool {
+        self.exploring
     }
 
     /// Records the finished program's speed with the option it used.

@@ -42,11 +42,17 @@ pub struct Estimates {
     samples: [AtomicU64; 2],
 }
 
-/// Each option is measured this many times before the estimates are compared. Once: every size
-/// class warms up on its own (see `BySize`), and each warm-up operation with the slower option
-/// can cost 3-4 times a good one; a first measurement that paid for first touches is soon
-/// replaced, since the option is tried again (`explore_every`).
-const WARM_SAMPLES: u64 = 1;
+/// Each option is measured this many times before the estimates are compared. Twice, and the
+/// second measurement replaces the first (see `record`): the first operations of a size often
+/// pay for first touches (a ring's first 256 MiB measured 1 GB/s, its next ones 5-9), and a
+/// first measurement must not decide alone. Every size class warms up on its own (see
+/// `BySize`).
+const WARM_SAMPLES: u64 = 2;
+
+/// Measurements of the option behind before its gap sets how rarely it is tried (see `gap`).
+const TRUSTED_SAMPLES: u64 = 3;
+/// The largest gap of an option measured fewer times: under a fifth (see `explore_every`).
+const UNTRUSTED_GAP: f64 = 0.19;
 
 /// Weight of a new measurement in its option's estimate.
 const ALPHA: f64 = 0.75;
@@ -75,8 +81,8 @@ impl Estimates {
     pub fn record(&self, option: usize, bytes: usize, elapsed: Duration) {
         let bw = bytes as f64 / elapsed.as_secs_f64().max(1e-9);
         let new = match self.estimate(option) {
-            Some(old) => (1.0 - ALPHA) * old + ALPHA * bw,
-            None => bw,
+            Some(old) if self.samples(option) > 1 => (1.0 - ALPHA) * old + ALPHA * bw,
+            _ => bw,
         };
         self.bw[option].store(new.to_bits(), Ordering::Relaxed);
         self.samples[option].fetch_add(1, Ordering::Relaxed);
@@ -97,7 +103,7 @@ impl Estimates {
     /// The option for operation `round`: the better one, or the other on exploring rounds
     /// (once both are warm).
     pub fn pick(&self, round: u64) -> usize {
-        let explore = self.warm() && round.is_multiple_of(explore_every(self.relative().abs()));
+        let explore = self.warm() && round.is_multiple_of(explore_every(self.gap().abs()));
         self.better() ^ usize::from(explore)
     }
 
@@ -116,7 +122,21 @@ impl Estimates {
         if !self.warm() {
             return if self.to_measure() == 1 { 1e30 } else { -1e30 };
         }
-        self.relative()
+        self.gap()
+    }
+
+    /// `relative`, for how often to try the option behind (`explore_every`), with its size
+    /// held under a fifth (trying it every `EXPLORE`-th operation) while that option has been
+    /// measured fewer than `TRUSTED_SAMPLES` times: a first measurement often pays for first
+    /// touches (a ring's first 256 MiB measured 1 GB/s, its next ones 4-5), and one bad sample
+    /// must not keep an option away for `8 * EXPLORE` operations.
+    fn gap(&self) -> f64 {
+        let r = self.relative();
+        if self.samples(1 - self.better()) < TRUSTED_SAMPLES {
+            r.clamp(-UNTRUSTED_GAP, UNTRUSTED_GAP)
+        } else {
+            r
+        }
     }
 }
 
@@ -158,6 +178,12 @@ pub struct Tuner {
     pub fifo: BySize,
 }
 
+/// How far the rounds of a ring's FIFO choice are shifted from the sequence numbers of the
+/// ring-or-cross-memory-attach verdict (`verdict` explores on multiples of `EXPLORE`, the FIFO
+/// choice then on `EXPLORE / 2` past them): the two never explore on the same operation, so a
+/// ring tried against cross-memory attach is measured with its better FIFO option.
+pub const FIFO_ROUND_OFFSET: u64 = EXPLORE / 2;
+
 /// Ring programs move at least this much per rank before their speed is measured (smaller ones
 /// are dominated by latency) and before streaming stores are considered.
 pub const FIFO_TUNE_BYTES: usize = 256 << 10;
@@ -184,7 +210,7 @@ mod tests {
         let t = Estimates::default();
         let gbs = |g: f64| Duration::from_secs_f64(1.0 / g);
         assert_eq!(t.better(), 0, "option 0 first");
-        t.record(0, 1 << 30, gbs(2.0));
+        t.record(0, 1 << 30, gbs(0.5));
         assert_eq!(t.better(), 1, "then option 1, measured less");
         assert!(t.vote() > 1e20);
         assert_eq!(
@@ -193,9 +219,20 @@ mod tests {
             "no exploring before both are measured"
         );
         t.record(1, 1 << 30, gbs(4.0));
+        assert_eq!(t.better(), 0, "each is measured twice");
+        assert_eq!(t.pick(8 * EXPLORE), 0);
+        // The second measurement replaces the first (which paid for first touches).
+        t.record(0, 1 << 30, gbs(2.0));
+        assert!((t.estimate(0).expect("measured") - 2e9 * 1.073741824).abs() < 1.0);
+        t.record(1, 1 << 30, gbs(4.0));
         assert_eq!(t.better(), 1);
         assert_eq!(t.pick(3), 1);
-        // Option 0 at half the speed: tried every 4 * EXPLORE operations.
+        // Option 0 at half the speed, measured twice: tried every EXPLORE operations until it
+        // has been measured TRUSTED_SAMPLES times.
+        assert!((t.vote() - UNTRUSTED_GAP).abs() < 1e-9);
+        assert_eq!(t.pick(EXPLORE), 0, "exploring soon");
+        t.record(0, 1 << 30, gbs(2.0));
+        // Now trusted: tried every 4 * EXPLORE operations.
         assert!((t.vote() - 0.5).abs() < 1e-9);
         assert_eq!(t.pick(EXPLORE), 1, "not exploring yet");
         assert_eq!(t.pick(4 * EXPLORE), 0, "exploring");
@@ -210,6 +247,19 @@ mod tests {
         assert_eq!(verdict(EXPLORE, [-0.9, -0.7]), RING);
         assert_eq!(verdict(8 * EXPLORE, [-0.9, -0.7]), CMA);
         assert_eq!(verdict(3, [1e30, -0.5]), CMA);
+    }
+
+    #[test]
+    fn fifo_and_path_explore_on_different_operations() {
+        for seq in 0..4096u64 {
+            for a in 0..4 {
+                for b in 0..4 {
+                    let path = seq.is_multiple_of(EXPLORE << a);
+                    let fifo = (seq + FIFO_ROUND_OFFSET).is_multiple_of(EXPLORE << b);
+                    assert!(!(path && fifo), "both explore on operation {seq}");
+                }
+            }
+        }
     }
 
     #[test]
