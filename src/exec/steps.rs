@@ -40,7 +40,8 @@ impl Cursor {
         let timed = fifo
             .filter(|_| forced.is_none() && sent >= FIFO_TUNE_BYTES)
             .map(|(e, round)| {
-                let (e, option) = (e.get(sent), e.get(sent).pick(round));
+                let e = e.get(sent);
+                let option = e.pick(round);
                 exploring = option != e.better();
                 (option, Instant::now())
             });

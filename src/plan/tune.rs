@@ -127,9 +127,9 @@ impl Estimates {
 
     /// `relative`, for how often to try the option behind (`explore_every`), with its size
     /// held under a fifth (trying it every `EXPLORE`-th operation) while that option has been
-    /// measured fewer than `TRUSTED_SAMPLES` times: a first measurement often pays for first
-    /// touches (a ring's first 256 MiB measured 1 GB/s, its next ones 4-5), and one bad sample
-    /// must not keep an option away for `8 * EXPLORE` operations.
+    /// measured fewer than `TRUSTED_SAMPLES` times: early measurements are the noisiest (see
+    /// `WARM_SAMPLES`), and one bad sample must not keep an option away for `8 * EXPLORE`
+    /// operations.
     fn gap(&self) -> f64 {
         let r = self.relative();
         if self.samples(1 - self.better()) < TRUSTED_SAMPLES {
