@@ -1,8 +1,8 @@
 //! Live C handles: the address of a Rust object handed to C, mapped back to the object while it
 //! is registered. Lookups never dereference an unknown pointer, so a destroyed or foreign handle
 //! is reported, not followed. Every call of the API looks its handles up, so the map hashes an
-//! address with one multiplication, not SipHash, and each thread remembers the handle it looked
-//! up last ([`Recent`]): a thread calling on one communicator takes no lock.
+//! address with one multiplication, not SipHash, and each thread remembers the handles it looked
+//! up last ([`Recent`]): a thread calling on its communicators takes no lock.
 
 use parking_lot::Mutex;
 use std::cell::RefCell;
@@ -68,41 +68,63 @@ impl<T> Registry<T> {
         v
     }
 
-    /// `get`, through the thread's memory of its last lookup (`recent`, a thread-local of the
+    /// `get`, through the thread's memory of its last lookups (`recent`, a thread-local of the
     /// registry's user): no lock while no handle has been removed since. (Callers use `get`
     /// where the thread-local is gone: calls from other thread-locals' destructors.)
     pub fn get_recent(&self, recent: &Recent<T>, h: usize) -> Option<Arc<T>> {
         let removals = self.removals.load(Ordering::Acquire);
-        if let Some((rh, rr, w)) = &*recent.0.borrow() {
-            if *rh == h && *rr == removals {
+        {
+            let r = recent.0.borrow();
+            if let Some((_, _, w)) = r
+                .seen
+                .iter()
+                .flatten()
+                .find(|(rh, rr, _)| *rh == h && *rr == removals)
+            {
                 if let Some(v) = w.upgrade() {
                     return Some(v);
                 }
             }
         }
         let v = self.get(h)?;
-        *recent.0.borrow_mut() = Some((h, removals, Arc::downgrade(&v)));
+        let mut r = recent.0.borrow_mut();
+        let at = r.next;
+        r.seen[at] = Some((h, removals, Arc::downgrade(&v)));
+        r.next = (at + 1) % RECENT;
         Some(v)
     }
 }
 
-/// A thread's last lookup in a registry: (handle, the registry's removals then, the object).
-/// Weak, so that it keeps nothing alive.
-pub struct Recent<T>(RefCell<Option<(usize, u64, Weak<T>)>>);
-
-impl<T> Recent<T> {
-    pub const fn new() -> Recent<T> {
-        Recent(RefCell::new(None))
-    }
-}
-
-impl<T> Default for Recent<T> {
+impl<T> Default for Registry<T> {
     fn default() -> Self {
         Self::new()
     }
 }
 
-impl<T> Default for Registry<T> {
+/// Handles a thread remembers: a thread driving several ranks (one communicator and stream each)
+/// alternates between them.
+const RECENT: usize = 8;
+
+struct Seen<T> {
+    /// (handle, the registry's removals then, the object), weak so that it keeps nothing alive.
+    seen: [Option<(usize, u64, Weak<T>)>; RECENT],
+    /// The entry replaced next.
+    next: usize,
+}
+
+/// A thread's last lookups in a registry.
+pub struct Recent<T>(RefCell<Seen<T>>);
+
+impl<T> Recent<T> {
+    pub const fn new() -> Recent<T> {
+        Recent(RefCell::new(Seen {
+            seen: [const { None }; RECENT],
+            next: 0,
+        }))
+    }
+}
+
+impl<T> Default for Recent<T> {
     fn default() -> Self {
         Self::new()
     }
@@ -147,5 +169,19 @@ mod tests {
         // Re-registered at the same address: found again.
         assert_eq!(R.insert(&a), ha);
         assert_eq!(*R.get_recent(&recent, ha).expect("a again"), 1);
+        // More handles than a thread remembers, in turn.
+        let many: Vec<Arc<u32>> = (0..2 * RECENT as u32).map(|i| Arc::new(100 + i)).collect();
+        let hs: Vec<usize> = many.iter().map(|m| R.insert(m)).collect();
+        for _ in 0..3 {
+            for (m, &h) in many.iter().zip(&hs) {
+                assert!(Arc::ptr_eq(
+                    &R.get_recent(&recent, h).expect("registered"),
+                    m
+                ));
+            }
+        }
+        R.remove(hs[3]);
+        assert!(R.get_recent(&recent, hs[3]).is_none());
+        assert_eq!(*R.get_recent(&recent, hs[4]).expect("registered"), 104);
     }
 }

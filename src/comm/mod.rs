@@ -450,8 +450,11 @@ pub fn init_all(devs: &[i32]) -> Result<Vec<Arc<Comm>>> {
 
 /// Runs several pending inits at once (they rendezvous with each other).
 pub fn run_inits(comms: &[Arc<Comm>]) -> Result<()> {
-    if comms.len() == 1 {
-        return comms[0].run_init();
+    match comms {
+        // Every group ends here: one without inits must not pay for a thread scope.
+        [] => return Ok(()),
+        [c] => return c.run_init(),
+        _ => {}
     }
     let results: Vec<Result<()>> = std::thread::scope(|s| {
         let hs: Vec<_> = comms
