@@ -10,6 +10,7 @@ use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
+use std::thread::LocalKey;
 
 /// Hashes an address (a `usize` key): Fibonacci hashing, the high bits spread by one multiply.
 #[derive(Default)]
@@ -69,9 +70,15 @@ impl<T> Registry<T> {
     }
 
     /// `get`, through the thread's memory of its last lookups (`recent`, a thread-local of the
-    /// registry's user): no lock while no handle has been removed since. (Callers use `get`
-    /// where the thread-local is gone: calls from other thread-locals' destructors.)
-    pub fn get_recent(&self, recent: &Recent<T>, h: usize) -> Option<Arc<T>> {
+    /// registry's user): no lock while no handle has been removed since. Where the thread-local
+    /// is gone (calls from other thread-locals' destructors), plainly `get`.
+    pub fn get_via(&self, recent: &'static LocalKey<Recent<T>>, h: usize) -> Option<Arc<T>> {
+        recent
+            .try_with(|r| self.get_recent(r, h))
+            .unwrap_or_else(|_| self.get(h))
+    }
+
+    fn get_recent(&self, recent: &Recent<T>, h: usize) -> Option<Arc<T>> {
         let removals = self.removals.load(Ordering::Acquire);
         {
             let r = recent.0.borrow();

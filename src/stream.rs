@@ -385,9 +385,7 @@ pub fn create() -> Result<usize> {
 }
 
 pub fn lookup(h: usize) -> Result<Arc<HostStream>> {
-    RECENT
-        .try_with(|r| STREAMS.get_recent(r, h))
-        .unwrap_or_else(|_| STREAMS.get(h)).ok_or_else(|| {
+    STREAMS.get_via(&RECENT, h).ok_or_else(|| {
             Error::invalid_argument(format!(
                 "stream {h:#x} is not an oxccl host stream (the host executor cannot run on CUDA streams; create one with oxcclHostStreamCreate)"
             ))

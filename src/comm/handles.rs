@@ -19,14 +19,11 @@ pub fn lookup(h: usize) -> Result<Arc<Comm>> {
     if h == 0 {
         return Err(Error::invalid_argument("communicator is NULL"));
     }
-    RECENT
-        .try_with(|r| LIVE.get_recent(r, h))
-        .unwrap_or_else(|_| LIVE.get(h))
-        .ok_or_else(|| {
-            Error::invalid_argument(format!(
-                "invalid communicator {h:#x} (destroyed, or not created by ncclCommInit*)"
-            ))
-        })
+    LIVE.get_via(&RECENT, h).ok_or_else(|| {
+        Error::invalid_argument(format!(
+            "invalid communicator {h:#x} (destroyed, or not created by ncclCommInit*)"
+        ))
+    })
 }
 
 pub fn unregister(h: usize) -> Result<Arc<Comm>> {

@@ -82,8 +82,10 @@ impl BoardState {
                     let (sb, rb) = op.extents();
                     let send = crate::memory::describe(op.send, sb);
                     let recv = crate::memory::describe(op.recv, rb);
-                    let bytes = op.count * op.dtype.size();
-                    let vote = op.tuner.as_ref().map_or(0.0, |t| t.cma.get(bytes).vote());
+                    let vote = op
+                        .tuner
+                        .as_ref()
+                        .map_or(0.0, |t| t.cma.get(op.bytes()).vote());
                     op.board
                         .publish(op.rank, op.seq, (send, recv), own_scalar(op), vote);
                     self.phase = Phase::Arrive;
@@ -153,8 +155,7 @@ impl BoardState {
                 Phase::Done => {
                     return Ok(if (0..op.nranks).all(|p| op.board.is_done(p, op.seq)) {
                         if let (Some((t0, path)), Some(t)) = (self.timed, &op.tuner) {
-                            let bytes = op.count * op.dtype.size();
-                            t.cma.get(bytes).record(path, bytes, t0.elapsed());
+                            t.cma.get(op.bytes()).record(path, op.bytes(), t0.elapsed());
                         }
                         Poll::Done
                     } else if progressed {
@@ -294,7 +295,7 @@ fn resolve(op: &BoardOp) -> Result<(Option<Peers>, Option<usize>)> {
     let mut path = None;
     let cma = !reachable(false)
         && op.cma
-        && op.count * op.dtype.size() >= crate::param::cma_min_bytes()
+        && op.bytes() >= crate::param::cma_min_bytes()
         && reachable(true)
         && {
             let p = tune::verdict(op.seq, (0..op.nranks).map(|q| op.board.vote(q)));

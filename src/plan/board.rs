@@ -73,6 +73,11 @@ impl BoardOp {
         self.kind != BoardKind::Broadcast || p == self.root
     }
 
+    /// Bytes of the operation's `count` elements: what its speed is measured over.
+    pub fn bytes(&self) -> usize {
+        self.count * self.dtype.size()
+    }
+
     /// Bytes of this rank's send and receive buffers that the operation touches.
     pub fn extents(&self) -> (usize, usize) {
         let (n, c, es) = (self.nranks, self.count, self.dtype.size());
