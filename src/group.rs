@@ -521,6 +521,25 @@ fn build_task(qs: Vec<Queued>) -> Result<Task> {
     let mut self_recvs = std::collections::VecDeque::new();
     // One lane per (peer, direction).
     let mut p2p_lanes: Vec<((usize, bool), Vec<plan::Program>)> = Vec::new();
+    // A send from memory that a receive of the same task writes (sendrecv in place) reads a
+    // copy taken when the task starts: the receive may run ahead of the send.
+    let recvs: Vec<(usize, usize)> = qs
+        .iter()
+        .filter(|q| q.args.kind == CollKind::Recv)
+        .map(|q| (q.args.recv, q.args.count * q.args.dtype.size()))
+        .collect();
+    let mut p2p_stash = plan::Stash::default();
+    let mut send_src = |a: &CollArgs| {
+        let bytes = a.count * a.dtype.size();
+        if recvs
+            .iter()
+            .any(|&(r, rb)| plan::overlaps(a.send, bytes, r, rb))
+        {
+            p2p_stash.keep(a.send, bytes)
+        } else {
+            a.send
+        }
+    };
     let res = (|| -> Result<()> {
         for q in &qs {
             let a = q.args;
@@ -623,7 +642,7 @@ fn build_task(qs: Vec<Queued>) -> Result<Task> {
                         continue;
                     }
                     let prog = if is_send {
-                        direct::send(l, a.send, a.count, a.dtype, root, Class::P2p)?
+                        direct::send(l, send_src(&a), a.count, a.dtype, root, Class::P2p)?
                     } else {
                         direct::recv(l, a.recv, a.count, a.dtype, root, Class::P2p)?
                     };
@@ -651,9 +670,18 @@ fn build_task(qs: Vec<Queued>) -> Result<Task> {
                     r.count * r.dtype.size()
                 )));
             }
+            if s.send == r.recv {
+                continue; // in place: nothing moves
+            }
             p2p_lanes.push((
                 (core.rank, true),
-                vec![direct::local_copy(l, s.send, r.recv, s.count, s.dtype)],
+                vec![direct::local_copy(
+                    l,
+                    send_src(&s),
+                    r.recv,
+                    s.count,
+                    s.dtype,
+                )],
             ));
         }
         Ok(())
@@ -661,6 +689,7 @@ fn build_task(qs: Vec<Queued>) -> Result<Task> {
     res?;
     // The ticket is taken only once planning succeeded, so a failed plan never blocks the comm.
     task.ticket = core.take_ticket();
+    task.p2p_stash = p2p_stash;
     task.p2p = p2p_lanes
         .into_iter()
         .map(|(_, v)| v.into_iter().map(plan::Work::from).collect())

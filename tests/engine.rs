@@ -351,6 +351,65 @@ fn one_thread_per_rank_and_host_streams() {
     });
 }
 
+/// Work that reads a private copy of its input (in-place all-to-all; a send from the buffer a
+/// receive of the same group fills, as nccl-tests' in-place sendrecv does) must take that copy
+/// in stream order: here an in-place all-reduce, held up by a late peer, is still to write the
+/// buffer when the next operations are launched onto the same host stream.
+#[test]
+fn private_copies_of_inputs_are_taken_in_stream_order() {
+    std::env::set_var("OXCCL_DEVICE", "host");
+    let n = 3;
+    let id = api::get_unique_id().unwrap();
+    // Larger than a connection's FIFO (8 slots of 128 KiB), so a receive can overtake its send.
+    let count = 600_000;
+    let val = |r: usize, i: usize| ((r * 31 + i * 7) % 1000) as i32;
+    let sum = |i: usize| (0..n).map(|r| val(r, i)).sum::<i32>();
+    std::thread::scope(|s| {
+        for r in 0..n {
+            s.spawn(move || {
+                let c = api::comm_init_rank(n as i32, &id, r as i32, Default::default()).unwrap();
+                let st = api::host_stream_create().unwrap();
+                let sa = api::stream_from_handle(st).unwrap();
+                let mut buf: Vec<i32> = (0..count * n).map(|i| val(r, i)).collect();
+                let b = buf.as_mut_ptr() as usize;
+                if r == 0 {
+                    // The last rank to arrive: the others have queued all their work by then.
+                    std::thread::sleep(std::time::Duration::from_millis(300));
+                }
+                let coll = |kind, count, root: usize| CollArgs {
+                    kind,
+                    send: b,
+                    recv: b,
+                    count,
+                    dtype: DataType::Int32,
+                    op: OP_SUM,
+                    root: root as i32,
+                };
+                api::enqueue(&c, coll(CollKind::AllReduce, count * n, 0), sa.clone()).unwrap();
+                // Rank r's block p is now sum(r * count + i) for every p.
+                api::enqueue(&c, coll(CollKind::AlltoAll, count, 0), sa.clone()).unwrap();
+                api::group_start().unwrap();
+                let (next, prev) = ((r + 1) % n, (r + n - 1) % n);
+                api::enqueue(&c, coll(CollKind::Send, count * n, next), sa.clone()).unwrap();
+                api::enqueue(&c, coll(CollKind::Recv, count * n, prev), sa.clone()).unwrap();
+                api::group_end().unwrap();
+                api::host_stream_synchronize(st).unwrap();
+                for p in 0..n {
+                    for i in 0..count {
+                        assert_eq!(
+                            buf[p * count + i],
+                            sum(prev * count + i),
+                            "rank {r}: {p} {i}"
+                        );
+                    }
+                }
+                api::host_stream_destroy(st).unwrap();
+                api::comm_destroy(api::comm_handle(&c)).unwrap();
+            });
+        }
+    });
+}
+
 /// Small operations run on the launching thread at once; when a peer is late they are handed
 /// to the stream, taken back by the next launch or synchronize, or left to the stream's worker
 /// when the launching thread is busy elsewhere. Every path must keep stream order and results.

@@ -265,20 +265,27 @@ fn threads_blocking_and_aggregation() {
 
 /// Runs `name` as 2 processes (env launcher) with `args` and `envs`; returns (rank 0, rank 1).
 fn two_processes(name: &str, args: &[&str], envs: &[(&str, &str)]) -> (Output, Output) {
+    let mut outs = processes(2, name, args, envs).into_iter();
+    (outs.next().unwrap(), outs.next().unwrap())
+}
+
+/// Runs `name` as `n` processes (env launcher) with `args` and `envs`; checks that ranks 1.. exit
+/// with 0 and returns every rank's output.
+fn processes(n: usize, name: &str, args: &[&str], envs: &[(&str, &str)]) -> Vec<Output> {
     let port = std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
         .local_addr()
         .unwrap()
         .port()
         .to_string();
-    let kids: Vec<_> = (0..2)
+    let kids: Vec<_> = (0..n)
         .map(|r| {
             tool(name)
                 .args(args)
                 .envs(envs.iter().copied())
                 .env("RANK", r.to_string())
                 .env("LOCAL_RANK", r.to_string())
-                .env("WORLD_SIZE", "2")
+                .env("WORLD_SIZE", n.to_string())
                 .env("MASTER_ADDR", "127.0.0.1")
                 .env("MASTER_PORT", &port)
                 .stdout(Stdio::piped())
@@ -287,10 +294,33 @@ fn two_processes(name: &str, args: &[&str], envs: &[(&str, &str)]) -> (Output, O
                 .unwrap()
         })
         .collect();
-    let mut outs = kids.into_iter().map(|c| c.wait_with_output().unwrap());
-    let (a, b) = (outs.next().unwrap(), outs.next().unwrap());
-    assert_eq!(b.status.code(), Some(0), "{name} rank 1:\n{}", text(&b));
-    (a, b)
+    let outs: Vec<Output> = kids
+        .into_iter()
+        .map(|c| c.wait_with_output().unwrap())
+        .collect();
+    for (r, o) in outs.iter().enumerate().skip(1) {
+        assert_eq!(o.status.code(), Some(0), "{name} rank {r}:\n{}", text(o));
+    }
+    outs
+}
+
+/// In place, nccl-tests' sendrecv sends from the buffer it receives into, and alltoall sends
+/// and receives in one buffer: with 3 processes in a ring and more data than a connection's
+/// FIFO holds (8 slots of 128 KiB), a receive can overtake its send and must not overwrite
+/// what is still to be sent.
+#[test]
+fn three_processes_in_place_p2p() {
+    for name in ["sendrecv_perf", "alltoall_perf"] {
+        let outs = processes(
+            3,
+            name,
+            &[
+                "-b", "3M", "-e", "6M", "-f", "2", "-d", "int32", "-n", "3", "-w", "1",
+            ],
+            &[],
+        );
+        assert_clean(&outs[0], 2);
+    }
 }
 
 #[test]

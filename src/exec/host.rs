@@ -131,6 +131,9 @@ impl Running {
                 return self.finish(Err(e));
             }
             self.started = true;
+            // SAFETY: the task's turn has come: earlier work of its stream and communicator is
+            // done, and its sends' ranges were validated at enqueue.
+            unsafe { self.task.p2p_stash.fill() };
             self.load_stage();
         }
         let mut progress = false;
@@ -168,10 +171,14 @@ impl Running {
     /// Makes the front stage's lanes current (the stage stays queued until it ends).
     fn load_stage(&mut self) {
         self.stage_lanes = match self.task.stages.front_mut() {
-            Some(st) => std::mem::take(&mut st.lanes)
-                .into_iter()
-                .map(Lane::new)
-                .collect(),
+            Some(st) => {
+                // SAFETY: the stages before this one are done, and the task's turn has come.
+                unsafe { st.stash.fill() };
+                std::mem::take(&mut st.lanes)
+                    .into_iter()
+                    .map(Lane::new)
+                    .collect()
+            }
             None => Vec::new(),
         };
     }

@@ -88,7 +88,7 @@ impl<'a> LoneOp<'a> {
         let stage = |lanes| Stage {
             lanes,
             fault: self.fault,
-            scratch: Vec::new(),
+            stash: Default::default(),
         };
         Err(match self.state.take() {
             Some(state) => {

@@ -4,7 +4,7 @@
 
 use crate::comm::Core;
 use crate::error::Result;
-use crate::plan::{Stage, Work};
+use crate::plan::{Stage, Stash, Work};
 use std::collections::VecDeque;
 use std::sync::Arc;
 
@@ -13,6 +13,8 @@ pub struct Task {
     pub ticket: u64,
     pub stages: VecDeque<Stage>,
     pub p2p: Vec<Vec<Work>>,
+    /// Copies of send buffers that receives of the same task overwrite (see `Stash`).
+    pub p2p_stash: Stash,
     /// What the task does, for log and timeout messages.
     pub what: What,
 }
@@ -44,6 +46,7 @@ impl Task {
             ticket: u64::MAX,
             stages: VecDeque::new(),
             p2p: Vec::new(),
+            p2p_stash: Stash::default(),
             what,
         }
     }

@@ -3,7 +3,7 @@
 //! transfers progress together.
 
 use super::ring::Links;
-use super::{Prim, Program, Stage, Step};
+use super::{overlaps, Prim, Program, Stage, Step};
 use crate::error::Result;
 use crate::transport::Class;
 use crate::types::DataType;
@@ -57,21 +57,6 @@ pub fn local_copy(l: &dyn Links, src: usize, dst: usize, count: usize, dtype: Da
     )
 }
 
-/// Keep a private copy of `bytes` at `src` in the stage (in-place operations whose receives
-/// would overwrite data still to be sent).
-fn stash(stage: &mut Stage, src: usize, bytes: usize) -> usize {
-    let mut v = vec![0u8; bytes.max(1)];
-    // SAFETY: the caller's buffer holds `bytes` bytes (validated at enqueue); `v` is fresh.
-    unsafe { std::ptr::copy_nonoverlapping(src as *const u8, v.as_mut_ptr(), bytes) };
-    let p = v.as_ptr() as usize;
-    stage.scratch.push(v);
-    p
-}
-
-fn overlaps(a: usize, alen: usize, b: usize, blen: usize) -> bool {
-    a < b + blen && b < a + alen
-}
-
 pub fn all_to_all(
     l: &dyn Links,
     send: usize,
@@ -82,8 +67,9 @@ pub fn all_to_all(
     let (r, n, es) = (l.rank(), l.nranks(), dtype.size());
     let mut stage = Stage::default();
     let total = n * count * es;
-    let src = if overlaps(send, total, recv, total) && count > 0 {
-        stash(&mut stage, send, total)
+    // In place, receives would overwrite blocks still to be sent: send from a private copy.
+    let src = if overlaps(send, total, recv, total) {
+        stage.stash.keep(send, total)
     } else {
         send
     };

@@ -218,8 +218,50 @@ pub struct Stage {
     pub lanes: Vec<Vec<Work>>,
     /// Output to spoil on purpose after the stage (OXCCL_FAULT=corrupt): (dtype, address, count).
     pub fault: Option<(DataType, usize, usize)>,
-    /// Scratch memory the stage's programs point into; freed with the stage.
-    pub scratch: Vec<Vec<u8>>,
+    /// Private copies of inputs the stage's programs read instead of the caller's buffers,
+    /// taken when the stage starts.
+    pub stash: Stash,
+}
+
+/// Private copies of input ranges that the work planned with them would otherwise overwrite
+/// before reading (in-place all-to-all, a send from the buffer a receive of the same group
+/// writes). Planned with the work, so that programs can point into them, but filled only when
+/// the work starts, in stream order: earlier work on the stream may still be writing the input.
+#[derive(Default)]
+pub struct Stash {
+    /// (caller's range start, bytes, copy).
+    copies: Vec<(usize, usize, Vec<u8>)>,
+}
+
+impl Stash {
+    /// Plans a copy of `bytes` at `src`; returns where the copy will be.
+    pub fn keep(&mut self, src: usize, bytes: usize) -> usize {
+        let v = vec![0u8; bytes.max(1)];
+        let at = v.as_ptr() as usize;
+        self.copies.push((src, bytes, v));
+        at
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.copies.is_empty()
+    }
+
+    /// Takes the planned copies.
+    ///
+    /// # Safety
+    /// Each planned source range is readable now (validated at enqueue, and no other work is
+    /// writing it).
+    pub unsafe fn fill(&mut self) {
+        for (src, bytes, v) in &mut self.copies {
+            // SAFETY: per the contract; `v` holds `bytes` and is private.
+            unsafe { std::ptr::copy_nonoverlapping(*src as *const u8, v.as_mut_ptr(), *bytes) };
+        }
+    }
+}
+
+/// Whether the byte ranges [a, a + alen) and [b, b + blen) share a byte.
+pub fn overlaps(a: usize, alen: usize, b: usize, blen: usize) -> bool {
+    alen > 0 && blen > 0 && a < b + blen && b < a + alen
 }
 
 /// Split `count` elements into `n` nearly equal segments: (offset, len) of segment `j`.
