@@ -8,6 +8,8 @@ use nccl::comm::Comm;
 use nccl::types::{CollKind, DataType, Scalar, OP_AVG, OP_MAX, OP_MIN, OP_PROD, OP_SUM};
 use std::sync::Arc;
 
+mod common;
+
 fn comms(n: usize) -> Vec<Arc<Comm>> {
     std::env::set_var("OXCCL_DEVICE", "host");
     let devs: Vec<i32> = (0..n as i32).collect();
@@ -752,14 +754,7 @@ fn two_ranks_one_element_each_segment_but_one_empty() {
 
 /// Child side of `separate_processes_share_memory`: one rank of a comm whose ranks are
 /// processes (the unique id travels in the environment, hex-encoded).
-fn child_rank() {
-    let hex = std::env::var("OXCCL_TEST_ID").unwrap();
-    let mut id = [0u8; 128];
-    for (i, b) in id.iter_mut().enumerate() {
-        *b = u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).unwrap();
-    }
-    let n: usize = std::env::var("OXCCL_TEST_N").unwrap().parse().unwrap();
-    let r: usize = std::env::var("OXCCL_TEST_RANK").unwrap().parse().unwrap();
+fn child_rank(id: [u8; nccl::api::UNIQUE_ID_BYTES], n: usize, r: usize) {
     let c = api::comm_init_rank(n as i32, &id, r as i32, Default::default()).unwrap();
     let count = 1_000_003;
     let send: Vec<i64> = (0..count)
@@ -916,30 +911,12 @@ fn shm_files() -> Vec<String> {
 
 #[test]
 fn separate_processes_share_memory() {
-    if std::env::var("OXCCL_TEST_RANK").is_ok() {
-        return child_rank();
+    if let Some((id, n, r)) = common::rank_env() {
+        return child_rank(id, n, r);
     }
     std::env::set_var("OXCCL_DEVICE", "host");
     for n in [2usize, 3] {
-        let id = api::get_unique_id().unwrap();
-        let hex: String = id.iter().map(|b| format!("{b:02x}")).collect();
-        let exe = std::env::current_exe().unwrap();
-        let kids: Vec<_> = (0..n)
-            .map(|r| {
-                std::process::Command::new(&exe)
-                    .args(["--exact", "separate_processes_share_memory", "--nocapture"])
-                    .env("OXCCL_TEST_ID", &hex)
-                    .env("OXCCL_TEST_N", n.to_string())
-                    .env("OXCCL_TEST_RANK", r.to_string())
-                    .env("OXCCL_TIMEOUT_S", "60")
-                    .stdout(std::process::Stdio::null())
-                    .spawn()
-                    .unwrap()
-            })
-            .collect();
-        for mut k in kids {
-            assert!(k.wait().unwrap().success(), "a rank process failed (n={n})");
-        }
+        common::run_ranks("separate_processes_share_memory", n, &[]);
     }
     let left: Vec<String> = shm_files()
         .into_iter()

@@ -6,6 +6,8 @@
 use nccl::api::{self, CollArgs, StreamArg};
 use nccl::types::{CollKind, DataType, OP_MAX, OP_MIN, OP_SUM};
 
+mod common;
+
 struct Rng(u64);
 
 impl Rng {
@@ -285,38 +287,16 @@ fn random_sequences_threads() {
 /// 1 KiB on may use here (OXCCL_CMA_MIN_BYTES), so that the tuner's choices vary.
 #[test]
 fn random_sequences_processes() {
-    if let Ok(r) = std::env::var("OXCCL_SOAK_RANK") {
-        let hex = std::env::var("OXCCL_SOAK_ID").unwrap();
-        let mut id = [0u8; nccl::api::UNIQUE_ID_BYTES];
-        for (i, b) in id.iter_mut().enumerate() {
-            *b = u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).unwrap();
-        }
-        let n: usize = env_or("OXCCL_SOAK_N", 0);
-        let (seed, batches) = params();
+    let (seed, batches) = params();
+    if let Some((id, n, r)) = common::rank_env() {
         let seq = draw(seed.wrapping_add(n as u64), n, batches);
-        return run_rank(n, r.parse().unwrap(), &id, &seq);
+        return run_rank(n, r, &id, &seq);
     }
-    std::env::set_var("OXCCL_DEVICE", "host");
     for n in [2usize, 3] {
-        let id = api::get_unique_id().unwrap();
-        let hex: String = id.iter().map(|b| format!("{b:02x}")).collect();
-        let exe = std::env::current_exe().unwrap();
-        let kids: Vec<_> = (0..n)
-            .map(|r| {
-                std::process::Command::new(&exe)
-                    .args(["--exact", "random_sequences_processes", "--nocapture"])
-                    .env("OXCCL_SOAK_ID", &hex)
-                    .env("OXCCL_SOAK_N", n.to_string())
-                    .env("OXCCL_SOAK_RANK", r.to_string())
-                    .env("OXCCL_CMA_MIN_BYTES", "1K")
-                    .env("OXCCL_TIMEOUT_S", "60")
-                    .stdout(std::process::Stdio::null())
-                    .spawn()
-                    .unwrap()
-            })
-            .collect();
-        for (r, mut k) in kids.into_iter().enumerate() {
-            assert!(k.wait().unwrap().success(), "rank {r} of {n} failed");
-        }
+        common::run_ranks(
+            "random_sequences_processes",
+            n,
+            &[("OXCCL_CMA_MIN_BYTES", "1K")],
+        );
     }
 }
