@@ -342,17 +342,17 @@ fn two_processes_via_rank_world_size() {
 }
 
 /// Ordinary (malloc) buffers in two processes, every type and op, in and out of place: eager
-/// operations for small sizes, then the ring (default), cross-memory attach for every larger
-/// size (OXCCL_CMA_MIN_BYTES=0), and the ring when cross-memory attach is off (OXCCL_CMA=0).
+/// operations for small sizes, then the ring (default: cross-memory attach is off), and
+/// cross-memory attach competing with the ring at every larger size (OXCCL_CMA=1
+/// OXCCL_CMA_MIN_BYTES=0).
 #[test]
 fn two_processes_every_algorithm() {
     let reducing = ["all_reduce_perf", "reduce_perf", "reduce_scatter_perf"];
     for envs in [
         &[][..],
-        &[("OXCCL_CMA_MIN_BYTES", "0")][..],
-        &[("OXCCL_CMA", "0"), ("OXCCL_CMA_MIN_BYTES", "0")][..],
+        &[("OXCCL_CMA", "1"), ("OXCCL_CMA_MIN_BYTES", "0")][..],
         // The ring with FIFO slots filled by streaming stores at every size.
-        &[("OXCCL_CMA", "0"), ("OXCCL_FIFO_STREAM", "1")][..],
+        &[("OXCCL_FIFO_STREAM", "1")][..],
     ] {
         for name in reducing
             .iter()

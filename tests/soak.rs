@@ -284,7 +284,7 @@ fn random_sequences_threads() {
 
 /// Ranks as processes (this test binary run again as each rank): malloc buffers of other
 /// processes are reached through the FIFO rings and cross-memory attach, which every size from
-/// 1 KiB on may use here (OXCCL_CMA_MIN_BYTES), so that the tuner's choices vary.
+/// 1 KiB on may use here (OXCCL_CMA=1, OXCCL_CMA_MIN_BYTES), so that the tuner's choices vary.
 #[test]
 fn random_sequences_processes() {
     let (seed, batches) = params();
@@ -296,7 +296,7 @@ fn random_sequences_processes() {
         common::run_ranks(
             "random_sequences_processes",
             n,
-            &[("OXCCL_CMA_MIN_BYTES", "1K")],
+            &[("OXCCL_CMA", "1"), ("OXCCL_CMA_MIN_BYTES", "1K")],
         );
     }
 }

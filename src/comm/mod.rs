@@ -318,9 +318,10 @@ fn build_core(p: PendingInit) -> Result<Core> {
         let shared = peers.iter().any(|q| q.pid != me.pid);
         if shared {
             // Cross-memory attach only if every rank reaches every other process.
-            let mine = peers
-                .iter()
-                .all(|q| q.pid == me.pid || crate::transport::cma::can_reach(q.pid, q.probe));
+            let mine = crate::param::cma_enabled()
+                && peers
+                    .iter()
+                    .all(|q| q.pid == me.pid || crate::transport::cma::can_reach(q.pid, q.probe));
             let all = boot.allgather(&[mine as u8])?;
             cma = all.iter().all(|v| v.first() == Some(&1));
         }

@@ -2,8 +2,9 @@
 //! (`process_vm_readv` / `process_vm_writev`). Direct algorithms use it for buffers of ranks in
 //! other processes that cannot be mapped (ordinary `malloc` memory), where the alternative is a
 //! copy into a shared FIFO and another out of it. The kernel allows it between processes of one
-//! user unless ptrace is restricted (Yama, seccomp, containers): communicators probe it at init
-//! and use it only when every rank can reach every other (`OXCCL_CMA=0` turns it off).
+//! user unless ptrace is restricted (Yama, seccomp, containers). With `OXCCL_CMA=1` (see
+//! `param::cma_enabled` for why it is off by default), communicators probe it at init and use it
+//! only when every rank can reach every other.
 
 use crate::error::{Error, Result};
 use nix::sys::uio::{process_vm_readv, process_vm_writev, RemoteIoVec};
@@ -20,7 +21,7 @@ pub fn probe_addr() -> u64 {
 
 /// Whether this process can read `pid`'s memory (its probe word at `addr`).
 pub fn can_reach(pid: u32, addr: u64) -> bool {
-    if !crate::param::cma_enabled() || addr == 0 {
+    if addr == 0 {
         return false;
     }
     let mut word = [0u8; 8];
@@ -33,7 +34,7 @@ pub fn can_reach(pid: u32, addr: u64) -> bool {
 
 fn os(what: &str, pid: u32, e: nix::Error) -> Error {
     Error::system(format!(
-        "{what} of process {pid}'s memory failed: {e} (set OXCCL_CMA=0 to avoid cross-memory attach)"
+        "{what} of process {pid}'s memory failed: {e} (unset OXCCL_CMA to avoid cross-memory attach)"
     ))
 }
 
