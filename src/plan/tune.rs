@@ -7,9 +7,10 @@
 //!
 //! - ring senders fill FIFO slots with ordinary or with streaming stores (`Tuner::fifo`): a choice
 //!   each rank makes alone, since the protocol is the same either way;
-//! - large direct operations on other processes' `malloc` buffers use the ring or cross-memory
-//!   attach (`Tuner::cma`): a collective choice, so each rank votes on the board and all derive
-//!   the same verdict from the published votes (`verdict`).
+//! - with cross-memory attach turned on (`OXCCL_CMA=1`, off by default, see
+//!   `param::cma_enabled`), large direct operations on other processes' `malloc` buffers use the
+//!   ring or cross-memory attach (`Tuner::cma`): a collective choice, so each rank votes on the
+//!   board and all derive the same verdict from the published votes (`verdict`).
 //!
 //! Each choice keeps a running estimate of the bandwidth seen with each option; now and then an
 //! operation takes the option not chosen, so that an estimate gone stale is refreshed (exploring
