@@ -1,7 +1,7 @@
 //! Collectives, their `*Config` variants, point-to-point and one-sided operations.
 
 use super::types::*;
-use super::{buffer, comm_arg, comm_nranks, comm_rank, entry, non_null};
+use super::{buffer, comm_arg, entry, non_null};
 use crate::api::{self, CollArgs};
 use crate::error::{Error, Result};
 use crate::types::{CollKind, DataType};
@@ -21,36 +21,6 @@ struct Call {
     stream: cudaStream_t,
 }
 
-/// How many elements of the send and receive buffers a rank touches, for the null checks and
-/// the byte-size overflow check.
-fn extents(
-    kind: CollKind,
-    count: usize,
-    nranks: usize,
-    rank: i32,
-    root: i32,
-) -> Option<(usize, usize)> {
-    let all = count.checked_mul(nranks)?;
-    let is_root = rank == root;
-    Some(match kind {
-        CollKind::AllReduce | CollKind::Broadcast => (count, count),
-        CollKind::Reduce => (count, if is_root { count } else { 0 }),
-        CollKind::AllGather => (count, all),
-        CollKind::ReduceScatter | CollKind::AlltoAll => (
-            all,
-            if kind == CollKind::AlltoAll {
-                all
-            } else {
-                count
-            },
-        ),
-        CollKind::Gather => (count, if is_root { all } else { 0 }),
-        CollKind::Scatter => (if is_root { all } else { 0 }, count),
-        CollKind::Send => (count, 0),
-        CollKind::Recv => (0, count),
-    })
-}
-
 fn enqueue(c: Call) -> Result<()> {
     let dtype = DataType::from_raw(c.datatype.0)?;
     let op = match c.op {
@@ -64,30 +34,9 @@ fn enqueue(c: Call) -> Result<()> {
         None => 0,
     };
     let comm = comm_arg(c.comm)?;
-    let nranks = comm_nranks(&comm)?;
-    let rank = comm_rank(&comm)?;
+    // Roots, peers, NULL buffers and counts are checked against the communicator by the engine
+    // (`group::validate`), which Rust callers go through too.
     let root = c.root.unwrap_or(0);
-    if c.root.is_some() && (root < 0 || root >= nranks) {
-        let what = if c.kind.is_p2p() { "peer" } else { "root" };
-        return Err(Error::invalid_argument(format!(
-            "{what} {root} is out of range [0, {nranks})"
-        )));
-    }
-    let overflow = || {
-        Error::invalid_argument(format!(
-            "count {} of {} elements overflows the address space",
-            c.count,
-            dtype.name()
-        ))
-    };
-    let (send_n, recv_n) =
-        extents(c.kind, c.count, nranks.max(1) as usize, rank, root).ok_or_else(overflow)?;
-    send_n
-        .max(recv_n)
-        .checked_mul(dtype.size())
-        .ok_or_else(overflow)?;
-    buffer(c.send, send_n, "sendbuff")?;
-    buffer(c.recv, recv_n, "recvbuff")?;
     let stream = api::stream_from_handle(c.stream as usize)?;
     let args = CollArgs {
         kind: c.kind,
