@@ -16,19 +16,35 @@ use crate::types::{
     CollKind, DataType, ReduceKind, Reduction, Scalar, NUM_BUILTIN_OPS, OP_AVG, OP_MAX, OP_MIN,
     OP_PROD, OP_SUM,
 };
+use std::borrow::Borrow;
 use std::cell::RefCell;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
-struct Queued {
-    /// The communicator's core (one per communicator).
-    core: Arc<Core>,
+/// A validated call. `C` holds the communicator's core (one per communicator): owned when the
+/// call is queued in a group, borrowed from the communicator when it runs at once.
+struct Queued<C: Borrow<Arc<Core>> = Arc<Core>> {
+    core: C,
     args: CollArgs,
     red: Option<RedSpec>,
     stream: StreamArg,
 }
 
-impl Queued {
+impl<C: Borrow<Arc<Core>>> Queued<C> {
+    fn core(&self) -> &Arc<Core> {
+        self.core.borrow()
+    }
+
+    /// The call with its own reference to the core, to queue or to plan.
+    fn owned(self) -> Queued {
+        Queued {
+            core: self.core.borrow().clone(),
+            args: self.args,
+            red: self.red,
+            stream: self.stream,
+        }
+    }
+
     /// Whether the call goes to host stream `s`.
     fn on(&self, s: &Arc<HostStream>) -> bool {
         matches!(&self.stream, StreamArg::Host(x) if Arc::ptr_eq(x, s))
@@ -123,7 +139,7 @@ pub fn enqueue(comm: &Arc<Comm>, args: CollArgs, stream: StreamArg) -> Result<()
         let mut g = g.borrow_mut();
         match checked {
             Ok(q) => {
-                g.ops.push(q);
+                g.ops.push(q.owned());
                 Ok(())
             }
             Err(e) => {
@@ -146,8 +162,8 @@ fn bytes_of(count: usize, mult: usize, dtype: DataType, what: &str) -> Result<us
         })
 }
 
-fn validate(comm: &Arc<Comm>, a: &CollArgs) -> Result<(Arc<Core>, Option<RedSpec>)> {
-    let core = comm.core()?.clone();
+fn validate<'c>(comm: &'c Arc<Comm>, a: &CollArgs) -> Result<(&'c Arc<Core>, Option<RedSpec>)> {
+    let core = comm.core()?;
     if let Some(e) = core.broken() {
         return Err(e);
     }
@@ -264,38 +280,26 @@ pub fn scalar_from_f64(dtype: DataType, v: f64) -> Scalar {
 }
 
 /// Launches a group of one call.
-fn launch_one(q: Queued) -> Result<()> {
+fn launch_one<C: Borrow<Arc<Core>>>(q: Queued<C>) -> Result<()> {
     match run_lone(std::slice::from_ref(&q)) {
         Some(r) => r,
-        None => launch_tasks(vec![q]),
+        None => launch_tasks(vec![q.owned()]),
     }
-}
-
-/// The board collective a collective call can run as.
-fn board_kind(kind: CollKind) -> Option<BoardKind> {
-    Some(match kind {
-        CollKind::AllReduce => BoardKind::AllReduce,
-        CollKind::ReduceScatter => BoardKind::ReduceScatter,
-        CollKind::AllGather => BoardKind::AllGather,
-        CollKind::Broadcast => BoardKind::Broadcast,
-        CollKind::Reduce => BoardKind::Reduce,
-        _ => return None,
-    })
 }
 
 /// Calls that all fit the board (eager operations), at most one per communicator, on
 /// communicators with nothing outstanding and streams that are idle, run on this thread at once,
 /// polled together (`exec::lone`); None when they do not qualify (nothing was taken: plan them
 /// as usual).
-fn run_lone(qs: &[Queued]) -> Option<Result<()>> {
+fn run_lone<C: Borrow<Arc<Core>>>(qs: &[Queued<C>]) -> Option<Result<()>> {
     let budget = crate::param::inline_budget();
     for (i, q) in qs.iter().enumerate() {
-        let (core, a) = (&q.core, &q.args);
-        let bk = board_kind(a.kind)?;
+        let (core, a) = (q.core(), &q.args);
+        let bk = BoardKind::of(a.kind)?;
         if core.nranks < 2
             || !BoardOp::fits_inline(bk, core.nranks, a.count, a.dtype)
             || !core.has_board()
-            || qs[..i].iter().any(|p| Arc::ptr_eq(&p.core, core))
+            || qs[..i].iter().any(|p| Arc::ptr_eq(p.core(), core))
             || (budget.is_zero() && matches!(q.stream, StreamArg::Host(_)))
         {
             return None;
@@ -323,7 +327,7 @@ fn run_lone(qs: &[Queued]) -> Option<Result<()>> {
         }
         claimed += 1;
     }
-    if claimed < qs.len() || !qs.iter().all(|q| q.core.idle()) {
+    if claimed < qs.len() || !qs.iter().all(|q| q.core().idle()) {
         for (i, q) in qs[..claimed].iter().enumerate() {
             if let (StreamArg::Host(s), true) = (&q.stream, first_on_stream(i)) {
                 s.release([]);
@@ -332,16 +336,15 @@ fn run_lone(qs: &[Queued]) -> Option<Result<()>> {
         return None;
     }
     use crate::exec::lone::{self, LoneOp};
-    fn start(q: &Queued) -> LoneOp<'_> {
-        let (core, a) = (&q.core, &q.args);
+    fn start<C: Borrow<Arc<Core>>>(q: &Queued<C>) -> LoneOp<'_> {
+        let (core, a) = (q.core(), &q.args);
         let (board, seq) = core
             .board_op()
             .expect("checked: the communicator has a board");
         let ticket = core.take_ticket();
-        let bk = board_kind(a.kind).expect("checked: a board collective");
+        let bk = BoardKind::of(a.kind).expect("checked: a board collective");
         let op = new_board_op(core, a, q.red, bk, board, seq, None);
-        let fault = Some((a.dtype, a.recv, out_count(a, core.nranks, core.rank)));
-        LoneOp::new(core, ticket, op, fault, describe(std::slice::from_ref(q)))
+        LoneOp::new(core, ticket, op)
     }
     // A single call (the common case) allocates nothing.
     Some(if qs.len() == 1 {
@@ -359,7 +362,20 @@ fn run_lone(qs: &[Queued]) -> Option<Result<()>> {
 /// Results of lone operations (`ops`, one per call of `qs`): the NULL stream's returned (its
 /// unfinished work runs here to the end), each host stream's recorded on it (its unfinished work
 /// handed to it), which ends that stream's claim.
-fn end_lone(qs: &[Queued], ops: &mut [crate::exec::lone::LoneOp<'_>]) -> Result<()> {
+fn end_lone<C: Borrow<Arc<Core>>>(
+    qs: &[Queued<C>],
+    ops: &mut [crate::exec::lone::LoneOp<'_>],
+) -> Result<()> {
+    if let ([q], [o]) = (qs, &mut *ops) {
+        // One call, the common case: nothing to gather.
+        return match &q.stream {
+            StreamArg::Null => o.finish().unwrap_or_else(|b| finish_null(vec![b])),
+            StreamArg::Host(s) => {
+                end_on_stream(s, o.finish());
+                Ok(())
+            }
+        };
+    }
     let mut first_err = None;
     let mut null_pending = Vec::new();
     // Streams with several of the calls, and what they have so far.
@@ -379,12 +395,8 @@ fn end_lone(qs: &[Queued], ops: &mut [crate::exec::lone::LoneOp<'_>]) -> Result<
             }
             StreamArg::Host(s) => s,
         };
-        let (pending, error) = match r {
-            Ok(r) => (None, r.err()),
-            Err(b) => (Some(b), None),
-        };
         if qs.iter().filter(|p| p.on(s)).count() == 1 {
-            s.end_claim(pending, error);
+            end_on_stream(s, r);
             continue;
         }
         let at = match shared.iter().position(|(x, _, _)| Arc::ptr_eq(x, s)) {
@@ -394,23 +406,39 @@ fn end_lone(qs: &[Queued], ops: &mut [crate::exec::lone::LoneOp<'_>]) -> Result<
                 shared.len() - 1
             }
         };
-        shared[at].1.extend(pending);
-        shared[at].2.extend(error);
+        match r {
+            Ok(r) => shared[at].2.extend(r.err()),
+            Err(b) => shared[at].1.push(b),
+        }
     }
     for (s, pending, errors) in shared {
         let pending = (!pending.is_empty()).then(|| Batch::join(pending));
         s.end_claim(pending, errors);
     }
     if !null_pending.is_empty() {
-        let mut b = Batch::join(null_pending);
-        b.run_until(None);
-        for r in b.results() {
-            if let Err(e) = r {
-                first_err.get_or_insert(e);
-            }
+        if let Err(e) = finish_null(null_pending) {
+            first_err.get_or_insert(e);
         }
     }
     first_err.map_or(Ok(()), Err)
+}
+
+/// Ends the claim of the stream of a lone call, with the call's result or unfinished work.
+fn end_on_stream(s: &HostStream, r: std::result::Result<Result<()>, Batch>) {
+    match r {
+        Ok(r) => s.end_claim(None, r.err()),
+        Err(b) => s.end_claim(Some(b), None),
+    }
+}
+
+/// Runs lone calls' unfinished work on the NULL stream to the end: their first error.
+fn finish_null(pending: Vec<Batch>) -> Result<()> {
+    let mut b = Batch::join(pending);
+    b.run_until(None);
+    b.results()
+        .into_iter()
+        .find_map(|r| r.err())
+        .map_or(Ok(()), Err)
 }
 
 /// A board operation for call `a`: eager when `fallback` (the ring program to run instead when
@@ -501,7 +529,7 @@ fn launch_tasks(ops: Vec<Queued>) -> Result<()> {
     }
 }
 
-fn describe(qs: &[Queued]) -> crate::exec::task::What {
+fn describe<C: Borrow<Arc<Core>>>(qs: &[Queued<C>]) -> crate::exec::task::What {
     let a = &qs[0].args;
     crate::exec::task::What {
         kind: a.kind.name(),
@@ -558,7 +586,7 @@ fn build_task(qs: Vec<Queued>) -> Result<Task> {
                 | CollKind::AllGather
                 | CollKind::Broadcast
                 | CollKind::Reduce => {
-                    let bk = board_kind(a.kind).expect("a board collective");
+                    let bk = BoardKind::of(a.kind).expect("a board collective");
                     let ring_program = || -> Result<plan::Program> {
                         match bk {
                             BoardKind::AllReduce => ring::all_reduce(

@@ -110,11 +110,11 @@ impl HostStream {
         let mut deadline = None;
         let mut deadline = || *deadline.get_or_insert_with(|| Instant::now() + budget);
         loop {
-            if let Some(work) = self.take_over() {
+            if let Some(work) = self.take_over_queued() {
                 if spins > 0 {
                     self.wanted.store(false, Ordering::Release);
                 }
-                return work.is_empty() || self.run_taken(work, Some(deadline()), true);
+                return work.is_none_or(|w| self.run_taken(w, Some(deadline()), true));
             }
             // The worker runs a batch: ask for it.
             self.wanted.store(true, Ordering::Release);
@@ -145,14 +145,19 @@ impl HostStream {
 
     /// Claims the stream with the work queued on it, unless the worker is running some.
     fn take_over(&self) -> Option<VecDeque<Batch>> {
+        self.take_over_queued().map(Option::unwrap_or_default)
+    }
+
+    /// `take_over`, with None for an empty queue (nothing to hand back or drop: the common case
+    /// of a launch on an idle stream).
+    fn take_over_queued(&self) -> Option<Option<VecDeque<Batch>>> {
         let mut s = self.state.lock();
         if s.busy {
             return None;
         }
         s.busy = true;
         s.lazy_until = None;
-        let work = std::mem::take(&mut s.queue);
-        Some(work)
+        Some((!s.queue.is_empty()).then(|| std::mem::take(&mut s.queue)))
     }
 
     /// Ends a claim, queueing `work` (taken over, not finished) again in front.

@@ -3,13 +3,14 @@
 //! rank is done (peers write into our output). Falls back to the op's ring program when some
 //! peer buffer cannot be reached.
 
-use super::copy::copy_out;
+use super::copy::{copy_out, copy_tiny};
 use super::steps::{poll_program, Cursor, Poll};
 use crate::error::{Error, Result};
 use crate::plan::board::{BoardKind, BoardOp};
 use crate::plan::segment;
 use crate::plan::tune::{self, CMA};
 use crate::reduce::Reducer;
+use crate::transport::board::TINY;
 use crate::transport::cma;
 use crate::types::{Reduction, Scalar};
 use std::time::Instant;
@@ -57,27 +58,63 @@ impl BoardState {
     }
 
     pub(super) fn poll(&mut self, op: &BoardOp) -> Result<Poll> {
+        if op.eager() {
+            self.poll_eager(op)
+        } else {
+            self.poll_direct(op)
+        }
+    }
+
+    /// An eager operation (a small one's whole latency is made here): publish this rank's input
+    /// on the board, then, once every rank has arrived, compute this rank's output.
+    fn poll_eager(&mut self, op: &BoardOp) -> Result<Poll> {
+        let sb = op.extents().0;
+        let mut progressed = false;
+        match self.phase {
+            Phase::Publish => {
+                if op.sends(op.rank) {
+                    let (dst, src) = (
+                        op.board.eager_area(op.rank, op.seq, sb),
+                        op.send as *const u8,
+                    );
+                    // SAFETY: the send buffer holds `sb` bytes (validated at enqueue); the eager
+                    // area holds at least `sb` (fits_inline) and is ours for `seq`.
+                    unsafe {
+                        if sb <= TINY {
+                            copy_tiny(dst, src, sb)
+                        } else {
+                            copy_out(dst, src, sb, false)
+                        }
+                    };
+                }
+                op.board.publish_eager(op.rank, op.seq, own_scalar(op));
+                self.phase = Phase::Arrive;
+                progressed = true;
+            }
+            Phase::Finished => return Ok(Poll::Done),
+            _ => {}
+        }
+        if !(0..op.nranks).all(|p| op.board.arrived(p, op.seq)) {
+            return Ok(if progressed {
+                Poll::Progress
+            } else {
+                Poll::Blocked
+            });
+        }
+        let src = |p: usize| op.board.eager_area(p, op.seq, sb) as usize;
+        // SAFETY: every rank's eager area holds its input for `seq` until everyone has arrived
+        // at `seq + 1`, which needs this rank to finish.
+        unsafe { compute_eager(op, &src)? };
+        self.phase = Phase::Finished;
+        Ok(Poll::Done)
+    }
+
+    /// A direct operation on peers' buffers, or its ring fallback.
+    #[inline(never)]
+    fn poll_direct(&mut self, op: &BoardOp) -> Result<Poll> {
         let mut progressed = false;
         loop {
             match &mut self.phase {
-                Phase::Publish if op.eager() => {
-                    if op.sends(op.rank) {
-                        let (sb, _) = op.extents();
-                        // SAFETY: the send buffer holds `sb` bytes (validated at enqueue); the
-                        // eager area holds at least `sb` (fits_inline) and is ours for `seq`.
-                        unsafe {
-                            copy_out(
-                                op.board.eager_area(op.rank, op.seq, sb),
-                                op.send as *const u8,
-                                sb,
-                                false,
-                            )
-                        };
-                    }
-                    op.board.publish_eager(op.rank, op.seq, own_scalar(op));
-                    self.phase = Phase::Arrive;
-                    progressed = true;
-                }
                 Phase::Publish => {
                     let (sb, rb) = op.extents();
                     let send = crate::memory::describe(op.send, sb);
@@ -98,15 +135,6 @@ impl BoardState {
                         } else {
                             Poll::Blocked
                         });
-                    }
-                    if op.eager() {
-                        let sb = op.extents().0;
-                        let src = |p: usize| op.board.eager_area(p, op.seq, sb) as usize;
-                        // SAFETY: every rank's inline area holds its input for `seq` until
-                        // everyone has arrived at `seq + 1`, which needs this rank to finish.
-                        unsafe { compute_eager(op, &src)? };
-                        self.phase = Phase::Finished;
-                        return Ok(Poll::Done);
                     }
                     let (peers, path) = resolve(op)?;
                     // Timed from when all have arrived: a late peer is not the path's fault.

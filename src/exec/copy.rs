@@ -24,6 +24,27 @@ pub(crate) unsafe fn copy_out(dst: *mut u8, src: *const u8, bytes: usize, stream
     unsafe { std::ptr::copy_nonoverlapping(src, dst, bytes) };
 }
 
+/// Copies a few bytes (an eager operation's tiny input) in words, without calling `memcpy`.
+///
+/// # Safety
+/// Both ranges are valid for `bytes` bytes and disjoint.
+#[inline]
+pub(crate) unsafe fn copy_tiny(dst: *mut u8, src: *const u8, bytes: usize) {
+    let mut i = 0;
+    // SAFETY: every access stays below `bytes`; unaligned reads and writes.
+    unsafe {
+        while i + 8 <= bytes {
+            let w = src.add(i).cast::<u64>().read_unaligned();
+            dst.add(i).cast::<u64>().write_unaligned(w);
+            i += 8;
+        }
+        while i < bytes {
+            *dst.add(i) = *src.add(i);
+            i += 1;
+        }
+    }
+}
+
 /// SSE2 streaming copy (SSE2 is part of x86-64): an ordinary copy up to the first 16-byte
 /// aligned destination address, 64 bytes per iteration with `movntdq`, an ordinary tail, and a
 /// store fence so that the data is visible before whatever the caller publishes next.

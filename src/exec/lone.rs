@@ -8,12 +8,11 @@
 use super::board::BoardState;
 use super::host::{spoil, Batch, CLOCK_EVERY};
 use super::steps::Poll;
-use super::task::{Task, What};
+use super::task::Task;
 use crate::comm::Core;
 use crate::error::Result;
 use crate::plan::board::BoardOp;
 use crate::plan::{Stage, Work};
-use crate::types::DataType;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -26,28 +25,17 @@ pub struct LoneOp<'a> {
     /// None when the operation cannot start here (earlier work of the communicator, or a broken
     /// or aborted communicator): the batch knows how to wait for it, or to fail.
     state: Option<BoardState>,
-    /// The output that OXCCL_FAULT=corrupt spoils, as for a stage.
-    fault: Option<(DataType, usize, usize)>,
-    what: What,
     result: Option<Result<()>>,
 }
 
 impl<'a> LoneOp<'a> {
-    pub fn new(
-        core: &'a Arc<Core>,
-        ticket: u64,
-        op: BoardOp,
-        fault: Option<(DataType, usize, usize)>,
-        what: What,
-    ) -> LoneOp<'a> {
+    pub fn new(core: &'a Arc<Core>, ticket: u64, op: BoardOp) -> LoneOp<'a> {
         let startable = core.is_serving(ticket) && !core.aborted() && core.broken().is_none();
         LoneOp {
             core,
             ticket,
             state: startable.then(|| BoardState::new(&op)),
             op: Some(op),
-            fault,
-            what,
             result: None,
         }
     }
@@ -62,7 +50,7 @@ impl<'a> LoneOp<'a> {
         };
         let r = match state.poll(op) {
             Ok(Poll::Done) => {
-                spoil(self.fault);
+                spoil(Some(op.output()));
                 Ok(())
             }
             Err(e) => {
@@ -83,11 +71,12 @@ impl<'a> LoneOp<'a> {
             return Ok(r);
         }
         let op = Box::new(self.op.take().expect("a lone operation finishes once"));
-        let mut t = Task::new(self.core.clone(), self.what);
+        let mut t = Task::new(self.core.clone(), op.what());
         t.ticket = self.ticket;
+        let fault = Some(op.output());
         let stage = |lanes| Stage {
             lanes,
-            fault: self.fault,
+            fault,
             stash: Default::default(),
         };
         Err(match self.state.take() {

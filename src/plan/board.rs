@@ -14,7 +14,7 @@
 use super::{Program, RedSpec};
 use crate::memory::PeerMaps;
 use crate::transport::board::Board;
-use crate::types::DataType;
+use crate::types::{CollKind, DataType};
 use std::sync::Arc;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -24,6 +24,30 @@ pub enum BoardKind {
     ReduceScatter,
     AllGather,
     Broadcast,
+}
+
+impl BoardKind {
+    /// The board collective a collective call can run as.
+    pub fn of(kind: CollKind) -> Option<BoardKind> {
+        Some(match kind {
+            CollKind::AllReduce => BoardKind::AllReduce,
+            CollKind::ReduceScatter => BoardKind::ReduceScatter,
+            CollKind::AllGather => BoardKind::AllGather,
+            CollKind::Broadcast => BoardKind::Broadcast,
+            CollKind::Reduce => BoardKind::Reduce,
+            _ => return None,
+        })
+    }
+
+    pub fn coll(self) -> CollKind {
+        match self {
+            BoardKind::AllReduce => CollKind::AllReduce,
+            BoardKind::ReduceScatter => CollKind::ReduceScatter,
+            BoardKind::AllGather => CollKind::AllGather,
+            BoardKind::Broadcast => CollKind::Broadcast,
+            BoardKind::Reduce => CollKind::Reduce,
+        }
+    }
 }
 
 pub struct BoardOp {
@@ -71,6 +95,25 @@ impl BoardOp {
     /// Whether rank `p`'s send buffer is an input (a non-root's Broadcast send buffer is not).
     pub fn sends(&self, p: usize) -> bool {
         self.kind != BoardKind::Broadcast || p == self.root
+    }
+
+    /// This rank's output as (type, address, elements): what OXCCL_FAULT=corrupt spoils.
+    pub fn output(&self) -> (DataType, usize, usize) {
+        let elems = match self.kind {
+            BoardKind::Reduce if self.rank != self.root => 0,
+            _ => self.extents().1 / self.dtype.size(),
+        };
+        (self.dtype, self.recv, elems)
+    }
+
+    /// The operation as the call that made it, for messages.
+    pub fn what(&self) -> crate::exec::task::What {
+        crate::exec::task::What {
+            kind: self.kind.coll().name(),
+            count: self.count,
+            dtype: self.dtype.name(),
+            more: 0,
+        }
     }
 
     /// Bytes of the operation's `count` elements: what its speed is measured over.
