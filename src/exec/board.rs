@@ -44,6 +44,7 @@ impl BoardState {
     pub(super) fn describe_wait(&self, op: &BoardOp) -> String {
         let (what, test): (&str, &dyn Fn(usize) -> bool) = match self.phase {
             Phase::Done => ("finish", &|p| op.board.is_done(p, op.seq)),
+            _ if op.eager() => ("arrive", &|p| op.board.arrived_eager(p, op.seq)),
             _ => ("arrive", &|p| op.board.arrived(p, op.seq)),
         };
         let late: Vec<String> = (0..op.nranks)
@@ -87,14 +88,14 @@ impl BoardState {
                         }
                     };
                 }
-                op.board.publish_eager(op.rank, op.seq, own_scalar(op));
+                op.board.publish_eager(op.rank, op.seq, premul_bits(op));
                 self.phase = Phase::Arrive;
                 progressed = true;
             }
             Phase::Finished => return Ok(Poll::Done),
             _ => {}
         }
-        if !(0..op.nranks).all(|p| op.board.arrived(p, op.seq)) {
+        if !(0..op.nranks).all(|p| op.board.arrived_eager(p, op.seq)) {
             return Ok(if progressed {
                 Poll::Progress
             } else {
@@ -197,11 +198,14 @@ impl BoardState {
     }
 }
 
-/// Every rank's inputs are scaled by that rank's own PreMulSum scalar: this rank's, to publish.
+/// Every rank's inputs are scaled by that rank's own PreMulSum scalar: this rank's, to publish
+/// (None when the operation has none).
+fn premul_bits(op: &BoardOp) -> Option<u64> {
+    op.red.and_then(|r| r.resolve().premul).map(|s| s.bits)
+}
+
 fn own_scalar(op: &BoardOp) -> u64 {
-    op.red
-        .and_then(|r| r.resolve().premul)
-        .map_or(0, |s| s.bits)
+    premul_bits(op).unwrap_or(0)
 }
 
 /// The reducers of an operation: one per rank when each brings its own PreMulSum scalar (read

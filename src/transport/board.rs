@@ -12,8 +12,8 @@ const HDR: usize = 256;
 /// Bytes of each rank's inline data area (two of them, by operation parity): small operations
 /// carry their inputs on the board itself (see `plan::board`, eager operations).
 pub const INLINE: usize = 32 << 10;
-/// Bytes of the inline areas that share a cache line with the rank's arrival.
-pub const TINY: usize = 24;
+/// Bytes of an eager operation's input that travel in the cache line of the rank's arrival.
+pub const TINY: usize = 56;
 
 /// How a peer can reach one of this rank's buffers.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -27,14 +27,23 @@ pub struct BufInfo {
     pub len: u64,
 }
 
+/// A rank's arrival at an eager operation and its input when tiny, in one cache line: a peer that
+/// sees the arrival has the data too (one transfer between cores instead of two).
+#[repr(C, align(64))]
+struct EagerLine {
+    arrive: AtomicU64,
+    tiny: [AtomicU64; TINY / 8],
+}
+
 /// One rank's slot: `arrive`/`done` are operation sequence numbers; the buffer descriptions are
 /// written before `arrive` is published and read by peers only between `arrive` and `done`.
 #[repr(C, align(64))]
 struct Slot {
+    /// Eager operations arrive here instead, by operation parity: each parity in a line of its
+    /// own, so that a rank already writing its next operation does not take away the line that
+    /// a slower peer is still reading the current one from.
+    eager: [EagerLine; 2],
     arrive: AtomicU64,
-    /// Inputs of up to `TINY` bytes, by operation parity, in the cache line of `arrive`: a peer
-    /// that sees the arrival has the data too (one transfer between cores instead of two).
-    tiny: [[AtomicU64; 3]; 2],
     done: AtomicU64,
     pid: AtomicU64,
     /// The rank's PreMulSum scalar (its bits; it may differ from rank to rank), by operation
@@ -46,6 +55,7 @@ struct Slot {
 }
 
 const _: () = assert!(std::mem::size_of::<Slot>() <= SLOT);
+const _: () = assert!(std::mem::size_of::<EagerLine>() == 64);
 
 pub struct Board {
     region: Region,
@@ -115,7 +125,7 @@ impl Board {
     /// arrival when it is tiny, else its inline area. Same reuse rules as `inline_area`.
     pub fn eager_area(&self, rank: usize, seq: u64, bytes: usize) -> *mut u8 {
         if bytes <= TINY {
-            self.slot(rank).tiny[(seq & 1) as usize][0].as_ptr() as *mut u8
+            self.slot(rank).eager[(seq & 1) as usize].tiny[0].as_ptr() as *mut u8
         } else {
             self.inline_area(rank, seq)
         }
@@ -144,16 +154,30 @@ impl Board {
         s.arrive.store(seq, Ordering::Release);
     }
 
-    /// Publishes this rank's arrival at an eager operation `seq` (its input is in its inline
-    /// area; peers read nothing else of its slot but the scalar).
-    pub fn publish_eager(&self, rank: usize, seq: u64, scalar: u64) {
+    /// Publishes this rank's arrival at an eager operation `seq` (its input is in its eager
+    /// area; peers read nothing else of its slot but its PreMulSum scalar, when it has one).
+    pub fn publish_eager(&self, rank: usize, seq: u64, scalar: Option<u64>) {
         let s = self.slot(rank);
-        s.scalar[(seq & 1) as usize].store(scalar, Ordering::Relaxed);
-        s.arrive.store(seq, Ordering::Release);
+        if let Some(v) = scalar {
+            s.scalar[(seq & 1) as usize].store(v, Ordering::Relaxed);
+        }
+        s.eager[(seq & 1) as usize]
+            .arrive
+            .store(seq, Ordering::Release);
     }
 
     pub fn arrived(&self, rank: usize, seq: u64) -> bool {
         self.slot(rank).arrive.load(Ordering::Acquire) >= seq
+    }
+
+    /// Whether `rank` has arrived at eager operation `seq`. Its line of that parity holds `seq`
+    /// once it has, and an older operation's number before (no rank gets two ahead: it cannot
+    /// finish `seq + 1` before everyone has arrived there).
+    pub fn arrived_eager(&self, rank: usize, seq: u64) -> bool {
+        self.slot(rank).eager[(seq & 1) as usize]
+            .arrive
+            .load(Ordering::Acquire)
+            >= seq
     }
 
     pub fn post_done(&self, rank: usize, seq: u64) {
