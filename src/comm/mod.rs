@@ -59,10 +59,14 @@ impl Core {
     pub fn is_serving(&self, ticket: u64) -> bool {
         self.serving.load(Ordering::Acquire) == ticket
     }
+    /// Ends the turn of `ticket`, if it is being served. Only the holder of the ticket being
+    /// served moves `serving` on, so a load and a store do what a compare-and-swap would, without
+    /// a locked instruction (which would first wait for this rank's arrival on the board, still
+    /// on its way to the peers, to leave the store buffer).
     pub fn advance_serving(&self, ticket: u64) {
-        let _ =
-            self.serving
-                .compare_exchange(ticket, ticket + 1, Ordering::AcqRel, Ordering::Acquire);
+        if self.serving.load(Ordering::Acquire) == ticket {
+            self.serving.store(ticket + 1, Ordering::Release);
+        }
     }
     /// True when every task handed out so far has finished.
     pub fn idle(&self) -> bool {
