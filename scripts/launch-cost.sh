@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# scripts/launch-cost.sh [N]
+#
+# What a small operation's launch costs on the host executor, in instructions: runs
+# all_reduce_perf -b 8 -e 8 with 2 processes (env launcher, shared memory), rank 0 under
+# callgrind, and prints the instructions executed inside ncclAllReduce per call. Rank 0 runs
+# about 50 times slower under valgrind, so its peer is always there first and the figure counts
+# the launch's own work, not waiting. N: iterations per column (default 50000). Needs valgrind
+# (apt-get install valgrind) and the built library and tools (cargo build --release --lib &&
+# make -C nccl-tests-compat). Instructions, unlike times, do not depend on the machine's load.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+N="${1:-50000}"
+command -v valgrind >/dev/null || { echo "launch-cost.sh: valgrind is needed" >&2; exit 1; }
+TOOL="$ROOT/target/release/all_reduce_perf"
+[ -x "$TOOL" ] || { echo "launch-cost.sh: build first: make -C nccl-tests-compat" >&2; exit 1; }
+OUT="$(mktemp -d)"
+trap 'rm -rf "$OUT"' EXIT
+export LD_LIBRARY_PATH="$ROOT/target/release/lib" OXCCL_DEVICE=host WORLD_SIZE=2 MASTER_ADDR=127.0.0.1
+export MASTER_PORT="$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')"
+args=(-b 8 -e 8 -n "$N" -w 10 -c 0)
+RANK=1 "$TOOL" "${args[@]}" > "$OUT/rank1.txt" 2>&1 &
+peer=$!
+RANK=0 valgrind --tool=callgrind --callgrind-out-file="$OUT/cg.out" "$TOOL" "${args[@]}" > "$OUT/rank0.txt" 2>&1
+wait "$peer"
+# Out-of-place and in-place columns: 2N timed calls, plus warm-up and checks (negligible).
+calls=$((2 * N))
+ir=$(callgrind_annotate --inclusive=yes "$OUT/cg.out" 2>/dev/null |
+  awk '/abi\/coll.rs:ncclAllReduce / && !n++ {gsub(",", "", $1); print $1}')
+[ -n "$ir" ] || { echo "launch-cost.sh: no ncclAllReduce in the profile" >&2; exit 1; }
+awk -v ir="$ir" -v c="$calls" 'BEGIN { printf "ncclAllReduce, 8 B, 2 processes: %.0f instructions per call (%d calls)\n", ir / c, c }'
