@@ -77,7 +77,9 @@ fn reduce(op: i32, n: usize, f: impl Fn(usize) -> i32) -> i32 {
 /// Draws the whole sequence: batches of operations, each batch one group (or one call).
 fn draw(seed: u64, n: usize, batches: usize) -> Vec<(bool, Vec<Op>)> {
     let mut g = Rng(seed | 1);
-    let counts = [0usize, 1, 3, 64, 1000, 40_000, 300_000, 2_600_000];
+    // 3 and 10 elements: inputs that travel in the cache line of a rank's arrival (see
+    // `transport::board::TINY`); 64 and 1000: eager through the inline areas; then larger.
+    let counts = [0usize, 1, 3, 10, 64, 1000, 40_000, 300_000, 2_600_000];
     (0..batches)
         .map(|_| {
             let on_stream = g.below(3) != 0;
