@@ -573,7 +573,17 @@ fn build_task(qs: Vec<Queued>) -> Result<Task> {
             let a = q.args;
             let root = a.root.max(0) as usize;
             let red = q.red;
-            let fault = Some((a.dtype, a.recv, out_count(&a, core.nranks, core.rank)));
+            let fault = Some((
+                a.dtype,
+                a.recv,
+                plan::out_count(
+                    a.kind,
+                    a.count,
+                    core.nranks,
+                    core.rank,
+                    a.root.max(0) as usize,
+                ),
+            ));
             let stage = |w: plan::Work| {
                 let mut s = Stage::default();
                 s.lanes.push(vec![w]);
@@ -723,16 +733,4 @@ fn build_task(qs: Vec<Queued>) -> Result<Task> {
         .map(|(_, v)| v.into_iter().map(plan::Work::from).collect())
         .collect();
     Ok(task)
-}
-
-/// Elements a collective writes on this rank (for fault injection).
-fn out_count(a: &CollArgs, n: usize, rank: usize) -> usize {
-    let root = a.root.max(0) as usize;
-    match a.kind {
-        CollKind::AllGather | CollKind::AlltoAll => a.count * n,
-        CollKind::Gather if rank == root => a.count * n,
-        CollKind::Gather => 0,
-        CollKind::Reduce if rank != root => 0,
-        _ => a.count,
-    }
 }

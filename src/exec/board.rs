@@ -124,8 +124,13 @@ impl BoardState {
                         .tuner
                         .as_ref()
                         .map_or(0.0, |t| t.cma.get(op.bytes()).vote());
-                    op.board
-                        .publish(op.rank, op.seq, (send, recv), own_scalar(op), vote);
+                    op.board.publish(
+                        op.rank,
+                        op.seq,
+                        (send, recv),
+                        premul_bits(op).unwrap_or(0),
+                        vote,
+                    );
                     self.phase = Phase::Arrive;
                     progressed = true;
                 }
@@ -202,10 +207,6 @@ impl BoardState {
 /// (None when the operation has none).
 fn premul_bits(op: &BoardOp) -> Option<u64> {
     op.red.and_then(|r| r.resolve().premul).map(|s| s.bits)
-}
-
-fn own_scalar(op: &BoardOp) -> u64 {
-    premul_bits(op).unwrap_or(0)
 }
 
 /// The reducers of an operation: one per rank when each brings its own PreMulSum scalar (read

@@ -99,10 +99,13 @@ impl BoardOp {
 
     /// This rank's output as (type, address, elements): what OXCCL_FAULT=corrupt spoils.
     pub fn output(&self) -> (DataType, usize, usize) {
-        let elems = match self.kind {
-            BoardKind::Reduce if self.rank != self.root => 0,
-            _ => self.extents().1 / self.dtype.size(),
-        };
+        let elems = super::out_count(
+            self.kind.coll(),
+            self.count,
+            self.nranks,
+            self.rank,
+            self.root,
+        );
         (self.dtype, self.recv, elems)
     }
 

@@ -11,7 +11,7 @@ pub mod tune;
 
 use crate::api::ScalarArg;
 use crate::transport::Conn;
-use crate::types::{DataType, ReduceKind, Reduction, Scalar};
+use crate::types::{CollKind, DataType, ReduceKind, Reduction, Scalar};
 use std::sync::Arc;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -242,10 +242,6 @@ impl Stash {
         at
     }
 
-    pub fn is_empty(&self) -> bool {
-        self.copies.is_empty()
-    }
-
     /// Takes the planned copies.
     ///
     /// # Safety
@@ -262,6 +258,17 @@ impl Stash {
 /// Whether the byte ranges [a, a + alen) and [b, b + blen) share a byte.
 pub fn overlaps(a: usize, alen: usize, b: usize, blen: usize) -> bool {
     alen > 0 && blen > 0 && a < b + blen && b < a + alen
+}
+
+/// Elements a collective of `count` writes on `rank` (what OXCCL_FAULT=corrupt spoils).
+pub fn out_count(kind: CollKind, count: usize, n: usize, rank: usize, root: usize) -> usize {
+    match kind {
+        CollKind::AllGather | CollKind::AlltoAll => count * n,
+        CollKind::Gather if rank == root => count * n,
+        CollKind::Gather => 0,
+        CollKind::Reduce if rank != root => 0,
+        _ => count,
+    }
 }
 
 /// Split `count` elements into `n` nearly equal segments: (offset, len) of segment `j`.
