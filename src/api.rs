@@ -3,54 +3,14 @@
 
 use crate::comm::Comm;
 use crate::error::{Error, Result};
-use crate::types::{CollKind, DataType, Scalar};
+use crate::types::DataType;
 use std::sync::Arc;
 
 pub const VERSION_CODE: i32 = 23203;
-pub const UNIQUE_ID_BYTES: usize = 128;
+pub use crate::bootstrap::ID_BYTES as UNIQUE_ID_BYTES;
 
-/// The parsed, size-checked contents of an `ncclConfig_t`.
-#[derive(Clone, Debug, Default)]
-pub struct CommConfig {
-    /// `blocking`: None when the caller left it undefined (then blocking).
-    pub blocking: Option<bool>,
-    pub comm_name: Option<String>,
-    pub net_name: Option<String>,
-    pub split_share: Option<bool>,
-    pub min_ctas: Option<i32>,
-    pub max_ctas: Option<i32>,
-    pub cta_policy: Option<i32>,
-}
-
-/// Where a `cudaStream_t` argument points.
-#[derive(Clone)]
-pub enum StreamArg {
-    /// NULL: the call (or the `ncclGroupEnd` of its group) returns when the work is done.
-    Null,
-    /// An oxccl host stream (created with `oxcclHostStreamCreate`).
-    Host(Arc<crate::stream::HostStream>),
-}
-
-/// One collective or point-to-point call, as the C caller gave it (buffers are addresses).
-#[derive(Clone, Copy, Debug)]
-pub struct CollArgs {
-    pub kind: CollKind,
-    pub send: usize,
-    pub recv: usize,
-    pub count: usize,
-    pub dtype: DataType,
-    /// Raw `ncclRedOp_t` (builtin or created by `ncclRedOpCreatePreMulSum`); ignored where unused.
-    pub op: i32,
-    /// Root for rooted collectives, peer for Send/Recv, 0 otherwise.
-    pub root: i32,
-}
-
-/// A PreMulSum scalar: read now (host immediate) or at execution time from an address.
-#[derive(Clone, Copy, Debug)]
-pub enum ScalarArg {
-    Host(Scalar),
-    Device(usize),
-}
+pub use crate::exec::Stream as StreamArg;
+pub use crate::types::{CollArgs, CommConfig, ScalarArg};
 
 pub fn version() -> i32 {
     VERSION_CODE
@@ -76,7 +36,11 @@ pub fn comm_init_rank_scalable(
     ids: &[[u8; UNIQUE_ID_BYTES]],
     config: CommConfig,
 ) -> Result<Arc<Comm>> {
-    crate::comm::init_rank(nranks, rank, ids, config)
+    let comm = crate::comm::pending_rank(nranks, rank, ids, config)?;
+    if !crate::group::defer_init(&comm) {
+        comm.run_init()?;
+    }
+    Ok(comm)
 }
 
 /// `ncclCommInitAll`: `devs` are the device (or host slot) numbers, one per rank.
@@ -146,11 +110,11 @@ pub fn redop_destroy(comm: &Arc<Comm>, op: i32) -> Result<()> {
 }
 
 pub fn mem_alloc(size: usize) -> Result<usize> {
-    crate::memory::alloc(size)
+    crate::exec::mem_alloc(size)
 }
 
 pub fn mem_free(ptr: usize) -> Result<()> {
-    crate::memory::free(ptr)
+    crate::exec::mem_free(ptr)
 }
 
 pub fn comm_register(comm: &Arc<Comm>, buf: usize, size: usize) -> Result<usize> {
@@ -161,28 +125,28 @@ pub fn comm_deregister(comm: &Arc<Comm>, handle: usize) -> Result<()> {
     comm.registry.deregister(handle)
 }
 
+/// What a `cudaStream_t` means to this process's executor.
 pub fn stream_from_handle(h: usize) -> Result<StreamArg> {
-    if h == 0 {
-        return Ok(StreamArg::Null);
-    }
-    crate::stream::lookup(h).map(StreamArg::Host)
+    StreamArg::from_handle(h)
 }
 
+// Host streams: the host executor's extension (`oxcclHostStream*`).
+
 pub fn host_stream_create() -> Result<usize> {
-    crate::stream::create()
+    crate::exec::host::stream::create()
 }
 
 pub fn host_stream_synchronize(h: usize) -> Result<()> {
-    crate::stream::lookup(h)?.synchronize()
+    crate::exec::host::stream::lookup(h)?.synchronize()
 }
 
 /// `Ok(true)` when all work queued on the stream is done.
 pub fn host_stream_query(h: usize) -> Result<bool> {
-    crate::stream::lookup(h)?.query()
+    crate::exec::host::stream::lookup(h)?.query()
 }
 
 pub fn host_stream_destroy(h: usize) -> Result<()> {
-    crate::stream::destroy(h)
+    crate::exec::host::stream::destroy(h)
 }
 
 /// For features that belong to a later issue: a clear `ncclInvalidUsage`.

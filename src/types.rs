@@ -155,3 +155,37 @@ impl CollKind {
         matches!(self, CollKind::Send | CollKind::Recv)
     }
 }
+
+/// The parsed, size-checked contents of an `ncclConfig_t`.
+#[derive(Clone, Debug, Default)]
+pub struct CommConfig {
+    /// `blocking`: None when the caller left it undefined (then blocking).
+    pub blocking: Option<bool>,
+    pub comm_name: Option<String>,
+    pub net_name: Option<String>,
+    pub split_share: Option<bool>,
+    pub min_ctas: Option<i32>,
+    pub max_ctas: Option<i32>,
+    pub cta_policy: Option<i32>,
+}
+
+/// One collective or point-to-point call, as the C caller gave it (buffers are addresses).
+#[derive(Clone, Copy, Debug)]
+pub struct CollArgs {
+    pub kind: CollKind,
+    pub send: usize,
+    pub recv: usize,
+    pub count: usize,
+    pub dtype: DataType,
+    /// Raw `ncclRedOp_t` (builtin or created by `ncclRedOpCreatePreMulSum`); ignored where unused.
+    pub op: i32,
+    /// Root for rooted collectives, peer for Send/Recv, 0 otherwise.
+    pub root: i32,
+}
+
+/// A PreMulSum scalar: read now (host immediate) or at execution time from an address.
+#[derive(Clone, Copy, Debug)]
+pub enum ScalarArg {
+    Host(Scalar),
+    Device(usize),
+}

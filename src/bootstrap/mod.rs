@@ -6,7 +6,7 @@
 //! - [`Bootstrap::init`] registers the rank with its root, gets every rank's listen address back,
 //!   and from then on ranks talk directly (see `peer.rs`). Every connection, to a root or to a
 //!   rank, starts with the secret; a connection with a wrong secret is dropped with a warning.
-//! - Every wait polls in short slices and watches the abort flag (-> `InvalidUsage`, "aborted")
+//! - Every wait polls in short slices and watches the communicator's health (`crate::health`: abort flag, remote abort) (-> `InvalidUsage`, "aborted")
 //!   and the timeout (`OXCCL_TIMEOUT_S`, default 300 s -> `Timeout`, naming what was awaited).
 //!
 //! Tags: user tags are `0..=0x7fff_ffff`; tags with the top bit set ([`TAG_RESERVED`]) belong to
@@ -25,9 +25,9 @@ mod wire;
 pub use id::{ID_BYTES, SECRET_BYTES};
 
 use crate::error::{Code, Error, Result};
+use crate::health::{Health, IntoHealth};
 use parking_lot::Mutex;
 use std::net::{SocketAddr, TcpListener, TcpStream};
-use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 use std::time::Duration;
 use wire::Wait;
@@ -103,20 +103,20 @@ pub struct Bootstrap {
     out: Vec<Mutex<Option<TcpStream>>>,
     receiver: Option<peer::Receiver>,
     shared: Arc<peer::Shared>,
-    abort: Arc<AtomicBool>,
+    health: Arc<Health>,
     timeout: Duration,
     coll: Mutex<()>,
 }
 
 impl Bootstrap {
-    /// Rendezvous through the root(s) of `ids`; every wait watches `abort` and the timeout.
+    /// Rendezvous through the root(s) of `ids`; every wait watches `health` (a comm's, or a bare abort flag) and the timeout.
     pub fn init(
         ids: &[UniqueId],
         rank: usize,
         nranks: usize,
-        abort: Arc<AtomicBool>,
+        health: impl IntoHealth,
     ) -> Result<Bootstrap> {
-        Self::init_with_timeout(ids, rank, nranks, abort, crate::param::timeout())
+        Self::init_with_timeout(ids, rank, nranks, health, crate::param::timeout())
     }
 
     /// As `init`, with the timeout of every wait (now and later) given.
@@ -124,9 +124,10 @@ impl Bootstrap {
         ids: &[UniqueId],
         rank: usize,
         nranks: usize,
-        abort: Arc<AtomicBool>,
+        health: impl IntoHealth,
         timeout: Duration,
     ) -> Result<Bootstrap> {
+        let health = health.into_health();
         if ids.is_empty() {
             return Err(Error::invalid_argument("bootstrap: no unique id"));
         }
@@ -154,7 +155,7 @@ impl Bootstrap {
         let receiver = peer::Receiver::start(listener, secret, rank, nranks)?;
         let shared = receiver.shared.clone();
 
-        let w = Wait::new(who.clone(), timeout, Some(&abort));
+        let w = Wait::new(who.clone(), timeout, Some(&health));
         let what = || {
             format!("the bootstrap root at {root_addr} (id {idx} of {nids}, rendezvous of {nranks} ranks)")
         };
@@ -195,7 +196,7 @@ impl Bootstrap {
             out: (0..nranks).map(|_| Mutex::new(None)).collect(),
             receiver: Some(receiver),
             shared,
-            abort,
+            health,
             timeout,
             coll: Mutex::new(()),
         })
@@ -313,7 +314,7 @@ impl Bootstrap {
         let w = Wait::new(
             format!("rank {}", self.rank),
             self.timeout,
-            Some(&self.abort),
+            Some(&self.health),
         );
         let addr = self.addrs[peer];
         let what = || format!("rank {peer} at {addr} (bootstrap send, tag {tag:#x})");
@@ -345,7 +346,7 @@ impl Bootstrap {
         let w = Wait::new(
             format!("rank {}", self.rank),
             self.timeout,
-            Some(&self.abort),
+            Some(&self.health),
         );
         let what = || format!("rank {peer} (bootstrap message, tag {tag:#x})");
         let mut ib = self.shared.inbox.lock();

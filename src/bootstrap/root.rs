@@ -297,7 +297,7 @@ impl Root {
             who: self.me.clone(),
             deadline: self.deadline,
             timeout: self.timeout,
-            abort: None,
+            health: None,
         };
         let what = || format!("the root of id 0 at {addr0}");
         let mut s = wire::connect(addr0, &w, &what)?;

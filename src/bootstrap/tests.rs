@@ -2,7 +2,7 @@
 
 use super::*;
 use std::io::{Read, Write};
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
 const T: Duration = Duration::from_secs(60);

@@ -4,11 +4,9 @@
 use crate::error::{Code, Error, Result};
 use std::io::{ErrorKind, Read, Write};
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, SocketAddrV4, SocketAddrV6, TcpStream};
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-/// Longest single blocking step; every wait re-checks abort and deadline this often.
-pub(crate) const SLICE: Duration = Duration::from_millis(50);
+pub(crate) use crate::health::{fmt_secs, Wait, SLICE};
 
 /// Encoded size of a socket address: family u8, 0 u8, port u16 BE, 16 address bytes, scope u32 LE.
 pub(crate) const ADDR_BYTES: usize = 24;
@@ -92,62 +90,6 @@ pub(crate) fn get_u64(b: &[u8], at: usize) -> u64 {
 /// Compares two secrets without an early exit.
 pub(crate) fn same_secret(a: &[u8], b: &[u8]) -> bool {
     a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
-}
-
-/// "300 s", "1.5 s".
-pub(crate) fn fmt_secs(d: Duration) -> String {
-    if d.subsec_millis() == 0 {
-        format!("{} s", d.as_secs())
-    } else {
-        format!("{:.1} s", d.as_secs_f64())
-    }
-}
-
-/// A bounded wait: who is waiting, until when, and the abort flag it watches.
-pub(crate) struct Wait<'a> {
-    pub who: String,
-    pub deadline: Instant,
-    pub timeout: Duration,
-    pub abort: Option<&'a AtomicBool>,
-}
-
-impl<'a> Wait<'a> {
-    pub fn new(who: String, timeout: Duration, abort: Option<&'a AtomicBool>) -> Wait<'a> {
-        Wait {
-            who,
-            deadline: Instant::now() + timeout,
-            timeout,
-            abort,
-        }
-    }
-
-    /// Err when aborted (InvalidUsage) or past the deadline (Timeout, naming `what`).
-    pub fn check(&self, what: &dyn Fn() -> String) -> Result<()> {
-        if let Some(a) = self.abort {
-            if a.load(Ordering::Acquire) {
-                return Err(Error::invalid_usage(format!(
-                    "{} aborted while waiting for {}",
-                    self.who,
-                    what()
-                )));
-            }
-        }
-        if Instant::now() >= self.deadline {
-            return Err(Error::timeout(format!(
-                "{} waited {} for {}",
-                self.who,
-                fmt_secs(self.timeout),
-                what()
-            )));
-        }
-        Ok(())
-    }
-
-    /// The next blocking step's length: a slice, cut at the deadline (never zero).
-    pub fn slice(&self) -> Duration {
-        let left = self.deadline.saturating_duration_since(Instant::now());
-        left.clamp(Duration::from_millis(1), SLICE)
-    }
 }
 
 fn transient(k: ErrorKind) -> bool {

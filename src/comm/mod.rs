@@ -3,21 +3,20 @@
 //! (PreMulSum operators, registered buffers).
 
 pub mod handles;
-mod peer;
 pub mod tables;
 
-use crate::api::{CommConfig, UNIQUE_ID_BYTES};
-use crate::bootstrap::{Bootstrap, UniqueId};
+use crate::bootstrap::{Bootstrap, UniqueId, ID_BYTES as UNIQUE_ID_BYTES};
 use crate::error::{Code, Error, Result};
-use crate::memory::PeerMaps;
+use crate::exec::{CommExec, CommSetup};
+use crate::health::Health;
 use crate::plan::ring::Links;
-use crate::transport::board::Board;
+use crate::transport::peer::PeerInfo;
 use crate::transport::{self, Class, Conn, Locality};
+use crate::types::CommConfig;
 use once_cell::sync::OnceCell;
 use parking_lot::Mutex;
-use peer::PeerInfo;
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 pub use tables::{RedOps, Registry};
@@ -33,62 +32,14 @@ pub struct Core {
     pub nsteps: usize,
     peers: Vec<PeerInfo>,
     conns: Mutex<HashMap<(usize, bool, Class), Arc<Conn>>>,
-    next_ticket: AtomicU64,
-    serving: AtomicU64,
-    abort: Arc<AtomicBool>,
-    broken: Mutex<Option<Error>>,
-    /// Whether `broken` holds an error (read first, so that a healthy call takes no lock).
-    is_broken: AtomicBool,
+    /// Abort flag, first error, remote abort: what every wait on this communicator watches.
+    pub health: Arc<Health>,
     bootstrap: Mutex<Option<Bootstrap>>,
-    /// The board of direct algorithms (all ranks on this host), its operation counter, and the
-    /// peers' buffers mapped into this process.
-    /// Set at init and kept as long as the core (tasks and peers' late reads hold their own).
-    board: Option<Arc<Board>>,
-    board_seq: AtomicU64,
-    pub maps: Arc<PeerMaps>,
-    /// Bandwidth seen on the ring and by cross-memory attach (see `plan::tune`).
-    pub tuner: Arc<crate::plan::tune::Tuner>,
-    /// Every rank can read and write every other rank's process memory (`transport::cma`).
-    pub cma: bool,
+    /// The executor's state of this rank.
+    pub exec: CommExec,
 }
 
 impl Core {
-    pub fn take_ticket(&self) -> u64 {
-        self.next_ticket.fetch_add(1, Ordering::AcqRel)
-    }
-    pub fn is_serving(&self, ticket: u64) -> bool {
-        self.serving.load(Ordering::Acquire) == ticket
-    }
-    /// Ends the turn of `ticket`, if it is being served. Only the holder of the ticket being
-    /// served moves `serving` on, so a load and a store do what a compare-and-swap would, without
-    /// a locked instruction (which would first wait for this rank's arrival on the board, still
-    /// on its way to the peers, to leave the store buffer).
-    pub fn advance_serving(&self, ticket: u64) {
-        if self.serving.load(Ordering::Acquire) == ticket {
-            self.serving.store(ticket + 1, Ordering::Release);
-        }
-    }
-    /// True when every task handed out so far has finished.
-    pub fn idle(&self) -> bool {
-        self.serving.load(Ordering::Acquire) == self.next_ticket.load(Ordering::Acquire)
-    }
-    pub fn aborted(&self) -> bool {
-        self.abort.load(Ordering::Acquire)
-    }
-    pub fn broken(&self) -> Option<Error> {
-        if !self.is_broken.load(Ordering::Acquire) {
-            return None;
-        }
-        self.broken.lock().clone()
-    }
-    pub fn set_broken(&self, e: Error) {
-        let mut b = self.broken.lock();
-        if b.is_none() {
-            *b = Some(e);
-            self.is_broken.store(true, Ordering::Release);
-        }
-    }
-
     fn locality(&self, peer: usize) -> Result<Locality> {
         let (me, p) = (&self.peers[self.rank], &self.peers[peer]);
         if me.host != p.host {
@@ -103,37 +54,11 @@ impl Core {
         })
     }
 
-    /// Waits until all queued work is done (or the comm is aborted / times out).
+    /// Waits until all queued work is done; after an abort, until nothing touches user memory
+    /// any more (`ncclTimeout` after `OXCCL_TIMEOUT_S`).
     pub fn wait_idle(&self) -> Result<()> {
-        let deadline = std::time::Instant::now() + crate::param::timeout();
-        while !self.idle() {
-            if self.aborted() {
-                return Ok(());
-            }
-            if std::time::Instant::now() > deadline {
-                return Err(Error::timeout(format!(
-                    "rank {}: outstanding operations did not complete",
-                    self.rank
-                )));
-            }
-            std::thread::sleep(std::time::Duration::from_micros(100));
-        }
-        Ok(())
-    }
-
-    /// Whether `board_op` gives an operation.
-    pub fn has_board(&self) -> bool {
-        crate::param::direct_algorithms() && self.board.is_some()
-    }
-
-    /// The board and the sequence number of the next direct operation, if direct algorithms
-    /// are available and allowed.
-    pub fn board_op(&self) -> Option<(Arc<Board>, u64)> {
-        if !crate::param::direct_algorithms() {
-            return None;
-        }
-        let b = self.board.clone()?;
-        Some((b, self.board_seq.fetch_add(1, Ordering::AcqRel) + 1))
+        self.exec
+            .wait_quiescent(std::time::Instant::now() + crate::param::timeout())
     }
 
     fn teardown(&self) {
@@ -278,13 +203,13 @@ impl Comm {
 
     pub fn abort(&self) {
         if let Some(c) = self.core.get() {
-            c.abort.store(true, Ordering::Release);
+            c.health.abort();
         }
     }
 
     pub fn async_error(&self) -> Code {
         match self.core.get() {
-            Some(c) => c.broken().map(|e| e.code).unwrap_or(Code::Success),
+            Some(c) => c.health.error().map(|e| e.code).unwrap_or(Code::Success),
             None => self
                 .init_error
                 .lock()
@@ -296,8 +221,8 @@ impl Comm {
 }
 
 fn build_core(p: PendingInit) -> Result<Core> {
-    let abort = Arc::new(AtomicBool::new(false));
-    let boot = Bootstrap::init(&p.ids, p.rank, p.nranks, abort.clone())
+    let health = Arc::new(Health::default());
+    let boot = Bootstrap::init(&p.ids, p.rank, p.nranks, health.clone())
         .map_err(|e| e.context(format!("bootstrap of rank {} of {}", p.rank, p.nranks)))?;
     let me = PeerInfo::mine(p.dev.unwrap_or(-1));
     let all = boot.allgather(&me.to_bytes())?;
@@ -317,27 +242,20 @@ fn build_core(p: PendingInit) -> Result<Core> {
             .count() as i32,
     };
     let hash = boot.comm_hash();
-    let mut cma = false;
-    let board = if p.nranks > 1 && peers.iter().all(|q| q.host == me.host) {
-        let shared = peers.iter().any(|q| q.pid != me.pid);
-        if shared {
-            // Cross-memory attach only if every rank reaches every other process.
-            let mine = crate::param::cma_enabled()
-                && peers
-                    .iter()
-                    .all(|q| q.pid == me.pid || crate::transport::cma::can_reach(q.pid, q.probe));
-            let all = boot.allgather(&[mine as u8])?;
-            cma = all.iter().all(|v| v.first() == Some(&1));
-        }
-        Some(Arc::new(Board::open(hash, p.nranks, shared)?))
-    } else {
-        None
-    };
+    let exec = CommExec::init(CommSetup {
+        rank: p.rank,
+        nranks: p.nranks,
+        hash,
+        peers: &peers,
+        boot: &boot,
+        health: health.clone(),
+    })?;
     crate::debug::info(&format!(
-        "comm {hash:#x} rank {} nRanks {} nNodes 1 localRanks {} - Init COMPLETE (host executor)",
+        "comm {hash:#x} rank {} nRanks {} nNodes 1 localRanks {} - Init COMPLETE ({})",
         p.rank,
         p.nranks,
-        peers.iter().filter(|q| q.host == me.host).count()
+        peers.iter().filter(|q| q.host == me.host).count(),
+        exec.name()
     ));
     Ok(Core {
         rank: p.rank,
@@ -349,27 +267,18 @@ fn build_core(p: PendingInit) -> Result<Core> {
         nsteps,
         peers,
         conns: Mutex::new(HashMap::new()),
-        next_ticket: AtomicU64::new(0),
-        serving: AtomicU64::new(0),
-        abort,
-        broken: Mutex::new(None),
-        is_broken: AtomicBool::new(false),
+        health,
         bootstrap: Mutex::new(Some(boot)),
-        board,
-        board_seq: AtomicU64::new(0),
-        maps: Arc::new(PeerMaps::default()),
-        tuner: Default::default(),
-        cma,
+        exec,
     })
 }
 
+/// Communicators can be made only where the executor is there (the CUDA one is not yet).
 fn check_executor() -> Result<()> {
-    if crate::device::kind() == crate::device::DeviceKind::Cuda {
-        return Err(Error::not_yet(
-            "the CUDA executor (a CUDA driver was found; set OXCCL_DEVICE=host to run on host memory)",
-        ));
+    match crate::exec::kind() {
+        crate::exec::Kind::Host => Ok(()),
+        crate::exec::Kind::Cuda => Err(crate::exec::cuda::missing()),
     }
-    Ok(())
 }
 
 fn parse_ids(ids: &[[u8; UNIQUE_ID_BYTES]]) -> Result<Vec<UniqueId>> {
@@ -406,19 +315,15 @@ fn new_comm(
     })))
 }
 
-/// `ncclCommInitRank*`: blocking outside a group, deferred to `ncclGroupEnd` inside one.
-pub fn init_rank(
+/// `ncclCommInitRank*`: a communicator whose init is still to run (`Comm::run_init`, now or
+/// at the end of the caller's group).
+pub fn pending_rank(
     nranks: i32,
     rank: i32,
     ids: &[[u8; UNIQUE_ID_BYTES]],
     config: CommConfig,
 ) -> Result<Arc<Comm>> {
-    let comm = new_comm(nranks, rank, parse_ids(ids)?, config, None)?;
-    if crate::group::defer_init(&comm) {
-        return Ok(comm);
-    }
-    comm.run_init()?;
-    Ok(comm)
+    new_comm(nranks, rank, parse_ids(ids)?, config, None)
 }
 
 /// `ncclCommInitAll`: one comm per listed device (host slot), all in this process.

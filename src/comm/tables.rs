@@ -1,7 +1,7 @@
 //! Per-communicator tables: user-created PreMulSum operators and registered buffers.
 
-use crate::api::ScalarArg;
 use crate::error::{Error, Result};
+use crate::types::ScalarArg;
 use crate::types::{DataType, NUM_BUILTIN_OPS};
 use parking_lot::Mutex;
 use std::collections::HashMap;

@@ -1,12 +1,160 @@
-//! Executors run planned work in stream order. `host` runs programs on host memory (CPU copies
-//! and reductions, polling the connections' counters); the CUDA executor (a later step) runs the
-//! same programs with the same counters on a GPU stream.
+//! The executor seam. An executor runs planned work in stream order on the memory it owns:
+//! `host` on host memory (CPU copies and reductions, polling the connections' counters); `cuda`
+//! (not there yet: a stub that says so) on a GPU stream with kernels, over the same plans and
+//! the same counters. Both have the same files: `mod.rs` (launch), `comm.rs` (per-communicator
+//! state), `stream.rs` (what a `cudaStream_t` is), `memory.rs` (`ncclMemAlloc`).
+//!
+//! Everything above this module (`group`, `launch`, `api`, `comm`) talks to executors only
+//! through what is here: [`Stream`], [`CommExec`], [`Call`], [`launch`], [`mem_alloc`].
 
-mod board;
-mod copy;
+pub mod cuda;
 pub mod host;
-pub mod lone;
-mod steps;
-pub mod task;
 
-pub use task::Task;
+use crate::bootstrap::Bootstrap;
+use crate::error::{Error, Result};
+use crate::health::Health;
+use crate::plan::ring::Links;
+use crate::plan::RedSpec;
+use crate::transport::peer::PeerInfo;
+use crate::types::CollArgs;
+use std::sync::Arc;
+use std::time::Instant;
+
+/// Which executor runs this process's communicators (chosen once: the CUDA executor where a
+/// driver is found, unless `OXCCL_DEVICE=host`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Kind {
+    Host,
+    Cuda,
+}
+
+pub fn kind() -> Kind {
+    match crate::device::kind() {
+        crate::device::DeviceKind::Host => Kind::Host,
+        crate::device::DeviceKind::Cuda => Kind::Cuda,
+    }
+}
+
+/// What a `cudaStream_t` argument means to the executor.
+#[derive(Clone)]
+pub enum Stream {
+    /// NULL. Host executor: the call (or the `ncclGroupEnd` of its group) returns when the work
+    /// is done, run by the calling thread. CUDA executor: the legacy default stream (the call
+    /// returns once the work is enqueued).
+    Null,
+    /// An oxccl host stream (created with `oxcclHostStreamCreate`).
+    Host(Arc<host::stream::HostStream>),
+    /// A CUDA stream handle.
+    Cuda(usize),
+}
+
+impl Stream {
+    /// The executor's meaning of a C stream handle; an unknown handle is `ncclInvalidArgument`.
+    pub fn from_handle(h: usize) -> Result<Stream> {
+        if h == 0 {
+            return Ok(Stream::Null);
+        }
+        match kind() {
+            Kind::Host => host::stream::lookup(h).map(Stream::Host),
+            Kind::Cuda => cuda::stream::from_handle(h),
+        }
+    }
+}
+
+/// The executor's state of one rank of a communicator.
+pub enum CommExec {
+    Host(Arc<host::HostComm>),
+    Cuda(cuda::CudaComm),
+}
+
+/// What an executor needs to set a communicator's rank up (a collective call: every rank of the
+/// communicator makes it, in the same order as its other bootstrap collectives).
+pub struct CommSetup<'a> {
+    pub rank: usize,
+    pub nranks: usize,
+    pub hash: u64,
+    pub peers: &'a [PeerInfo],
+    pub boot: &'a Bootstrap,
+    pub health: Arc<Health>,
+}
+
+impl CommExec {
+    pub fn init(s: CommSetup<'_>) -> Result<CommExec> {
+        match kind() {
+            Kind::Host => host::HostComm::init(s.rank, s.nranks, s.hash, s.peers, s.boot, s.health)
+                .map(|h| CommExec::Host(Arc::new(h))),
+            Kind::Cuda => cuda::CudaComm::init(s).map(CommExec::Cuda),
+        }
+    }
+
+    /// Waits until all work queued on the communicator is done; after an abort, until nothing
+    /// touches user memory any more. `ncclTimeout` past `deadline`.
+    pub fn wait_quiescent(&self, deadline: Instant) -> Result<()> {
+        match self {
+            CommExec::Host(h) => h.wait_quiescent(deadline),
+            CommExec::Cuda(c) => match *c {},
+        }
+    }
+
+    /// The name of the executor, for log lines.
+    pub fn name(&self) -> &'static str {
+        match self {
+            CommExec::Host(_) => "host executor",
+            CommExec::Cuda(c) => match *c {},
+        }
+    }
+}
+
+/// One validated call, as an executor is handed it.
+pub struct Call<'a> {
+    pub comm: &'a CommExec,
+    /// The communicator's connections, for planning.
+    pub links: &'a dyn Links,
+    pub args: CollArgs,
+    /// The reduction (reducing collectives only), a device-resident scalar still unread.
+    pub red: Option<RedSpec>,
+    pub stream: Stream,
+}
+
+/// Launches one call outside a group.
+pub fn launch_one(call: Call<'_>) -> Result<()> {
+    match call.comm {
+        CommExec::Host(_) => host::launch_one(call),
+        CommExec::Cuda(c) => match *c {},
+    }
+}
+
+/// Launches one `ncclGroupEnd`'s calls, all communicators together (ranks driven by one thread
+/// must progress together).
+pub fn launch(calls: Vec<Call<'_>>) -> Result<()> {
+    let Some(first) = calls.first() else {
+        return Ok(());
+    };
+    match first.comm {
+        CommExec::Host(_) => {
+            if calls.iter().any(|c| !matches!(c.comm, CommExec::Host(_))) {
+                return Err(Error::invalid_usage(
+                    "one group mixes communicators of the host and the CUDA executor",
+                ));
+            }
+            host::launch(calls)
+        }
+        CommExec::Cuda(c) => match *c {},
+    }
+}
+
+/// `ncclMemAlloc`: memory peers can import.
+pub fn mem_alloc(bytes: usize) -> Result<usize> {
+    match kind() {
+        Kind::Host => host::memory::alloc(bytes),
+        Kind::Cuda => cuda::memory::alloc(bytes),
+    }
+}
+
+/// `ncclMemFree`.
+pub fn mem_free(ptr: usize) -> Result<()> {
+    match kind() {
+        Kind::Host => host::memory::free(ptr),
+        Kind::Cuda => cuda::memory::free(ptr),
+    }
+}

@@ -12,10 +12,7 @@
 //! reached.
 
 use super::{Program, RedSpec};
-use crate::memory::PeerMaps;
-use crate::transport::board::Board;
-use crate::types::{CollKind, DataType};
-use std::sync::Arc;
+use crate::types::{CollArgs, CollKind, DataType};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum BoardKind {
@@ -50,12 +47,12 @@ impl BoardKind {
     }
 }
 
+/// A direct operation: what every rank reads and writes, planned identically on every rank. The
+/// executor that runs it gives it its place on the board (`seq`, the communicator's count of
+/// direct operations) and brings the board, the peers' mappings and its tuning.
 pub struct BoardOp {
-    pub board: Arc<Board>,
-    /// Peers' mapped allocations (None for eager operations, which read no peer's buffer).
-    pub maps: Option<Arc<PeerMaps>>,
-    /// Buffers of other processes that cannot be mapped are reached by cross-memory attach.
-    pub cma: bool,
+    /// This operation's number among the communicator's direct operations (from 1; 0 until the
+    /// executor numbers it).
     pub seq: u64,
     pub rank: usize,
     pub nranks: usize,
@@ -70,11 +67,34 @@ pub struct BoardOp {
     /// What runs instead when some peer buffer cannot be reached; None for eager operations
     /// (see `eager`), which read no peer's buffer.
     pub fallback: Option<Box<Program>>,
-    /// Where to vote from and record into when cross-memory attach competes with the ring.
-    pub tuner: Option<Arc<super::tune::Tuner>>,
 }
 
 impl BoardOp {
+    /// The direct operation of call `a` on `rank` of `nranks`: eager when `fallback` (the ring
+    /// program to run instead when peers' buffers cannot be reached) is None.
+    pub fn new(
+        rank: usize,
+        nranks: usize,
+        a: &CollArgs,
+        red: Option<RedSpec>,
+        kind: BoardKind,
+        fallback: Option<Box<Program>>,
+    ) -> BoardOp {
+        BoardOp {
+            seq: 0,
+            rank,
+            nranks,
+            kind,
+            send: a.send,
+            recv: a.recv,
+            count: a.count,
+            dtype: a.dtype,
+            red,
+            root: a.root.max(0) as usize,
+            fallback,
+        }
+    }
+
     /// Small enough for every rank to carry its input on the board (`Board::eager_area`): each
     /// rank copies its input there, arrives, and computes its own output from everyone's copies;
     /// one round, no done barrier, any buffers (nothing is read from peers' memory). Planned as
@@ -110,8 +130,8 @@ impl BoardOp {
     }
 
     /// The operation as the call that made it, for messages.
-    pub fn what(&self) -> crate::exec::task::What {
-        crate::exec::task::What {
+    pub fn what(&self) -> super::task::What {
+        super::task::What {
             kind: self.kind.coll().name(),
             count: self.count,
             dtype: self.dtype.name(),

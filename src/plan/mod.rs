@@ -3,15 +3,20 @@
 //! recvCopySend, recvReduceSend, recvReduceCopy, recvReduceCopySend, localCopy) over connections,
 //! repeated for each slice of the data (one FIFO slot per step and slice). Lanes run concurrently;
 //! the programs of a lane run in order. Executors run programs without knowing the transport.
+//!
+//! Plans are data: nothing here runs, waits or owns executor state (`build` chooses the
+//! algorithms; `task` is what an executor is handed).
 
 pub mod board;
+pub mod build;
 pub mod direct;
 pub mod ring;
-pub mod tune;
+pub mod task;
 
-use crate::api::ScalarArg;
+pub use task::{Task, What};
+
 use crate::transport::Conn;
-use crate::types::{CollKind, DataType, ReduceKind, Reduction, Scalar};
+use crate::types::{CollKind, DataType, ReduceKind, Reduction, Scalar, ScalarArg};
 use std::sync::Arc;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -9,6 +9,7 @@
 pub mod board;
 pub mod cma;
 pub mod inproc;
+pub mod peer;
 pub mod shm;
 
 use crate::error::{Error, Result};
@@ -174,9 +175,15 @@ impl Conn {
             self.head().load(Ordering::Relaxed),
         );
         if self.is_sender {
-            format!("a free slot to rank {} (sent {t}, freed {h})", self.peer)
+            format!(
+                "rank {} to free a slot for step {t} ({h} of the {t} steps sent are freed)",
+                self.peer
+            )
         } else {
-            format!("data from rank {} (received {h}, sent {t})", self.peer)
+            format!(
+                "rank {} to send step {h} ({t} steps received so far)",
+                self.peer
+            )
         }
     }
 

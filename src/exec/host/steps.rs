@@ -2,7 +2,7 @@
 //! buffers and a connection, whenever the connection's counters allow. Never blocks.
 
 use super::copy::copy_out;
-use crate::plan::tune::{BySize, FIFO_TUNE_BYTES, STREAMED};
+use super::tune::{BySize, FIFO_TUNE_BYTES, STREAMED};
 use crate::plan::{Prim, Program};
 use crate::reduce::Reducer;
 use std::time::Instant;

@@ -5,23 +5,21 @@
 //! peers are not there by the deadline becomes a one-task batch that goes on where it stopped,
 //! like any other.
 
-use super::board::BoardState;
-use super::host::{spoil, Batch, CLOCK_EVERY};
+use super::batch::{spoil, Batch, CLOCK_EVERY};
+use super::board::{BoardState, Direct};
 use super::steps::Poll;
-use super::task::Task;
-use crate::comm::Core;
+use super::task::{Item, Stage, Task};
+use super::HostComm;
 use crate::error::Result;
-use crate::plan::board::BoardOp;
-use crate::plan::{Stage, Work};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// One eager board operation, this rank's `ticket` of its communicator.
 pub struct LoneOp<'a> {
-    core: &'a Arc<Core>,
+    comm: &'a Arc<HostComm>,
     ticket: u64,
     /// Taken by `finish`.
-    op: Option<BoardOp>,
+    op: Option<Direct>,
     /// None when the operation cannot start here (earlier work of the communicator, or a broken
     /// or aborted communicator): the batch knows how to wait for it, or to fail.
     state: Option<BoardState>,
@@ -29,10 +27,11 @@ pub struct LoneOp<'a> {
 }
 
 impl<'a> LoneOp<'a> {
-    pub fn new(core: &'a Arc<Core>, ticket: u64, op: BoardOp) -> LoneOp<'a> {
-        let startable = core.is_serving(ticket) && !core.aborted() && core.broken().is_none();
+    pub fn new(comm: &'a Arc<HostComm>, ticket: u64, op: Direct) -> LoneOp<'a> {
+        // The batch that goes on with an operation that cannot begin here fails it as it should.
+        let startable = comm.is_serving(ticket) && comm.begin(ticket).is_ok();
         LoneOp {
-            core,
+            comm,
             ticket,
             state: startable.then(|| BoardState::new(&op)),
             op: Some(op),
@@ -54,12 +53,12 @@ impl<'a> LoneOp<'a> {
                 Ok(())
             }
             Err(e) => {
-                self.core.set_broken(e.clone());
+                self.comm.health.fail(e.clone());
                 Err(e)
             }
             Ok(_) => return false,
         };
-        self.core.advance_serving(self.ticket);
+        self.comm.advance_serving(self.ticket);
         self.result = Some(r);
         true
     }
@@ -71,7 +70,7 @@ impl<'a> LoneOp<'a> {
             return Ok(r);
         }
         let op = Box::new(self.op.take().expect("a lone operation finishes once"));
-        let mut t = Task::new(self.core.clone(), op.what());
+        let mut t = Task::new(self.comm.clone(), op.what());
         t.ticket = self.ticket;
         let fault = Some(op.output());
         let stage = |lanes| Stage {
@@ -85,7 +84,7 @@ impl<'a> LoneOp<'a> {
                 Batch::resume_board(t, op, state)
             }
             None => {
-                t.stages.push_back(stage(vec![vec![Work::Board(op)]]));
+                t.stages.push_back(stage(vec![vec![Item::Board(op)]]));
                 Batch::new(vec![t])
             }
         })

@@ -4,19 +4,59 @@
 //! peer buffer cannot be reached.
 
 use super::copy::{copy_out, copy_tiny};
+use super::memory::PeerMaps;
 use super::steps::{poll_program, Cursor, Poll};
+use super::tune::{self, Tuner, CMA};
 use crate::error::{Error, Result};
 use crate::plan::board::{BoardKind, BoardOp};
 use crate::plan::segment;
-use crate::plan::tune::{self, CMA};
 use crate::reduce::Reducer;
-use crate::transport::board::TINY;
+use crate::transport::board::{Board, TINY};
 use crate::transport::cma;
 use crate::types::{Reduction, Scalar};
+use std::sync::Arc;
 use std::time::Instant;
 
 /// Bytes reduced at a time: small enough to stay in cache between the reduction and the copies.
 const SLICE_BYTES: usize = 64 << 10;
+
+/// A planned direct operation with what the host executor runs it with: the communicator's board
+/// (the operation's place on it is `seq`), the peers' buffers mapped into this process, the
+/// tuner (cross-memory attach against the ring), and whether cross-memory attach reaches every
+/// peer.
+pub struct Direct {
+    pub op: BoardOp,
+    pub board: Arc<Board>,
+    /// Peers' mapped allocations (None for eager operations, which read no peer's buffer).
+    pub maps: Option<Arc<PeerMaps>>,
+    /// Buffers of other processes that cannot be mapped are reached by cross-memory attach.
+    pub cma: bool,
+    /// Where to vote from and record into when cross-memory attach competes with the ring.
+    pub tuner: Option<Arc<Tuner>>,
+}
+
+impl std::ops::Deref for Direct {
+    type Target = BoardOp;
+    fn deref(&self) -> &BoardOp {
+        &self.op
+    }
+}
+
+impl Direct {
+    /// `op` numbered and equipped for `comm` (which must have a board).
+    pub fn new(comm: &super::HostComm, mut op: BoardOp) -> Option<Direct> {
+        let (board, seq) = comm.board_op()?;
+        op.seq = seq;
+        let eager = op.eager();
+        Some(Direct {
+            op,
+            board,
+            maps: (!eager).then(|| comm.maps.clone()),
+            cma: comm.cma,
+            tuner: (!eager).then(|| comm.tuner.clone()),
+        })
+    }
+}
 
 enum Phase {
     Publish,
@@ -34,31 +74,42 @@ pub(super) struct BoardState {
 }
 
 impl BoardState {
-    pub(super) fn new(_op: &BoardOp) -> BoardState {
+    pub(super) fn new(_op: &Direct) -> BoardState {
         BoardState {
             phase: Phase::Publish,
             timed: None,
         }
     }
 
-    pub(super) fn describe_wait(&self, op: &BoardOp) -> String {
+    /// What the operation waits for, as the end of a sentence ("waiting for ...").
+    pub(super) fn describe_wait(&self, op: &Direct) -> String {
+        if let (Phase::Fallback(c), Some(prog)) = (&self.phase, op.fallback.as_deref()) {
+            let conn = c
+                .describe_wait(prog)
+                .unwrap_or_else(|| "its ring neighbours".into());
+            return format!(
+                "{conn} on the ring that direct operation #{} fell back on",
+                op.seq
+            );
+        }
         let (what, test): (&str, &dyn Fn(usize) -> bool) = match self.phase {
             Phase::Done => ("finish", &|p| op.board.is_done(p, op.seq)),
-            _ if op.eager() => ("arrive", &|p| op.board.arrived_eager(p, op.seq)),
-            _ => ("arrive", &|p| op.board.arrived(p, op.seq)),
+            _ if op.eager() => ("arrive at", &|p| op.board.arrived_eager(p, op.seq)),
+            _ => ("arrive at", &|p| op.board.arrived(p, op.seq)),
         };
         let late: Vec<String> = (0..op.nranks)
             .filter(|&p| !test(p))
             .map(|p| p.to_string())
             .collect();
-        format!(
-            "rank(s) {} to {what} direct operation #{}",
-            late.join(","),
-            op.seq
-        )
+        let who = match late.len() {
+            0 => "its peers".to_string(),
+            1 => format!("rank {}", late[0]),
+            _ => format!("ranks {}", late.join(", ")),
+        };
+        format!("{who} to {what} direct operation #{}", op.seq)
     }
 
-    pub(super) fn poll(&mut self, op: &BoardOp) -> Result<Poll> {
+    pub(super) fn poll(&mut self, op: &Direct) -> Result<Poll> {
         if op.eager() {
             self.poll_eager(op)
         } else {
@@ -68,7 +119,7 @@ impl BoardState {
 
     /// An eager operation (a small one's whole latency is made here): publish this rank's input
     /// on the board, then, once every rank has arrived, compute this rank's output.
-    fn poll_eager(&mut self, op: &BoardOp) -> Result<Poll> {
+    fn poll_eager(&mut self, op: &Direct) -> Result<Poll> {
         let sb = op.extents().0;
         let mut progressed = false;
         match self.phase {
@@ -112,14 +163,14 @@ impl BoardState {
 
     /// A direct operation on peers' buffers, or its ring fallback.
     #[inline(never)]
-    fn poll_direct(&mut self, op: &BoardOp) -> Result<Poll> {
+    fn poll_direct(&mut self, op: &Direct) -> Result<Poll> {
         let mut progressed = false;
         loop {
             match &mut self.phase {
                 Phase::Publish => {
                     let (sb, rb) = op.extents();
-                    let send = crate::memory::describe(op.send, sb);
-                    let recv = crate::memory::describe(op.recv, rb);
+                    let send = super::memory::describe(op.send, sb);
+                    let recv = super::memory::describe(op.recv, rb);
                     let vote = op
                         .tuner
                         .as_ref()
@@ -205,7 +256,7 @@ impl BoardState {
 
 /// Every rank's inputs are scaled by that rank's own PreMulSum scalar: this rank's, to publish
 /// (None when the operation has none).
-fn premul_bits(op: &BoardOp) -> Option<u64> {
+fn premul_bits(op: &Direct) -> Option<u64> {
     op.red.and_then(|r| r.resolve().premul).map(|s| s.bits)
 }
 
@@ -231,7 +282,7 @@ impl std::ops::Deref for Reducers {
     }
 }
 
-fn reducers(op: &BoardOp) -> Reducers {
+fn reducers(op: &Direct) -> Reducers {
     match op.red.map(|s| s.resolve()) {
         None => Reducers::None,
         Some(r) if r.premul.is_some() => Reducers::PerRank(
@@ -257,7 +308,7 @@ fn reducers(op: &BoardOp) -> Reducers {
 ///
 /// # Safety
 /// Each `src(p)` holds rank p's input (its send extent); the receive buffer is valid.
-unsafe fn compute_eager(op: &BoardOp, src: &dyn Fn(usize) -> usize) -> Result<()> {
+unsafe fn compute_eager(op: &Direct, src: &dyn Fn(usize) -> usize) -> Result<()> {
     let (n, r, es, c) = (op.nranks, op.rank, op.dtype.size(), op.count);
     let reducers = reducers(op);
     let out = op.recv as *mut u8;
@@ -299,7 +350,7 @@ type Peers = Vec<(Loc, Loc)>;
 /// reached (or the tuner chose the ring), with the path the tuner chose when it chose one. Every
 /// rank reaches the same verdict: it depends only on what all ranks published and on the
 /// communicator's cross-memory-attach verdict, agreed at init.
-fn resolve(op: &BoardOp) -> Result<(Option<Peers>, Option<usize>)> {
+fn resolve(op: &Direct) -> Result<(Option<Peers>, Option<usize>)> {
     // Reachability first, from the published facts alone (identical on every rank).
     let mut infos = Vec::with_capacity(op.nranks);
     for p in 0..op.nranks {
@@ -416,7 +467,7 @@ unsafe fn reduce_into(
 /// Bytes reduced at a time when some input comes by cross-memory attach (a system call each).
 const CMA_SLICE_BYTES: usize = 256 << 10;
 
-fn compute(op: &BoardOp, peers: &[(Loc, Loc)]) -> Result<()> {
+fn compute(op: &Direct, peers: &[(Loc, Loc)]) -> Result<()> {
     let (n, r, es, c) = (op.nranks, op.rank, op.dtype.size(), op.count);
     let send = |p: usize| peers[p].0;
     let recv = |p: usize| peers[p].1;

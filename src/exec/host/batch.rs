@@ -3,14 +3,13 @@
 //! Nothing blocks: several ranks' tasks can be driven by one thread, as `ncclGroupEnd` over
 //! several communicators requires.
 
-use super::board::BoardState;
+use super::board::{BoardState, Direct};
 use super::steps::{poll_program, Cursor, Poll};
-use super::task::{Outcome, Task};
-use crate::comm::Core;
+use super::task::{Item, Outcome, Task};
+use super::tune::BySize;
+use super::HostComm;
 use crate::error::{Error, Result};
-use crate::plan::board::BoardOp;
-use crate::plan::tune::BySize;
-use crate::plan::Work;
+use crate::health::Backoff;
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
@@ -21,12 +20,12 @@ enum Cur {
 }
 
 struct Lane {
-    works: VecDeque<Work>,
+    works: VecDeque<Item>,
     cur: Option<Cur>,
 }
 
 impl Lane {
-    fn new(works: Vec<Work>) -> Lane {
+    fn new(works: Vec<Item>) -> Lane {
         Lane {
             works: works.into(),
             cur: None,
@@ -45,18 +44,18 @@ fn poll_lane(lane: &mut Lane, fifo: (&BySize, u64)) -> Result<Poll> {
             return Ok(Poll::Done);
         };
         let cur = lane.cur.get_or_insert_with(|| match work {
-            Work::Steps(p) => Cur::Steps(Cursor::new(p, Some(fifo))),
-            Work::Board(op) => Cur::Board(BoardState::new(op)),
+            Item::Steps(p) => Cur::Steps(Cursor::new(p, Some(fifo))),
+            Item::Board(op) => Cur::Board(BoardState::new(op)),
         });
         let p = match (work, cur) {
-            (Work::Steps(prog), Cur::Steps(c)) => {
+            (Item::Steps(prog), Cur::Steps(c)) => {
                 let p = poll_program(prog, c);
                 if p == Poll::Done {
                     c.finish(prog, fifo.0);
                 }
                 p
             }
-            (Work::Board(op), Cur::Board(st)) => st.poll(op)?,
+            (Item::Board(op), Cur::Board(st)) => st.poll(op)?,
             _ => unreachable!("a lane's cursor matches its work"),
         };
         match p {
@@ -114,8 +113,8 @@ impl Running {
         }
     }
 
-    fn core(&self) -> &Core {
-        &self.task.core
+    fn comm(&self) -> &HostComm {
+        &self.task.comm
     }
 
     /// One pass over the task's lanes.
@@ -124,11 +123,11 @@ impl Running {
             return Poll::Done;
         }
         if !self.started {
-            if !self.core().is_serving(self.task.ticket) {
+            if !self.comm().is_serving(self.task.ticket) {
                 return Poll::Blocked;
             }
-            if let Some(e) = self.core().broken() {
-                return self.finish(Err(e));
+            if let Err(e) = self.comm().begin(self.task.ticket) {
+                return self.finish(Err(e.context(self.task.what.to_string())));
             }
             self.started = true;
             // SAFETY: the task's turn has come: earlier work of its stream and communicator is
@@ -138,7 +137,7 @@ impl Running {
         }
         let mut progress = false;
         loop {
-            let fifo = (&self.task.core.tuner.fifo, self.task.ticket);
+            let fifo = (&self.task.comm.tuner.fifo, self.task.ticket);
             let all_done = match poll_lanes(&mut self.stage_lanes, fifo, &mut progress) {
                 Ok(d) => d,
                 Err(e) => return self.finish(Err(e)),
@@ -151,7 +150,7 @@ impl Running {
             progress = true;
         }
         let stage_done = self.task.stages.is_empty() && self.stage_lanes.iter().all(Lane::done);
-        let fifo = (&self.task.core.tuner.fifo, self.task.ticket);
+        let fifo = (&self.task.comm.tuner.fifo, self.task.ticket);
         let p2p_done = match poll_lanes(&mut self.p2p, fifo, &mut progress) {
             Ok(d) => d,
             Err(e) => return self.finish(Err(e)),
@@ -192,9 +191,9 @@ impl Running {
 
     fn finish(&mut self, r: Result<()>) -> Poll {
         if let Err(e) = &r {
-            self.core().set_broken(e.clone());
+            self.comm().health.fail(e.clone());
         }
-        self.core().advance_serving(self.task.ticket);
+        self.comm().advance_serving(self.task.ticket);
         self.result = Some(r);
         Poll::Done
     }
@@ -204,11 +203,11 @@ impl Running {
         if self.result.is_some() {
             return;
         }
-        if self.core().aborted() {
+        if self.comm().health.aborted() {
             let e = Error::remote(format!(
                 "{} on rank {}: communicator aborted",
                 self.task.what,
-                self.core().rank
+                self.comm().rank
             ));
             if self.started {
                 self.finish(Err(e));
@@ -227,7 +226,7 @@ impl Running {
             let e = Error::timeout(format!(
                 "{} on rank {} made no progress for {} s: waiting for {}",
                 self.task.what,
-                self.core().rank,
+                self.comm().rank,
                 timeout.as_secs(),
                 waiting
             ));
@@ -248,8 +247,8 @@ pub(super) fn spoil(fault: Option<(crate::types::DataType, usize, usize)>) {
 
 fn describe_wait(l: &Lane) -> Option<String> {
     match (l.works.front()?, l.cur.as_ref()?) {
-        (Work::Steps(p), Cur::Steps(c)) => c.describe_wait(p),
-        (Work::Board(op), Cur::Board(st)) => Some(st.describe_wait(op)),
+        (Item::Steps(p), Cur::Steps(c)) => c.describe_wait(p),
+        (Item::Board(op), Cur::Board(st)) => Some(st.describe_wait(op)),
         _ => None,
     }
 }
@@ -257,9 +256,6 @@ fn describe_wait(l: &Lane) -> Option<String> {
 /// A busy wait with a deadline reads the clock once in this many turns (a read costs about as
 /// much as a small operation's whole exchange; a turn is a pause of tens of nanoseconds).
 pub const CLOCK_EVERY: u32 = 128;
-
-/// How long a blocked executor yields its core before it starts sleeping.
-const YIELD_BEFORE_SLEEP: Duration = Duration::from_millis(5);
 
 /// Tasks being run together by one thread; they can be handed to another thread between polls.
 pub struct Batch {
@@ -269,12 +265,12 @@ pub struct Batch {
 impl Batch {
     /// A batch of one task whose only work, a board operation, was begun by the caller (see
     /// `exec::lone`): it goes on from `state`.
-    pub(super) fn resume_board(mut task: Task, op: Box<BoardOp>, state: BoardState) -> Batch {
+    pub(super) fn resume_board(mut task: Task, op: Box<Direct>, state: BoardState) -> Batch {
         let _ = task.stages.front_mut().map(|s| s.lanes.clear());
         let mut r = Running::new(task);
         r.started = true;
         r.stage_lanes = vec![Lane {
-            works: VecDeque::from([Work::Board(op)]),
+            works: VecDeque::from([Item::Board(op)]),
             cur: Some(Cur::Board(state)),
         }];
         Batch { running: vec![r] }
@@ -298,7 +294,7 @@ impl Batch {
     pub fn run_unless(&mut self, deadline: Option<Instant>, yield_to: &dyn Fn() -> bool) -> bool {
         let timeout = crate::param::timeout();
         let mut idle_spins: u32 = 0;
-        let mut idle_since = Instant::now();
+        let mut backoff = Backoff::default();
         loop {
             let mut all_done = true;
             let mut progress = false;
@@ -317,10 +313,8 @@ impl Batch {
             }
             if progress {
                 idle_spins = 0;
+                backoff.reset();
                 continue;
-            }
-            if idle_spins == 0 {
-                idle_since = Instant::now();
             }
             idle_spins = idle_spins.saturating_add(1);
             if idle_spins.is_multiple_of(16) && yield_to() {
@@ -335,16 +329,9 @@ impl Batch {
             }
             // Waiting: spin, then yield (peers on this host answer within microseconds), and
             // only after a while without progress sleep, checking for aborts and timeouts.
-            if idle_spins < 64 {
-                std::hint::spin_loop();
-            } else if idle_since.elapsed() < YIELD_BEFORE_SLEEP {
-                std::thread::yield_now();
-            } else {
-                std::thread::sleep(Duration::from_micros(50));
-                if idle_spins.is_multiple_of(64) {
-                    for t in &mut self.running {
-                        t.check_stuck(timeout);
-                    }
+            if backoff.pause() {
+                for t in &mut self.running {
+                    t.check_stuck(timeout);
                 }
             }
         }

@@ -2,9 +2,9 @@
 //! in for `cudaStream_t` on the host executor. Work handed over by one `ncclGroupEnd` is run as
 //! one batch, so several ranks of one process may share a stream without deadlock.
 
+use super::batch::{Batch, CLOCK_EVERY};
+use super::task::{Outcome, Task};
 use crate::error::{Error, Result};
-use crate::exec::host::Batch;
-use crate::exec::Task;
 use parking_lot::{Condvar, Mutex};
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -119,8 +119,7 @@ impl HostStream {
             // The worker runs a batch: ask for it.
             self.wanted.store(true, Ordering::Release);
             spins = spins.wrapping_add(1);
-            if spins.is_multiple_of(crate::exec::host::CLOCK_EVERY) && Instant::now() >= deadline()
-            {
+            if spins.is_multiple_of(CLOCK_EVERY) && Instant::now() >= deadline() {
                 self.wanted.store(false, Ordering::Release);
                 return false;
             }
@@ -172,7 +171,7 @@ impl HostStream {
     }
 
     /// Records the results of a batch that was queued and is finished (the claim goes on).
-    fn record(&self, results: crate::exec::task::Outcome) {
+    fn record(&self, results: Outcome) {
         self.state
             .lock()
             .keep(results.into_iter().filter_map(|r| r.err()));

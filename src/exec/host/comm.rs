@@ -1,0 +1,152 @@
+//! The host executor's per-communicator state: the order its tasks run in (tickets), the board
+//! of direct operations and its sequence numbers, peers' buffers mapped into this process, what
+//! the tuner has measured, and whether cross-memory attach reaches every peer.
+
+use super::memory::PeerMaps;
+use super::tune::Tuner;
+use crate::bootstrap::Bootstrap;
+use crate::error::{Error, Result};
+use crate::health::{Health, Wait};
+use crate::transport::board::Board;
+use crate::transport::peer::PeerInfo;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Instant;
+
+pub struct HostComm {
+    pub rank: usize,
+    pub nranks: usize,
+    pub health: Arc<Health>,
+    next_ticket: AtomicU64,
+    serving: AtomicU64,
+    /// One past the ticket of the last task that began touching user memory: the communicator
+    /// is quiescent when that task has finished (`begun <= serving`). Tasks begin in ticket
+    /// order, and a task that finds the communicator aborted never begins.
+    begun: AtomicU64,
+    /// The board of direct algorithms (all ranks on this host), its operation counter.
+    /// Set at init and kept as long as the state (tasks and peers' late reads hold their own).
+    board: Option<Arc<Board>>,
+    board_seq: AtomicU64,
+    pub maps: Arc<PeerMaps>,
+    /// Bandwidth seen on the ring and by cross-memory attach (see `tune`).
+    pub tuner: Arc<Tuner>,
+    /// Every rank can read and write every other rank's process memory (`transport::cma`).
+    pub cma: bool,
+}
+
+impl HostComm {
+    /// Sets up a rank's state once its peers are known (a collective call: every rank makes it).
+    pub fn init(
+        rank: usize,
+        nranks: usize,
+        hash: u64,
+        peers: &[PeerInfo],
+        boot: &Bootstrap,
+        health: Arc<Health>,
+    ) -> Result<HostComm> {
+        let me = &peers[rank];
+        let mut cma = false;
+        let board = if nranks > 1 && peers.iter().all(|q| q.host == me.host) {
+            let shared = peers.iter().any(|q| q.pid != me.pid);
+            if shared {
+                // Cross-memory attach only if every rank reaches every other process.
+                let mine = crate::param::cma_enabled()
+                    && peers.iter().all(|q| {
+                        q.pid == me.pid || crate::transport::cma::can_reach(q.pid, q.probe)
+                    });
+                let all = boot.allgather(&[mine as u8])?;
+                cma = all.iter().all(|v| v.first() == Some(&1));
+            }
+            Some(Arc::new(Board::open(hash, nranks, shared)?))
+        } else {
+            None
+        };
+        Ok(HostComm {
+            rank,
+            nranks,
+            health,
+            next_ticket: AtomicU64::new(0),
+            serving: AtomicU64::new(0),
+            begun: AtomicU64::new(0),
+            board,
+            board_seq: AtomicU64::new(0),
+            maps: Arc::new(PeerMaps::default()),
+            tuner: Default::default(),
+            cma,
+        })
+    }
+
+    pub fn take_ticket(&self) -> u64 {
+        self.next_ticket.fetch_add(1, Ordering::AcqRel)
+    }
+    pub fn is_serving(&self, ticket: u64) -> bool {
+        self.serving.load(Ordering::Acquire) == ticket
+    }
+
+    /// Task `ticket`, whose turn it is, begins to touch user memory unless the communicator is
+    /// aborted or broken (then the error it must end with). Paired with `wait_quiescent`: either
+    /// the abort is seen here, or the waiter sees this task begun and waits for its end.
+    #[inline]
+    pub fn begin(&self, ticket: u64) -> Result<()> {
+        self.begun.store(ticket + 1, Ordering::SeqCst);
+        if self.health.aborted() {
+            return Err(Error::remote(format!(
+                "rank {}: communicator aborted",
+                self.rank
+            )));
+        }
+        match self.health.error() {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+
+    /// Ends the turn of `ticket`, if it is being served. Only the holder of the ticket being
+    /// served moves `serving` on, so a load and a store do what a compare-and-swap would, without
+    /// a locked instruction (which would first wait for this rank's arrival on the board, still
+    /// on its way to the peers, to leave the store buffer).
+    pub fn advance_serving(&self, ticket: u64) {
+        if self.serving.load(Ordering::Acquire) == ticket {
+            self.serving.store(ticket + 1, Ordering::Release);
+        }
+    }
+    /// True when every task handed out so far has finished.
+    pub fn idle(&self) -> bool {
+        self.serving.load(Ordering::Acquire) == self.next_ticket.load(Ordering::Acquire)
+    }
+
+    /// True when no task touches user memory: every task that began has ended.
+    fn quiescent(&self) -> bool {
+        self.begun.load(Ordering::SeqCst) <= self.serving.load(Ordering::Acquire)
+    }
+
+    /// Waits until all queued work is done; after an abort, until no task touches user memory
+    /// any more (tasks that had not begun never will).
+    pub fn wait_quiescent(&self, deadline: Instant) -> Result<()> {
+        let w = Wait {
+            who: format!("rank {}", self.rank),
+            deadline,
+            timeout: deadline.saturating_duration_since(Instant::now()),
+            health: None,
+        };
+        let what = || "its outstanding operations to complete".to_string();
+        w.until(&what, || {
+            self.idle() || (self.health.aborted() && self.quiescent())
+        })
+    }
+
+    /// Whether `board_op` gives an operation.
+    pub fn has_board(&self) -> bool {
+        crate::param::direct_algorithms() && self.board.is_some()
+    }
+
+    /// The board and the sequence number of the next direct operation, if direct algorithms
+    /// are available and allowed.
+    pub fn board_op(&self) -> Option<(Arc<Board>, u64)> {
+        if !crate::param::direct_algorithms() {
+            return None;
+        }
+        let b = self.board.clone()?;
+        Some((b, self.board_seq.fetch_add(1, Ordering::AcqRel) + 1))
+    }
+}

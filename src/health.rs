@@ -1,0 +1,237 @@
+//! One health per communicator, and the one bounded wait every layer uses.
+//!
+//! A communicator's [`Health`] holds its abort flag (set by `ncclCommAbort`), its first error (a
+//! failed operation leaves the communicator broken, as NCCL's async error does), and a word peers
+//! may set to abort it from afar. Every wait of the library (the executors' polling loops, host
+//! streams, the bootstrap's sockets, finalize and destroy) is a [`Wait`]: it watches one health
+//! and a deadline, and says who waited for what when it gives up.
+
+use crate::error::{Error, Result};
+use parking_lot::Mutex;
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// A communicator's health: abort flag, first error, remote-abort word.
+pub struct Health {
+    /// Shared with whoever may abort before the communicator exists (bootstrap tests, init).
+    abort: Arc<AtomicBool>,
+    /// Set by a peer (through memory both reach) to abort this rank's work; 0 while healthy,
+    /// else the peer's rank + 1.
+    remote: AtomicU32,
+    error: Mutex<Option<Error>>,
+    /// Whether `error` holds one (read first, so that a healthy check takes no lock).
+    has_error: AtomicBool,
+}
+
+impl Default for Health {
+    fn default() -> Health {
+        Health::with_flag(Arc::new(AtomicBool::new(false)))
+    }
+}
+
+impl Health {
+    /// A health whose abort flag is `flag` (which others may hold and set).
+    pub fn with_flag(flag: Arc<AtomicBool>) -> Health {
+        Health {
+            abort: flag,
+            remote: AtomicU32::new(0),
+            error: Mutex::new(None),
+            has_error: AtomicBool::new(false),
+        }
+    }
+
+    /// `ncclCommAbort`: every wait watching this health gives up.
+    pub fn abort(&self) {
+        self.abort.store(true, Ordering::SeqCst);
+    }
+
+    /// Whether the communicator was aborted, here or by a peer.
+    #[inline]
+    pub fn aborted(&self) -> bool {
+        self.abort.load(Ordering::SeqCst) || self.remote.load(Ordering::Relaxed) != 0
+    }
+
+    /// A peer asks this rank to stop (`rank`: who asked).
+    pub fn abort_from(&self, rank: usize) {
+        let _ =
+            self.remote
+                .compare_exchange(0, rank as u32 + 1, Ordering::AcqRel, Ordering::Relaxed);
+    }
+
+    /// The first error the communicator met, if any.
+    #[inline]
+    pub fn error(&self) -> Option<Error> {
+        if !self.has_error.load(Ordering::Acquire) {
+            return None;
+        }
+        self.error.lock().clone()
+    }
+
+    /// Records an error (the first one stays).
+    pub fn fail(&self, e: Error) {
+        let mut b = self.error.lock();
+        if b.is_none() {
+            *b = Some(e);
+            self.has_error.store(true, Ordering::Release);
+        }
+    }
+
+    /// Why waiting on this communicator must stop, if it must: "aborted" (an
+    /// `ncclRemoteError`-coded error when a peer asked for it), for `who` waiting for `what`.
+    pub fn stopped(&self, who: &dyn std::fmt::Display, what: &dyn Fn() -> String) -> Result<()> {
+        if self.abort.load(Ordering::SeqCst) {
+            return Err(Error::invalid_usage(format!(
+                "{who} aborted while waiting for {}",
+                what()
+            )));
+        }
+        match self.remote.load(Ordering::Acquire) {
+            0 => Ok(()),
+            r => Err(Error::remote(format!(
+                "{who}: rank {} aborted the communicator while this rank waited for {}",
+                r - 1,
+                what()
+            ))),
+        }
+    }
+}
+
+/// Anything a bootstrap or wait can watch for an abort: a communicator's health, or a bare
+/// flag (which becomes a health of its own).
+pub trait IntoHealth {
+    fn into_health(self) -> Arc<Health>;
+}
+
+impl IntoHealth for Arc<Health> {
+    fn into_health(self) -> Arc<Health> {
+        self
+    }
+}
+
+impl IntoHealth for Arc<AtomicBool> {
+    fn into_health(self) -> Arc<Health> {
+        Arc::new(Health::with_flag(self))
+    }
+}
+
+/// Longest single blocking step of a wait on a socket or a condition: every wait re-checks its
+/// health and deadline this often.
+pub const SLICE: Duration = Duration::from_millis(50);
+
+/// A bounded wait: who is waiting, until when, and the health it watches.
+pub struct Wait<'a> {
+    pub who: String,
+    pub deadline: Instant,
+    pub timeout: Duration,
+    pub health: Option<&'a Health>,
+}
+
+impl<'a> Wait<'a> {
+    pub fn new(who: String, timeout: Duration, health: Option<&'a Health>) -> Wait<'a> {
+        Wait {
+            who,
+            deadline: Instant::now() + timeout,
+            timeout,
+            health,
+        }
+    }
+
+    /// Err when aborted (InvalidUsage, or RemoteError when a peer aborted) or past the deadline
+    /// (Timeout, naming `what`).
+    pub fn check(&self, what: &dyn Fn() -> String) -> Result<()> {
+        if let Some(h) = self.health {
+            h.stopped(&self.who, what)?;
+        }
+        if Instant::now() >= self.deadline {
+            return Err(self.expired(what));
+        }
+        Ok(())
+    }
+
+    /// The timeout error of this wait.
+    pub fn expired(&self, what: &dyn Fn() -> String) -> Error {
+        Error::timeout(format!(
+            "{} waited {} for {}",
+            self.who,
+            fmt_secs(self.timeout),
+            what()
+        ))
+    }
+
+    /// The next blocking step's length: a slice, cut at the deadline (never zero).
+    pub fn slice(&self) -> Duration {
+        let left = self.deadline.saturating_duration_since(Instant::now());
+        left.clamp(Duration::from_millis(1), SLICE)
+    }
+
+    /// Polls `ready` until it says true, pausing between polls as [`Backoff`] does and checking
+    /// the health and deadline while it pauses.
+    pub fn until(&self, what: &dyn Fn() -> String, mut ready: impl FnMut() -> bool) -> Result<()> {
+        let mut b = Backoff::default();
+        loop {
+            if ready() {
+                return Ok(());
+            }
+            if b.pause() {
+                self.check(what)?;
+            }
+        }
+    }
+}
+
+/// How a polling thread waits between polls that found nothing: spin briefly (peers on this
+/// host answer within microseconds), then yield the core, and only after a while without
+/// progress sleep (in 50 us naps). `pause` says when a check of health and deadline is due.
+#[derive(Default)]
+pub struct Backoff {
+    spins: u32,
+    since: Option<Instant>,
+}
+
+/// Spins before yielding.
+const SPINS: u32 = 64;
+/// How long a blocked thread yields its core before it starts sleeping.
+pub const YIELD_BEFORE_SLEEP: Duration = Duration::from_millis(5);
+
+impl Backoff {
+    /// Progress was made: start again with spinning.
+    #[inline]
+    pub fn reset(&mut self) {
+        self.spins = 0;
+    }
+
+    /// Turns spent waiting since the last progress.
+    pub fn turns(&self) -> u32 {
+        self.spins
+    }
+
+    /// Waits a little; true when a check of health and deadline is due (while sleeping, every
+    /// 64th turn: about every 3 ms).
+    pub fn pause(&mut self) -> bool {
+        if self.spins == 0 {
+            self.since = Some(Instant::now());
+        }
+        self.spins = self.spins.saturating_add(1);
+        if self.spins < SPINS {
+            std::hint::spin_loop();
+            return false;
+        }
+        let since = *self.since.get_or_insert_with(Instant::now);
+        if since.elapsed() < YIELD_BEFORE_SLEEP {
+            std::thread::yield_now();
+            return false;
+        }
+        std::thread::sleep(Duration::from_micros(50));
+        self.spins.is_multiple_of(64)
+    }
+}
+
+/// "300 s", "1.5 s".
+pub fn fmt_secs(d: Duration) -> String {
+    if d.subsec_millis() == 0 {
+        format!("{} s", d.as_secs())
+    } else {
+        format!("{:.1} s", d.as_secs_f64())
+    }
+}

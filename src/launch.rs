@@ -1,0 +1,186 @@
+//! Launching validated calls: each call is checked against its communicator (roots, buffers,
+//! counts, the reduction operator resolved), then handed to the communicator's executor, alone
+//! or with the rest of its group.
+
+use crate::comm::{Comm, Core};
+use crate::error::{Error, Result};
+use crate::exec::{self, Call, Stream};
+use crate::plan::RedSpec;
+use crate::types::{
+    CollArgs, CollKind, DataType, ReduceKind, Reduction, Scalar, NUM_BUILTIN_OPS, OP_AVG, OP_MAX,
+    OP_MIN, OP_PROD, OP_SUM,
+};
+use std::sync::Arc;
+
+/// A validated call kept for its group's end.
+pub struct Queued {
+    core: Arc<Core>,
+    args: CollArgs,
+    red: Option<RedSpec>,
+    stream: Stream,
+}
+
+/// Checks a call; the checked call to keep for the group's end.
+pub fn check(comm: &Arc<Comm>, args: CollArgs, stream: Stream) -> Result<Queued> {
+    let (core, red) = validate(comm, &args)?;
+    Ok(Queued {
+        core: core.clone(),
+        args,
+        red,
+        stream,
+    })
+}
+
+/// Checks a call and runs it at once (a group of one).
+pub fn run_one(comm: &Arc<Comm>, args: CollArgs, stream: Stream) -> Result<()> {
+    let (core, red) = validate(comm, &args)?;
+    exec::launch_one(Call {
+        comm: &core.exec,
+        links: &**core,
+        args,
+        red,
+        stream,
+    })
+}
+
+/// Launches a group's checked calls, all communicators together.
+pub fn run_group(ops: Vec<Queued>) -> Result<()> {
+    let calls = ops
+        .iter()
+        .map(|q| Call {
+            comm: &q.core.exec,
+            links: &*q.core,
+            args: q.args,
+            red: q.red,
+            stream: q.stream.clone(),
+        })
+        .collect();
+    exec::launch(calls)
+}
+
+fn bytes_of(count: usize, mult: usize, dtype: DataType, what: &str) -> Result<usize> {
+    count
+        .checked_mul(mult)
+        .and_then(|c| c.checked_mul(dtype.size()))
+        .filter(|&b| b <= isize::MAX as usize)
+        .ok_or_else(|| {
+            Error::invalid_argument(format!("{what}: count {count} overflows the address space"))
+        })
+}
+
+fn validate<'c>(comm: &'c Arc<Comm>, a: &CollArgs) -> Result<(&'c Arc<Core>, Option<RedSpec>)> {
+    let core = comm.core()?;
+    if let Some(e) = core.health.error() {
+        return Err(e);
+    }
+    let n = core.nranks;
+    let name = a.kind.name();
+    let rooted = matches!(
+        a.kind,
+        CollKind::Broadcast
+            | CollKind::Reduce
+            | CollKind::Gather
+            | CollKind::Scatter
+            | CollKind::Send
+            | CollKind::Recv
+    );
+    if rooted && (a.root < 0 || a.root as usize >= n) {
+        let what = if a.kind.is_p2p() { "peer" } else { "root" };
+        return Err(Error::invalid_argument(format!(
+            "{name}: invalid {what} {} (nranks is {n})",
+            a.root
+        )));
+    }
+    let (send_mult, recv_mult) = match a.kind {
+        CollKind::AllReduce | CollKind::Broadcast | CollKind::Reduce => (1, 1),
+        CollKind::AllGather => (1, n),
+        CollKind::ReduceScatter => (n, 1),
+        CollKind::AlltoAll => (n, n),
+        CollKind::Gather => (1, n),
+        CollKind::Scatter => (n, 1),
+        CollKind::Send => (1, 0),
+        CollKind::Recv => (0, 1),
+    };
+    let me = core.rank as i32;
+    let uses_send =
+        !(matches!(a.kind, CollKind::Recv) || (a.kind == CollKind::Broadcast && a.root != me));
+    let uses_recv = match a.kind {
+        CollKind::Send => false,
+        CollKind::Reduce | CollKind::Gather => a.root == me,
+        _ => true,
+    };
+    let sb = bytes_of(a.count, send_mult, a.dtype, name)?;
+    let rb = bytes_of(a.count, recv_mult, a.dtype, name)?;
+    if uses_send && sb > 0 && a.send == 0 {
+        return Err(Error::invalid_argument(format!("{name}: sendbuff is NULL")));
+    }
+    if uses_recv && rb > 0 && a.recv == 0 {
+        return Err(Error::invalid_argument(format!("{name}: recvbuff is NULL")));
+    }
+    let reduces = matches!(
+        a.kind,
+        CollKind::AllReduce | CollKind::Reduce | CollKind::ReduceScatter
+    );
+    let red = if reduces {
+        Some(resolve_op(comm, a.op, a.dtype, n, name)?)
+    } else {
+        None
+    };
+    Ok((core, red))
+}
+
+fn resolve_op(comm: &Comm, op: i32, dtype: DataType, n: usize, name: &str) -> Result<RedSpec> {
+    let ready = |kind| {
+        Ok(RedSpec::Ready(Reduction {
+            dtype,
+            kind,
+            premul: None,
+            postdiv: None,
+        }))
+    };
+    match op {
+        OP_SUM => ready(ReduceKind::Sum),
+        OP_PROD => ready(ReduceKind::Prod),
+        OP_MAX => ready(ReduceKind::Max),
+        OP_MIN => ready(ReduceKind::Min),
+        OP_AVG if dtype.is_float() => Ok(RedSpec::Ready(Reduction {
+            dtype,
+            kind: ReduceKind::Sum,
+            premul: Some(scalar_from_f64(dtype, 1.0 / n as f64)),
+            postdiv: None,
+        })),
+        OP_AVG => Ok(RedSpec::Ready(Reduction {
+            dtype,
+            kind: ReduceKind::Sum,
+            premul: None,
+            postdiv: Some(n as u64),
+        })),
+        _ if op >= NUM_BUILTIN_OPS => match comm.redops.get(op) {
+            Some((d, scalar)) if d == dtype => Ok(RedSpec::PreMul { dtype, scalar }),
+            Some((d, _)) => Err(Error::invalid_argument(format!(
+                "{name}: operator {op} was created for datatype {} but used with {}",
+                d.name(),
+                dtype.name()
+            ))),
+            None => Err(Error::invalid_argument(format!(
+                "{name}: invalid reduction operator {op} (not created on this communicator, or destroyed)"
+            ))),
+        },
+        _ => Err(Error::invalid_argument(format!("{name}: invalid reduction operator {op}"))),
+    }
+}
+
+/// A float scalar in the bits of `dtype`.
+pub fn scalar_from_f64(dtype: DataType, v: f64) -> Scalar {
+    use crate::reduce::convert;
+    let bits = match dtype {
+        DataType::Float64 => v.to_bits(),
+        DataType::Float32 => (v as f32).to_bits() as u64,
+        DataType::Float16 => convert::f32_to_f16(v as f32) as u64,
+        DataType::Bfloat16 => convert::f32_to_bf16(v as f32) as u64,
+        DataType::Float8e4m3 => convert::f32_to_e4m3(v as f32) as u64,
+        DataType::Float8e5m2 => convert::f32_to_e5m2(v as f32) as u64,
+        _ => v as i64 as u64,
+    };
+    Scalar { bits }
+}

@@ -1,0 +1,201 @@
+//! Algorithm choice: one communicator's calls of a group become one task. Collectives that the
+//! executor can run directly over its board are planned as direct operations (eager when small,
+//! with the ring to fall back on when large); the rest as rings, chains and direct connections;
+//! sends and receives as one lane per peer and direction.
+
+use super::board::{BoardKind, BoardOp};
+use super::ring::Links;
+use super::task::{Task, What};
+use super::{direct, out_count, overlaps, ring, Program, RedSpec, Stage, Stash, Work};
+use crate::error::{Error, Result};
+use crate::transport::Class;
+use crate::types::{CollArgs, CollKind};
+
+/// What a task does, for messages: its first call, and how many more the group has.
+pub fn describe(qs: &[(CollArgs, Option<RedSpec>)]) -> What {
+    let a = &qs[0].0;
+    What {
+        kind: a.kind.name(),
+        count: a.count,
+        dtype: a.dtype.name(),
+        more: qs.len() - 1,
+    }
+}
+
+/// Plans one communicator's calls of a group into a task.
+///
+/// `direct`: the executor runs direct operations (`board`) for this communicator; collectives
+/// that can run as one are planned as one (eager when small, else with the ring to fall back
+/// on).
+pub fn build_task(l: &dyn Links, direct: bool, qs: &[(CollArgs, Option<RedSpec>)]) -> Result<Task> {
+    let (rank, nranks) = (l.rank(), l.nranks());
+    let mut task = Task::default();
+    // Self send/recv pairs, matched in order.
+    let mut self_sends = std::collections::VecDeque::new();
+    let mut self_recvs = std::collections::VecDeque::new();
+    // One lane per (peer, direction).
+    let mut p2p_lanes: Vec<((usize, bool), Vec<Program>)> = Vec::new();
+    // A send from memory that a receive of the same task writes (sendrecv in place) reads a
+    // copy taken when the task starts: the receive may run ahead of the send.
+    let recvs: Vec<(usize, usize)> = qs
+        .iter()
+        .filter(|(a, _)| a.kind == CollKind::Recv)
+        .map(|(a, _)| (a.recv, a.count * a.dtype.size()))
+        .collect();
+    let mut p2p_stash = Stash::default();
+    let mut send_src = |a: &CollArgs| {
+        let bytes = a.count * a.dtype.size();
+        if recvs.iter().any(|&(r, rb)| overlaps(a.send, bytes, r, rb)) {
+            p2p_stash.keep(a.send, bytes)
+        } else {
+            a.send
+        }
+    };
+    let res = (|| -> Result<()> {
+        for &(a, red) in qs {
+            let root = a.root.max(0) as usize;
+            let fault = Some((
+                a.dtype,
+                a.recv,
+                out_count(a.kind, a.count, nranks, rank, root),
+            ));
+            let stage = |w: Work| {
+                let mut s = Stage::default();
+                s.lanes.push(vec![w]);
+                s.fault = fault;
+                s
+            };
+            match a.kind {
+                CollKind::AllReduce
+                | CollKind::ReduceScatter
+                | CollKind::AllGather
+                | CollKind::Broadcast
+                | CollKind::Reduce => {
+                    let bk = BoardKind::of(a.kind).expect("a board collective");
+                    let ring_program = || -> Result<Program> {
+                        match bk {
+                            BoardKind::AllReduce => ring::all_reduce(
+                                l,
+                                a.send,
+                                a.recv,
+                                a.count,
+                                a.dtype,
+                                red.expect("red"),
+                            ),
+                            BoardKind::ReduceScatter => ring::reduce_scatter(
+                                l,
+                                a.send,
+                                a.recv,
+                                a.count,
+                                a.dtype,
+                                red.expect("red"),
+                            ),
+                            BoardKind::AllGather => {
+                                ring::all_gather(l, a.send, a.recv, a.count, a.dtype)
+                            }
+                            BoardKind::Broadcast => {
+                                ring::broadcast(l, a.send, a.recv, a.count, a.dtype, root)
+                            }
+                            BoardKind::Reduce => ring::reduce(
+                                l,
+                                a.send,
+                                a.recv,
+                                a.count,
+                                a.dtype,
+                                red.expect("red"),
+                                root,
+                            ),
+                        }
+                    };
+                    let work = if direct && nranks > 1 {
+                        // An eager operation never falls back: no ring to plan.
+                        let eager = BoardOp::fits_inline(bk, nranks, a.count, a.dtype);
+                        let fallback = if eager {
+                            None
+                        } else {
+                            Some(Box::new(ring_program()?))
+                        };
+                        Work::Board(Box::new(BoardOp::new(rank, nranks, &a, red, bk, fallback)))
+                    } else {
+                        ring_program()?.into()
+                    };
+                    task.stages.push_back(stage(work));
+                }
+                CollKind::AlltoAll => {
+                    let mut s = direct::all_to_all(l, a.send, a.recv, a.count, a.dtype)?;
+                    s.fault = fault;
+                    task.stages.push_back(s);
+                }
+                CollKind::Gather => {
+                    let mut s = direct::gather(l, a.send, a.recv, a.count, a.dtype, root)?;
+                    s.fault = fault;
+                    task.stages.push_back(s);
+                }
+                CollKind::Scatter => {
+                    let mut s = direct::scatter(l, a.send, a.recv, a.count, a.dtype, root)?;
+                    s.fault = fault;
+                    task.stages.push_back(s);
+                }
+                CollKind::Send | CollKind::Recv => {
+                    let is_send = a.kind == CollKind::Send;
+                    if root == rank {
+                        if is_send {
+                            self_sends.push_back(a);
+                        } else {
+                            self_recvs.push_back(a);
+                        }
+                        continue;
+                    }
+                    let prog = if is_send {
+                        direct::send(l, send_src(&a), a.count, a.dtype, root, Class::P2p)?
+                    } else {
+                        direct::recv(l, a.recv, a.count, a.dtype, root, Class::P2p)?
+                    };
+                    match p2p_lanes.iter_mut().find(|(k, _)| *k == (root, is_send)) {
+                        Some((_, v)) => v.push(prog),
+                        None => p2p_lanes.push(((root, is_send), vec![prog])),
+                    }
+                }
+            }
+        }
+        if self_sends.len() != self_recvs.len() {
+            return Err(Error::invalid_usage(format!(
+                "rank {}: {} send(s) to itself but {} recv(s) from itself in one group",
+                rank,
+                self_sends.len(),
+                self_recvs.len()
+            )));
+        }
+        for (s, r) in self_sends.into_iter().zip(self_recvs) {
+            if s.count * s.dtype.size() != r.count * r.dtype.size() {
+                return Err(Error::invalid_usage(format!(
+                    "rank {}: send to itself of {} bytes matched with a recv of {} bytes",
+                    rank,
+                    s.count * s.dtype.size(),
+                    r.count * r.dtype.size()
+                )));
+            }
+            if s.send == r.recv {
+                continue; // in place: nothing moves
+            }
+            p2p_lanes.push((
+                (rank, true),
+                vec![direct::local_copy(
+                    l,
+                    send_src(&s),
+                    r.recv,
+                    s.count,
+                    s.dtype,
+                )],
+            ));
+        }
+        Ok(())
+    })();
+    res?;
+    task.p2p_stash = p2p_stash;
+    task.p2p = p2p_lanes
+        .into_iter()
+        .map(|(_, v)| v.into_iter().map(Work::from).collect())
+        .collect();
+    Ok(task)
+}

@@ -1,0 +1,34 @@
+//! A task: the work one group launch gives one communicator, in the order it must run, as plain
+//! data any executor can run. Collective stages run one after another; point-to-point lanes run
+//! alongside them. The executor decides when the task runs (in issue order per communicator)
+//! and gives its direct operations their sequence numbers.
+
+use super::{Stage, Stash, Work};
+
+#[derive(Default)]
+pub struct Task {
+    pub stages: std::collections::VecDeque<Stage>,
+    pub p2p: Vec<Vec<Work>>,
+    /// Copies of send buffers that receives of the same task overwrite (see `Stash`).
+    pub p2p_stash: Stash,
+}
+
+/// A task's description, formatted only when a message needs it (not on every launch).
+#[derive(Clone, Copy, Debug)]
+pub struct What {
+    pub kind: &'static str,
+    pub count: usize,
+    pub dtype: &'static str,
+    /// Further calls of the same communicator in the group.
+    pub more: usize,
+}
+
+impl std::fmt::Display for What {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} of {} x {}", self.kind, self.count, self.dtype)?;
+        if self.more > 0 {
+            write!(f, " (+{} more in the group)", self.more)?;
+        }
+        Ok(())
+    }
+}
