@@ -135,6 +135,11 @@ impl Running {
             unsafe { self.task.p2p_stash.fill() };
             self.load_stage();
         }
+        // An aborted communicator's work stops at once, at a slot boundary (one load per pass).
+        if self.comm().health.aborted() {
+            let e = self.aborted_error();
+            return self.finish(Err(e));
+        }
         let mut progress = false;
         loop {
             let fifo = (&self.task.comm.tuner.fifo, self.task.ticket);
@@ -198,17 +203,21 @@ impl Running {
         Poll::Done
     }
 
+    fn aborted_error(&self) -> Error {
+        Error::remote(format!(
+            "{} on rank {}: communicator aborted",
+            self.task.what,
+            self.comm().rank
+        ))
+    }
+
     /// Abort and timeout checks while blocked.
     fn check_stuck(&mut self, timeout: Duration) {
         if self.result.is_some() {
             return;
         }
         if self.comm().health.aborted() {
-            let e = Error::remote(format!(
-                "{} on rank {}: communicator aborted",
-                self.task.what,
-                self.comm().rank
-            ));
+            let e = self.aborted_error();
             if self.started {
                 self.finish(Err(e));
             } else {
