@@ -7,8 +7,8 @@ use crate::error::{Error, Result};
 use crate::exec::{self, Call, Stream};
 use crate::plan::RedSpec;
 use crate::types::{
-    CollArgs, CollKind, DataType, ReduceKind, Reduction, Scalar, NUM_BUILTIN_OPS, OP_AVG, OP_MAX,
-    OP_MIN, OP_PROD, OP_SUM,
+    CollArgs, CollKind, DataType, ReduceKind, Reduction, NUM_BUILTIN_OPS, OP_AVG, OP_MAX, OP_MIN,
+    OP_PROD, OP_SUM,
 };
 use std::sync::Arc;
 
@@ -146,7 +146,7 @@ fn resolve_op(comm: &Comm, op: i32, dtype: DataType, n: usize, name: &str) -> Re
         OP_AVG if dtype.is_float() => Ok(RedSpec::Ready(Reduction {
             dtype,
             kind: ReduceKind::Sum,
-            premul: Some(scalar_from_f64(dtype, 1.0 / n as f64)),
+            premul: Some(crate::reduce::scalar_from_f64(dtype, 1.0 / n as f64)),
             postdiv: None,
         })),
         OP_AVG => Ok(RedSpec::Ready(Reduction {
@@ -168,19 +168,4 @@ fn resolve_op(comm: &Comm, op: i32, dtype: DataType, n: usize, name: &str) -> Re
         },
         _ => Err(Error::invalid_argument(format!("{name}: invalid reduction operator {op}"))),
     }
-}
-
-/// A float scalar in the bits of `dtype`.
-pub fn scalar_from_f64(dtype: DataType, v: f64) -> Scalar {
-    use crate::reduce::convert;
-    let bits = match dtype {
-        DataType::Float64 => v.to_bits(),
-        DataType::Float32 => (v as f32).to_bits() as u64,
-        DataType::Float16 => convert::f32_to_f16(v as f32) as u64,
-        DataType::Bfloat16 => convert::f32_to_bf16(v as f32) as u64,
-        DataType::Float8e4m3 => convert::f32_to_e4m3(v as f32) as u64,
-        DataType::Float8e5m2 => convert::f32_to_e5m2(v as f32) as u64,
-        _ => v as i64 as u64,
-    };
-    Scalar { bits }
 }

@@ -184,7 +184,7 @@ pub struct CollArgs {
 }
 
 /// A PreMulSum scalar: read now (host immediate) or at execution time from an address.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ScalarArg {
     Host(Scalar),
     Device(usize),

@@ -6,7 +6,7 @@
 use super::board::{BoardKind, BoardOp};
 use super::ring::Links;
 use super::task::{Task, What};
-use super::{direct, out_count, overlaps, ring, Program, RedSpec, Stage, Stash, Work};
+use super::{direct, out_count, overlaps, ring, Addr, Program, RedSpec, Stage, Stash, Work};
 use crate::error::{Error, Result};
 use crate::transport::Class;
 use crate::types::{CollArgs, CollKind};
@@ -48,7 +48,7 @@ pub fn build_task(l: &dyn Links, direct: bool, qs: &[(CollArgs, Option<RedSpec>)
         if recvs.iter().any(|&(r, rb)| overlaps(a.send, bytes, r, rb)) {
             p2p_stash.keep(a.send, bytes)
         } else {
-            a.send
+            Addr::user(a.send)
         }
     };
     let res = (|| -> Result<()> {

@@ -3,12 +3,12 @@
 //! transfers progress together.
 
 use super::ring::Links;
-use super::{overlaps, Prim, Program, Stage, Step};
+use super::{overlaps, Addr, Prim, Program, Stage, Step};
 use crate::error::Result;
 use crate::transport::Class;
 use crate::types::DataType;
 
-fn one(prim: Prim, src: usize, dst: usize, len: usize) -> Step {
+fn one(prim: Prim, src: Addr, dst: Addr, len: usize) -> Step {
     Step {
         prim,
         recv: None,
@@ -23,13 +23,13 @@ fn one(prim: Prim, src: usize, dst: usize, len: usize) -> Step {
 /// A program sending `count` elements at `src` to `peer`.
 pub fn send(
     l: &dyn Links,
-    src: usize,
+    src: Addr,
     count: usize,
     dtype: DataType,
     peer: usize,
     class: Class,
 ) -> Result<Program> {
-    let mut s = one(Prim::Send, src, 0, count);
+    let mut s = one(Prim::Send, src, Addr::None, count);
     s.send = Some(l.conn(peer, true, class)?);
     Ok(Program::new(vec![s], dtype, l.slot_bytes(), None))
 }
@@ -43,14 +43,14 @@ pub fn recv(
     peer: usize,
     class: Class,
 ) -> Result<Program> {
-    let mut s = one(Prim::Recv, 0, dst, count);
+    let mut s = one(Prim::Recv, Addr::None, Addr::user(dst), count);
     s.recv = Some(l.conn(peer, false, class)?);
     Ok(Program::new(vec![s], dtype, l.slot_bytes(), None))
 }
 
-pub fn local_copy(l: &dyn Links, src: usize, dst: usize, count: usize, dtype: DataType) -> Program {
+pub fn local_copy(l: &dyn Links, src: Addr, dst: usize, count: usize, dtype: DataType) -> Program {
     Program::new(
-        vec![one(Prim::LocalCopy, src, dst, count)],
+        vec![one(Prim::LocalCopy, src, Addr::user(dst), count)],
         dtype,
         l.slot_bytes(),
         None,
@@ -71,7 +71,7 @@ pub fn all_to_all(
     let src = if overlaps(send, total, recv, total) {
         stage.stash.keep(send, total)
     } else {
-        send
+        Addr::user(send)
     };
     stage.lanes.push(vec![(local_copy(
         l,
@@ -92,7 +92,7 @@ pub fn all_to_all(
     Ok(stage)
 }
 
-fn send_p(l: &dyn Links, src: usize, count: usize, dtype: DataType, p: usize) -> Result<Program> {
+fn send_p(l: &dyn Links, src: Addr, count: usize, dtype: DataType, p: usize) -> Result<Program> {
     send(l, src, count, dtype, p, Class::Direct)
 }
 
@@ -111,14 +111,14 @@ pub fn gather(
     let (r, n, es) = (l.rank(), l.nranks(), dtype.size());
     let mut stage = Stage::default();
     if r != root {
-        stage
-            .lanes
-            .push(vec![(send_p(l, send, count, dtype, root)?).into()]);
+        stage.lanes.push(vec![
+            (send_p(l, Addr::user(send), count, dtype, root)?).into()
+        ]);
         return Ok(stage);
     }
     stage.lanes.push(vec![(local_copy(
         l,
-        send,
+        Addr::user(send),
         recv + r * count * es,
         count,
         dtype,
@@ -149,14 +149,19 @@ pub fn scatter(
         return Ok(stage);
     }
     for p in (0..n).filter(|&p| p != r) {
-        stage.lanes.push(vec![
-            send_p(l, send + p * count * es, count, dtype, p)?.into()
-        ]);
+        stage.lanes.push(vec![send_p(
+            l,
+            Addr::user(send) + p * count * es,
+            count,
+            dtype,
+            p,
+        )?
+        .into()]);
     }
     // Last, so an in-place root does not overwrite blocks before they are sent.
     stage.lanes.push(vec![(local_copy(
         l,
-        send + r * count * es,
+        Addr::user(send) + r * count * es,
         recv,
         count,
         dtype,

@@ -10,8 +10,11 @@
 pub mod board;
 pub mod build;
 pub mod direct;
+pub mod encode;
 pub mod ring;
 pub mod task;
+#[cfg(test)]
+mod tests;
 
 pub use task::{Task, What};
 
@@ -69,6 +72,46 @@ impl Prim {
     }
 }
 
+/// Where a step reads or writes, typed: the caller's buffer, or scratch the executor provides
+/// in stream order (a copy of an input it takes when the work starts). Connection slots are the
+/// step's `send`/`recv`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Addr {
+    /// No buffer: the step only moves a connection slot on that side.
+    None,
+    /// The caller's memory at this address (host or device memory, as the executor's is).
+    User(usize),
+    /// `off` bytes into scratch `idx` of the work's stash (the stage's for stage lanes, the
+    /// task's `p2p_stash` for point-to-point lanes).
+    Scratch { idx: u32, off: usize },
+}
+
+impl Addr {
+    /// A caller's address, 0 meaning none.
+    pub fn user(a: usize) -> Addr {
+        if a == 0 {
+            Addr::None
+        } else {
+            Addr::User(a)
+        }
+    }
+}
+
+impl std::ops::Add<usize> for Addr {
+    type Output = Addr;
+    /// `bytes` further on.
+    fn add(self, bytes: usize) -> Addr {
+        match self {
+            Addr::None => Addr::None,
+            Addr::User(a) => Addr::User(a + bytes),
+            Addr::Scratch { idx, off } => Addr::Scratch {
+                idx,
+                off: off + bytes,
+            },
+        }
+    }
+}
+
 /// One step: a primitive over one segment of `len` elements (`src`/`dst` are the segment's start
 /// addresses). Each iteration of its program handles the next slice of the segment.
 #[derive(Clone)]
@@ -76,41 +119,31 @@ pub struct Step {
     pub prim: Prim,
     pub recv: Option<Arc<Conn>>,
     pub send: Option<Arc<Conn>>,
-    pub src: usize,
-    pub dst: usize,
+    pub src: Addr,
+    pub dst: Addr,
     pub len: usize,
     /// `Send` applies the reduction's pre-multiplication (first hop of a reduction).
     pub prep: bool,
 }
 
-/// How the reduction of a program is known: resolved before it runs (a device-resident PreMulSum
-/// scalar is read when the program starts, as NCCL reads it when the kernel runs).
-#[derive(Clone, Copy, Debug)]
+/// How the reduction of a program is known: ready, or a PreMulSum whose scalar may live in the
+/// caller's (device) memory, read by the executor when the work runs, as NCCL reads it when the
+/// kernel runs.
+#[derive(Clone, Copy, Debug, PartialEq)]
 pub enum RedSpec {
     Ready(Reduction),
     PreMul { dtype: DataType, scalar: ScalarArg },
 }
 
 impl RedSpec {
-    pub fn resolve(&self) -> Reduction {
+    /// The reduction, given the scalar's bits (read by the executor where it lives).
+    pub fn with_scalar(&self, read: impl FnOnce(usize, DataType) -> u64) -> Reduction {
         match *self {
             RedSpec::Ready(r) => r,
             RedSpec::PreMul { dtype, scalar } => {
                 let bits = match scalar {
                     ScalarArg::Host(s) => s.bits,
-                    ScalarArg::Device(addr) => {
-                        let mut b = [0u8; 8];
-                        // SAFETY: the caller registered this address as a scalar of `dtype`
-                        // that stays valid until the collective completes (NCCL's contract).
-                        unsafe {
-                            std::ptr::copy_nonoverlapping(
-                                addr as *const u8,
-                                b.as_mut_ptr(),
-                                dtype.size(),
-                            )
-                        };
-                        u64::from_le_bytes(b)
-                    }
+                    ScalarArg::Device(addr) => read(addr, dtype),
                 };
                 Reduction {
                     dtype,
@@ -131,12 +164,6 @@ pub struct Program {
     pub slice: usize,
     pub niter: usize,
     pub red: Option<RedSpec>,
-    /// Write the caller's output with streaming stores (it is too large to stay in the cache).
-    pub stream_out: bool,
-    /// Slices of a later iteration may run before blocked slices of an earlier one (each
-    /// connection still in order): every two steps' buffer regions start at the same address or
-    /// do not overlap, so slices of different iterations never touch the same memory.
-    pub run_ahead: bool,
 }
 
 impl Program {
@@ -149,36 +176,12 @@ impl Program {
         let esize = dtype.size();
         let slice = (slot_bytes / esize).max(1);
         let maxlen = steps.iter().map(|s| s.len).max().unwrap_or(0);
-        let out_bytes: usize = steps
-            .iter()
-            .filter(|s| s.prim.writes_dst())
-            .map(|s| s.len * esize)
-            .sum();
-        // In place, the output's lines were just read as input and sit in the cache: ordinary
-        // stores are cheaper there (measured: streaming stores cost a third of in-place speed).
-        let in_place = steps
-            .iter()
-            .any(|s| s.prim.writes_dst() && s.len > 0 && s.src == s.dst);
-        let regions: Vec<(usize, usize)> = steps
-            .iter()
-            .filter(|s| s.len > 0)
-            .flat_map(|s| [(s.src, s.len * esize), (s.dst, s.len * esize)])
-            .filter(|&(a, _)| a != 0)
-            .collect();
-        let run_ahead = crate::param::run_ahead()
-            && regions.iter().enumerate().all(|(i, &(a, la))| {
-                regions[i + 1..]
-                    .iter()
-                    .all(|&(b, lb)| a == b || a + la <= b || b + lb <= a)
-            });
         Program {
             steps,
             esize,
             slice,
             niter: maxlen.div_ceil(slice),
             red,
-            stream_out: !in_place && out_bytes >= crate::param::stream_bytes(),
-            run_ahead,
         }
     }
 
@@ -230,32 +233,22 @@ pub struct Stage {
 
 /// Private copies of input ranges that the work planned with them would otherwise overwrite
 /// before reading (in-place all-to-all, a send from the buffer a receive of the same group
-/// writes). Planned with the work, so that programs can point into them, but filled only when
-/// the work starts, in stream order: earlier work on the stream may still be writing the input.
-#[derive(Default)]
+/// writes). Planned with the work, so that programs can point into them (`Addr::Scratch`), but
+/// provided by the executor and filled only when the work starts, in stream order: earlier work
+/// on the stream may still be writing the input.
+#[derive(Default, Clone, Debug, PartialEq, Eq)]
 pub struct Stash {
-    /// (caller's range start, bytes, copy).
-    copies: Vec<(usize, usize, Vec<u8>)>,
+    /// (caller's range start, bytes) of each copy.
+    pub copies: Vec<(usize, usize)>,
 }
 
 impl Stash {
     /// Plans a copy of `bytes` at `src`; returns where the copy will be.
-    pub fn keep(&mut self, src: usize, bytes: usize) -> usize {
-        let v = vec![0u8; bytes.max(1)];
-        let at = v.as_ptr() as usize;
-        self.copies.push((src, bytes, v));
-        at
-    }
-
-    /// Takes the planned copies.
-    ///
-    /// # Safety
-    /// Each planned source range is readable now (validated at enqueue, and no other work is
-    /// writing it).
-    pub unsafe fn fill(&mut self) {
-        for (src, bytes, v) in &mut self.copies {
-            // SAFETY: per the contract; `v` holds `bytes` and is private.
-            unsafe { std::ptr::copy_nonoverlapping(*src as *const u8, v.as_mut_ptr(), *bytes) };
+    pub fn keep(&mut self, src: usize, bytes: usize) -> Addr {
+        self.copies.push((src, bytes));
+        Addr::Scratch {
+            idx: (self.copies.len() - 1) as u32,
+            off: 0,
         }
     }
 }

@@ -2,7 +2,7 @@
 //! AllReduce = reduce-scatter then all-gather around the ring, 2(n-1) steps per slice;
 //! Broadcast/Reduce = a pipelined chain starting/ending at the root.
 
-use super::{segment, Prim, Program, RedSpec, Step};
+use super::{segment, Addr, Prim, Program, RedSpec, Step};
 use crate::error::Result;
 use crate::transport::{Class, Conn};
 use crate::types::DataType;
@@ -22,8 +22,8 @@ fn step(prim: Prim, src: usize, dst: usize, len: usize) -> Step {
         prim,
         recv: None,
         send: None,
-        src,
-        dst,
+        src: Addr::user(src),
+        dst: Addr::user(dst),
         len,
         prep: false,
     }

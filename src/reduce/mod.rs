@@ -238,6 +238,21 @@ pub unsafe fn fault_corrupt(dtype: DataType, ptr: *mut u8, count: usize) {
     unsafe { std::ptr::copy_nonoverlapping(new.to_le_bytes().as_ptr(), ptr, size) };
 }
 
+/// A float scalar in the bits of `dtype`.
+pub fn scalar_from_f64(dtype: crate::types::DataType, v: f64) -> crate::types::Scalar {
+    use crate::types::DataType;
+    let bits = match dtype {
+        DataType::Float64 => v.to_bits(),
+        DataType::Float32 => (v as f32).to_bits() as u64,
+        DataType::Float16 => convert::f32_to_f16(v as f32) as u64,
+        DataType::Bfloat16 => convert::f32_to_bf16(v as f32) as u64,
+        DataType::Float8e4m3 => convert::f32_to_e4m3(v as f32) as u64,
+        DataType::Float8e5m2 => convert::f32_to_e5m2(v as f32) as u64,
+        _ => v as i64 as u64,
+    };
+    crate::types::Scalar { bits }
+}
+
 #[cfg(test)]
 mod tests {
     use super::convert::reference::{self as cref, Format};

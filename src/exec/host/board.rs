@@ -257,7 +257,9 @@ impl BoardState {
 /// Every rank's inputs are scaled by that rank's own PreMulSum scalar: this rank's, to publish
 /// (None when the operation has none).
 fn premul_bits(op: &Direct) -> Option<u64> {
-    op.red.and_then(|r| r.resolve().premul).map(|s| s.bits)
+    op.red
+        .and_then(|r| super::resolve(&r).premul)
+        .map(|s| s.bits)
 }
 
 /// The reducers of an operation: one per rank when each brings its own PreMulSum scalar (read
@@ -283,7 +285,7 @@ impl std::ops::Deref for Reducers {
 }
 
 fn reducers(op: &Direct) -> Reducers {
-    match op.red.map(|s| s.resolve()) {
+    match op.red.map(|s| super::resolve(&s)) {
         None => Reducers::None,
         Some(r) if r.premul.is_some() => Reducers::PerRank(
             (0..op.nranks)
@@ -476,7 +478,7 @@ fn compute(op: &Direct, peers: &[(Loc, Loc)]) -> Result<()> {
         .any(|(s, d)| matches!(s, Loc::Remote { .. }) || matches!(d, Loc::Remote { .. }));
     let slice = (if remote { CMA_SLICE_BYTES } else { SLICE_BYTES } / es).max(1);
     let reducers = reducers(op);
-    // Streaming stores for large outputs, unless in place (see Program::stream_out).
+    // Streaming stores for large outputs, unless in place (see steps::policies).
     let nt = op.send != op.recv && op.extents().1 >= crate::param::stream_bytes();
     let mut scratch = vec![0u8; slice * es];
     let acc = scratch.as_mut_ptr();

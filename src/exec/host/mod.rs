@@ -51,6 +51,19 @@ fn foreign_stream(q: &Call<'_>) -> Result<()> {
     }
 }
 
+/// A program's reduction, a PreMulSum scalar in the caller's memory read now (when the work
+/// runs, as NCCL's kernel reads it).
+pub(super) fn resolve(red: &crate::plan::RedSpec) -> crate::types::Reduction {
+    red.with_scalar(|addr, dtype| {
+        let mut b = [0u8; 8];
+        // SAFETY: the caller registered this address as a scalar of `dtype` that stays valid
+        // until the collective completes (NCCL's contract); on the host executor it is host
+        // memory.
+        unsafe { std::ptr::copy_nonoverlapping(addr as *const u8, b.as_mut_ptr(), dtype.size()) };
+        u64::from_le_bytes(b)
+    })
+}
+
 /// Whether the call goes to host stream `s`.
 fn on(q: &Call<'_>, s: &Arc<HostStream>) -> bool {
     matches!(&q.stream, Stream::Host(x) if Arc::ptr_eq(x, s))

@@ -3,7 +3,7 @@
 
 use super::copy::copy_out;
 use super::tune::{BySize, FIFO_TUNE_BYTES, STREAMED};
-use crate::plan::{Prim, Program};
+use crate::plan::{Addr, Prim, Program};
 use crate::reduce::Reducer;
 use std::time::Instant;
 
@@ -25,6 +25,53 @@ pub(super) struct Cursor {
     timed: Option<(usize, Instant)>,
     /// The option measured is not the one that looks better (an exploring operation).
     exploring: bool,
+    /// Write the caller's output with streaming stores (it is too large to stay in the cache).
+    stream_out: bool,
+    /// Slices of a later iteration may run before blocked slices of an earlier one (each
+    /// connection still in order): every two steps' buffer regions start at the same address or
+    /// do not overlap, so slices of different iterations never touch the same memory.
+    run_ahead: bool,
+}
+
+/// The address of a host program's buffer (scratch was resolved when the task was made; None
+/// is never read or written).
+#[inline]
+fn at(a: Addr) -> usize {
+    match a {
+        Addr::User(x) => x,
+        Addr::None | Addr::Scratch { .. } => 0,
+    }
+}
+
+/// The host's policies for a program: (streaming stores for its output, run ahead).
+fn policies(prog: &Program) -> (bool, bool) {
+    let esize = prog.esize;
+    let steps = &prog.steps;
+    let out_bytes: usize = steps
+        .iter()
+        .filter(|s| s.prim.writes_dst())
+        .map(|s| s.len * esize)
+        .sum();
+    // In place, the output's lines were just read as input and sit in the cache: ordinary
+    // stores are cheaper there (measured: streaming stores cost a third of in-place speed).
+    let in_place = steps
+        .iter()
+        .any(|s| s.prim.writes_dst() && s.len > 0 && s.src == s.dst);
+    let stream_out = !in_place && out_bytes >= crate::param::stream_bytes();
+    let run_ahead = crate::param::run_ahead() && {
+        let regions: Vec<(usize, usize)> = steps
+            .iter()
+            .filter(|s| s.len > 0)
+            .flat_map(|s| [(at(s.src), s.len * esize), (at(s.dst), s.len * esize)])
+            .filter(|&(a, _)| a != 0)
+            .collect();
+        regions.iter().enumerate().all(|(i, &(a, la))| {
+            regions[i + 1..]
+                .iter()
+                .all(|&(b, lb)| a == b || a + la <= b || b + lb <= a)
+        })
+    };
+    (stream_out, run_ahead)
 }
 
 /// How many slices past the head a program may run ahead, in iterations.
@@ -45,15 +92,18 @@ impl Cursor {
                 exploring = option != e.better();
                 (option, Instant::now())
             });
+        let (stream_out, run_ahead) = policies(prog);
         Cursor {
             head: 0,
             ahead: std::collections::VecDeque::new(),
-            reducer: prog.red.map(|r| Reducer::new(r.resolve())),
+            reducer: prog.red.map(|r| Reducer::new(super::resolve(&r))),
             held: Vec::new(),
             streamed: forced.unwrap_or(timed.is_some_and(|(o, _)| o == STREAMED)),
             scratch: Vec::new(),
             timed,
             exploring,
+            stream_out,
+            run_ahead,
         }
     }
 
@@ -97,7 +147,7 @@ pub(super) enum Poll {
 pub(super) fn poll_program(prog: &Program, cur: &mut Cursor) -> Poll {
     let nsteps = prog.steps.len();
     let total = prog.niter * nsteps;
-    let window = if prog.run_ahead {
+    let window = if cur.run_ahead {
         AHEAD_ITERS * nsteps
     } else {
         1
@@ -180,12 +230,12 @@ fn run_step(prog: &Program, cur: &mut Cursor, k: usize, off: usize, n: usize) ->
         },
         None => None,
     };
-    let src = (s.src + off * es) as *const u8;
-    let dst = (s.dst + off * es) as *mut u8;
+    let src = (at(s.src) + off * es) as *const u8;
+    let dst = (at(s.dst) + off * es) as *mut u8;
     let inp = rslot.map(|x| x.1).unwrap_or(std::ptr::null());
     let out = sslot.map(|x| x.1).unwrap_or(std::ptr::null_mut());
     let red = cur.reducer.as_ref();
-    let nt = prog.stream_out;
+    let nt = cur.stream_out;
     let st = cur.streamed;
     if st && cur.scratch.len() < bytes {
         cur.scratch.resize(prog.slice * es, 0);

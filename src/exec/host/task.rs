@@ -4,7 +4,7 @@
 use super::board::Direct;
 use super::HostComm;
 use crate::error::{Error, Result};
-use crate::plan::{self, Program, Stash, What, Work};
+use crate::plan::{self, Addr, Program, Stash, What, Work};
 use std::collections::VecDeque;
 use std::sync::Arc;
 
@@ -19,7 +19,61 @@ pub(super) enum Item {
 pub(super) struct Stage {
     pub lanes: Vec<Vec<Item>>,
     pub fault: Option<(crate::types::DataType, usize, usize)>,
-    pub stash: Stash,
+    pub stash: Scratch,
+}
+
+/// The scratch the host provides for a plan's `Stash`: private copies of inputs, allocated when
+/// the task is made and filled when its work starts (in stream order).
+#[derive(Default)]
+pub(super) struct Scratch {
+    /// (caller's range start, bytes, copy).
+    copies: Vec<(usize, usize, Vec<u8>)>,
+}
+
+impl Scratch {
+    fn new(s: &Stash) -> Scratch {
+        Scratch {
+            copies: s
+                .copies
+                .iter()
+                .map(|&(src, bytes)| (src, bytes, vec![0u8; bytes.max(1)]))
+                .collect(),
+        }
+    }
+
+    /// Where `a` is in host memory: scratch becomes the address of its copy.
+    fn place(&self, a: Addr) -> Result<Addr> {
+        match a {
+            Addr::Scratch { idx, off } => match self.copies.get(idx as usize) {
+                Some((_, bytes, v)) if off <= *bytes => Ok(Addr::User(v.as_ptr() as usize + off)),
+                _ => Err(Error::internal(format!(
+                    "a plan points at scratch {idx}+{off}, which its stash does not have"
+                ))),
+            },
+            a => Ok(a),
+        }
+    }
+
+    /// Points a program's steps at host memory.
+    fn place_program(&self, p: &mut Program) -> Result<()> {
+        for s in &mut p.steps {
+            s.src = self.place(s.src)?;
+            s.dst = self.place(s.dst)?;
+        }
+        Ok(())
+    }
+
+    /// Takes the planned copies.
+    ///
+    /// # Safety
+    /// Each planned source range is readable now (validated at enqueue, and no other work is
+    /// writing it).
+    pub unsafe fn fill(&mut self) {
+        for (src, bytes, v) in &mut self.copies {
+            // SAFETY: per the contract; `v` holds `bytes` and is private.
+            unsafe { std::ptr::copy_nonoverlapping(*src as *const u8, v.as_mut_ptr(), *bytes) };
+        }
+    }
 }
 
 pub struct Task {
@@ -27,7 +81,7 @@ pub struct Task {
     pub ticket: u64,
     pub(super) stages: VecDeque<Stage>,
     pub(super) p2p: Vec<Vec<Item>>,
-    pub(super) p2p_stash: Stash,
+    pub(super) p2p_stash: Scratch,
     /// What the task does, for log and timeout messages.
     pub what: What,
 }
@@ -40,7 +94,7 @@ impl Task {
             ticket: u64::MAX,
             stages: VecDeque::new(),
             p2p: Vec::new(),
-            p2p_stash: Stash::default(),
+            p2p_stash: Scratch::default(),
             what,
         }
     }
@@ -49,31 +103,40 @@ impl Task {
     /// operations are numbered here, identically on every rank).
     pub(super) fn from_plan(comm: &Arc<HostComm>, t: plan::Task, what: What) -> Result<Task> {
         let mut task = Task::new(comm.clone(), what);
-        let lanes = |lanes: Vec<Vec<Work>>| -> Result<Vec<Vec<Item>>> {
+        let lanes = |lanes: Vec<Vec<Work>>, sc: &Scratch| -> Result<Vec<Vec<Item>>> {
             lanes
                 .into_iter()
-                .map(|l| l.into_iter().map(|w| item(comm, w)).collect())
+                .map(|l| l.into_iter().map(|w| item(comm, w, sc)).collect())
                 .collect()
         };
         for s in t.stages {
+            let stash = Scratch::new(&s.stash);
             task.stages.push_back(Stage {
-                lanes: lanes(s.lanes)?,
+                lanes: lanes(s.lanes, &stash)?,
                 fault: s.fault,
-                stash: s.stash,
+                stash,
             });
         }
-        task.p2p = lanes(t.p2p)?;
-        task.p2p_stash = t.p2p_stash;
+        task.p2p_stash = Scratch::new(&t.p2p_stash);
+        task.p2p = lanes(t.p2p, &task.p2p_stash)?;
         // The ticket is taken only once planning succeeded, so a failed plan never blocks the comm.
         task.ticket = comm.take_ticket();
         Ok(task)
     }
 }
 
-fn item(comm: &HostComm, w: Work) -> Result<Item> {
+fn item(comm: &HostComm, w: Work, sc: &Scratch) -> Result<Item> {
     Ok(match w {
-        Work::Steps(p) => Item::Steps(p),
-        Work::Board(op) => match Direct::new(comm, *op) {
+        Work::Steps(mut p) => {
+            sc.place_program(&mut p)?;
+            Item::Steps(p)
+        }
+        Work::Board(mut op) => match Direct::new(comm, {
+            if let Some(f) = op.fallback.as_deref_mut() {
+                sc.place_program(f)?;
+            }
+            *op
+        }) {
             Some(d) => Item::Board(Box::new(d)),
             None => {
                 return Err(Error::internal(

@@ -1,0 +1,433 @@
+//! Plans are executor-agnostic data: every plan kind of the C matrix (ffi-tests/coll_matrix.c:
+//! every collective, SendRecv and AlltoAllv groups, every datatype and reduction, in and out of
+//! place, several counts, every root and rank, with and without direct operations) encodes into
+//! the flat `#[repr(C)]` form a kernel would read, and decodes back to the same plan.
+
+use super::build::build_task;
+use super::encode::{self, Flat, FlatAddr, FlatDirect, FlatProgram, FlatRed, FlatStep};
+use super::ring::Links;
+use super::{Addr, Program, RedSpec, Task, Work};
+use crate::error::Result;
+use crate::transport::{self, Class, Conn, ConnSpec, Locality};
+use crate::types::{
+    CollArgs, CollKind, DataType, ReduceKind, Reduction, Scalar, ScalarArg, OP_SUM,
+};
+use parking_lot::Mutex;
+use std::collections::HashMap;
+use std::fmt::Write;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+/// One rank's connections, made in this process (the peers never attach: nothing runs).
+struct TestLinks {
+    rank: usize,
+    nranks: usize,
+    hash: u64,
+    conns: Mutex<HashMap<(usize, bool, Class), Arc<Conn>>>,
+}
+
+static NEXT_HASH: AtomicU64 = AtomicU64::new(0x7e57_0000_0000);
+
+impl TestLinks {
+    fn new(rank: usize, nranks: usize) -> TestLinks {
+        TestLinks {
+            rank,
+            nranks,
+            hash: NEXT_HASH.fetch_add(1, Ordering::Relaxed),
+            conns: Mutex::new(HashMap::new()),
+        }
+    }
+}
+
+impl Links for TestLinks {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+    fn nranks(&self) -> usize {
+        self.nranks
+    }
+    fn slot_bytes(&self) -> usize {
+        4096
+    }
+    fn conn(&self, peer: usize, is_sender: bool, class: Class) -> Result<Arc<Conn>> {
+        let mut m = self.conns.lock();
+        if let Some(c) = m.get(&(peer, is_sender, class)) {
+            return Ok(c.clone());
+        }
+        let c = Arc::new(transport::connect(&ConnSpec {
+            locality: Locality::SameProcess,
+            comm_hash: self.hash,
+            me: self.rank,
+            peer,
+            is_sender,
+            class,
+            nsteps: 2,
+            slot_bytes: 4096,
+        })?);
+        m.insert((peer, is_sender, class), c.clone());
+        Ok(c)
+    }
+}
+
+/// Everything a plan says, connections by identity.
+fn show(t: &Task) -> String {
+    fn conn(c: &Option<Arc<Conn>>) -> String {
+        c.as_ref()
+            .map_or("-".into(), |c| format!("{:p}", Arc::as_ptr(c)))
+    }
+    fn prog(o: &mut String, p: &Program) {
+        let _ = write!(
+            o,
+            "[prog esize {} slice {} niter {} red {:?}:",
+            p.esize, p.slice, p.niter, p.red
+        );
+        for s in &p.steps {
+            let _ = write!(
+                o,
+                " {:?} {:?}->{:?} len {} prep {} send {} recv {};",
+                s.prim,
+                s.src,
+                s.dst,
+                s.len,
+                s.prep,
+                conn(&s.send),
+                conn(&s.recv)
+            );
+        }
+        o.push(']');
+    }
+    fn lanes(o: &mut String, ls: &[Vec<Work>]) {
+        for l in ls {
+            o.push_str("\n  lane:");
+            for w in l {
+                match w {
+                    Work::Steps(p) => prog(o, p),
+                    Work::Board(b) => {
+                        let _ = write!(
+                            o,
+                            "[direct seq {} {}/{} {:?} {:#x}->{:#x} count {} {:?} red {:?} root {}",
+                            b.seq,
+                            b.rank,
+                            b.nranks,
+                            b.kind,
+                            b.send,
+                            b.recv,
+                            b.count,
+                            b.dtype,
+                            b.red,
+                            b.root
+                        );
+                        if let Some(f) = &b.fallback {
+                            o.push_str(" fallback ");
+                            prog(o, f);
+                        }
+                        o.push(']');
+                    }
+                }
+            }
+        }
+    }
+    let mut o = String::new();
+    for s in &t.stages {
+        let _ = write!(o, "\nstage fault {:?} stash {:?}", s.fault, s.stash);
+        lanes(&mut o, &s.lanes);
+    }
+    let _ = write!(o, "\np2p stash {:?}", t.p2p_stash);
+    lanes(&mut o, &t.p2p);
+    o
+}
+
+/// The reductions of the C matrix for `dtype` over `n` ranks: the builtins (avg as the engine
+/// resolves it), PreMulSum with a host-immediate and with a device-resident scalar.
+fn reductions(dtype: DataType, n: usize) -> Vec<RedSpec> {
+    let ready = |kind, premul, postdiv| {
+        RedSpec::Ready(Reduction {
+            dtype,
+            kind,
+            premul,
+            postdiv,
+        })
+    };
+    let mut v: Vec<RedSpec> = [
+        ReduceKind::Sum,
+        ReduceKind::Prod,
+        ReduceKind::Max,
+        ReduceKind::Min,
+    ]
+    .into_iter()
+    .map(|k| ready(k, None, None))
+    .collect();
+    v.push(if dtype.is_float() {
+        ready(
+            ReduceKind::Sum,
+            Some(crate::reduce::scalar_from_f64(dtype, 1.0 / n as f64)),
+            None,
+        )
+    } else {
+        ready(ReduceKind::Sum, None, Some(n as u64))
+    });
+    v.push(RedSpec::PreMul {
+        dtype,
+        scalar: ScalarArg::Host(Scalar { bits: 3 }),
+    });
+    v.push(RedSpec::PreMul {
+        dtype,
+        scalar: ScalarArg::Device(0x5ca1a8),
+    });
+    v
+}
+
+/// Encodes and decodes `t`; both directions must keep every field.
+fn round_trip(t: &Task, what: &dyn Fn() -> String) -> Flat {
+    let f = encode::encode(t).unwrap_or_else(|e| panic!("{}: encode: {e}", what()));
+    let back = encode::decode(&f).unwrap_or_else(|e| panic!("{}: decode: {e}", what()));
+    assert_eq!(show(&back), show(t), "{}", what());
+    let again = encode::encode(&back).unwrap();
+    assert_eq!(again, f, "{}: re-encoding differs", what());
+    f
+}
+
+const BUF: usize = 0x1000_0000;
+
+#[test]
+fn every_plan_kind_of_the_c_matrix_encodes_and_decodes() {
+    use CollKind::*;
+    let mut tasks = 0usize;
+    let mut kinds = std::collections::BTreeSet::new();
+    for n in [1usize, 2, 3, 4, 8] {
+        for rank in 0..n {
+            let links = TestLinks::new(rank, n);
+            for direct in [false, true] {
+                for kind in [
+                    AllReduce,
+                    Broadcast,
+                    Reduce,
+                    AllGather,
+                    ReduceScatter,
+                    AlltoAll,
+                    Gather,
+                    Scatter,
+                ] {
+                    let reduces = matches!(kind, AllReduce | Reduce | ReduceScatter);
+                    let rooted = matches!(kind, Broadcast | Reduce | Gather | Scatter);
+                    // Every datatype with the matrix's small counts; the big count with a few.
+                    for dtype in DataType::ALL {
+                        let reds: Vec<Option<RedSpec>> = if reduces {
+                            reductions(dtype, n).into_iter().map(Some).collect()
+                        } else {
+                            vec![None]
+                        };
+                        let counts: &[usize] =
+                            if matches!(dtype, DataType::Float32 | DataType::Int8) {
+                                &[0, 1, 7, 70000]
+                            } else {
+                                &[1, 7]
+                            };
+                        for &count in counts {
+                            for in_place in [false, true] {
+                                for root in 0..if rooted { n } else { 1 } {
+                                    for red in &reds {
+                                        let recv = BUF + (1 << 24);
+                                        // In place: the output's slot of this rank is the input.
+                                        let send = if in_place {
+                                            match kind {
+                                                AllGather | Gather => {
+                                                    recv + rank * count * dtype.size()
+                                                }
+                                                _ => recv,
+                                            }
+                                        } else {
+                                            BUF
+                                        };
+                                        let a = CollArgs {
+                                            kind,
+                                            send,
+                                            recv,
+                                            count,
+                                            dtype,
+                                            op: OP_SUM,
+                                            root: root as i32,
+                                        };
+                                        let t = build_task(&links, direct, &[(a, *red)]).unwrap();
+                                        let f = round_trip(&t, &|| {
+                                            format!("{kind:?} n {n} rank {rank} root {root} {dtype:?} count {count} in place {in_place} direct {direct} red {red:?}")
+                                        });
+                                        kinds.insert(shape(&f));
+                                        tasks += 1;
+                                    }
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+            // SendRecv (a ring shift) and AlltoAllv (to and from every peer, itself included,
+            // with counts that differ per pair), out of place and with sends from the buffer
+            // the group's receives write (a private copy: scratch).
+            for count in [0usize, 1, 7, 70000] {
+                for in_place in [false, true] {
+                    let es = 4;
+                    let recv_at = |p: usize| BUF + (1 << 24) + p * (count + p) * es;
+                    let send_at = |p: usize| {
+                        if in_place {
+                            recv_at(p)
+                        } else {
+                            BUF + p * (count + p) * es
+                        }
+                    };
+                    let call = |kind, at: usize, c: usize, peer: usize| {
+                        (
+                            CollArgs {
+                                kind,
+                                send: at,
+                                recv: at,
+                                count: c,
+                                dtype: DataType::Float32,
+                                op: OP_SUM,
+                                root: peer as i32,
+                            },
+                            None,
+                        )
+                    };
+                    let shift = [
+                        call(Send, send_at(0), count, (rank + 1) % n),
+                        call(Recv, recv_at(0), count, (rank + n - 1) % n),
+                    ];
+                    let mut v = Vec::new();
+                    for p in 0..n {
+                        v.push(call(Send, send_at(p), count + p + rank, p));
+                        v.push(call(Recv, recv_at(p), count + p + rank, p));
+                    }
+                    for (name, calls) in [("SendRecv", &shift[..]), ("AlltoAllv", &v[..])] {
+                        let t = build_task(&links, true, calls).unwrap();
+                        let f = round_trip(&t, &|| {
+                            format!("{name} n {n} rank {rank} count {count} in place {in_place}")
+                        });
+                        kinds.insert(shape(&f));
+                        tasks += 1;
+                    }
+                }
+            }
+        }
+    }
+    // The matrix covers every kind of record the flat form has.
+    let all: std::collections::BTreeSet<&str> = kinds.iter().flatten().copied().collect();
+    for k in [
+        "ring program",
+        "direct eager",
+        "direct with fallback",
+        "scratch address",
+        "stage stash",
+        "p2p stash",
+        "p2p lanes",
+        "device scalar",
+        "host scalar",
+        "postdiv",
+        "premul",
+        "fault",
+    ] {
+        assert!(all.contains(k), "no plan of the matrix has a {k}: {all:?}");
+    }
+    assert!(tasks > 10_000, "{tasks} tasks");
+}
+
+/// The kinds of records a flat task holds, for the coverage check.
+fn shape(f: &Flat) -> Vec<&'static str> {
+    let mut v = Vec::new();
+    if f.programs.iter().any(|p| p.nsteps > 1) {
+        v.push("ring program");
+    }
+    if f.directs.iter().any(|d| d.fallback == encode::NONE) {
+        v.push("direct eager");
+    }
+    if f.directs.iter().any(|d| d.fallback != encode::NONE) {
+        v.push("direct with fallback");
+    }
+    if f.steps.iter().any(|s| s.src.kind == 2 || s.dst.kind == 2) {
+        v.push("scratch address");
+    }
+    if f.stages.iter().any(|s| s.ncopies > 0) {
+        v.push("stage stash");
+    }
+    if f.header.np2p_copies > 0 {
+        v.push("p2p stash");
+    }
+    if f.header.np2p_lanes > 0 {
+        v.push("p2p lanes");
+    }
+    let reds = f
+        .programs
+        .iter()
+        .map(|p| p.red)
+        .chain(f.directs.iter().map(|d| d.red));
+    for r in reds {
+        match r.kind {
+            3 => v.push("device scalar"),
+            2 => v.push("host scalar"),
+            1 if r.flags & 2 != 0 => v.push("postdiv"),
+            1 if r.flags & 1 != 0 => v.push("premul"),
+            _ => {}
+        }
+    }
+    if f.stages.iter().any(|s| s.has_fault != 0) {
+        v.push("fault");
+    }
+    v
+}
+
+/// The records have the fixed C layout a kernel reads (sizes and alignment of every field).
+#[test]
+fn flat_records_have_a_fixed_c_layout() {
+    use std::mem::{align_of, size_of};
+    assert_eq!(size_of::<FlatAddr>(), 16);
+    assert_eq!(size_of::<FlatStep>(), 56);
+    assert_eq!(size_of::<FlatRed>(), 32);
+    assert_eq!(size_of::<FlatProgram>(), 64);
+    assert_eq!(size_of::<FlatDirect>(), 96);
+    for a in [
+        align_of::<FlatAddr>(),
+        align_of::<FlatStep>(),
+        align_of::<FlatProgram>(),
+        align_of::<FlatDirect>(),
+    ] {
+        assert_eq!(a, 8);
+    }
+}
+
+/// Malformed flat records are errors, not panics.
+#[test]
+fn decoding_rejects_malformed_records() {
+    let links = TestLinks::new(0, 3);
+    let a = CollArgs {
+        kind: CollKind::AllReduce,
+        send: BUF,
+        recv: BUF + 4096,
+        count: 70000,
+        dtype: DataType::Float32,
+        op: OP_SUM,
+        root: 0,
+    };
+    let red = reductions(DataType::Float32, 3)[0];
+    let t = build_task(&links, false, &[(a, Some(red))]).unwrap();
+    let f = encode::encode(&t).unwrap();
+    let mut bad = f.clone();
+    bad.steps[0].prim = 99;
+    assert!(encode::decode(&bad).is_err());
+    let mut bad = f.clone();
+    bad.programs[0].nsteps = 1000;
+    assert!(encode::decode(&bad).is_err());
+    let mut bad = f.clone();
+    bad.steps[0].send = 77;
+    assert!(encode::decode(&bad).is_err());
+    let mut bad = f.clone();
+    bad.programs[0].red.dtype = 42;
+    assert!(encode::decode(&bad).is_err());
+    let mut bad = f;
+    bad.stages[0].nlanes = 9;
+    assert!(encode::decode(&bad).is_err());
+    // A scratch address keeps its index and offset.
+    assert_eq!(
+        Addr::Scratch { idx: 2, off: 8 } + 4,
+        Addr::Scratch { idx: 2, off: 12 }
+    );
+}
