@@ -36,7 +36,7 @@ pub fn run_one(comm: &Arc<Comm>, args: CollArgs, stream: Stream) -> Result<()> {
     let (core, red) = validate(comm, &args)?;
     exec::launch_one(Call {
         comm: &core.exec,
-        links: &**core,
+        conns: &core.conns,
         args,
         red,
         stream,
@@ -49,7 +49,7 @@ pub fn run_group(ops: Vec<Queued>) -> Result<()> {
         .iter()
         .map(|q| Call {
             comm: &q.core.exec,
-            links: &*q.core,
+            conns: &q.core.conns,
             args: q.args,
             red: q.red,
             stream: q.stream.clone(),

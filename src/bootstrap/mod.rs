@@ -37,6 +37,8 @@ pub const TAG_RESERVED: u32 = 0x8000_0000;
 const TAG_ALLGATHER: u32 = TAG_RESERVED | 1;
 /// Barrier round k uses `TAG_BARRIER + k`.
 const TAG_BARRIER: u32 = TAG_RESERVED | 0x100;
+/// Connection setup blobs use `TAG_SETUP + sub` (`sub < 0x1000`, see `transport::conns`).
+const TAG_SETUP: u32 = TAG_RESERVED | 0x2000;
 
 #[derive(Clone, Copy, PartialEq, Eq)]
 pub struct UniqueId {
@@ -259,6 +261,18 @@ impl Bootstrap {
             round += 1;
         }
         Ok(())
+    }
+
+    /// Sends a transport's connection-setup blob to `peer` (`sub`: which end of which class).
+    pub fn send_setup(&self, peer: usize, sub: u32, data: &[u8]) -> Result<()> {
+        self.check_user(peer, sub & 0xfff)?;
+        self.send_raw(peer, TAG_SETUP | (sub & 0xfff), data)
+    }
+
+    /// Receives the blob `peer` sent with `send_setup(.., sub, ..)`.
+    pub fn recv_setup(&self, peer: usize, sub: u32) -> Result<Vec<u8>> {
+        self.check_user(peer, sub & 0xfff)?;
+        self.recv_raw(peer, TAG_SETUP | (sub & 0xfff))
     }
 
     /// Sends `data` to `peer` under `tag` (`tag < TAG_RESERVED`). Returns once the bytes are in

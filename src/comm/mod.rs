@@ -9,13 +9,11 @@ use crate::bootstrap::{Bootstrap, UniqueId, ID_BYTES as UNIQUE_ID_BYTES};
 use crate::error::{Code, Error, Result};
 use crate::exec::{CommExec, CommSetup};
 use crate::health::Health;
-use crate::plan::ring::Links;
+use crate::transport::conns::Conns;
 use crate::transport::peer::PeerInfo;
-use crate::transport::{self, Class, Conn, Locality};
 use crate::types::CommConfig;
 use once_cell::sync::OnceCell;
 use parking_lot::Mutex;
-use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
@@ -28,32 +26,15 @@ pub struct Core {
     pub cuda_dev: i32,
     pub hash: u64,
     pub name: Option<String>,
-    pub slot_bytes: usize,
-    pub nsteps: usize,
-    peers: Vec<PeerInfo>,
-    conns: Mutex<HashMap<(usize, bool, Class), Arc<Conn>>>,
+    /// The peers, the connections made so far, and the bootstrap.
+    pub conns: Conns,
     /// Abort flag, first error, remote abort: what every wait on this communicator watches.
     pub health: Arc<Health>,
-    bootstrap: Mutex<Option<Bootstrap>>,
     /// The executor's state of this rank.
     pub exec: CommExec,
 }
 
 impl Core {
-    fn locality(&self, peer: usize) -> Result<Locality> {
-        let (me, p) = (&self.peers[self.rank], &self.peers[peer]);
-        if me.host != p.host {
-            return Err(Error::not_yet(&format!(
-                "the network transport (rank {peer} is on another host)"
-            )));
-        }
-        Ok(if me.pid == p.pid {
-            Locality::SameProcess
-        } else {
-            Locality::SameHost
-        })
-    }
-
     /// Waits until all queued work is done; after an abort, until nothing touches user memory
     /// any more (`ncclTimeout` after `OXCCL_TIMEOUT_S`).
     pub fn wait_idle(&self) -> Result<()> {
@@ -62,48 +43,17 @@ impl Core {
     }
 
     fn teardown(&self) {
-        self.conns.lock().clear();
         // Dropping the bootstrap closes its sockets and joins its threads.
-        let _ = self.bootstrap.lock().take();
+        self.conns.teardown();
     }
 
     pub fn with_bootstrap<T>(&self, f: impl FnOnce(&Bootstrap) -> Result<T>) -> Result<T> {
-        let b = self.bootstrap.lock();
-        match b.as_ref() {
-            Some(b) => f(b),
-            None => Err(Error::invalid_usage("communicator has been destroyed")),
-        }
+        self.conns.with_bootstrap(f)
     }
-}
 
-impl Links for Core {
-    fn rank(&self) -> usize {
-        self.rank
-    }
-    fn nranks(&self) -> usize {
-        self.nranks
-    }
-    fn slot_bytes(&self) -> usize {
-        self.slot_bytes
-    }
-    fn conn(&self, peer: usize, is_sender: bool, class: Class) -> Result<Arc<Conn>> {
-        let key = (peer, is_sender, class);
-        if let Some(c) = self.conns.lock().get(&key) {
-            return Ok(c.clone());
-        }
-        let loc = self.locality(peer)?;
-        let c = Arc::new(transport::connect(&transport::ConnSpec {
-            locality: loc,
-            comm_hash: self.hash,
-            me: self.rank,
-            peer,
-            is_sender,
-            class,
-            nsteps: self.nsteps,
-            slot_bytes: self.slot_bytes,
-        })?);
-        self.conns.lock().insert(key, c.clone());
-        Ok(c)
+    /// Rank `r`'s host identity (hostname and boot id), as every rank saw it at init.
+    pub fn host_of(&self, r: usize) -> Option<u64> {
+        self.conns.peers().get(r).map(|p| p.host)
     }
 }
 
@@ -231,8 +181,6 @@ fn build_core(p: PendingInit) -> Result<Core> {
         .enumerate()
         .map(|(r, b)| PeerInfo::from_bytes(b).map_err(|e| e.context(format!("rank {r}"))))
         .collect::<Result<Vec<_>>>()?;
-    // Everyone uses rank 0's FIFO geometry.
-    let (slot_bytes, nsteps) = (peers[0].slot_bytes as usize, peers[0].nsteps as usize);
     let cuda_dev = match p.dev {
         Some(d) => d,
         // A host slot per rank of this process: 0, 1, ... in rank order.
@@ -263,12 +211,8 @@ fn build_core(p: PendingInit) -> Result<Core> {
         cuda_dev,
         hash,
         name: p.config.comm_name.clone(),
-        slot_bytes,
-        nsteps,
-        peers,
-        conns: Mutex::new(HashMap::new()),
+        conns: Conns::new(boot, peers, hash),
         health,
-        bootstrap: Mutex::new(Some(boot)),
         exec,
     })
 }

@@ -13,8 +13,8 @@ pub mod host;
 use crate::bootstrap::Bootstrap;
 use crate::error::{Error, Result};
 use crate::health::Health;
-use crate::plan::ring::Links;
 use crate::plan::RedSpec;
+use crate::transport::conns::Conns;
 use crate::transport::peer::PeerInfo;
 use crate::types::CollArgs;
 use std::sync::Arc;
@@ -108,8 +108,9 @@ impl CommExec {
 /// One validated call, as an executor is handed it.
 pub struct Call<'a> {
     pub comm: &'a CommExec,
-    /// The communicator's connections, for planning.
-    pub links: &'a dyn Links,
+    /// The communicator's peers and connections (planning reads its shape; the executor makes
+    /// the connections a plan needs at launch).
+    pub conns: &'a Conns,
     pub args: CollArgs,
     /// The reduction (reducing collectives only), a device-resident scalar still unread.
     pub red: Option<RedSpec>,

@@ -12,6 +12,8 @@
 //! reached.
 
 use super::{Program, RedSpec};
+use crate::error::Result;
+use crate::transport::ConnKey;
 use crate::types::{CollArgs, CollKind, DataType};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -50,7 +52,7 @@ impl BoardKind {
 /// A direct operation: what every rank reads and writes, planned identically on every rank. The
 /// executor that runs it gives it its place on the board (`seq`, the communicator's count of
 /// direct operations) and brings the board, the peers' mappings and its tuning.
-pub struct BoardOp {
+pub struct BoardOp<C = ConnKey> {
     /// This operation's number among the communicator's direct operations (from 1; 0 until the
     /// executor numbers it).
     pub seq: u64,
@@ -66,10 +68,10 @@ pub struct BoardOp {
     pub root: usize,
     /// What runs instead when some peer buffer cannot be reached; None for eager operations
     /// (see `eager`), which read no peer's buffer.
-    pub fallback: Option<Box<Program>>,
+    pub fallback: Option<Box<Program<C>>>,
 }
 
-impl BoardOp {
+impl<C> BoardOp<C> {
     /// The direct operation of call `a` on `rank` of `nranks`: eager when `fallback` (the ring
     /// program to run instead when peers' buffers cannot be reached) is None.
     pub fn new(
@@ -78,8 +80,8 @@ impl BoardOp {
         a: &CollArgs,
         red: Option<RedSpec>,
         kind: BoardKind,
-        fallback: Option<Box<Program>>,
-    ) -> BoardOp {
+        fallback: Option<Box<Program<C>>>,
+    ) -> BoardOp<C> {
         BoardOp {
             seq: 0,
             rank,
@@ -95,21 +97,32 @@ impl BoardOp {
         }
     }
 
+    /// The same operation over connection handles `bind` gives for its fallback's keys.
+    pub fn bind<D>(self, bind: &mut impl FnMut(C) -> Result<D>) -> Result<BoardOp<D>> {
+        Ok(BoardOp {
+            seq: self.seq,
+            rank: self.rank,
+            nranks: self.nranks,
+            kind: self.kind,
+            send: self.send,
+            recv: self.recv,
+            count: self.count,
+            dtype: self.dtype,
+            red: self.red,
+            root: self.root,
+            fallback: match self.fallback {
+                Some(p) => Some(Box::new(p.bind(bind)?)),
+                None => None,
+            },
+        })
+    }
+
     /// Small enough for every rank to carry its input on the board (`Board::eager_area`): each
     /// rank copies its input there, arrives, and computes its own output from everyone's copies;
     /// one round, no done barrier, any buffers (nothing is read from peers' memory). Planned as
     /// such when the operation `fits_inline`, with no ring to fall back on.
     pub fn eager(&self) -> bool {
         self.fallback.is_none()
-    }
-
-    /// Whether an operation of this shape fits the board's inline areas.
-    pub fn fits_inline(kind: BoardKind, nranks: usize, count: usize, dtype: DataType) -> bool {
-        let input = match kind {
-            BoardKind::ReduceScatter => nranks * count,
-            _ => count,
-        };
-        input * dtype.size() <= crate::transport::board::INLINE
     }
 
     /// Whether rank `p`'s send buffer is an input (a non-root's Broadcast send buffer is not).
@@ -166,4 +179,13 @@ impl BoardOp {
             BoardKind::Broadcast => (peer == self.root, false),
         }
     }
+}
+
+/// Whether an operation of this shape fits the board's inline areas.
+pub fn fits_inline(kind: BoardKind, nranks: usize, count: usize, dtype: DataType) -> bool {
+    let input = match kind {
+        BoardKind::ReduceScatter => nranks * count,
+        _ => count,
+    };
+    input * dtype.size() <= crate::transport::board::INLINE
 }

@@ -109,7 +109,7 @@ pub fn build_task(l: &dyn Links, direct: bool, qs: &[(CollArgs, Option<RedSpec>)
                     };
                     let work = if direct && nranks > 1 {
                         // An eager operation never falls back: no ring to plan.
-                        let eager = BoardOp::fits_inline(bk, nranks, a.count, a.dtype);
+                        let eager = super::board::fits_inline(bk, nranks, a.count, a.dtype);
                         let fallback = if eager {
                             None
                         } else {

@@ -1,7 +1,7 @@
 //! A task in flat, `#[repr(C)]` form: what a CUDA executor copies to the device for its kernel
 //! (arrays of fixed-size records linked by indices, no pointers but the caller's buffers and
-//! device-resident scalars), and back. Connections become indices into a table the executor
-//! fills with each connection's FIFO and counters.
+//! device-resident scalars), and back. Connections become indices into a table of keys, for
+//! which the executor puts each connection's FIFO and counters where its kernel reads them.
 //!
 //! `decode(encode(t))` is `t`: every field of a plan has a place here (tests check it for every
 //! plan kind), so nothing an executor needs can hide in host-only Rust values.
@@ -9,9 +9,8 @@
 use super::board::{BoardKind, BoardOp};
 use super::{Addr, Prim, Program, RedSpec, Stage, Stash, Step, Task, Work};
 use crate::error::{Error, Result};
-use crate::transport::Conn;
+use crate::transport::{Class, ConnKey};
 use crate::types::{DataType, ReduceKind, Reduction, Scalar, ScalarArg};
-use std::sync::Arc;
 
 /// No index (no connection, no fallback program).
 pub const NONE: u32 = u32::MAX;
@@ -120,6 +119,17 @@ pub struct FlatStage {
     pub fault_count: u64,
 }
 
+/// A connection a step names: the peer, which end this rank is, the traffic class.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct FlatConn {
+    pub peer: u32,
+    pub is_sender: u32,
+    /// `Class` (Ring 0, P2p 1, Direct 2).
+    pub class: u32,
+    pub _pad: u32,
+}
+
 /// Where a task's point-to-point lanes and copies are.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -143,31 +153,11 @@ pub struct Flat {
     pub steps: Vec<FlatStep>,
     pub directs: Vec<FlatDirect>,
     pub copies: Vec<FlatCopy>,
-    /// The connections steps name by index (an executor puts each one's FIFO and counters
-    /// where its kernel reads them).
-    pub conns: Vec<ConnRef>,
+    /// The connections steps name by index.
+    pub conns: Vec<FlatConn>,
 }
 
-/// A connection in the table, compared by identity.
-#[derive(Clone)]
-pub struct ConnRef(pub Arc<Conn>);
-
-impl PartialEq for ConnRef {
-    fn eq(&self, o: &ConnRef) -> bool {
-        Arc::ptr_eq(&self.0, &o.0)
-    }
-}
-impl Eq for ConnRef {}
-impl std::fmt::Debug for ConnRef {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(
-            f,
-            "conn({} rank {})",
-            if self.0.is_sender { "to" } else { "from" },
-            self.0.peer
-        )
-    }
-}
+const CLASSES: [Class; 3] = [Class::Ring, Class::P2p, Class::Direct];
 
 fn idx(n: usize) -> Result<u32> {
     u32::try_from(n)
@@ -305,9 +295,14 @@ struct Encoder {
 }
 
 impl Encoder {
-    fn conn(&mut self, c: &Option<Arc<Conn>>) -> Result<u32> {
-        let Some(c) = c else { return Ok(NONE) };
-        let r = ConnRef(c.clone());
+    fn conn(&mut self, c: &Option<ConnKey>) -> Result<u32> {
+        let Some(k) = c else { return Ok(NONE) };
+        let r = FlatConn {
+            peer: idx(k.peer)?,
+            is_sender: k.is_sender as u32,
+            class: k.class as u32,
+            _pad: 0,
+        };
         match self.f.conns.iter().position(|x| *x == r) {
             Some(i) => idx(i),
             None => {
@@ -457,17 +452,16 @@ fn at<T: Copy>(v: &[T], i: u32, what: &str) -> Result<T> {
 
 fn dec_program(f: &Flat, i: u32) -> Result<Program> {
     let p = at(&f.programs, i, "program")?;
-    let conn = |c: u32| -> Result<Option<Arc<Conn>>> {
+    let conn = |c: u32| -> Result<Option<ConnKey>> {
         if c == NONE {
             return Ok(None);
         }
-        Ok(Some(
-            f.conns
-                .get(c as usize)
-                .ok_or_else(|| Error::internal(format!("flat plan: no connection {c}")))?
-                .0
-                .clone(),
-        ))
+        let k = at(&f.conns, c, "connection")?;
+        Ok(Some(ConnKey {
+            peer: k.peer as usize,
+            is_sender: k.is_sender != 0,
+            class: pick(&CLASSES, k.class, "connection class")?,
+        }))
     };
     let steps = f.steps[range(&f.steps, p.first_step, p.nsteps, "steps")?]
         .iter()

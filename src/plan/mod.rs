@@ -18,9 +18,9 @@ mod tests;
 
 pub use task::{Task, What};
 
-use crate::transport::Conn;
+use crate::error::Result;
+use crate::transport::ConnKey;
 use crate::types::{CollKind, DataType, ReduceKind, Reduction, Scalar, ScalarArg};
-use std::sync::Arc;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Prim {
@@ -114,11 +114,13 @@ impl std::ops::Add<usize> for Addr {
 
 /// One step: a primitive over one segment of `len` elements (`src`/`dst` are the segment's start
 /// addresses). Each iteration of its program handles the next slice of the segment.
+/// Connections are named by key in a plan (`C = ConnKey`); an executor binds them to its own
+/// handles (`Program::bind`).
 #[derive(Clone)]
-pub struct Step {
+pub struct Step<C = ConnKey> {
     pub prim: Prim,
-    pub recv: Option<Arc<Conn>>,
-    pub send: Option<Arc<Conn>>,
+    pub recv: Option<C>,
+    pub send: Option<C>,
     pub src: Addr,
     pub dst: Addr,
     pub len: usize,
@@ -158,8 +160,8 @@ impl RedSpec {
 
 /// A list of steps repeated over `niter` slices of at most `slice` elements.
 #[derive(Clone)]
-pub struct Program {
-    pub steps: Vec<Step>,
+pub struct Program<C = ConnKey> {
+    pub steps: Vec<Step<C>>,
     pub esize: usize,
     pub slice: usize,
     pub niter: usize,
@@ -183,6 +185,41 @@ impl Program {
             niter: maxlen.div_ceil(slice),
             red,
         }
+    }
+
+    /// The connections the program uses.
+    pub fn keys(&self) -> impl Iterator<Item = ConnKey> + '_ {
+        self.steps
+            .iter()
+            .flat_map(|s| s.send.into_iter().chain(s.recv))
+    }
+}
+
+impl<C> Program<C> {
+    /// The same program over connection handles `bind` gives for its keys.
+    pub fn bind<D>(self, bind: &mut impl FnMut(C) -> Result<D>) -> Result<Program<D>> {
+        let steps = self
+            .steps
+            .into_iter()
+            .map(|s| {
+                Ok(Step {
+                    prim: s.prim,
+                    recv: s.recv.map(&mut *bind).transpose()?,
+                    send: s.send.map(&mut *bind).transpose()?,
+                    src: s.src,
+                    dst: s.dst,
+                    len: s.len,
+                    prep: s.prep,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Program {
+            steps,
+            esize: self.esize,
+            slice: self.slice,
+            niter: self.niter,
+            red: self.red,
+        })
     }
 
     /// Bytes this program sends through FIFO slots.
@@ -217,6 +254,16 @@ pub enum Work {
 impl From<Program> for Work {
     fn from(p: Program) -> Work {
         Work::Steps(p)
+    }
+}
+
+impl Work {
+    /// The connections the work may use.
+    pub fn keys(&self) -> Vec<ConnKey> {
+        match self {
+            Work::Steps(p) => p.keys().collect(),
+            Work::Board(b) => b.fallback.iter().flat_map(|p| p.keys()).collect(),
+        }
     }
 }
 

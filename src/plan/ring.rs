@@ -4,17 +4,36 @@
 
 use super::{segment, Addr, Prim, Program, RedSpec, Step};
 use crate::error::Result;
-use crate::transport::{Class, Conn};
+use crate::transport::conns::Conns;
+use crate::transport::{Class, ConnKey};
 use crate::types::DataType;
-use std::sync::Arc;
 
 /// What an algorithm builder needs from its communicator.
 pub trait Links {
     fn rank(&self) -> usize;
     fn nranks(&self) -> usize;
     fn slot_bytes(&self) -> usize;
-    /// This rank's end of the connection with `peer` (`is_sender`: we send to it).
-    fn conn(&self, peer: usize, is_sender: bool, class: Class) -> Result<Arc<Conn>>;
+    /// This rank's end of the connection with `peer` (`is_sender`: we send to it), by key: the
+    /// executor binds it to the connection made at launch.
+    fn conn(&self, peer: usize, is_sender: bool, class: Class) -> Result<ConnKey> {
+        Ok(ConnKey {
+            peer,
+            is_sender,
+            class,
+        })
+    }
+}
+
+impl Links for Conns {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+    fn nranks(&self) -> usize {
+        self.nranks
+    }
+    fn slot_bytes(&self) -> usize {
+        self.slot_bytes
+    }
 }
 
 fn step(prim: Prim, src: usize, dst: usize, len: usize) -> Step {
@@ -29,7 +48,7 @@ fn step(prim: Prim, src: usize, dst: usize, len: usize) -> Step {
     }
 }
 
-fn ring_conns(l: &dyn Links) -> Result<(Arc<Conn>, Arc<Conn>)> {
+fn ring_conns(l: &dyn Links) -> Result<(ConnKey, ConnKey)> {
     let (r, n) = (l.rank(), l.nranks());
     let next = l.conn((r + 1) % n, true, Class::Ring)?;
     let prev = l.conn((r + n - 1) % n, false, Class::Ring)?;
@@ -37,13 +56,13 @@ fn ring_conns(l: &dyn Links) -> Result<(Arc<Conn>, Arc<Conn>)> {
 }
 
 /// Attach the ring connections each step needs.
-fn wire(mut steps: Vec<Step>, next: &Arc<Conn>, prev: &Arc<Conn>) -> Vec<Step> {
+fn wire(mut steps: Vec<Step>, next: &ConnKey, prev: &ConnKey) -> Vec<Step> {
     for s in &mut steps {
         if s.prim.sends() {
-            s.send = Some(next.clone());
+            s.send = Some(*next);
         }
         if s.prim.recvs() {
-            s.recv = Some(prev.clone());
+            s.recv = Some(*prev);
         }
     }
     steps

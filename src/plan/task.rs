@@ -4,6 +4,7 @@
 //! and gives its direct operations their sequence numbers.
 
 use super::{Stage, Stash, Work};
+use crate::transport::ConnKey;
 
 #[derive(Default)]
 pub struct Task {
@@ -11,6 +12,19 @@ pub struct Task {
     pub p2p: Vec<Vec<Work>>,
     /// Copies of send buffers that receives of the same task overwrite (see `Stash`).
     pub p2p_stash: Stash,
+}
+
+impl Task {
+    /// Every connection the task may use (with repeats).
+    pub fn keys(&self) -> Vec<ConnKey> {
+        self.stages
+            .iter()
+            .flat_map(|s| s.lanes.iter())
+            .chain(self.p2p.iter())
+            .flatten()
+            .flat_map(Work::keys)
+            .collect()
+    }
 }
 
 /// A task's description, formatted only when a message needs it (not on every launch).

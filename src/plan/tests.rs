@@ -7,35 +7,21 @@ use super::build::build_task;
 use super::encode::{self, Flat, FlatAddr, FlatDirect, FlatProgram, FlatRed, FlatStep};
 use super::ring::Links;
 use super::{Addr, Program, RedSpec, Task, Work};
-use crate::error::Result;
-use crate::transport::{self, Class, Conn, ConnSpec, Locality};
+use crate::transport::ConnKey;
 use crate::types::{
     CollArgs, CollKind, DataType, ReduceKind, Reduction, Scalar, ScalarArg, OP_SUM,
 };
-use parking_lot::Mutex;
-use std::collections::HashMap;
 use std::fmt::Write;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
 
-/// One rank's connections, made in this process (the peers never attach: nothing runs).
+/// One rank's shape (planning names connections by key: nothing is connected).
 struct TestLinks {
     rank: usize,
     nranks: usize,
-    hash: u64,
-    conns: Mutex<HashMap<(usize, bool, Class), Arc<Conn>>>,
 }
-
-static NEXT_HASH: AtomicU64 = AtomicU64::new(0x7e57_0000_0000);
 
 impl TestLinks {
     fn new(rank: usize, nranks: usize) -> TestLinks {
-        TestLinks {
-            rank,
-            nranks,
-            hash: NEXT_HASH.fetch_add(1, Ordering::Relaxed),
-            conns: Mutex::new(HashMap::new()),
-        }
+        TestLinks { rank, nranks }
     }
 }
 
@@ -49,31 +35,12 @@ impl Links for TestLinks {
     fn slot_bytes(&self) -> usize {
         4096
     }
-    fn conn(&self, peer: usize, is_sender: bool, class: Class) -> Result<Arc<Conn>> {
-        let mut m = self.conns.lock();
-        if let Some(c) = m.get(&(peer, is_sender, class)) {
-            return Ok(c.clone());
-        }
-        let c = Arc::new(transport::connect(&ConnSpec {
-            locality: Locality::SameProcess,
-            comm_hash: self.hash,
-            me: self.rank,
-            peer,
-            is_sender,
-            class,
-            nsteps: 2,
-            slot_bytes: 4096,
-        })?);
-        m.insert((peer, is_sender, class), c.clone());
-        Ok(c)
-    }
 }
 
-/// Everything a plan says, connections by identity.
+/// Everything a plan says.
 fn show(t: &Task) -> String {
-    fn conn(c: &Option<Arc<Conn>>) -> String {
-        c.as_ref()
-            .map_or("-".into(), |c| format!("{:p}", Arc::as_ptr(c)))
+    fn conn(c: &Option<ConnKey>) -> String {
+        c.map_or("-".into(), |k| format!("{k:?}"))
     }
     fn prog(o: &mut String, p: &Program) {
         let _ = write!(

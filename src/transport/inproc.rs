@@ -1,6 +1,8 @@
 //! Same-process connections: a zeroed, page-aligned heap region found by name in a process-wide
 //! table until both ends hold it.
 
+use super::peer::PeerInfo;
+use super::{ConnSpec, Endpoint, Locality, Named, Transport};
 use crate::error::{Error, Result};
 use parking_lot::Mutex;
 use std::alloc::{alloc_zeroed, dealloc, Layout};
@@ -70,5 +72,20 @@ pub fn open(name: &str, bytes: usize) -> Result<Arc<HeapRegion>> {
 pub fn forget(name: &str) {
     if let Some(map) = TABLE.lock().as_mut() {
         map.remove(name);
+    }
+}
+
+/// The same-process transport.
+pub struct InProc;
+
+impl Transport for InProc {
+    fn name(&self) -> &'static str {
+        "in-process"
+    }
+    fn reaches(&self, me: &PeerInfo, peer: &PeerInfo) -> bool {
+        Locality::of(me, peer) == Locality::SameProcess
+    }
+    fn setup(&self, spec: &ConnSpec) -> Result<(Box<dyn Endpoint>, Vec<u8>)> {
+        Named::setup(spec, false)
     }
 }

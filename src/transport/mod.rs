@@ -1,19 +1,29 @@
 //! Connections between two ranks: a FIFO of `nsteps` slots of `slot_bytes` plus two monotonic
 //! counters (`tail`: slots the sender filled, `head`: slots the receiver freed), in memory both
-//! ends reach. Transports only decide where that memory lives:
+//! ends reach. A [`Transport`] only decides where that memory lives and who moves it:
 //! - same process: a heap region both ranks hold (`inproc`);
-//! - same host, other process: a POSIX shared memory segment (`shm`).
+//! - same host, other process: a POSIX shared memory segment (`shm`);
+//! - another host: the network (`net`, not there yet), where a proxy thread moves filled slots
+//!   over the wire and bumps the counters (the [`Proxy`] hook).
 //!
-//! The executor never knows which one it has.
+//! The executor never knows which one it has. A transport sets up its end of a connection and
+//! hands back a blob that the bootstrap carries to the other end, which finishes its end with it
+//! (`conns::connect_all` does this for all the connections a launch needs, in one exchange).
 
 pub mod board;
 pub mod cma;
+pub mod conns;
 pub mod inproc;
+pub mod net;
 pub mod peer;
 pub mod shm;
+#[cfg(test)]
+mod tests;
 
 use crate::error::{Error, Result};
+use peer::PeerInfo;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::Arc;
 
 /// Byte offsets inside a connection region.
 const TAIL_OFF: usize = 0;
@@ -23,7 +33,7 @@ const HDR_BYTES: usize = 4096;
 
 /// What class of traffic a connection carries: each class has its own FIFOs, so operations of
 /// different classes that run at the same time never interleave on one FIFO.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Class {
     /// Ring and chain algorithms (to the next rank, from the previous one).
     Ring = 0,
@@ -38,6 +48,67 @@ pub enum Class {
 pub enum Locality {
     SameProcess,
     SameHost,
+    OtherHost,
+}
+
+impl Locality {
+    pub fn of(me: &PeerInfo, peer: &PeerInfo) -> Locality {
+        if me.host != peer.host {
+            Locality::OtherHost
+        } else if me.pid == peer.pid {
+            Locality::SameProcess
+        } else {
+            Locality::SameHost
+        }
+    }
+}
+
+/// One end of a connection, as plans name it: the peer, which end this is, the traffic class.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ConnKey {
+    pub peer: usize,
+    /// This rank sends on the connection (else it receives).
+    pub is_sender: bool,
+    pub class: Class,
+}
+
+/// A way to connect two ranks.
+pub trait Transport: Sync {
+    fn name(&self) -> &'static str;
+    /// Whether it connects `me` with `peer`.
+    fn reaches(&self, me: &PeerInfo, peer: &PeerInfo) -> bool;
+    /// Sets up this end of a connection: the end to finish, and a blob for the peer's end.
+    fn setup(&self, spec: &ConnSpec) -> Result<(Box<dyn Endpoint>, Vec<u8>)>;
+}
+
+/// One end of a connection, set up and waiting for the peer's blob.
+pub trait Endpoint: Send {
+    /// Finishes the connection with what the peer's `setup` handed back.
+    fn connect(self: Box<Self>, peer_blob: &[u8]) -> Result<Conn>;
+}
+
+/// What a proxy thread drives for connections whose data it moves (the network): one call moves
+/// what it can (filled slots onto the wire, arrived data into free slots) and bumps the
+/// counters; true when it moved something.
+pub trait Proxy: Send + Sync {
+    fn progress(&self) -> Result<bool>;
+}
+
+static INPROC: inproc::InProc = inproc::InProc;
+static SHM: shm::Shm = shm::Shm;
+static NET: net::Net = net::Net;
+
+/// The transports, in order of preference.
+pub fn transports() -> [&'static dyn Transport; 3] {
+    [&INPROC, &SHM, &NET]
+}
+
+/// The transport that connects `me` with `peer`.
+pub fn pick(me: &PeerInfo, peer: &PeerInfo) -> Result<&'static dyn Transport> {
+    transports()
+        .into_iter()
+        .find(|t| t.reaches(me, peer))
+        .ok_or_else(|| Error::internal("no transport reaches the peer"))
 }
 
 /// Memory shared by both ends of one connection.
@@ -66,6 +137,9 @@ pub struct Conn {
     /// Sender: the receiver has attached (until then nothing is written, so data never goes to a
     /// region the receiver will not see).
     peer_ready: std::sync::atomic::AtomicBool,
+    /// Who moves the data, where a proxy thread does (network connections); None where both
+    /// ends share the memory.
+    pub proxy: Option<Arc<dyn Proxy>>,
 }
 
 // SAFETY: the region stays mapped while the Conn lives; the counters are atomics and the slot
@@ -95,6 +169,7 @@ impl Conn {
             peer,
             is_sender,
             peer_ready: std::sync::atomic::AtomicBool::new(false),
+            proxy: None,
         }
     }
 
@@ -200,10 +275,8 @@ pub fn conn_name(comm_hash: u64, from: usize, to: usize, class: Class) -> String
     format!("oxccl-{comm_hash:016x}-{from}-{to}-{}", class as u32)
 }
 
-/// Opens (creating if needed) the region of connection `from -> to` and attaches this end.
 /// Everything that identifies one end of a connection.
 pub struct ConnSpec {
-    pub locality: Locality,
     pub comm_hash: u64,
     pub me: usize,
     pub peer: usize,
@@ -213,33 +286,75 @@ pub struct ConnSpec {
     pub slot_bytes: usize,
 }
 
-pub fn connect(spec: &ConnSpec) -> Result<Conn> {
-    let &ConnSpec {
-        locality,
-        comm_hash,
-        me,
-        peer,
-        is_sender,
-        class,
-        nsteps,
-        slot_bytes,
-    } = spec;
-    let (from, to) = if is_sender { (me, peer) } else { (peer, me) };
-    let name = conn_name(comm_hash, from, to, class);
-    let bytes = region_bytes(nsteps, slot_bytes);
-    let region = match locality {
-        Locality::SameProcess => Region::Heap(inproc::open(&name, bytes)?),
-        Locality::SameHost => Region::Shm(shm::ShmRegion::open(&name, bytes)?),
-    };
-    let conn = Conn::new(region, nsteps, slot_bytes, peer, is_sender);
-    if conn.attach() >= 1 {
-        // Both ends are attached: the name is no longer needed.
-        match &conn.region {
-            Region::Heap(_) => inproc::forget(&name),
-            Region::Shm(s) => s.unlink(),
-        }
+impl ConnSpec {
+    /// The name both ends derive independently.
+    fn name(&self) -> String {
+        let (from, to) = if self.is_sender {
+            (self.me, self.peer)
+        } else {
+            (self.peer, self.me)
+        };
+        conn_name(self.comm_hash, from, to, self.class)
     }
-    Ok(conn)
+}
+
+/// An end of a connection whose memory both ends open by the name they derive (`inproc`,
+/// `shm`): the blob is the name, which the other end checks against its own.
+pub(crate) struct Named {
+    region: Region,
+    name: String,
+    nsteps: usize,
+    slot_bytes: usize,
+    peer: usize,
+    is_sender: bool,
+}
+
+impl Named {
+    pub(crate) fn setup(spec: &ConnSpec, shm: bool) -> Result<(Box<dyn Endpoint>, Vec<u8>)> {
+        let name = spec.name();
+        let bytes = region_bytes(spec.nsteps, spec.slot_bytes);
+        let region = if shm {
+            Region::Shm(shm::ShmRegion::open(&name, bytes)?)
+        } else {
+            Region::Heap(inproc::open(&name, bytes)?)
+        };
+        let blob = name.as_bytes().to_vec();
+        Ok((
+            Box::new(Named {
+                region,
+                name,
+                nsteps: spec.nsteps,
+                slot_bytes: spec.slot_bytes,
+                peer: spec.peer,
+                is_sender: spec.is_sender,
+            }),
+            blob,
+        ))
+    }
+}
+
+impl Endpoint for Named {
+    fn connect(self: Box<Self>, peer_blob: &[u8]) -> Result<Conn> {
+        let n = *self;
+        // Dropped on error: the region is unlinked (see `Drop for Conn`).
+        let conn = Conn::new(n.region, n.nsteps, n.slot_bytes, n.peer, n.is_sender);
+        if peer_blob != n.name.as_bytes() {
+            return Err(Error::internal(format!(
+                "connection {}: rank {}'s end names another connection ({})",
+                n.name,
+                n.peer,
+                String::from_utf8_lossy(peer_blob)
+            )));
+        }
+        if conn.attach() >= 1 {
+            // Both ends are attached: the name is no longer needed.
+            match &conn.region {
+                Region::Heap(_) => inproc::forget(&n.name),
+                Region::Shm(s) => s.unlink(),
+            }
+        }
+        Ok(conn)
+    }
 }
 
 impl Drop for Conn {

@@ -2,6 +2,8 @@
 //! unlinked as soon as both ends have mapped it (or when the comm goes), so a crash leaves
 //! nothing behind in /dev/shm once both sides attached.
 
+use super::peer::PeerInfo;
+use super::{ConnSpec, Endpoint, Locality, Named, Transport};
 use crate::error::{Error, Result};
 use nix::fcntl::OFlag;
 use nix::sys::mman::{mmap, munmap, shm_open, shm_unlink, MapFlags, ProtFlags};
@@ -65,5 +67,20 @@ impl Drop for ShmRegion {
     fn drop(&mut self) {
         // SAFETY: mapped in `open` with this length, not used after drop.
         let _ = unsafe { munmap(self.ptr, self.len) };
+    }
+}
+
+/// The same-host transport (other processes).
+pub struct Shm;
+
+impl Transport for Shm {
+    fn name(&self) -> &'static str {
+        "shared memory"
+    }
+    fn reaches(&self, me: &PeerInfo, peer: &PeerInfo) -> bool {
+        Locality::of(me, peer) == Locality::SameHost
+    }
+    fn setup(&self, spec: &ConnSpec) -> Result<(Box<dyn Endpoint>, Vec<u8>)> {
+        Named::setup(spec, true)
     }
 }

@@ -13,6 +13,7 @@ use crate::plan::segment;
 use crate::reduce::Reducer;
 use crate::transport::board::{Board, TINY};
 use crate::transport::cma;
+use crate::transport::Conn;
 use crate::types::{Reduction, Scalar};
 use std::sync::Arc;
 use std::time::Instant;
@@ -25,7 +26,7 @@ const SLICE_BYTES: usize = 64 << 10;
 /// tuner (cross-memory attach against the ring), and whether cross-memory attach reaches every
 /// peer.
 pub struct Direct {
-    pub op: BoardOp,
+    pub op: BoardOp<Arc<Conn>>,
     pub board: Arc<Board>,
     /// Peers' mapped allocations (None for eager operations, which read no peer's buffer).
     pub maps: Option<Arc<PeerMaps>>,
@@ -36,15 +37,15 @@ pub struct Direct {
 }
 
 impl std::ops::Deref for Direct {
-    type Target = BoardOp;
-    fn deref(&self) -> &BoardOp {
+    type Target = BoardOp<Arc<Conn>>;
+    fn deref(&self) -> &BoardOp<Arc<Conn>> {
         &self.op
     }
 }
 
 impl Direct {
     /// `op` numbered and equipped for `comm` (which must have a board).
-    pub fn new(comm: &super::HostComm, mut op: BoardOp) -> Option<Direct> {
+    pub fn new(comm: &super::HostComm, mut op: BoardOp<Arc<Conn>>) -> Option<Direct> {
         let (board, seq) = comm.board_op()?;
         op.seq = seq;
         let eager = op.eager();

@@ -88,7 +88,7 @@ fn run_lone(qs: &[Call<'_>]) -> Option<Result<()>> {
         let (comm, a) = (q.host(), &q.args);
         let bk = BoardKind::of(a.kind)?;
         if comm.nranks < 2
-            || !BoardOp::fits_inline(bk, comm.nranks, a.count, a.dtype)
+            || !crate::plan::board::fits_inline(bk, comm.nranks, a.count, a.dtype)
             || !comm.has_board()
             || qs[..i].iter().any(|p| Arc::ptr_eq(p.host(), comm))
             || (budget.is_zero() && matches!(q.stream, Stream::Host(_)))
@@ -261,16 +261,36 @@ fn launch_tasks(ops: Vec<Call<'_>>) -> Result<()> {
             None => per_comm.push(vec![q]),
         }
     }
+    let mut first_err = None;
+    // Plan every communicator's task, then make the connections they all need in one exchange
+    // (ranks this thread drives wait for each other's ends), then bind and queue them in order.
+    let mut planned = Vec::with_capacity(per_comm.len());
+    for qs in per_comm {
+        let calls: Vec<_> = qs.iter().map(|q| (q.args, q.red)).collect();
+        let comm = qs[0].host();
+        match crate::plan::build::build_task(qs[0].conns, comm.has_board(), &calls) {
+            Ok(t) => planned.push((qs, t, crate::plan::build::describe(&calls))),
+            Err(e) => {
+                first_err.get_or_insert(e);
+            }
+        }
+    }
+    let needs: Vec<_> = planned
+        .iter()
+        .map(|(qs, t, _)| (qs[0].conns, qs[0].conns.missing(t.keys())))
+        .filter(|(_, keys)| !keys.is_empty())
+        .collect();
+    if !needs.is_empty() {
+        crate::transport::conns::connect_all(&needs)?;
+    }
     let mut inline = Vec::new();
     let mut streamed: Vec<(Arc<HostStream>, Vec<Task>)> = Vec::new();
-    let mut first_err = None;
-    for qs in per_comm {
-        let stream = qs[0].stream.clone();
-        match build_task(qs) {
-            Ok(t) => match stream {
-                Stream::Host(s) => match streamed.iter_mut().find(|(x, _)| Arc::ptr_eq(x, &s)) {
+    for (qs, plan, what) in planned {
+        match Task::from_plan(qs[0].host(), qs[0].conns, plan, what) {
+            Ok(t) => match &qs[0].stream {
+                Stream::Host(s) => match streamed.iter_mut().find(|(x, _)| Arc::ptr_eq(x, s)) {
                     Some((_, v)) => v.push(t),
-                    None => streamed.push((s, vec![t])),
+                    None => streamed.push((s.clone(), vec![t])),
                 },
                 Stream::Null | Stream::Cuda(_) => inline.push(t),
             },
@@ -289,12 +309,4 @@ fn launch_tasks(ops: Vec<Call<'_>>) -> Result<()> {
         Some(e) => Err(e),
         None => Ok(()),
     }
-}
-
-/// Plans one communicator's calls of a group into a host task.
-fn build_task(qs: Vec<Call<'_>>) -> Result<Task> {
-    let comm = qs[0].host();
-    let calls: Vec<_> = qs.iter().map(|q| (q.args, q.red)).collect();
-    let plan = crate::plan::build::build_task(qs[0].links, comm.has_board(), &calls)?;
-    Task::from_plan(comm, plan, crate::plan::build::describe(&calls))
 }

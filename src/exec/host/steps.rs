@@ -4,6 +4,11 @@
 use super::copy::copy_out;
 use super::tune::{BySize, FIFO_TUNE_BYTES, STREAMED};
 use crate::plan::{Addr, Prim, Program};
+use crate::transport::Conn;
+use std::sync::Arc;
+
+/// A program bound to this rank's connections.
+pub(super) type HostProgram = Program<Arc<Conn>>;
 use crate::reduce::Reducer;
 use std::time::Instant;
 
@@ -44,7 +49,7 @@ fn at(a: Addr) -> usize {
 }
 
 /// The host's policies for a program: (streaming stores for its output, run ahead).
-fn policies(prog: &Program) -> (bool, bool) {
+fn policies(prog: &HostProgram) -> (bool, bool) {
     let esize = prog.esize;
     let steps = &prog.steps;
     let out_bytes: usize = steps
@@ -80,7 +85,7 @@ const AHEAD_ITERS: usize = 4;
 impl Cursor {
     /// `fifo`: the estimates to choose how to fill FIFO slots from, and the operation's round
     /// (shared by all ranks, see `Estimates::pick`).
-    pub(super) fn new(prog: &Program, fifo: Option<(&BySize, u64)>) -> Cursor {
+    pub(super) fn new(prog: &HostProgram, fifo: Option<(&BySize, u64)>) -> Cursor {
         let forced = crate::param::fifo_stream();
         let sent = prog.sent_bytes();
         let mut exploring = false;
@@ -114,7 +119,7 @@ impl Cursor {
     }
 
     /// Records the finished program's speed with the option it used.
-    pub(super) fn finish(&self, prog: &Program, fifo: &BySize) {
+    pub(super) fn finish(&self, prog: &HostProgram, fifo: &BySize) {
         if let Some((option, t0)) = self.timed {
             let bytes = prog.sent_bytes();
             fifo.get(bytes).record(option, bytes, t0.elapsed());
@@ -122,7 +127,7 @@ impl Cursor {
     }
 
     /// What this program waits for, for timeout messages.
-    pub(super) fn describe_wait(&self, prog: &Program) -> Option<String> {
+    pub(super) fn describe_wait(&self, prog: &HostProgram) -> Option<String> {
         let s = prog.steps.get(self.head % prog.steps.len().max(1))?;
         let conn = s
             .recv
@@ -144,7 +149,7 @@ pub(super) enum Poll {
 /// program allows it (`run_ahead`), slices of later iterations past blocked ones, as long as
 /// each connection's slots are used in program order and no earlier slice of the same iteration
 /// is still pending.
-pub(super) fn poll_program(prog: &Program, cur: &mut Cursor) -> Poll {
+pub(super) fn poll_program(prog: &HostProgram, cur: &mut Cursor) -> Poll {
     let nsteps = prog.steps.len();
     let total = prog.niter * nsteps;
     let window = if cur.run_ahead {
@@ -176,7 +181,7 @@ pub(super) fn poll_program(prog: &Program, cur: &mut Cursor) -> Poll {
                 || conns
                     .iter()
                     .flatten()
-                    .any(|c| held.contains(&(std::sync::Arc::as_ptr(c) as usize)));
+                    .any(|c| held.contains(&(Arc::as_ptr(c) as usize)));
             let (off, n) = prog.slice_of(k, i);
             let done = !blocked_by_order && (n == 0 || run_step(prog, cur, k, off, n));
             if done {
@@ -186,12 +191,7 @@ pub(super) fn poll_program(prog: &Program, cur: &mut Cursor) -> Poll {
                 cur.ahead[a] = true;
                 ran = true;
             } else {
-                held.extend(
-                    conns
-                        .iter()
-                        .flatten()
-                        .map(|c| std::sync::Arc::as_ptr(c) as usize),
-                );
+                held.extend(conns.iter().flatten().map(|c| Arc::as_ptr(c) as usize));
                 held_iter = Some(i);
             }
         }
@@ -212,7 +212,7 @@ pub(super) fn poll_program(prog: &Program, cur: &mut Cursor) -> Poll {
 }
 
 /// Performs step `k` on `n` elements at element offset `off`, if its slots are ready.
-fn run_step(prog: &Program, cur: &mut Cursor, k: usize, off: usize, n: usize) -> bool {
+fn run_step(prog: &HostProgram, cur: &mut Cursor, k: usize, off: usize, n: usize) -> bool {
     let s = &prog.steps[k];
     let es = prog.esize;
     let bytes = n * es;

@@ -2,15 +2,17 @@
 //! and its work with direct operations numbered and equipped (see `board::Direct`).
 
 use super::board::Direct;
+use super::steps::HostProgram;
 use super::HostComm;
 use crate::error::{Error, Result};
 use crate::plan::{self, Addr, Program, Stash, What, Work};
+use crate::transport::conns::Conns;
 use std::collections::VecDeque;
 use std::sync::Arc;
 
 /// One unit of a lane's work.
 pub(super) enum Item {
-    Steps(Program),
+    Steps(HostProgram),
     Board(Box<Direct>),
 }
 
@@ -55,7 +57,7 @@ impl Scratch {
     }
 
     /// Points a program's steps at host memory.
-    fn place_program(&self, p: &mut Program) -> Result<()> {
+    fn place_program<C>(&self, p: &mut Program<C>) -> Result<()> {
         for s in &mut p.steps {
             s.src = self.place(s.src)?;
             s.dst = self.place(s.dst)?;
@@ -99,14 +101,20 @@ impl Task {
         }
     }
 
-    /// The host's form of a planned task, with its ticket taken: call in issue order (direct
-    /// operations are numbered here, identically on every rank).
-    pub(super) fn from_plan(comm: &Arc<HostComm>, t: plan::Task, what: What) -> Result<Task> {
+    /// The host's form of a planned task, bound to the connections made at launch, with its
+    /// ticket taken: call in issue order (direct operations are numbered here, identically on
+    /// every rank).
+    pub(super) fn from_plan(
+        comm: &Arc<HostComm>,
+        conns: &Conns,
+        t: plan::Task,
+        what: What,
+    ) -> Result<Task> {
         let mut task = Task::new(comm.clone(), what);
         let lanes = |lanes: Vec<Vec<Work>>, sc: &Scratch| -> Result<Vec<Vec<Item>>> {
             lanes
                 .into_iter()
-                .map(|l| l.into_iter().map(|w| item(comm, w, sc)).collect())
+                .map(|l| l.into_iter().map(|w| item(comm, conns, w, sc)).collect())
                 .collect()
         };
         for s in t.stages {
@@ -125,17 +133,18 @@ impl Task {
     }
 }
 
-fn item(comm: &HostComm, w: Work, sc: &Scratch) -> Result<Item> {
+fn item(comm: &HostComm, conns: &Conns, w: Work, sc: &Scratch) -> Result<Item> {
+    let mut bind = |k| conns.bound(k);
     Ok(match w {
         Work::Steps(mut p) => {
             sc.place_program(&mut p)?;
-            Item::Steps(p)
+            Item::Steps(p.bind(&mut bind)?)
         }
         Work::Board(mut op) => match Direct::new(comm, {
             if let Some(f) = op.fallback.as_deref_mut() {
                 sc.place_program(f)?;
             }
-            *op
+            op.bind(&mut bind)?
         }) {
             Some(d) => Item::Board(Box::new(d)),
             None => {

@@ -1,0 +1,176 @@
+//! A rank's connections to its peers, made when a launch first needs them: every end a launch
+//! needs (on all the communicators one thread launches together) is set up by its transport and
+//! its blob sent to the peer through the bootstrap; then the peers' blobs are received and the
+//! ends finished. Ends are sent before any is awaited, so ranks driven by one thread never wait
+//! for each other.
+
+use super::peer::PeerInfo;
+use super::{pick, Conn, ConnKey, ConnSpec, Endpoint, Locality};
+use crate::bootstrap::Bootstrap;
+use crate::error::{Error, Result};
+use parking_lot::Mutex;
+use std::collections::HashMap;
+use std::sync::Arc;
+
+/// A rank's view of its communicator's peers and the connections made so far.
+pub struct Conns {
+    pub rank: usize,
+    pub nranks: usize,
+    pub hash: u64,
+    /// FIFO geometry (rank 0's, for every rank).
+    pub slot_bytes: usize,
+    pub nsteps: usize,
+    peers: Vec<PeerInfo>,
+    map: Mutex<HashMap<ConnKey, Arc<Conn>>>,
+    /// The out-of-band channel; None once the communicator is torn down.
+    bootstrap: Mutex<Option<Bootstrap>>,
+}
+
+/// Blob status bytes: the end is set up (the transport's blob follows), or it failed (a message
+/// follows), so the peer fails too instead of waiting.
+const READY: u8 = 0;
+const FAILED: u8 = 1;
+
+impl Conns {
+    pub fn new(boot: Bootstrap, peers: Vec<PeerInfo>, hash: u64) -> Conns {
+        Conns {
+            rank: boot.rank(),
+            nranks: boot.nranks(),
+            hash,
+            slot_bytes: peers[0].slot_bytes as usize,
+            nsteps: peers[0].nsteps as usize,
+            peers,
+            map: Mutex::new(HashMap::new()),
+            bootstrap: Mutex::new(Some(boot)),
+        }
+    }
+
+    pub fn peers(&self) -> &[PeerInfo] {
+        &self.peers
+    }
+
+    pub fn locality(&self, peer: usize) -> Locality {
+        Locality::of(&self.peers[self.rank], &self.peers[peer])
+    }
+
+    /// The connection of `key`, if it is made.
+    pub fn get(&self, key: ConnKey) -> Option<Arc<Conn>> {
+        self.map.lock().get(&key).cloned()
+    }
+
+    /// The connection of `key`, which a launch must have made.
+    pub fn bound(&self, key: ConnKey) -> Result<Arc<Conn>> {
+        self.get(key).ok_or_else(|| {
+            Error::internal(format!(
+                "rank {}: connection {key:?} was not set up at launch",
+                self.rank
+            ))
+        })
+    }
+
+    /// The keys of `keys` not connected yet, each once, in order.
+    pub fn missing(&self, keys: impl IntoIterator<Item = ConnKey>) -> Vec<ConnKey> {
+        let map = self.map.lock();
+        let mut v: Vec<ConnKey> = keys.into_iter().filter(|k| !map.contains_key(k)).collect();
+        v.sort();
+        v.dedup();
+        v
+    }
+
+    pub fn with_bootstrap<T>(&self, f: impl FnOnce(&Bootstrap) -> Result<T>) -> Result<T> {
+        let b = self.bootstrap.lock();
+        match b.as_ref() {
+            Some(b) => f(b),
+            None => Err(Error::invalid_usage("communicator has been destroyed")),
+        }
+    }
+
+    /// Drops the connections and closes the bootstrap (its sockets and threads).
+    pub fn teardown(&self) {
+        self.map.lock().clear();
+        let _ = self.bootstrap.lock().take();
+    }
+
+    fn spec(&self, k: ConnKey) -> ConnSpec {
+        ConnSpec {
+            comm_hash: self.hash,
+            me: self.rank,
+            peer: k.peer,
+            is_sender: k.is_sender,
+            class: k.class,
+            nsteps: self.nsteps,
+            slot_bytes: self.slot_bytes,
+        }
+    }
+
+    /// Sets up this end of `k`: the end to finish, or why it failed.
+    fn setup(&self, k: ConnKey) -> (Result<Box<dyn Endpoint>>, Vec<u8>) {
+        let r =
+            pick(&self.peers[self.rank], &self.peers[k.peer]).and_then(|t| t.setup(&self.spec(k)));
+        match r {
+            Ok((ep, blob)) => {
+                let mut b = vec![READY];
+                b.extend_from_slice(&blob);
+                (Ok(ep), b)
+            }
+            Err(e) => {
+                let mut b = vec![FAILED];
+                b.extend_from_slice(e.msg.as_bytes());
+                (Err(e), b)
+            }
+        }
+    }
+}
+
+/// The bootstrap tag of the blob the sending end of `k`'s connection sends (`sent_by_sender`)
+/// or the receiving end does.
+fn blob_tag(k: ConnKey, sent_by_sender: bool) -> u32 {
+    k.class as u32 * 2 + u32::from(sent_by_sender)
+}
+
+/// Makes the connections `needs` lists for each communicator (one thread's ranks launched
+/// together), in one exchange through each one's bootstrap. Every end is set up and announced
+/// before any peer's blob is awaited; an end that fails is announced as failed, so its peer
+/// fails too rather than waiting. The first error, if any.
+pub fn connect_all(needs: &[(&Conns, Vec<ConnKey>)]) -> Result<()> {
+    let mut first_err: Option<Error> = None;
+    let mut pending = Vec::new();
+    for (c, keys) in needs {
+        for &k in keys {
+            let (ep, blob) = c.setup(k);
+            let sent = c.with_bootstrap(|b| b.send_setup(k.peer, blob_tag(k, k.is_sender), &blob));
+            if let Err(e) = ep.as_ref().err().cloned().map_or(sent, Err) {
+                first_err.get_or_insert(e);
+            }
+            pending.push((*c, k, ep));
+        }
+    }
+    for (c, k, ep) in pending {
+        let blob = c.with_bootstrap(|b| b.recv_setup(k.peer, blob_tag(k, !k.is_sender)));
+        let r = blob.and_then(|blob| {
+            let ep = ep?;
+            match blob.split_first() {
+                Some((&READY, rest)) => ep.connect(rest),
+                Some((_, msg)) => Err(Error::remote(format!(
+                    "rank {} could not set up its end of the connection with rank {}: {}",
+                    k.peer,
+                    c.rank,
+                    String::from_utf8_lossy(msg)
+                ))),
+                None => Err(Error::internal("an empty connection blob")),
+            }
+        });
+        match r {
+            Ok(conn) => {
+                c.map.lock().insert(k, Arc::new(conn));
+            }
+            Err(e) => {
+                first_err.get_or_insert(e);
+            }
+        }
+    }
+    match first_err {
+        Some(e) => Err(e),
+        None => Ok(()),
+    }
+}

@@ -1,0 +1,164 @@
+//! The transport seam: ends set up by their transports, paired through the bootstrap in one
+//! exchange, and data moving over what they made; failures on one end reach the other.
+
+use super::conns::{connect_all, Conns};
+use super::peer::PeerInfo;
+use super::{pick, Class, ConnKey, ConnSpec, Locality};
+use crate::bootstrap::{Bootstrap, UniqueId};
+use std::sync::atomic::AtomicBool;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+const T: Duration = Duration::from_secs(30);
+
+/// Runs `f` on every rank of an `n`-rank communicator of this process (a thread each), with
+/// the peers' facts `peer` gives (this process's, unless changed).
+fn ranks<R: Send>(
+    n: usize,
+    peer: impl Fn(usize) -> PeerInfo + Sync,
+    f: impl Fn(Conns) -> R + Sync,
+) -> Vec<R> {
+    let id = UniqueId::generate_with_timeout(T).unwrap();
+    std::thread::scope(|sc| {
+        let hs: Vec<_> = (0..n)
+            .map(|r| {
+                let (f, peer) = (&f, &peer);
+                sc.spawn(move || {
+                    let b = Bootstrap::init_with_timeout(
+                        &[id],
+                        r,
+                        n,
+                        Arc::new(AtomicBool::new(false)),
+                        T,
+                    )
+                    .unwrap();
+                    let peers = (0..n).map(peer).collect();
+                    let hash = b.comm_hash();
+                    f(Conns::new(b, peers, hash))
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
+fn key(peer: usize, is_sender: bool, class: Class) -> ConnKey {
+    ConnKey {
+        peer,
+        is_sender,
+        class,
+    }
+}
+
+/// Three ranks connect a ring (to the next, from the previous) and a point-to-point pair in one
+/// exchange each; every slot written arrives, in order, at the other end.
+#[test]
+fn ends_pair_through_the_bootstrap_and_carry_data() {
+    let n = 3;
+    let got = ranks(
+        n,
+        |_| PeerInfo::mine(-1),
+        |c| {
+            let r = c.rank;
+            let (next, prev) = ((r + 1) % n, (r + n - 1) % n);
+            let mut keys = vec![key(next, true, Class::Ring), key(prev, false, Class::Ring)];
+            // Rank 0 sends to rank 2 on the point-to-point class too.
+            match r {
+                0 => keys.push(key(2, true, Class::P2p)),
+                2 => keys.push(key(0, false, Class::P2p)),
+                _ => {}
+            }
+            // Asking twice for the same end makes it once.
+            keys.push(keys[0]);
+            let missing = c.missing(keys.clone());
+            assert_eq!(missing.len(), keys.len() - 1);
+            connect_all(&[(&c, missing)]).unwrap();
+            assert!(c.missing(keys).is_empty());
+            let send = c.bound(key(next, true, Class::Ring)).unwrap();
+            let recv = c.bound(key(prev, false, Class::Ring)).unwrap();
+            assert_eq!(send.locality(), Locality::SameProcess);
+            // Three slots each way: the value names sender and step.
+            let mut seen = Vec::new();
+            let deadline = Instant::now() + T;
+            let (mut sent, mut step) = (0u64, 0u64);
+            while seen.len() < 3 && Instant::now() < deadline {
+                if sent < 3 {
+                    if let Some((s, slot)) = send.send_slot() {
+                        // SAFETY: a free slot of `slot_bytes`, ours until posted.
+                        unsafe { (slot as *mut u64).write(100 * r as u64 + s) };
+                        send.post_send(s);
+                        sent += 1;
+                    }
+                }
+                if let Some((s, slot)) = recv.recv_slot() {
+                    // SAFETY: a filled slot, ours until posted.
+                    seen.push(unsafe { (slot as *const u64).read() });
+                    recv.post_recv(s);
+                    step += 1;
+                }
+            }
+            assert_eq!(step, 3, "rank {r} received {seen:?}");
+            assert!(c.bound(key(1, true, Class::Direct)).is_err());
+            (r, seen)
+        },
+    );
+    for (r, seen) in got {
+        let prev = ((r + n - 1) % n) as u64;
+        assert_eq!(
+            seen,
+            vec![100 * prev, 100 * prev + 1, 100 * prev + 2],
+            "rank {r}"
+        );
+    }
+}
+
+/// Ranks on another host need the network transport, which is not there yet: each end says so
+/// (naming the peer), and an end whose peer failed fails too, at once, rather than waiting.
+#[test]
+fn an_end_that_fails_fails_its_peer_without_waiting() {
+    let t0 = Instant::now();
+    let errs = ranks(
+        2,
+        |r| {
+            let mut p = PeerInfo::mine(-1);
+            p.host ^= r as u64; // rank 1 is on another host
+            p
+        },
+        |c| {
+            assert_eq!(c.locality(1 - c.rank), Locality::OtherHost);
+            let k = key(1 - c.rank, c.rank == 0, Class::Ring);
+            connect_all(&[(&c, vec![k])]).unwrap_err()
+        },
+    );
+    for (r, e) in errs.iter().enumerate() {
+        assert!(e.msg.contains("network transport"), "rank {r}: {e}");
+        assert!(e.msg.contains(&format!("rank {}", 1 - r)), "rank {r}: {e}");
+    }
+    assert!(t0.elapsed() < Duration::from_secs(10), "{:?}", t0.elapsed());
+}
+
+/// The transports cover every locality, and an end given a blob for another connection refuses
+/// it.
+#[test]
+fn each_locality_has_its_transport_and_blobs_are_checked() {
+    let me = PeerInfo::mine(-1);
+    let mut other_proc = me.clone();
+    other_proc.pid ^= 1;
+    let mut other_host = me.clone();
+    other_host.host ^= 1;
+    assert_eq!(pick(&me, &me).unwrap().name(), "in-process");
+    assert_eq!(pick(&me, &other_proc).unwrap().name(), "shared memory");
+    assert_eq!(pick(&me, &other_host).unwrap().name(), "network");
+    let spec = |is_sender| ConnSpec {
+        comm_hash: 0x7e57_7e57,
+        me: 0,
+        peer: 1,
+        is_sender,
+        class: Class::Ring,
+        nsteps: 2,
+        slot_bytes: 4096,
+    };
+    let t = pick(&me, &me).unwrap();
+    let (ep, _) = t.setup(&spec(true)).unwrap();
+    assert!(ep.connect(b"oxccl-somewhere-else").is_err());
+}

@@ -1,0 +1,78 @@
+//! Ranks on two "hosts" (processes with different host identities, `OXCCL_HOSTID`): what needs
+//! only peers on the same host works (over shared memory); what needs a peer on the other host
+//! fails at once on every rank involved, naming the network transport and the peer, instead of
+//! waiting for the timeout.
+
+use nccl::api::{self, CollArgs, StreamArg};
+use nccl::error::Code;
+use nccl::types::{CollKind, DataType, OP_SUM};
+use std::time::{Duration, Instant};
+
+mod common;
+
+fn f32s(v: &[f32]) -> usize {
+    v.as_ptr() as usize
+}
+
+#[test]
+fn two_hosts_same_host_traffic_works_other_host_traffic_fails_fast() {
+    let Some((id, n, r)) = common::rank_env() else {
+        // The timeout is far above what the test allows: failing fast is what is tested.
+        return common::run_ranks(
+            "two_hosts_same_host_traffic_works_other_host_traffic_fails_fast",
+            4,
+            &[("OXCCL_TIMEOUT_S", "120")],
+        );
+    };
+    // Ranks 0, 1 on host A; 2, 3 on host B.
+    std::env::set_var("OXCCL_HOSTID", format!("test-host-{}", r / 2));
+    let c = api::comm_init_rank(n as i32, &id, r as i32, Default::default()).unwrap();
+    // Send/Recv inside each host: 0 -> 1, 2 -> 3.
+    let count = 300_000;
+    let peer = r ^ 1;
+    let send: Vec<f32> = (0..count).map(|i| (r * count + i) as f32).collect();
+    let mut recv = vec![0f32; count];
+    let p2p = |kind, buf: usize| CollArgs {
+        kind,
+        send: buf,
+        recv: buf,
+        count,
+        dtype: DataType::Float32,
+        op: OP_SUM,
+        root: peer as i32,
+    };
+    let a = if r % 2 == 0 {
+        p2p(CollKind::Send, f32s(&send))
+    } else {
+        p2p(CollKind::Recv, recv.as_mut_ptr() as usize)
+    };
+    api::enqueue(&c, a, StreamArg::Null).unwrap();
+    if r % 2 == 1 {
+        for (i, x) in recv.iter().enumerate() {
+            assert_eq!(*x, (peer * count + i) as f32, "rank {r} element {i}");
+        }
+    }
+    // An all-reduce needs the ring, which crosses hosts.
+    let t0 = Instant::now();
+    let a = CollArgs {
+        kind: CollKind::AllReduce,
+        send: f32s(&send),
+        recv: recv.as_mut_ptr() as usize,
+        count,
+        dtype: DataType::Float32,
+        op: OP_SUM,
+        root: 0,
+    };
+    let e = api::enqueue(&c, a, StreamArg::Null).unwrap_err();
+    assert_eq!(e.code, Code::InvalidUsage, "rank {r}: {e}");
+    assert!(
+        e.msg.contains("network transport") && e.msg.contains("another host"),
+        "rank {r}: {e}"
+    );
+    assert!(
+        t0.elapsed() < Duration::from_secs(20),
+        "rank {r} took {:?}",
+        t0.elapsed()
+    );
+    api::comm_destroy(api::comm_handle(&c)).unwrap();
+}
