@@ -261,20 +261,6 @@ pub struct ncclTeam {
     pub stride: c_int,
 }
 
-/// The leading fields of `struct ncclDevComm` (all that the team helpers read; the rest of the
-/// struct is never touched through this prefix).
-#[repr(C)]
-pub struct ncclDevCommPrefix {
-    pub magic: c_uint,
-    pub version: c_uint,
-    pub rank: c_int,
-    pub nRanks: c_int,
-    pub nRanks_rcp32: u32,
-    pub lsaRank: c_int,
-    pub lsaSize: c_int,
-    pub lsaSize_rcp32: u32,
-}
-
 /// `ncclCommProperties_t` (nccl_device/host.h). `ncclGinType_t` and `ncclGinConnectionType_t`
 /// are C enums, i.e. `int`.
 #[repr(C)]
