@@ -271,3 +271,60 @@ fn team_helpers_on_a_four_rank_comm() {
         assert_eq!(unsafe { ncclCommDestroy(c) }.0, 0);
     }
 }
+
+/// `ncclDevCommCreate`/`ncclDevCommDestroy` (and their pnccl twins): NULL arguments are
+/// `ncclInvalidArgument` without a crash; valid ones are `ncclInvalidUsage` on the host executor,
+/// with a message that names the CUDA executor.
+#[test]
+fn dev_comm_create_and_destroy_say_the_host_executor_has_none() {
+    let mut comm: ncclComm_t = null_mut();
+    let dev: c_int = 0;
+    // SAFETY: one comm, one device.
+    assert_eq!(unsafe { ncclCommInitAll(&mut comm, 1, &dev) }.0, 0);
+    // Stand-ins the host executor never reads: any non-NULL pointers will do.
+    let mut reqs = [0u64; 32];
+    let mut dev_comm = [0u64; 256];
+    let reqs_p = reqs.as_mut_ptr() as *const ncclDevCommRequirements_t;
+    let dev_p = dev_comm.as_mut_ptr() as *mut ncclDevComm_t;
+    // SAFETY: NULL and valid pointers on purpose; none is dereferenced.
+    unsafe {
+        assert_eq!(ncclDevCommCreate(comm, null(), dev_p).0, INVALID_ARGUMENT);
+        assert!(last_error().contains("reqs is NULL"), "{}", last_error());
+        assert_eq!(
+            ncclDevCommCreate(comm, reqs_p, null_mut()).0,
+            INVALID_ARGUMENT
+        );
+        assert_eq!(
+            ncclDevCommCreate(null_mut(), reqs_p, dev_p).0,
+            INVALID_ARGUMENT
+        );
+        assert_eq!(
+            ncclDevCommCreate(null_mut(), null(), null_mut()).0,
+            INVALID_ARGUMENT
+        );
+        assert_eq!(ncclDevCommDestroy(comm, null()).0, INVALID_ARGUMENT);
+        assert_eq!(ncclDevCommDestroy(null_mut(), dev_p).0, INVALID_ARGUMENT);
+        assert_eq!(ncclDevCommDestroy(null_mut(), null()).0, INVALID_ARGUMENT);
+
+        let calls: [(&str, &dyn Fn() -> ncclResult_t); 4] = [
+            ("ncclDevCommCreate", &|| {
+                ncclDevCommCreate(comm, reqs_p, dev_p)
+            }),
+            ("pncclDevCommCreate", &|| {
+                pncclDevCommCreate(comm, reqs_p, dev_p)
+            }),
+            ("ncclDevCommDestroy", &|| ncclDevCommDestroy(comm, dev_p)),
+            ("pncclDevCommDestroy", &|| pncclDevCommDestroy(comm, dev_p)),
+        ];
+        for (name, call) in calls {
+            assert_eq!(call().0, INVALID_USAGE, "{name}");
+            let msg = last_error();
+            assert!(
+                msg.starts_with(name.trim_start_matches('p')) && msg.contains("CUDA executor"),
+                "{name}: {msg}"
+            );
+        }
+        assert_eq!(ncclCommDestroy(comm).0, 0);
+    }
+    assert!(dev_comm.iter().all(|&w| w == 0), "outDevComm was written");
+}

@@ -2,7 +2,9 @@
 //! 2.32 headers import, with the prototypes NVIDIA's libnccl.so.2 exports (C linkage, taking the
 //! host `ncclComm_t`; core.h's `ncclDevComm const&` overloads are device-only inline functions).
 //! NCCL declares them outside nccl.h, so include/nccl.h does not.
-//! `ncclDevCommCreate`/`ncclDevCommDestroy` and the window/pointer queries are a later step.
+//! Device communicators (`ncclDevCommCreate`/`ncclDevCommDestroy`) need the CUDA executor: on
+//! the host executor they check their arguments and say so. The window/pointer queries
+//! (`ncclGetLsaDevicePointer`, ...) and the resource requirements are not exported yet.
 
 use super::types::*;
 use super::{
@@ -66,6 +68,40 @@ pub unsafe extern "C" fn ncclCommQueryProperties(
             std::ptr::copy_nonoverlapping(&filled as *const _ as *const u8, props as *mut u8, n)
         };
         Ok(())
+    })
+}
+
+/// Why the host executor has no device communicators.
+const DEV_COMM_NEEDS_CUDA: &str = "the device API (device communicators) needs the CUDA executor, \
+     which oxccl does not have yet; this communicator runs on the host executor";
+
+/// `ncclResult_t ncclDevCommCreate(ncclComm_t, ncclDevCommRequirements_t const*,
+/// ncclDevComm_t*)`: on the host executor, `ncclInvalidUsage` once the arguments are valid.
+#[no_mangle]
+pub unsafe extern "C" fn ncclDevCommCreate(
+    comm: ncclComm_t,
+    reqs: *const ncclDevCommRequirements_t,
+    outDevComm: *mut ncclDevComm_t,
+) -> ncclResult_t {
+    entry!("ncclDevCommCreate", {
+        non_null(reqs, "reqs")?;
+        non_null(outDevComm, "outDevComm")?;
+        comm_arg(comm)?.core()?;
+        Err(Error::invalid_usage(DEV_COMM_NEEDS_CUDA))
+    })
+}
+
+/// `ncclResult_t ncclDevCommDestroy(ncclComm_t, ncclDevComm_t const*)`: no device communicator
+/// can exist on the host executor, so `ncclInvalidUsage` once the arguments are valid.
+#[no_mangle]
+pub unsafe extern "C" fn ncclDevCommDestroy(
+    comm: ncclComm_t,
+    devComm: *const ncclDevComm_t,
+) -> ncclResult_t {
+    entry!("ncclDevCommDestroy", {
+        non_null(devComm, "devComm")?;
+        comm_arg(comm)?.core()?;
+        Err(Error::invalid_usage(DEV_COMM_NEEDS_CUDA))
     })
 }
 

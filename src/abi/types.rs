@@ -261,6 +261,22 @@ pub struct ncclTeam {
     pub stride: c_int,
 }
 
+/// `struct ncclDevComm` (nccl_device/impl/comm__types.h), opaque here: the host executor never
+/// fills one.
+#[repr(C)]
+pub struct ncclDevComm {
+    _opaque: [u8; 0],
+}
+pub type ncclDevComm_t = ncclDevComm;
+
+/// `struct ncclDevCommRequirements` (nccl_device/host.h), opaque here: the host executor reads
+/// none of it.
+#[repr(C)]
+pub struct ncclDevCommRequirements {
+    _opaque: [u8; 0],
+}
+pub type ncclDevCommRequirements_t = ncclDevCommRequirements;
+
 /// `ncclCommProperties_t` (nccl_device/host.h). `ncclGinType_t` and `ncclGinConnectionType_t`
 /// are C enums, i.e. `int`.
 #[repr(C)]
