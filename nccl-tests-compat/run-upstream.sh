@@ -5,12 +5,26 @@
 #   NCCL_TESTS_DIR=/path/to/nccl-tests/build  [OXCCL_LIB_DIR=target/release]  \
 #     nccl-tests-compat/run-upstream.sh [extra perf-tool args, default: -b 8 -e 16M -f 4 -g 2]
 #
-# OXCCL_LIB_DIR is prepended to LD_LIBRARY_PATH (default: ../target/release next to this script).
+# OXCCL_LIB_DIR is prepended to LD_LIBRARY_PATH (default: ../target/release next to this script,
+# where cargo build leaves libnccl.so.2).
 # Exit status: 0 when every tool exits 0 with no wrong elements, 1 otherwise.
 set -u
 here=$(cd "$(dirname "$0")" && pwd)
 dir=${NCCL_TESTS_DIR:?set NCCL_TESTS_DIR to a directory of nccl-tests binaries}
 lib=${OXCCL_LIB_DIR:-$here/../target/release}
+# Programs load libnccl.so.2 (the SONAME). `cargo build` makes target/release/libnccl.so.2 (a link
+# to libnccl.so); a folder holding only libnccl.so gets a private folder with the link.
+if [ ! -e "$lib/libnccl.so.2" ]; then
+  if [ -e "$lib/libnccl.so" ]; then
+    linkdir=$(mktemp -d /tmp/oxccl-lib.XXXXXX)
+    ln -s "$(cd "$lib" && pwd)/libnccl.so" "$linkdir/libnccl.so.2"
+    lib=$linkdir
+  else
+    echo "run-upstream.sh: no libnccl.so.2 or libnccl.so in $lib (build it: cargo build --release)" >&2
+    exit 1
+  fi
+fi
+echo "library: $(readlink -f "$lib/libnccl.so.2")"
 export LD_LIBRARY_PATH="$lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 args=("$@")
 [ ${#args[@]} -eq 0 ] && args=(-b 8 -e 16M -f 4 -g 2)

@@ -60,8 +60,24 @@ pub fn info(msg: &str) {
     }
 }
 
-pub fn version_banner() {
-    if level() >= Level::Version {
-        emit("INFO", "NCCL version 2.32.3+oxccl (host executor)");
+/// The version line, as NCCL's `NCCL version 2.32.3+cuda13.4` with oxccl in place of the CUDA
+/// build (no space: tools read the version as the last word).
+pub const VERSION_LINE: &str = "NCCL version 2.32.3+oxccl";
+
+/// Prints the version line the way NCCL does at a communicator init (`ncclCommInitRank*`,
+/// `ncclCommInitAll`): once per process, from the first init of any rank at `INFO` and above,
+/// or of rank 0 at `VERSION` and `WARN`; at `VERSION` and `WARN` as a bare line, above them as
+/// an INFO log line.
+pub fn version_banner(rank: i32) {
+    static SHOWN: std::sync::Once = std::sync::Once::new();
+    let l = level();
+    if l > Level::Warn || (l != Level::None && rank == 0) {
+        SHOWN.call_once(|| {
+            if l > Level::Warn {
+                emit("INFO", VERSION_LINE);
+            } else {
+                let _ = std::io::stdout().write_all(format!("{VERSION_LINE}\n").as_bytes());
+            }
+        });
     }
 }

@@ -1,6 +1,6 @@
 //! Calls the C entry points directly: argument validation, error codes and messages,
 //! ncclGetErrorString against the strings inside NVIDIA's libnccl.so.2, config size/magic handling,
-//! not-yet features, and the device-API team helpers.
+//! not-yet features, and the device-API team helpers on a real communicator.
 
 use nccl::abi::*;
 use std::ffi::{c_int, c_void, CStr};
@@ -218,53 +218,113 @@ fn later_features_say_not_yet() {
     }
 }
 
+/// `ncclTeamWorld/Lsa/Rail` and the rank conversions on a real 4-rank communicator (one process,
+/// host executor): all four ranks are on this host, so they form one LSA team, as with NVIDIA's
+/// library on a single node of 4 GPUs.
 #[test]
-fn team_helpers() {
-    // 8 ranks, LSA teams of 4: rank 6 is LSA rank 2.
-    let dc = ncclDevCommPrefix {
-        magic: 0,
-        version: 0,
-        rank: 6,
-        nRanks: 8,
-        nRanks_rcp32: 0,
-        lsaRank: 2,
-        lsaSize: 4,
-        lsaSize_rcp32: 0,
+fn team_helpers_on_a_four_rank_comm() {
+    let mut comms: [ncclComm_t; 4] = [null_mut(); 4];
+    let devs: [c_int; 4] = [0, 1, 2, 3];
+    // SAFETY: valid out-array of 4 comms and device list of 4.
+    let rc = unsafe { ncclCommInitAll(comms.as_mut_ptr(), 4, devs.as_ptr()) };
+    assert_eq!(rc.0, 0, "ncclCommInitAll: {}", last_error());
+    let field = |what: &str, t: ncclTeam, want: (c_int, c_int, c_int), r: usize| {
+        assert_eq!(t.nRanks, want.0, "{what} of rank {r}: nRanks");
+        assert_eq!(t.rank, want.1, "{what} of rank {r}: rank");
+        assert_eq!(t.stride, want.2, "{what} of rank {r}: stride");
     };
-    // SAFETY: a valid device-communicator prefix.
-    unsafe {
-        let world = ncclTeamWorld(&dc);
-        assert_eq!(
-            world,
-            ncclTeam {
-                nRanks: 8,
-                rank: 6,
-                stride: 1
+    for (r, &c) in comms.iter().enumerate() {
+        let i = r as c_int;
+        // SAFETY: a live communicator handle.
+        unsafe {
+            let world = ncclTeamWorld(c);
+            field("ncclTeamWorld", world, (4, i, 1), r);
+            field("pncclTeamWorld", pncclTeamWorld(c), (4, i, 1), r);
+            let lsa = ncclTeamLsa(c);
+            field("ncclTeamLsa", lsa, (4, i, 1), r);
+            field("pncclTeamLsa", pncclTeamLsa(c), (4, i, 1), r);
+            // One LSA team: the rail team is this rank alone, its stride the LSA team's size.
+            let rail = ncclTeamRail(c);
+            field("ncclTeamRail", rail, (1, 0, 4), r);
+            field("pncclTeamRail", pncclTeamRail(c), (1, 0, 4), r);
+            for j in 0..4 {
+                assert_eq!(ncclTeamRankToWorld(c, world, j), j, "rank {r}: world {j}");
+                assert_eq!(ncclTeamRankToWorld(c, lsa, j), j, "rank {r}: lsa {j}");
+                assert_eq!(ncclTeamRankToLsa(c, lsa, j), j, "rank {r}: lsa {j}");
+                assert_eq!(ncclTeamRankToLsa(c, world, j), j, "rank {r}: world {j}");
+                assert_eq!(pncclTeamRankToWorld(c, world, j), j);
+                assert_eq!(pncclTeamRankToLsa(c, lsa, j), j);
             }
-        );
-        let lsa = ncclTeamLsa(&dc);
-        assert_eq!(
-            lsa,
-            ncclTeam {
-                nRanks: 4,
-                rank: 2,
-                stride: 1
-            }
-        );
-        let rail = ncclTeamRail(&dc);
-        assert_eq!(
-            rail,
-            ncclTeam {
-                nRanks: 2,
-                rank: 1,
-                stride: 4
-            }
-        );
-        // Rail rank 0 is world rank 2; LSA rank 0 is world rank 4.
-        assert_eq!(ncclTeamRankToWorld(&dc, rail, 0), 2);
-        assert_eq!(ncclTeamRankToWorld(&dc, lsa, 0), 4);
-        assert_eq!(ncclTeamRankToLsa(&dc, lsa, 3), 3);
-        assert_eq!(ncclTeamRankToLsa(&dc, world, 7), 3);
-        let _: c_int = ncclTeamRankToWorld(null(), world, 0);
+            assert_eq!(ncclTeamRankToWorld(c, rail, 0), i);
+            assert_eq!(ncclTeamRankToLsa(c, rail, 0), i);
+        }
     }
+    // SAFETY: a NULL comm: no crash, an empty team, and a message.
+    unsafe {
+        let t = ncclTeamLsa(null_mut());
+        assert_eq!((t.nRanks, t.rank, t.stride), (0, 0, 0));
+        assert!(last_error().contains("ncclTeamLsa"), "{}", last_error());
+        assert_eq!(ncclTeamRankToWorld(null_mut(), t, 0), -1);
+    }
+    for c in comms {
+        // SAFETY: each handle once.
+        assert_eq!(unsafe { ncclCommDestroy(c) }.0, 0);
+    }
+}
+
+/// `ncclDevCommCreate`/`ncclDevCommDestroy` (and their pnccl twins): NULL arguments are
+/// `ncclInvalidArgument` without a crash; valid ones are `ncclInvalidUsage` on the host executor,
+/// with a message that names the CUDA executor.
+#[test]
+fn dev_comm_create_and_destroy_say_the_host_executor_has_none() {
+    let mut comm: ncclComm_t = null_mut();
+    let dev: c_int = 0;
+    // SAFETY: one comm, one device.
+    assert_eq!(unsafe { ncclCommInitAll(&mut comm, 1, &dev) }.0, 0);
+    // Stand-ins the host executor never reads: any non-NULL pointers will do.
+    let mut reqs = [0u64; 32];
+    let mut dev_comm = [0u64; 256];
+    let reqs_p = reqs.as_mut_ptr() as *const ncclDevCommRequirements_t;
+    let dev_p = dev_comm.as_mut_ptr() as *mut ncclDevComm_t;
+    // SAFETY: NULL and valid pointers on purpose; none is dereferenced.
+    unsafe {
+        assert_eq!(ncclDevCommCreate(comm, null(), dev_p).0, INVALID_ARGUMENT);
+        assert!(last_error().contains("reqs is NULL"), "{}", last_error());
+        assert_eq!(
+            ncclDevCommCreate(comm, reqs_p, null_mut()).0,
+            INVALID_ARGUMENT
+        );
+        assert_eq!(
+            ncclDevCommCreate(null_mut(), reqs_p, dev_p).0,
+            INVALID_ARGUMENT
+        );
+        assert_eq!(
+            ncclDevCommCreate(null_mut(), null(), null_mut()).0,
+            INVALID_ARGUMENT
+        );
+        assert_eq!(ncclDevCommDestroy(comm, null()).0, INVALID_ARGUMENT);
+        assert_eq!(ncclDevCommDestroy(null_mut(), dev_p).0, INVALID_ARGUMENT);
+        assert_eq!(ncclDevCommDestroy(null_mut(), null()).0, INVALID_ARGUMENT);
+
+        let calls: [(&str, &dyn Fn() -> ncclResult_t); 4] = [
+            ("ncclDevCommCreate", &|| {
+                ncclDevCommCreate(comm, reqs_p, dev_p)
+            }),
+            ("pncclDevCommCreate", &|| {
+                pncclDevCommCreate(comm, reqs_p, dev_p)
+            }),
+            ("ncclDevCommDestroy", &|| ncclDevCommDestroy(comm, dev_p)),
+            ("pncclDevCommDestroy", &|| pncclDevCommDestroy(comm, dev_p)),
+        ];
+        for (name, call) in calls {
+            assert_eq!(call().0, INVALID_USAGE, "{name}");
+            let msg = last_error();
+            assert!(
+                msg.starts_with(name.trim_start_matches('p')) && msg.contains("CUDA executor"),
+                "{name}: {msg}"
+            );
+        }
+        assert_eq!(ncclCommDestroy(comm).0, 0);
+    }
+    assert!(dev_comm.iter().all(|&w| w == 0), "outDevComm was written");
 }

@@ -386,6 +386,8 @@ fn exports_and_soname() {
         "ncclTeamRail",
         "ncclTeamRankToWorld",
         "ncclTeamRankToLsa",
+        "ncclDevCommCreate",
+        "ncclDevCommDestroy",
     ] {
         wanted.insert(f.into());
         wanted.insert(format!("p{f}"));

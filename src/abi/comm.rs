@@ -113,6 +113,8 @@ unsafe fn init_rank(
     rank: c_int,
     config: *const ncclConfig_t,
 ) -> Result<()> {
+    // Like NCCL, before the arguments are checked.
+    crate::debug::version_banner(rank);
     non_null(comm, "comm")?;
     rank_in(rank, nranks)?;
     // SAFETY: forwarded contract of `config`.
@@ -198,6 +200,8 @@ pub unsafe extern "C" fn ncclCommInitAll(
                 "invalid device {d} in devlist"
             )));
         }
+        // NCCL inits rank 0 first.
+        crate::debug::version_banner(0);
         let comms = api::comm_init_all(&devs)?;
         for (i, c) in comms.iter().enumerate().take(ndev as usize) {
             // SAFETY: `comm` has room for ndev handles.

@@ -1,9 +1,15 @@
-//! Host-side helpers of NCCL's device API (nccl_device/host.h and core.h) that programs built
-//! against the 2.32 headers import. NCCL declares them outside nccl.h, so include/nccl.h does not.
-//! `ncclDevCommCreate`/`ncclDevCommDestroy` and the window/pointer queries are a later step.
+//! Host-side helpers of NCCL's device API (nccl_device/host.h) that programs built against the
+//! 2.32 headers import, with the prototypes NVIDIA's libnccl.so.2 exports (C linkage, taking the
+//! host `ncclComm_t`; core.h's `ncclDevComm const&` overloads are device-only inline functions).
+//! NCCL declares them outside nccl.h, so include/nccl.h does not.
+//! Device communicators (`ncclDevCommCreate`/`ncclDevCommDestroy`) need the CUDA executor: on
+//! the host executor they check their arguments and say so. The window/pointer queries
+//! (`ncclGetLsaDevicePointer`, ...) and the resource requirements are not exported yet.
 
 use super::types::*;
-use super::{comm_arg, comm_cuda_dev, comm_hash, comm_nranks, comm_rank, entry, non_null};
+use super::{
+    comm_arg, comm_cuda_dev, comm_hash, comm_nranks, comm_rank, entry, non_null, run_value,
+};
 use crate::error::Error;
 use std::ffi::c_int;
 use std::mem::{offset_of, size_of};
@@ -65,82 +71,117 @@ pub unsafe extern "C" fn ncclCommQueryProperties(
     })
 }
 
-/// Reads the leading fields of a device communicator (zeros for NULL: no panic, no crash).
+/// Why the host executor has no device communicators.
+const DEV_COMM_NEEDS_CUDA: &str = "the device API (device communicators) needs the CUDA executor, \
+     which oxccl does not have yet; this communicator runs on the host executor";
+
+/// `ncclResult_t ncclDevCommCreate(ncclComm_t, ncclDevCommRequirements_t const*,
+/// ncclDevComm_t*)`: on the host executor, `ncclInvalidUsage` once the arguments are valid.
+#[no_mangle]
+pub unsafe extern "C" fn ncclDevCommCreate(
+    comm: ncclComm_t,
+    reqs: *const ncclDevCommRequirements_t,
+    outDevComm: *mut ncclDevComm_t,
+) -> ncclResult_t {
+    entry!("ncclDevCommCreate", {
+        non_null(reqs, "reqs")?;
+        non_null(outDevComm, "outDevComm")?;
+        comm_arg(comm)?.core()?;
+        Err(Error::invalid_usage(DEV_COMM_NEEDS_CUDA))
+    })
+}
+
+/// `ncclResult_t ncclDevCommDestroy(ncclComm_t, ncclDevComm_t const*)`: no device communicator
+/// can exist on the host executor, so `ncclInvalidUsage` once the arguments are valid.
+#[no_mangle]
+pub unsafe extern "C" fn ncclDevCommDestroy(
+    comm: ncclComm_t,
+    devComm: *const ncclDevComm_t,
+) -> ncclResult_t {
+    entry!("ncclDevCommDestroy", {
+        non_null(devComm, "devComm")?;
+        comm_arg(comm)?.core()?;
+        Err(Error::invalid_usage(DEV_COMM_NEEDS_CUDA))
+    })
+}
+
+/// What the team helpers need of a host communicator: (rank, nRanks, lsaRank, lsaSize).
 ///
-/// # Safety
-/// `comm` is NULL or points to an `ncclDevComm`.
-unsafe fn dev(comm: *const ncclDevCommPrefix) -> (c_int, c_int, c_int, c_int) {
-    if comm.is_null() {
-        return (0, 0, 0, 0);
-    }
-    // SAFETY: per the contract above.
-    let c = unsafe { &*comm };
-    (c.rank, c.nRanks, c.lsaRank, c.lsaSize)
+/// The host executor moves data only between ranks of one host (ranks on other hosts need the
+/// network transport, not there yet), so the whole communicator is taken as one LSA team, as
+/// `ncclCommQueryProperties` reports (`nLsaTeams` 1). A communicator whose ranks span hosts can
+/// be initialised all the same; telling its LSA teams apart needs each rank's host, which
+/// `comm::Core` keeps to itself.
+fn geometry(comm: ncclComm_t) -> crate::error::Result<(c_int, c_int, c_int, c_int)> {
+    let c = comm_arg(comm)?;
+    let (rank, n) = (comm_rank(&c)?, comm_nranks(&c)?);
+    Ok((rank, n, rank, n))
 }
 
-/// `ncclTeamWorld(ncclDevComm const&)`: every rank of the communicator.
+/// The team a failed query returns (its message is kept for `ncclGetLastError`).
+const NO_TEAM: ncclTeam = ncclTeam {
+    nRanks: 0,
+    rank: 0,
+    stride: 0,
+};
+
+/// `ncclTeam_t ncclTeamWorld(ncclComm_t)` (nccl_device/host.h): every rank of the communicator.
 #[no_mangle]
-pub unsafe extern "C" fn ncclTeamWorld(comm: *const ncclDevCommPrefix) -> ncclTeam {
-    // SAFETY: the caller passes a device communicator by reference.
-    let (rank, n, _, _) = unsafe { dev(comm) };
-    ncclTeam {
-        nRanks: n,
-        rank,
-        stride: 1,
-    }
+pub unsafe extern "C" fn ncclTeamWorld(comm: ncclComm_t) -> ncclTeam {
+    run_value("ncclTeamWorld", NO_TEAM, || {
+        let (rank, n, _, _) = geometry(comm)?;
+        Ok(ncclTeam {
+            nRanks: n,
+            rank,
+            stride: 1,
+        })
+    })
 }
 
-/// `ncclTeamLsa(ncclDevComm const&)`: the ranks sharing this rank's load/store domain.
+/// `ncclTeam_t ncclTeamLsa(ncclComm_t)`: the ranks sharing this rank's load/store domain.
 #[no_mangle]
-pub unsafe extern "C" fn ncclTeamLsa(comm: *const ncclDevCommPrefix) -> ncclTeam {
-    // SAFETY: the caller passes a device communicator by reference.
-    let (_, _, lsa_rank, lsa_size) = unsafe { dev(comm) };
-    ncclTeam {
-        nRanks: lsa_size,
-        rank: lsa_rank,
-        stride: 1,
-    }
+pub unsafe extern "C" fn ncclTeamLsa(comm: ncclComm_t) -> ncclTeam {
+    run_value("ncclTeamLsa", NO_TEAM, || {
+        let (_, _, lsa_rank, lsa_size) = geometry(comm)?;
+        Ok(ncclTeam {
+            nRanks: lsa_size,
+            rank: lsa_rank,
+            stride: 1,
+        })
+    })
 }
 
-/// `ncclTeamRail(ncclDevComm const&)`: one rank per LSA team, at this rank's LSA position.
+/// `ncclTeam_t ncclTeamRail(ncclComm_t)`: one rank per LSA team, at this rank's LSA position.
 #[no_mangle]
-pub unsafe extern "C" fn ncclTeamRail(comm: *const ncclDevCommPrefix) -> ncclTeam {
-    // SAFETY: the caller passes a device communicator by reference.
-    let (rank, n, _, lsa_size) = unsafe { dev(comm) };
-    if lsa_size <= 0 {
-        return ncclTeam {
-            nRanks: 0,
-            rank: 0,
-            stride: 0,
-        };
-    }
-    ncclTeam {
-        nRanks: n / lsa_size,
-        rank: rank / lsa_size,
-        stride: lsa_size,
-    }
+pub unsafe extern "C" fn ncclTeamRail(comm: ncclComm_t) -> ncclTeam {
+    run_value("ncclTeamRail", NO_TEAM, || {
+        let (rank, n, _, lsa_size) = geometry(comm)?;
+        Ok(ncclTeam {
+            nRanks: n / lsa_size,
+            rank: rank / lsa_size,
+            stride: lsa_size,
+        })
+    })
 }
 
-/// `ncclTeamRankToWorld(ncclDevComm const&, ncclTeam, int)`.
+/// `int ncclTeamRankToWorld(ncclComm_t, ncclTeam_t, int)`: the world rank of `rank` of `team`.
 #[no_mangle]
 pub unsafe extern "C" fn ncclTeamRankToWorld(
-    comm: *const ncclDevCommPrefix,
+    comm: ncclComm_t,
     team: ncclTeam,
     rank: c_int,
 ) -> c_int {
-    // SAFETY: the caller passes a device communicator by reference.
-    let (my_rank, _, _, _) = unsafe { dev(comm) };
-    my_rank.wrapping_add(rank.wrapping_sub(team.rank).wrapping_mul(team.stride))
+    run_value("ncclTeamRankToWorld", -1, || {
+        let (my_rank, _, _, _) = geometry(comm)?;
+        Ok(my_rank.wrapping_add(rank.wrapping_sub(team.rank).wrapping_mul(team.stride)))
+    })
 }
 
-/// `ncclTeamRankToLsa(ncclDevComm const&, ncclTeam, int)`.
+/// `int ncclTeamRankToLsa(ncclComm_t, ncclTeam_t, int)`: the LSA rank of `rank` of `team`.
 #[no_mangle]
-pub unsafe extern "C" fn ncclTeamRankToLsa(
-    comm: *const ncclDevCommPrefix,
-    team: ncclTeam,
-    rank: c_int,
-) -> c_int {
-    // SAFETY: the caller passes a device communicator by reference.
-    let (_, _, lsa_rank, _) = unsafe { dev(comm) };
-    lsa_rank.wrapping_add(rank.wrapping_sub(team.rank).wrapping_mul(team.stride))
+pub unsafe extern "C" fn ncclTeamRankToLsa(comm: ncclComm_t, team: ncclTeam, rank: c_int) -> c_int {
+    run_value("ncclTeamRankToLsa", -1, || {
+        let (_, _, lsa_rank, _) = geometry(comm)?;
+        Ok(lsa_rank.wrapping_add(rank.wrapping_sub(team.rank).wrapping_mul(team.stride)))
+    })
 }

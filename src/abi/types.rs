@@ -261,19 +261,21 @@ pub struct ncclTeam {
     pub stride: c_int,
 }
 
-/// The leading fields of `struct ncclDevComm` (all that the team helpers read; the rest of the
-/// struct is never touched through this prefix).
+/// `struct ncclDevComm` (nccl_device/impl/comm__types.h), opaque here: the host executor never
+/// fills one.
 #[repr(C)]
-pub struct ncclDevCommPrefix {
-    pub magic: c_uint,
-    pub version: c_uint,
-    pub rank: c_int,
-    pub nRanks: c_int,
-    pub nRanks_rcp32: u32,
-    pub lsaRank: c_int,
-    pub lsaSize: c_int,
-    pub lsaSize_rcp32: u32,
+pub struct ncclDevComm {
+    _opaque: [u8; 0],
 }
+pub type ncclDevComm_t = ncclDevComm;
+
+/// `struct ncclDevCommRequirements` (nccl_device/host.h), opaque here: the host executor reads
+/// none of it.
+#[repr(C)]
+pub struct ncclDevCommRequirements {
+    _opaque: [u8; 0],
+}
+pub type ncclDevCommRequirements_t = ncclDevCommRequirements;
 
 /// `ncclCommProperties_t` (nccl_device/host.h). `ncclGinType_t` and `ncclGinConnectionType_t`
 /// are C enums, i.e. `int`.
