@@ -75,6 +75,20 @@ pub fn comm_abort(h: usize) -> Result<()> {
     comm.destroy()
 }
 
+/// A communicator's load/store domains (the ranks of one host): (rank, nRanks, this rank's
+/// index on its host, ranks on its host, number of hosts).
+pub fn comm_lsa(comm: &Arc<Comm>) -> Result<(usize, usize, usize, usize, usize)> {
+    let core = comm.core()?;
+    let hosts: Vec<u64> = (0..core.nranks).filter_map(|r| core.host_of(r)).collect();
+    let mine = hosts[core.rank];
+    let lsa_rank = hosts[..core.rank].iter().filter(|&&h| h == mine).count();
+    let lsa_size = hosts.iter().filter(|&&h| h == mine).count();
+    let mut distinct = hosts.clone();
+    distinct.sort_unstable();
+    distinct.dedup();
+    Ok((core.rank, core.nranks, lsa_rank, lsa_size, distinct.len()))
+}
+
 pub fn comm_async_error(comm: &Arc<Comm>) -> crate::error::Code {
     comm.async_error()
 }

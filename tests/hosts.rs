@@ -27,6 +27,18 @@ fn two_hosts_same_host_traffic_works_other_host_traffic_fails_fast() {
     // Ranks 0, 1 on host A; 2, 3 on host B.
     std::env::set_var("OXCCL_HOSTID", format!("test-host-{}", r / 2));
     let c = api::comm_init_rank(n as i32, &id, r as i32, Default::default()).unwrap();
+    // One load/store team per host, ranks placed host by host.
+    assert_eq!(api::comm_lsa(&c).unwrap(), (r, 4, r % 2, 2, 2), "rank {r}");
+    let h = api::comm_handle(&c);
+    // SAFETY: a live communicator handle.
+    let lsa = unsafe { nccl::abi::ncclTeamLsa(h as nccl::abi::ncclComm_t) };
+    assert_eq!((lsa.nRanks, lsa.rank, lsa.stride), (2, (r % 2) as i32, 1));
+    // SAFETY: as above.
+    let rail = unsafe { nccl::abi::ncclTeamRail(h as nccl::abi::ncclComm_t) };
+    assert_eq!(
+        (rail.nRanks, rail.rank, rail.stride),
+        (2, (r / 2) as i32, 2)
+    );
     // Send/Recv inside each host: 0 -> 1, 2 -> 3.
     let count = 300_000;
     let peer = r ^ 1;
@@ -74,5 +86,5 @@ fn two_hosts_same_host_traffic_works_other_host_traffic_fails_fast() {
         "rank {r} took {:?}",
         t0.elapsed()
     );
-    api::comm_destroy(api::comm_handle(&c)).unwrap();
+    api::comm_destroy(h).unwrap();
 }

@@ -36,6 +36,7 @@ pub unsafe extern "C" fn ncclCommQueryProperties(
         }
         let c = comm_arg(comm)?;
         let nranks = comm_nranks(&c)?;
+        let (.., hosts) = crate::api::comm_lsa(&c)?;
         let cuda_dev = comm_cuda_dev(&c)?;
         let filled = ncclCommProperties_t {
             size,
@@ -49,8 +50,8 @@ pub unsafe extern "C" fn ncclCommQueryProperties(
             deviceApiSupport: false,
             multimemSupport: false,
             ginType: 0,
-            // On the host executor a whole single-host communicator is one LSA team.
-            nLsaTeams: 1,
+            // One LSA team per host.
+            nLsaTeams: hosts as c_int,
             hostRmaSupport: false,
             railedGinType: 0,
             commHash: comm_hash(&c)?,
@@ -107,15 +108,16 @@ pub unsafe extern "C" fn ncclDevCommDestroy(
 
 /// What the team helpers need of a host communicator: (rank, nRanks, lsaRank, lsaSize).
 ///
-/// The host executor moves data only between ranks of one host (ranks on other hosts need the
-/// network transport, not there yet), so the whole communicator is taken as one LSA team, as
-/// `ncclCommQueryProperties` reports (`nLsaTeams` 1). A communicator whose ranks span hosts can
-/// be initialised all the same; telling its LSA teams apart needs each rank's host, which
-/// `comm::Core` keeps to itself.
+/// An LSA team is the ranks of one host (NCCL lays them out contiguously, one team per host).
 fn geometry(comm: ncclComm_t) -> crate::error::Result<(c_int, c_int, c_int, c_int)> {
     let c = comm_arg(comm)?;
-    let (rank, n) = (comm_rank(&c)?, comm_nranks(&c)?);
-    Ok((rank, n, rank, n))
+    let (rank, n, lsa_rank, lsa_size, _) = crate::api::comm_lsa(&c)?;
+    Ok((
+        rank as c_int,
+        n as c_int,
+        lsa_rank as c_int,
+        lsa_size as c_int,
+    ))
 }
 
 /// The team a failed query returns (its message is kept for `ncclGetLastError`).

@@ -81,7 +81,7 @@ fn ends_pair_through_the_bootstrap_and_carry_data() {
             let mut seen = Vec::new();
             let deadline = Instant::now() + T;
             let (mut sent, mut step) = (0u64, 0u64);
-            while seen.len() < 3 && Instant::now() < deadline {
+            while (seen.len() < 3 || sent < 3) && Instant::now() < deadline {
                 if sent < 3 {
                     if let Some((s, slot)) = send.send_slot() {
                         // SAFETY: a free slot of `slot_bytes`, ours until posted.
