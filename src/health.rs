@@ -68,6 +68,12 @@ impl Health {
         self.error.lock().clone()
     }
 
+    /// Whether the communicator has met an error.
+    #[inline]
+    pub fn failed(&self) -> bool {
+        self.has_error.load(Ordering::Acquire)
+    }
+
     /// Records an error (the first one stays).
     pub fn fail(&self, e: Error) {
         let mut b = self.error.lock();

@@ -32,6 +32,7 @@ pub fn check(comm: &Arc<Comm>, args: CollArgs, stream: Stream) -> Result<Queued>
 }
 
 /// Checks a call and runs it at once (a group of one).
+#[inline(always)]
 pub fn run_one(comm: &Arc<Comm>, args: CollArgs, stream: Stream) -> Result<()> {
     let (core, red) = validate(comm, &args)?;
     exec::launch_one(Call {
@@ -68,6 +69,7 @@ fn bytes_of(count: usize, mult: usize, dtype: DataType, what: &str) -> Result<us
         })
 }
 
+#[inline(always)]
 fn validate<'c>(comm: &'c Arc<Comm>, a: &CollArgs) -> Result<(&'c Arc<Core>, Option<RedSpec>)> {
     let core = comm.core()?;
     if let Some(e) = core.health.error() {
@@ -129,6 +131,7 @@ fn validate<'c>(comm: &'c Arc<Comm>, a: &CollArgs) -> Result<(&'c Arc<Core>, Opt
     Ok((core, red))
 }
 
+#[inline]
 fn resolve_op(comm: &Comm, op: i32, dtype: DataType, n: usize, name: &str) -> Result<RedSpec> {
     let ready = |kind| {
         Ok(RedSpec::Ready(Reduction {

@@ -38,6 +38,7 @@ macro_rules! entry {
 pub(crate) use entry;
 
 #[doc(hidden)]
+#[inline(always)]
 pub fn run_entry(name: &str, f: impl FnOnce() -> Result<()>) -> ncclResult_t {
     match catch_unwind(AssertUnwindSafe(f)) {
         Ok(Ok(())) => ncclResult_t(Code::Success as i32),

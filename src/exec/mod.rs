@@ -106,6 +106,7 @@ impl CommExec {
 }
 
 /// One validated call, as an executor is handed it.
+#[derive(Clone)]
 pub struct Call<'a> {
     pub comm: &'a CommExec,
     /// The communicator's peers and connections (planning reads its shape; the executor makes
@@ -118,9 +119,10 @@ pub struct Call<'a> {
 }
 
 /// Launches one call outside a group.
+#[inline(always)]
 pub fn launch_one(call: Call<'_>) -> Result<()> {
     match call.comm {
-        CommExec::Host(_) => host::launch_one(call),
+        CommExec::Host(_) => host::launch_one(&call),
         CommExec::Cuda(c) => match *c {},
     }
 }

@@ -74,6 +74,7 @@ pub struct BoardOp<C = ConnKey> {
 impl<C> BoardOp<C> {
     /// The direct operation of call `a` on `rank` of `nranks`: eager when `fallback` (the ring
     /// program to run instead when peers' buffers cannot be reached) is None.
+    #[inline]
     pub fn new(
         rank: usize,
         nranks: usize,

@@ -45,7 +45,7 @@ fn poll_lane(lane: &mut Lane, fifo: (&BySize, u64)) -> Result<Poll> {
         };
         let cur = lane.cur.get_or_insert_with(|| match work {
             Item::Steps(p) => Cur::Steps(Cursor::new(p, Some(fifo))),
-            Item::Board(op) => Cur::Board(BoardState::new(op)),
+            Item::Board(_) => Cur::Board(BoardState::new()),
         });
         let p = match (work, cur) {
             (Item::Steps(prog), Cur::Steps(c)) => {

@@ -45,6 +45,7 @@ impl std::ops::Deref for Direct {
 
 impl Direct {
     /// `op` numbered and equipped for `comm` (which must have a board).
+    #[inline]
     pub fn new(comm: &super::HostComm, mut op: BoardOp<Arc<Conn>>) -> Option<Direct> {
         let (board, seq) = comm.board_op()?;
         op.seq = seq;
@@ -75,7 +76,7 @@ pub(super) struct BoardState {
 }
 
 impl BoardState {
-    pub(super) fn new(_op: &Direct) -> BoardState {
+    pub(super) fn new() -> BoardState {
         BoardState {
             phase: Phase::Publish,
             timed: None,

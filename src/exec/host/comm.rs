@@ -46,6 +46,8 @@ impl HostComm {
     ) -> Result<HostComm> {
         let me = &peers[rank];
         let mut cma = false;
+        // Direct algorithms need every rank on this host; with OXCCL_ALGO=ring there is no board
+        // (the exchange below happens all the same, so ranks never disagree on init's steps).
         let board = if nranks > 1 && peers.iter().all(|q| q.host == me.host) {
             let shared = peers.iter().any(|q| q.pid != me.pid);
             if shared {
@@ -57,7 +59,11 @@ impl HostComm {
                 let all = boot.allgather(&[mine as u8])?;
                 cma = all.iter().all(|v| v.first() == Some(&1));
             }
-            Some(Arc::new(Board::open(hash, nranks, shared)?))
+            if crate::param::direct_algorithms() {
+                Some(Arc::new(Board::open(hash, nranks, shared)?))
+            } else {
+                None
+            }
         } else {
             None
         };
@@ -101,6 +107,13 @@ impl HostComm {
         }
     }
 
+    /// `begin` without the error: whether task `ticket` may begin.
+    #[inline]
+    pub fn try_begin(&self, ticket: u64) -> bool {
+        self.begun.store(ticket + 1, Ordering::SeqCst);
+        !self.health.aborted() && !self.health.failed()
+    }
+
     /// Ends the turn of `ticket`, if it is being served. Only the holder of the ticket being
     /// served moves `serving` on, so a load and a store do what a compare-and-swap would, without
     /// a locked instruction (which would first wait for this rank's arrival on the board, still
@@ -136,16 +149,15 @@ impl HostComm {
     }
 
     /// Whether `board_op` gives an operation.
+    #[inline]
     pub fn has_board(&self) -> bool {
-        crate::param::direct_algorithms() && self.board.is_some()
+        self.board.is_some()
     }
 
     /// The board and the sequence number of the next direct operation, if direct algorithms
-    /// are available and allowed.
+    /// are available and allowed (the board exists only then).
+    #[inline]
     pub fn board_op(&self) -> Option<(Arc<Board>, u64)> {
-        if !crate::param::direct_algorithms() {
-            return None;
-        }
         let b = self.board.clone()?;
         Some((b, self.board_seq.fetch_add(1, Ordering::AcqRel) + 1))
     }

@@ -11,6 +11,10 @@ use super::steps::Poll;
 use super::task::{Item, Stage, Task};
 use super::HostComm;
 use crate::error::Result;
+use crate::plan::board::{BoardKind, BoardOp};
+use crate::plan::RedSpec;
+use crate::transport::board::Board;
+use crate::types::CollArgs;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -27,16 +31,47 @@ pub struct LoneOp<'a> {
 }
 
 impl<'a> LoneOp<'a> {
-    pub fn new(comm: &'a Arc<HostComm>, ticket: u64, op: Direct) -> LoneOp<'a> {
-        // The batch that goes on with an operation that cannot begin here fails it as it should.
-        let startable = comm.is_serving(ticket) && comm.begin(ticket).is_ok();
-        LoneOp {
+    /// Starts call `a` as a lone eager operation of `comm`, number `seq` on `board`, built in
+    /// place (a small operation's launch is made of such copies).
+    #[inline]
+    pub fn start(
+        comm: &'a Arc<HostComm>,
+        (board, seq): (Arc<Board>, u64),
+        a: &CollArgs,
+        red: Option<RedSpec>,
+        kind: BoardKind,
+    ) -> LoneOp<'a> {
+        let ticket = comm.take_ticket();
+        let mut lone = LoneOp {
             comm,
             ticket,
-            state: startable.then(|| BoardState::new(&op)),
-            op: Some(op),
+            op: Some(Direct {
+                op: BoardOp {
+                    seq,
+                    rank: comm.rank,
+                    nranks: comm.nranks,
+                    kind,
+                    send: a.send,
+                    recv: a.recv,
+                    count: a.count,
+                    dtype: a.dtype,
+                    red,
+                    root: a.root.max(0) as usize,
+                    fallback: None,
+                },
+                board,
+                maps: None,
+                cma: comm.cma,
+                tuner: None,
+            }),
+            state: None,
             result: None,
+        };
+        // The batch that goes on with an operation that cannot begin here fails it as it should.
+        if comm.is_serving(ticket) && comm.try_begin(ticket) {
+            lone.state = Some(BoardState::new());
         }
+        lone
     }
 
     /// Polls once; true when the operation is finished (see `result`).

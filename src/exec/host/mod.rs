@@ -21,9 +21,9 @@ pub use comm::HostComm;
 
 use super::{Call, CommExec, Stream};
 use crate::error::{Error, Result};
-use crate::plan::board::{BoardKind, BoardOp};
+use crate::plan::board::BoardKind;
+use crate::transport::board::Board;
 use batch::Batch;
-use board::Direct;
 use lone::LoneOp;
 use std::sync::Arc;
 use stream::HostStream;
@@ -70,11 +70,12 @@ fn on(q: &Call<'_>, s: &Arc<HostStream>) -> bool {
 }
 
 /// Launches a group of one call.
-pub fn launch_one(q: Call<'_>) -> Result<()> {
-    foreign_stream(&q)?;
-    match run_lone(std::slice::from_ref(&q)) {
+#[inline(always)]
+pub fn launch_one(q: &Call<'_>) -> Result<()> {
+    foreign_stream(q)?;
+    match run_lone(std::slice::from_ref(q)) {
         Some(r) => r,
-        None => launch_tasks(vec![q]),
+        None => launch_tasks(vec![q.clone()]),
     }
 }
 
@@ -126,27 +127,29 @@ fn run_lone(qs: &[Call<'_>]) -> Option<Result<()>> {
         }
         return None;
     }
-    fn start<'a>(q: &'a Call<'_>) -> Option<LoneOp<'a>> {
-        let (comm, a) = (q.host(), &q.args);
-        let bk = BoardKind::of(a.kind)?;
-        let op = BoardOp::new(comm.rank, comm.nranks, a, q.red, bk, None);
-        // Checked above: the communicator has a board.
-        let op = Direct::new(comm, op)?;
-        let ticket = comm.take_ticket();
-        Some(LoneOp::new(comm, ticket, op))
+    fn start<'a>(q: &'a Call<'_>, board: (Arc<Board>, u64), kind: BoardKind) -> LoneOp<'a> {
+        LoneOp::start(q.host(), board, &q.args, q.red, kind)
     }
+    // Checked above: board collectives, and the communicators have boards.
+    let board = |q: &Call<'_>| Some((q.host().board_op()?, BoardKind::of(q.args.kind)?));
+    let no_board = || Some(Err(Error::internal("a lone operation without a board")));
     // A single call (the common case) allocates nothing.
     Some(if qs.len() == 1 {
-        let Some(mut op) = start(&qs[0]) else {
-            return Some(Err(Error::internal("a lone operation without a board")));
+        let Some((b, kind)) = board(&qs[0]) else {
+            return no_board();
         };
+        let mut op = start(&qs[0], b, kind);
         let ops = std::slice::from_mut(&mut op);
         lone::run(ops, budget);
         end_lone(qs, ops)
     } else {
-        let Some(mut ops) = qs.iter().map(start).collect::<Option<Vec<LoneOp>>>() else {
-            return Some(Err(Error::internal("a lone operation without a board")));
-        };
+        let mut ops = Vec::with_capacity(qs.len());
+        for q in qs {
+            let Some((b, kind)) = board(q) else {
+                return no_board();
+            };
+            ops.push(start(q, b, kind));
+        }
         lone::run(&mut ops, budget);
         end_lone(qs, &mut ops)
     })
@@ -237,7 +240,7 @@ pub fn launch(mut ops: Vec<Call<'_>>) -> Result<()> {
         foreign_stream(q)?;
     }
     if ops.len() == 1 {
-        return launch_one(ops.pop().expect("one call"));
+        return launch_one(&ops.pop().expect("one call"));
     }
     match run_lone(&ops) {
         Some(r) => r,
