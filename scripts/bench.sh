@@ -16,6 +16,9 @@
 # order rotated from one repeat to the next, so that none always runs first after a pause), and
 # the table shows each size's median time (the machine is shared: single runs are noisy).
 # Override with those environment variables. Nothing in the library is tuned here.
+# BASELINE_LIB=DIR (a folder with another build's libnccl.so or libnccl.so.2, e.g. an earlier
+# commit's target/release) adds (a) run with that library, interleaved with the others, and a
+# table of this build's figures over the baseline's: refactors compare old and new in one run.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -108,6 +111,18 @@ if [ "${BIND:-1}" = 1 ] && command -v taskset >/dev/null && [ "$(nproc)" -ge 2 ]
 fi
 run_2proc() { two_procs 2proc "$@"; }
 run_2proc_reg() { two_procs 2proc-reg "$@" -R 1; }
+# The same two runs with the baseline library (BASELINE_LIB), from its own lib folder.
+with_base() {
+  local saved=("${oxenv[@]}")
+  oxenv=(env -u OXCCL_FAULT -u NCCL_TESTS_MIN_BW -u OMPI_COMM_WORLD_SIZE
+         LD_LIBRARY_PATH="$BASE_LIBDIR${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" OXCCL_DEVICE=host)
+  "$@"
+  local rc=$?
+  oxenv=("${saved[@]}")
+  return $rc
+}
+run_base_2proc() { with_base two_procs base-2proc "$@"; }
+run_base_2proc_reg() { with_base two_procs base-2proc-reg "$@" -R 1; }
 run_2thread() {
   "${oxenv[@]}" "$BIN/all_reduce_perf" -g 2 -b "$1" -e "$2" -f 2 -n "$3" -w "$4" -d float -o sum -T 600 \
     >>"$RAW/oxccl-2thread.txt" 2>&1
@@ -121,6 +136,14 @@ START=$SECONDS
 STATUS=0
 LOAD0="$(cut -d' ' -f1-3 /proc/loadavg)"
 KINDS=(2proc 2proc_reg 2thread mpi)
+if [ -n "${BASELINE_LIB:-}" ]; then
+  BASE_LIBDIR="$OUT/baselib"
+  mkdir -p "$BASE_LIBDIR"
+  if [ -f "$BASELINE_LIB/libnccl.so.2" ]; then base_so="$BASELINE_LIB/libnccl.so.2"; else base_so="$BASELINE_LIB/libnccl.so"; fi
+  [ -f "$base_so" ] || die "BASELINE_LIB=$BASELINE_LIB holds no libnccl.so(.2)"
+  ln -sf "$(cd "$(dirname "$base_so")" && pwd)/$(basename "$base_so")" "$BASE_LIBDIR/libnccl.so.2"
+  KINDS=(2proc base_2proc 2proc_reg base_2proc_reg 2thread mpi)
+fi
 for rep in $(seq 1 "$REPEATS"); do
   for band in "${BANDS[@]}"; do
     read -r lo hi n w <<<"$band"
@@ -142,6 +165,7 @@ echo
   --proc "$RAW/oxccl-2proc.txt" --reg "$RAW/oxccl-2proc-reg.txt" --thread "$RAW/oxccl-2thread.txt" --mpi "$RAW/mpi.txt" \
   --memcpy "$RAW/memcpy.txt" --csv "$OUT/allreduce.csv" --png "$OUT/allreduce.png" \
   --max-bytes "$MAX_BYTES" --repeats "$REPEATS" --note "$LOADS" \
+  ${BASELINE_LIB:+--base "$RAW/oxccl-base-2proc.txt" --base-reg "$RAW/oxccl-base-2proc-reg.txt" --base-name "$BASELINE_LIB"} \
   --title "all_reduce f32 sum, 2 ranks, $(nproc) cores$([ "$QUICK" = 1 ] && echo ' (--quick)')" || STATUS=1
 [ "$STATUS" = 0 ] || echo "bench.sh: some runs failed or reported wrong results; see $RAW" >&2
 exit "$STATUS"

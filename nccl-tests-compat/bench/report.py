@@ -93,6 +93,9 @@ def main():
     ap.add_argument("--title", default="all_reduce f32 sum, 2 ranks")
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--note", default="")
+    ap.add_argument("--base", help="the same 2-process runs with a baseline library")
+    ap.add_argument("--base-reg", help="the -R 1 runs with the baseline library")
+    ap.add_argument("--base-name", default="baseline")
     a = ap.parse_args()
 
     proc, thread, mpi = parse_coll(a.proc), parse_coll(a.thread), parse_coll(a.mpi)
@@ -195,6 +198,28 @@ def main():
         else:
             v = verdict(l8[us] <= l8["mpi_us"], l8)
             print(f"  {label:<36} measured {l8[us]:.2f} us vs {l8['mpi_us']:.2f} us  {v}")
+    if a.base:
+        base, base_reg = parse_coll(a.base), parse_coll(a.base_reg) if a.base_reg else {}
+        print(f"\nThis build against the baseline ({a.base_name}), same run, busbw GB/s (8 B: time, us):")
+        print(f"{'size':>10}  {'2proc':>8}  {'base':>8}  {'new/base':>8}  {'-R':>8}  {'base -R':>8}  {'new/base':>8}")
+        for r in table:
+            s = r["size"]
+            lb, wb = base.get(s, ([], 0))
+            lbr, wbr = base_reg.get(s, ([], 0))
+            tb, tbr = median(lb), median(lbr)
+            if s == 8:
+                new, old, newr, oldr = r["proc_us"], tb, r["reg_us"], tbr
+                q = (old / new) if new and old else None
+                qr = (oldr / newr) if newr and oldr else None
+            else:
+                new, old, newr, oldr = r["proc_bw"], busbw(s, tb), r["reg_bw"], busbw(s, tbr)
+                q = (new / old) if new and old else None
+                qr = (newr / oldr) if newr and oldr else None
+            flag = "  WRONG RESULTS (baseline)" if wb or wbr else ""
+            print(f"{human(s):>10}  {fmt(new)}  {fmt(old)}  {fmt(q, '8.2f')}  {fmt(newr)}  {fmt(oldr)}"
+                  f"  {fmt(qr, '8.2f')}{flag}")
+        print("(new/base above 1: this build is faster; at 8 B the ratio is of times, base/new)")
+
     nwrong = sum(1 for r in table if r["wrong"])
     if nwrong:
         print(f"\nWARNING: {nwrong} size(s) had wrong results; their numbers are not valid")

@@ -259,11 +259,12 @@ impl From<Program> for Work {
 
 impl Work {
     /// The connections the work may use.
-    pub fn keys(&self) -> Vec<ConnKey> {
-        match self {
-            Work::Steps(p) => p.keys().collect(),
-            Work::Board(b) => b.fallback.iter().flat_map(|p| p.keys()).collect(),
-        }
+    pub fn keys(&self) -> impl Iterator<Item = ConnKey> + '_ {
+        let prog = match self {
+            Work::Steps(p) => Some(p),
+            Work::Board(b) => b.fallback.as_deref(),
+        };
+        prog.into_iter().flat_map(|p| p.keys())
     }
 }
 

@@ -16,14 +16,13 @@ pub struct Task {
 
 impl Task {
     /// Every connection the task may use (with repeats).
-    pub fn keys(&self) -> Vec<ConnKey> {
+    pub fn keys(&self) -> impl Iterator<Item = ConnKey> + '_ {
         self.stages
             .iter()
             .flat_map(|s| s.lanes.iter())
             .chain(self.p2p.iter())
             .flatten()
             .flat_map(Work::keys)
-            .collect()
     }
 }
 

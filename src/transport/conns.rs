@@ -72,8 +72,10 @@ impl Conns {
     pub fn missing(&self, keys: impl IntoIterator<Item = ConnKey>) -> Vec<ConnKey> {
         let map = self.map.lock();
         let mut v: Vec<ConnKey> = keys.into_iter().filter(|k| !map.contains_key(k)).collect();
-        v.sort();
-        v.dedup();
+        if v.len() > 1 {
+            v.sort();
+            v.dedup();
+        }
         v
     }
 

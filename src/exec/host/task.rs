@@ -7,6 +7,7 @@ use super::HostComm;
 use crate::error::{Error, Result};
 use crate::plan::{self, Addr, Program, Stash, What, Work};
 use crate::transport::conns::Conns;
+use crate::transport::{Conn, ConnKey};
 use std::collections::VecDeque;
 use std::sync::Arc;
 
@@ -134,7 +135,16 @@ impl Task {
 }
 
 fn item(comm: &HostComm, conns: &Conns, w: Work, sc: &Scratch) -> Result<Item> {
-    let mut bind = |k| conns.bound(k);
+    // A program names the same few connections step after step: look each up once.
+    let mut seen: Vec<(ConnKey, Arc<Conn>)> = Vec::new();
+    let mut bind = |k: ConnKey| -> Result<Arc<Conn>> {
+        if let Some((_, c)) = seen.iter().find(|(x, _)| *x == k) {
+            return Ok(c.clone());
+        }
+        let c = conns.bound(k)?;
+        seen.push((k, c.clone()));
+        Ok(c)
+    };
     Ok(match w {
         Work::Steps(mut p) => {
             sc.place_program(&mut p)?;

@@ -1,0 +1,90 @@
+//! What a timeout says: the operation, the rank, and what it waited for as a sentence that
+//! names the peer and, on a ring, the step.
+
+use nccl::api::{self, CollArgs, StreamArg};
+use nccl::error::Code;
+use nccl::types::{CollKind, DataType, OP_SUM};
+
+/// Runs `test` of this binary in a child process with `env` (the library reads its parameters
+/// once per process) and checks it passed.
+fn in_child(test: &str, env: &[(&str, &str)]) {
+    let out = std::process::Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", test, "--nocapture", "--test-threads=1"])
+        .env("OXCCL_MESSAGES_CHILD", "1")
+        .env("OXCCL_DEVICE", "host")
+        .env("OXCCL_TIMEOUT_S", "1")
+        .envs(env.iter().copied())
+        .output()
+        .unwrap();
+    let text =
+        String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{test} with {env:?} failed:\n{text}");
+    assert!(
+        text.contains("1 passed"),
+        "{test} with {env:?} ran nothing:\n{text}"
+    );
+}
+
+fn all_reduce(send: &[f32], recv: &mut [f32]) -> CollArgs {
+    CollArgs {
+        kind: CollKind::AllReduce,
+        send: send.as_ptr() as usize,
+        recv: recv.as_mut_ptr() as usize,
+        count: send.len(),
+        dtype: DataType::Float32,
+        op: OP_SUM,
+        root: 0,
+    }
+}
+
+/// Rank 0 of 2 calls an all-reduce that rank 1 never joins: after the timeout (1 s here) the
+/// error names rank 1, and what rank 0 waited for.
+#[test]
+fn a_timeout_names_the_peer_and_what_was_awaited() {
+    if std::env::var_os("OXCCL_MESSAGES_CHILD").is_none() {
+        let me = "a_timeout_names_the_peer_and_what_was_awaited";
+        in_child(me, &[]);
+        in_child(me, &[("OXCCL_ALGO", "ring")]);
+        return;
+    }
+    let ring = std::env::var("OXCCL_ALGO").is_ok();
+    let comms = api::comm_init_all(&[0, 1]).unwrap();
+    let send = vec![1f32; 1 << 16];
+    let mut recv = vec![0f32; 1 << 16];
+    let mut recv1 = vec![0f32; 1 << 16];
+    if ring {
+        // One operation together first, so that the ring's connections exist.
+        api::group_start().unwrap();
+        api::enqueue(&comms[0], all_reduce(&send, &mut recv), StreamArg::Null).unwrap();
+        api::enqueue(&comms[1], all_reduce(&send, &mut recv1), StreamArg::Null).unwrap();
+        api::group_end().unwrap();
+        assert!(recv.iter().all(|&x| x == 2.0));
+    }
+    let e = api::enqueue(
+        &comms[0],
+        all_reduce(&send[..4], &mut recv[..4]),
+        StreamArg::Null,
+    )
+    .unwrap_err();
+    assert_eq!(e.code, Code::Timeout, "{e}");
+    let msg = e.to_string();
+    assert!(
+        msg.contains(
+            "AllReduce of 4 x float on rank 0 made no progress for 1 s: waiting for rank 1 "
+        ),
+        "{msg}"
+    );
+    if ring {
+        assert!(msg.contains(" step "), "{msg}");
+    } else {
+        assert!(
+            msg.contains("waiting for rank 1 to arrive at direct operation #1"),
+            "{msg}"
+        );
+    }
+    assert!(!msg.contains("rank(s)  "), "{msg}");
+    eprintln!("timeout message: {msg}");
+    for c in comms {
+        let _ = api::comm_destroy(api::comm_handle(&c));
+    }
+}
