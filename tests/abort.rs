@@ -5,25 +5,9 @@ use nccl::api::{self, CollArgs};
 use nccl::types::{CollKind, DataType, OP_SUM};
 use std::time::{Duration, Instant};
 
-const CANARY: f32 = -12345.0;
+mod common;
 
-/// Runs `test` of this binary again in a child process with `env` (the library reads its
-/// parameters once per process), and checks that it passed.
-fn in_child(test: &str, env: &[(&str, &str)]) {
-    let out = std::process::Command::new(std::env::current_exe().unwrap())
-        .args(["--exact", test, "--nocapture", "--test-threads=1"])
-        .env("OXCCL_ABORT_CHILD", "1")
-        .envs(env.iter().copied())
-        .output()
-        .unwrap();
-    let text =
-        String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "{test} with {env:?} failed:\n{text}");
-    assert!(
-        text.contains("1 passed"),
-        "{test} with {env:?} ran nothing:\n{text}"
-    );
-}
+const CANARY: f32 = -12345.0;
 
 /// Two ranks of this process run large all-reduces on host streams, handed straight to the
 /// streams' workers (`OXCCL_INLINE_US=0`), with direct operations and with rings; another
@@ -31,12 +15,12 @@ fn in_child(test: &str, env: &[(&str, &str)]) {
 /// every buffer must stay untouched.
 #[test]
 fn abort_while_workers_run_then_buffers_are_ours() {
-    if std::env::var_os("OXCCL_ABORT_CHILD").is_some() {
+    if common::is_child() {
         return abort_while_workers_run();
     }
     let me = "abort_while_workers_run_then_buffers_are_ours";
-    in_child(me, &[("OXCCL_INLINE_US", "0")]);
-    in_child(me, &[("OXCCL_INLINE_US", "0"), ("OXCCL_ALGO", "ring")]);
+    common::in_child(me, &[("OXCCL_INLINE_US", "0")]);
+    common::in_child(me, &[("OXCCL_INLINE_US", "0"), ("OXCCL_ALGO", "ring")]);
 }
 
 fn abort_while_workers_run() {

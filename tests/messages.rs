@@ -5,25 +5,7 @@ use nccl::api::{self, CollArgs, StreamArg};
 use nccl::error::Code;
 use nccl::types::{CollKind, DataType, OP_SUM};
 
-/// Runs `test` of this binary in a child process with `env` (the library reads its parameters
-/// once per process) and checks it passed.
-fn in_child(test: &str, env: &[(&str, &str)]) {
-    let out = std::process::Command::new(std::env::current_exe().unwrap())
-        .args(["--exact", test, "--nocapture", "--test-threads=1"])
-        .env("OXCCL_MESSAGES_CHILD", "1")
-        .env("OXCCL_DEVICE", "host")
-        .env("OXCCL_TIMEOUT_S", "1")
-        .envs(env.iter().copied())
-        .output()
-        .unwrap();
-    let text =
-        String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "{test} with {env:?} failed:\n{text}");
-    assert!(
-        text.contains("1 passed"),
-        "{test} with {env:?} ran nothing:\n{text}"
-    );
-}
+mod common;
 
 fn all_reduce(send: &[f32], recv: &mut [f32]) -> CollArgs {
     CollArgs {
@@ -41,10 +23,10 @@ fn all_reduce(send: &[f32], recv: &mut [f32]) -> CollArgs {
 /// error names rank 1, and what rank 0 waited for.
 #[test]
 fn a_timeout_names_the_peer_and_what_was_awaited() {
-    if std::env::var_os("OXCCL_MESSAGES_CHILD").is_none() {
+    if !common::is_child() {
         let me = "a_timeout_names_the_peer_and_what_was_awaited";
-        in_child(me, &[]);
-        in_child(me, &[("OXCCL_ALGO", "ring")]);
+        common::in_child(me, &[("OXCCL_TIMEOUT_S", "1")]);
+        common::in_child(me, &[("OXCCL_TIMEOUT_S", "1"), ("OXCCL_ALGO", "ring")]);
         return;
     }
     let ring = std::env::var("OXCCL_ALGO").is_ok();

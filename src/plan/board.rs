@@ -182,11 +182,20 @@ impl<C> BoardOp<C> {
     }
 }
 
-/// Whether an operation of this shape fits the board's inline areas.
-pub fn fits_inline(kind: BoardKind, nranks: usize, count: usize, dtype: DataType) -> bool {
+/// Whether an operation of this shape is eager: every rank's input fits `eager_bytes` (the
+/// executor's limit: what its board carries inline).
+pub fn fits_inline(
+    kind: BoardKind,
+    nranks: usize,
+    count: usize,
+    dtype: DataType,
+    eager_bytes: usize,
+) -> bool {
     let input = match kind {
         BoardKind::ReduceScatter => nranks * count,
         _ => count,
     };
-    input * dtype.size() <= crate::transport::board::INLINE
+    input
+        .checked_mul(dtype.size())
+        .is_some_and(|b| b <= eager_bytes)
 }

@@ -11,6 +11,15 @@ use crate::error::{Error, Result};
 use crate::transport::Class;
 use crate::types::{CollArgs, CollKind};
 
+/// What an executor offers a communicator's plans.
+#[derive(Clone, Copy, Debug)]
+pub struct Caps {
+    /// Direct operations over a board every rank reaches.
+    pub direct: bool,
+    /// The largest input per rank (bytes) a direct operation carries on the board itself.
+    pub eager_bytes: usize,
+}
+
 /// What a task does, for messages: its first call, and how many more the group has.
 pub fn describe(qs: &[(CollArgs, Option<RedSpec>)]) -> What {
     let a = &qs[0].0;
@@ -24,10 +33,11 @@ pub fn describe(qs: &[(CollArgs, Option<RedSpec>)]) -> What {
 
 /// Plans one communicator's calls of a group into a task.
 ///
-/// `direct`: the executor runs direct operations (`board`) for this communicator; collectives
-/// that can run as one are planned as one (eager when small, else with the ring to fall back
+/// `caps`: what the executor offers this communicator; collectives that can run as direct
+/// operations are planned as such (eager up to its eager limit, else with the ring to fall back
 /// on).
-pub fn build_task(l: &dyn Links, direct: bool, qs: &[(CollArgs, Option<RedSpec>)]) -> Result<Task> {
+pub fn build_task(l: &dyn Links, caps: Caps, qs: &[(CollArgs, Option<RedSpec>)]) -> Result<Task> {
+    let direct = caps.direct;
     let (rank, nranks) = (l.rank(), l.nranks());
     let mut task = Task::default();
     // Self send/recv pairs, matched in order.
@@ -109,7 +119,13 @@ pub fn build_task(l: &dyn Links, direct: bool, qs: &[(CollArgs, Option<RedSpec>)
                     };
                     let work = if direct && nranks > 1 {
                         // An eager operation never falls back: no ring to plan.
-                        let eager = super::board::fits_inline(bk, nranks, a.count, a.dtype);
+                        let eager = super::board::fits_inline(
+                            bk,
+                            nranks,
+                            a.count,
+                            a.dtype,
+                            caps.eager_bytes,
+                        );
                         let fallback = if eager {
                             None
                         } else {

@@ -156,6 +156,14 @@ fn round_trip(t: &Task, what: &dyn Fn() -> String) -> Flat {
 
 const BUF: usize = 0x1000_0000;
 
+/// The host executor's offer (direct operations or not, its eager limit).
+fn caps(direct: bool) -> super::build::Caps {
+    super::build::Caps {
+        direct,
+        eager_bytes: crate::transport::board::INLINE,
+    }
+}
+
 #[test]
 fn every_plan_kind_of_the_c_matrix_encodes_and_decodes() {
     use CollKind::*;
@@ -215,7 +223,8 @@ fn every_plan_kind_of_the_c_matrix_encodes_and_decodes() {
                                             op: OP_SUM,
                                             root: root as i32,
                                         };
-                                        let t = build_task(&links, direct, &[(a, *red)]).unwrap();
+                                        let t =
+                                            build_task(&links, caps(direct), &[(a, *red)]).unwrap();
                                         let f = round_trip(&t, &|| {
                                             format!("{kind:?} n {n} rank {rank} root {root} {dtype:?} count {count} in place {in_place} direct {direct} red {red:?}")
                                         });
@@ -266,7 +275,7 @@ fn every_plan_kind_of_the_c_matrix_encodes_and_decodes() {
                         v.push(call(Recv, recv_at(p), count + p + rank, p));
                     }
                     for (name, calls) in [("SendRecv", &shift[..]), ("AlltoAllv", &v[..])] {
-                        let t = build_task(&links, true, calls).unwrap();
+                        let t = build_task(&links, caps(true), calls).unwrap();
                         let f = round_trip(&t, &|| {
                             format!("{name} n {n} rank {rank} count {count} in place {in_place}")
                         });
@@ -375,7 +384,7 @@ fn decoding_rejects_malformed_records() {
         root: 0,
     };
     let red = reductions(DataType::Float32, 3)[0];
-    let t = build_task(&links, false, &[(a, Some(red))]).unwrap();
+    let t = build_task(&links, caps(false), &[(a, Some(red))]).unwrap();
     let f = encode::encode(&t).unwrap();
     let mut bad = f.clone();
     bad.steps[0].prim = 99;

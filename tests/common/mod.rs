@@ -1,9 +1,10 @@
 //! Helpers shared by test binaries: running a test again as the ranks of one communicator, one
-//! process each.
+//! process each, or once in a child process with its own environment.
 
 use nccl::api::{self, UNIQUE_ID_BYTES};
 
 /// In a process that `run_ranks` started: (unique id, number of ranks, this rank).
+#[allow(dead_code)]
 pub fn rank_env() -> Option<([u8; UNIQUE_ID_BYTES], usize, usize)> {
     let r = std::env::var("OXCCL_TEST_RANK").ok()?.parse().ok()?;
     let n = std::env::var("OXCCL_TEST_N").ok()?.parse().ok()?;
@@ -17,6 +18,7 @@ pub fn rank_env() -> Option<([u8; UNIQUE_ID_BYTES], usize, usize)> {
 
 /// Runs this binary's test `test` again as each of `n` ranks (see `rank_env`), on the host
 /// executor, with `envs` added, and asserts that every rank succeeds.
+#[allow(dead_code)]
 pub fn run_ranks(test: &str, n: usize, envs: &[(&str, &str)]) {
     let id = api::get_unique_id().unwrap();
     let hex: String = id.iter().map(|b| format!("{b:02x}")).collect();
@@ -42,4 +44,30 @@ pub fn run_ranks(test: &str, n: usize, envs: &[(&str, &str)]) {
             "{test}: rank {r} of {n} failed"
         );
     }
+}
+
+/// Whether this process is a child that `in_child` started.
+#[allow(dead_code)]
+pub fn is_child() -> bool {
+    std::env::var_os("OXCCL_TEST_CHILD").is_some()
+}
+
+/// Runs this binary's test `test` again in a child process on the host executor with `env`
+/// added (the library reads its parameters once per process), and asserts that it passed.
+#[allow(dead_code)]
+pub fn in_child(test: &str, env: &[(&str, &str)]) {
+    let out = std::process::Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", test, "--nocapture", "--test-threads=1"])
+        .env("OXCCL_TEST_CHILD", "1")
+        .env("OXCCL_DEVICE", "host")
+        .envs(env.iter().copied())
+        .output()
+        .unwrap();
+    let text =
+        String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{test} with {env:?} failed:\n{text}");
+    assert!(
+        text.contains("1 passed"),
+        "{test} with {env:?} ran nothing:\n{text}"
+    );
 }

@@ -148,6 +148,15 @@ impl HostComm {
         })
     }
 
+    /// What plans for this communicator may use.
+    #[inline]
+    pub fn caps(&self) -> crate::plan::build::Caps {
+        crate::plan::build::Caps {
+            direct: self.has_board(),
+            eager_bytes: crate::transport::board::INLINE,
+        }
+    }
+
     /// Whether `board_op` gives an operation.
     #[inline]
     pub fn has_board(&self) -> bool {

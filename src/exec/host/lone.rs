@@ -46,18 +46,10 @@ impl<'a> LoneOp<'a> {
             comm,
             ticket,
             op: Some(Direct {
-                op: BoardOp {
-                    seq,
-                    rank: comm.rank,
-                    nranks: comm.nranks,
-                    kind,
-                    send: a.send,
-                    recv: a.recv,
-                    count: a.count,
-                    dtype: a.dtype,
-                    red,
-                    root: a.root.max(0) as usize,
-                    fallback: None,
+                op: {
+                    let mut op = BoardOp::new(comm.rank, comm.nranks, a, red, kind, None);
+                    op.seq = seq;
+                    op
                 },
                 board,
                 maps: None,

@@ -22,7 +22,7 @@ pub use comm::HostComm;
 use super::{Call, CommExec, Stream};
 use crate::error::{Error, Result};
 use crate::plan::board::BoardKind;
-use crate::transport::board::Board;
+use crate::transport::board::{Board, INLINE};
 use batch::Batch;
 use lone::LoneOp;
 use std::sync::Arc;
@@ -89,7 +89,7 @@ fn run_lone(qs: &[Call<'_>]) -> Option<Result<()>> {
         let (comm, a) = (q.host(), &q.args);
         let bk = BoardKind::of(a.kind)?;
         if comm.nranks < 2
-            || !crate::plan::board::fits_inline(bk, comm.nranks, a.count, a.dtype)
+            || !crate::plan::board::fits_inline(bk, comm.nranks, a.count, a.dtype, INLINE)
             || !comm.has_board()
             || qs[..i].iter().any(|p| Arc::ptr_eq(p.host(), comm))
             || (budget.is_zero() && matches!(q.stream, Stream::Host(_)))
@@ -271,7 +271,7 @@ fn launch_tasks(ops: Vec<Call<'_>>) -> Result<()> {
     for qs in per_comm {
         let calls: Vec<_> = qs.iter().map(|q| (q.args, q.red)).collect();
         let comm = qs[0].host();
-        match crate::plan::build::build_task(qs[0].conns, comm.has_board(), &calls) {
+        match crate::plan::build::build_task(qs[0].conns, comm.caps(), &calls) {
             Ok(t) => planned.push((qs, t, crate::plan::build::describe(&calls))),
             Err(e) => {
                 first_err.get_or_insert(e);
