@@ -198,11 +198,14 @@ fn build_core(p: PendingInit) -> Result<Core> {
         boot: &boot,
         health: health.clone(),
     })?;
+    let local = peers.iter().filter(|q| q.host == me.host).count();
+    let conns = Conns::new(boot, peers, hash);
+    conns.connect_ring()?;
     crate::debug::info(&format!(
         "comm {hash:#x} rank {} nRanks {} nNodes 1 localRanks {} - Init COMPLETE ({})",
         p.rank,
         p.nranks,
-        peers.iter().filter(|q| q.host == me.host).count(),
+        local,
         exec.name()
     ));
     Ok(Core {
@@ -211,7 +214,7 @@ fn build_core(p: PendingInit) -> Result<Core> {
         cuda_dev,
         hash,
         name: p.config.comm_name.clone(),
-        conns: Conns::new(boot, peers, hash),
+        conns,
         health,
         exec,
     })

@@ -7,7 +7,11 @@ use super::{inproc, shm, Region};
 use crate::error::Result;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 
-const SLOT: usize = 256;
+const SLOT: usize = 320;
+/// An arrival word holds the operation's sequence number in its low `SEQ_BITS` and the call's
+/// signature (`signature`) above them: a peer that sees the arrival can check the call too.
+const SEQ_BITS: u32 = 40;
+const SEQ_MASK: u64 = (1 << SEQ_BITS) - 1;
 const HDR: usize = 256;
 /// Bytes of each rank's inline data area (two of them, by operation parity): small operations
 /// carry their inputs on the board itself (see `plan::board`, eager operations).
@@ -52,6 +56,25 @@ struct Slot {
     words: [AtomicU64; 10],
     /// The rank's vote for cross-memory attach (see `plan::tune`).
     vote: AtomicU64,
+    /// What the rank called, by operation parity (`Call`): read by peers only when signatures
+    /// differ, to say how.
+    call: [[AtomicU64; 2]; 2],
+}
+
+/// A call as the board describes it, to check that every rank made the same one: (count, kind |
+/// datatype << 8 | operator << 16 | root << 32).
+pub type Call = [u64; 2];
+
+/// The call's 24-bit signature, which travels in the arrival word (a fold of its words: cheap,
+/// and any difference in count, kind, datatype, reduction or root below 2^24 changes it).
+#[inline]
+pub fn signature(c: Call) -> u64 {
+    let (a, b) = (c[0], c[1]);
+    (a ^ a >> 24 ^ a >> 48 ^ b.rotate_left(5) ^ b >> 29 ^ b >> 53) & 0xff_ffff
+}
+
+fn arrival(seq: u64, call: Call) -> u64 {
+    (seq & SEQ_MASK) | signature(call) << SEQ_BITS
 }
 
 const _: () = assert!(std::mem::size_of::<Slot>() <= SLOT);
@@ -105,6 +128,7 @@ impl Board {
         }
     }
 
+    #[inline]
     fn slot(&self, rank: usize) -> &Slot {
         assert!(rank < self.nranks);
         // SAFETY: slot `rank` lies inside the region; Slot is all atomics (valid for any bits).
@@ -114,6 +138,7 @@ impl Board {
     /// Rank `rank`'s inline data area for operation `seq` (`INLINE` bytes). Written by its rank
     /// before it arrives at `seq`; read by all between their arrival and the end of `seq + 1`
     /// (which no rank can finish before every rank has finished `seq`), so two areas suffice.
+    #[inline]
     pub fn inline_area(&self, rank: usize, seq: u64) -> *mut u8 {
         assert!(rank < self.nranks);
         let i = rank * 2 + (seq & 1) as usize;
@@ -123,6 +148,7 @@ impl Board {
 
     /// Where rank `rank` puts the input (`bytes` long) of an eager operation `seq`: next to its
     /// arrival when it is tiny, else its inline area. Same reuse rules as `inline_area`.
+    #[inline]
     pub fn eager_area(&self, rank: usize, seq: u64, bytes: usize) -> *mut u8 {
         if bytes <= TINY {
             self.slot(rank).eager[(seq & 1) as usize].tiny[0].as_ptr() as *mut u8
@@ -139,9 +165,13 @@ impl Board {
         (send, recv): (BufInfo, BufInfo),
         scalar: u64,
         vote: f64,
+        call: Call,
     ) {
         let s = self.slot(rank);
         s.vote.store(vote.to_bits(), Ordering::Relaxed);
+        for (w, v) in s.call[(seq & 1) as usize].iter().zip(call) {
+            w.store(v, Ordering::Relaxed);
+        }
         s.pid.store(self.pid as u64, Ordering::Relaxed);
         s.scalar[(seq & 1) as usize].store(scalar, Ordering::Relaxed);
         for (i, v) in [send.addr, send.alloc_id, send.fd, send.base, send.len]
@@ -151,23 +181,64 @@ impl Board {
         {
             s.words[i].store(v, Ordering::Relaxed);
         }
-        s.arrive.store(seq, Ordering::Release);
+        s.arrive.store(arrival(seq, call), Ordering::Release);
     }
 
     /// Publishes this rank's arrival at an eager operation `seq` (its input is in its eager
     /// area; peers read nothing else of its slot but its PreMulSum scalar, when it has one).
-    pub fn publish_eager(&self, rank: usize, seq: u64, scalar: Option<u64>) {
+    /// Returns the arrival word peers will see (`eager_word`).
+    pub fn publish_eager(&self, rank: usize, seq: u64, scalar: Option<u64>, call: Call) -> u64 {
         let s = self.slot(rank);
         if let Some(v) = scalar {
             s.scalar[(seq & 1) as usize].store(v, Ordering::Relaxed);
         }
+        // The call's words stay in this rank's own line: peers read them only on a mismatch.
+        for (w, v) in s.call[(seq & 1) as usize].iter().zip(call) {
+            w.store(v, Ordering::Relaxed);
+        }
+        let w = arrival(seq, call);
         s.eager[(seq & 1) as usize]
             .arrive
-            .store(seq, Ordering::Release);
+            .store(w, Ordering::Release);
+        w
+    }
+
+    /// `rank`'s arrival word at eager operations of `seq`'s parity: `seq` and the call's
+    /// signature once it has arrived at `seq` (what `publish_eager` returned there), an older
+    /// operation's before (no rank gets two ahead).
+    #[inline]
+    pub fn eager_word(&self, rank: usize, seq: u64) -> u64 {
+        self.slot(rank).eager[(seq & 1) as usize]
+            .arrive
+            .load(Ordering::Acquire)
+    }
+
+    /// Whether an eager arrival word is at `seq` or later.
+    #[inline]
+    pub fn reached(word: u64, seq: u64) -> bool {
+        word & SEQ_MASK >= seq
     }
 
     pub fn arrived(&self, rank: usize, seq: u64) -> bool {
-        self.slot(rank).arrive.load(Ordering::Acquire) >= seq
+        self.slot(rank).arrive.load(Ordering::Acquire) & SEQ_MASK >= seq
+    }
+
+    /// The signature `rank` arrived at operation `seq` with (`eager`: at an eager operation);
+    /// None until it has arrived there.
+    pub fn signature_of(&self, rank: usize, seq: u64, eager: bool) -> Option<u64> {
+        let s = self.slot(rank);
+        let w = if eager {
+            s.eager[(seq & 1) as usize].arrive.load(Ordering::Acquire)
+        } else {
+            s.arrive.load(Ordering::Acquire)
+        };
+        (w & SEQ_MASK == seq & SEQ_MASK).then_some(w >> SEQ_BITS)
+    }
+
+    /// What `rank` called at operation `seq` (valid once it has arrived there, until `seq + 2`).
+    pub fn call_of(&self, rank: usize, seq: u64) -> Call {
+        let c = &self.slot(rank).call[(seq & 1) as usize];
+        [c[0].load(Ordering::Relaxed), c[1].load(Ordering::Relaxed)]
     }
 
     /// Whether `rank` has arrived at eager operation `seq`. Its line of that parity holds `seq`
@@ -177,6 +248,7 @@ impl Board {
         self.slot(rank).eager[(seq & 1) as usize]
             .arrive
             .load(Ordering::Acquire)
+            & SEQ_MASK
             >= seq
     }
 

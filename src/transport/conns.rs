@@ -79,6 +79,27 @@ impl Conns {
         v
     }
 
+    /// Connects the ring (to the next rank, from the previous one) where the peers share this
+    /// host, as NCCL connects its rings at init: a launch then never waits for a peer's end of
+    /// the ring, so that a peer that called something else is seen on the board, not in an
+    /// exchange that waits for it.
+    pub fn connect_ring(&self) -> Result<()> {
+        let (r, n) = (self.rank, self.nranks);
+        if n < 2 {
+            return Ok(());
+        }
+        let keys = [((r + 1) % n, true), ((r + n - 1) % n, false)]
+            .into_iter()
+            .filter(|&(p, _)| self.locality(p) != Locality::OtherHost)
+            .map(|(peer, is_sender)| ConnKey {
+                peer,
+                is_sender,
+                class: super::Class::Ring,
+            });
+        let keys = self.missing(keys);
+        connect_all(&[(self, keys)])
+    }
+
     pub fn with_bootstrap<T>(&self, f: impl FnOnce(&Bootstrap) -> Result<T>) -> Result<T> {
         let b = self.bootstrap.lock();
         match b.as_ref() {

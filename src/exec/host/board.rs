@@ -10,8 +10,9 @@ use super::tune::{self, Tuner, CMA};
 use crate::error::{Error, Result};
 use crate::plan::board::{BoardKind, BoardOp};
 use crate::plan::segment;
+use crate::plan::RedSpec;
 use crate::reduce::Reducer;
-use crate::transport::board::{Board, TINY};
+use crate::transport::board::{signature, Board, Call, TINY};
 use crate::transport::cma;
 use crate::transport::Conn;
 use crate::types::{Reduction, Scalar};
@@ -71,6 +72,8 @@ enum Phase {
 
 pub(super) struct BoardState {
     phase: Phase,
+    /// This rank's arrival word at an eager operation: every peer's must be the same.
+    word: u64,
     /// When every rank had arrived, and the path the tuner chose (when it chose one).
     timed: Option<(Instant, usize)>,
 }
@@ -79,6 +82,7 @@ impl BoardState {
     pub(super) fn new() -> BoardState {
         BoardState {
             phase: Phase::Publish,
+            word: 0,
             timed: None,
         }
     }
@@ -141,14 +145,27 @@ impl BoardState {
                         }
                     };
                 }
-                op.board.publish_eager(op.rank, op.seq, premul_bits(op));
+                self.word =
+                    op.board
+                        .publish_eager(op.rank, op.seq, premul_bits(op), call_words(op));
                 self.phase = Phase::Arrive;
                 progressed = true;
             }
             Phase::Finished => return Ok(Poll::Done),
             _ => {}
         }
-        if !(0..op.nranks).all(|p| op.board.arrived_eager(p, op.seq)) {
+        // One load per peer says whether it arrived, and with the same call (the signature
+        // travels in the arrival word).
+        for p in 0..op.nranks {
+            let w = op.board.eager_word(p, op.seq);
+            if w == self.word {
+                continue;
+            }
+            if Board::reached(w, op.seq) {
+                return Err(mismatch(op, p));
+            }
+            // A peer at this operation with a direct one called something else.
+            other_kind_arrived(op, false)?;
             return Ok(if progressed {
                 Poll::Progress
             } else {
@@ -183,18 +200,22 @@ impl BoardState {
                         (send, recv),
                         premul_bits(op).unwrap_or(0),
                         vote,
+                        call_words(op),
                     );
                     self.phase = Phase::Arrive;
                     progressed = true;
                 }
                 Phase::Arrive => {
                     if !(0..op.nranks).all(|p| op.board.arrived(p, op.seq)) {
+                        other_kind_arrived(op, true)?;
                         return Ok(if progressed {
                             Poll::Progress
                         } else {
                             Poll::Blocked
                         });
                     }
+                    // Before anything is read or written: every rank called the same.
+                    same_calls(op)?;
                     let (peers, path) = resolve(op)?;
                     // Timed from when all have arrived: a late peer is not the path's fault.
                     self.timed = path.map(|p| (Instant::now(), p));
@@ -254,6 +275,101 @@ impl BoardState {
             }
         }
     }
+}
+
+/// The call as the board describes it (see `transport::board::Call`).
+#[inline]
+fn call_words(op: &Direct) -> Call {
+    let kind = op.kind as u64;
+    let red = match op.red {
+        None => 0,
+        Some(RedSpec::Ready(r)) => {
+            1 + r.kind as u64
+                + 4 * u64::from(r.premul.is_some())
+                + 8 * u64::from(r.postdiv.is_some())
+        }
+        Some(RedSpec::PreMul { .. }) => 16,
+    };
+    let root = if matches!(op.kind, BoardKind::Broadcast | BoardKind::Reduce) {
+        op.root as u64
+    } else {
+        0
+    };
+    [
+        op.count as u64,
+        kind | (op.dtype as u64) << 8 | red << 16 | root << 32,
+    ]
+}
+
+/// A call's words as a user would write it: "AllReduce of 4 x float (sum)".
+#[cold]
+fn describe_call(c: Call) -> String {
+    const KINDS: [&str; 5] = [
+        "AllReduce",
+        "Reduce",
+        "ReduceScatter",
+        "AllGather",
+        "Broadcast",
+    ];
+    let kind = KINDS.get((c[1] & 0xff) as usize).copied().unwrap_or("?");
+    let dtype =
+        crate::types::DataType::from_raw(((c[1] >> 8) & 0xff) as i32).map_or("?", |d| d.name());
+    let red = match (c[1] >> 16) & 0xff {
+        0 => String::new(),
+        16 => " (premulsum)".into(),
+        r => {
+            let k = ["sum", "prod", "max", "min"][((r - 1) & 3) as usize];
+            let avg = (r - 1) & 12 != 0;
+            format!(" ({})", if avg && k == "sum" { "avg" } else { k })
+        }
+    };
+    let root = if kind == "Broadcast" || kind == "Reduce" {
+        format!(", root {}", c[1] >> 32)
+    } else {
+        String::new()
+    };
+    format!("{kind} of {} x {dtype}{red}{root}", c[0])
+}
+
+/// The error of ranks that called different collectives at one operation.
+#[cold]
+#[inline(never)]
+fn mismatch(op: &Direct, peer: usize) -> Error {
+    Error::invalid_usage(format!(
+        "direct operation #{}: rank {} called {}, rank {peer} called {}: every rank must call a \
+         collective with the same count, datatype, reduction and root; nothing was written, and \
+         the communicator can now only be destroyed or aborted",
+        op.seq,
+        op.rank,
+        describe_call(call_words(op)),
+        describe_call(op.board.call_of(peer, op.seq))
+    ))
+}
+
+/// Every rank has arrived at a direct operation: an error if one called something else.
+fn same_calls(op: &Direct) -> Result<()> {
+    let mine = call_words(op);
+    let sig = signature(mine);
+    for p in (0..op.nranks).filter(|&p| p != op.rank) {
+        let same = op.board.signature_of(p, op.seq, false) == Some(sig)
+            && op.board.call_of(p, op.seq) == mine;
+        if !same {
+            return Err(mismatch(op, p));
+        }
+    }
+    Ok(())
+}
+
+/// While waiting for peers: an error if one arrived at this operation with the other kind
+/// (eager where this rank is direct, or the other way round: their counts differ).
+#[cold]
+fn other_kind_arrived(op: &Direct, eager: bool) -> Result<()> {
+    for p in (0..op.nranks).filter(|&p| p != op.rank) {
+        if op.board.signature_of(p, op.seq, eager).is_some() {
+            return Err(mismatch(op, p));
+        }
+    }
+    Ok(())
 }
 
 /// Every rank's inputs are scaled by that rank's own PreMulSum scalar: this rank's, to publish
