@@ -225,6 +225,20 @@ impl Running {
             }
             return;
         }
+        if let Some((r, pid)) = self.comm().dead_peer() {
+            let e = Error::remote(format!(
+                "{} on rank {}: rank {r} (process {pid} on this host) has died",
+                self.task.what,
+                self.comm().rank
+            ));
+            if self.started {
+                self.finish(Err(e));
+            } else {
+                self.comm().health.fail(e.clone());
+                self.result = Some(Err(e));
+            }
+            return;
+        }
         if self.started && self.last_progress.elapsed() > timeout {
             let waiting = self
                 .stage_lanes

@@ -32,6 +32,9 @@ pub struct HostComm {
     pub tuner: Arc<Tuner>,
     /// Every rank can read and write every other rank's process memory (`transport::cma`).
     pub cma: bool,
+    /// The pids of peers in other processes of this host, by rank (None: this process, or
+    /// another host), watched while an operation waits (`dead_peer`).
+    peer_pids: Vec<Option<u32>>,
 }
 
 impl HostComm {
@@ -67,7 +70,12 @@ impl HostComm {
         } else {
             None
         };
+        let peer_pids = peers
+            .iter()
+            .map(|q| (q.host == me.host && q.pid != me.pid).then_some(q.pid))
+            .collect();
         Ok(HostComm {
+            peer_pids,
             rank,
             nranks,
             health,
@@ -157,6 +165,16 @@ impl HostComm {
         }
     }
 
+    /// A peer process of this host that has died (exited, killed, or a zombie), as (rank, pid):
+    /// what a waiting operation checks now and then, so that it fails at once rather than at
+    /// its timeout.
+    pub fn dead_peer(&self) -> Option<(usize, u32)> {
+        self.peer_pids
+            .iter()
+            .enumerate()
+            .find_map(|(r, p)| p.filter(|&pid| !alive(pid)).map(|pid| (r, pid)))
+    }
+
     /// Whether `board_op` gives an operation.
     #[inline]
     pub fn has_board(&self) -> bool {
@@ -169,5 +187,17 @@ impl HostComm {
     pub fn board_op(&self) -> Option<(Arc<Board>, u64)> {
         let b = self.board.clone()?;
         Some((b, self.board_seq.fetch_add(1, Ordering::AcqRel) + 1))
+    }
+}
+
+/// Whether process `pid` runs (a zombie has died: its parent has not collected it yet).
+fn alive(pid: u32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Err(_) => false,
+        // "pid (comm) S ...": the state follows the last ')'.
+        Ok(stat) => stat
+            .rsplit_once(')')
+            .and_then(|(_, rest)| rest.trim_start().chars().next())
+            .is_some_and(|st| st != 'Z' && st != 'X'),
     }
 }
