@@ -27,6 +27,12 @@ pub const PARAMS: &[Param] = &[
         default: "300",
     },
     Param {
+        name: "OXCCL_WATCHDOG_S",
+        doc: "seconds without progress after which a waiting operation logs a WARN naming the \
+              communicator, the operation and what it waits for (0: never)",
+        default: "30",
+    },
+    Param {
         name: "OXCCL_CHUNK_BYTES",
         doc: "bytes per FIFO slot of a connection",
         default: "131072",
@@ -122,6 +128,16 @@ pub fn nccl_debug() -> Option<String> {
 pub fn timeout() -> Duration {
     static T: once_cell::sync::Lazy<Duration> =
         once_cell::sync::Lazy::new(|| Duration::from_secs(get_u64("OXCCL_TIMEOUT_S").max(1)));
+    *T
+}
+
+/// How long an operation may wait without progress before it says so (None: never).
+pub fn watchdog() -> Option<Duration> {
+    static T: once_cell::sync::Lazy<Option<Duration>> = once_cell::sync::Lazy::new(|| {
+        Some(get_u64("OXCCL_WATCHDOG_S"))
+            .filter(|&s| s > 0)
+            .map(Duration::from_secs)
+    });
     *T
 }
 

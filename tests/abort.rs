@@ -19,8 +19,8 @@ fn abort_while_workers_run_then_buffers_are_ours() {
         return abort_while_workers_run();
     }
     let me = "abort_while_workers_run_then_buffers_are_ours";
-    common::in_child(me, &[("OXCCL_INLINE_US", "0")]);
-    common::in_child(me, &[("OXCCL_INLINE_US", "0"), ("OXCCL_ALGO", "ring")]);
+    let _ = common::in_child(me, &[("OXCCL_INLINE_US", "0")]);
+    let _ = common::in_child(me, &[("OXCCL_INLINE_US", "0"), ("OXCCL_ALGO", "ring")]);
 }
 
 fn abort_while_workers_run() {

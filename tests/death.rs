@@ -49,7 +49,15 @@ fn a_peer_killed_is_an_error_within_seconds() {
     );
     assert!(took < Duration::from_secs(5), "detected after {took:?}");
     eprintln!("death detected after {took:?}: {e}");
+    // Abort returns at once with the peer dead.
+    let t1 = Instant::now();
     let _ = api::comm_abort(api::comm_handle(&c));
+    let abort = t1.elapsed();
+    eprintln!("ncclCommAbort took {abort:?}");
+    assert!(
+        abort < Duration::from_secs(1),
+        "ncclCommAbort took {abort:?}"
+    );
 }
 
 fn parent() {

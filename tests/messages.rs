@@ -25,8 +25,26 @@ fn all_reduce(send: &[f32], recv: &mut [f32]) -> CollArgs {
 fn a_timeout_names_the_peer_and_what_was_awaited() {
     if !common::is_child() {
         let me = "a_timeout_names_the_peer_and_what_was_awaited";
-        common::in_child(me, &[("OXCCL_TIMEOUT_S", "1")]);
-        common::in_child(me, &[("OXCCL_TIMEOUT_S", "1"), ("OXCCL_ALGO", "ring")]);
+        let _ = common::in_child(me, &[("OXCCL_TIMEOUT_S", "1")]);
+        let _ = common::in_child(me, &[("OXCCL_TIMEOUT_S", "1"), ("OXCCL_ALGO", "ring")]);
+        // The watchdog speaks before the timeout, in NCCL's WARN line format.
+        let out = common::in_child(
+            me,
+            &[
+                ("OXCCL_TIMEOUT_S", "3"),
+                ("OXCCL_WATCHDOG_S", "1"),
+                ("NCCL_DEBUG", "WARN"),
+            ],
+        );
+        let warn = out
+            .lines()
+            .find(|l| l.contains("NCCL WARN watchdog:"))
+            .unwrap_or_else(|| panic!("no watchdog line:\n{out}"));
+        assert!(
+            warn.contains(" rank 0: operation #1 (AllReduce of 4 x float) has made no progress for 1 s: waiting for rank 1 to arrive at direct operation #1")
+                && warn.contains("comm 0x"),
+            "{warn}"
+        );
         return;
     }
     let ring = std::env::var("OXCCL_ALGO").is_ok();
@@ -50,10 +68,11 @@ fn a_timeout_names_the_peer_and_what_was_awaited() {
     .unwrap_err();
     assert_eq!(e.code, Code::Timeout, "{e}");
     let msg = e.to_string();
+    let t = std::env::var("OXCCL_TIMEOUT_S").unwrap();
     assert!(
-        msg.contains(
-            "AllReduce of 4 x float on rank 0 made no progress for 1 s: waiting for rank 1 "
-        ),
+        msg.contains(&format!(
+            "AllReduce of 4 x float on rank 0 made no progress for {t} s: waiting for rank 1 "
+        )),
         "{msg}"
     );
     if ring {

@@ -197,6 +197,7 @@ fn build_core(p: PendingInit) -> Result<Core> {
         peers: &peers,
         boot: &boot,
         health: health.clone(),
+        name: p.config.comm_name.clone(),
     })?;
     let local = peers.iter().filter(|q| q.host == me.host).count();
     let conns = Conns::new(boot, peers, hash);

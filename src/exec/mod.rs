@@ -76,13 +76,17 @@ pub struct CommSetup<'a> {
     pub peers: &'a [PeerInfo],
     pub boot: &'a Bootstrap,
     pub health: Arc<Health>,
+    /// `ncclConfig_t.commName`, for log lines.
+    pub name: Option<String>,
 }
 
 impl CommExec {
     pub fn init(s: CommSetup<'_>) -> Result<CommExec> {
         match kind() {
-            Kind::Host => host::HostComm::init(s.rank, s.nranks, s.hash, s.peers, s.boot, s.health)
-                .map(|h| CommExec::Host(Arc::new(h))),
+            Kind::Host => {
+                host::HostComm::init(s.rank, s.nranks, s.hash, s.peers, s.boot, s.health, s.name)
+                    .map(|h| CommExec::Host(Arc::new(h)))
+            }
             Kind::Cuda => cuda::CudaComm::init(s).map(CommExec::Cuda),
         }
     }

@@ -53,9 +53,10 @@ pub fn is_child() -> bool {
 }
 
 /// Runs this binary's test `test` again in a child process on the host executor with `env`
-/// added (the library reads its parameters once per process), and asserts that it passed.
+/// added (the library reads its parameters once per process), and asserts that it passed; its
+/// output (stdout, then stderr).
 #[allow(dead_code)]
-pub fn in_child(test: &str, env: &[(&str, &str)]) {
+pub fn in_child(test: &str, env: &[(&str, &str)]) -> String {
     let out = std::process::Command::new(std::env::current_exe().unwrap())
         .args(["--exact", test, "--nocapture", "--test-threads=1"])
         .env("OXCCL_TEST_CHILD", "1")
@@ -70,4 +71,5 @@ pub fn in_child(test: &str, env: &[(&str, &str)]) {
         text.contains("1 passed"),
         "{test} with {env:?} ran nothing:\n{text}"
     );
+    text
 }

@@ -95,6 +95,8 @@ struct Running {
     p2p: Vec<Lane>,
     result: Option<Result<()>>,
     last_progress: Instant,
+    /// The watchdog's WARN was logged for the current wait.
+    warned: bool,
 }
 
 impl Running {
@@ -110,6 +112,7 @@ impl Running {
             p2p,
             result: None,
             last_progress: Instant::now(),
+            warned: false,
         }
     }
 
@@ -166,6 +169,7 @@ impl Running {
         }
         if progress {
             self.last_progress = Instant::now();
+            self.warned = false;
             Poll::Progress
         } else {
             Poll::Blocked
@@ -201,6 +205,15 @@ impl Running {
         self.comm().advance_serving(self.task.ticket);
         self.result = Some(r);
         Poll::Done
+    }
+
+    /// What the task waits for, as the end of a sentence.
+    fn waiting(&self) -> String {
+        self.stage_lanes
+            .iter()
+            .chain(self.p2p.iter())
+            .find_map(describe_wait)
+            .unwrap_or_else(|| "its peers".into())
     }
 
     fn aborted_error(&self) -> Error {
@@ -239,13 +252,25 @@ impl Running {
             }
             return;
         }
-        if self.started && self.last_progress.elapsed() > timeout {
-            let waiting = self
-                .stage_lanes
-                .iter()
-                .chain(self.p2p.iter())
-                .find_map(describe_wait)
-                .unwrap_or_else(|| "its peers".into());
+        let waited = self.last_progress.elapsed();
+        if self.started && !self.warned && crate::param::watchdog().is_some_and(|w| waited > w) {
+            // The watchdog: which rank hangs, and on what.
+            self.warned = true;
+            let comm = self.comm();
+            crate::debug::warn(&format!(
+                "watchdog: comm {:#x}{} rank {}: operation #{} ({}) has made no progress for {} s: \
+                 waiting for {}",
+                comm.hash,
+                comm.name.as_deref().map_or(String::new(), |n| format!(" ({n})")),
+                comm.rank,
+                self.task.ticket + 1,
+                self.task.what,
+                waited.as_secs(),
+                self.waiting()
+            ));
+        }
+        if self.started && waited > timeout {
+            let waiting = self.waiting();
             let e = Error::timeout(format!(
                 "{} on rank {} made no progress for {} s: waiting for {}",
                 self.task.what,

@@ -16,6 +16,9 @@ use std::time::Instant;
 pub struct HostComm {
     pub rank: usize,
     pub nranks: usize,
+    /// The communicator's hash and name, for log lines.
+    pub hash: u64,
+    pub name: Option<String>,
     pub health: Arc<Health>,
     next_ticket: AtomicU64,
     serving: AtomicU64,
@@ -46,6 +49,7 @@ impl HostComm {
         peers: &[PeerInfo],
         boot: &Bootstrap,
         health: Arc<Health>,
+        name: Option<String>,
     ) -> Result<HostComm> {
         let me = &peers[rank];
         let mut cma = false;
@@ -76,6 +80,8 @@ impl HostComm {
             .collect();
         Ok(HostComm {
             peer_pids,
+            hash,
+            name,
             rank,
             nranks,
             health,
