@@ -1,22 +1,11 @@
 //! A peer process that dies is an error on the rank that waits for it, within seconds (not at
 //! the timeout), naming the dead rank and its pid.
 
-use nccl::api::{self, CollArgs, StreamArg};
+use nccl::api::{self, StreamArg};
 use nccl::error::Code;
-use nccl::types::{CollKind, DataType, OP_SUM};
 use std::time::{Duration, Instant};
 
-fn all_reduce(send: &[f32], recv: &mut [f32]) -> CollArgs {
-    CollArgs {
-        kind: CollKind::AllReduce,
-        send: send.as_ptr() as usize,
-        recv: recv.as_mut_ptr() as usize,
-        count: send.len(),
-        dtype: DataType::Float32,
-        op: OP_SUM,
-        root: 0,
-    }
-}
+mod common;
 
 /// In a child: rank 1 dies by SIGKILL right after init (its parent does not collect it while
 /// rank 0 waits, so it is a zombie then: dead all the same); rank 0 then all-reduces with it.
@@ -40,7 +29,12 @@ fn a_peer_killed_is_an_error_within_seconds() {
     let send = vec![1f32; count];
     let mut recv = vec![0f32; count];
     let t0 = Instant::now();
-    let e = api::enqueue(&c, all_reduce(&send, &mut recv), StreamArg::Null).unwrap_err();
+    let e = api::enqueue(
+        &c,
+        common::all_reduce_f32(&send, &mut recv),
+        StreamArg::Null,
+    )
+    .unwrap_err();
     let took = t0.elapsed();
     assert_eq!(e.code, Code::RemoteError, "{e}");
     assert!(

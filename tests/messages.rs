@@ -1,23 +1,10 @@
 //! What a timeout says: the operation, the rank, and what it waited for as a sentence that
 //! names the peer and, on a ring, the step.
 
-use nccl::api::{self, CollArgs, StreamArg};
+use nccl::api::{self, StreamArg};
 use nccl::error::Code;
-use nccl::types::{CollKind, DataType, OP_SUM};
 
 mod common;
-
-fn all_reduce(send: &[f32], recv: &mut [f32]) -> CollArgs {
-    CollArgs {
-        kind: CollKind::AllReduce,
-        send: send.as_ptr() as usize,
-        recv: recv.as_mut_ptr() as usize,
-        count: send.len(),
-        dtype: DataType::Float32,
-        op: OP_SUM,
-        root: 0,
-    }
-}
 
 /// Rank 0 of 2 calls an all-reduce that rank 1 never joins: after the timeout (1 s here) the
 /// error names rank 1, and what rank 0 waited for.
@@ -55,14 +42,24 @@ fn a_timeout_names_the_peer_and_what_was_awaited() {
     if ring {
         // One operation together first, so that the ring's connections exist.
         api::group_start().unwrap();
-        api::enqueue(&comms[0], all_reduce(&send, &mut recv), StreamArg::Null).unwrap();
-        api::enqueue(&comms[1], all_reduce(&send, &mut recv1), StreamArg::Null).unwrap();
+        api::enqueue(
+            &comms[0],
+            common::all_reduce_f32(&send, &mut recv),
+            StreamArg::Null,
+        )
+        .unwrap();
+        api::enqueue(
+            &comms[1],
+            common::all_reduce_f32(&send, &mut recv1),
+            StreamArg::Null,
+        )
+        .unwrap();
         api::group_end().unwrap();
         assert!(recv.iter().all(|&x| x == 2.0));
     }
     let e = api::enqueue(
         &comms[0],
-        all_reduce(&send[..4], &mut recv[..4]),
+        common::all_reduce_f32(&send[..4], &mut recv[..4]),
         StreamArg::Null,
     )
     .unwrap_err();

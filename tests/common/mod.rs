@@ -73,3 +73,17 @@ pub fn in_child(test: &str, env: &[(&str, &str)]) -> String {
     );
     text
 }
+
+/// A float32 sum all-reduce of `send` into `recv`.
+#[allow(dead_code)]
+pub fn all_reduce_f32(send: &[f32], recv: &mut [f32]) -> nccl::api::CollArgs {
+    nccl::api::CollArgs {
+        kind: nccl::types::CollKind::AllReduce,
+        send: send.as_ptr() as usize,
+        recv: recv.as_mut_ptr() as usize,
+        count: send.len(),
+        dtype: nccl::types::DataType::Float32,
+        op: nccl::types::OP_SUM,
+        root: 0,
+    }
+}
