@@ -5,11 +5,12 @@
 //! for each other.
 
 use super::peer::PeerInfo;
-use super::{pick, Conn, ConnKey, ConnSpec, Endpoint, Locality};
+use super::{pick, Conn, ConnKey, ConnSpec, Endpoint, KeyHasher, Locality};
 use crate::bootstrap::Bootstrap;
 use crate::error::{Error, Result};
 use parking_lot::Mutex;
 use std::collections::HashMap;
+use std::hash::BuildHasherDefault;
 use std::sync::Arc;
 
 /// A rank's view of its communicator's peers and the connections made so far.
@@ -21,7 +22,7 @@ pub struct Conns {
     pub slot_bytes: usize,
     pub nsteps: usize,
     peers: Vec<PeerInfo>,
-    map: Mutex<HashMap<ConnKey, Arc<Conn>>>,
+    map: Mutex<HashMap<ConnKey, Arc<Conn>, BuildHasherDefault<KeyHasher>>>,
     /// The out-of-band channel; None once the communicator is torn down.
     bootstrap: Mutex<Option<Bootstrap>>,
 }
@@ -40,7 +41,7 @@ impl Conns {
             slot_bytes: peers[0].slot_bytes as usize,
             nsteps: peers[0].nsteps as usize,
             peers,
-            map: Mutex::new(HashMap::new()),
+            map: Mutex::new(HashMap::default()),
             bootstrap: Mutex::new(Some(boot)),
         }
     }
@@ -71,7 +72,12 @@ impl Conns {
     /// The keys of `keys` not connected yet, each once, in order.
     pub fn missing(&self, keys: impl IntoIterator<Item = ConnKey>) -> Vec<ConnKey> {
         let map = self.map.lock();
-        let mut v: Vec<ConnKey> = keys.into_iter().filter(|k| !map.contains_key(k)).collect();
+        // Steps name the same few connections over and over: look each up once.
+        let mut last = None;
+        let mut v: Vec<ConnKey> = keys
+            .into_iter()
+            .filter(|k| last.replace(*k) != Some(*k) && !map.contains_key(k))
+            .collect();
         if v.len() > 1 {
             v.sort();
             v.dedup();

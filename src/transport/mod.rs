@@ -64,12 +64,37 @@ impl Locality {
 }
 
 /// One end of a connection, as plans name it: the peer, which end this is, the traffic class.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+/// Hashes as one word (see `KeyHasher`): launches look keys up on every task.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub struct ConnKey {
     pub peer: usize,
     /// This rank sends on the connection (else it receives).
     pub is_sender: bool,
     pub class: Class,
+}
+
+impl std::hash::Hash for ConnKey {
+    fn hash<H: std::hash::Hasher>(&self, h: &mut H) {
+        h.write_u64((self.peer as u64) << 3 | (self.class as u64) << 1 | self.is_sender as u64);
+    }
+}
+
+/// A hasher for keys that are one small word already (`ConnKey`): a multiply spreads it.
+#[derive(Default)]
+pub struct KeyHasher(u64);
+
+impl std::hash::Hasher for KeyHasher {
+    fn finish(&self) -> u64 {
+        self.0.wrapping_mul(0x9e37_79b9_7f4a_7c15)
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = self.0.rotate_left(8) ^ b as u64;
+        }
+    }
+    fn write_u64(&mut self, v: u64) {
+        self.0 ^= v;
+    }
 }
 
 /// A way to connect two ranks.
