@@ -136,13 +136,16 @@ impl Task {
 
 fn item(comm: &HostComm, conns: &Conns, w: Work, sc: &Scratch) -> Result<Item> {
     // A program names the same few connections step after step: look each up once.
-    let mut seen: Vec<(ConnKey, Arc<Conn>)> = Vec::new();
+    // (A few, in place: a launch allocates enough already.)
+    let mut seen: [Option<(ConnKey, Arc<Conn>)>; 4] = Default::default();
     let mut bind = |k: ConnKey| -> Result<Arc<Conn>> {
-        if let Some((_, c)) = seen.iter().find(|(x, _)| *x == k) {
+        if let Some((_, c)) = seen.iter().flatten().find(|(x, _)| *x == k) {
             return Ok(c.clone());
         }
         let c = conns.bound(k)?;
-        seen.push((k, c.clone()));
+        if let Some(free) = seen.iter_mut().find(|s| s.is_none()) {
+            *free = Some((k, c.clone()));
+        }
         Ok(c)
     };
     Ok(match w {
