@@ -63,19 +63,21 @@ fn policies(prog: &HostProgram) -> (bool, bool) {
         .iter()
         .any(|s| s.prim.writes_dst() && s.len > 0 && s.src == s.dst);
     let stream_out = !in_place && out_bytes >= crate::param::stream_bytes();
-    let run_ahead = crate::param::run_ahead() && {
-        let regions: Vec<(usize, usize)> = steps
+    // Every two regions start at the same address or do not overlap (no allocation: a program
+    // has a few steps, and this runs at each program's start).
+    let regions = || {
+        steps
             .iter()
             .filter(|s| s.len > 0)
             .flat_map(|s| [(at(s.src), s.len * esize), (at(s.dst), s.len * esize)])
             .filter(|&(a, _)| a != 0)
-            .collect();
-        regions.iter().enumerate().all(|(i, &(a, la))| {
-            regions[i + 1..]
-                .iter()
-                .all(|&(b, lb)| a == b || a + la <= b || b + lb <= a)
-        })
     };
+    let run_ahead = crate::param::run_ahead()
+        && regions().enumerate().all(|(i, (a, la))| {
+            regions()
+                .skip(i + 1)
+                .all(|(b, lb)| a == b || a + la <= b || b + lb <= a)
+        });
     (stream_out, run_ahead)
 }
 
