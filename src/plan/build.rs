@@ -21,8 +21,8 @@ pub struct Caps {
 }
 
 /// What a task does, for messages: its first call, and how many more the group has.
-pub fn describe(qs: &[(CollArgs, Option<RedSpec>)]) -> What {
-    let a = &qs[0].0;
+pub fn describe<T>(qs: &[T], call: impl Fn(&T) -> (CollArgs, Option<RedSpec>)) -> What {
+    let a = &call(&qs[0]).0;
     What {
         kind: a.kind.name(),
         count: a.count,
@@ -36,7 +36,15 @@ pub fn describe(qs: &[(CollArgs, Option<RedSpec>)]) -> What {
 /// `caps`: what the executor offers this communicator; collectives that can run as direct
 /// operations are planned as such (eager up to its eager limit, else with the ring to fall back
 /// on).
-pub fn build_task(l: &dyn Links, caps: Caps, qs: &[(CollArgs, Option<RedSpec>)]) -> Result<Task> {
+///
+/// `call` reads a call's arguments and reduction out of the caller's records (no copy of them
+/// is made: this runs at every launch).
+pub fn build_task<T>(
+    l: &dyn Links,
+    caps: Caps,
+    qs: &[T],
+    call: impl Fn(&T) -> (CollArgs, Option<RedSpec>),
+) -> Result<Task> {
     let direct = caps.direct;
     let (rank, nranks) = (l.rank(), l.nranks());
     let mut task = Task::default();
@@ -49,6 +57,7 @@ pub fn build_task(l: &dyn Links, caps: Caps, qs: &[(CollArgs, Option<RedSpec>)])
     // copy taken when the task starts: the receive may run ahead of the send.
     let recvs: Vec<(usize, usize)> = qs
         .iter()
+        .map(&call)
         .filter(|(a, _)| a.kind == CollKind::Recv)
         .map(|(a, _)| (a.recv, a.count * a.dtype.size()))
         .collect();
@@ -62,7 +71,8 @@ pub fn build_task(l: &dyn Links, caps: Caps, qs: &[(CollArgs, Option<RedSpec>)])
         }
     };
     let res = (|| -> Result<()> {
-        for &(a, red) in qs {
+        for q in qs {
+            let (a, red) = call(q);
             let root = a.root.max(0) as usize;
             let fault = Some((
                 a.dtype,

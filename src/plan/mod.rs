@@ -193,11 +193,24 @@ impl Program {
             .iter()
             .flat_map(|s| s.send.into_iter().chain(s.recv))
     }
+
+    /// Calls `f` with each connection the program uses (a plain loop: launches do this).
+    pub fn for_each_key(&self, f: &mut impl FnMut(ConnKey)) {
+        for s in &self.steps {
+            if let Some(k) = s.send {
+                f(k);
+            }
+            if let Some(k) = s.recv {
+                f(k);
+            }
+        }
+    }
 }
 
 impl<C> Program<C> {
     /// The same program over connection handles `bind` gives for its keys.
     pub fn bind<D>(self, bind: &mut impl FnMut(C) -> Result<D>) -> Result<Program<D>> {
+        // Collected in place where the step sizes allow (this runs at every launch).
         let steps = self
             .steps
             .into_iter()
@@ -265,6 +278,18 @@ impl Work {
             Work::Board(b) => b.fallback.as_deref(),
         };
         prog.into_iter().flat_map(|p| p.keys())
+    }
+
+    /// Calls `f` with each connection the work may use.
+    pub fn for_each_key(&self, f: &mut impl FnMut(ConnKey)) {
+        match self {
+            Work::Steps(p) => p.for_each_key(f),
+            Work::Board(b) => {
+                if let Some(p) = &b.fallback {
+                    p.for_each_key(f)
+                }
+            }
+        }
     }
 }
 

@@ -26,6 +26,22 @@ impl Task {
     }
 }
 
+impl Task {
+    /// Calls `f` with every connection the task may use (with repeats; a plain loop).
+    pub fn for_each_key(&self, f: &mut impl FnMut(ConnKey)) {
+        for lane in self
+            .stages
+            .iter()
+            .flat_map(|s| s.lanes.iter())
+            .chain(self.p2p.iter())
+        {
+            for w in lane {
+                w.for_each_key(f);
+            }
+        }
+    }
+}
+
 /// A task's description, formatted only when a message needs it (not on every launch).
 #[derive(Clone, Copy, Debug)]
 pub struct What {

@@ -224,7 +224,8 @@ fn every_plan_kind_of_the_c_matrix_encodes_and_decodes() {
                                             root: root as i32,
                                         };
                                         let t =
-                                            build_task(&links, caps(direct), &[(a, *red)]).unwrap();
+                                            build_task(&links, caps(direct), &[(a, *red)], |c| *c)
+                                                .unwrap();
                                         let f = round_trip(&t, &|| {
                                             format!("{kind:?} n {n} rank {rank} root {root} {dtype:?} count {count} in place {in_place} direct {direct} red {red:?}")
                                         });
@@ -275,7 +276,7 @@ fn every_plan_kind_of_the_c_matrix_encodes_and_decodes() {
                         v.push(call(Recv, recv_at(p), count + p + rank, p));
                     }
                     for (name, calls) in [("SendRecv", &shift[..]), ("AlltoAllv", &v[..])] {
-                        let t = build_task(&links, caps(true), calls).unwrap();
+                        let t = build_task(&links, caps(true), calls, |c| *c).unwrap();
                         let f = round_trip(&t, &|| {
                             format!("{name} n {n} rank {rank} count {count} in place {in_place}")
                         });
@@ -384,7 +385,7 @@ fn decoding_rejects_malformed_records() {
         root: 0,
     };
     let red = reductions(DataType::Float32, 3)[0];
-    let t = build_task(&links, caps(false), &[(a, Some(red))]).unwrap();
+    let t = build_task(&links, caps(false), &[(a, Some(red))], |c| *c).unwrap();
     let f = encode::encode(&t).unwrap();
     let mut bad = f.clone();
     bad.steps[0].prim = 99;

@@ -27,6 +27,14 @@ pub struct Conns {
     bootstrap: Mutex<Option<Bootstrap>>,
 }
 
+fn finish_missing(mut v: Vec<ConnKey>) -> Vec<ConnKey> {
+    if v.len() > 1 {
+        v.sort();
+        v.dedup();
+    }
+    v
+}
+
 /// Blob status bytes: the end is set up (the transport's blob follows), or it failed (a message
 /// follows), so the peer fails too instead of waiting.
 const READY: u8 = 0;
@@ -71,18 +79,31 @@ impl Conns {
 
     /// The keys of `keys` not connected yet, each once, in order.
     pub fn missing(&self, keys: impl IntoIterator<Item = ConnKey>) -> Vec<ConnKey> {
+        let mut v = Vec::new();
+        let mut visit = self.missing_visitor(&mut v);
+        keys.into_iter().for_each(&mut visit);
+        drop(visit);
+        finish_missing(v)
+    }
+
+    /// `missing` over keys a caller visits (`plan::Task::for_each_key`).
+    pub fn missing_of(&self, visit: impl FnOnce(&mut dyn FnMut(ConnKey))) -> Vec<ConnKey> {
+        let mut v = Vec::new();
+        let mut f = self.missing_visitor(&mut v);
+        visit(&mut f);
+        drop(f);
+        finish_missing(v)
+    }
+
+    fn missing_visitor<'a>(&'a self, out: &'a mut Vec<ConnKey>) -> impl FnMut(ConnKey) + 'a {
         let map = self.map.lock();
         // Steps name the same few connections over and over: look each up once.
         let mut last = None;
-        let mut v: Vec<ConnKey> = keys
-            .into_iter()
-            .filter(|k| last.replace(*k) != Some(*k) && !map.contains_key(k))
-            .collect();
-        if v.len() > 1 {
-            v.sort();
-            v.dedup();
+        move |k| {
+            if last.replace(k) != Some(k) && !map.contains_key(&k) {
+                out.push(k);
+            }
         }
-        v
     }
 
     /// Connects the ring (to the next rank, from the previous one) where the peers share this

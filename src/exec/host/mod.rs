@@ -269,10 +269,13 @@ fn launch_tasks(ops: Vec<Call<'_>>) -> Result<()> {
     // (ranks this thread drives wait for each other's ends), then bind and queue them in order.
     let mut planned = Vec::with_capacity(per_comm.len());
     for qs in per_comm {
-        let calls: Vec<_> = qs.iter().map(|q| (q.args, q.red)).collect();
+        let call = |q: &Call<'_>| (q.args, q.red);
         let comm = qs[0].host();
-        match crate::plan::build::build_task(qs[0].conns, comm.caps(), &calls) {
-            Ok(t) => planned.push((qs, t, crate::plan::build::describe(&calls))),
+        match crate::plan::build::build_task(qs[0].conns, comm.caps(), &qs, call) {
+            Ok(t) => {
+                let what = crate::plan::build::describe(&qs, call);
+                planned.push((qs, t, what))
+            }
             Err(e) => {
                 first_err.get_or_insert(e);
             }
@@ -280,7 +283,10 @@ fn launch_tasks(ops: Vec<Call<'_>>) -> Result<()> {
     }
     let needs: Vec<_> = planned
         .iter()
-        .map(|(qs, t, _)| (qs[0].conns, qs[0].conns.missing(t.keys())))
+        .map(|(qs, t, _)| {
+            let conns = qs[0].conns;
+            (conns, conns.missing_of(|f| t.for_each_key(&mut |k| f(k))))
+        })
         .filter(|(_, keys)| !keys.is_empty())
         .collect();
     if !needs.is_empty() {

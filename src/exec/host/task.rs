@@ -113,19 +113,26 @@ impl Task {
     ) -> Result<Task> {
         let mut task = Task::new(comm.clone(), what);
         let lanes = |lanes: Vec<Vec<Work>>, sc: &Scratch| -> Result<Vec<Vec<Item>>> {
+            // Collected in place (an Item is the size of the Work it replaces): no allocation.
             lanes
                 .into_iter()
                 .map(|l| l.into_iter().map(|w| item(comm, conns, w, sc)).collect())
                 .collect()
         };
-        for s in t.stages {
-            let stash = Scratch::new(&s.stash);
-            task.stages.push_back(Stage {
-                lanes: lanes(s.lanes, &stash)?,
-                fault: s.fault,
-                stash,
-            });
-        }
+        // Converted in place (a host stage is the size of a planned one): no allocation.
+        let stages: Vec<plan::Stage> = t.stages.into();
+        task.stages = stages
+            .into_iter()
+            .map(|s| {
+                let stash = Scratch::new(&s.stash);
+                Ok(Stage {
+                    lanes: lanes(s.lanes, &stash)?,
+                    fault: s.fault,
+                    stash,
+                })
+            })
+            .collect::<Result<Vec<Stage>>>()?
+            .into();
         task.p2p_stash = Scratch::new(&t.p2p_stash);
         task.p2p = lanes(t.p2p, &task.p2p_stash)?;
         // The ticket is taken only once planning succeeded, so a failed plan never blocks the comm.
