@@ -20,19 +20,12 @@ use crate::types::CollArgs;
 use std::sync::Arc;
 use std::time::Instant;
 
-/// Which executor runs this process's communicators (chosen once: the CUDA executor where a
-/// driver is found, unless `OXCCL_DEVICE=host`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Kind {
-    Host,
-    Cuda,
-}
+/// Which executor runs this process's communicators (chosen once by `device`: the CUDA
+/// executor where a driver is found, unless `OXCCL_DEVICE=host`).
+pub use crate::device::DeviceKind as Kind;
 
 pub fn kind() -> Kind {
-    match crate::device::kind() {
-        crate::device::DeviceKind::Host => Kind::Host,
-        crate::device::DeviceKind::Cuda => Kind::Cuda,
-    }
+    crate::device::kind()
 }
 
 /// What a `cudaStream_t` argument means to the executor.

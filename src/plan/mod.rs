@@ -187,13 +187,6 @@ impl Program {
         }
     }
 
-    /// The connections the program uses.
-    pub fn keys(&self) -> impl Iterator<Item = ConnKey> + '_ {
-        self.steps
-            .iter()
-            .flat_map(|s| s.send.into_iter().chain(s.recv))
-    }
-
     /// Calls `f` with each connection the program uses (a plain loop: launches do this).
     pub fn for_each_key(&self, f: &mut impl FnMut(ConnKey)) {
         for s in &self.steps {
@@ -271,15 +264,6 @@ impl From<Program> for Work {
 }
 
 impl Work {
-    /// The connections the work may use.
-    pub fn keys(&self) -> impl Iterator<Item = ConnKey> + '_ {
-        let prog = match self {
-            Work::Steps(p) => Some(p),
-            Work::Board(b) => b.fallback.as_deref(),
-        };
-        prog.into_iter().flat_map(|p| p.keys())
-    }
-
     /// Calls `f` with each connection the work may use.
     pub fn for_each_key(&self, f: &mut impl FnMut(ConnKey)) {
         match self {

@@ -15,18 +15,6 @@ pub struct Task {
 }
 
 impl Task {
-    /// Every connection the task may use (with repeats).
-    pub fn keys(&self) -> impl Iterator<Item = ConnKey> + '_ {
-        self.stages
-            .iter()
-            .flat_map(|s| s.lanes.iter())
-            .chain(self.p2p.iter())
-            .flatten()
-            .flat_map(Work::keys)
-    }
-}
-
-impl Task {
     /// Calls `f` with every connection the task may use (with repeats; a plain loop).
     pub fn for_each_key(&self, f: &mut impl FnMut(ConnKey)) {
         for lane in self

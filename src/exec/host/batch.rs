@@ -224,6 +224,20 @@ impl Running {
         ))
     }
 
+    /// Ends the task with `e` from a check while it waits: a begun task finishes (its turn
+    /// ends, the communicator is broken); one that never began only records `e` (and breaks the
+    /// communicator when `fail`), so it never touches memory.
+    fn stop(&mut self, e: Error, fail: bool) {
+        if self.started {
+            self.finish(Err(e));
+        } else {
+            if fail {
+                self.comm().health.fail(e.clone());
+            }
+            self.result = Some(Err(e));
+        }
+    }
+
     /// Abort and timeout checks while blocked.
     fn check_stuck(&mut self, timeout: Duration) {
         if self.result.is_some() {
@@ -231,12 +245,7 @@ impl Running {
         }
         if self.comm().health.aborted() {
             let e = self.aborted_error();
-            if self.started {
-                self.finish(Err(e));
-            } else {
-                self.result = Some(Err(e));
-            }
-            return;
+            return self.stop(e, false);
         }
         if let Some((r, pid)) = self.comm().dead_peer() {
             let e = Error::remote(format!(
@@ -244,13 +253,7 @@ impl Running {
                 self.task.what,
                 self.comm().rank
             ));
-            if self.started {
-                self.finish(Err(e));
-            } else {
-                self.comm().health.fail(e.clone());
-                self.result = Some(Err(e));
-            }
-            return;
+            return self.stop(e, true);
         }
         let waited = self.last_progress.elapsed();
         if self.started && !self.warned && crate::param::watchdog().is_some_and(|w| waited > w) {

@@ -108,7 +108,9 @@ impl HostComm {
     /// the abort is seen here, or the waiter sees this task begun and waits for its end.
     #[inline]
     pub fn begin(&self, ticket: u64) -> Result<()> {
-        self.begun.store(ticket + 1, Ordering::SeqCst);
+        if self.try_begin(ticket) {
+            return Ok(());
+        }
         if self.health.aborted() {
             return Err(Error::remote(format!(
                 "rank {}: communicator aborted",

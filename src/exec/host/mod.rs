@@ -236,11 +236,11 @@ fn finish_null(pending: Vec<Batch>) -> Result<()> {
 
 /// Launches a group's calls.
 pub fn launch(mut ops: Vec<Call<'_>>) -> Result<()> {
-    for q in &ops {
-        foreign_stream(q)?;
-    }
     if ops.len() == 1 {
         return launch_one(&ops.pop().expect("one call"));
+    }
+    for q in &ops {
+        foreign_stream(q)?;
     }
     match run_lone(&ops) {
         Some(r) => r,
