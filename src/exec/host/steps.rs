@@ -24,8 +24,6 @@ pub(super) struct Cursor {
     held: Vec<usize>,
     /// FIFO slots are filled with streaming stores (see `plan::tune`).
     streamed: bool,
-    /// Where a reduction goes before it is streamed into a slot (one slot's bytes, when needed).
-    scratch: Vec<u8>,
     /// Where the program's speed is recorded when it ends, the option measured, and its start.
     timed: Option<(usize, Instant)>,
     /// The option measured is not the one that looks better (an exploring operation).
@@ -106,7 +104,6 @@ impl Cursor {
             reducer: prog.red.map(|r| Reducer::new(super::resolve(&r))),
             held: Vec::new(),
             streamed: forced.unwrap_or(timed.is_some_and(|(o, _)| o == STREAMED)),
-            scratch: Vec::new(),
             timed,
             exploring,
             stream_out,
@@ -239,10 +236,11 @@ fn run_step(prog: &HostProgram, cur: &mut Cursor, k: usize, off: usize, n: usize
     let red = cur.reducer.as_ref();
     let nt = cur.stream_out;
     let st = cur.streamed;
-    if st && cur.scratch.len() < bytes {
-        cur.scratch.resize(prog.slice * es, 0);
-    }
-    let tmp = cur.scratch.as_mut_ptr();
+    let tmp = if st {
+        stream_tmp(prog.slice * es)
+    } else {
+        std::ptr::null_mut()
+    };
     // SAFETY: src/dst lie inside the caller's buffers (validated at enqueue: `len` elements from
     // the segment start), slots hold `slot_bytes >= bytes`, and a slot is owned by this side
     // between seeing it ready and posting it.
@@ -317,6 +315,24 @@ fn run_step(prog: &HostProgram, cur: &mut Cursor, k: usize, off: usize, n: usize
         c.post_send(step);
     }
     true
+}
+
+thread_local! {
+    /// Where a reduction goes before it is streamed into a slot: one per thread, kept (a buffer
+    /// of a slot's size allocated per program costs page faults at every launch once the
+    /// allocator gives its pages back).
+    static STREAM_TMP: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// This thread's staging buffer, at least `bytes` long (valid until the next call on this
+/// thread; `run_step` does not nest).
+fn stream_tmp(bytes: usize) -> *mut u8 {
+    STREAM_TMP.with_borrow_mut(|v| {
+        if v.len() < bytes {
+            v.resize(bytes, 0);
+        }
+        v.as_mut_ptr()
+    })
 }
 
 fn reducer(r: Option<&Reducer>) -> &Reducer {

@@ -59,6 +59,10 @@ impl Scratch {
 
     /// Points a program's steps at host memory.
     fn place_program<C>(&self, p: &mut Program<C>) -> Result<()> {
+        if self.copies.is_empty() {
+            // Nothing to place (the common case: a stash is planned only for in-place inputs).
+            return Ok(());
+        }
         for s in &mut p.steps {
             s.src = self.place(s.src)?;
             s.dst = self.place(s.dst)?;
