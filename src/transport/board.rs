@@ -9,9 +9,16 @@ use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 
 const SLOT: usize = 320;
 /// An arrival word holds the operation's sequence number in its low `SEQ_BITS` and the call's
-/// signature (`signature`) above them: a peer that sees the arrival can check the call too.
+/// signature (`signature`) above them: a peer that sees the arrival can check the call too. Its
+/// top bit (`LEFT`) says the rank has left the operation without finishing it (a timeout, an
+/// abort, an error): peers must not use what it published.
 const SEQ_BITS: u32 = 40;
 const SEQ_MASK: u64 = (1 << SEQ_BITS) - 1;
+pub const LEFT: u64 = 1 << 63;
+/// A claim word (see `Board::claim`): the operation's sequence number in the low `SEQ_BITS`,
+/// the number of peers working on the rank's buffers above it, and `LEFT`.
+const CLAIM_ONE: u64 = 1 << SEQ_BITS;
+const CLAIM_COUNT: u64 = !SEQ_MASK & !LEFT;
 const HDR: usize = 256;
 /// Bytes of each rank's inline data area (two of them, by operation parity): small operations
 /// carry their inputs on the board itself (see `plan::board`, eager operations).
@@ -56,6 +63,10 @@ struct Slot {
     words: [AtomicU64; 10],
     /// The rank's vote for cross-memory attach (see `plan::tune`).
     vote: AtomicU64,
+    /// Who works on the rank's buffers during a direct operation (see `claim`).
+    claims: AtomicU64,
+    /// The direct operation whose peers' buffers the rank holds claims on (0: none).
+    busy: AtomicU64,
     /// What the rank called, by operation parity (`Call`): read by peers only when signatures
     /// differ, to say how.
     call: [[AtomicU64; 2]; 2],
@@ -65,12 +76,12 @@ struct Slot {
 /// datatype << 8 | operator << 16 | root << 32).
 pub type Call = [u64; 2];
 
-/// The call's 24-bit signature, which travels in the arrival word (a fold of its words: cheap,
+/// The call's 23-bit signature, which travels in the arrival word (a fold of its words: cheap,
 /// and any difference in count, kind, datatype, reduction or root below 2^24 changes it).
 #[inline]
 pub fn signature(c: Call) -> u64 {
     let (a, b) = (c[0], c[1]);
-    (a ^ a >> 24 ^ a >> 48 ^ b.rotate_left(5) ^ b >> 29 ^ b >> 53) & 0xff_ffff
+    (a ^ a >> 24 ^ a >> 48 ^ b.rotate_left(5) ^ b >> 29 ^ b >> 53) & 0x7f_ffff
 }
 
 fn arrival(seq: u64, call: Call) -> u64 {
@@ -181,7 +192,87 @@ impl Board {
         {
             s.words[i].store(v, Ordering::Relaxed);
         }
+        s.claims.store(seq & SEQ_MASK, Ordering::Relaxed);
         s.arrive.store(arrival(seq, call), Ordering::Release);
+    }
+
+    /// Rank `me` is about to claim peers' buffers for direct operation `seq` (`Some`), or holds
+    /// no claim any more (`None`, after releasing them): a rank that left waits for the claims
+    /// of live holders only.
+    pub fn set_busy(&self, me: usize, seq: Option<u64>) {
+        self.slot(me)
+            .busy
+            .store(seq.map_or(0, |s| s & SEQ_MASK), Ordering::Release);
+    }
+
+    /// Whether `rank` may hold claims for operation `seq`.
+    pub fn busy(&self, rank: usize, seq: u64) -> bool {
+        self.slot(rank).busy.load(Ordering::Acquire) == seq & SEQ_MASK
+    }
+
+    /// Claims the right to read and write `rank`'s published buffers for direct operation
+    /// `seq`: false when that rank has left the operation (see `leave`), and then they must not
+    /// be touched. Release each claim (`release`) once done with them, before posting done.
+    pub fn claim(&self, rank: usize, seq: u64) -> bool {
+        let w = &self.slot(rank).claims;
+        let mut c = w.load(Ordering::Acquire);
+        loop {
+            if c & LEFT != 0 || c & SEQ_MASK != seq & SEQ_MASK {
+                return false;
+            }
+            match w.compare_exchange_weak(c, c + CLAIM_ONE, Ordering::AcqRel, Ordering::Acquire) {
+                Ok(_) => return true,
+                Err(now) => c = now,
+            }
+        }
+    }
+
+    /// Gives back a claim on `rank`'s buffers.
+    pub fn release(&self, rank: usize) {
+        self.slot(rank)
+            .claims
+            .fetch_sub(CLAIM_ONE, Ordering::AcqRel);
+    }
+
+    /// This rank leaves operation `seq` without finishing it: its arrival is marked `LEFT` (peers
+    /// that see it fail instead of using what it published) and no new claim on its buffers is
+    /// granted. Returns how many peers still hold claims (wait until `claimed` says none before
+    /// giving the buffers back to the caller). Eager operations have no claims.
+    pub fn leave(&self, rank: usize, seq: u64, eager: bool) -> u64 {
+        let s = self.slot(rank);
+        let mark = |w: &AtomicU64| {
+            let _ = w.fetch_update(Ordering::AcqRel, Ordering::Acquire, |a| {
+                (a & SEQ_MASK == seq & SEQ_MASK).then_some(a | LEFT)
+            });
+        };
+        if eager {
+            mark(&s.eager[(seq & 1) as usize].arrive);
+            return 0;
+        }
+        mark(&s.arrive);
+        let c = s
+            .claims
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |c| {
+                (c & SEQ_MASK == seq & SEQ_MASK).then_some(c | LEFT)
+            })
+            .map_or(0, |c| c & CLAIM_COUNT);
+        c >> SEQ_BITS
+    }
+
+    /// How many peers still hold claims on `rank`'s buffers.
+    pub fn claimed(&self, rank: usize) -> u64 {
+        (self.slot(rank).claims.load(Ordering::Acquire) & CLAIM_COUNT) >> SEQ_BITS
+    }
+
+    /// Whether `rank` left operation `seq` (`eager`: an eager one) without finishing it.
+    pub fn left(&self, rank: usize, seq: u64, eager: bool) -> bool {
+        let s = self.slot(rank);
+        let w = if eager {
+            s.eager[(seq & 1) as usize].arrive.load(Ordering::Acquire)
+        } else {
+            s.arrive.load(Ordering::Acquire)
+        };
+        w & LEFT != 0 && w & SEQ_MASK == seq & SEQ_MASK
     }
 
     /// Publishes this rank's arrival at an eager operation `seq` (its input is in its eager
@@ -232,7 +323,7 @@ impl Board {
         } else {
             s.arrive.load(Ordering::Acquire)
         };
-        (w & SEQ_MASK == seq & SEQ_MASK).then_some(w >> SEQ_BITS)
+        (w & SEQ_MASK == seq & SEQ_MASK).then_some((w & !LEFT) >> SEQ_BITS)
     }
 
     /// What `rank` called at operation `seq` (valid once it has arrived there, until `seq + 2`).

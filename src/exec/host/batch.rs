@@ -201,6 +201,16 @@ impl Running {
     fn finish(&mut self, r: Result<()>) -> Poll {
         if let Err(e) = &r {
             self.comm().health.fail(e.clone());
+            // Board operations under way are left: once this returns, no peer touches the
+            // caller's buffers.
+            let comm = &self.task.comm;
+            for l in self.stage_lanes.iter_mut().chain(self.p2p.iter_mut()) {
+                if let (Some(Item::Board(op)), Some(Cur::Board(st))) =
+                    (l.works.front(), l.cur.as_mut())
+                {
+                    st.leave(op, &|p| comm.peer_alive(p));
+                }
+            }
         }
         self.comm().advance_serving(self.task.ticket);
         self.result = Some(r);

@@ -12,7 +12,7 @@ use crate::plan::board::{BoardKind, BoardOp};
 use crate::plan::segment;
 use crate::plan::RedSpec;
 use crate::reduce::Reducer;
-use crate::transport::board::{signature, Board, Call, TINY};
+use crate::transport::board::{signature, Board, Call, LEFT, TINY};
 use crate::transport::cma;
 use crate::transport::Conn;
 use crate::types::{Reduction, Scalar};
@@ -115,6 +115,33 @@ impl BoardState {
         format!("{who} to {what} direct operation #{}", op.seq)
     }
 
+    /// This rank leaves the operation unfinished (it failed, timed out or was aborted): peers
+    /// that have not started on its buffers are told so (they fail, see `left`), and the call
+    /// returns only once those that have are done with them (`alive(p)`: whether rank p's
+    /// process still runs; a dead holder touches nothing any more). The caller's buffers are
+    /// then its own again.
+    pub(super) fn leave(&mut self, op: &Direct, alive: &dyn Fn(usize) -> bool) {
+        match self.phase {
+            Phase::Publish | Phase::Finished => {}
+            _ if op.eager() => {
+                op.board.leave(op.rank, op.seq, true);
+            }
+            Phase::Arrive | Phase::Fallback(_) | Phase::Done => {
+                if op.board.leave(op.rank, op.seq, false) > 0 {
+                    // Holders are computing (nothing they do waits): a short wait.
+                    let mut backoff = crate::health::Backoff::default();
+                    while op.board.claimed(op.rank) > 0 {
+                        let holders = || (0..op.nranks).filter(|&p| op.board.busy(p, op.seq));
+                        if backoff.pause() && !holders().any(alive) {
+                            break;
+                        }
+                    }
+                }
+            }
+        }
+        self.phase = Phase::Finished;
+    }
+
     pub(super) fn poll(&mut self, op: &Direct) -> Result<Poll> {
         if op.eager() {
             self.poll_eager(op)
@@ -162,7 +189,12 @@ impl BoardState {
                 continue;
             }
             if Board::reached(w, op.seq) {
-                return Err(mismatch(op, p));
+                // The same call, left unfinished; or another call.
+                return Err(if w & !LEFT == self.word {
+                    left(op, p)
+                } else {
+                    mismatch(op, p)
+                });
             }
             // A peer at this operation with a direct one called something else.
             other_kind_arrived(op, false)?;
@@ -208,20 +240,23 @@ impl BoardState {
                 Phase::Arrive => {
                     if !(0..op.nranks).all(|p| op.board.arrived(p, op.seq)) {
                         other_kind_arrived(op, true)?;
+                        peer_left(op, |p| op.board.arrived(p, op.seq) && same_call(op, p))?;
                         return Ok(if progressed {
                             Poll::Progress
                         } else {
                             Poll::Blocked
                         });
                     }
-                    // Before anything is read or written: every rank called the same.
+                    // Before anything is read or written: every rank called the same, and is
+                    // still there.
                     same_calls(op)?;
+                    peer_left(op, |_| true)?;
                     let (peers, path) = resolve(op)?;
                     // Timed from when all have arrived: a late peer is not the path's fault.
                     self.timed = path.map(|p| (Instant::now(), p));
                     match peers {
                         Some(peers) => {
-                            compute(op, &peers)?;
+                            claimed(op, || compute(op, &peers))?;
                             op.board.post_done(op.rank, op.seq);
                             self.phase = Phase::Done;
                         }
@@ -261,7 +296,12 @@ impl BoardState {
                 }
                 Phase::Finished => return Ok(Poll::Done),
                 Phase::Done => {
-                    return Ok(if (0..op.nranks).all(|p| op.board.is_done(p, op.seq)) {
+                    let done = (0..op.nranks).all(|p| op.board.is_done(p, op.seq));
+                    if !done {
+                        // A peer that left will never be done.
+                        peer_left(op, |p| !op.board.is_done(p, op.seq))?;
+                    }
+                    return Ok(if done {
                         if let (Some((t0, path)), Some(t)) = (self.timed, &op.tuner) {
                             t.cma.get(op.bytes()).record(path, op.bytes(), t0.elapsed());
                         }
@@ -350,13 +390,58 @@ fn mismatch(op: &Direct, peer: usize) -> Error {
 /// the signatures in the arrival words, already read: the calls themselves are read only to
 /// say how they differ).
 fn same_calls(op: &Direct) -> Result<()> {
-    let sig = signature(call_words(op));
-    for p in (0..op.nranks).filter(|&p| p != op.rank) {
-        if op.board.signature_of(p, op.seq, false) != Some(sig) {
-            return Err(mismatch(op, p));
-        }
+    match (0..op.nranks).find(|&p| p != op.rank && !same_call(op, p)) {
+        Some(p) => Err(mismatch(op, p)),
+        None => Ok(()),
     }
-    Ok(())
+}
+
+/// Runs `work` on the peers' buffers under a claim on each (see `Board::claim`): an error,
+/// with nothing touched, if a peer has left the operation.
+fn claimed(op: &Direct, work: impl FnOnce() -> Result<()>) -> Result<()> {
+    let (b, seq, me) = (&op.board, op.seq, op.rank);
+    b.set_busy(me, Some(seq));
+    let peers = || (0..op.nranks).filter(|&p| p != me);
+    let r = match peers().find(|&p| !b.claim(p, seq)) {
+        Some(gone) => {
+            peers()
+                .take_while(|&p| p != gone)
+                .for_each(|p| b.release(p));
+            Err(left(op, gone))
+        }
+        None => {
+            let r = work();
+            peers().for_each(|p| b.release(p));
+            r
+        }
+    };
+    b.set_busy(me, None);
+    r
+}
+
+/// A peer left the operation (see `BoardState::leave`).
+#[cold]
+fn left(op: &Direct, peer: usize) -> Error {
+    Error::remote(format!(
+        "direct operation #{} on rank {}: rank {peer} left it unfinished (it failed, timed out or \
+         was aborted); nothing was read from or written to rank {peer}'s buffers",
+        op.seq, op.rank
+    ))
+}
+
+/// An error if a peer (of those `which` selects) has left the operation.
+#[inline]
+fn peer_left(op: &Direct, which: impl Fn(usize) -> bool) -> Result<()> {
+    let eager = op.eager();
+    match (0..op.nranks).find(|&p| p != op.rank && which(p) && op.board.left(p, op.seq, eager)) {
+        Some(p) => Err(left(op, p)),
+        None => Ok(()),
+    }
+}
+
+/// Whether `peer` arrived at this direct operation with the same call (its signature).
+fn same_call(op: &Direct, peer: usize) -> bool {
+    op.board.signature_of(peer, op.seq, false) == Some(signature(call_words(op)))
 }
 
 /// While waiting for peers: an error if one arrived at this operation with the other kind

@@ -183,6 +183,12 @@ impl HostComm {
             .find_map(|(r, p)| p.filter(|&pid| !alive(pid)).map(|pid| (r, pid)))
     }
 
+    /// Whether rank `p`'s process still runs (as far as this host can tell: ranks of this
+    /// process and of other hosts count as running).
+    pub fn peer_alive(&self, p: usize) -> bool {
+        self.peer_pids.get(p).copied().flatten().is_none_or(alive)
+    }
+
     /// Whether `board_op` gives an operation.
     #[inline]
     pub fn has_board(&self) -> bool {

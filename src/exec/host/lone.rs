@@ -81,6 +81,7 @@ impl<'a> LoneOp<'a> {
             }
             Err(e) => {
                 self.comm.health.fail(e.clone());
+                state.leave(op, &|p| self.comm.peer_alive(p));
                 Err(e)
             }
             Ok(_) => return false,
