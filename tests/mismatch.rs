@@ -193,3 +193,118 @@ fn mismatched_calls_between_processes_are_errors_on_both() {
     api::comm_destroy(api::comm_handle(&c2)).unwrap();
     api::comm_destroy(api::comm_handle(&c)).unwrap();
 }
+
+/// Calls that run as step programs over FIFOs (rings, all-to-all, send/recv) are checked in
+/// every slot a rank receives: a slot filled by another call is an error before it is read.
+/// (rank 0's call, rank 1's call, how each reads in the message, whether rank 0 must fail too.)
+fn fifo_cases() -> Vec<(Side, Side, &'static str, &'static str, bool)> {
+    use CollKind::*;
+    vec![
+        (
+            (AllReduce, 1 << 18, F, OP_SUM, 0),
+            (AllReduce, 1 << 19, F, OP_SUM, 0),
+            "AllReduce of 262144 x float (sum)",
+            "AllReduce of 524288 x float (sum)",
+            true,
+        ),
+        (
+            (AllGather, 1000, F, OP_SUM, 0),
+            (AllGather, 1000, DataType::Int32, OP_SUM, 0),
+            "AllGather of 1000 x float",
+            "AllGather of 1000 x int32",
+            true,
+        ),
+        (
+            (AlltoAll, 5000, F, OP_SUM, 0),
+            (AlltoAll, 6000, F, OP_SUM, 0),
+            "AlltoAll of 5000 x float",
+            "AlltoAll of 6000 x float",
+            true,
+        ),
+        // Rank 0 sends 16 KiB to rank 1, which expects 32 KiB: the receiver fails (the sender's
+        // data fits the FIFO: its send may complete).
+        (
+            (Send, 4096, F, OP_SUM, 1),
+            (Recv, 8192, F, OP_SUM, 0),
+            "Send/Recv of 16384 bytes",
+            "Send/Recv of 32768 bytes",
+            false,
+        ),
+    ]
+}
+
+fn fifo_mismatch(r: usize, c: &std::sync::Arc<nccl::comm::Comm>, case: usize) {
+    let (a, b, da, db, both) = fifo_cases()[case];
+    let (side, mine, theirs) = if r == 0 { (a, da, db) } else { (b, db, da) };
+    let (send, recv) = buffers(side);
+    let bytes = |s: Side| (s.1 * s.2.size()).max(1);
+    // AllGather and AlltoAll outputs (and AlltoAll inputs) hold a count per rank.
+    let recv = if matches!(side.0, CollKind::AllGather | CollKind::AlltoAll) {
+        Guarded::new(2 * bytes(side))
+    } else {
+        recv
+    };
+    let send = if side.0 == CollKind::AlltoAll {
+        Guarded::new(2 * bytes(side))
+    } else {
+        send
+    };
+    let r_ = api::enqueue(c, args(side, &send, &recv), StreamArg::Null);
+    if r == 0 && !both {
+        return;
+    }
+    let e = r_.expect_err("a mismatched call must fail");
+    assert_eq!(e.code, Code::InvalidUsage, "rank {r}: {e}");
+    let peer = 1 - r;
+    assert!(
+        e.msg.contains(&format!("this rank called {mine}"))
+            && e.msg
+                .contains(&format!("rank {peer} sent data of {theirs}")),
+        "rank {r}: {e}"
+    );
+}
+
+#[test]
+fn mismatched_calls_over_fifos_are_errors() {
+    if !common::is_child() {
+        common::in_child(
+            "mismatched_calls_over_fifos_are_errors",
+            &[("OXCCL_ALGO", "ring"), ("OXCCL_TIMEOUT_S", "5")],
+        );
+        return;
+    }
+    for case in 0..fifo_cases().len() {
+        let comms = api::comm_init_all(&[0, 1]).unwrap();
+        std::thread::scope(|s| {
+            for (r, c) in comms.iter().enumerate() {
+                s.spawn(move || fifo_mismatch(r, c, case));
+            }
+        });
+        for c in comms {
+            let _ = api::comm_abort(api::comm_handle(&c));
+        }
+    }
+}
+
+#[test]
+fn mismatched_calls_over_fifos_between_processes_are_errors() {
+    let Some((id, n, r)) = common::rank_env() else {
+        return common::run_ranks(
+            "mismatched_calls_over_fifos_between_processes_are_errors",
+            2,
+            &[("OXCCL_ALGO", "ring"), ("OXCCL_TIMEOUT_S", "5")],
+        );
+    };
+    let c = api::comm_init_rank(n as i32, &id, r as i32, Default::default()).unwrap();
+    let comms: Vec<_> = fifo_cases()
+        .iter()
+        .map(|_| api::comm_split(&c, 0, r as i32, None).unwrap().unwrap())
+        .collect();
+    for (case, comm) in comms.iter().enumerate() {
+        fifo_mismatch(r, comm, case);
+    }
+    for comm in comms {
+        let _ = api::comm_abort(api::comm_handle(&comm));
+    }
+    let _ = api::comm_abort(api::comm_handle(&c));
+}

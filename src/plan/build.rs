@@ -4,6 +4,7 @@
 //! sends and receives as one lane per peer and direction.
 
 use super::board::{BoardKind, BoardOp};
+use super::call::{of_coll, of_p2p};
 use super::ring::Links;
 use super::task::{Task, What};
 use super::{direct, out_count, overlaps, ring, Addr, Program, RedSpec, Stage, Stash, Work};
@@ -74,6 +75,20 @@ pub fn build_task<T>(
         for q in qs {
             let (a, red) = call(q);
             let root = a.root.max(0) as usize;
+            // What every program of the call carries in the slots it sends.
+            let words = if a.kind.is_p2p() {
+                of_p2p(a.count * a.dtype.size())
+            } else {
+                of_coll(a.kind, a.count, a.dtype, red, root)
+            };
+            let tagged = |mut s: Stage| {
+                for w in s.lanes.iter_mut().flatten() {
+                    if let Work::Steps(p) = w {
+                        p.call = words;
+                    }
+                }
+                s
+            };
             let fault = Some((
                 a.dtype,
                 a.recv,
@@ -93,7 +108,7 @@ pub fn build_task<T>(
                 | CollKind::Reduce => {
                     let bk = BoardKind::of(a.kind).expect("a board collective");
                     let ring_program = || -> Result<Program> {
-                        match bk {
+                        let mut p = match bk {
                             BoardKind::AllReduce => ring::all_reduce(
                                 l,
                                 a.send,
@@ -125,7 +140,9 @@ pub fn build_task<T>(
                                 red.expect("red"),
                                 root,
                             ),
-                        }
+                        }?;
+                        p.call = words;
+                        Ok(p)
                     };
                     let work = if direct && nranks > 1 {
                         // An eager operation never falls back: no ring to plan.
@@ -148,17 +165,17 @@ pub fn build_task<T>(
                     task.stages.push_back(stage(work));
                 }
                 CollKind::AlltoAll => {
-                    let mut s = direct::all_to_all(l, a.send, a.recv, a.count, a.dtype)?;
+                    let mut s = tagged(direct::all_to_all(l, a.send, a.recv, a.count, a.dtype)?);
                     s.fault = fault;
                     task.stages.push_back(s);
                 }
                 CollKind::Gather => {
-                    let mut s = direct::gather(l, a.send, a.recv, a.count, a.dtype, root)?;
+                    let mut s = tagged(direct::gather(l, a.send, a.recv, a.count, a.dtype, root)?);
                     s.fault = fault;
                     task.stages.push_back(s);
                 }
                 CollKind::Scatter => {
-                    let mut s = direct::scatter(l, a.send, a.recv, a.count, a.dtype, root)?;
+                    let mut s = tagged(direct::scatter(l, a.send, a.recv, a.count, a.dtype, root)?);
                     s.fault = fault;
                     task.stages.push_back(s);
                 }
@@ -172,11 +189,12 @@ pub fn build_task<T>(
                         }
                         continue;
                     }
-                    let prog = if is_send {
+                    let mut prog = if is_send {
                         direct::send(l, send_src(&a), a.count, a.dtype, root, Class::P2p)?
                     } else {
                         direct::recv(l, a.recv, a.count, a.dtype, root, Class::P2p)?
                     };
+                    prog.call = words;
                     match p2p_lanes.iter_mut().find(|(k, _)| *k == (root, is_send)) {
                         Some((_, v)) => v.push(prog),
                         None => p2p_lanes.push(((root, is_send), vec![prog])),

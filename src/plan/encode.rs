@@ -61,6 +61,8 @@ pub struct FlatProgram {
     pub slice: u64,
     pub niter: u64,
     pub red: FlatRed,
+    /// The call's words (see `plan::call`), checked against each received slot's.
+    pub call: [u64; 2],
 }
 
 #[repr(C)]
@@ -333,6 +335,7 @@ impl Encoder {
             slice: p.slice as u64,
             niter: p.niter as u64,
             red: enc_red(p.red),
+            call: p.call,
         });
         idx(self.f.programs.len() - 1)
     }
@@ -483,6 +486,7 @@ fn dec_program(f: &Flat, i: u32) -> Result<Program> {
         slice: p.slice as usize,
         niter: p.niter as usize,
         red: dec_red(p.red)?,
+        call: p.call,
     })
 }
 

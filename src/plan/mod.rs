@@ -9,6 +9,7 @@
 
 pub mod board;
 pub mod build;
+pub mod call;
 pub mod direct;
 pub mod encode;
 pub mod ring;
@@ -166,6 +167,9 @@ pub struct Program<C = ConnKey> {
     pub slice: usize,
     pub niter: usize,
     pub red: Option<RedSpec>,
+    /// The call the program is part of: it travels with every slot the program sends, and a
+    /// receiving program checks it against its own (see `call`).
+    pub call: call::Call,
 }
 
 impl Program {
@@ -184,6 +188,7 @@ impl Program {
             slice,
             niter: maxlen.div_ceil(slice),
             red,
+            call: [0; 2],
         }
     }
 
@@ -225,6 +230,7 @@ impl<C> Program<C> {
             slice: self.slice,
             niter: self.niter,
             red: self.red,
+            call: self.call,
         })
     }
 

@@ -45,8 +45,8 @@ fn show(t: &Task) -> String {
     fn prog(o: &mut String, p: &Program) {
         let _ = write!(
             o,
-            "[prog esize {} slice {} niter {} red {:?}:",
-            p.esize, p.slice, p.niter, p.red
+            "[prog esize {} slice {} niter {} red {:?} call {:?}:",
+            p.esize, p.slice, p.niter, p.red, p.call
         );
         for s in &p.steps {
             let _ = write!(
@@ -359,7 +359,7 @@ fn flat_records_have_a_fixed_c_layout() {
     assert_eq!(size_of::<FlatAddr>(), 16);
     assert_eq!(size_of::<FlatStep>(), 56);
     assert_eq!(size_of::<FlatRed>(), 32);
-    assert_eq!(size_of::<FlatProgram>(), 64);
+    assert_eq!(size_of::<FlatProgram>(), 80);
     assert_eq!(size_of::<FlatDirect>(), 96);
     for a in [
         align_of::<FlatAddr>(),

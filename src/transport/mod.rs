@@ -29,7 +29,11 @@ use std::sync::Arc;
 const TAIL_OFF: usize = 0;
 const HEAD_OFF: usize = 64;
 const ATTACH_OFF: usize = 128;
+/// Per slot, the words of the call that filled it (`plan::call`): the receiver checks them
+/// against its own call before using the slot (a proxy that moves slots moves these too).
+const CALL_OFF: usize = 1024;
 const HDR_BYTES: usize = 4096;
+const _: () = assert!(CALL_OFF + 64 * 16 <= HDR_BYTES); // nsteps <= 64 (param::nsteps)
 
 /// What class of traffic a connection carries: each class has its own FIFOs, so operations of
 /// different classes that run at the same time never interleave on one FIFO.
@@ -246,9 +250,28 @@ impl Conn {
         }
     }
 
+    /// Sender: slot `step` is filled, by call `call`.
     #[inline]
-    pub fn post_send(&self, step: u64) {
+    pub fn post_send(&self, step: u64, call: [u64; 2]) {
+        for (w, v) in self.slot_call(step).iter().zip(call) {
+            w.store(v, Ordering::Relaxed);
+        }
         self.tail().store(step + 1, Ordering::Release);
+    }
+
+    /// The words of the call that filled slot `step` (read by the receiver once the slot is
+    /// filled, see `recv_slot`).
+    #[inline]
+    pub fn call_of(&self, step: u64) -> [u64; 2] {
+        let w = self.slot_call(step);
+        [w[0].load(Ordering::Relaxed), w[1].load(Ordering::Relaxed)]
+    }
+
+    fn slot_call(&self, step: u64) -> &[AtomicU64; 2] {
+        let idx = (step % self.nsteps) as usize;
+        assert!(idx < 64);
+        // SAFETY: inside the header (see CALL_OFF), 16-byte aligned, only accessed atomically.
+        unsafe { &*(self.base.add(CALL_OFF + idx * 16) as *const [AtomicU64; 2]) }
     }
 
     /// Receiver: the next filled slot, if there is one.

@@ -86,7 +86,7 @@ fn ends_pair_through_the_bootstrap_and_carry_data() {
                     if let Some((s, slot)) = send.send_slot() {
                         // SAFETY: a free slot of `slot_bytes`, ours until posted.
                         unsafe { (slot as *mut u64).write(100 * r as u64 + s) };
-                        send.post_send(s);
+                        send.post_send(s, [0; 2]);
                         sent += 1;
                     }
                 }

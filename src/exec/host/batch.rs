@@ -49,7 +49,7 @@ fn poll_lane(lane: &mut Lane, fifo: (&BySize, u64)) -> Result<Poll> {
         });
         let p = match (work, cur) {
             (Item::Steps(prog), Cur::Steps(c)) => {
-                let p = poll_program(prog, c);
+                let p = poll_program(prog, c)?;
                 if p == Poll::Done {
                     c.finish(prog, fifo.0);
                 }

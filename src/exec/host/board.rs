@@ -10,7 +10,6 @@ use super::tune::{self, Tuner, CMA};
 use crate::error::{Error, Result};
 use crate::plan::board::{BoardKind, BoardOp};
 use crate::plan::segment;
-use crate::plan::RedSpec;
 use crate::reduce::Reducer;
 use crate::transport::board::{signature, Board, Call, LEFT, TINY};
 use crate::transport::cma;
@@ -277,7 +276,7 @@ impl BoardState {
                         .fallback
                         .as_ref()
                         .expect("a fallback phase has its program");
-                    match poll_program(prog, c) {
+                    match poll_program(prog, c)? {
                         Poll::Done => {
                             if let Some(t) = &op.tuner {
                                 c.finish(prog, &t.fifo);
@@ -317,58 +316,10 @@ impl BoardState {
     }
 }
 
-/// The call as the board describes it (see `transport::board::Call`).
+/// The call as the board describes it (see `plan::call`).
 #[inline]
 fn call_words(op: &Direct) -> Call {
-    let kind = op.kind as u64;
-    let red = match op.red {
-        None => 0,
-        Some(RedSpec::Ready(r)) => {
-            1 + r.kind as u64
-                + 4 * u64::from(r.premul.is_some())
-                + 8 * u64::from(r.postdiv.is_some())
-        }
-        Some(RedSpec::PreMul { .. }) => 16,
-    };
-    let root = if matches!(op.kind, BoardKind::Broadcast | BoardKind::Reduce) {
-        op.root as u64
-    } else {
-        0
-    };
-    [
-        op.count as u64,
-        kind | (op.dtype as u64) << 8 | red << 16 | root << 32,
-    ]
-}
-
-/// A call's words as a user would write it: "AllReduce of 4 x float (sum)".
-#[cold]
-fn describe_call(c: Call) -> String {
-    const KINDS: [&str; 5] = [
-        "AllReduce",
-        "Reduce",
-        "ReduceScatter",
-        "AllGather",
-        "Broadcast",
-    ];
-    let kind = KINDS.get((c[1] & 0xff) as usize).copied().unwrap_or("?");
-    let dtype =
-        crate::types::DataType::from_raw(((c[1] >> 8) & 0xff) as i32).map_or("?", |d| d.name());
-    let red = match (c[1] >> 16) & 0xff {
-        0 => String::new(),
-        16 => " (premulsum)".into(),
-        r => {
-            let k = ["sum", "prod", "max", "min"][((r - 1) & 3) as usize];
-            let avg = (r - 1) & 12 != 0;
-            format!(" ({})", if avg && k == "sum" { "avg" } else { k })
-        }
-    };
-    let root = if kind == "Broadcast" || kind == "Reduce" {
-        format!(", root {}", c[1] >> 32)
-    } else {
-        String::new()
-    };
-    format!("{kind} of {} x {dtype}{red}{root}", c[0])
+    crate::plan::call::of_coll(op.kind.coll(), op.count, op.dtype, op.red, op.root)
 }
 
 /// The error of ranks that called different collectives at one operation.
@@ -381,8 +332,8 @@ fn mismatch(op: &Direct, peer: usize) -> Error {
          the communicator can now only be destroyed or aborted",
         op.seq,
         op.rank,
-        describe_call(call_words(op)),
-        describe_call(op.board.call_of(peer, op.seq))
+        crate::plan::call::describe(call_words(op)),
+        crate::plan::call::describe(op.board.call_of(peer, op.seq))
     ))
 }
 

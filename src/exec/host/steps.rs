@@ -3,6 +3,7 @@
 
 use super::copy::copy_out;
 use super::tune::{BySize, FIFO_TUNE_BYTES, STREAMED};
+use crate::error::{Error, Result};
 use crate::plan::{Addr, Prim, Program};
 use crate::transport::Conn;
 use std::sync::Arc;
@@ -148,7 +149,7 @@ pub(super) enum Poll {
 /// program allows it (`run_ahead`), slices of later iterations past blocked ones, as long as
 /// each connection's slots are used in program order and no earlier slice of the same iteration
 /// is still pending.
-pub(super) fn poll_program(prog: &HostProgram, cur: &mut Cursor) -> Poll {
+pub(super) fn poll_program(prog: &HostProgram, cur: &mut Cursor) -> Result<Poll> {
     let nsteps = prog.steps.len();
     let total = prog.niter * nsteps;
     let window = if cur.run_ahead {
@@ -159,7 +160,7 @@ pub(super) fn poll_program(prog: &HostProgram, cur: &mut Cursor) -> Poll {
     let mut progressed = false;
     loop {
         if cur.head >= total {
-            return Poll::Done;
+            return Ok(Poll::Done);
         }
         let mut ran = false;
         // Connections held by pending earlier slices in this pass, and the iteration of the last
@@ -182,7 +183,7 @@ pub(super) fn poll_program(prog: &HostProgram, cur: &mut Cursor) -> Poll {
                     .flatten()
                     .any(|c| held.contains(&(Arc::as_ptr(c) as usize)));
             let (off, n) = prog.slice_of(k, i);
-            let done = !blocked_by_order && (n == 0 || run_step(prog, cur, k, off, n));
+            let done = !blocked_by_order && (n == 0 || run_step(prog, cur, k, off, n)?);
             if done {
                 if a >= cur.ahead.len() {
                     cur.ahead.resize(a + 1, false);
@@ -200,32 +201,40 @@ pub(super) fn poll_program(prog: &HostProgram, cur: &mut Cursor) -> Poll {
             cur.head += 1;
         }
         if !ran {
-            return if progressed {
+            return Ok(if progressed {
                 Poll::Progress
             } else {
                 Poll::Blocked
-            };
+            });
         }
         progressed = true;
     }
 }
 
-/// Performs step `k` on `n` elements at element offset `off`, if its slots are ready.
-fn run_step(prog: &HostProgram, cur: &mut Cursor, k: usize, off: usize, n: usize) -> bool {
+/// Performs step `k` on `n` elements at element offset `off`, if its slots are ready (false
+/// when they are not); an error, before the slot is used, when the peer filled it for another
+/// call.
+fn run_step(prog: &HostProgram, cur: &mut Cursor, k: usize, off: usize, n: usize) -> Result<bool> {
     let s = &prog.steps[k];
     let es = prog.esize;
     let bytes = n * es;
     let rslot = match &s.recv {
         Some(c) => match c.recv_slot() {
-            Some(x) => Some(x),
-            None => return false,
+            Some(x) => {
+                let theirs = c.call_of(x.0);
+                if theirs != prog.call {
+                    return Err(other_call(prog, c, theirs));
+                }
+                Some(x)
+            }
+            None => return Ok(false),
         },
         None => None,
     };
     let sslot = match &s.send {
         Some(c) => match c.send_slot() {
             Some(x) => Some(x),
-            None => return false,
+            None => return Ok(false),
         },
         None => None,
     };
@@ -312,9 +321,24 @@ fn run_step(prog: &HostProgram, cur: &mut Cursor, k: usize, off: usize, n: usize
         c.post_recv(step);
     }
     if let (Some(c), Some((step, _))) = (&s.send, sslot) {
-        c.post_send(step);
+        c.post_send(step, prog.call);
     }
-    true
+    Ok(true)
+}
+
+/// The error of a program that received a slot filled by another call.
+#[cold]
+#[inline(never)]
+fn other_call(prog: &HostProgram, c: &Conn, theirs: [u64; 2]) -> Error {
+    use crate::plan::call::describe;
+    Error::invalid_usage(format!(
+        "this rank called {}, but rank {} sent data of {}: every rank must make the same calls \
+         in the same order (a send the same bytes as its receive); nothing of it was read, and \
+         the communicator can now only be destroyed or aborted",
+        describe(prog.call),
+        c.peer,
+        describe(theirs)
+    ))
 }
 
 thread_local! {
