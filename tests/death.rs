@@ -1,78 +1,165 @@
 //! A peer process that dies is an error on the rank that waits for it, within seconds (not at
-//! the timeout), naming the dead rank and its pid.
+//! the timeout), naming the dead rank; `ncclCommAbort` then returns within a second, and no
+//! `/dev/shm` file is left behind, whatever the peer was doing when it died: right after init,
+//! before a connection's two ends attached, in the middle of a ring, in the middle of a direct
+//! operation.
 
-use nccl::api::{self, StreamArg};
+use nccl::api::{self, CollArgs, StreamArg};
 use nccl::error::Code;
+use nccl::types::{CollKind, DataType, OP_SUM};
 use std::time::{Duration, Instant};
 
 mod common;
 
-/// In a child: rank 1 dies by SIGKILL right after init (its parent does not collect it while
-/// rank 0 waits, so it is a zombie then: dead all the same); rank 0 then all-reduces with it.
-#[test]
-fn a_peer_killed_is_an_error_within_seconds() {
-    let Some(role) = std::env::var("OXCCL_DEATH_RANK").ok() else {
-        return parent();
-    };
-    let hex = std::env::var("OXCCL_DEATH_ID").unwrap();
-    let mut id = [0u8; api::UNIQUE_ID_BYTES];
-    for (i, b) in id.iter_mut().enumerate() {
-        *b = u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).unwrap();
+const TEST: &str = "a_peer_killed_is_an_error_within_seconds";
+
+/// Where rank 1 dies, and what rank 0 runs meanwhile (the environment of each case).
+const CASES: [(&str, &[(&str, &str)]); 5] = [
+    // Right after init, rank 0 then runs an eager operation, and a large one (ring fallback:
+    // malloc buffers in other processes).
+    ("after-init-eager", &[]),
+    ("after-init-large", &[]),
+    // Rank 0's first send to rank 1 sets up a connection whose other end never comes.
+    ("before-attach", &[]),
+    // While both run ring all-reduces.
+    ("mid-ring", &[("OXCCL_ALGO", "ring")]),
+    // While both run direct all-reduces on ncclMemAlloc buffers (each maps the other's).
+    ("mid-direct", &[]),
+];
+
+fn all_reduce(send: usize, recv: usize, count: usize) -> CollArgs {
+    CollArgs {
+        kind: CollKind::AllReduce,
+        send,
+        recv,
+        count,
+        dtype: DataType::Float32,
+        op: OP_SUM,
+        root: 0,
     }
-    let r: i32 = role.parse().unwrap();
-    let c = api::comm_init_rank(2, &id, r, Default::default()).unwrap();
+}
+
+fn kill_me() {
+    nix::sys::signal::kill(nix::unistd::getpid(), nix::sys::signal::Signal::SIGKILL).unwrap();
+}
+
+fn rank(case: &str, r: i32, id: &[u8; api::UNIQUE_ID_BYTES]) {
+    let c = api::comm_init_rank(2, id, r, Default::default()).unwrap();
+    let mid = case.starts_with("mid-");
     if r == 1 {
-        nix::sys::signal::kill(nix::unistd::getpid(), nix::sys::signal::Signal::SIGKILL).unwrap();
+        if !mid {
+            kill_me();
+        }
+        // Dies 100 ms into the loop below.
+        std::thread::spawn(|| {
+            std::thread::sleep(Duration::from_millis(100));
+            kill_me();
+        });
+    } else if !mid {
+        std::thread::sleep(Duration::from_millis(200));
     }
-    std::thread::sleep(Duration::from_millis(200));
-    let count: usize = std::env::var("OXCCL_DEATH_COUNT").unwrap().parse().unwrap();
-    let send = vec![1f32; count];
-    let mut recv = vec![0f32; count];
+    let count = match case {
+        "after-init-eager" => 2,
+        "before-attach" => 1000,
+        _ => 1 << 20,
+    };
+    let (send, recv) = if case == "mid-direct" {
+        let (s, d) = (
+            api::mem_alloc(count * 4).unwrap(),
+            api::mem_alloc(count * 4).unwrap(),
+        );
+        // SAFETY: fresh allocations of `count` floats.
+        unsafe { std::slice::from_raw_parts_mut(s as *mut f32, count) }.fill(1.0);
+        (s, d)
+    } else {
+        let s = Box::leak(vec![1f32; count].into_boxed_slice()).as_ptr() as usize;
+        let d = Box::leak(vec![0f32; count].into_boxed_slice()).as_ptr() as usize;
+        (s, d)
+    };
     let t0 = Instant::now();
-    let e = api::enqueue(
-        &c,
-        common::all_reduce_f32(&send, &mut recv),
-        StreamArg::Null,
-    )
-    .unwrap_err();
+    let e = loop {
+        let r = if case == "before-attach" {
+            let a = CollArgs {
+                kind: CollKind::Send,
+                root: 1,
+                ..all_reduce(send, recv, count)
+            };
+            api::enqueue(&c, a, StreamArg::Null)
+        } else {
+            api::enqueue(&c, all_reduce(send, recv, count), StreamArg::Null)
+        };
+        match r {
+            Ok(()) if mid => continue,
+            Ok(()) => panic!("{case}: rank {r:?} succeeded with its peer dead"),
+            Err(e) => break e,
+        }
+    };
     let took = t0.elapsed();
-    assert_eq!(e.code, Code::RemoteError, "{e}");
+    assert_eq!(r, 0, "{case}: rank 1 lived on: {e}");
+    assert_eq!(e.code, Code::RemoteError, "{case}: {e}");
     assert!(
-        e.msg.contains("rank 1 (process ") && e.msg.contains("has died"),
-        "{e}"
+        e.msg.contains("rank 1"),
+        "{case}: the error names no rank: {e}"
     );
-    assert!(took < Duration::from_secs(5), "detected after {took:?}");
-    eprintln!("death detected after {took:?}: {e}");
-    // Abort returns at once with the peer dead.
+    let limit = Duration::from_secs(if mid { 6 } else { 5 });
+    assert!(took < limit, "{case}: detected after {took:?}: {e}");
+    eprintln!("{case}: death detected after {took:?}: {e}");
+    // The communicator reports it too.
+    let async_err = api::comm_async_error(&c);
+    assert_eq!(
+        async_err,
+        Code::RemoteError,
+        "{case}: ncclCommGetAsyncError"
+    );
     let t1 = Instant::now();
     let _ = api::comm_abort(api::comm_handle(&c));
     let abort = t1.elapsed();
-    eprintln!("ncclCommAbort took {abort:?}");
+    eprintln!("{case}: ncclCommAbort took {abort:?}");
     assert!(
         abort < Duration::from_secs(1),
-        "ncclCommAbort took {abort:?}"
+        "{case}: ncclCommAbort took {abort:?}"
     );
 }
 
-fn parent() {
-    // An eager operation, a direct one (ring fallback: malloc buffers in other processes).
-    for count in ["8", "1000000"] {
+fn shm_files() -> Vec<String> {
+    let mut v: Vec<String> = std::fs::read_dir("/dev/shm")
+        .map(|d| {
+            d.flatten()
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .filter(|n| n.starts_with("oxccl-"))
+                .collect()
+        })
+        .unwrap_or_default();
+    v.sort();
+    v
+}
+
+#[test]
+fn a_peer_killed_is_an_error_within_seconds() {
+    if let Ok(r) = std::env::var("OXCCL_DEATH_RANK") {
+        let hex = std::env::var("OXCCL_DEATH_ID").unwrap();
+        let mut id = [0u8; api::UNIQUE_ID_BYTES];
+        for (i, b) in id.iter_mut().enumerate() {
+            *b = u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).unwrap();
+        }
+        let case = std::env::var("OXCCL_DEATH_CASE").unwrap();
+        return rank(&case, r.parse().unwrap(), &id);
+    }
+    for (case, env) in CASES {
+        let before = shm_files();
         let id = api::get_unique_id().unwrap();
         let hex: String = id.iter().map(|b| format!("{b:02x}")).collect();
         let exe = std::env::current_exe().unwrap();
         let kids: Vec<_> = (0..2)
             .map(|r| {
                 std::process::Command::new(&exe)
-                    .args([
-                        "--exact",
-                        "a_peer_killed_is_an_error_within_seconds",
-                        "--nocapture",
-                    ])
+                    .args(["--exact", TEST, "--nocapture"])
                     .env("OXCCL_DEVICE", "host")
                     .env("OXCCL_TIMEOUT_S", "60")
                     .env("OXCCL_DEATH_ID", &hex)
                     .env("OXCCL_DEATH_RANK", r.to_string())
-                    .env("OXCCL_DEATH_COUNT", count)
+                    .env("OXCCL_DEATH_CASE", case)
+                    .envs(env.iter().copied())
                     .stdout(std::process::Stdio::null())
                     .spawn()
                     .unwrap()
@@ -80,13 +167,13 @@ fn parent() {
             .collect();
         let mut kids = kids.into_iter();
         let (mut k0, mut k1) = (kids.next().unwrap(), kids.next().unwrap());
-        // Rank 0 first: rank 1 stays a zombie while rank 0 waits for it.
+        // Rank 0 first: rank 1 stays a zombie while rank 0 waits for it (dead all the same).
         let s0 = k0.wait().unwrap();
         let s1 = k1.wait().unwrap();
-        assert!(s0.success(), "count {count}: rank 0 failed: {s0:?}");
-        assert!(
-            !s1.success(),
-            "count {count}: rank 1 should have been killed"
-        );
+        assert!(s0.success(), "{case}: rank 0 failed: {s0:?}");
+        assert!(!s1.success(), "{case}: rank 1 should have been killed");
+        let after = shm_files();
+        let left: Vec<_> = after.iter().filter(|n| !before.contains(n)).collect();
+        assert!(left.is_empty(), "{case}: left behind in /dev/shm: {left:?}");
     }
 }

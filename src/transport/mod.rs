@@ -349,7 +349,8 @@ impl ConnSpec {
 /// An end of a connection whose memory both ends open by the name they derive (`inproc`,
 /// `shm`): the blob is the name, which the other end checks against its own.
 pub(crate) struct Named {
-    region: Region,
+    /// Taken by `connect`; an end dropped before (its peer never answered) removes the name.
+    region: Option<Region>,
     name: String,
     nsteps: usize,
     slot_bytes: usize,
@@ -369,7 +370,7 @@ impl Named {
         let blob = name.as_bytes().to_vec();
         Ok((
             Box::new(Named {
-                region,
+                region: Some(region),
                 name,
                 nsteps: spec.nsteps,
                 slot_bytes: spec.slot_bytes,
@@ -382,10 +383,14 @@ impl Named {
 }
 
 impl Endpoint for Named {
-    fn connect(self: Box<Self>, peer_blob: &[u8]) -> Result<Conn> {
-        let n = *self;
+    fn connect(mut self: Box<Self>, peer_blob: &[u8]) -> Result<Conn> {
+        let n = &mut *self;
+        let region = n
+            .region
+            .take()
+            .ok_or_else(|| Error::internal("a connection end connected twice"))?;
         // Dropped on error: the region is unlinked (see `Drop for Conn`).
-        let conn = Conn::new(n.region, n.nsteps, n.slot_bytes, n.peer, n.is_sender);
+        let conn = Conn::new(region, n.nsteps, n.slot_bytes, n.peer, n.is_sender);
         if peer_blob != n.name.as_bytes() {
             return Err(Error::internal(format!(
                 "connection {}: rank {}'s end names another connection ({})",
@@ -402,6 +407,17 @@ impl Endpoint for Named {
             }
         }
         Ok(conn)
+    }
+}
+
+impl Drop for Named {
+    fn drop(&mut self) {
+        // Never connected (the peer failed or died first): nobody else will remove the name.
+        match self.region.take() {
+            Some(Region::Heap(h)) => inproc::forget(h.name()),
+            Some(Region::Shm(s)) => s.unlink(),
+            None => {}
+        }
     }
 }
 

@@ -258,6 +258,11 @@ impl Running {
             return self.stop(e, false);
         }
         if let Some((r, pid)) = self.comm().dead_peer() {
+            // A peer that did its part and then exited is no failure: look once more, now
+            // that everything it wrote before exiting is visible.
+            if self.poll() != Poll::Blocked {
+                return;
+            }
             let e = Error::remote(format!(
                 "{} on rank {}: rank {r} (process {pid} on this host) has died",
                 self.task.what,

@@ -281,16 +281,23 @@ fn launch_tasks(ops: Vec<Call<'_>>) -> Result<()> {
             }
         }
     }
-    let needs: Vec<_> = planned
+    let (needs, needy): (Vec<_>, Vec<_>) = planned
         .iter()
         .map(|(qs, t, _)| {
             let conns = qs[0].conns;
-            (conns, conns.missing_of(|f| t.for_each_key(&mut |k| f(k))))
+            let keys = conns.missing_of(|f| t.for_each_key(&mut |k| f(k)));
+            ((conns, keys), qs[0].host())
         })
-        .filter(|(_, keys)| !keys.is_empty())
-        .collect();
+        .filter(|((_, keys), _)| !keys.is_empty())
+        .unzip();
     if !needs.is_empty() {
-        crate::transport::conns::connect_all(&needs)?;
+        if let Err(e) = crate::transport::conns::connect_all(&needs) {
+            // A communicator whose connections could not be made is broken, as NCCL's is.
+            for comm in needy {
+                comm.health.fail(e.clone());
+            }
+            return Err(e);
+        }
     }
     let mut inline = Vec::new();
     let mut streamed: Vec<(Arc<HostStream>, Vec<Task>)> = Vec::new();
