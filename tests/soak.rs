@@ -76,10 +76,19 @@ fn reduce(op: i32, n: usize, f: impl Fn(usize) -> i32) -> i32 {
 
 /// Draws the whole sequence: batches of operations, each batch one group (or one call).
 fn draw(seed: u64, n: usize, batches: usize) -> Vec<(bool, Vec<Op>)> {
-    let mut g = Rng(seed | 1);
     // 3 and 10 elements: inputs that travel in the cache line of a rank's arrival (see
     // `transport::board::TINY`); 64 and 1000: eager through the inline areas; then larger.
-    let counts = [0usize, 1, 3, 10, 64, 1000, 40_000, 300_000, 2_600_000];
+    draw_counts(
+        seed,
+        n,
+        batches,
+        &[0, 1, 3, 10, 64, 1000, 40_000, 300_000, 2_600_000],
+    )
+}
+
+/// `draw` with element counts taken from `counts`.
+fn draw_counts(seed: u64, n: usize, batches: usize, counts: &[usize]) -> Vec<(bool, Vec<Op>)> {
+    let mut g = Rng(seed | 1);
     (0..batches)
         .map(|_| {
             let on_stream = g.below(3) != 0;
@@ -301,4 +310,49 @@ fn random_sequences_processes() {
             &[("OXCCL_CMA", "1"), ("OXCCL_CMA_MIN_BYTES", "1K")],
         );
     }
+}
+
+/// Many small operations (the sizes whose whole cost is synchronisation, where races between
+/// operations of one communicator would show): at least 10^5 collectives over 2 and 3 ranks as
+/// threads (OXCCL_SOAK_SMALL_OPS), every element of every result checked.
+#[test]
+fn many_small_operations_threads() {
+    std::env::set_var("OXCCL_DEVICE", "host");
+    let (seed, _) = params();
+    let total: usize = env_or("OXCCL_SOAK_SMALL_OPS", 100_000);
+    let counts = [0usize, 1, 3, 10, 64, 1000, 5000];
+    let t0 = std::time::Instant::now();
+    let mut done = 0;
+    for n in [2usize, 3] {
+        // About 1.75 operations per batch: enough batches for half the total each.
+        let batches = (total / 2) * 2 / 3;
+        let seq = draw_counts(seed.wrapping_add(100 + n as u64), n, batches, &counts);
+        done += seq.iter().map(|(_, ops)| ops.len()).sum::<usize>();
+        let id = api::get_unique_id().unwrap();
+        std::thread::scope(|s| {
+            for r in 0..n {
+                let seq = &seq;
+                let id = &id;
+                s.spawn(move || run_rank(n, r, id, seq));
+            }
+        });
+    }
+    assert!(done >= total, "{done} operations run, {total} wanted");
+    eprintln!("{done} operations checked in {:?}", t0.elapsed());
+}
+
+/// The same between processes (2 ranks, OXCCL_SOAK_SMALL_OPS / 2 operations).
+#[test]
+fn many_small_operations_processes() {
+    let (seed, _) = params();
+    let total: usize = env_or("OXCCL_SOAK_SMALL_OPS", 100_000) / 2;
+    let counts = [0usize, 1, 3, 10, 64, 1000, 5000];
+    let batches = total * 2 / 3;
+    if let Some((id, n, r)) = common::rank_env() {
+        let seq = draw_counts(seed.wrapping_add(200), n, batches, &counts);
+        let done: usize = seq.iter().map(|(_, ops)| ops.len()).sum();
+        assert!(done >= total, "{done} operations drawn, {total} wanted");
+        return run_rank(n, r, &id, &seq);
+    }
+    common::run_ranks("many_small_operations_processes", 2, &[]);
 }
