@@ -38,7 +38,7 @@ pub fn comm_init_rank_scalable(
 ) -> Result<Arc<Comm>> {
     let comm = crate::comm::pending_rank(nranks, rank, ids, config)?;
     if !crate::group::defer_init(&comm) {
-        comm.run_init()?;
+        comm.start_init()?;
     }
     Ok(comm)
 }
@@ -100,6 +100,23 @@ pub fn comm_split(
     config: Option<CommConfig>,
 ) -> Result<Option<Arc<Comm>>> {
     crate::comm::split(comm, color, key, config)
+}
+
+/// `ncclCommShrink`: the ranks not in `exclude` make a new communicator (`abort`:
+/// `NCCL_SHRINK_ABORT`, stop the old one's work first).
+pub fn comm_shrink(
+    comm: &Arc<Comm>,
+    exclude: &[i32],
+    config: Option<CommConfig>,
+    abort: bool,
+) -> Result<Arc<Comm>> {
+    crate::comm::shrink(comm, exclude, config, abort)
+}
+
+/// `ncclCommRevoke`: stops the communicator's work; it can then only be shrunk, split,
+/// destroyed or aborted.
+pub fn comm_revoke(comm: &Arc<Comm>) -> Result<()> {
+    comm.revoke()
 }
 
 /// Queue a collective or a send/recv (executes at once outside a group).

@@ -22,6 +22,9 @@ pub struct Health {
     error: Mutex<Option<Error>>,
     /// Whether `error` holds one (read first, so that a healthy check takes no lock).
     has_error: AtomicBool,
+    /// `ncclCommRevoke`: the communicator's work stops as on an abort, but its bootstrap stays
+    /// usable (to shrink or split it).
+    revoked: AtomicBool,
 }
 
 impl Default for Health {
@@ -38,6 +41,7 @@ impl Health {
             remote: AtomicU32::new(0),
             error: Mutex::new(None),
             has_error: AtomicBool::new(false),
+            revoked: AtomicBool::new(false),
         }
     }
 
@@ -50,6 +54,24 @@ impl Health {
     #[inline]
     pub fn aborted(&self) -> bool {
         self.abort.load(Ordering::SeqCst) || self.remote.load(Ordering::Relaxed) != 0
+    }
+
+    /// `ncclCommRevoke`: work on the communicator stops (see `halted`); waits of its bootstrap
+    /// go on.
+    pub fn revoke(&self) {
+        self.revoked.store(true, Ordering::SeqCst);
+    }
+
+    /// Whether the communicator was revoked.
+    pub fn revoked(&self) -> bool {
+        self.revoked.load(Ordering::SeqCst)
+    }
+
+    /// Whether work on the communicator must stop: it was aborted (here or by a peer) or
+    /// revoked.
+    #[inline]
+    pub fn halted(&self) -> bool {
+        self.aborted() || self.revoked.load(Ordering::Relaxed)
     }
 
     /// A peer asks this rank to stop (`rank`: who asked).

@@ -123,6 +123,17 @@ unsafe fn init_rank(
     let c = api::comm_init_rank_scalable(nranks, rank, &ids, config)?;
     // SAFETY: non-null out-parameter.
     unsafe { comm.write(comm_out(&c)) };
+    in_progress(&c)
+}
+
+/// `ncclInProgress` while a non-blocking communicator's init runs (the handle is out already).
+fn in_progress(c: &std::sync::Arc<crate::comm::Comm>) -> Result<()> {
+    if c.init_in_progress() {
+        return Err(Error::new(
+            crate::error::Code::InProgress,
+            "init in progress",
+        ));
+    }
     Ok(())
 }
 
@@ -245,8 +256,7 @@ pub unsafe extern "C" fn ncclCommRevoke(comm: ncclComm_t, revokeFlags: c_int) ->
                 "revokeFlags {revokeFlags} must be NCCL_REVOKE_DEFAULT (0)"
             )));
         }
-        comm_arg(comm)?;
-        api::not_yet("ncclCommRevoke")
+        api::comm_revoke(&comm_arg(comm)?)
     })
 }
 
@@ -272,7 +282,7 @@ pub unsafe extern "C" fn ncclCommSplit(
         let h = child.as_ref().map_or(std::ptr::null_mut(), comm_out);
         // SAFETY: non-null out-parameter.
         unsafe { newcomm.write(h) };
-        Ok(())
+        child.as_ref().map_or(Ok(()), in_progress)
     })
 }
 
@@ -303,9 +313,18 @@ pub unsafe extern "C" fn ncclCommShrink(
             )));
         }
         // SAFETY: NULL or a config of `size` bytes.
-        unsafe { read_config(config) }?;
-        comm_arg(comm)?;
-        api::not_yet("ncclCommShrink")
+        let config = unsafe { read_config(config) }?;
+        let parent = comm_arg(comm)?;
+        let exclude: &[c_int] = if excludeRanksCount == 0 {
+            &[]
+        } else {
+            // SAFETY: checked non-null above; the caller gives `excludeRanksCount` ints.
+            unsafe { std::slice::from_raw_parts(excludeRanksList, excludeRanksCount as usize) }
+        };
+        let child = api::comm_shrink(&parent, exclude, config, shrinkFlags & 1 != 0)?;
+        // SAFETY: non-null out-parameter.
+        unsafe { newcomm.write(comm_out(&child)) };
+        in_progress(&child)
     })
 }
 

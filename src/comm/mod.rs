@@ -2,8 +2,11 @@
 //! core the engine works with, lifecycle (finalize, destroy, abort) and per-comm tables
 //! (PreMulSum operators, registered buffers).
 
+mod derive;
 pub mod handles;
 pub mod tables;
+
+pub use derive::{shrink, split};
 
 use crate::bootstrap::{Bootstrap, UniqueId, ID_BYTES as UNIQUE_ID_BYTES};
 use crate::error::{Code, Error, Result};
@@ -64,6 +67,8 @@ struct PendingInit {
     ids: Vec<UniqueId>,
     config: CommConfig,
     dev: Option<i32>,
+    /// Set by `ncclCommAbort` while the init runs (it becomes the communicator's abort flag).
+    abort: Arc<AtomicBool>,
 }
 
 /// A communicator handle's object: its core once initialised.
@@ -71,6 +76,11 @@ pub struct Comm {
     core: OnceCell<Arc<Core>>,
     pending: Mutex<Option<PendingInit>>,
     init_error: Mutex<Option<Error>>,
+    /// `config.blocking = 0` (or `NCCL_COMM_BLOCKING=0`): init runs on a thread of its own, and
+    /// the calls that make the communicator return `ncclInProgress` (see `start_init`).
+    nonblocking: bool,
+    init_thread: Mutex<Option<std::thread::JoinHandle<()>>>,
+    init_abort: Arc<AtomicBool>,
     destroyed: AtomicBool,
     pub redops: RedOps,
     pub registry: Registry,
@@ -78,7 +88,14 @@ pub struct Comm {
 
 impl Comm {
     fn pending(p: PendingInit) -> Comm {
+        let blocking = p
+            .config
+            .blocking
+            .unwrap_or_else(|| crate::param::get_str("NCCL_COMM_BLOCKING").as_deref() != Some("0"));
         Comm {
+            nonblocking: !blocking,
+            init_thread: Mutex::new(None),
+            init_abort: p.abort.clone(),
             core: OnceCell::new(),
             pending: Mutex::new(Some(p)),
             init_error: Mutex::new(None),
@@ -99,9 +116,58 @@ impl Comm {
         if let Some(e) = self.init_error.lock().clone() {
             return Err(e);
         }
+        if self.nonblocking && self.init_thread.lock().is_some() {
+            return Err(Error::invalid_usage(
+                "the communicator's non-blocking init is still in progress: poll \
+                 ncclCommGetAsyncError until it returns ncclSuccess before using it",
+            ));
+        }
         Err(Error::invalid_usage(
             "communicator is not initialized yet (its ncclGroupEnd has not run)",
         ))
+    }
+
+    /// Runs the pending init: here (blocking), or on a thread of its own for a non-blocking
+    /// communicator (then `init_in_progress` says whether it is still running).
+    pub fn start_init(self: &Arc<Self>) -> Result<()> {
+        if !self.nonblocking {
+            return self.run_init();
+        }
+        let me = self.clone();
+        let t = std::thread::Builder::new()
+            .name("oxccl-init".into())
+            .spawn(move || {
+                let _ = me.run_init();
+            })
+            .map_err(|e| Error::os("starting the init thread", e))?;
+        *self.init_thread.lock() = Some(t);
+        Ok(())
+    }
+
+    /// Whether a non-blocking init is still running (`ncclInProgress`).
+    pub fn init_in_progress(&self) -> bool {
+        self.async_error() == Code::InProgress
+    }
+
+    /// Waits for a non-blocking init to end (the comm is being destroyed or aborted).
+    fn join_init(&self) {
+        if let Some(t) = self.init_thread.lock().take() {
+            let _ = t.join();
+        }
+    }
+
+    /// `ncclCommRevoke`: in-flight and queued work stops (it ends in `ncclRemoteError`) and the
+    /// communicator is quiescent when this returns; afterwards it can only be shrunk, split,
+    /// destroyed or aborted (its collectives return `ncclInvalidUsage`).
+    pub fn revoke(&self) -> Result<()> {
+        let core = self.core()?;
+        core.health.fail(Error::invalid_usage(format!(
+            "rank {}: the communicator was revoked (ncclCommRevoke): only ncclCommShrink, \
+             ncclCommSplit, ncclCommDestroy and ncclCommAbort can use it now",
+            core.rank
+        )));
+        core.health.revoke();
+        core.wait_idle()
     }
 
     pub fn nranks(&self) -> Result<i32> {
@@ -139,6 +205,7 @@ impl Comm {
     }
 
     pub fn destroy(&self) -> Result<()> {
+        self.join_init();
         let r = match self.core.get() {
             Some(c) => {
                 let r = c.wait_idle();
@@ -152,6 +219,8 @@ impl Comm {
     }
 
     pub fn abort(&self) {
+        // A non-blocking init still running gives up (its waits watch this flag).
+        self.init_abort.store(true, Ordering::SeqCst);
         if let Some(c) = self.core.get() {
             c.health.abort();
         }
@@ -171,7 +240,7 @@ impl Comm {
 }
 
 fn build_core(p: PendingInit) -> Result<Core> {
-    let health = Arc::new(Health::default());
+    let health = Arc::new(Health::with_flag(p.abort.clone()));
     let boot = Bootstrap::init(&p.ids, p.rank, p.nranks, health.clone())
         .map_err(|e| e.context(format!("bootstrap of rank {} of {}", p.rank, p.nranks)))?;
     let me = PeerInfo::mine(p.dev.unwrap_or(-1));
@@ -236,7 +305,7 @@ fn parse_ids(ids: &[[u8; UNIQUE_ID_BYTES]]) -> Result<Vec<UniqueId>> {
     ids.iter().map(UniqueId::from_bytes).collect()
 }
 
-fn new_comm(
+pub(crate) fn new_comm(
     nranks: i32,
     rank: i32,
     ids: Vec<UniqueId>,
@@ -260,6 +329,7 @@ fn new_comm(
         ids,
         config,
         dev,
+        abort: Arc::new(AtomicBool::new(false)),
     })))
 }
 
@@ -327,65 +397,4 @@ pub fn run_inits(comms: &[Arc<Comm>]) -> Result<()> {
             .collect()
     });
     results.into_iter().collect()
-}
-
-/// Tag of the bootstrap message carrying a split's new unique id.
-const SPLIT_TAG: u32 = 0x5eed;
-
-/// `ncclCommSplit`: ranks with the same color form a new comm ordered by (key, old rank).
-pub fn split(
-    comm: &Arc<Comm>,
-    color: i32,
-    key: i32,
-    config: Option<CommConfig>,
-) -> Result<Option<Arc<Comm>>> {
-    let core = comm.core()?.clone();
-    if color < 0 && color != -1 {
-        return Err(Error::invalid_argument(format!(
-            "invalid color {color} (must be >= 0 or NCCL_SPLIT_NOCOLOR)"
-        )));
-    }
-    core.wait_idle()?;
-    let mut mine = color.to_le_bytes().to_vec();
-    mine.extend_from_slice(&key.to_le_bytes());
-    let all = core.with_bootstrap(|b| b.allgather(&mine))?;
-    let parse = |b: &Vec<u8>, o: usize| i32::from_le_bytes([b[o], b[o + 1], b[o + 2], b[o + 3]]);
-    if color == -1 {
-        return Ok(None);
-    }
-    let mut members: Vec<(i32, usize)> = all
-        .iter()
-        .enumerate()
-        .filter(|(_, b)| parse(b, 0) == color)
-        .map(|(r, b)| (parse(b, 4), r))
-        .collect();
-    members.sort();
-    let new_rank = members
-        .iter()
-        .position(|&(_, r)| r == core.rank)
-        .expect("member");
-    let leader = members[0].1;
-    let id = if leader == core.rank {
-        let id = UniqueId::generate()?;
-        for &(_, r) in &members[1..] {
-            core.with_bootstrap(|b| b.send(r, SPLIT_TAG, &id.to_bytes()))?;
-        }
-        id
-    } else {
-        let b = core.with_bootstrap(|b| b.recv(leader, SPLIT_TAG))?;
-        let arr: [u8; UNIQUE_ID_BYTES] = b
-            .try_into()
-            .map_err(|_| Error::internal("split: bad unique id message"))?;
-        UniqueId::from_bytes(&arr)?
-    };
-    let cfg = config.unwrap_or_default();
-    let c = new_comm(
-        members.len() as i32,
-        new_rank as i32,
-        vec![id],
-        cfg,
-        Some(core.cuda_dev),
-    )?;
-    c.run_init()?;
-    Ok(Some(c))
 }

@@ -139,7 +139,7 @@ impl Running {
             self.load_stage();
         }
         // An aborted communicator's work stops at once, at a slot boundary (one load per pass).
-        if self.comm().health.aborted() {
+        if self.comm().health.halted() {
             let e = self.aborted_error();
             return self.finish(Err(e));
         }
@@ -227,8 +227,13 @@ impl Running {
     }
 
     fn aborted_error(&self) -> Error {
+        let how = if self.comm().health.revoked() {
+            "revoked"
+        } else {
+            "aborted"
+        };
         Error::remote(format!(
-            "{} on rank {}: communicator aborted",
+            "{} on rank {}: communicator {how}",
             self.task.what,
             self.comm().rank
         ))
@@ -253,7 +258,7 @@ impl Running {
         if self.result.is_some() {
             return;
         }
-        if self.comm().health.aborted() {
+        if self.comm().health.halted() {
             let e = self.aborted_error();
             return self.stop(e, false);
         }

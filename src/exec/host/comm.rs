@@ -111,10 +111,15 @@ impl HostComm {
         if self.try_begin(ticket) {
             return Ok(());
         }
-        if self.health.aborted() {
+        if self.health.halted() {
             return Err(Error::remote(format!(
-                "rank {}: communicator aborted",
-                self.rank
+                "rank {}: communicator {}",
+                self.rank,
+                if self.health.revoked() {
+                    "revoked"
+                } else {
+                    "aborted"
+                }
             )));
         }
         match self.health.error() {
@@ -127,7 +132,7 @@ impl HostComm {
     #[inline]
     pub fn try_begin(&self, ticket: u64) -> bool {
         self.begun.store(ticket + 1, Ordering::SeqCst);
-        !self.health.aborted() && !self.health.failed()
+        !self.health.halted() && !self.health.failed()
     }
 
     /// Ends the turn of `ticket`, if it is being served. Only the holder of the ticket being
@@ -160,7 +165,7 @@ impl HostComm {
         };
         let what = || "its outstanding operations to complete".to_string();
         w.until(&what, || {
-            self.idle() || (self.health.aborted() && self.quiescent())
+            self.idle() || (self.health.halted() && self.quiescent())
         })
     }
 

@@ -1,0 +1,127 @@
+//! Communicators made from another one: `ncclCommSplit` (every rank takes part and says which
+//! part it joins) and `ncclCommShrink` (the ranks that stay make a new communicator without the
+//! excluded ones, which may be dead: nothing waits for them).
+
+use super::{new_comm, Comm, Core};
+use crate::bootstrap::{UniqueId, ID_BYTES as UNIQUE_ID_BYTES};
+use crate::error::{Error, Result};
+use crate::types::CommConfig;
+use std::sync::Arc;
+
+/// Tag of the bootstrap message carrying a split's new unique id.
+const SPLIT_TAG: u32 = 0x5eed;
+/// Tag of the bootstrap message carrying a shrink's new unique id.
+const SHRINK_TAG: u32 = 0x5eee;
+
+/// The new communicator's unique id, made by its first member (`members`: old ranks in new rank
+/// order) and sent to the others over the old communicator's bootstrap (point to point: only
+/// members take part).
+fn share_id(core: &Core, members: &[usize], tag: u32) -> Result<UniqueId> {
+    let leader = members[0];
+    if leader == core.rank {
+        let id = UniqueId::generate()?;
+        for &r in &members[1..] {
+            core.with_bootstrap(|b| b.send(r, tag, &id.to_bytes()))?;
+        }
+        return Ok(id);
+    }
+    let b = core.with_bootstrap(|b| b.recv(leader, tag))?;
+    let arr: [u8; UNIQUE_ID_BYTES] = b
+        .try_into()
+        .map_err(|_| Error::internal("a malformed unique id message"))?;
+    UniqueId::from_bytes(&arr)
+}
+
+/// Makes this rank's end of the new communicator (non-blocking ones init in the background).
+fn make(
+    core: &Core,
+    members: &[usize],
+    id: UniqueId,
+    config: Option<CommConfig>,
+) -> Result<Arc<Comm>> {
+    let new_rank = members
+        .iter()
+        .position(|&r| r == core.rank)
+        .ok_or_else(|| Error::internal("this rank is not a member of its new communicator"))?;
+    let c = new_comm(
+        members.len() as i32,
+        new_rank as i32,
+        vec![id],
+        config.unwrap_or_default(),
+        Some(core.cuda_dev),
+    )?;
+    c.start_init()?;
+    Ok(c)
+}
+
+/// `ncclCommSplit`: ranks with the same color form a new comm ordered by (key, old rank).
+pub fn split(
+    comm: &Arc<Comm>,
+    color: i32,
+    key: i32,
+    config: Option<CommConfig>,
+) -> Result<Option<Arc<Comm>>> {
+    let core = comm.core()?.clone();
+    if color < 0 && color != -1 {
+        return Err(Error::invalid_argument(format!(
+            "invalid color {color} (must be >= 0 or NCCL_SPLIT_NOCOLOR)"
+        )));
+    }
+    core.wait_idle()?;
+    let mut mine = color.to_le_bytes().to_vec();
+    mine.extend_from_slice(&key.to_le_bytes());
+    let all = core.with_bootstrap(|b| b.allgather(&mine))?;
+    let parse = |b: &Vec<u8>, o: usize| i32::from_le_bytes([b[o], b[o + 1], b[o + 2], b[o + 3]]);
+    if color == -1 {
+        return Ok(None);
+    }
+    let mut members: Vec<(i32, usize)> = all
+        .iter()
+        .enumerate()
+        .filter(|(_, b)| parse(b, 0) == color)
+        .map(|(r, b)| (parse(b, 4), r))
+        .collect();
+    members.sort();
+    let members: Vec<usize> = members.into_iter().map(|(_, r)| r).collect();
+    let id = share_id(&core, &members, SPLIT_TAG)?;
+    make(&core, &members, id, config).map(Some)
+}
+
+/// `ncclCommShrink`: the ranks not in `exclude` form a new communicator, in their old order.
+/// Only they call it; the excluded ones may be dead. `abort` (`NCCL_SHRINK_ABORT`) first stops
+/// the old communicator's work (as `ncclCommRevoke` does: use it when a peer failed); without
+/// it, the old communicator's work must be able to finish.
+pub fn shrink(
+    comm: &Arc<Comm>,
+    exclude: &[i32],
+    config: Option<CommConfig>,
+    abort: bool,
+) -> Result<Arc<Comm>> {
+    let core = comm.core()?.clone();
+    let n = core.nranks;
+    let mut out = vec![false; n];
+    for &r in exclude {
+        let i = usize::try_from(r).ok().filter(|&i| i < n).ok_or_else(|| {
+            Error::invalid_argument(format!("excludeRanksList holds rank {r}, outside 0..{n}"))
+        })?;
+        if std::mem::replace(&mut out[i], true) {
+            return Err(Error::invalid_argument(format!(
+                "excludeRanksList holds rank {r} twice"
+            )));
+        }
+    }
+    if out[core.rank] {
+        return Err(Error::invalid_usage(format!(
+            "rank {} is in its own excludeRanksList: excluded ranks do not call ncclCommShrink",
+            core.rank
+        )));
+    }
+    if abort {
+        comm.revoke()?;
+    } else {
+        core.wait_idle()?;
+    }
+    let members: Vec<usize> = (0..n).filter(|&r| !out[r]).collect();
+    let id = share_id(&core, &members, SHRINK_TAG)?;
+    make(&core, &members, id, config)
+}

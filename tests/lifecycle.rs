@@ -1,0 +1,200 @@
+//! The calls people use when something failed: `ncclCommShrink` (with and without
+//! `NCCL_SHRINK_ABORT`, after a peer died), `ncclCommRevoke`, and non-blocking communicators
+//! (`config.blocking = 0`: init in the background, `ncclCommGetAsyncError` says when it is done).
+
+use nccl::api::{self, CollArgs, StreamArg};
+use nccl::error::Code;
+use nccl::types::CommConfig;
+use std::time::{Duration, Instant};
+
+mod common;
+
+fn err<T>(r: nccl::error::Result<T>) -> nccl::error::Error {
+    match r {
+        Ok(_) => panic!("expected an error"),
+        Err(e) => e,
+    }
+}
+
+fn sum_check(c: &std::sync::Arc<nccl::comm::Comm>, me: f32, want: f32, what: &str) {
+    let send = vec![me; 1000];
+    let mut recv = vec![0f32; 1000];
+    api::enqueue(c, common::all_reduce_f32(&send, &mut recv), StreamArg::Null)
+        .unwrap_or_else(|e| panic!("{what}: {e}"));
+    assert!(recv.iter().all(|&x| x == want), "{what}: {:?}", &recv[..4]);
+}
+
+/// Three ranks as threads; ranks 0 and 2 shrink rank 1 away (rank 1 does not call), renumbered
+/// 0 and 1, and all-reduce on the new communicator. Bad exclusion lists are errors.
+#[test]
+fn shrink_excludes_ranks_and_renumbers_the_rest() {
+    std::env::set_var("OXCCL_DEVICE", "host");
+    let comms = api::comm_init_all(&[0, 1, 2]).unwrap();
+    let e = err(api::comm_shrink(&comms[0], &[0], None, false));
+    assert_eq!(e.code, Code::InvalidUsage, "{e}");
+    let e = err(api::comm_shrink(&comms[0], &[1, 1], None, false));
+    assert_eq!(e.code, Code::InvalidArgument, "{e}");
+    let e = err(api::comm_shrink(&comms[0], &[3], None, false));
+    assert_eq!(e.code, Code::InvalidArgument, "{e}");
+    std::thread::scope(|s| {
+        for old in [0usize, 2] {
+            let c = &comms[old];
+            s.spawn(move || {
+                let n = api::comm_shrink(c, &[1], None, false).unwrap();
+                assert_eq!(n.nranks().unwrap(), 2);
+                assert_eq!(n.rank().unwrap(), (old / 2) as i32);
+                sum_check(&n, old as f32 + 1.0, 4.0, "shrunk comm");
+                api::comm_destroy(api::comm_handle(&n)).unwrap();
+            });
+        }
+    });
+    for c in comms {
+        api::comm_destroy(api::comm_handle(&c)).unwrap();
+    }
+}
+
+/// Three processes; rank 2 dies; ranks 0 and 1 see the error, shrink with `NCCL_SHRINK_ABORT`
+/// and go on with the two of them.
+#[test]
+fn shrink_after_a_peer_died() {
+    let Some((id, n, r)) = common::rank_env() else {
+        return common::run_ranks("shrink_after_a_peer_died", 3, &[]);
+    };
+    let c = api::comm_init_rank(n as i32, &id, r as i32, Default::default()).unwrap();
+    sum_check(&c, 1.0, 3.0, "before the death");
+    if r == 2 {
+        // Exits with success for run_ranks' sake: the others see a dead process all the same.
+        std::process::exit(0);
+    }
+    std::thread::sleep(Duration::from_millis(100));
+    let send = vec![1f32; 1000];
+    let mut recv = vec![0f32; 1000];
+    let e = api::enqueue(
+        &c,
+        common::all_reduce_f32(&send, &mut recv),
+        StreamArg::Null,
+    )
+    .unwrap_err();
+    assert_eq!(e.code, Code::RemoteError, "{e}");
+    let t0 = Instant::now();
+    let s = api::comm_shrink(&c, &[2], None, true).unwrap();
+    eprintln!("rank {r}: shrink took {:?}", t0.elapsed());
+    assert_eq!((s.nranks().unwrap(), s.rank().unwrap()), (2, r as i32));
+    assert_eq!(api::comm_async_error(&s), Code::Success);
+    sum_check(&s, r as f32 + 1.0, 3.0, "after the shrink");
+    api::comm_destroy(api::comm_handle(&s)).unwrap();
+    let _ = api::comm_abort(api::comm_handle(&c));
+}
+
+/// A revoked communicator's work in flight ends in an error, the revoke returns once nothing
+/// runs, and the communicator then refuses collectives (but can still be shrunk).
+#[test]
+fn revoke_stops_work_in_flight() {
+    std::env::set_var("OXCCL_DEVICE", "host");
+    let comms = api::comm_init_all(&[0, 1]).unwrap();
+    let sh = api::host_stream_create().unwrap();
+    let count = 1 << 20;
+    let send = vec![1f32; count];
+    let mut recv = vec![0f32; count];
+    // Rank 0 alone: its work waits for rank 1 on its stream.
+    let a: CollArgs = common::all_reduce_f32(&send, &mut recv);
+    api::enqueue(&comms[0], a, api::stream_from_handle(sh).unwrap()).unwrap();
+    std::thread::sleep(Duration::from_millis(50));
+    let t0 = Instant::now();
+    api::comm_revoke(&comms[0]).unwrap();
+    assert!(
+        t0.elapsed() < Duration::from_secs(1),
+        "revoke took {:?}",
+        t0.elapsed()
+    );
+    let e = api::host_stream_synchronize(sh).unwrap_err();
+    assert_eq!(e.code, Code::RemoteError, "{e}");
+    assert!(e.msg.contains("revoked"), "{e}");
+    let e = api::enqueue(&comms[0], a, StreamArg::Null).unwrap_err();
+    assert_eq!(e.code, Code::InvalidUsage, "{e}");
+    assert!(e.msg.contains("revoked"), "{e}");
+    api::host_stream_destroy(sh).unwrap();
+    for c in comms {
+        let _ = api::comm_abort(api::comm_handle(&c));
+    }
+}
+
+fn nonblocking() -> CommConfig {
+    CommConfig {
+        blocking: Some(false),
+        ..Default::default()
+    }
+}
+
+/// Non-blocking init: the call returns at once, `ncclCommGetAsyncError` says `ncclInProgress`
+/// until the peers are there, then `ncclSuccess`; using the communicator before is an error.
+#[test]
+fn nonblocking_init_completes_in_the_background() {
+    std::env::set_var("OXCCL_DEVICE", "host");
+    let id = api::get_unique_id().unwrap();
+    let c0 = api::comm_init_rank(2, &id, 0, nonblocking()).unwrap();
+    // Rank 1 is not there yet: rank 0's init cannot be done.
+    assert_eq!(api::comm_async_error(&c0), Code::InProgress);
+    assert!(c0.init_in_progress());
+    let send = vec![1f32; 8];
+    let mut recv = vec![0f32; 8];
+    let e = api::enqueue(
+        &c0,
+        common::all_reduce_f32(&send, &mut recv),
+        StreamArg::Null,
+    )
+    .unwrap_err();
+    assert!(e.msg.contains("in progress"), "{e}");
+    let c1 = api::comm_init_rank(2, &id, 1, nonblocking()).unwrap();
+    let t0 = Instant::now();
+    for c in [&c0, &c1] {
+        while api::comm_async_error(c) == Code::InProgress {
+            assert!(
+                t0.elapsed() < Duration::from_secs(30),
+                "init never completed"
+            );
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        assert_eq!(api::comm_async_error(c), Code::Success);
+    }
+    std::thread::scope(|s| {
+        for (r, c) in [&c0, &c1].into_iter().enumerate() {
+            s.spawn(move || sum_check(c, r as f32 + 1.0, 3.0, "non-blocking comm"));
+        }
+    });
+    // A split with a non-blocking config is non-blocking too.
+    let kids: Vec<_> = std::thread::scope(|s| {
+        let hs: Vec<_> = [&c0, &c1]
+            .into_iter()
+            .map(|c| s.spawn(move || api::comm_split(c, 0, 0, Some(nonblocking())).unwrap()))
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap().unwrap()).collect()
+    });
+    for k in &kids {
+        while api::comm_async_error(k) == Code::InProgress {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        assert_eq!(api::comm_async_error(k), Code::Success);
+    }
+    for c in kids.into_iter().chain([c0, c1]) {
+        api::comm_destroy(api::comm_handle(&c)).unwrap();
+    }
+}
+
+/// Aborting a non-blocking communicator whose init waits for a peer that never comes returns
+/// at once and leaves no thread behind.
+#[test]
+fn abort_during_nonblocking_init() {
+    std::env::set_var("OXCCL_DEVICE", "host");
+    let id = api::get_unique_id().unwrap();
+    let c = api::comm_init_rank(2, &id, 0, nonblocking()).unwrap();
+    std::thread::sleep(Duration::from_millis(50));
+    assert_eq!(api::comm_async_error(&c), Code::InProgress);
+    let t0 = Instant::now();
+    let _ = api::comm_abort(api::comm_handle(&c));
+    assert!(
+        t0.elapsed() < Duration::from_secs(1),
+        "abort took {:?}",
+        t0.elapsed()
+    );
+}
