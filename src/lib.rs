@@ -13,6 +13,7 @@ pub mod debug;
 pub mod device;
 pub mod error;
 pub mod exec;
+pub mod flight;
 pub mod group;
 pub mod health;
 pub mod launch;

@@ -13,6 +13,7 @@ const LAYERS: &[&str] = &[
     "launch",
     "comm",
     "exec",
+    "flight",
     "plan",
     "transport",
     "bootstrap",

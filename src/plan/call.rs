@@ -34,6 +34,7 @@ fn rooted(kind: CollKind) -> bool {
 }
 
 /// A collective call's words.
+#[inline]
 pub fn of_coll(
     kind: CollKind,
     count: usize,
@@ -41,17 +42,22 @@ pub fn of_coll(
     red: Option<RedSpec>,
     root: usize,
 ) -> Call {
-    let red = match red {
-        None => 0,
-        Some(RedSpec::Ready(r)) => {
-            1 + r.kind as u64
-                + 4 * u64::from(r.premul.is_some())
-                + 8 * u64::from(r.postdiv.is_some())
+    #[inline(always)]
+    fn code(red: Option<RedSpec>) -> u64 {
+        match red {
+            None => 0,
+            Some(RedSpec::Ready(r)) => {
+                1 + r.kind as u64
+                    + 4 * u64::from(r.premul.is_some())
+                    + 8 * u64::from(r.postdiv.is_some())
+            }
+            Some(RedSpec::PreMul { .. }) => 16,
         }
-        Some(RedSpec::PreMul { .. }) => 16,
-    };
+    }
+    let red = code(red);
     let root = if rooted(kind) { root as u64 } else { 0 };
-    let kind = KINDS.iter().position(|&k| k == kind).unwrap_or(0) as u64;
+    // The declaration order, which `KINDS` follows (checked by a test).
+    let kind = kind as u64;
     [
         count as u64,
         kind | (dtype as u64) << 8 | red << 16 | root << 32,
@@ -108,6 +114,9 @@ mod tests {
         let c = of_coll(CollKind::Gather, 9, DataType::Float64, None, 2);
         assert_eq!(describe(c), "Gather of 9 x double, root 2");
         assert_eq!(describe(of_p2p(4096)), "Send/Recv of 4096 bytes");
+        for (i, &k) in KINDS.iter().enumerate() {
+            assert_eq!(k as usize, i, "KINDS follows CollKind's order");
+        }
         assert_ne!(
             of_coll(CollKind::Broadcast, 8, DataType::Int8, None, 0),
             of_coll(CollKind::Broadcast, 8, DataType::Int8, None, 1)

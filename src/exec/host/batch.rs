@@ -133,6 +133,9 @@ impl Running {
                 return self.finish(Err(e.context(self.task.what.to_string())));
             }
             self.started = true;
+            if let Some(r) = &self.task.comm.recorder {
+                r.began(self.task.ticket + 1);
+            }
             // SAFETY: the task's turn has come: earlier work of its stream and communicator is
             // done, and its sends' ranges were validated at enqueue.
             unsafe { self.task.p2p_stash.fill() };
@@ -210,6 +213,16 @@ impl Running {
                 {
                     st.leave(op, &|p| comm.peer_alive(p));
                 }
+            }
+        }
+        if let Some(rec) = &self.task.comm.recorder {
+            rec.ended(self.task.ticket + 1, r.as_ref().err());
+            if let Err(e) = &r {
+                rec.emit(&format!(
+                    "operation #{} failed: {}",
+                    self.task.ticket + 1,
+                    e.msg
+                ));
             }
         }
         self.comm().advance_serving(self.task.ticket);
@@ -291,6 +304,12 @@ impl Running {
                 waited.as_secs(),
                 self.waiting()
             ));
+            if let Some(r) = &comm.recorder {
+                r.emit("the watchdog fired");
+            }
+        }
+        if let Some(r) = self.comm().recorder.as_ref().filter(|r| r.asked()) {
+            r.emit("SIGUSR2");
         }
         if self.started && waited > timeout {
             let waiting = self.waiting();

@@ -38,6 +38,8 @@ pub struct HostComm {
     /// The pids of peers in other processes of this host, by rank (None: this process, or
     /// another host), watched while an operation waits (`dead_peer`).
     peer_pids: Vec<Option<u32>>,
+    /// The last operations, when `OXCCL_FLIGHT_RECORDER` asks for them.
+    pub recorder: Option<crate::flight::Recorder>,
 }
 
 impl HostComm {
@@ -80,6 +82,7 @@ impl HostComm {
             .collect();
         Ok(HostComm {
             peer_pids,
+            recorder: crate::flight::for_comm(hash, name.clone(), rank),
             hash,
             name,
             rank,
@@ -132,7 +135,8 @@ impl HostComm {
     #[inline]
     pub fn try_begin(&self, ticket: u64) -> bool {
         self.begun.store(ticket + 1, Ordering::SeqCst);
-        !self.health.halted() && !self.health.failed()
+        // (A revoke breaks the communicator too: `failed` covers it.)
+        !self.health.aborted() && !self.health.failed()
     }
 
     /// Ends the turn of `ticket`, if it is being served. Only the holder of the ticket being

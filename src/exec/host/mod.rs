@@ -91,6 +91,9 @@ fn run_lone(qs: &[Call<'_>]) -> Option<Result<()>> {
         if comm.nranks < 2
             || !crate::plan::board::fits_inline(bk, comm.nranks, a.count, a.dtype, INLINE)
             || !comm.has_board()
+            // The flight recorder sees tasks (a debugging mode: small operations take the
+            // general path then).
+            || comm.recorder.is_some()
             || qs[..i].iter().any(|p| Arc::ptr_eq(p.host(), comm))
             || (budget.is_zero() && matches!(q.stream, Stream::Host(_)))
         {

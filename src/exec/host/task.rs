@@ -141,6 +141,9 @@ impl Task {
         task.p2p = lanes(t.p2p, &task.p2p_stash)?;
         // The ticket is taken only once planning succeeded, so a failed plan never blocks the comm.
         task.ticket = comm.take_ticket();
+        if let Some(r) = &comm.recorder {
+            r.queued(task.ticket + 1, what);
+        }
         Ok(task)
     }
 }
