@@ -56,6 +56,11 @@ impl Health {
         self.abort.load(Ordering::SeqCst) || self.remote.load(Ordering::Relaxed) != 0
     }
 
+    /// Whether `ncclCommAbort` was called here (not a peer's or a connection's failure).
+    pub fn aborted_here(&self) -> bool {
+        self.abort.load(Ordering::SeqCst)
+    }
+
     /// `ncclCommRevoke`: work on the communicator stops (see `halted`); waits of its bootstrap
     /// go on.
     pub fn revoke(&self) {

@@ -1,10 +1,8 @@
-//! Ranks on two "hosts" (processes with different host identities, `OXCCL_HOSTID`): what needs
-//! only peers on the same host works (over shared memory); what needs a peer on the other host
-//! fails at once on every rank involved, naming the network transport and the peer, instead of
-//! waiting for the timeout.
+//! Ranks on two "hosts" (processes with different host identities, `OXCCL_HOSTID`, on this
+//! machine's loopback): traffic inside a host goes over shared memory, traffic between hosts
+//! over the network transport (TCP, moved by each communicator's proxy thread).
 
 use nccl::api::{self, CollArgs, StreamArg};
-use nccl::error::Code;
 use nccl::types::{CollKind, DataType, OP_SUM};
 use std::time::{Duration, Instant};
 
@@ -15,13 +13,13 @@ fn f32s(v: &[f32]) -> usize {
 }
 
 #[test]
-fn two_hosts_same_host_traffic_works_other_host_traffic_fails_fast() {
+fn two_hosts_inside_over_shared_memory_across_over_the_network() {
     let Some((id, n, r)) = common::rank_env() else {
         // The timeout is far above what the test allows: failing fast is what is tested.
         return common::run_ranks(
-            "two_hosts_same_host_traffic_works_other_host_traffic_fails_fast",
+            "two_hosts_inside_over_shared_memory_across_over_the_network",
             4,
-            &[("OXCCL_TIMEOUT_S", "120")],
+            &[],
         );
     };
     // Ranks 0, 1 on host A; 2, 3 on host B.
@@ -64,7 +62,7 @@ fn two_hosts_same_host_traffic_works_other_host_traffic_fails_fast() {
             assert_eq!(*x, (peer * count + i) as f32, "rank {r} element {i}");
         }
     }
-    // An all-reduce needs the ring, which crosses hosts.
+    // An all-reduce: the ring crosses hosts.
     let t0 = Instant::now();
     let a = CollArgs {
         kind: CollKind::AllReduce,
@@ -75,16 +73,12 @@ fn two_hosts_same_host_traffic_works_other_host_traffic_fails_fast() {
         op: OP_SUM,
         root: 0,
     };
-    let e = api::enqueue(&c, a, StreamArg::Null).unwrap_err();
-    assert_eq!(e.code, Code::InvalidUsage, "rank {r}: {e}");
-    assert!(
-        e.msg.contains("network transport") && e.msg.contains("another host"),
-        "rank {r}: {e}"
-    );
-    assert!(
-        t0.elapsed() < Duration::from_secs(20),
-        "rank {r} took {:?}",
-        t0.elapsed()
-    );
+    api::enqueue(&c, a, StreamArg::Null).unwrap();
+    for (i, x) in recv.iter().enumerate() {
+        let want: f32 = (0..n).map(|p| (p * count + i) as f32).sum();
+        assert_eq!(*x, want, "rank {r} element {i}");
+    }
+    eprintln!("rank {r}: all-reduce across hosts took {:?}", t0.elapsed());
+    assert!(t0.elapsed() < Duration::from_secs(20));
     api::comm_destroy(h).unwrap();
 }

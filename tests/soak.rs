@@ -356,3 +356,25 @@ fn many_small_operations_processes() {
     }
     common::run_ranks("many_small_operations_processes", 2, &[]);
 }
+
+/// Ranks on several "hosts" (processes with different `OXCCL_HOSTID`s on this machine's
+/// loopback; OXCCL_TEST_HOSTS=k puts rank r on host r % k, so the ranks of a host are
+/// interleaved with the others'): traffic between hosts goes over the network transport.
+/// 2 hosts x 2 ranks, 4 hosts x 1 rank, 2 hosts x 3 ranks.
+#[test]
+fn random_sequences_across_hosts() {
+    let (seed, batches) = params();
+    if let Some((id, n, r)) = common::rank_env() {
+        let k: usize = env_or("OXCCL_TEST_HOSTS", 1);
+        std::env::set_var("OXCCL_HOSTID", format!("soak-host-{}", r % k));
+        let seq = draw(seed.wrapping_add(300 + n as u64), n, batches / 2);
+        return run_rank(n, r, &id, &seq);
+    }
+    for (n, hosts) in [(4usize, "2"), (4, "4"), (6, "2")] {
+        common::run_ranks(
+            "random_sequences_across_hosts",
+            n,
+            &[("OXCCL_TEST_HOSTS", hosts)],
+        );
+    }
+}

@@ -269,7 +269,7 @@ fn build_core(p: PendingInit) -> Result<Core> {
         name: p.config.comm_name.clone(),
     })?;
     let local = peers.iter().filter(|q| q.host == me.host).count();
-    let conns = Conns::new(boot, peers, hash);
+    let conns = Conns::new(boot, peers, hash, health.clone());
     conns.connect_ring()?;
     crate::debug::info(&format!(
         "comm {hash:#x} rank {} nRanks {} nNodes 1 localRanks {} - Init COMPLETE ({})",

@@ -25,6 +25,12 @@ pub struct Conns {
     map: Mutex<HashMap<ConnKey, Arc<Conn>, BuildHasherDefault<KeyHasher>>>,
     /// The out-of-band channel; None once the communicator is torn down.
     bootstrap: Mutex<Option<Bootstrap>>,
+    /// Where network ends listen (this rank's bootstrap address).
+    pub(super) local_ip: std::net::IpAddr,
+    /// The communicator's health: its proxy thread reports failures there.
+    health: Arc<crate::health::Health>,
+    /// Started with the first connection whose data a proxy moves.
+    proxy: Mutex<Option<super::proxy::ProxyThread>>,
 }
 
 fn finish_missing(mut v: Vec<ConnKey>) -> Vec<ConnKey> {
@@ -41,8 +47,16 @@ const READY: u8 = 0;
 const FAILED: u8 = 1;
 
 impl Conns {
-    pub fn new(boot: Bootstrap, peers: Vec<PeerInfo>, hash: u64) -> Conns {
+    pub fn new(
+        boot: Bootstrap,
+        peers: Vec<PeerInfo>,
+        hash: u64,
+        health: Arc<crate::health::Health>,
+    ) -> Conns {
         Conns {
+            local_ip: boot.peer_addrs()[boot.rank()].ip(),
+            health,
+            proxy: Mutex::new(None),
             rank: boot.rank(),
             nranks: boot.nranks(),
             hash,
@@ -127,6 +141,21 @@ impl Conns {
         connect_all(&[(self, keys)])
     }
 
+    /// Hands an end to the communicator's proxy thread (started on first use).
+    fn drive(&self, end: Arc<dyn super::Proxy>) -> Result<()> {
+        let mut p = self.proxy.lock();
+        if p.is_none() {
+            *p = Some(super::proxy::ProxyThread::start(
+                self.rank,
+                self.health.clone(),
+            )?);
+        }
+        if let Some(t) = p.as_ref() {
+            t.add(end);
+        }
+        Ok(())
+    }
+
     pub fn with_bootstrap<T>(&self, f: impl FnOnce(&Bootstrap) -> Result<T>) -> Result<T> {
         let b = self.bootstrap.lock();
         match b.as_ref() {
@@ -137,12 +166,23 @@ impl Conns {
 
     /// Drops the connections and closes the bootstrap (its sockets and threads).
     pub fn teardown(&self) {
+        // The proxy thread first: it drives ends of the connections. What the last operations
+        // handed it goes out before it stops (their peers wait for it).
+        let proxy = self.proxy.lock().take();
+        if let Some(p) = &proxy {
+            p.flush(
+                std::time::Instant::now() + crate::param::timeout(),
+                &self.health,
+            );
+        }
+        drop(proxy);
         self.map.lock().clear();
         let _ = self.bootstrap.lock().take();
     }
 
     fn spec(&self, k: ConnKey) -> ConnSpec {
         ConnSpec {
+            local_ip: self.local_ip,
             comm_hash: self.hash,
             me: self.rank,
             peer: k.peer,
@@ -212,6 +252,11 @@ pub fn connect_all(needs: &[(&Conns, Vec<ConnKey>)]) -> Result<()> {
         });
         match r {
             Ok(conn) => {
+                if let Some(p) = &conn.proxy {
+                    if let Err(e) = c.drive(p.clone()) {
+                        first_err.get_or_insert(e);
+                    }
+                }
                 c.map.lock().insert(k, Arc::new(conn));
             }
             Err(e) => {

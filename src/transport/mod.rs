@@ -16,6 +16,7 @@ pub mod conns;
 pub mod inproc;
 pub mod net;
 pub mod peer;
+pub mod proxy;
 pub mod shm;
 #[cfg(test)]
 mod tests;
@@ -29,11 +30,13 @@ use std::sync::Arc;
 const TAIL_OFF: usize = 0;
 const HEAD_OFF: usize = 64;
 const ATTACH_OFF: usize = 128;
-/// Per slot, the words of the call that filled it (`plan::call`): the receiver checks them
-/// against its own call before using the slot (a proxy that moves slots moves these too).
+/// Per slot, the words of the call that filled it (`plan::call`) and the bytes it holds: the
+/// receiver checks the call against its own before using the slot; a proxy that moves slots
+/// over the network moves these too, and only the bytes the slot holds.
 const CALL_OFF: usize = 1024;
+const META_BYTES: usize = 24;
 const HDR_BYTES: usize = 4096;
-const _: () = assert!(CALL_OFF + 64 * 16 <= HDR_BYTES); // nsteps <= 64 (param::nsteps)
+const _: () = assert!(CALL_OFF + 64 * META_BYTES <= HDR_BYTES); // nsteps <= 64 (param::nsteps)
 
 /// What class of traffic a connection carries: each class has its own FIFOs, so operations of
 /// different classes that run at the same time never interleave on one FIFO.
@@ -121,6 +124,18 @@ pub trait Endpoint: Send {
 /// counters; true when it moved something.
 pub trait Proxy: Send + Sync {
     fn progress(&self) -> Result<bool>;
+    /// The rank at the other end (who a failure is blamed on).
+    fn peer(&self) -> usize;
+    /// The peer closed the connection after its last complete slot: waiting for more from it
+    /// is an error.
+    fn closed(&self) -> bool {
+        false
+    }
+    /// Whether everything the executor handed to this end has left (a sending end whose FIFO
+    /// the proxy has emptied): the communicator can then go without losing data.
+    fn flushed(&self) -> bool {
+        true
+    }
 }
 
 static INPROC: inproc::InProc = inproc::InProc;
@@ -250,12 +265,10 @@ impl Conn {
         }
     }
 
-    /// Sender: slot `step` is filled, by call `call`.
+    /// Sender: slot `step` is filled with `bytes`, by call `call`.
     #[inline]
-    pub fn post_send(&self, step: u64, call: [u64; 2]) {
-        for (w, v) in self.slot_call(step).iter().zip(call) {
-            w.store(v, Ordering::Relaxed);
-        }
+    pub fn post_send(&self, step: u64, call: [u64; 2], bytes: usize) {
+        self.set_meta(step, [call[0], call[1], bytes as u64]);
         self.tail().store(step + 1, Ordering::Release);
     }
 
@@ -263,15 +276,28 @@ impl Conn {
     /// filled, see `recv_slot`).
     #[inline]
     pub fn call_of(&self, step: u64) -> [u64; 2] {
-        let w = self.slot_call(step);
-        [w[0].load(Ordering::Relaxed), w[1].load(Ordering::Relaxed)]
+        let m = self.meta(step);
+        [m[0], m[1]]
     }
 
-    fn slot_call(&self, step: u64) -> &[AtomicU64; 2] {
+    /// Slot `step`'s (call words, bytes): what a proxy sends ahead of the slot's bytes.
+    pub fn meta(&self, step: u64) -> [u64; 3] {
+        let w = self.slot_meta(step);
+        [0, 1, 2].map(|i| w[i].load(Ordering::Relaxed))
+    }
+
+    /// Sets slot `step`'s (call words, bytes) (the sender, or a proxy that received the slot).
+    pub fn set_meta(&self, step: u64, m: [u64; 3]) {
+        for (w, v) in self.slot_meta(step).iter().zip(m) {
+            w.store(v, Ordering::Relaxed);
+        }
+    }
+
+    fn slot_meta(&self, step: u64) -> &[AtomicU64; 3] {
         let idx = (step % self.nsteps) as usize;
         assert!(idx < 64);
-        // SAFETY: inside the header (see CALL_OFF), 16-byte aligned, only accessed atomically.
-        unsafe { &*(self.base.add(CALL_OFF + idx * 16) as *const [AtomicU64; 2]) }
+        // SAFETY: inside the header (see CALL_OFF), 8-byte aligned, only accessed atomically.
+        unsafe { &*(self.base.add(CALL_OFF + idx * META_BYTES) as *const [AtomicU64; 3]) }
     }
 
     /// Receiver: the next filled slot, if there is one.
@@ -289,6 +315,11 @@ impl Conn {
     #[inline]
     pub fn post_recv(&self, step: u64) {
         self.head().store(step + 1, Ordering::Release);
+    }
+
+    /// Whether the peer has closed this connection (its proxy saw it go): nothing more comes.
+    pub fn peer_closed(&self) -> bool {
+        self.proxy.as_ref().is_some_and(|p| p.closed())
     }
 
     /// What this end is waiting for, for timeout messages.
@@ -325,6 +356,8 @@ pub fn conn_name(comm_hash: u64, from: usize, to: usize, class: Class) -> String
 
 /// Everything that identifies one end of a connection.
 pub struct ConnSpec {
+    /// The address this rank's bootstrap listens on: network ends listen there too.
+    pub local_ip: std::net::IpAddr,
     pub comm_hash: u64,
     pub me: usize,
     pub peer: usize,

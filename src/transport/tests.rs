@@ -34,7 +34,7 @@ fn ranks<R: Send>(
                     .unwrap();
                     let peers = (0..n).map(peer).collect();
                     let hash = b.comm_hash();
-                    f(Conns::new(b, peers, hash))
+                    f(Conns::new(b, peers, hash, Default::default()))
                 })
             })
             .collect();
@@ -86,7 +86,7 @@ fn ends_pair_through_the_bootstrap_and_carry_data() {
                     if let Some((s, slot)) = send.send_slot() {
                         // SAFETY: a free slot of `slot_bytes`, ours until posted.
                         unsafe { (slot as *mut u64).write(100 * r as u64 + s) };
-                        send.post_send(s, [0; 2]);
+                        send.post_send(s, [0; 2], 0);
                         sent += 1;
                     }
                 }
@@ -112,8 +112,8 @@ fn ends_pair_through_the_bootstrap_and_carry_data() {
     }
 }
 
-/// Ranks on another host need the network transport, which is not there yet: each end says so
-/// (naming the peer), and an end whose peer failed fails too, at once, rather than waiting.
+/// An end whose set-up fails says why, naming the peer, and its peer fails too, at once,
+/// rather than waiting: rank 1 (on another host) cannot listen on the address it is given.
 #[test]
 fn an_end_that_fails_fails_its_peer_without_waiting() {
     let t0 = Instant::now();
@@ -124,16 +124,26 @@ fn an_end_that_fails_fails_its_peer_without_waiting() {
             p.host ^= r as u64; // rank 1 is on another host
             p
         },
-        |c| {
+        |mut c| {
             assert_eq!(c.locality(1 - c.rank), Locality::OtherHost);
+            if c.rank == 1 {
+                // TEST-NET-1: not an address of this machine.
+                c.local_ip = std::net::Ipv4Addr::new(192, 0, 2, 1).into();
+            }
             let k = key(1 - c.rank, c.rank == 0, Class::Ring);
             connect_all(&[(&c, vec![k])]).unwrap_err()
         },
     );
-    for (r, e) in errs.iter().enumerate() {
-        assert!(e.msg.contains("network transport"), "rank {r}: {e}");
-        assert!(e.msg.contains(&format!("rank {}", 1 - r)), "rank {r}: {e}");
-    }
+    assert!(
+        errs[0].msg.contains("rank 1 could not set up its end"),
+        "rank 0: {}",
+        errs[0]
+    );
+    assert!(
+        errs[1].msg.contains("listening for rank 0 on 192.0.2.1"),
+        "rank 1: {}",
+        errs[1]
+    );
     assert!(t0.elapsed() < Duration::from_secs(10), "{:?}", t0.elapsed());
 }
 
@@ -150,6 +160,7 @@ fn each_locality_has_its_transport_and_blobs_are_checked() {
     assert_eq!(pick(&me, &other_proc).unwrap().name(), "shared memory");
     assert_eq!(pick(&me, &other_host).unwrap().name(), "network");
     let spec = |is_sender| ConnSpec {
+        local_ip: std::net::Ipv4Addr::LOCALHOST.into(),
         comm_hash: 0x7e57_7e57,
         me: 0,
         peer: 1,
@@ -161,4 +172,11 @@ fn each_locality_has_its_transport_and_blobs_are_checked() {
     let t = pick(&me, &me).unwrap();
     let (ep, _) = t.setup(&spec(true)).unwrap();
     assert!(ep.connect(b"oxccl-somewhere-else").is_err());
+    // A network end given a malformed address fails; a receiving end hands out its address.
+    let net = pick(&me, &other_host).unwrap();
+    let (ep, _) = net.setup(&spec(true)).unwrap();
+    assert!(ep.connect(b"short").is_err());
+    let (_, blob) = net.setup(&spec(false)).unwrap();
+    let addr = std::str::from_utf8(&blob[16..]).unwrap();
+    assert!(addr.starts_with("127.0.0.1:"), "{addr}");
 }

@@ -230,6 +230,20 @@ impl Running {
         Poll::Done
     }
 
+    /// A peer whose closed connection one of the task's programs waits on.
+    fn closed_peer(&self) -> Option<usize> {
+        self.stage_lanes
+            .iter()
+            .chain(self.p2p.iter())
+            .filter_map(|l| match (l.works.front()?, l.cur.as_ref()?) {
+                (Item::Steps(p), Cur::Steps(c)) => c.waits_on(p),
+                (Item::Board(op), Cur::Board(st)) => st.waits_on(op),
+                _ => None,
+            })
+            .find(|c| c.peer_closed())
+            .map(|c| c.peer)
+    }
+
     /// What the task waits for, as the end of a sentence.
     fn waiting(&self) -> String {
         self.stage_lanes
@@ -240,6 +254,13 @@ impl Running {
     }
 
     fn aborted_error(&self) -> Error {
+        let h = &self.comm().health;
+        // Stopped by a failure elsewhere (a network connection): that failure says why.
+        if !h.aborted_here() && !h.revoked() {
+            if let Some(e) = h.error() {
+                return e.context(format!("{} on rank {}", self.task.what, self.comm().rank));
+            }
+        }
         let how = if self.comm().health.revoked() {
             "revoked"
         } else {
@@ -274,6 +295,15 @@ impl Running {
         if self.comm().health.halted() {
             let e = self.aborted_error();
             return self.stop(e, false);
+        }
+        if let Some(r) = self.closed_peer() {
+            let e = Error::remote(format!(
+                "{} on rank {}: rank {r} closed its network connection (it ended its \
+                 communicator, exited or failed) while this rank waited for it",
+                self.task.what,
+                self.comm().rank
+            ));
+            return self.stop(e, true);
         }
         if let Some((r, pid)) = self.comm().dead_peer() {
             // A peer that did its part and then exited is no failure: look once more, now

@@ -86,6 +86,14 @@ impl BoardState {
         }
     }
 
+    /// The connection the operation's ring fallback waits on, if it waits on one.
+    pub(super) fn waits_on<'o>(&self, op: &'o Direct) -> Option<&'o Arc<Conn>> {
+        match (&self.phase, op.fallback.as_deref()) {
+            (Phase::Fallback(c), Some(prog)) => c.waits_on(prog),
+            _ => None,
+        }
+    }
+
     /// What the operation waits for, as the end of a sentence ("waiting for ...").
     pub(super) fn describe_wait(&self, op: &Direct) -> String {
         if let (Phase::Fallback(c), Some(prog)) = (&self.phase, op.fallback.as_deref()) {

@@ -128,13 +128,16 @@ impl Cursor {
 
     /// What this program waits for, for timeout messages.
     pub(super) fn describe_wait(&self, prog: &HostProgram) -> Option<String> {
+        Some(self.waits_on(prog)?.describe())
+    }
+
+    /// The connection this program waits on.
+    pub(super) fn waits_on<'p>(&self, prog: &'p HostProgram) -> Option<&'p Arc<Conn>> {
         let s = prog.steps.get(self.head % prog.steps.len().max(1))?;
-        let conn = s
-            .recv
+        s.recv
             .as_ref()
             .filter(|c| c.recv_slot().is_none())
-            .or(s.send.as_ref())?;
-        Some(conn.describe())
+            .or(s.send.as_ref())
     }
 }
 
@@ -321,7 +324,7 @@ fn run_step(prog: &HostProgram, cur: &mut Cursor, k: usize, off: usize, n: usize
         c.post_recv(step);
     }
     if let (Some(c), Some((step, _))) = (&s.send, sslot) {
-        c.post_send(step, prog.call);
+        c.post_send(step, prog.call, bytes);
     }
     Ok(true)
 }
