@@ -378,3 +378,91 @@ fn random_sequences_across_hosts() {
         );
     }
 }
+
+/// The same on real "hosts": network namespaces (own /dev/shm and hostname) joined by veth
+/// pairs through a bridge (tests/common/netns.rs; needs root, skipped otherwise): 2 hosts x 2
+/// ranks interleaved, 4 x 1, 2 x 3. Rank 0 makes the unique id on its host's eth0
+/// (NCCL_SOCKET_IFNAME) and hands it to the others through a file. Every host's eth0 must
+/// have carried the traffic.
+#[test]
+fn random_sequences_on_namespace_hosts() {
+    let (seed, batches) = params();
+    if let Ok(path) = std::env::var("OXCCL_TEST_ID_FILE") {
+        let n: usize = env_or("OXCCL_TEST_N", 0);
+        let r: usize = env_or("OXCCL_TEST_RANK", 0);
+        let id = if r == 0 {
+            let id = api::get_unique_id().unwrap();
+            let tmp = format!("{path}.tmp");
+            std::fs::write(&tmp, id).unwrap();
+            std::fs::rename(&tmp, &path).unwrap();
+            id
+        } else {
+            let t0 = std::time::Instant::now();
+            loop {
+                if let Ok(b) = std::fs::read(&path) {
+                    if let Ok(id) = b.try_into() {
+                        break id;
+                    }
+                }
+                assert!(
+                    t0.elapsed().as_secs() < 60,
+                    "rank {r}: no unique id in {path}"
+                );
+                std::thread::sleep(std::time::Duration::from_millis(5));
+            }
+        };
+        let seq = draw(seed.wrapping_add(400 + n as u64), n, batches / 2);
+        return run_rank(n, r, &id, &seq);
+    }
+    let Some(mut hosts) = common::netns::Hosts::new(4) else {
+        return;
+    };
+    let exe = std::env::current_exe().unwrap().display().to_string();
+    for (n, k) in [(4usize, 2usize), (4, 4), (6, 2)] {
+        let path =
+            std::env::temp_dir().join(format!("oxccl-netns-id-{}-{n}-{k}", std::process::id()));
+        let path = path.display().to_string();
+        let _ = std::fs::remove_file(&path);
+        let env: Vec<(String, String)> = [
+            ("OXCCL_DEVICE", "host".to_string()),
+            ("OXCCL_TEST_N", n.to_string()),
+            ("OXCCL_TEST_ID_FILE", path.clone()),
+            ("NCCL_SOCKET_IFNAME", "eth0".to_string()),
+            ("OXCCL_TIMEOUT_S", "60".to_string()),
+        ]
+        .into_iter()
+        .map(|(a, b)| (a.to_string(), b))
+        .collect();
+        let before: Vec<u64> = (0..k).map(|i| hosts.bytes(i)).collect();
+        for i in 0..k {
+            let cmds: Vec<String> = (0..n)
+                .filter(|r| r % k == i)
+                .map(|r| {
+                    format!(
+                        "OXCCL_TEST_RANK={r} {exe} --exact random_sequences_on_namespace_hosts \
+                         --nocapture > {path}.rank{r}.log 2>&1"
+                    )
+                })
+                .collect();
+            hosts.start(i, &env, &cmds);
+        }
+        let ok = hosts.wait();
+        let logs: String = (0..n)
+            .map(|r| {
+                let log = format!("{path}.rank{r}.log");
+                let text = std::fs::read_to_string(&log).unwrap_or_default();
+                let _ = std::fs::remove_file(&log);
+                format!("--- rank {r}:\n{text}")
+            })
+            .collect();
+        assert!(ok, "{n} ranks on {k} hosts: a rank failed\n{logs}");
+        for (i, b) in before.iter().enumerate() {
+            let moved = hosts.bytes(i) - b;
+            assert!(
+                moved > 1 << 20,
+                "{n} ranks on {k} hosts: host {i}'s eth0 carried only {moved} bytes"
+            );
+        }
+        let _ = std::fs::remove_file(&path);
+    }
+}

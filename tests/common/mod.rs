@@ -1,6 +1,8 @@
 //! Helpers shared by test binaries: running a test again as the ranks of one communicator, one
 //! process each, or once in a child process with its own environment.
 
+pub mod netns;
+
 use nccl::api::{self, UNIQUE_ID_BYTES};
 
 /// In a process that `run_ranks` started: (unique id, number of ranks, this rank).

@@ -1,0 +1,146 @@
+//! "Hosts" for multi-host tests on one machine: each a network namespace with its own mount
+//! namespace (a private tmpfs on /dev/shm) and UTS namespace (its own hostname), joined to the
+//! others by a veth pair into a bridge that lives in a namespace of its own. Ranks of one host
+//! run under one `unshare`, so they share their host's /dev/shm. Everything is removed when the
+//! `Hosts` is dropped (processes killed, namespaces and links deleted), also when a test fails.
+//! Needs root; `Hosts::new` returns None (and says why) where namespaces cannot be made.
+
+#![allow(dead_code)]
+
+use std::process::{Child, Command, Stdio};
+
+pub struct Hosts {
+    tag: String,
+    pub n: usize,
+    kids: Vec<Child>,
+}
+
+fn sh(cmd: &str) -> Result<(), String> {
+    let out = Command::new("sh")
+        .args(["-c", cmd])
+        .output()
+        .map_err(|e| format!("{cmd}: {e}"))?;
+    if out.status.success() {
+        Ok(())
+    } else {
+        Err(format!(
+            "{cmd}: {}",
+            String::from_utf8_lossy(&out.stderr).trim()
+        ))
+    }
+}
+
+impl Hosts {
+    /// `n` hosts, 10.77.0.1 .. 10.77.0.n on interface `eth0` of each.
+    pub fn new(n: usize) -> Option<Hosts> {
+        let tag = format!("ox{}", std::process::id() % 100_000);
+        let h = Hosts {
+            tag: tag.clone(),
+            n,
+            kids: Vec::new(),
+        };
+        let br = h.bridge_ns();
+        let mut steps = vec![
+            format!("ip netns add {br}"),
+            format!("ip -n {br} link add br0 type bridge"),
+            format!("ip -n {br} link set br0 up"),
+        ];
+        for i in 0..n {
+            let ns = h.ns(i);
+            steps.extend([
+                format!("ip netns add {ns}"),
+                format!("ip -n {ns} link set lo up"),
+                format!("ip link add {tag}h{i} type veth peer name {tag}b{i}"),
+                format!("ip link set {tag}h{i} netns {ns}"),
+                format!("ip -n {ns} link set {tag}h{i} name eth0"),
+                format!("ip link set {tag}b{i} netns {br}"),
+                format!("ip -n {br} link set {tag}b{i} master br0 up"),
+                format!("ip -n {ns} addr add {}/24 dev eth0", h.ip(i)),
+                format!("ip -n {ns} link set eth0 up"),
+            ]);
+        }
+        for s in steps {
+            if let Err(e) = sh(&s) {
+                eprintln!("SKIPPED: cannot make network namespaces here ({e})");
+                return None;
+            }
+        }
+        Some(h)
+    }
+
+    fn bridge_ns(&self) -> String {
+        format!("{}-br", self.tag)
+    }
+
+    pub fn ns(&self, i: usize) -> String {
+        format!("{}-h{i}", self.tag)
+    }
+
+    pub fn ip(&self, i: usize) -> String {
+        format!("10.77.0.{}", i + 1)
+    }
+
+    /// Starts `cmds` (one shell command per rank) on host `i`, in its namespaces, all under one
+    /// `unshare` (they share the host's /dev/shm and hostname), with `env` set.
+    pub fn start(&mut self, i: usize, env: &[(String, String)], cmds: &[String]) {
+        let mut script = format!(
+            "mount -t tmpfs tmpfs /dev/shm && hostname {}-host{i} || exit 97\n",
+            self.tag
+        );
+        script.push_str("pids=\n");
+        for c in cmds {
+            script.push_str(&format!("( {c} ) & pids=\"$pids $!\"\n"));
+        }
+        // Every rank's status: the shell fails if any rank failed.
+        script.push_str("rc=0; for p in $pids; do wait $p || rc=1; done; exit $rc\n");
+        let kid = Command::new("ip")
+            .args(["netns", "exec", &self.ns(i)])
+            .args(["unshare", "--mount", "--uts", "--propagation", "private"])
+            .args(["sh", "-c", &script])
+            .envs(env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
+            .stdout(Stdio::inherit())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("ip netns exec");
+        self.kids.push(kid);
+    }
+
+    /// Waits for every host's ranks; true when all succeeded.
+    pub fn wait(&mut self) -> bool {
+        let mut ok = true;
+        for mut k in self.kids.drain(..) {
+            ok &= k.wait().map(|s| s.success()).unwrap_or(false);
+        }
+        ok
+    }
+
+    /// Bytes host `i`'s eth0 has received and sent.
+    pub fn bytes(&self, i: usize) -> u64 {
+        let read = |what: &str| -> u64 {
+            let out = Command::new("ip")
+                .args(["netns", "exec", &self.ns(i), "cat"])
+                .arg(format!("/sys/class/net/eth0/statistics/{what}_bytes"))
+                .output()
+                .ok();
+            out.and_then(|o| String::from_utf8_lossy(&o.stdout).trim().parse().ok())
+                .unwrap_or(0)
+        };
+        read("rx") + read("tx")
+    }
+}
+
+impl Drop for Hosts {
+    fn drop(&mut self) {
+        for k in &mut self.kids {
+            let _ = k.kill();
+            let _ = k.wait();
+        }
+        for i in 0..self.n {
+            let ns = self.ns(i);
+            let _ = sh(&format!(
+                "for p in $(ip netns pids {ns}); do kill -9 $p; done; ip netns del {ns}"
+            ));
+        }
+        let _ = sh(&format!("ip netns del {}", self.bridge_ns()));
+    }
+}
