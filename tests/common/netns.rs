@@ -114,6 +114,33 @@ impl Hosts {
         ok
     }
 
+    /// Waits up to `limit` for every host's ranks: each host's success, in start order, or None
+    /// if some did not end in time (they are killed).
+    pub fn wait_for(&mut self, limit: std::time::Duration) -> Option<Vec<bool>> {
+        let t0 = std::time::Instant::now();
+        let mut done = vec![None; self.kids.len()];
+        while done.iter().any(|d| d.is_none()) {
+            for (k, d) in self.kids.iter_mut().zip(done.iter_mut()) {
+                if d.is_none() {
+                    if let Ok(Some(s)) = k.try_wait() {
+                        *d = Some(s.success());
+                    }
+                }
+            }
+            if t0.elapsed() > limit {
+                for k in &mut self.kids {
+                    let _ = k.kill();
+                    let _ = k.wait();
+                }
+                self.kids.clear();
+                return None;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+        self.kids.clear();
+        Some(done.into_iter().map(|d| d == Some(true)).collect())
+    }
+
     /// Bytes host `i`'s eth0 has received and sent.
     pub fn bytes(&self, i: usize) -> u64 {
         let read = |what: &str| -> u64 {

@@ -1,0 +1,167 @@
+//! Failures on the wire, between "hosts" made of network namespaces (tests/common/netns.rs;
+//! needs root, skipped otherwise): a peer killed on the other host is an error naming it within
+//! seconds; a link taken down mid-collective ends in an error within the timeout; every rank
+//! process exits either way.
+
+use nccl::api::{self, StreamArg};
+use nccl::error::Code;
+use std::time::{Duration, Instant};
+
+mod common;
+
+const TEST: &str = "failures_on_the_wire_end_in_errors";
+
+/// One rank's part (in a host's namespace): `case` says what happens.
+fn rank(case: &str, r: usize, path: &str) {
+    let id = if r == 0 {
+        let id = api::get_unique_id().unwrap();
+        std::fs::write(format!("{path}.tmp"), id).unwrap();
+        std::fs::rename(format!("{path}.tmp"), path).unwrap();
+        id
+    } else {
+        let t0 = Instant::now();
+        loop {
+            if let Some(id) = std::fs::read(path).ok().and_then(|b| b.try_into().ok()) {
+                break id;
+            }
+            assert!(t0.elapsed() < Duration::from_secs(60), "no unique id");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    };
+    let c = api::comm_init_rank(2, &id, r as i32, Default::default()).unwrap();
+    let count = 1 << 18;
+    let send = vec![1f32; count];
+    let mut recv = vec![0f32; count];
+    let mut ok = 0usize;
+    let mut t_fail = None;
+    let e = loop {
+        match api::enqueue(
+            &c,
+            common::all_reduce_f32(&send, &mut recv),
+            StreamArg::Null,
+        ) {
+            Ok(()) => {
+                assert!(recv.iter().all(|&x| x == 2.0), "rank {r}: wrong result");
+                ok += 1;
+                if ok == 20 {
+                    // Running: the test may now break things.
+                    std::fs::write(format!("{path}.running{r}"), b"").unwrap();
+                    t_fail = Some(Instant::now());
+                    if case == "kill" && r == 1 {
+                        nix::sys::signal::kill(
+                            nix::unistd::getpid(),
+                            nix::sys::signal::Signal::SIGKILL,
+                        )
+                        .unwrap();
+                    }
+                }
+            }
+            Err(e) => break e,
+        }
+    };
+    let took = t_fail.map(|t| t.elapsed()).unwrap_or_default();
+    eprintln!("rank {r} ({case}): error after {ok} all-reduces, {took:?} after the fault: {e}");
+    assert!(ok >= 20, "rank {r}: failed before the fault: {e}");
+    match case {
+        "kill" => {
+            assert_eq!(e.code, Code::RemoteError, "{e}");
+            assert!(e.msg.contains("rank 1"), "{e}");
+            assert!(took < Duration::from_secs(5), "detected after {took:?}");
+        }
+        _ => {
+            assert!(matches!(e.code, Code::Timeout | Code::RemoteError), "{e}");
+            assert!(took < Duration::from_secs(10), "detected after {took:?}");
+        }
+    }
+    let t0 = Instant::now();
+    let _ = api::comm_abort(api::comm_handle(&c));
+    assert!(
+        t0.elapsed() < Duration::from_secs(1),
+        "abort took {:?}",
+        t0.elapsed()
+    );
+}
+
+#[test]
+fn failures_on_the_wire_end_in_errors() {
+    if let Ok(path) = std::env::var("OXCCL_TEST_ID_FILE") {
+        let r: usize = std::env::var("OXCCL_TEST_RANK").unwrap().parse().unwrap();
+        return rank(&std::env::var("OXCCL_TEST_CASE").unwrap(), r, &path);
+    }
+    let Some(mut hosts) = common::netns::Hosts::new(2) else {
+        return;
+    };
+    let exe = std::env::current_exe().unwrap().display().to_string();
+    for case in ["kill", "link-down"] {
+        let path = std::env::temp_dir()
+            .join(format!("oxccl-wire-{}-{case}", std::process::id()))
+            .display()
+            .to_string();
+        let env: Vec<(String, String)> = [
+            ("OXCCL_DEVICE", "host"),
+            ("OXCCL_TEST_ID_FILE", path.as_str()),
+            ("OXCCL_TEST_CASE", case),
+            ("NCCL_SOCKET_IFNAME", "eth0"),
+            ("OXCCL_TIMEOUT_S", "3"),
+        ]
+        .into_iter()
+        .map(|(a, b)| (a.to_string(), b.to_string()))
+        .collect();
+        for r in 0..2 {
+            let cmd = format!(
+                "OXCCL_TEST_RANK={r} {exe} --exact {TEST} --nocapture > {path}.rank{r}.log 2>&1"
+            );
+            hosts.start(r, &env, &[cmd]);
+        }
+        if case == "link-down" {
+            let t0 = Instant::now();
+            while !std::path::Path::new(&format!("{path}.running0")).exists() {
+                assert!(
+                    t0.elapsed() < Duration::from_secs(60),
+                    "the ranks never ran"
+                );
+                std::thread::sleep(Duration::from_millis(2));
+            }
+            let ns = hosts.ns(1);
+            let st = std::process::Command::new("ip")
+                .args(["-n", &ns, "link", "set", "eth0", "down"])
+                .status()
+                .unwrap();
+            assert!(st.success());
+        }
+        let t0 = Instant::now();
+        let ok = hosts.wait_for(Duration::from_secs(30));
+        let logs: String = (0..2)
+            .map(|r| {
+                let log = format!("{path}.rank{r}.log");
+                let text = std::fs::read_to_string(&log).unwrap_or_default();
+                let _ = std::fs::remove_file(&log);
+                format!("--- rank {r}:\n{text}")
+            })
+            .collect();
+        for f in [
+            path.clone(),
+            format!("{path}.running0"),
+            format!("{path}.running1"),
+        ] {
+            let _ = std::fs::remove_file(f);
+        }
+        eprintln!(
+            "{case}: ranks ended {:?} after the start of the wait\n{logs}",
+            t0.elapsed()
+        );
+        // The killed rank's own process fails (SIGKILL); rank 0's must pass.
+        let want = if case == "kill" {
+            [true, false]
+        } else {
+            [true, true]
+        };
+        assert_eq!(ok, Some(want.to_vec()), "{case}:\n{logs}");
+        if case == "link-down" {
+            let ns = hosts.ns(1);
+            let _ = std::process::Command::new("ip")
+                .args(["-n", &ns, "link", "set", "eth0", "up"])
+                .status();
+        }
+    }
+}
