@@ -136,6 +136,16 @@ pub trait Proxy: Send + Sync {
     fn flushed(&self) -> bool {
         true
     }
+    /// The socket the proxy thread may sleep on (poll) while nothing moves: data arriving
+    /// there wakes it.
+    fn wait_fd(&self) -> Option<std::os::fd::RawFd> {
+        None
+    }
+    /// Called once by the proxy thread that drives this end: how the executor wakes it
+    /// (`Conn::kick`).
+    fn set_waker(&self, _waker: proxy::Waker) {}
+    /// The executor has filled a slot: wake the proxy thread if it sleeps.
+    fn kick(&self) {}
 }
 
 static INPROC: inproc::InProc = inproc::InProc;
@@ -270,6 +280,19 @@ impl Conn {
     pub fn post_send(&self, step: u64, call: [u64; 2], bytes: usize) {
         self.set_meta(step, [call[0], call[1], bytes as u64]);
         self.tail().store(step + 1, Ordering::Release);
+        if let Some(p) = &self.proxy {
+            p.kick();
+        }
+    }
+
+    /// Receiver: slot `step` is free again.
+    #[inline]
+    pub fn post_recv(&self, step: u64) {
+        self.head().store(step + 1, Ordering::Release);
+        if let Some(p) = &self.proxy {
+            // A proxy that stopped reading because the FIFO was full can go on.
+            p.kick();
+        }
     }
 
     /// The words of the call that filled slot `step` (read by the receiver once the slot is
@@ -310,11 +333,6 @@ impl Conn {
         } else {
             None
         }
-    }
-
-    #[inline]
-    pub fn post_recv(&self, step: u64) {
-        self.head().store(step + 1, Ordering::Release);
     }
 
     /// Whether the peer has closed this connection (its proxy saw it go): nothing more comes.

@@ -148,6 +148,7 @@ impl Endpoint for NetSetup {
                 hdr: [0; HDR],
             }),
             closed: Default::default(),
+            waker: Default::default(),
         }));
         Ok(conn)
     }
@@ -192,6 +193,8 @@ pub struct NetEnd {
     state: Mutex<Wire>,
     /// The peer closed the connection between slots.
     closed: std::sync::atomic::AtomicBool,
+    /// Set when the proxy thread takes the end.
+    waker: once_cell::sync::OnceCell<super::proxy::Waker>,
 }
 
 impl Proxy for NetEnd {
@@ -201,6 +204,25 @@ impl Proxy for NetEnd {
 
     fn closed(&self) -> bool {
         self.closed.load(Ordering::Acquire)
+    }
+
+    fn wait_fd(&self) -> Option<std::os::fd::RawFd> {
+        use std::os::fd::AsRawFd;
+        match &self.state.lock().state {
+            State::Connected(s) => Some(s.as_raw_fd()),
+            State::Listening(l, _) => Some(l.as_raw_fd()),
+        }
+    }
+
+    fn set_waker(&self, w: super::proxy::Waker) {
+        let _ = self.waker.set(w);
+    }
+
+    #[inline]
+    fn kick(&self) {
+        if let Some(w) = self.waker.get() {
+            w.kick();
+        }
     }
 
     fn flushed(&self) -> bool {

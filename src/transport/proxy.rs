@@ -1,12 +1,17 @@
 //! A communicator's proxy thread: it drives the ends of the connections whose data it moves
-//! (`Proxy`, the network's), polling each in turn, spinning while they move data and backing
-//! off (yield, then short sleeps) while they wait. An end that fails breaks the communicator:
-//! its error is recorded in the communicator's health and its waiting operations stop.
+//! (`Proxy`, the network's), polling each in turn, spinning while they move data; once idle
+//! for a while it sleeps in poll(2) on the ends' sockets and a wake-up socket that the executor
+//! writes to when it fills or frees a slot (`Waker`), so it neither burns a core nor adds a
+//! sleep's latency. An end that fails breaks the communicator: its error is recorded in the
+//! communicator's health and its waiting operations stop.
 
 use super::Proxy;
 use crate::health::{Backoff, Health};
 use parking_lot::Mutex;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::io::{Read, Write};
+use std::os::fd::{AsFd, BorrowedFd};
+use std::os::unix::net::UnixStream;
+use std::sync::atomic::{fence, AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 
 struct Shared {
@@ -14,7 +19,33 @@ struct Shared {
     /// Bumped when `ends` changes: the thread then takes a new copy.
     generation: AtomicU64,
     stop: AtomicBool,
+    /// The thread is (about to be) asleep in poll: a kick must write to `wake_tx`.
+    sleeping: AtomicBool,
+    wake_tx: UnixStream,
+    wake_rx: UnixStream,
 }
+
+/// How the executor wakes a communicator's proxy thread (see `Proxy::kick`).
+#[derive(Clone)]
+pub struct Waker(Arc<Shared>);
+
+impl Waker {
+    /// Wakes the thread if it sleeps (cheap when it does not).
+    #[inline]
+    pub fn kick(&self) {
+        // Orders the caller's counter store before the check (the thread sets `sleeping`, then
+        // looks at the counters once more before it sleeps).
+        fence(Ordering::SeqCst);
+        if self.0.sleeping.load(Ordering::Relaxed) {
+            let _ = (&self.0.wake_tx).write(&[1]);
+        }
+    }
+}
+
+/// Idle passes between yields, while the thread has not slept yet.
+const SPINS_PER_YIELD: u32 = 64;
+/// The longest sleep (ms): shutdown and ends added meanwhile are seen within it.
+const SLEEP_MS: u16 = 20;
 
 pub struct ProxyThread {
     shared: Arc<Shared>,
@@ -24,10 +55,20 @@ pub struct ProxyThread {
 impl ProxyThread {
     /// Starts the thread of rank `rank`'s communicator, reporting failures to `health`.
     pub fn start(rank: usize, health: Arc<Health>) -> crate::error::Result<ProxyThread> {
+        let (wake_tx, wake_rx) = UnixStream::pair()
+            .and_then(|(a, b)| {
+                a.set_nonblocking(true)?;
+                b.set_nonblocking(true)?;
+                Ok((a, b))
+            })
+            .map_err(|e| crate::error::Error::os("a proxy thread's wake-up socket", e))?;
         let shared = Arc::new(Shared {
             ends: Mutex::new(Vec::new()),
             generation: AtomicU64::new(0),
             stop: AtomicBool::new(false),
+            sleeping: AtomicBool::new(false),
+            wake_tx,
+            wake_rx,
         });
         let sh = shared.clone();
         let handle = std::thread::Builder::new()
@@ -42,8 +83,10 @@ impl ProxyThread {
 
     /// Adds an end to drive.
     pub fn add(&self, end: Arc<dyn Proxy>) {
+        end.set_waker(Waker(self.shared.clone()));
         self.shared.ends.lock().push(end);
         self.shared.generation.fetch_add(1, Ordering::Release);
+        Waker(self.shared.clone()).kick();
     }
 }
 
@@ -64,6 +107,7 @@ impl ProxyThread {
 impl Drop for ProxyThread {
     fn drop(&mut self) {
         self.shared.stop.store(true, Ordering::Release);
+        Waker(self.shared.clone()).kick();
         if let Some(h) = self.handle.take() {
             let _ = h.join();
         }
@@ -73,7 +117,8 @@ impl Drop for ProxyThread {
 fn run(sh: &Shared, health: &Health) {
     let mut ends: Vec<Arc<dyn Proxy>> = Vec::new();
     let mut seen = u64::MAX;
-    let mut backoff = Backoff::default();
+    let mut idle: Option<std::time::Instant> = None;
+    let mut spins = 0u32;
     while !sh.stop.load(Ordering::Acquire) {
         let g = sh.generation.load(Ordering::Acquire);
         if g != seen {
@@ -100,9 +145,44 @@ fn run(sh: &Shared, health: &Health) {
             seen = sh.generation.fetch_add(1, Ordering::AcqRel) + 1;
         }
         if moved {
-            backoff.reset();
-        } else {
-            backoff.pause();
+            idle = None;
+            continue;
         }
+        // Spin, then yield (peers answer within microseconds), and only after a while without
+        // anything to move sleep.
+        let since = *idle.get_or_insert_with(std::time::Instant::now);
+        if since.elapsed() < crate::health::YIELD_BEFORE_SLEEP {
+            spins = spins.wrapping_add(1);
+            if spins.is_multiple_of(SPINS_PER_YIELD) {
+                std::thread::yield_now();
+            } else {
+                std::hint::spin_loop();
+            }
+            continue;
+        }
+        // Asleep until a socket has data, the executor kicks, or a while has passed.
+        sh.sleeping.store(true, Ordering::SeqCst);
+        let again = ends.iter().any(|e| e.progress().unwrap_or(true));
+        if !again {
+            sleep(sh, &ends);
+        }
+        sh.sleeping.store(false, Ordering::SeqCst);
+        idle = None;
     }
+}
+
+fn sleep(sh: &Shared, ends: &[Arc<dyn Proxy>]) {
+    let raw: Vec<_> = ends.iter().filter_map(|e| e.wait_fd()).collect();
+    let mut fds = vec![nix::poll::PollFd::new(
+        sh.wake_rx.as_fd(),
+        nix::poll::PollFlags::POLLIN,
+    )];
+    for &fd in &raw {
+        // SAFETY: the ends own these sockets and outlive this call (`ends` holds them).
+        let b = unsafe { BorrowedFd::borrow_raw(fd) };
+        fds.push(nix::poll::PollFd::new(b, nix::poll::PollFlags::POLLIN));
+    }
+    let _ = nix::poll::poll(&mut fds, SLEEP_MS);
+    let mut sink = [0u8; 64];
+    while (&sh.wake_rx).read(&mut sink).is_ok_and(|n| n > 0) {}
 }
