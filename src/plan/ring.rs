@@ -22,6 +22,11 @@ pub trait Links {
             class,
         })
     }
+    /// The ranks in ring order, when it is not rank order (ranks of a host are contiguous in
+    /// the ring, so that it crosses each host boundary once).
+    fn ring(&self) -> Option<&[usize]> {
+        None
+    }
 }
 
 impl Links for Conns {
@@ -34,6 +39,23 @@ impl Links for Conns {
     fn slot_bytes(&self) -> usize {
         self.slot_bytes
     }
+    fn ring(&self) -> Option<&[usize]> {
+        self.ring_order()
+    }
+}
+
+/// Rank `rank`'s position in the ring.
+fn pos(l: &dyn Links, rank: usize) -> usize {
+    match l.ring() {
+        Some(ring) => ring.iter().position(|&x| x == rank).unwrap_or(rank),
+        None => rank,
+    }
+}
+
+/// The rank at ring position `p` (modulo the ring's length).
+fn at_pos(l: &dyn Links, p: usize) -> usize {
+    let p = p % l.nranks();
+    l.ring().map_or(p, |ring| ring[p])
 }
 
 fn step(prim: Prim, src: usize, dst: usize, len: usize) -> Step {
@@ -49,9 +71,9 @@ fn step(prim: Prim, src: usize, dst: usize, len: usize) -> Step {
 }
 
 fn ring_conns(l: &dyn Links) -> Result<(ConnKey, ConnKey)> {
-    let (r, n) = (l.rank(), l.nranks());
-    let next = l.conn((r + 1) % n, true, Class::Ring)?;
-    let prev = l.conn((r + n - 1) % n, false, Class::Ring)?;
+    let (p, n) = (pos(l, l.rank()), l.nranks());
+    let next = l.conn(at_pos(l, p + 1), true, Class::Ring)?;
+    let prev = l.conn(at_pos(l, p + n - 1), false, Class::Ring)?;
     Ok((next, prev))
 }
 
@@ -76,7 +98,8 @@ pub fn all_reduce(
     dtype: DataType,
     red: RedSpec,
 ) -> Result<Program> {
-    let (r, n, es) = (l.rank(), l.nranks(), dtype.size());
+    // Segments are numbered by ring position (any numbering works: every rank gets them all).
+    let (r, n, es) = (pos(l, l.rank()), l.nranks(), dtype.size());
     if n == 1 {
         let s = step(Prim::LocalReduce, send, recv, count);
         return Ok(Program::new(vec![s], dtype, l.slot_bytes(), Some(red)));
@@ -125,8 +148,9 @@ pub fn reduce_scatter(
     dtype: DataType,
     red: RedSpec,
 ) -> Result<Program> {
-    let (r, n, es) = (l.rank(), l.nranks(), dtype.size());
-    let blk = |j: usize| send + (j % n) * recvcount * es;
+    // Ring positions; block `j` is the block of the rank at position j.
+    let (r, n, es) = (pos(l, l.rank()), l.nranks(), dtype.size());
+    let blk = |j: usize| send + at_pos(l, j) * recvcount * es;
     if n == 1 {
         let s = step(Prim::LocalReduce, send, recv, recvcount);
         return Ok(Program::new(vec![s], dtype, l.slot_bytes(), Some(red)));
@@ -161,8 +185,8 @@ pub fn all_gather(
     count: usize,
     dtype: DataType,
 ) -> Result<Program> {
-    let (r, n, es) = (l.rank(), l.nranks(), dtype.size());
-    let blk = |j: usize| recv + (j % n) * count * es;
+    let (r, n, es) = (pos(l, l.rank()), l.nranks(), dtype.size());
+    let blk = |j: usize| recv + at_pos(l, j) * count * es;
     if n == 1 {
         let s = step(Prim::LocalCopy, send, recv, count);
         return Ok(Program::new(vec![s], dtype, l.slot_bytes(), None));
@@ -194,8 +218,8 @@ pub fn broadcast(
     dtype: DataType,
     root: usize,
 ) -> Result<Program> {
-    let (r, n) = (l.rank(), l.nranks());
-    let pos = (r + n - root) % n;
+    let (r, n) = (pos(l, l.rank()), l.nranks());
+    let pos = (r + n - pos(l, root)) % n;
     let s = if n == 1 {
         step(Prim::LocalCopy, send, recv, count)
     } else if pos == 0 {
@@ -224,8 +248,8 @@ pub fn reduce(
     red: RedSpec,
     root: usize,
 ) -> Result<Program> {
-    let (r, n) = (l.rank(), l.nranks());
-    let pos = (r + 2 * n - root - 1) % n;
+    let (r, n) = (pos(l, l.rank()), l.nranks());
+    let pos = (r + 2 * n - pos(l, root) - 1) % n;
     let s = if n == 1 {
         step(Prim::LocalReduce, send, recv, count)
     } else if pos == 0 {

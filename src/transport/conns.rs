@@ -25,12 +25,31 @@ pub struct Conns {
     map: Mutex<HashMap<ConnKey, Arc<Conn>, BuildHasherDefault<KeyHasher>>>,
     /// The out-of-band channel; None once the communicator is torn down.
     bootstrap: Mutex<Option<Bootstrap>>,
+    /// The ring's order of ranks when it is not rank order: each host's ranks together, hosts
+    /// in the order their first rank appears (the ring crosses each host boundary once).
+    ring: Option<Vec<usize>>,
     /// Where network ends listen (this rank's bootstrap address).
     pub(super) local_ip: std::net::IpAddr,
     /// The communicator's health: its proxy thread reports failures there.
     health: Arc<crate::health::Health>,
     /// Started with the first connection whose data a proxy moves.
     proxy: Mutex<Option<super::proxy::ProxyThread>>,
+}
+
+/// Ranks grouped by host (hosts in the order of their first rank, ranks ascending within a
+/// host); None when that is rank order already.
+pub(super) fn ring_order(peers: &[PeerInfo]) -> Option<Vec<usize>> {
+    let mut hosts: Vec<u64> = Vec::new();
+    for p in peers {
+        if !hosts.contains(&p.host) {
+            hosts.push(p.host);
+        }
+    }
+    let ring: Vec<usize> = hosts
+        .iter()
+        .flat_map(|h| (0..peers.len()).filter(move |&r| peers[r].host == *h))
+        .collect();
+    (!ring.iter().enumerate().all(|(i, &r)| i == r)).then_some(ring)
 }
 
 fn finish_missing(mut v: Vec<ConnKey>) -> Vec<ConnKey> {
@@ -54,6 +73,7 @@ impl Conns {
         health: Arc<crate::health::Health>,
     ) -> Conns {
         Conns {
+            ring: ring_order(&peers),
             local_ip: boot.peer_addrs()[boot.rank()].ip(),
             health,
             proxy: Mutex::new(None),
@@ -65,6 +85,23 @@ impl Conns {
             peers,
             map: Mutex::new(HashMap::default()),
             bootstrap: Mutex::new(Some(boot)),
+        }
+    }
+
+    /// See `ring`.
+    pub fn ring_order(&self) -> Option<&[usize]> {
+        self.ring.as_deref()
+    }
+
+    /// This rank's ring neighbours: (next, previous).
+    pub fn ring_neighbours(&self) -> (usize, usize) {
+        let n = self.nranks;
+        match &self.ring {
+            None => ((self.rank + 1) % n, (self.rank + n - 1) % n),
+            Some(ring) => {
+                let p = ring.iter().position(|&x| x == self.rank).unwrap_or(0);
+                (ring[(p + 1) % n], ring[(p + n - 1) % n])
+            }
         }
     }
 
@@ -125,11 +162,11 @@ impl Conns {
     /// the ring, so that a peer that called something else is seen on the board, not in an
     /// exchange that waits for it.
     pub fn connect_ring(&self) -> Result<()> {
-        let (r, n) = (self.rank, self.nranks);
-        if n < 2 {
+        if self.nranks < 2 {
             return Ok(());
         }
-        let keys = [((r + 1) % n, true), ((r + n - 1) % n, false)]
+        let (next, prev) = self.ring_neighbours();
+        let keys = [(next, true), (prev, false)]
             .into_iter()
             .filter(|&(p, _)| self.locality(p) != Locality::OtherHost)
             .map(|(peer, is_sender)| ConnKey {

@@ -127,8 +127,8 @@ fn an_end_that_fails_fails_its_peer_without_waiting() {
         |mut c| {
             assert_eq!(c.locality(1 - c.rank), Locality::OtherHost);
             if c.rank == 1 {
-                // TEST-NET-1: not an address of this machine.
-                c.local_ip = std::net::Ipv4Addr::new(192, 0, 2, 1).into();
+                // TEST-NET-3: not an address of this machine.
+                c.local_ip = std::net::Ipv4Addr::new(203, 0, 113, 77).into();
             }
             let k = key(1 - c.rank, c.rank == 0, Class::Ring);
             connect_all(&[(&c, vec![k])]).unwrap_err()
@@ -140,7 +140,7 @@ fn an_end_that_fails_fails_its_peer_without_waiting() {
         errs[0]
     );
     assert!(
-        errs[1].msg.contains("listening for rank 0 on 192.0.2.1"),
+        errs[1].msg.contains("listening for rank 0 on 203.0.113.77"),
         "rank 1: {}",
         errs[1]
     );
@@ -179,4 +179,24 @@ fn each_locality_has_its_transport_and_blobs_are_checked() {
     let (_, blob) = net.setup(&spec(false)).unwrap();
     let addr = std::str::from_utf8(&blob[16..]).unwrap();
     assert!(addr.starts_with("127.0.0.1:"), "{addr}");
+}
+
+/// The ring groups each host's ranks (hosts in the order of their first rank), so that it
+/// crosses each host boundary once; rank order stays where it does already.
+#[test]
+fn rings_keep_a_hosts_ranks_together() {
+    let on = |hosts: &[u64]| {
+        let peers: Vec<PeerInfo> = hosts
+            .iter()
+            .map(|&h| {
+                let mut p = PeerInfo::mine(-1);
+                p.host = h;
+                p
+            })
+            .collect();
+        super::conns::ring_order(&peers)
+    };
+    assert_eq!(on(&[1, 1, 2, 2]), None);
+    assert_eq!(on(&[1, 2, 1, 2]), Some(vec![0, 2, 1, 3]));
+    assert_eq!(on(&[5, 3, 5, 3, 5, 3]), Some(vec![0, 2, 4, 1, 3, 5]));
 }
