@@ -6,8 +6,12 @@
 //! - [`Bootstrap::init`] registers the rank with its root, gets every rank's listen address back,
 //!   and from then on ranks talk directly (see `peer.rs`). Every connection, to a root or to a
 //!   rank, starts with the secret; a connection with a wrong secret is dropped with a warning.
-//! - Every wait polls in short slices and watches the communicator's health (`crate::health`: abort flag, remote abort) (-> `InvalidUsage`, "aborted")
-//!   and the timeout (`OXCCL_TIMEOUT_S`, default 300 s -> `Timeout`, naming what was awaited).
+//! - Every wait polls in short slices and watches the communicator's health (`crate::health`:
+//!   abort flag, remote abort) (-> `InvalidUsage`, "aborted") and the timeout (`OXCCL_TIMEOUT_S`,
+//!   default 300 s -> `Timeout`, naming what was awaited). Connecting to a root or a peer that
+//!   refuses or does not answer is retried for at most `OXCCL_BOOTSTRAP_CONNECT_S` (default 30 s,
+//!   never past the timeout): the `Timeout` then names the address, the attempts, how long they
+//!   took and the last error.
 //!
 //! Tags: user tags are `0..=0x7fff_ffff`; tags with the top bit set ([`TAG_RESERVED`]) belong to
 //! the bootstrap's own collectives (`allgather`, `barrier`) and are refused by `send`/`recv`.
