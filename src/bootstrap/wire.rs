@@ -162,8 +162,9 @@ pub(crate) fn write_all(
 }
 
 /// Connection attempts to one address, retried while it refuses or does not answer, for at most
-/// `OXCCL_BOOTSTRAP_CONNECT_S` (and never past the wait's own deadline); the error says what was
-/// tried.
+/// `OXCCL_BOOTSTRAP_CONNECT_S` (and never past the wait's own deadline). Attempts are counted
+/// across calls, so a caller that loses a fresh connection (see `note`) and connects again stays
+/// within the same bound; the error says what was tried.
 pub(crate) struct Connector {
     addr: SocketAddr,
     start: Instant,
@@ -187,6 +188,11 @@ impl Connector {
             attempts: 0,
             last: None,
         }
+    }
+
+    /// Records why a connection made by `connect` was of no use (it is then made again).
+    pub fn note(&mut self, why: String) {
+        self.last = Some(why);
     }
 
     /// Whether the bound leaves time for another attempt.
@@ -315,6 +321,33 @@ pub(crate) fn read_status(s: &mut TcpStream, w: &Wait, what: &dyn Fn() -> String
     let mut st = [0u8; 1];
     read_exact(s, &mut st, w, what)?;
     status_after(st[0], s, w, what)
+}
+
+/// As `read_status`; Ok(false) when the other side closed or reset the connection before the
+/// status byte (it dropped the connection unread, or it died).
+pub(crate) fn read_status_or_closed(
+    s: &mut TcpStream,
+    w: &Wait,
+    what: &dyn Fn() -> String,
+) -> Result<bool> {
+    let mut st = [0u8; 1];
+    loop {
+        s.set_read_timeout(Some(w.slice()))?;
+        match s.read(&mut st) {
+            Ok(0) => return Ok(false),
+            Ok(_) => break,
+            Err(e) if transient(e.kind()) => w.check(what)?,
+            Err(e) if e.kind() == ErrorKind::ConnectionReset => return Ok(false),
+            Err(e) => {
+                return Err(Error::remote(format!(
+                    "{}: connection to {} failed: {e}",
+                    w.who,
+                    what()
+                )))
+            }
+        }
+    }
+    status_after(st[0], s, w, what).map(|()| true)
 }
 
 fn status_after(st: u8, s: &mut TcpStream, w: &Wait, what: &dyn Fn() -> String) -> Result<()> {
