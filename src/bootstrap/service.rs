@@ -78,7 +78,21 @@ pub(crate) fn serve(listener: TcpListener, root: Root) -> Result<()> {
             .map_err(|e| Error::os("setting up the bootstrap root service's waker", e))?;
         std::thread::Builder::new()
             .name("oxccl-bootroot".into())
-            .spawn(move || Service::default().run(woken))
+            .spawn(move || {
+                let run = std::panic::AssertUnwindSafe(|| Service::default().run(woken));
+                if std::panic::catch_unwind(run).is_err() {
+                    // Its ids are lost (their listeners closed: ranks get refused and say so);
+                    // the next id starts a new thread.
+                    warn(
+                        "bootstrap root service: internal error (panic); its pending unique \
+                         ids are closed",
+                    );
+                    let mut st = STATE.lock();
+                    st.running = false;
+                    st.waker = None;
+                    st.incoming.clear();
+                }
+            })
             .map_err(|e| Error::os("spawning the bootstrap root service thread", e))?;
         st.running = true;
         st.waker = Some(waker);
