@@ -27,6 +27,13 @@ pub const PARAMS: &[Param] = &[
         default: "300",
     },
     Param {
+        name: "OXCCL_BOOTSTRAP_CONNECT_S",
+        doc: "seconds a rank keeps trying to connect to a bootstrap root or peer that refuses or \
+              does not answer before it gives up with ncclTimeout (never longer than \
+              OXCCL_TIMEOUT_S)",
+        default: "30",
+    },
+    Param {
         name: "OXCCL_WATCHDOG_S",
         doc: "seconds without progress after which a waiting operation logs a WARN naming the \
               communicator, the operation and what it waits for (0: never)",
@@ -128,6 +135,15 @@ pub fn nccl_debug() -> Option<String> {
 pub fn timeout() -> Duration {
     static T: once_cell::sync::Lazy<Duration> =
         once_cell::sync::Lazy::new(|| Duration::from_secs(get_u64("OXCCL_TIMEOUT_S").max(1)));
+    *T
+}
+
+/// How long connecting to a bootstrap root or peer may be retried (`OXCCL_BOOTSTRAP_CONNECT_S`,
+/// at least 1 s); every wait also stops at its own timeout.
+pub fn bootstrap_connect() -> Duration {
+    static T: once_cell::sync::Lazy<Duration> = once_cell::sync::Lazy::new(|| {
+        Duration::from_secs(get_u64("OXCCL_BOOTSTRAP_CONNECT_S").max(1))
+    });
     *T
 }
 

@@ -7,6 +7,8 @@ use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+mod common;
+
 fn payload(r: usize) -> Vec<u8> {
     (0..100 + 57 * r).map(|i| (i * 3 + r * 101) as u8).collect()
 }
@@ -96,4 +98,55 @@ fn process_ranks() {
             String::from_utf8_lossy(&out.stderr)
         );
     }
+}
+
+/// A rank whose root is gone (its id expired, so its port refuses connections) gives up after
+/// `OXCCL_BOOTSTRAP_CONNECT_S`, not after the whole `OXCCL_TIMEOUT_S`, and says what it tried.
+#[test]
+fn unreachable_root_fails_within_the_connect_bound() {
+    if common::is_child() {
+        return unreachable_root();
+    }
+    let out = common::in_child(
+        "unreachable_root_fails_within_the_connect_bound",
+        &[
+            ("OXCCL_BOOTSTRAP_CONNECT_S", "1"),
+            ("OXCCL_TIMEOUT_S", "60"),
+        ],
+    );
+    assert!(out.contains("UNREACHABLE-OK"), "{out}");
+}
+
+fn unreachable_root() {
+    let id = UniqueId::generate_with_timeout(Duration::from_millis(100)).unwrap();
+    let addr = id.root_addr();
+    // Wait for the root to expire and close its port.
+    let t0 = Instant::now();
+    while std::net::TcpStream::connect(addr).is_ok() {
+        assert!(
+            t0.elapsed() < Duration::from_secs(5),
+            "the expired root still listens"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let t0 = Instant::now();
+    let e = nccl::api::comm_init_rank(2, &id.to_bytes(), 0, Default::default())
+        .err()
+        .expect("init with an unreachable root must fail");
+    let took = t0.elapsed();
+    assert_eq!(e.code, nccl::error::Code::Timeout, "{e}");
+    assert!(
+        took >= Duration::from_millis(900) && took < Duration::from_secs(5),
+        "gave up after {took:?}: {e}"
+    );
+    for part in [
+        &format!("bootstrap root at {addr}"),
+        "to accept a connection",
+        "attempt(s) failed",
+        "Connection refused",
+        "OXCCL_BOOTSTRAP_CONNECT_S=1",
+    ] {
+        assert!(e.msg.contains(part), "{part:?} missing from: {e}");
+    }
+    println!("UNREACHABLE-OK after {took:?}: {e}");
 }

@@ -1,13 +1,21 @@
 //! Unique ids and the TCP rendezvous between the ranks of a communicator.
 //!
 //! - [`UniqueId::generate`] binds a listener (127.0.0.1 by default; the address of the interface
-//!   named by `NCCL_SOCKET_IFNAME`; or `OXCCL_BOOTSTRAP_ADDR`) and starts a root thread for that
-//!   id (see `root.rs`); the id holds the root's address and a 16-byte random secret.
+//!   named by `NCCL_SOCKET_IFNAME`; or `OXCCL_BOOTSTRAP_ADDR`) and hands it to the process's root
+//!   service (see `service.rs`, `root.rs`): one thread serves every pending id's listener and
+//!   connections, so an unused id costs a socket until it expires, and no thread. The id holds
+//!   the root's address and a 16-byte random secret.
 //! - [`Bootstrap::init`] registers the rank with its root, gets every rank's listen address back,
 //!   and from then on ranks talk directly (see `peer.rs`). Every connection, to a root or to a
 //!   rank, starts with the secret; a connection with a wrong secret is dropped with a warning.
-//! - Every wait polls in short slices and watches the communicator's health (`crate::health`: abort flag, remote abort) (-> `InvalidUsage`, "aborted")
-//!   and the timeout (`OXCCL_TIMEOUT_S`, default 300 s -> `Timeout`, naming what was awaited).
+//!   A root serves all its connections at once: strangers (silent, slow, garbage, wrong secret)
+//!   are dropped without delaying the ranks.
+//! - Every wait polls in short slices and watches the communicator's health (`crate::health`:
+//!   abort flag, remote abort) (-> `InvalidUsage`, "aborted") and the timeout (`OXCCL_TIMEOUT_S`,
+//!   default 300 s -> `Timeout`, naming what was awaited). Connecting to a root or a peer that
+//!   refuses or does not answer is retried for at most `OXCCL_BOOTSTRAP_CONNECT_S` (default 30 s,
+//!   never past the timeout): the `Timeout` then names the address, the attempts, how long they
+//!   took and the last error.
 //!
 //! Tags: user tags are `0..=0x7fff_ffff`; tags with the top bit set ([`TAG_RESERVED`]) belong to
 //! the bootstrap's own collectives (`allgather`, `barrier`) and are refused by `send`/`recv`.
@@ -20,6 +28,7 @@
 mod id;
 mod peer;
 mod root;
+mod service;
 mod wire;
 
 pub use id::{ID_BYTES, SECRET_BYTES};
@@ -39,6 +48,9 @@ const TAG_ALLGATHER: u32 = TAG_RESERVED | 1;
 const TAG_BARRIER: u32 = TAG_RESERVED | 0x100;
 /// Connection setup blobs use `TAG_SETUP + sub` (`sub < 0x1000`, see `transport::conns`).
 const TAG_SETUP: u32 = TAG_RESERVED | 0x2000;
+/// How many times a rank connects to its root again when the root closed the connection
+/// without answering (see `Bootstrap::init_with_timeout`).
+const REGISTER_RETRIES: u32 = 3;
 
 #[derive(Clone, Copy, PartialEq, Eq)]
 pub struct UniqueId {
@@ -53,8 +65,9 @@ impl std::fmt::Debug for UniqueId {
 }
 
 impl UniqueId {
-    /// Starts the root's listener for this id and returns the self-contained id. The root thread
-    /// exits once every rank of the id has been answered, or after the timeout.
+    /// Starts the root's listener for this id (served by the process's root service thread) and
+    /// returns the self-contained id. The listener closes once every rank of the id has been
+    /// answered, or after the timeout.
     pub fn generate() -> Result<UniqueId> {
         Self::generate_with_timeout(crate::param::timeout())
     }
@@ -161,31 +174,57 @@ impl Bootstrap {
         let what = || {
             format!("the bootstrap root at {root_addr} (id {idx} of {nids}, rendezvous of {nranks} ranks)")
         };
-        let mut s = wire::connect(root_addr, &w, &what)?;
         let mut hello = root::handshake(&root_secret, root::KIND_RANK);
         for x in [rank, nranks, nids, idx] {
             wire::put_u32(&mut hello, x as u32);
         }
         hello.extend_from_slice(&wire::encode_addr(&my_addr));
         hello.extend_from_slice(&ids[0].bytes);
-        wire::write_all(&mut s, &hello, &w, &what)?;
         // The root's own deadline usually expires first and names the missing ranks: give its
         // answer a moment to arrive.
         let w_reply = Wait {
             deadline: w.deadline + Duration::from_secs(1),
-            ..w
+            ..Wait::new(who.clone(), timeout, Some(&health))
         };
         let what_reply = || {
             format!("the bootstrap root at {root_addr} to collect all {nranks} ranks (id {idx} of {nids})")
         };
-        let addrs = root::read_reply(&mut s, nranks, &w_reply, &what_reply).map_err(|e| {
-            if e.code == Code::RemoteError {
-                e.context("the root refused this rank (wrong secret or the rendezvous failed)")
-            } else {
-                e
+        // A root under a flood of strangers may drop this connection before reading it (it
+        // drops the oldest of too many unproven ones): a connection closed before any answer is
+        // made again, a few times, within the connect bound. A wrong secret is closed so too.
+        let mut conn = wire::Connector::new(root_addr);
+        let mut closed = 0;
+        let addrs = loop {
+            let mut s = conn.connect(&w, &what)?;
+            let got = match wire::write_all(&mut s, &hello, &w, &what) {
+                Ok(()) => root::read_reply_or_closed(&mut s, nranks, &w_reply, &what_reply),
+                // Reset while writing: dropped too.
+                Err(e) if e.code == Code::RemoteError => Ok(None),
+                Err(e) => Err(e),
+            };
+            let got = got.map_err(|e| {
+                if e.code == Code::RemoteError {
+                    e.context("the root refused this rank (wrong secret or the rendezvous failed)")
+                } else {
+                    e
+                }
+            })?;
+            closed += 1;
+            match got {
+                Some(addrs) => break addrs,
+                None if closed <= REGISTER_RETRIES && conn.may_retry(&w) => {
+                    conn.note("the root closed the connection before answering".into());
+                }
+                None => {
+                    return Err(Error::remote(format!(
+                        "{who}: {} closed the connection {closed} time(s) without answering: \
+                         the unique id's secret is not that root's (a stale or altered id), or \
+                         the root failed or exited",
+                        what()
+                    )))
+                }
             }
-        })?;
-        drop(s);
+        };
         crate::debug::info(&format!(
             "bootstrap: rank {rank} of {nranks} listening on {my_addr}, rendezvous done"
         ));

@@ -406,3 +406,124 @@ fn close_is_idempotent_and_refuses_use() {
     assert_eq!(b.allgather(b"x").unwrap_err().code, Code::InvalidUsage);
     assert_eq!(b.barrier().unwrap_err().code, Code::InvalidUsage);
 }
+
+/// Tests that open connections without the secret (the cap on them is per process).
+static STRANGERS: parking_lot::Mutex<()> = parking_lot::const_mutex(());
+
+/// Whether the other side closed `s` within `wait` (what it sent before is skipped).
+fn closed(s: &mut TcpStream, wait: Duration) -> bool {
+    s.set_read_timeout(Some(wait)).unwrap();
+    let mut buf = [0u8; 64];
+    loop {
+        match s.read(&mut buf) {
+            Ok(0) => return true,
+            Ok(_) => continue,
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return false,
+            Err(e) if e.kind() == std::io::ErrorKind::TimedOut => return false,
+            Err(_) => return true,
+        }
+    }
+}
+
+/// Strangers on the root's port: silent, slow, garbage (some of it large) and wrong-secret
+/// connections, hundreds at once, opened before the ranks come. The ranks' init must not wait
+/// for them, and those that broke the protocol must be dropped at once.
+#[test]
+fn flood_of_strangers_does_not_delay_init() {
+    let _g = STRANGERS.lock();
+    let id = UniqueId::generate_with_timeout(T).unwrap();
+    let addr = id.root_addr();
+    let open = || TcpStream::connect_timeout(&addr, Duration::from_secs(5)).unwrap();
+    let silent: Vec<TcpStream> = (0..200).map(|_| open()).collect();
+    // Slow: the magic, then a few bytes of a secret, then nothing.
+    let slow: Vec<TcpStream> = (0..10)
+        .map(|i| {
+            let mut s = open();
+            s.write_all(root::ROOT_MAGIC).unwrap();
+            s.write_all(&[i as u8; 3]).unwrap();
+            s
+        })
+        .collect();
+    // Garbage, every 10th one 1 MiB of it (the root must not read, let alone keep, all that).
+    let garbage: Vec<TcpStream> = (0..50)
+        .map(|i| {
+            let mut s = open();
+            let len = if i % 10 == 0 { 1 << 20 } else { 1 + i * 7 };
+            let junk: Vec<u8> = (0..len).map(|k| (k * 13 + i * 29 + 1) as u8).collect();
+            // The root may close mid-write: what it sent is garbage either way.
+            let _ = s.write_all(&junk);
+            s
+        })
+        .collect();
+    let wrong: Vec<TcpStream> = (0..20)
+        .map(|i| {
+            let mut s = open();
+            let mut hs = root::handshake(&[i as u8 + 1; SECRET_BYTES], root::KIND_RANK);
+            hs.extend_from_slice(&[0u8; root::RANK_HELLO_BYTES]);
+            let _ = s.write_all(&hs);
+            s
+        })
+        .collect();
+
+    let t0 = Instant::now();
+    let hashes = run_ranks(&[id], 4, |b| {
+        b.barrier().unwrap();
+        b.comm_hash()
+    });
+    let took = t0.elapsed();
+    assert!(hashes.iter().all(|&h| h == id::fnv1a(&id.secret())));
+    assert!(
+        took < Duration::from_secs(2),
+        "init of 4 ranks took {took:?} behind 280 strangers"
+    );
+
+    // Garbage and wrong secrets were dropped (not left waiting for their hello deadline).
+    for (i, s) in garbage.into_iter().chain(wrong).enumerate() {
+        let mut s = s;
+        assert!(
+            closed(&mut s, Duration::from_millis(500)),
+            "stranger {i} that broke the protocol is still connected"
+        );
+    }
+    // The silent and slow ones are gone too by now: the rendezvous is over, its root closed.
+    for (i, mut s) in silent.into_iter().chain(slow).enumerate() {
+        assert!(
+            closed(&mut s, Duration::from_secs(5)),
+            "silent stranger {i} is still connected"
+        );
+    }
+}
+
+/// Connections that do not prove the secret: beyond the cap the oldest go at once, the others
+/// at the hello deadline, while the id stays pending and then serves its ranks.
+#[test]
+fn strangers_are_dropped_by_cap_and_deadline() {
+    use super::service::{HELLO_WAIT, MAX_UNPROVEN};
+    let _g = STRANGERS.lock();
+    let id = UniqueId::generate_with_timeout(T).unwrap();
+    let addr = id.root_addr();
+    let open = || TcpStream::connect_timeout(&addr, Duration::from_secs(5)).unwrap();
+    let mut oldest: Vec<TcpStream> = (0..20).map(|_| open()).collect();
+    std::thread::sleep(Duration::from_millis(50));
+    let t0 = Instant::now();
+    let mut rest: Vec<TcpStream> = (0..MAX_UNPROVEN).map(|_| open()).collect();
+    for (i, s) in oldest.iter_mut().enumerate() {
+        assert!(
+            closed(s, Duration::from_millis(500)),
+            "connection {i} of the oldest 20 was not dropped for the cap of {MAX_UNPROVEN}"
+        );
+    }
+    assert!(
+        t0.elapsed() < HELLO_WAIT / 2
+            && !closed(rest.last_mut().unwrap(), Duration::from_millis(10)),
+        "the youngest stranger went before its hello deadline"
+    );
+    for (i, s) in rest.iter_mut().enumerate() {
+        assert!(
+            closed(s, HELLO_WAIT + Duration::from_secs(2)),
+            "silent stranger {i} is still connected past the hello deadline"
+        );
+    }
+    assert!(t0.elapsed() >= HELLO_WAIT, "{:?}", t0.elapsed());
+    run_ranks(&[id], 2, exercise);
+}

@@ -4,7 +4,7 @@
 use crate::error::{Code, Error, Result};
 use std::io::{ErrorKind, Read, Write};
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, SocketAddrV4, SocketAddrV6, TcpStream};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 pub(crate) use crate::health::{fmt_secs, Wait, SLICE};
 
@@ -161,39 +161,197 @@ pub(crate) fn write_all(
     Ok(())
 }
 
-/// Connects, retrying while the other side is not listening yet, until the deadline or abort.
-pub(crate) fn connect(addr: SocketAddr, w: &Wait, what: &dyn Fn() -> String) -> Result<TcpStream> {
-    let mut last: Option<std::io::Error> = None;
-    loop {
-        if let Err(e) = w.check(what) {
-            return Err(match last {
-                Some(l) if e.code == Code::Timeout => {
-                    Error::timeout(format!("{} (last connect error to {addr}: {l})", e.msg))
-                }
-                _ => e,
-            });
+/// Connection attempts to one address, retried while it refuses or does not answer, for at most
+/// `OXCCL_BOOTSTRAP_CONNECT_S` (and never past the wait's own deadline). Attempts are counted
+/// across calls, so a caller that loses a fresh connection (see `note`) and connects again stays
+/// within the same bound; the error says what was tried.
+pub(crate) struct Connector {
+    addr: SocketAddr,
+    start: Instant,
+    /// The bound of `OXCCL_BOOTSTRAP_CONNECT_S` (cut by the wait's deadline in `connect`).
+    until: Instant,
+    attempts: u32,
+    last: Option<String>,
+}
+
+/// Pause after the first refused attempt; it doubles up to `RETRY_MAX`.
+const RETRY_MIN: Duration = Duration::from_millis(10);
+const RETRY_MAX: Duration = Duration::from_millis(500);
+
+impl Connector {
+    pub fn new(addr: SocketAddr) -> Connector {
+        let start = Instant::now();
+        Connector {
+            addr,
+            start,
+            until: start + crate::param::bootstrap_connect(),
+            attempts: 0,
+            last: None,
         }
-        match TcpStream::connect_timeout(&addr, w.slice()) {
-            Ok(s) => {
-                let _ = s.set_nodelay(true);
-                return Ok(s);
+    }
+
+    /// Records why a connection made by `connect` was of no use (it is then made again).
+    pub fn note(&mut self, why: String) {
+        self.last = Some(why);
+    }
+
+    /// Whether the bound leaves time for another attempt.
+    pub fn may_retry(&self, w: &Wait) -> bool {
+        Instant::now() < self.until.min(w.deadline)
+    }
+
+    /// A connection to the address (blocking mode, no delay), or the error of the last attempt
+    /// once the bound is spent (`Timeout`), or the wait's abort.
+    pub fn connect(&mut self, w: &Wait, what: &dyn Fn() -> String) -> Result<TcpStream> {
+        let mut pause = RETRY_MIN;
+        loop {
+            aborted(w, what)?;
+            if !self.may_retry(w) {
+                return Err(self.give_up(w, what));
             }
-            Err(e) => {
-                let refused = e.kind() == ErrorKind::ConnectionRefused;
-                last = Some(e);
-                if refused {
-                    std::thread::sleep(w.slice().min(Duration::from_millis(20)));
+            self.attempts += 1;
+            match self.attempt(w, what)? {
+                Ok(s) => {
+                    let _ = s.set_nodelay(true);
+                    return Ok(s);
                 }
+                Err(e) => self.last = Some(e),
+            }
+            // Nobody listens (yet): wait a little longer after each refusal.
+            let resume = Instant::now() + pause;
+            pause = (pause * 2).min(RETRY_MAX);
+            while Instant::now() < resume.min(self.until).min(w.deadline) {
+                aborted(w, what)?;
+                std::thread::sleep(
+                    w.slice()
+                        .min(resume.saturating_duration_since(Instant::now())),
+                );
             }
         }
     }
+
+    /// One non-blocking connect, polled in slices that watch the wait; Ok(Err(why)) when it
+    /// failed or got no answer before the bound.
+    fn attempt(
+        &self,
+        w: &Wait,
+        what: &dyn Fn() -> String,
+    ) -> Result<std::result::Result<TcpStream, String>> {
+        use nix::errno::Errno;
+        use nix::poll::{poll, PollFd, PollFlags};
+        use nix::sys::socket::{self, sockopt, AddressFamily, SockFlag, SockType, SockaddrStorage};
+        use std::os::fd::{AsFd, AsRawFd};
+        let fam = if self.addr.is_ipv4() {
+            AddressFamily::Inet
+        } else {
+            AddressFamily::Inet6
+        };
+        let fd = socket::socket(
+            fam,
+            SockType::Stream,
+            SockFlag::SOCK_NONBLOCK | SockFlag::SOCK_CLOEXEC,
+            None,
+        )
+        .map_err(|e| Error::os(format!("{}: creating a socket", w.who), e))?;
+        match socket::connect(fd.as_raw_fd(), &SockaddrStorage::from(self.addr)) {
+            Ok(()) => {}
+            Err(Errno::EINPROGRESS) | Err(Errno::EINTR) => loop {
+                let end = self.until.min(w.deadline);
+                let left = end.saturating_duration_since(Instant::now());
+                if left.is_zero() {
+                    return Ok(Err("no answer to the connection request".into()));
+                }
+                let ms = w.slice().min(left).as_millis().max(1) as u16;
+                let mut fds = [PollFd::new(fd.as_fd(), PollFlags::POLLOUT)];
+                match poll(&mut fds, ms) {
+                    Ok(0) | Err(Errno::EINTR) => aborted(w, what)?,
+                    Ok(_) => match socket::getsockopt(&fd, sockopt::SocketError) {
+                        Ok(0) => break,
+                        Ok(e) => return Ok(Err(std::io::Error::from_raw_os_error(e).to_string())),
+                        Err(e) => return Ok(Err(e.to_string())),
+                    },
+                    Err(e) => return Ok(Err(e.to_string())),
+                }
+            },
+            Err(e) => return Ok(Err(std::io::Error::from(e).to_string())),
+        }
+        let s = TcpStream::from(fd);
+        s.set_nonblocking(false)?;
+        Ok(Ok(s))
+    }
+
+    /// The error once the bound is spent: the address, the attempts, over how long, why the last
+    /// one failed, and which bound ended them.
+    fn give_up(&self, w: &Wait, what: &dyn Fn() -> String) -> Error {
+        let bound = crate::param::bootstrap_connect();
+        let limit = if self.until <= w.deadline {
+            format!("OXCCL_BOOTSTRAP_CONNECT_S={}", bound.as_secs())
+        } else {
+            format!("the timeout of {}", fmt_secs(w.timeout))
+        };
+        let last = self.last.as_deref().unwrap_or("no attempt was made");
+        Error::timeout(format!(
+            "{} waited {} for {} to accept a connection: {} attempt(s) failed, the last with: \
+             {last} (attempts end after {limit})",
+            w.who,
+            fmt_secs(Duration::from_millis(
+                self.start.elapsed().as_millis() as u64
+            )),
+            what(),
+            self.attempts,
+        ))
+    }
+}
+
+/// The wait's abort, if any (its deadline is the connector's business).
+fn aborted(w: &Wait, what: &dyn Fn() -> String) -> Result<()> {
+    match w.health {
+        Some(h) => h.stopped(&w.who, what),
+        None => Ok(()),
+    }
+}
+
+/// Connects as [`Connector::connect`] does, for one connection.
+pub(crate) fn connect(addr: SocketAddr, w: &Wait, what: &dyn Fn() -> String) -> Result<TcpStream> {
+    Connector::new(addr).connect(w, what)
 }
 
 /// Reads a status byte, then either an error (code u8 as status, message) or a payload closure.
 pub(crate) fn read_status(s: &mut TcpStream, w: &Wait, what: &dyn Fn() -> String) -> Result<()> {
     let mut st = [0u8; 1];
     read_exact(s, &mut st, w, what)?;
-    if st[0] == 0 {
+    status_after(st[0], s, w, what)
+}
+
+/// As `read_status`; Ok(false) when the other side closed or reset the connection before the
+/// status byte (it dropped the connection unread, or it died).
+pub(crate) fn read_status_or_closed(
+    s: &mut TcpStream,
+    w: &Wait,
+    what: &dyn Fn() -> String,
+) -> Result<bool> {
+    let mut st = [0u8; 1];
+    loop {
+        s.set_read_timeout(Some(w.slice()))?;
+        match s.read(&mut st) {
+            Ok(0) => return Ok(false),
+            Ok(_) => break,
+            Err(e) if transient(e.kind()) => w.check(what)?,
+            Err(e) if e.kind() == ErrorKind::ConnectionReset => return Ok(false),
+            Err(e) => {
+                return Err(Error::remote(format!(
+                    "{}: connection to {} failed: {e}",
+                    w.who,
+                    what()
+                )))
+            }
+        }
+    }
+    status_after(st[0], s, w, what).map(|()| true)
+}
+
+fn status_after(st: u8, s: &mut TcpStream, w: &Wait, what: &dyn Fn() -> String) -> Result<()> {
+    if st == 0 {
         return Ok(());
     }
     let mut lenb = [0u8; 4];
@@ -201,7 +359,7 @@ pub(crate) fn read_status(s: &mut TcpStream, w: &Wait, what: &dyn Fn() -> String
     let len = (u32::from_le_bytes(lenb) as usize).min(1 << 16);
     let mut msg = vec![0u8; len];
     read_exact(s, &mut msg, w, what)?;
-    let code = Code::from_raw(st[0] as i32).unwrap_or(Code::RemoteError);
+    let code = Code::from_raw(st as i32).unwrap_or(Code::RemoteError);
     Err(Error::new(code, String::from_utf8_lossy(&msg).into_owned()))
 }
 
