@@ -144,15 +144,47 @@ fn interface_addr(spec: &str) -> Result<SocketAddr> {
     let pick = if want6 { v6.or(v4) } else { v4.or(v6) };
     let mut a = pick.ok_or_else(|| {
         Error::system(format!(
-            "no network interface with an IP address matches NCCL_SOCKET_IFNAME={spec}"
+            "no network interface with an IP address matches NCCL_SOCKET_IFNAME={spec} (this \
+             host has: {})",
+            interfaces().join(", ")
         ))
     })?;
     a.set_port(0);
     Ok(a)
 }
 
+/// "name address" of every interface with an IP address, for messages.
+fn interfaces() -> Vec<String> {
+    let mut v: Vec<String> = nix::ifaddrs::getifaddrs()
+        .map(|ifs| {
+            ifs.filter_map(|i| {
+                let a = i.address?;
+                let ip = a
+                    .as_sockaddr_in()
+                    .map(|s| std::net::IpAddr::from(s.ip()).to_string())
+                    .or_else(|| a.as_sockaddr_in6().map(|s| s.ip().to_string()))?;
+                Some(format!("{} {ip}", i.interface_name))
+            })
+            .collect()
+        })
+        .unwrap_or_default();
+    v.dedup();
+    v
+}
+
+/// Interfaces NCCL does not pick unless told to (loopback, container bridges and their veths).
+const SKIPPED_BY_DEFAULT: &str = "^lo,docker,virbr,veth";
+
+/// The interface a rank uses without `NCCL_SOCKET_IFNAME`, as NCCL picks it: the first with
+/// an address that is not loopback or a container's; loopback where there is nothing else.
+fn default_addr() -> SocketAddr {
+    interface_addr(SKIPPED_BY_DEFAULT)
+        .unwrap_or_else(|_| SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), 0))
+}
+
 /// Where a root listens: `OXCCL_BOOTSTRAP_ADDR` (with its port if given), else the address of the
-/// `NCCL_SOCKET_IFNAME` interface, else 127.0.0.1; port 0 means any.
+/// `NCCL_SOCKET_IFNAME` interface, else the interface NCCL would pick (`default_addr`); port 0
+/// means any.
 pub(crate) fn root_bind_addr() -> Result<SocketAddr> {
     if let Some(a) = override_addr()? {
         return Ok(a);
@@ -169,12 +201,26 @@ pub(crate) fn rank_bind_addr() -> Result<SocketAddr> {
     if let Some(spec) = crate::param::get_str("NCCL_SOCKET_IFNAME") {
         return interface_addr(spec.trim());
     }
-    Ok(SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), 0))
+    Ok(default_addr())
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn interfaces_are_chosen_as_nccl_does() {
+        let e = interface_addr("=oxccl-no-such-if0").unwrap_err();
+        assert!(e.msg.contains("NCCL_SOCKET_IFNAME==oxccl-no-such-if0"), "{}", e.msg);
+        assert!(e.msg.contains("lo 127.0.0.1"), "the message lists what exists: {}", e.msg);
+        assert_eq!(interface_addr("=lo").unwrap().ip(), Ipv4Addr::LOCALHOST);
+        // The default is never a loopback or container interface unless there is nothing else.
+        let d = default_addr();
+        let others = interfaces()
+            .iter()
+            .any(|i| !i.starts_with("lo ") && ifname_matches(SKIPPED_BY_DEFAULT, i));
+        assert_eq!(d.ip().is_loopback(), !others, "{d} among {:?}", interfaces());
+    }
 
     #[test]
     fn layout_roundtrip_and_garbage() {

@@ -1,7 +1,8 @@
 //! Unique ids and the TCP rendezvous between the ranks of a communicator.
 //!
-//! - [`UniqueId::generate`] binds a listener (127.0.0.1 by default; the address of the interface
-//!   named by `NCCL_SOCKET_IFNAME`; or `OXCCL_BOOTSTRAP_ADDR`) and hands it to the process's root
+//! - [`UniqueId::generate`] binds a listener (on the interface NCCL would pick: the first not
+//!   loopback or a container's, else loopback; the one `NCCL_SOCKET_IFNAME` names; or
+//!   `OXCCL_BOOTSTRAP_ADDR`) and hands it to the process's root
 //!   service (see `service.rs`, `root.rs`): one thread serves every pending id's listener and
 //!   connections, so an unused id costs a socket until it expires, and no thread. The id holds
 //!   the root's address and a 16-byte random secret.

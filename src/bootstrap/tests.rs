@@ -136,7 +136,8 @@ fn from_bytes_validates() {
     let id = UniqueId::generate_with_timeout(Duration::from_secs(1)).unwrap();
     let back = UniqueId::from_bytes(&id.to_bytes()).unwrap();
     assert_eq!(back, id);
-    assert!(back.root_addr().ip().is_loopback());
+    // On the interface NCCL would pick (loopback only where there is nothing else).
+    assert!(!back.root_addr().ip().is_unspecified());
     assert_eq!(
         format!("{id:?}"),
         format!("UniqueId(root {})", back.root_addr())
