@@ -1,0 +1,127 @@
+#!/usr/bin/env bash
+# scripts/bench-net.sh [--quick]
+#
+# The network transport across two "hosts" (network namespaces with their own hostname and
+# /dev/shm, joined by veth pairs to a bridge), 1 rank per host, all_reduce f32 sum from 1 KiB
+# to 256 MiB (--quick: to 16 MiB), side by side in one run:
+#   (a) oxccl all_reduce_perf (env launcher, rank 0's host as MASTER_ADDR)
+#   (b) OpenMPI MPI_Allreduce over TCP (--mca btl tcp,self) in the same namespaces
+#   (c) iperf3 between the same namespaces, each direction and both at once: the link's ceiling
+# Prints one table (busbw GB/s, oxccl/MPI) and the targets: oxccl/MPI >= 1.5 at >= 16 MiB,
+# oxccl >= 70% of iperf3's bidirectional rate per direction, 1 KiB latency <= MPI's. Raw outputs
+# under target/bench-net/. Needs root; installs iperf3 and OpenMPI if missing. Removes its
+# namespaces and links on exit.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+QUICK=0
+[ "${1:-}" = "--quick" ] && QUICK=1
+MAX=$([ "$QUICK" = 1 ] && echo 16M || echo 256M)
+OUT="$ROOT/target/bench-net"
+BIN="$ROOT/target/bench/bin"
+mkdir -p "$OUT" "$BIN"
+log() { echo "bench-net: $*" >&2; }
+[ "$(id -u)" = 0 ] || { log "needs root (network namespaces)"; exit 1; }
+for p in iperf3:iperf3 mpirun:openmpi-bin mpicc:libopenmpi-dev; do
+  command -v "${p%%:*}" >/dev/null || apt-get install -y -q "${p#*:}" >/dev/null 2>&1 ||
+    { apt-get update -q >/dev/null && apt-get install -y -q "${p#*:}" >/dev/null; }
+done
+
+log "building"
+(cd "$ROOT" && cargo build --release -q)
+make -s -C "$ROOT/nccl-tests-compat" >/dev/null
+mpicc -O2 -o "$BIN/mpi_allreduce" "$ROOT/nccl-tests-compat/bench/mpi_allreduce.c"
+LIB="$ROOT/target/release"
+TOOL="$ROOT/target/release/all_reduce_perf"
+
+# ---- two hosts: namespaces bn0, bn1 (10.79.0.1, .2) on a bridge in this namespace (10.79.0.254,
+# which MPI's launcher needs to reach its ranks) --------------------------------------------------
+T="bn$$"
+cleanup() {
+  for i in 0 1; do
+    for p in $(ip netns pids "$T$i" 2>/dev/null); do kill -9 "$p" 2>/dev/null || true; done
+    ip netns del "$T$i" 2>/dev/null || true
+  done
+  ip link del "${T}br" 2>/dev/null || true
+}
+trap cleanup EXIT
+ip link add "${T}br" type bridge
+ip addr add 10.79.0.254/24 dev "${T}br"
+ip link set "${T}br" up
+for i in 0 1; do
+  ip netns add "$T$i"
+  ip -n "$T$i" link set lo up
+  ip link add "${T}v$i" type veth peer name "${T}p$i"
+  ip link set "${T}v$i" netns "$T$i"
+  ip -n "$T$i" link set "${T}v$i" name eth0
+  ip -n "$T$i" addr add "10.79.0.$((i + 1))/24" dev eth0
+  ip -n "$T$i" link set eth0 up
+  ip link set "${T}p$i" master "${T}br" up
+done
+# Runs a command on host i with its own hostname and /dev/shm.
+on() {
+  local i=$1
+  shift
+  ip netns exec "$T$i" unshare --mount --uts --propagation private \
+    sh -c "mount -t tmpfs tmpfs /dev/shm && hostname $T-host$i && exec \"\$@\"" sh "$@"
+}
+
+# ---- (a) oxccl ---------------------------------------------------------------------------
+log "oxccl all_reduce_perf, 1 rank per host"
+for r in 1 0; do
+  on "$r" env LD_LIBRARY_PATH="$LIB" OXCCL_DEVICE=host RANK=$r WORLD_SIZE=2 \
+    MASTER_ADDR=10.79.0.1 MASTER_PORT=29555 NCCL_SOCKET_IFNAME=eth0 \
+    "$TOOL" -b 1K -e "$MAX" -f 4 -n 20 -w 5 -d float -o sum >"$OUT/oxccl.rank$r.txt" 2>&1 &
+done
+wait
+# ---- (b) MPI -----------------------------------------------------------------------------
+log "OpenMPI MPI_Allreduce over TCP"
+PMIX_MCA_ptl_tcp_remote_connections=1 PMIX_MCA_ptl_tcp_if_include="${T}br" \
+  mpirun --allow-run-as-root --oversubscribe --mca btl tcp,self \
+  --mca btl_tcp_if_include 10.79.0.0/24 --mca oob_tcp_if_include "${T}br" \
+  -np 1 ip netns exec "${T}0" "$BIN/mpi_allreduce" -b 1K -e "$MAX" -f 4 -n 20 -w 5 : \
+  -np 1 ip netns exec "${T}1" "$BIN/mpi_allreduce" -b 1K -e "$MAX" -f 4 -n 20 -w 5 \
+  >"$OUT/mpi.txt" 2>&1 || log "MPI failed: see $OUT/mpi.txt"
+# ---- (c) iperf3 --------------------------------------------------------------------------
+log "iperf3"
+ip netns exec "${T}1" iperf3 -s -D -1 >/dev/null
+sleep 0.3
+ip netns exec "${T}0" iperf3 -c 10.79.0.2 -t 4 --bidir -J >"$OUT/iperf3.json" 2>&1 || true
+
+python3 - "$OUT" <<'EOF'
+import json, sys
+out = sys.argv[1]
+def rows(path):
+    r = {}
+    for line in open(path, errors="replace"):
+        f = line.split()
+        if len(f) >= 6 and f[0].isdigit():
+            r[int(f[0])] = float(f[5])  # time (us), out of place
+    return r
+ox, mpi = rows(f"{out}/oxccl.rank0.txt"), rows(f"{out}/mpi.txt")
+wrong = [l for l in open(f"{out}/oxccl.rank0.txt") if l.split()[:1] and l.split()[0].isdigit() and l.split()[8] != "0"]
+bus = lambda b, t: b / t / 1e3  # busbw GB/s for 2 ranks: 2(n-1)/n = 1
+try:
+    j = json.load(open(f"{out}/iperf3.json"))
+    e = j["end"]
+    up = e["sum_sent"]["bits_per_second"] / 8e9
+    down = e.get("sum_sent_bidir_reverse", e["sum_received"])["bits_per_second"] / 8e9
+except Exception as ex:
+    up = down = float("nan")
+print(f"iperf3 between the hosts, both directions at once: {up:.2f} and {down:.2f} GB/s")
+print(f"{'size':>10} {'oxccl':>8} {'MPI':>8} {'ox/MPI':>7} {'ox us':>9} {'MPI us':>9}")
+for b in sorted(ox):
+    o, m = ox[b], mpi.get(b)
+    print(f"{b:>10} {bus(b, o):8.3f} {bus(b, m) if m else float('nan'):8.3f} "
+          f"{(m / o) if m else float('nan'):7.2f} {o:9.1f} {m if m else float('nan'):9.1f}")
+big = [b for b in ox if b >= 16 << 20 and b in mpi]
+print("\nTargets:")
+if big:
+    r = min(mpi[b] / ox[b] for b in big)
+    print(f"  oxccl/MPI >= 1.5 at >= 16 MiB       measured {r:.2f}  {'PASS' if r >= 1.5 else 'FAIL'}")
+    top = max(bus(b, ox[b]) for b in big)
+    link = min(up, down)
+    print(f"  oxccl >= 70% of iperf3 (per dir.)   measured {top:.2f} of {link:.2f} GB/s = {top / link:.0%}  {'PASS' if top >= 0.7 * link else 'FAIL'}")
+if 1024 in ox and 1024 in mpi:
+    print(f"  1 KiB latency <= MPI's              measured {ox[1024]:.1f} vs {mpi[1024]:.1f} us  {'PASS' if ox[1024] <= mpi[1024] else 'FAIL'}")
+print(f"  #wrong 0                            {'PASS' if not wrong else 'FAIL'}")
+EOF
