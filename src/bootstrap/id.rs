@@ -211,15 +211,28 @@ mod tests {
     #[test]
     fn interfaces_are_chosen_as_nccl_does() {
         let e = interface_addr("=oxccl-no-such-if0").unwrap_err();
-        assert!(e.msg.contains("NCCL_SOCKET_IFNAME==oxccl-no-such-if0"), "{}", e.msg);
-        assert!(e.msg.contains("lo 127.0.0.1"), "the message lists what exists: {}", e.msg);
+        assert!(
+            e.msg.contains("NCCL_SOCKET_IFNAME==oxccl-no-such-if0"),
+            "{}",
+            e.msg
+        );
+        assert!(
+            e.msg.contains("lo 127.0.0.1"),
+            "the message lists what exists: {}",
+            e.msg
+        );
         assert_eq!(interface_addr("=lo").unwrap().ip(), Ipv4Addr::LOCALHOST);
         // The default is never a loopback or container interface unless there is nothing else.
         let d = default_addr();
         let others = interfaces()
             .iter()
             .any(|i| !i.starts_with("lo ") && ifname_matches(SKIPPED_BY_DEFAULT, i));
-        assert_eq!(d.ip().is_loopback(), !others, "{d} among {:?}", interfaces());
+        assert_eq!(
+            d.ip().is_loopback(),
+            !others,
+            "{d} among {:?}",
+            interfaces()
+        );
     }
 
     #[test]

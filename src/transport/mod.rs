@@ -146,6 +146,10 @@ pub trait Proxy: Send + Sync {
     fn set_waker(&self, _waker: proxy::Waker) {}
     /// The executor has filled a slot: wake the proxy thread if it sleeps.
     fn kick(&self) {}
+    /// `progress` on the executor's thread while it waits on this end, unless the proxy thread
+    /// is at it (then nothing): the data moves without a hand-off between threads. Errors are
+    /// left to the proxy thread (which meets them too).
+    fn progress_inline(&self) {}
 }
 
 static INPROC: inproc::InProc = inproc::InProc;
@@ -332,6 +336,15 @@ impl Conn {
             Some((head, self.slot(head)))
         } else {
             None
+        }
+    }
+
+    /// Moves this connection's data on the caller's thread if a proxy moves it (see
+    /// `Proxy::progress_inline`).
+    #[inline]
+    pub fn drive(&self) {
+        if let Some(p) = &self.proxy {
+            p.progress_inline();
         }
     }
 

@@ -233,8 +233,22 @@ impl Proxy for NetEnd {
         if self.closed() {
             return Ok(false);
         }
-        let mut w = self.state.lock();
-        let w = &mut *w;
+        self.step(&mut self.state.lock())
+    }
+
+    fn progress_inline(&self) {
+        if self.closed() {
+            return;
+        }
+        if let Some(mut w) = self.state.try_lock() {
+            let _ = self.step(&mut w);
+        }
+    }
+}
+
+impl NetEnd {
+    /// One round of `progress` with the end's state held.
+    fn step(&self, w: &mut Wire) -> Result<bool> {
         let sock = match &mut w.state {
             State::Connected(s) => s,
             State::Listening(l, token) => match l.accept() {
@@ -307,13 +321,17 @@ impl NetEnd {
                     hdr[8 * i..8 * i + 8].copy_from_slice(&m.to_le_bytes());
                 }
             }
+            // SAFETY: the slot holds `bytes <= slot_bytes` bytes the executor filled before
+            // publishing the tail; it stays ours until the head moves.
+            let data = unsafe { std::slice::from_raw_parts(v.slot(*step), bytes) };
             while *off < HDR + bytes {
                 let r = if *off < HDR {
-                    s.write(&hdr[*off..])
+                    // Header and bytes in one system call (and one segment when small).
+                    s.write_vectored(&[
+                        std::io::IoSlice::new(&hdr[*off..]),
+                        std::io::IoSlice::new(data),
+                    ])
                 } else {
-                    // SAFETY: the slot holds `bytes <= slot_bytes` bytes the executor filled
-                    // before publishing the tail; it stays ours until the head moves.
-                    let data = unsafe { std::slice::from_raw_parts(v.slot(*step), bytes) };
                     s.write(&data[*off - HDR..])
                 };
                 match r {

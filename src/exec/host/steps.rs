@@ -204,6 +204,11 @@ pub(super) fn poll_program(prog: &HostProgram, cur: &mut Cursor) -> Result<Poll>
             cur.head += 1;
         }
         if !ran {
+            // Where a proxy moves the data (the network), move it now on this thread rather
+            // than wait for the proxy thread to notice (it does the same where this one cannot).
+            if let Some(s) = prog.steps.get(cur.head % nsteps) {
+                s.send.iter().chain(s.recv.iter()).for_each(|c| c.drive());
+            }
             return Ok(if progressed {
                 Poll::Progress
             } else {
