@@ -1,0 +1,167 @@
+//! The tensor- and pipeline-parallel MLP example (examples/tp_pp_mlp.cpp) against this build:
+//! 8 ranks on one host (TP=4, PP=2) in both splits, and 2 namespace hosts x 4 ranks with the
+//! tensor-parallel groups inside the hosts and, on purpose, across them. Rank 0 checks the
+//! result against the unsplit MLP (exactly, with --exact).
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::OnceLock;
+
+mod common;
+
+fn profile_dir() -> PathBuf {
+    let exe = std::env::current_exe().unwrap();
+    exe.parent().unwrap().parent().unwrap().to_path_buf()
+}
+
+/// The example, built with make against cargo's libnccl.so.
+fn example() -> &'static Path {
+    static B: OnceLock<PathBuf> = OnceLock::new();
+    B.get_or_init(|| {
+        let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+        let prof = profile_dir();
+        assert!(
+            prof.join("libnccl.so").exists(),
+            "cargo should have built the cdylib"
+        );
+        let out = prof.join("examples-build");
+        let st = Command::new("make")
+            .arg("-s")
+            .arg("-C")
+            .arg(root.join("examples"))
+            .arg(format!("LIBDIR={}", prof.display()))
+            .arg(format!("BUILD={}", out.display()))
+            .status()
+            .expect("make");
+        assert!(st.success(), "building the example failed");
+        out.join("tp_pp_mlp")
+    })
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// Runs `n` ranks on this host; rank 0's output.
+fn run_here(n: usize, args: &[&str]) -> String {
+    let port = free_port().to_string();
+    let kids: Vec<_> = (0..n)
+        .map(|r| {
+            Command::new(example())
+                .args(args)
+                .env("OXCCL_DEVICE", "host")
+                .env("RANK", r.to_string())
+                .env("WORLD_SIZE", n.to_string())
+                .env("MASTER_ADDR", "127.0.0.1")
+                .env("MASTER_PORT", &port)
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    let mut out0 = String::new();
+    for (r, k) in kids.into_iter().enumerate() {
+        let o = k.wait_with_output().unwrap();
+        let text =
+            String::from_utf8_lossy(&o.stdout).to_string() + &String::from_utf8_lossy(&o.stderr);
+        assert!(o.status.success(), "{args:?}: rank {r} failed:\n{text}");
+        if r == 0 {
+            out0 = text;
+        }
+    }
+    out0
+}
+
+fn passed(out: &str) -> bool {
+    out.lines()
+        .last()
+        .is_some_and(|l| l.starts_with("tp_pp_mlp: max |diff| = ") && l.ends_with(": PASS"))
+}
+
+#[test]
+fn tp4_pp2_on_one_host() {
+    for args in [
+        &["--tp", "4", "--pp", "2", "--exact"][..],
+        &["--tp", "4", "--pp", "2", "--hidden", "96", "--layers", "4"][..],
+        &["--tp", "4", "--pp", "2", "--exact", "--split", "rows-first"][..],
+        &[
+            "--tp",
+            "2",
+            "--pp",
+            "4",
+            "--layers",
+            "4",
+            "--exact",
+            "--tp-across-hosts",
+        ][..],
+    ] {
+        let out = run_here(8, args);
+        assert!(passed(&out), "{args:?}:\n{out}");
+        let exact = args.contains(&"--exact");
+        assert!(
+            !exact || out.contains("max |diff| = 0 "),
+            "{args:?}:\n{out}"
+        );
+    }
+}
+
+/// 2 namespace hosts x 4 ranks: TP groups inside the hosts (pipeline across, over the network),
+/// then across the hosts; both exact. The README's timing table comes from this run's output.
+#[test]
+fn tp4_pp2_on_two_namespace_hosts() {
+    let Some(mut hosts) = common::netns::Hosts::new(2) else {
+        return;
+    };
+    let exe = example().display().to_string();
+    for extra in ["", "--tp-across-hosts"] {
+        let port = free_port();
+        let tag = format!("{}-{}", std::process::id(), extra.len());
+        let log = |r: usize| std::env::temp_dir().join(format!("oxccl-tppp-{tag}-{r}.log"));
+        let env: Vec<(String, String)> = [
+            ("OXCCL_DEVICE", "host".to_string()),
+            ("WORLD_SIZE", "8".to_string()),
+            ("MASTER_ADDR", hosts.ip(0)),
+            ("MASTER_PORT", port.to_string()),
+            ("OXCCL_TIMEOUT_S", "60".to_string()),
+        ]
+        .into_iter()
+        .map(|(a, b)| (a.to_string(), b))
+        .collect();
+        let before: Vec<u64> = (0..2).map(|i| hosts.bytes(i)).collect();
+        for i in 0..2 {
+            let cmds: Vec<String> = (4 * i..4 * i + 4)
+                .map(|r| {
+                    format!(
+                        "RANK={r} {exe} --tp 4 --pp 2 --exact --microbatches 8 {extra} > {} 2>&1",
+                        log(r).display()
+                    )
+                })
+                .collect();
+            hosts.start(i, &env, &cmds);
+        }
+        let ok = hosts.wait_for(std::time::Duration::from_secs(120));
+        let logs: Vec<String> = (0..8)
+            .map(|r| {
+                let t = std::fs::read_to_string(log(r)).unwrap_or_default();
+                let _ = std::fs::remove_file(log(r));
+                t
+            })
+            .collect();
+        assert_eq!(ok, Some(vec![true, true]), "{extra}:\n{}", logs.join("\n"));
+        assert!(passed(&logs[0]), "{extra}:\n{}", logs[0]);
+        assert!(logs[0].contains("max |diff| = 0 "), "{}", logs[0]);
+        for (i, b) in before.iter().enumerate() {
+            let moved = hosts.bytes(i) - b;
+            assert!(
+                moved > 10_000,
+                "{extra}: host {i}'s eth0 carried only {moved} bytes"
+            );
+        }
+        eprintln!("2 hosts x 4 ranks {extra}:\n{}", logs.concat());
+    }
+}
