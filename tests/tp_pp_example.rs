@@ -128,6 +128,7 @@ fn tp4_pp2_on_two_namespace_hosts() {
             ("MASTER_ADDR", hosts.ip(0)),
             ("MASTER_PORT", port.to_string()),
             ("OXCCL_TIMEOUT_S", "60".to_string()),
+            ("NCCL_DEBUG", "INFO".to_string()),
         ]
         .into_iter()
         .map(|(a, b)| (a.to_string(), b))
@@ -155,6 +156,21 @@ fn tp4_pp2_on_two_namespace_hosts() {
         assert_eq!(ok, Some(vec![true, true]), "{extra}:\n{}", logs.join("\n"));
         assert!(passed(&logs[0]), "{extra}:\n{}", logs[0]);
         assert!(logs[0].contains("max |diff| = 0 "), "{}", logs[0]);
+        // NCCL_DEBUG=INFO says which transport each connection uses (on its sending end):
+        // inside hosts rank 0 sends to its pipeline peer (rank 4, the other host) over the
+        // network and around its tensor-parallel ring over shared memory; across hosts, its
+        // tensor-parallel ring crosses to the other host somewhere.
+        assert!(logs[0].contains("nNodes 2"), "{}", logs[0]);
+        if extra.is_empty() {
+            assert!(logs[0].contains("-> 1[0] via NET/Socket/0"), "{}", logs[0]);
+            assert!(logs[0].contains("via SHM/direct/direct"), "{}", logs[0]);
+        } else {
+            assert!(
+                logs.iter().any(|l| l.contains("via NET/Socket/0")),
+                "{}",
+                logs.concat()
+            );
+        }
         for (i, b) in before.iter().enumerate() {
             let moved = hosts.bytes(i) - b;
             assert!(
@@ -162,6 +178,11 @@ fn tp4_pp2_on_two_namespace_hosts() {
                 "{extra}: host {i}'s eth0 carried only {moved} bytes"
             );
         }
-        eprintln!("2 hosts x 4 ranks {extra}:\n{}", logs.concat());
+        let lines: Vec<&str> = logs
+            .iter()
+            .flat_map(|l| l.lines())
+            .filter(|l| l.starts_with("rank ") || l.starts_with("tp_pp_mlp"))
+            .collect();
+        eprintln!("2 hosts x 4 ranks {extra}:\n{}", lines.join("\n"));
     }
 }

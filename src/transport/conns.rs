@@ -178,6 +178,28 @@ impl Conns {
         connect_all(&[(self, keys)])
     }
 
+    /// The `NCCL_DEBUG=INFO` line NCCL prints for a connection, for the sending end of `k`.
+    fn log_connection(&self, k: ConnKey) {
+        if crate::debug::level() < crate::debug::Level::Info {
+            return;
+        }
+        let via = match self.locality(k.peer) {
+            Locality::SameProcess => "P2P/direct pointer",
+            Locality::SameHost => "SHM/direct/direct",
+            Locality::OtherHost => "NET/Socket/0",
+        };
+        let dev = |r: usize| self.peers[r].dev.max(0);
+        crate::debug::info(&format!(
+            "Channel {:02} : {}[{}] -> {}[{}] via {via} (comm {:#x})",
+            k.class as u32,
+            self.rank,
+            dev(self.rank),
+            k.peer,
+            dev(k.peer),
+            self.hash
+        ));
+    }
+
     /// Hands an end to the communicator's proxy thread (started on first use).
     fn drive(&self, end: Arc<dyn super::Proxy>) -> Result<()> {
         let mut p = self.proxy.lock();
@@ -289,6 +311,9 @@ pub fn connect_all(needs: &[(&Conns, Vec<ConnKey>)]) -> Result<()> {
         });
         match r {
             Ok(conn) => {
+                if k.is_sender {
+                    c.log_connection(k);
+                }
                 if let Some(p) = &conn.proxy {
                     if let Err(e) = c.drive(p.clone()) {
                         first_err.get_or_insert(e);
