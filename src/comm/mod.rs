@@ -106,25 +106,31 @@ impl Comm {
     }
 
     /// The initialised core, or why there is none.
+    #[inline]
     pub fn core(&self) -> Result<&Arc<Core>> {
-        if self.destroyed.load(Ordering::Acquire) {
-            return Err(Error::invalid_argument("communicator has been destroyed"));
+        match self.core.get() {
+            Some(c) if !self.destroyed.load(Ordering::Acquire) => Ok(c),
+            _ => Err(self.no_core()),
         }
-        if let Some(c) = self.core.get() {
-            return Ok(c);
+    }
+
+    /// Why `core` has none to give (kept out of every call's straight line).
+    #[cold]
+    #[inline(never)]
+    fn no_core(&self) -> Error {
+        if self.destroyed.load(Ordering::Acquire) {
+            return Error::invalid_argument("communicator has been destroyed");
         }
         if let Some(e) = self.init_error.lock().clone() {
-            return Err(e);
+            return e;
         }
         if self.nonblocking && self.init_thread.lock().is_some() {
-            return Err(Error::invalid_usage(
+            return Error::invalid_usage(
                 "the communicator's non-blocking init is still in progress: poll \
                  ncclCommGetAsyncError until it returns ncclSuccess before using it",
-            ));
+            );
         }
-        Err(Error::invalid_usage(
-            "communicator is not initialized yet (its ncclGroupEnd has not run)",
-        ))
+        Error::invalid_usage("communicator is not initialized yet (its ncclGroupEnd has not run)")
     }
 
     /// Runs the pending init: here (blocking), or on a thread of its own for a non-blocking
