@@ -13,6 +13,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// A communicator's health: abort flag, first error, remote-abort word.
+/// How a communicator tells its peers that it broke (see `Health::fail_and_announce`).
+pub type Announcer = Box<dyn Fn(&str) + Send + Sync>;
+
 pub struct Health {
     /// Shared with whoever may abort before the communicator exists (bootstrap tests, init).
     abort: Arc<AtomicBool>,
@@ -25,6 +28,12 @@ pub struct Health {
     /// `ncclCommRevoke`: the communicator's work stops as on an abort, but its bootstrap stays
     /// usable (to shrink or split it).
     revoked: AtomicBool,
+    /// A failure elsewhere (a peer's announcement, a connection's proxy) stops the executor's
+    /// work; the bootstrap stays usable (to shrink the communicator).
+    work_stopped: AtomicBool,
+    /// Tells the peers that this rank's communicator broke (`fail_and_announce`), once.
+    announcer: once_cell::sync::OnceCell<Announcer>,
+    announced: AtomicBool,
 }
 
 impl Default for Health {
@@ -42,6 +51,9 @@ impl Health {
             error: Mutex::new(None),
             has_error: AtomicBool::new(false),
             revoked: AtomicBool::new(false),
+            work_stopped: AtomicBool::new(false),
+            announcer: once_cell::sync::OnceCell::new(),
+            announced: AtomicBool::new(false),
         }
     }
 
@@ -72,11 +84,20 @@ impl Health {
         self.revoked.load(Ordering::SeqCst)
     }
 
-    /// Whether work on the communicator must stop: it was aborted (here or by a peer) or
-    /// revoked.
+    /// Whether work on the communicator must stop: it was aborted (here or by a peer), revoked,
+    /// or broken elsewhere (`stop_work`).
     #[inline]
     pub fn halted(&self) -> bool {
-        self.aborted() || self.revoked.load(Ordering::Relaxed)
+        self.aborted()
+            || self.revoked.load(Ordering::Relaxed)
+            || self.work_stopped.load(Ordering::Relaxed)
+    }
+
+    /// Records `e` and stops the communicator's work (not its bootstrap): a failure found
+    /// elsewhere than in the operations themselves.
+    pub fn stop_work(&self, e: Error) {
+        self.fail(e);
+        self.work_stopped.store(true, Ordering::SeqCst);
     }
 
     /// A peer asks this rank to stop (`rank`: who asked).
@@ -107,6 +128,25 @@ impl Health {
         if b.is_none() {
             *b = Some(e);
             self.has_error.store(true, Ordering::Release);
+        }
+    }
+
+    /// Installs how a failure is announced to the peers (the communicator's bootstrap).
+    pub fn set_announcer(&self, f: Announcer) {
+        let _ = self.announcer.set(f);
+    }
+
+    /// Records `e` (as `fail`) and tells the peers, once per communicator, so that those
+    /// waiting on something this rank will never do stop too (not for failures that came from
+    /// a peer: they know).
+    pub fn fail_and_announce(&self, e: Error) {
+        // The code travels first, as one byte.
+        let why = format!("{}{}", char::from(b'0' + e.code as u8), e.msg);
+        self.fail(e);
+        if !self.announced.swap(true, Ordering::AcqRel) {
+            if let Some(a) = self.announcer.get() {
+                a(&why);
+            }
         }
     }
 

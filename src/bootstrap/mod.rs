@@ -49,6 +49,8 @@ const TAG_ALLGATHER: u32 = TAG_RESERVED | 1;
 const TAG_BARRIER: u32 = TAG_RESERVED | 0x100;
 /// Connection setup blobs use `TAG_SETUP + sub` (`sub < 0x1000`, see `transport::conns`).
 const TAG_SETUP: u32 = TAG_RESERVED | 0x2000;
+/// A rank's communicator broke: the message says why (see `Bootstrap::announce_failure`).
+const TAG_FAILED: u32 = TAG_RESERVED | 0x3000;
 /// How many times a rank connects to its root again when the root closed the connection
 /// without answering (see `Bootstrap::init_with_timeout`).
 const REGISTER_RETRIES: u32 = 3;
@@ -168,7 +170,7 @@ impl Bootstrap {
         let listener = TcpListener::bind(bind)
             .map_err(|e| Error::os(format!("{who}: binding the bootstrap listener {bind}"), e))?;
         let my_addr = wire::reachable(listener.local_addr()?);
-        let receiver = peer::Receiver::start(listener, secret, rank, nranks)?;
+        let receiver = peer::Receiver::start(listener, secret, rank, nranks, health.clone())?;
         let shared = receiver.shared.clone();
 
         let w = Wait::new(who.clone(), timeout, Some(&health));
@@ -315,6 +317,22 @@ impl Bootstrap {
         self.recv_raw(peer, TAG_SETUP | (sub & 0xfff))
     }
 
+    /// Tells every peer that this rank's communicator broke (`why`), best effort and without
+    /// waiting: their receiver threads break their communicators too, so that ranks waiting on
+    /// something this rank will never do stop at once instead of at their timeout.
+    pub fn announce_failure(&self, why: &str) {
+        // Dead or unreachable peers must not hold the failing call up: a short budget for all,
+        // watching no health (this rank's is broken already).
+        let w = Wait::new(
+            format!("rank {}", self.rank),
+            std::time::Duration::from_millis(500),
+            None,
+        );
+        for p in (0..self.nranks).filter(|&p| p != self.rank) {
+            let _ = self.send_within(p, TAG_FAILED, why.as_bytes(), &w);
+        }
+    }
+
     /// Sends `data` to `peer` under `tag` (`tag < TAG_RESERVED`). Returns once the bytes are in
     /// the kernel's socket buffer; the peer's receiver thread drains them even while it sends.
     pub fn send(&self, peer: usize, tag: u32, data: &[u8]) -> Result<()> {
@@ -358,6 +376,16 @@ impl Bootstrap {
     }
 
     fn send_raw(&self, peer: usize, tag: u32, data: &[u8]) -> Result<()> {
+        let w = Wait::new(
+            format!("rank {}", self.rank),
+            self.timeout,
+            Some(&self.health),
+        );
+        self.send_within(peer, tag, data, &w)
+    }
+
+    /// `send_raw` bounded by `w`.
+    fn send_within(&self, peer: usize, tag: u32, data: &[u8], w: &Wait) -> Result<()> {
         if self.receiver.is_none() {
             return Err(self.closed_err());
         }
@@ -365,18 +393,13 @@ impl Bootstrap {
             self.shared.push(peer, tag, data.to_vec());
             return Ok(());
         }
-        let w = Wait::new(
-            format!("rank {}", self.rank),
-            self.timeout,
-            Some(&self.health),
-        );
         let addr = self.addrs[peer];
         let what = || format!("rank {peer} at {addr} (bootstrap send, tag {tag:#x})");
         let mut slot = self.out[peer].lock();
         if slot.is_none() {
-            let mut s = wire::connect(addr, &w, &what)?;
+            let mut s = wire::connect(addr, w, &what)?;
             let hs = peer::peer_handshake(&self.secret, self.rank, self.nranks);
-            wire::write_all(&mut s, &hs, &w, &what)?;
+            wire::write_all(&mut s, &hs, w, &what)?;
             *slot = Some(s);
         }
         let s = slot.as_mut().expect("connected above");
@@ -385,9 +408,9 @@ impl Bootstrap {
             let mut one = Vec::with_capacity(hdr.len() + data.len());
             one.extend_from_slice(&hdr);
             one.extend_from_slice(data);
-            wire::write_all(s, &one, &w, &what)
+            wire::write_all(s, &one, w, &what)
         } else {
-            wire::write_all(s, &hdr, &w, &what).and_then(|_| wire::write_all(s, data, &w, &what))
+            wire::write_all(s, &hdr, w, &what).and_then(|_| wire::write_all(s, data, w, &what))
         };
         if res.is_err() {
             // A partly written frame leaves the stream unusable.

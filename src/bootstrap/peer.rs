@@ -57,10 +57,29 @@ pub(crate) struct Shared {
     pub inbox: Mutex<Inbox>,
     pub cv: Condvar,
     stop: AtomicBool,
+    /// The communicator's health: a peer's failure announcement (`super::TAG_FAILED`) breaks
+    /// it at once (the receiver thread sets it), so that ranks waiting on that peer stop.
+    health: Arc<crate::health::Health>,
 }
 
 impl Shared {
     pub fn push(&self, peer: usize, tag: u32, msg: Vec<u8>) {
+        if tag == super::TAG_FAILED {
+            // The peer's error: its code (one digit), then its message. A usage error (calls
+            // that differ) is this rank's too; anything else is, here, a remote one.
+            let code = msg
+                .first()
+                .and_then(|&c| crate::error::Code::from_raw(i32::from(c) - i32::from(b'0')))
+                .filter(|&c| c == crate::error::Code::InvalidUsage)
+                .unwrap_or(crate::error::Code::RemoteError);
+            let why = String::from_utf8_lossy(msg.get(1..).unwrap_or_default());
+            self.health.stop_work(crate::error::Error::new(
+                code,
+                format!("rank {peer} failed: {why}"),
+            ));
+            self.cv.notify_all();
+            return;
+        }
         self.inbox
             .lock()
             .queues
@@ -87,6 +106,7 @@ impl Receiver {
         secret: [u8; SECRET_BYTES],
         rank: usize,
         nranks: usize,
+        health: Arc<crate::health::Health>,
     ) -> crate::error::Result<Receiver> {
         listener.set_nonblocking(true)?;
         let shared = Arc::new(Shared {
@@ -97,6 +117,7 @@ impl Receiver {
             }),
             cv: Condvar::new(),
             stop: AtomicBool::new(false),
+            health,
         });
         let sh = shared.clone();
         let (waker, woken) = std::os::unix::net::UnixStream::pair()

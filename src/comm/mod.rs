@@ -196,7 +196,18 @@ impl Comm {
         };
         match build_core(p) {
             Ok(core) => {
-                let _ = self.core.set(Arc::new(core));
+                let core = Arc::new(core);
+                // A failure this rank finds is announced to the peers through the bootstrap.
+                let weak = Arc::downgrade(&core);
+                core.health.set_announcer(Box::new(move |why| {
+                    if let Some(c) = weak.upgrade() {
+                        let _ = c.conns.with_bootstrap(|b| {
+                            b.announce_failure(why);
+                            Ok(())
+                        });
+                    }
+                }));
+                let _ = self.core.set(core);
                 Ok(())
             }
             Err(e) => {

@@ -190,6 +190,8 @@ pub struct Conn {
     base: *mut u8,
     pub nsteps: u64,
     pub slot_bytes: usize,
+    /// This end's rank and the other end's.
+    pub me: usize,
     pub peer: usize,
     pub is_sender: bool,
     /// Sender: the receiver has attached (until then nothing is written, so data never goes to a
@@ -215,7 +217,7 @@ impl Conn {
         region: Region,
         nsteps: usize,
         slot_bytes: usize,
-        peer: usize,
+        (me, peer): (usize, usize),
         is_sender: bool,
     ) -> Conn {
         let base = region.base();
@@ -224,6 +226,7 @@ impl Conn {
             base,
             nsteps: nsteps as u64,
             slot_bytes,
+            me,
             peer,
             is_sender,
             peer_ready: std::sync::atomic::AtomicBool::new(false),
@@ -418,6 +421,7 @@ pub(crate) struct Named {
     name: String,
     nsteps: usize,
     slot_bytes: usize,
+    me: usize,
     peer: usize,
     is_sender: bool,
 }
@@ -438,6 +442,7 @@ impl Named {
                 name,
                 nsteps: spec.nsteps,
                 slot_bytes: spec.slot_bytes,
+                me: spec.me,
                 peer: spec.peer,
                 is_sender: spec.is_sender,
             }),
@@ -454,7 +459,7 @@ impl Endpoint for Named {
             .take()
             .ok_or_else(|| Error::internal("a connection end connected twice"))?;
         // Dropped on error: the region is unlinked (see `Drop for Conn`).
-        let conn = Conn::new(region, n.nsteps, n.slot_bytes, n.peer, n.is_sender);
+        let conn = Conn::new(region, n.nsteps, n.slot_bytes, (n.me, n.peer), n.is_sender);
         if peer_blob != n.name.as_bytes() {
             return Err(Error::internal(format!(
                 "connection {}: rank {}'s end names another connection ({})",

@@ -107,7 +107,7 @@ impl Endpoint for NetSetup {
                 Region::Heap(r.clone()),
                 n.nsteps,
                 n.slot_bytes,
-                n.peer,
+                (n.me, n.peer),
                 n.is_sender,
             )
         };

@@ -131,8 +131,8 @@ fn run(sh: &Shared, health: &Health) {
             match e.progress() {
                 Ok(m) => moved |= m,
                 Err(err) => {
-                    health.fail(err);
-                    health.abort_from(e.peer());
+                    health.fail_and_announce(err.clone());
+                    health.stop_work(err);
                     failed = Some(i);
                     break;
                 }

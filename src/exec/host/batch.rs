@@ -203,7 +203,13 @@ impl Running {
 
     fn finish(&mut self, r: Result<()>) -> Poll {
         if let Err(e) = &r {
-            self.comm().health.fail(e.clone());
+            let h = &self.comm().health;
+            if h.halted() {
+                h.fail(e.clone());
+            } else {
+                // This rank found the failure: its peers learn of it too.
+                h.fail_and_announce(e.clone());
+            }
             // Board operations under way are left: once this returns, no peer touches the
             // caller's buffers.
             let comm = &self.task.comm;

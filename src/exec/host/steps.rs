@@ -340,9 +340,10 @@ fn run_step(prog: &HostProgram, cur: &mut Cursor, k: usize, off: usize, n: usize
 fn other_call(prog: &HostProgram, c: &Conn, theirs: [u64; 2]) -> Error {
     use crate::plan::call::describe;
     Error::invalid_usage(format!(
-        "this rank called {}, but rank {} sent data of {}: every rank must make the same calls \
+        "rank {} called {}, but rank {} sent it data of {}: every rank must make the same calls \
          in the same order (a send the same bytes as its receive); nothing of it was read, and \
          the communicator can now only be destroyed or aborted",
+        c.me,
         describe(prog.call),
         c.peer,
         describe(theirs)
