@@ -81,14 +81,19 @@ impl<T> Registry<T> {
     fn get_recent(&self, recent: &Recent<T>, h: usize) -> Option<Arc<T>> {
         let removals = self.removals.load(Ordering::Acquire);
         {
-            let r = recent.0.borrow();
-            if let Some((_, _, w)) = r
-                .seen
-                .iter()
-                .flatten()
-                .find(|(rh, rr, _)| *rh == h && *rr == removals)
-            {
-                if let Some(v) = w.upgrade() {
+            let mut r = recent.0.borrow_mut();
+            let hit = |e: &Option<(usize, u64, Weak<T>)>| {
+                matches!(e, Some((rh, rr, _)) if *rh == h && *rr == removals)
+            };
+            // The entry found last first: a thread calls on the same handle over and over.
+            let at = if hit(&r.seen[r.last]) {
+                Some(r.last)
+            } else {
+                r.seen.iter().position(hit)
+            };
+            if let Some(at) = at {
+                r.last = at;
+                if let Some(v) = r.seen[at].as_ref().and_then(|(_, _, w)| w.upgrade()) {
                     return Some(v);
                 }
             }
@@ -117,6 +122,8 @@ struct Seen<T> {
     seen: [Option<(usize, u64, Weak<T>)>; RECENT],
     /// The entry replaced next.
     next: usize,
+    /// The entry found last.
+    last: usize,
 }
 
 /// A thread's last lookups in a registry.
@@ -127,6 +134,7 @@ impl<T> Recent<T> {
         Recent(RefCell::new(Seen {
             seen: [const { None }; RECENT],
             next: 0,
+            last: 0,
         }))
     }
 }
