@@ -82,9 +82,7 @@ impl<T> Registry<T> {
         let removals = self.removals.load(Ordering::Acquire);
         {
             let mut r = recent.0.borrow_mut();
-            let hit = |e: &Option<(usize, u64, Weak<T>)>| {
-                matches!(e, Some((rh, rr, _)) if *rh == h && *rr == removals)
-            };
+            let hit = |e: &Option<(usize, u64, Weak<T>)>| matches!(e, Some((rh, rr, _)) if *rh == h && *rr == removals);
             // The entry found last first: a thread calls on the same handle over and over.
             let at = if hit(&r.seen[r.last]) {
                 Some(r.last)

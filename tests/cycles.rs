@@ -37,6 +37,21 @@ fn usage() -> (usize, usize, usize, usize) {
     )
 }
 
+/// Rank `r` of a fresh 2-rank communicator all-reduces once eagerly and once through the ring,
+/// checks, and destroys it.
+fn use_and_destroy(c: &std::sync::Arc<nccl::comm::Comm>, i: usize, r: usize) {
+    for count in [4usize, 100_000] {
+        let send = vec![1.0f32 + r as f32; count];
+        let mut recv = vec![0f32; count];
+        api::enqueue(c, common::all_reduce_f32(&send, &mut recv), StreamArg::Null).unwrap();
+        assert!(
+            recv.iter().all(|&x| x == 3.0),
+            "cycle {i}: rank {r}: wrong result"
+        );
+    }
+    api::comm_destroy(api::comm_handle(c)).unwrap();
+}
+
 /// One cycle: 2 ranks (threads) initialise from a fresh unique id, all-reduce once (eager) and
 /// once through the ring, and destroy.
 fn cycle(i: usize) {
@@ -46,21 +61,7 @@ fn cycle(i: usize) {
             let id = &id;
             s.spawn(move || {
                 let c = api::comm_init_rank(2, id, r, Default::default()).unwrap();
-                for count in [4usize, 100_000] {
-                    let send = vec![1.0f32 + r as f32; count];
-                    let mut recv = vec![0f32; count];
-                    api::enqueue(
-                        &c,
-                        common::all_reduce_f32(&send, &mut recv),
-                        StreamArg::Null,
-                    )
-                    .unwrap();
-                    assert!(
-                        recv.iter().all(|&x| x == 3.0),
-                        "cycle {i}: rank {r}: wrong result"
-                    );
-                }
-                api::comm_destroy(api::comm_handle(&c)).unwrap();
+                use_and_destroy(&c, i, r as usize);
             });
         }
     });
@@ -154,21 +155,7 @@ fn a_thousand_init_destroy_cycles_between_processes_leave_nothing_behind() {
         };
         api::enqueue(&world, a, StreamArg::Null).unwrap();
         let c = api::comm_init_rank(n as i32, &id, r as i32, Default::default()).unwrap();
-        for count in [4usize, 100_000] {
-            let send = vec![1.0f32 + r as f32; count];
-            let mut recv = vec![0f32; count];
-            api::enqueue(
-                &c,
-                common::all_reduce_f32(&send, &mut recv),
-                StreamArg::Null,
-            )
-            .unwrap();
-            assert!(
-                recv.iter().all(|&x| x == 3.0),
-                "cycle {i}: rank {r}: wrong result"
-            );
-        }
-        api::comm_destroy(api::comm_handle(&c)).unwrap();
+        use_and_destroy(&c, i, r);
     };
     for i in 0..20 {
         cycle(i);

@@ -13,21 +13,7 @@ const TEST: &str = "failures_on_the_wire_end_in_errors";
 
 /// One rank's part (in a host's namespace): `case` says what happens.
 fn rank(case: &str, r: usize, path: &str) {
-    let id = if r == 0 {
-        let id = api::get_unique_id().unwrap();
-        std::fs::write(format!("{path}.tmp"), id).unwrap();
-        std::fs::rename(format!("{path}.tmp"), path).unwrap();
-        id
-    } else {
-        let t0 = Instant::now();
-        loop {
-            if let Some(id) = std::fs::read(path).ok().and_then(|b| b.try_into().ok()) {
-                break id;
-            }
-            assert!(t0.elapsed() < Duration::from_secs(60), "no unique id");
-            std::thread::sleep(Duration::from_millis(5));
-        }
-    };
+    let id = common::netns::id_via_file(path, r);
     let c = api::comm_init_rank(2, &id, r as i32, Default::default()).unwrap();
     let count = 1 << 18;
     let send = vec![1f32; count];
@@ -131,13 +117,10 @@ fn failures_on_the_wire_end_in_errors() {
         }
         let t0 = Instant::now();
         let ok = hosts.wait_for(Duration::from_secs(30));
-        let logs: String = (0..2)
-            .map(|r| {
-                let log = format!("{path}.rank{r}.log");
-                let text = std::fs::read_to_string(&log).unwrap_or_default();
-                let _ = std::fs::remove_file(&log);
-                format!("--- rank {r}:\n{text}")
-            })
+        let logs: String = common::netns::take_logs(&path, 2)
+            .iter()
+            .enumerate()
+            .map(|(r, t)| format!("--- rank {r}:\n{t}"))
             .collect();
         for f in [
             path.clone(),

@@ -390,27 +390,7 @@ fn random_sequences_on_namespace_hosts() {
     if let Ok(path) = std::env::var("OXCCL_TEST_ID_FILE") {
         let n: usize = env_or("OXCCL_TEST_N", 0);
         let r: usize = env_or("OXCCL_TEST_RANK", 0);
-        let id = if r == 0 {
-            let id = api::get_unique_id().unwrap();
-            let tmp = format!("{path}.tmp");
-            std::fs::write(&tmp, id).unwrap();
-            std::fs::rename(&tmp, &path).unwrap();
-            id
-        } else {
-            let t0 = std::time::Instant::now();
-            loop {
-                if let Ok(b) = std::fs::read(&path) {
-                    if let Ok(id) = b.try_into() {
-                        break id;
-                    }
-                }
-                assert!(
-                    t0.elapsed().as_secs() < 60,
-                    "rank {r}: no unique id in {path}"
-                );
-                std::thread::sleep(std::time::Duration::from_millis(5));
-            }
-        };
+        let id = common::netns::id_via_file(&path, r);
         let seq = draw(seed.wrapping_add(400 + n as u64), n, batches / 2);
         return run_rank(n, r, &id, &seq);
     }
@@ -447,13 +427,10 @@ fn random_sequences_on_namespace_hosts() {
             hosts.start(i, &env, &cmds);
         }
         let ok = hosts.wait();
-        let logs: String = (0..n)
-            .map(|r| {
-                let log = format!("{path}.rank{r}.log");
-                let text = std::fs::read_to_string(&log).unwrap_or_default();
-                let _ = std::fs::remove_file(&log);
-                format!("--- rank {r}:\n{text}")
-            })
+        let logs: String = common::netns::take_logs(&path, n)
+            .iter()
+            .enumerate()
+            .map(|(r, t)| format!("--- rank {r}:\n{t}"))
             .collect();
         assert!(ok, "{n} ranks on {k} hosts: a rank failed\n{logs}");
         for (i, b) in before.iter().enumerate() {

@@ -171,3 +171,38 @@ impl Drop for Hosts {
         let _ = sh(&format!("ip netns del {}", self.bridge_ns()));
     }
 }
+
+/// Rank `r`'s unique id for a run whose ranks share only a filesystem: rank 0 makes it (on its
+/// host's interface) and writes it to `path`; the others wait for the file.
+pub fn id_via_file(path: &str, r: usize) -> [u8; nccl::api::UNIQUE_ID_BYTES] {
+    if r == 0 {
+        let id = nccl::api::get_unique_id().unwrap();
+        let tmp = format!("{path}.tmp");
+        std::fs::write(&tmp, id).unwrap();
+        std::fs::rename(&tmp, path).unwrap();
+        return id;
+    }
+    let t0 = std::time::Instant::now();
+    loop {
+        if let Some(id) = std::fs::read(path).ok().and_then(|b| b.try_into().ok()) {
+            return id;
+        }
+        assert!(
+            t0.elapsed().as_secs() < 60,
+            "rank {r}: no unique id in {path}"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+}
+
+/// The logs `{prefix}.rank{r}.log` of ranks 0..n, removed once read.
+pub fn take_logs(prefix: &str, n: usize) -> Vec<String> {
+    (0..n)
+        .map(|r| {
+            let log = format!("{prefix}.rank{r}.log");
+            let text = std::fs::read_to_string(&log).unwrap_or_default();
+            let _ = std::fs::remove_file(&log);
+            text
+        })
+        .collect()
+}
