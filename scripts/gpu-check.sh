@@ -27,6 +27,7 @@ if [ "${1:-}" = "--prepare" ]; then
     cp "target/release/${t}_perf" "$pack/bin/"
   done
   cp target/release/ffi-tests/bin/* "$pack/bin/"
+  make -s -C examples BUILD="$pack/bin" LIBDIR="$root/target/release"
   du -sh "$pack"
   exit 0
 fi
@@ -69,6 +70,19 @@ for t in all_reduce all_gather broadcast reduce reduce_scatter alltoall gather s
 done
 check "perf: all_reduce_perf -g 16" "$B/all_reduce_perf" -b 8 -e 64M -f 8 -g 16 -n 5 -w 1
 check "perf: all_reduce_perf -t 8 (threads)" "$B/all_reduce_perf" -b 8 -e 64M -f 4 -t 8 -n 10 -w 2
+# The tensor/pipeline-parallel example, 8 ranks (TP=4, PP=2), host buffers (its GPU variant
+# comes with the CUDA executor).
+tppp() {
+  local port=$((29700 + RANDOM % 200)) pids=() rc=0
+  for r in 7 6 5 4 3 2 1 0; do
+    RANK=$r WORLD_SIZE=8 MASTER_ADDR=127.0.0.1 MASTER_PORT=$port "$B/tp_pp_mlp" "$@" &
+    pids+=($!)
+  done
+  for p in "${pids[@]}"; do wait "$p" || rc=1; done
+  return $rc
+}
+check "example: tp_pp_mlp --tp 4 --pp 2 --exact" tppp --tp 4 --pp 2 --exact
+check "example: tp_pp_mlp --tp 4 --pp 2 --hidden 256 --layers 4" tppp --tp 4 --pp 2 --hidden 256 --layers 4
 say "== perf sweep: all_reduce_perf -b 8 -e 256M -f 2 -g 8"
 "$B/all_reduce_perf" -b 8 -e 256M -f 2 -g 8 -n 20 -w 3 2>&1 | tee -a "$log" | tail -4
 say "# failures: $fails"
