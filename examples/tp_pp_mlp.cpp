@@ -3,8 +3,9 @@
 // pipeline parallelism across layers (activations sent from stage to stage). Uses only nccl.h,
 // the C++ standard library and POSIX sockets (to hand the unique id from rank 0 to the others).
 //
-// Launch one rank per process, like the perf tools: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT
-// (or mpirun's OMPI_COMM_WORLD_RANK/SIZE with MASTER_ADDR/MASTER_PORT). Options:
+// Launch one rank per process, like the perf tools: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT,
+// or under mpirun (OMPI_COMM_WORLD_RANK/SIZE; without MASTER_ADDR/MASTER_PORT, one host: rank 0
+// publishes its port in a file named by the job). Options:
 //   --tp N --pp M               tensor- and pipeline-parallel sizes (N x M = world size)
 //   --hidden H --layers L       model shape (the MLP's inner size is 4H; L is a multiple of M)
 //   --microbatches K --batch B  K micro-batches of B rows go through the pipeline
@@ -98,10 +99,23 @@ int env_int(const char* a, const char* b, int dflt) {
   return v ? std::atoi(v) : dflt;
 }
 
+// Under mpirun without MASTER_ADDR/MASTER_PORT (ranks of one host): rank 0 publishes its
+// host and port in a file named by the job.
+std::string job_file() {
+  const char* job = std::getenv("OMPI_MCA_ess_base_jobid");
+  if (!job) job = std::getenv("PMIX_NAMESPACE");
+  if (!job) die("set MASTER_ADDR and MASTER_PORT");
+  std::string f = std::string("/tmp/oxccl-tp-pp-") + job + "-" + std::to_string(getuid());
+  for (size_t i = 5; i < f.size(); i++)
+    if (f[i] == '/' || f[i] == ' ') f[i] = '_';
+  return f;
+}
+
 void share_id(ncclUniqueId* id, int rank, int nranks) {
   const char* host = std::getenv("MASTER_ADDR");
   const char* port = std::getenv("MASTER_PORT");
-  if (!host || !port) die("set MASTER_ADDR and MASTER_PORT");
+  std::string file, host_s, port_s;
+  if (!host || !port) file = job_file();
   if (rank == 0) {
     NCCL(ncclGetUniqueId(id));
     int l = socket(AF_INET, SOCK_STREAM, 0), one = 1;
@@ -109,9 +123,18 @@ void share_id(ncclUniqueId* id, int rank, int nranks) {
     sockaddr_in sa{};
     sa.sin_family = AF_INET;
     sa.sin_addr.s_addr = htonl(INADDR_ANY);
-    sa.sin_port = htons(static_cast<uint16_t>(std::atoi(port)));
+    sa.sin_port = htons(static_cast<uint16_t>(port ? std::atoi(port) : 0));
     if (bind(l, reinterpret_cast<sockaddr*>(&sa), sizeof sa) || listen(l, 1024))
-      die(std::string("rank 0 cannot listen on port ") + port);
+      die(std::string("rank 0 cannot listen on port ") + (port ? port : "0"));
+    if (!file.empty()) {
+      socklen_t len = sizeof sa;
+      getsockname(l, reinterpret_cast<sockaddr*>(&sa), &len);
+      FILE* f = std::fopen((file + ".tmp").c_str(), "w");
+      if (!f) die("cannot write " + file);
+      std::fprintf(f, "127.0.0.1 %d\n", ntohs(sa.sin_port));
+      std::fclose(f);
+      std::rename((file + ".tmp").c_str(), file.c_str());
+    }
     for (int i = 1; i < nranks; i++) {
       int fd = accept(l, nullptr, nullptr);
       if (fd < 0 || write(fd, id, sizeof *id) != static_cast<ssize_t>(sizeof *id))
@@ -119,7 +142,26 @@ void share_id(ncclUniqueId* id, int rank, int nranks) {
       close(fd);
     }
     close(l);
+    if (!file.empty()) std::remove(file.c_str());
     return;
+  }
+  if (!file.empty()) {
+    for (int tries = 0;; tries++) {
+      char h[256];
+      int p = 0;
+      FILE* f = std::fopen(file.c_str(), "r");
+      bool ok = f && std::fscanf(f, "%255s %d", h, &p) == 2;
+      if (f) std::fclose(f);
+      if (ok) {
+        host_s = h;
+        port_s = std::to_string(p);
+        host = host_s.c_str();
+        port = port_s.c_str();
+        break;
+      }
+      if (tries > 1200) die("rank 0 never published " + file);
+      usleep(50000);
+    }
   }
   addrinfo hints{}, *res = nullptr;
   hints.ai_family = AF_INET;

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Installs what the tests need on a fresh machine: C/C++ compilers and binutils (Debian), and
+# Installs what the tests need on a fresh machine: C/C++ compilers, binutils, iproute2 (Debian), and
 # NCCL 2.32.3's wheel (PyPI) in a cache, for the ABI conformance test. Idempotent.
 set -euo pipefail
 need=()
@@ -8,6 +8,9 @@ command -v g++ >/dev/null || need+=(g++)
 command -v make >/dev/null || need+=(make)
 command -v readelf >/dev/null || need+=(binutils)
 command -v unzip >/dev/null || need+=(unzip)
+# The multi-host tests make network namespaces (they skip, saying so, where that is refused).
+command -v ip >/dev/null || need+=(iproute2)
+command -v unshare >/dev/null || need+=(util-linux)
 if [ ${#need[@]} -gt 0 ]; then
   apt-get update -qq && apt-get install -y -qq "${need[@]}"
 fi
