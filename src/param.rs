@@ -238,6 +238,20 @@ pub fn direct_algorithms() -> bool {
     *D
 }
 
+/// `OXCCL_HEARTBEAT_S`: how long a peer on another host may stay silent (no data, no heartbeat:
+/// idle network connections carry one a second) while an operation waits on it before that is
+/// an error (default 5; 0: only the timeout).
+pub fn heartbeat() -> Option<Duration> {
+    static T: once_cell::sync::Lazy<Option<Duration>> = once_cell::sync::Lazy::new(|| {
+        let v = match get_str("OXCCL_HEARTBEAT_S") {
+            Some(s) => s.trim().parse().unwrap_or(5),
+            None => 5,
+        };
+        (v > 0).then(|| Duration::from_secs(v))
+    });
+    *T
+}
+
 #[cfg(test)]
 mod tests {
     use super::parse_u64;

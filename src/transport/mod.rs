@@ -146,6 +146,11 @@ pub trait Proxy: Send + Sync {
     fn set_waker(&self, _waker: proxy::Waker) {}
     /// The executor has filled a slot: wake the proxy thread if it sleeps.
     fn kick(&self) {}
+    /// How long a receiving end has heard nothing from its peer (slots or heartbeats); None
+    /// where that is not known.
+    fn silent_for(&self) -> Option<std::time::Duration> {
+        None
+    }
     /// `progress` on the executor's thread while it waits on this end, unless the proxy thread
     /// is at it (then nothing): the data moves without a hand-off between threads. Errors are
     /// left to the proxy thread (which meets them too).
@@ -349,6 +354,11 @@ impl Conn {
         if let Some(p) = &self.proxy {
             p.progress_inline();
         }
+    }
+
+    /// How long the peer has been silent on this connection (see `Proxy::silent_for`).
+    pub fn silent_for(&self) -> Option<std::time::Duration> {
+        self.proxy.as_ref()?.silent_for()
     }
 
     /// Whether the peer has closed this connection (its proxy saw it go): nothing more comes.

@@ -27,6 +27,10 @@ pub struct Net;
 const TOKEN: usize = 16;
 /// A slot on the wire: call words and bytes (little endian), then the bytes.
 const HDR: usize = 24;
+/// A header whose byte count is this is a heartbeat, not a slot: an idle sending end sends one
+/// every `BEAT_EVERY`, so that the receiving end can tell a quiet peer from a lost one.
+const BEAT: u64 = u64::MAX;
+const BEAT_EVERY: Duration = Duration::from_secs(1);
 
 impl Transport for Net {
     fn name(&self) -> &'static str {
@@ -146,6 +150,8 @@ impl Endpoint for NetSetup {
                 step: 0,
                 off: 0,
                 hdr: [0; HDR],
+                beat: false,
+                last: std::time::Instant::now(),
             }),
             closed: Default::default(),
             waker: Default::default(),
@@ -181,6 +187,10 @@ struct Wire {
     step: u64,
     off: usize,
     hdr: [u8; HDR],
+    /// Sending end: a heartbeat's header is on its way (in `hdr`).
+    beat: bool,
+    /// When bytes last went out (sending end) or came in (receiving end).
+    last: std::time::Instant,
 }
 
 /// One end of a network connection, as the proxy thread drives it: `view` is the same FIFO the
@@ -225,6 +235,14 @@ impl Proxy for NetEnd {
         }
     }
 
+    fn silent_for(&self) -> Option<Duration> {
+        if self.is_sender {
+            return None;
+        }
+        let w = self.state.try_lock()?;
+        matches!(w.state, State::Connected(_)).then(|| w.last.elapsed())
+    }
+
     fn flushed(&self) -> bool {
         !self.is_sender || self.state.lock().step >= self.view.tail().load(Ordering::Acquire)
     }
@@ -262,9 +280,15 @@ impl NetEnd {
             },
         };
         if self.is_sender {
-            self.send(sock, &mut w.step, &mut w.off, &mut w.hdr)
+            self.send(
+                sock,
+                &mut w.step,
+                &mut w.off,
+                &mut w.hdr,
+                (&mut w.beat, &mut w.last),
+            )
         } else {
-            self.recv(sock, &mut w.step, &mut w.off, &mut w.hdr)
+            self.recv(sock, &mut w.step, &mut w.off, &mut w.hdr, &mut w.last)
         }
     }
 }
@@ -307,13 +331,38 @@ impl NetEnd {
         step: &mut u64,
         off: &mut usize,
         hdr: &mut [u8; HDR],
+        (beat, last): (&mut bool, &mut std::time::Instant),
     ) -> Result<bool> {
         let v = &self.view;
         let mut moved = false;
         loop {
-            if *step >= v.tail().load(Ordering::Acquire) {
+            // A heartbeat goes out whole before anything else; one starts when the end has
+            // been idle for a while.
+            let idle = *step >= v.tail().load(Ordering::Acquire);
+            if !*beat && idle && *off == 0 && last.elapsed() >= BEAT_EVERY {
+                *hdr = [0; HDR];
+                hdr[16..].copy_from_slice(&BEAT.to_le_bytes());
+                *beat = true;
+            }
+            if *beat {
+                while *off < HDR {
+                    match s.write(&hdr[*off..]) {
+                        Ok(0) => return Err(self.failed("the peer closed the connection")),
+                        Ok(k) => *off += k,
+                        Err(e) if e.kind() == ErrorKind::WouldBlock => return Ok(moved),
+                        Err(e) if e.kind() == ErrorKind::Interrupted => {}
+                        Err(e) => return Err(self.failed(&e.to_string())),
+                    }
+                }
+                *beat = false;
+                *off = 0;
+                *last = std::time::Instant::now();
+                continue;
+            }
+            if idle {
                 return Ok(moved);
             }
+            *last = std::time::Instant::now();
             let meta = v.meta(*step);
             let bytes = meta[2] as usize;
             if *off == 0 {
@@ -358,6 +407,7 @@ impl NetEnd {
         step: &mut u64,
         off: &mut usize,
         hdr: &mut [u8; HDR],
+        last: &mut std::time::Instant,
     ) -> Result<bool> {
         let v = &self.view;
         let mut moved = false;
@@ -366,6 +416,9 @@ impl NetEnd {
                 return Ok(moved); // the FIFO is full: TCP holds the rest
             }
             loop {
+                if *off == HDR && hdr[16..] == BEAT.to_le_bytes() {
+                    *off = 0; // a heartbeat: nothing to publish
+                }
                 let bytes = if *off >= HDR { self.bytes_of(hdr)? } else { 0 };
                 if *off >= HDR && *off == HDR + bytes {
                     break;
@@ -388,6 +441,7 @@ impl NetEnd {
                     Ok(0) => return Err(self.failed("the peer closed the connection mid-slot")),
                     Ok(k) => {
                         *off += k;
+                        *last = std::time::Instant::now();
                         moved = true;
                     }
                     Err(e) if e.kind() == ErrorKind::WouldBlock => return Ok(moved),

@@ -236,8 +236,8 @@ impl Running {
         Poll::Done
     }
 
-    /// A peer whose closed connection one of the task's programs waits on.
-    fn closed_peer(&self) -> Option<usize> {
+    /// The connections the task's programs wait on.
+    fn waited_conns(&self) -> impl Iterator<Item = &std::sync::Arc<crate::transport::Conn>> {
         self.stage_lanes
             .iter()
             .chain(self.p2p.iter())
@@ -246,6 +246,20 @@ impl Running {
                 (Item::Board(op), Cur::Board(st)) => st.waits_on(op),
                 _ => None,
             })
+    }
+
+    /// A peer on another host silent for longer than the heartbeat allows, on a connection
+    /// the task waits on, and for how long.
+    fn silent_peer(&self) -> Option<(usize, Duration)> {
+        let limit = crate::param::heartbeat()?;
+        self.waited_conns()
+            .filter_map(|c| Some((c.peer, c.silent_for()?)))
+            .find(|&(_, quiet)| quiet > limit)
+    }
+
+    /// A peer whose closed connection one of the task's programs waits on.
+    fn closed_peer(&self) -> Option<usize> {
+        self.waited_conns()
             .find(|c| c.peer_closed())
             .map(|c| c.peer)
     }
@@ -301,6 +315,17 @@ impl Running {
         if self.comm().health.halted() {
             let e = self.aborted_error();
             return self.stop(e, false);
+        }
+        if let Some((r, quiet)) = self.silent_peer() {
+            let e = Error::remote(format!(
+                "{} on rank {}: rank {r} (on another host) has not been heard from for {:.1} s \
+                 while this rank waited for it (OXCCL_HEARTBEAT_S): its host, process or the \
+                 link to it is down",
+                self.task.what,
+                self.comm().rank,
+                quiet.as_secs_f64()
+            ));
+            return self.stop(e, true);
         }
         if let Some(r) = self.closed_peer() {
             let e = Error::remote(format!(
