@@ -11,6 +11,8 @@ pub struct PeerInfo {
     pub nsteps: u32,
     /// Where this process keeps its cross-memory-attach probe word (`transport::cma`).
     pub probe: u64,
+    /// The host's name, for messages (at most 64 bytes of it).
+    pub hostname: String,
 }
 
 const BYTES: usize = 8 + 4 + 4 + 8 + 4 + 8;
@@ -40,7 +42,20 @@ impl PeerInfo {
             slot_bytes: crate::param::chunk_bytes() as u64,
             nsteps: crate::param::nsteps() as u32,
             probe: crate::transport::cma::probe_addr(),
+            hostname: nix::unistd::gethostname()
+                .ok()
+                .and_then(|h| h.into_string().ok())
+                .map(|h| h.chars().take(64).collect())
+                .unwrap_or_default(),
         }
+    }
+
+    /// "rank R (process P on host H)", for messages.
+    pub fn describe(&self, rank: usize) -> String {
+        format!(
+            "rank {rank} (process {} on host {})",
+            self.pid, self.hostname
+        )
     }
 
     pub fn to_bytes(&self) -> Vec<u8> {
@@ -51,13 +66,14 @@ impl PeerInfo {
         v.extend_from_slice(&self.slot_bytes.to_le_bytes());
         v.extend_from_slice(&self.nsteps.to_le_bytes());
         v.extend_from_slice(&self.probe.to_le_bytes());
+        v.extend_from_slice(self.hostname.as_bytes());
         v
     }
 
     pub fn from_bytes(b: &[u8]) -> Result<PeerInfo> {
-        if b.len() != BYTES {
+        if b.len() < BYTES || b.len() > BYTES + 64 {
             return Err(Error::internal(format!(
-                "peer info of {} bytes, expected {BYTES}",
+                "peer info of {} bytes, expected {BYTES} and a host name",
                 b.len()
             )));
         }
@@ -70,6 +86,7 @@ impl PeerInfo {
             slot_bytes: u64_at(16),
             nsteps: u32_at(24),
             probe: u64_at(28),
+            hostname: String::from_utf8_lossy(&b[BYTES..]).into_owned(),
         })
     }
 }

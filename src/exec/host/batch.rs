@@ -318,21 +318,22 @@ impl Running {
         }
         if let Some((r, quiet)) = self.silent_peer() {
             let e = Error::remote(format!(
-                "{} on rank {}: rank {r} (on another host) has not been heard from for {:.1} s \
-                 while this rank waited for it (OXCCL_HEARTBEAT_S): its host, process or the \
-                 link to it is down",
+                "{} on rank {}: {} has not been heard from for {:.1} s while this rank waited \
+                 for it (OXCCL_HEARTBEAT_S): its host, process or the link to it is down",
                 self.task.what,
                 self.comm().rank,
+                self.comm().peer_name(r),
                 quiet.as_secs_f64()
             ));
             return self.stop(e, true);
         }
         if let Some(r) = self.closed_peer() {
             let e = Error::remote(format!(
-                "{} on rank {}: rank {r} closed its network connection (it ended its \
-                 communicator, exited or failed) while this rank waited for it",
+                "{} on rank {}: {} closed its network connection (it ended its communicator, \
+                 exited or failed) while this rank waited for it",
                 self.task.what,
-                self.comm().rank
+                self.comm().rank,
+                self.comm().peer_name(r)
             ));
             return self.stop(e, true);
         }

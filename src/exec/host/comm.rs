@@ -40,6 +40,8 @@ pub struct HostComm {
     peer_pids: Vec<Option<u32>>,
     /// The last operations, when `OXCCL_FLIGHT_RECORDER` asks for them.
     pub recorder: Option<crate::flight::Recorder>,
+    /// "rank R (process P on host H)" of every rank, for messages.
+    peer_names: Vec<String>,
 }
 
 impl HostComm {
@@ -81,6 +83,11 @@ impl HostComm {
             .map(|q| (q.host == me.host && q.pid != me.pid).then_some(q.pid))
             .collect();
         Ok(HostComm {
+            peer_names: peers
+                .iter()
+                .enumerate()
+                .map(|(r, q)| q.describe(r))
+                .collect(),
             peer_pids,
             recorder: crate::flight::for_comm(hash, name.clone(), rank),
             hash,
@@ -190,6 +197,11 @@ impl HostComm {
             .iter()
             .enumerate()
             .find_map(|(r, p)| p.filter(|&pid| !alive(pid)).map(|pid| (r, pid)))
+    }
+
+    /// "rank R (process P on host H)", for messages.
+    pub fn peer_name(&self, r: usize) -> &str {
+        self.peer_names.get(r).map_or("a rank", |s| s.as_str())
     }
 
     /// Whether rank `p`'s process still runs (as far as this host can tell: ranks of this
