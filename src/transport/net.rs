@@ -208,10 +208,6 @@ pub struct NetEnd {
 }
 
 impl Proxy for NetEnd {
-    fn peer(&self) -> usize {
-        self.peer
-    }
-
     fn closed(&self) -> bool {
         self.closed.load(Ordering::Acquire)
     }
@@ -336,44 +332,30 @@ impl NetEnd {
         let v = &self.view;
         let mut moved = false;
         loop {
-            // A heartbeat goes out whole before anything else; one starts when the end has
-            // been idle for a while.
-            let idle = *step >= v.tail().load(Ordering::Acquire);
-            if !*beat && idle && *off == 0 && last.elapsed() >= BEAT_EVERY {
-                *hdr = [0; HDR];
-                hdr[16..].copy_from_slice(&BEAT.to_le_bytes());
-                *beat = true;
-            }
-            if *beat {
-                while *off < HDR {
-                    match s.write(&hdr[*off..]) {
-                        Ok(0) => return Err(self.failed("the peer closed the connection")),
-                        Ok(k) => *off += k,
-                        Err(e) if e.kind() == ErrorKind::WouldBlock => return Ok(moved),
-                        Err(e) if e.kind() == ErrorKind::Interrupted => {}
-                        Err(e) => return Err(self.failed(&e.to_string())),
+            // Between slots: the next filled slot's header, or, once the end has been idle for
+            // a while, a heartbeat's (a header with no bytes).
+            if !*beat && *off == 0 {
+                if *step < v.tail().load(Ordering::Acquire) {
+                    for (i, m) in v.meta(*step).iter().enumerate() {
+                        hdr[8 * i..8 * i + 8].copy_from_slice(&m.to_le_bytes());
                     }
-                }
-                *beat = false;
-                *off = 0;
-                *last = std::time::Instant::now();
-                continue;
-            }
-            if idle {
-                return Ok(moved);
-            }
-            *last = std::time::Instant::now();
-            let meta = v.meta(*step);
-            let bytes = meta[2] as usize;
-            if *off == 0 {
-                for (i, m) in meta.iter().enumerate() {
-                    hdr[8 * i..8 * i + 8].copy_from_slice(&m.to_le_bytes());
+                } else if last.elapsed() >= BEAT_EVERY {
+                    *hdr = [0; HDR];
+                    hdr[16..].copy_from_slice(&BEAT.to_le_bytes());
+                    *beat = true;
+                } else {
+                    return Ok(moved);
                 }
             }
-            // SAFETY: the slot holds `bytes <= slot_bytes` bytes the executor filled before
-            // publishing the tail; it stays ours until the head moves.
-            let data = unsafe { std::slice::from_raw_parts(v.slot(*step), bytes) };
-            while *off < HDR + bytes {
+            let data: &[u8] = if *beat {
+                &[]
+            } else {
+                let bytes = v.meta(*step)[2] as usize;
+                // SAFETY: the slot holds `bytes <= slot_bytes` bytes the executor filled
+                // before publishing the tail; it stays ours until the head moves.
+                unsafe { std::slice::from_raw_parts(v.slot(*step), bytes) }
+            };
+            while *off < HDR + data.len() {
                 let r = if *off < HDR {
                     // Header and bytes in one system call (and one segment when small).
                     s.write_vectored(&[
@@ -387,16 +369,21 @@ impl NetEnd {
                     Ok(0) => return Err(self.failed("the peer closed the connection")),
                     Ok(k) => {
                         *off += k;
-                        moved = true;
+                        // A heartbeat is no progress: the proxy may go back to sleep.
+                        moved |= !*beat;
                     }
                     Err(e) if e.kind() == ErrorKind::WouldBlock => return Ok(moved),
                     Err(e) if e.kind() == ErrorKind::Interrupted => {}
                     Err(e) => return Err(self.failed(&e.to_string())),
                 }
             }
+            *off = 0;
+            *last = std::time::Instant::now();
+            if std::mem::take(beat) {
+                continue;
+            }
             v.head().store(*step + 1, Ordering::Release);
             *step += 1;
-            *off = 0;
         }
     }
 
