@@ -83,10 +83,13 @@ pub fn comm_lsa(comm: &Arc<Comm>) -> Result<(usize, usize, usize, usize, usize)>
     let mine = hosts[core.rank];
     let lsa_rank = hosts[..core.rank].iter().filter(|&&h| h == mine).count();
     let lsa_size = hosts.iter().filter(|&&h| h == mine).count();
-    let mut distinct = hosts.clone();
-    distinct.sort_unstable();
-    distinct.dedup();
-    Ok((core.rank, core.nranks, lsa_rank, lsa_size, distinct.len()))
+    Ok((
+        core.rank,
+        core.nranks,
+        lsa_rank,
+        lsa_size,
+        core.conns.nodes(),
+    ))
 }
 
 pub fn comm_async_error(comm: &Arc<Comm>) -> crate::error::Code {

@@ -93,6 +93,15 @@ impl Health {
             || self.work_stopped.load(Ordering::Relaxed)
     }
 
+    /// How the communicator's work was stopped, for messages: "revoked" or "aborted".
+    pub fn halted_how(&self) -> &'static str {
+        if self.revoked() {
+            "revoked"
+        } else {
+            "aborted"
+        }
+    }
+
     /// Records `e` and stops the communicator's work (not its bootstrap): a failure found
     /// elsewhere than in the operations themselves.
     pub fn stop_work(&self, e: Error) {

@@ -286,11 +286,8 @@ fn build_core(p: PendingInit) -> Result<Core> {
         name: p.config.comm_name.clone(),
     })?;
     let local = peers.iter().filter(|q| q.host == me.host).count();
-    let mut hosts: Vec<u64> = peers.iter().map(|q| q.host).collect();
-    hosts.sort_unstable();
-    hosts.dedup();
-    let nodes = hosts.len();
     let conns = Conns::new(boot, peers, hash, health.clone());
+    let nodes = conns.nodes();
     conns.connect_ring()?;
     crate::debug::info(&format!(
         "comm {hash:#x} rank {} nRanks {} nNodes {nodes} localRanks {} - Init COMPLETE ({})",

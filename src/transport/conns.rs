@@ -88,6 +88,14 @@ impl Conns {
         }
     }
 
+    /// How many hosts the communicator's ranks are on.
+    pub fn nodes(&self) -> usize {
+        let mut hosts: Vec<u64> = self.peers.iter().map(|p| p.host).collect();
+        hosts.sort_unstable();
+        hosts.dedup();
+        hosts.len()
+    }
+
     /// See `ring`.
     pub fn ring_order(&self) -> Option<&[usize]> {
         self.ring.as_deref()

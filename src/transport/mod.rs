@@ -124,8 +124,6 @@ pub trait Endpoint: Send {
 /// counters; true when it moved something.
 pub trait Proxy: Send + Sync {
     fn progress(&self) -> Result<bool>;
-    /// The rank at the other end (who a failure is blamed on).
-    fn peer(&self) -> usize;
     /// The peer closed the connection after its last complete slot: waiting for more from it
     /// is an error.
     fn closed(&self) -> bool {

@@ -281,15 +281,11 @@ impl Running {
                 return e.context(format!("{} on rank {}", self.task.what, self.comm().rank));
             }
         }
-        let how = if self.comm().health.revoked() {
-            "revoked"
-        } else {
-            "aborted"
-        };
         Error::remote(format!(
-            "{} on rank {}: communicator {how}",
+            "{} on rank {}: communicator {}",
             self.task.what,
-            self.comm().rank
+            self.comm().rank,
+            h.halted_how()
         ))
     }
 

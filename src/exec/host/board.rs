@@ -247,7 +247,8 @@ impl BoardState {
                 Phase::Arrive => {
                     if !(0..op.nranks).all(|p| op.board.arrived(p, op.seq)) {
                         other_kind_arrived(op, true)?;
-                        peer_left(op, |p| op.board.arrived(p, op.seq) && same_call(op, p))?;
+                        let sig = signature(call_words(op));
+                        peer_left(op, |p| op.board.arrived(p, op.seq) && same_call(op, p, sig))?;
                         return Ok(if progressed {
                             Poll::Progress
                         } else {
@@ -349,7 +350,8 @@ fn mismatch(op: &Direct, peer: usize) -> Error {
 /// the signatures in the arrival words, already read: the calls themselves are read only to
 /// say how they differ).
 fn same_calls(op: &Direct) -> Result<()> {
-    match (0..op.nranks).find(|&p| p != op.rank && !same_call(op, p)) {
+    let sig = signature(call_words(op));
+    match (0..op.nranks).find(|&p| p != op.rank && !same_call(op, p, sig)) {
         Some(p) => Err(mismatch(op, p)),
         None => Ok(()),
     }
@@ -398,9 +400,10 @@ fn peer_left(op: &Direct, which: impl Fn(usize) -> bool) -> Result<()> {
     }
 }
 
-/// Whether `peer` arrived at this direct operation with the same call (its signature).
-fn same_call(op: &Direct, peer: usize) -> bool {
-    op.board.signature_of(peer, op.seq, false) == Some(signature(call_words(op)))
+/// Whether `peer` arrived at this direct operation with the call of signature `sig` (this
+/// rank's).
+fn same_call(op: &Direct, peer: usize, sig: u64) -> bool {
+    op.board.signature_of(peer, op.seq, false) == Some(sig)
 }
 
 /// While waiting for peers: an error if one arrived at this operation with the other kind

@@ -125,11 +125,7 @@ impl HostComm {
             return Err(Error::remote(format!(
                 "rank {}: communicator {}",
                 self.rank,
-                if self.health.revoked() {
-                    "revoked"
-                } else {
-                    "aborted"
-                }
+                self.health.halted_how()
             )));
         }
         match self.health.error() {
