@@ -65,16 +65,12 @@ fn two_hosts_inside_over_shared_memory_across_over_the_network() {
     }
     // An all-reduce: the ring crosses hosts.
     let t0 = Instant::now();
-    let a = CollArgs {
-        kind: CollKind::AllReduce,
-        send: f32s(&send),
-        recv: recv.as_mut_ptr() as usize,
-        count,
-        dtype: DataType::Float32,
-        op: OP_SUM,
-        root: 0,
-    };
-    api::enqueue(&c, a, StreamArg::Null).unwrap();
+    api::enqueue(
+        &c,
+        common::all_reduce_f32(&send, &mut recv),
+        StreamArg::Null,
+    )
+    .unwrap();
     for (i, x) in recv.iter().enumerate() {
         let want: f32 = (0..n).map(|p| (p * count + i) as f32).sum();
         assert_eq!(*x, want, "rank {r} element {i}");
@@ -108,15 +104,7 @@ fn a_death_reaches_every_rank_of_a_ring() {
                 nix::sys::signal::kill(nix::unistd::getpid(), nix::sys::signal::Signal::SIGKILL)
                     .unwrap();
             }
-            let a = CollArgs {
-                kind: CollKind::AllReduce,
-                send: f32s(&send),
-                recv: recv.as_mut_ptr() as usize,
-                count,
-                dtype: DataType::Float32,
-                op: OP_SUM,
-                root: 0,
-            };
+            let a = common::all_reduce_f32(&send, &mut recv);
             if let Err(e) = api::enqueue(&c, a, StreamArg::Null) {
                 // (The ranks are not in step: rank 3 may die before the others reach 30.)
                 let took = t0.elapsed();

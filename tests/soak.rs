@@ -274,6 +274,17 @@ fn params() -> (u64, usize) {
     )
 }
 
+/// Runs `seq` on `n` ranks as threads of this process.
+fn run_threads(n: usize, seq: &[(bool, Vec<Op>)]) {
+    let id = api::get_unique_id().unwrap();
+    std::thread::scope(|s| {
+        for r in 0..n {
+            let id = &id;
+            s.spawn(move || run_rank(n, r, id, seq));
+        }
+    });
+}
+
 /// Ranks as threads of this process: peers' buffers are reachable, so direct (zero-copy)
 /// algorithms run.
 #[test]
@@ -282,14 +293,7 @@ fn random_sequences_threads() {
     let (seed, batches) = params();
     for n in [2usize, 3, 4] {
         let seq = draw(seed.wrapping_add(n as u64), n, batches);
-        let id = api::get_unique_id().unwrap();
-        std::thread::scope(|s| {
-            for r in 0..n {
-                let seq = &seq;
-                let id = &id;
-                s.spawn(move || run_rank(n, r, id, seq));
-            }
-        });
+        run_threads(n, &seq);
     }
 }
 
@@ -328,14 +332,7 @@ fn many_small_operations_threads() {
         let batches = (total / 2) * 2 / 3;
         let seq = draw_counts(seed.wrapping_add(100 + n as u64), n, batches, &counts);
         done += seq.iter().map(|(_, ops)| ops.len()).sum::<usize>();
-        let id = api::get_unique_id().unwrap();
-        std::thread::scope(|s| {
-            for r in 0..n {
-                let seq = &seq;
-                let id = &id;
-                s.spawn(move || run_rank(n, r, id, seq));
-            }
-        });
+        run_threads(n, &seq);
     }
     assert!(done >= total, "{done} operations run, {total} wanted");
     eprintln!("{done} operations checked in {:?}", t0.elapsed());
