@@ -35,6 +35,9 @@ fn rank(case: &str, r: usize, path: &str) {
                     std::fs::write(format!("{path}.running{r}"), b"").unwrap();
                     t_fail = Some(Instant::now());
                     if case == "kill" && r == 1 {
+                        // Its last slots may still be on their way out when its call returns:
+                        // let them leave, so that rank 0 completes all-reduce 20 too.
+                        std::thread::sleep(Duration::from_millis(200));
                         nix::sys::signal::kill(
                             nix::unistd::getpid(),
                             nix::sys::signal::Signal::SIGKILL,
