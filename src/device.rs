@@ -1,28 +1,10 @@
-//! Which executor runs: the CUDA driver when present (probed with dlopen before anything touches
-//! it), else host slots. The CUDA executor is a later step: with a driver present and no
-//! `OXCCL_DEVICE=host`, communicator creation says so instead of running host code on GPU memory.
-
-use once_cell::sync::Lazy;
+//! The kinds of executor (which one runs is `gpu::kind`'s choice), and the device number log
+//! lines of this thread show.
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum DeviceKind {
     Host,
     Cuda,
-}
-
-fn cuda_driver_present() -> bool {
-    // SAFETY: loading libcuda runs its initialisers only; we unload it at once.
-    unsafe { libloading::Library::new("libcuda.so.1").is_ok() }
-}
-
-static KIND: Lazy<DeviceKind> = Lazy::new(|| match std::env::var("OXCCL_DEVICE").ok().as_deref() {
-    Some("host") => DeviceKind::Host,
-    _ if cuda_driver_present() => DeviceKind::Cuda,
-    _ => DeviceKind::Host,
-});
-
-pub fn kind() -> DeviceKind {
-    *KIND
 }
 
 thread_local! {

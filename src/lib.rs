@@ -14,6 +14,7 @@ pub mod device;
 pub mod error;
 pub mod exec;
 pub mod flight;
+pub mod gpu;
 pub mod group;
 pub mod health;
 pub mod launch;

@@ -75,6 +75,11 @@ pub const PARAMS: &[Param] = &[
         default: "16777216",
     },
     Param {
+        name: "NCCL_P2P_DISABLE",
+        doc: "1: on the CUDA executor, connections between ranks of one process stage data in pinned host memory instead of device memory",
+        default: "0",
+    },
+    Param {
         name: "OXCCL_RUN_AHEAD",
         doc: "0: step programs run strictly slice after slice (no run-ahead across iterations)",
         default: "1",
@@ -210,6 +215,13 @@ pub fn fifo_stream() -> Option<bool> {
 pub fn run_ahead() -> bool {
     static R: once_cell::sync::Lazy<bool> =
         once_cell::sync::Lazy::new(|| get_u64("OXCCL_RUN_AHEAD") != 0);
+    *R
+}
+
+/// `NCCL_P2P_DISABLE=1`: no device-memory connections between ranks (host-staged instead).
+pub fn p2p_disabled() -> bool {
+    static R: once_cell::sync::Lazy<bool> =
+        once_cell::sync::Lazy::new(|| get_u64("NCCL_P2P_DISABLE") != 0);
     *R
 }
 

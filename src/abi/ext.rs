@@ -54,9 +54,9 @@ pub unsafe extern "C" fn oxcclHostStreamDestroy(stream: cudaStream_t) -> ncclRes
 pub unsafe extern "C" fn oxcclGetExecutor(executor: *mut c_int) -> ncclResult_t {
     entry!("oxcclGetExecutor", {
         non_null(executor, "executor")?;
-        let v = match crate::device::kind() {
-            crate::device::DeviceKind::Host => 0,
-            crate::device::DeviceKind::Cuda => 1,
+        let v = match crate::gpu::kind() {
+            crate::gpu::Kind::Host => 0,
+            crate::gpu::Kind::Cuda => 1,
         };
         // SAFETY: non-null out-parameter.
         unsafe { executor.write(v) };

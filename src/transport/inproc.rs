@@ -13,6 +13,9 @@ pub struct HeapRegion {
     ptr: *mut u8,
     layout: Layout,
     name: String,
+    /// On the CUDA executor, the connection's slots in device memory (ranks of one process on
+    /// one GPU move data through it at device speed; the counters stay in `ptr`).
+    dev_slots: once_cell::sync::OnceCell<crate::gpu::memory::DevSlots>,
 }
 
 // SAFETY: the allocation is owned by the region and freed only on drop; concurrent access goes
@@ -28,10 +31,23 @@ impl HeapRegion {
     pub fn name(&self) -> &str {
         &self.name
     }
+
+    /// The device address of the slots, where they live in device memory.
+    pub fn device_slots(&self) -> Option<u64> {
+        self.dev_slots.get().map(|d| d.ptr)
+    }
+
+    /// Puts the slots (`bytes`) in device memory of the current device, once for both ends.
+    pub fn use_device_slots(&self, bytes: usize) -> Result<()> {
+        self.dev_slots
+            .get_or_try_init(|| crate::gpu::memory::DevSlots::alloc(bytes))
+            .map(|_| ())
+    }
 }
 
 impl Drop for HeapRegion {
     fn drop(&mut self) {
+        crate::gpu::memory::unpin_if_cuda(self.ptr);
         // SAFETY: allocated in `open` with this layout.
         unsafe { dealloc(self.ptr, self.layout) };
     }
@@ -60,10 +76,17 @@ pub fn open(name: &str, bytes: usize) -> Result<Arc<HeapRegion>> {
             "out of memory allocating {bytes} bytes for connection {name}"
         )));
     }
+    // Kernels of the CUDA executor read and write connection memory.
+    if let Err(e) = crate::gpu::memory::pin_if_cuda(ptr, bytes) {
+        // SAFETY: allocated above with this layout.
+        unsafe { dealloc(ptr, layout) };
+        return Err(e.context(format!("connection {name}")));
+    }
     let r = Arc::new(HeapRegion {
         ptr,
         layout,
         name: name.to_string(),
+        dev_slots: once_cell::sync::OnceCell::new(),
     });
     map.insert(name.to_string(), r.clone());
     Ok(r)

@@ -182,7 +182,12 @@ fn sleep(sh: &Shared, ends: &[Arc<dyn Proxy>]) {
         let b = unsafe { BorrowedFd::borrow_raw(fd) };
         fds.push(nix::poll::PollFd::new(b, nix::poll::PollFlags::POLLIN));
     }
-    let _ = nix::poll::poll(&mut fds, SLEEP_MS);
+    // Kernels fill slots without kicking the thread: on the CUDA executor it looks again soon.
+    let ms = match crate::gpu::kind() {
+        crate::gpu::Kind::Cuda => 1u16,
+        crate::gpu::Kind::Host => SLEEP_MS,
+    };
+    let _ = nix::poll::poll(&mut fds, ms);
     let mut sink = [0u8; 64];
     while (&sh.wake_rx).read(&mut sink).is_ok_and(|n| n > 0) {}
 }

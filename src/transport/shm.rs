@@ -47,6 +47,12 @@ impl ShmRegion {
             )
         }
         .map_err(|e| Error::os(format!("mmap {path} ({len} bytes)"), e))?;
+        // Kernels of the CUDA executor read and write connection memory.
+        if let Err(e) = crate::gpu::memory::pin_if_cuda(ptr.as_ptr() as *mut u8, len) {
+            // SAFETY: mapped just above.
+            let _ = unsafe { munmap(ptr, len) };
+            return Err(e.context(format!("shared memory {path}")));
+        }
         Ok(ShmRegion {
             ptr,
             len,
@@ -65,6 +71,7 @@ impl ShmRegion {
 
 impl Drop for ShmRegion {
     fn drop(&mut self) {
+        crate::gpu::memory::unpin_if_cuda(self.ptr.as_ptr() as *mut u8);
         // SAFETY: mapped in `open` with this length, not used after drop.
         let _ = unsafe { munmap(self.ptr, self.len) };
     }

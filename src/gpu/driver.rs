@@ -1,0 +1,329 @@
+//! The CUDA driver API, loaded at run time from `libcuda.so.1` with `libloading`: the functions
+//! the CUDA executor calls, each resolved once. The library links no CUDA library; a symbol the
+//! installed driver lacks makes loading fail with an error naming it (nothing panics, unlike a
+//! binding that resolves symbols lazily and panics at the first call of a missing one).
+//!
+//! Every call goes through [`check`], which turns a `CUresult` into the NCCL error code with the
+//! driver's name and description of the error and what was being done.
+
+use crate::error::{Code, Error, Result};
+use once_cell::sync::OnceCell;
+use std::ffi::{c_char, c_int, c_uint, c_void, CStr};
+
+pub type CUresult = c_int;
+pub type CUdevice = c_int;
+pub type CUcontext = *mut c_void;
+pub type CUstream = *mut c_void;
+pub type CUevent = *mut c_void;
+pub type CUmodule = *mut c_void;
+pub type CUfunction = *mut c_void;
+pub type CUdeviceptr = u64;
+
+pub const CUDA_SUCCESS: CUresult = 0;
+pub const CUDA_ERROR_NOT_READY: CUresult = 600;
+pub const CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED: CUresult = 712;
+pub const CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR: c_int = 75;
+pub const CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR: c_int = 76;
+pub const CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT: c_int = 16;
+pub const CU_MEMHOSTREGISTER_PORTABLE: c_uint = 1;
+pub const CU_MEMHOSTREGISTER_DEVICEMAP: c_uint = 2;
+pub const CU_EVENT_DISABLE_TIMING: c_uint = 2;
+pub const CU_STREAM_NON_BLOCKING: c_uint = 1;
+/// `CUstreamCaptureStatus`: not capturing, active, invalidated.
+pub const CU_STREAM_CAPTURE_STATUS_NONE: c_int = 0;
+/// `CUstreamCaptureMode`: relaxed (what a library may do while a caller's stream captures).
+pub const CU_STREAM_CAPTURE_MODE_RELAXED: c_int = 2;
+pub const CU_POINTER_ATTRIBUTE_MEMORY_TYPE: c_int = 2;
+pub const CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL: c_int = 9;
+pub const CU_MEMORYTYPE_HOST: c_uint = 1;
+pub const CU_MEMORYTYPE_DEVICE: c_uint = 2;
+pub const CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES: c_int = 8;
+
+macro_rules! driver_api {
+    ($( $field:ident = $sym:literal : fn($($arg:ty),*) ;)*) => {
+        /// The resolved driver functions.
+        #[allow(non_snake_case)]
+        pub struct Api {
+            $( pub $field: unsafe extern "C" fn($($arg),*) -> CUresult, )*
+            _lib: libloading::Library,
+        }
+
+        impl Api {
+            fn load(lib: libloading::Library) -> Result<Api> {
+                Ok(Api {
+                    $( $field: {
+                        // SAFETY: the symbol has this C signature in every driver that exports it
+                        // (CUDA's `cuda.h`); the library stays loaded as long as the table lives.
+                        let s = unsafe {
+                            lib.get::<unsafe extern "C" fn($($arg),*) -> CUresult>(
+                                concat!($sym, "\0").as_bytes(),
+                            )
+                        };
+                        *s.map_err(|_| Error::new(
+                            Code::UnhandledCudaError,
+                            format!(
+                                "the CUDA driver (libcuda.so.1) lacks {}: it is too old for \
+                                 oxccl's CUDA executor (set OXCCL_DEVICE=host to run on host \
+                                 memory)",
+                                $sym
+                            ),
+                        ))?
+                    }, )*
+                    _lib: lib,
+                })
+            }
+        }
+    };
+}
+
+driver_api! {
+    init = "cuInit": fn(c_uint);
+    driver_version = "cuDriverGetVersion": fn(*mut c_int);
+    device_count = "cuDeviceGetCount": fn(*mut c_int);
+    device_get = "cuDeviceGet": fn(*mut CUdevice, c_int);
+    device_attr = "cuDeviceGetAttribute": fn(*mut c_int, c_int, CUdevice);
+    device_name = "cuDeviceGetName": fn(*mut c_char, c_int, CUdevice);
+    primary_retain = "cuDevicePrimaryCtxRetain": fn(*mut CUcontext, CUdevice);
+    ctx_get_current = "cuCtxGetCurrent": fn(*mut CUcontext);
+    ctx_set_current = "cuCtxSetCurrent": fn(CUcontext);
+    ctx_get_device = "cuCtxGetDevice": fn(*mut CUdevice);
+    module_load_data = "cuModuleLoadData": fn(*mut CUmodule, *const c_void);
+    module_get_function = "cuModuleGetFunction": fn(*mut CUfunction, CUmodule, *const c_char);
+    func_set_attr = "cuFuncSetAttribute": fn(CUfunction, c_int, c_int);
+    launch_kernel = "cuLaunchKernel": fn(CUfunction, c_uint, c_uint, c_uint, c_uint, c_uint,
+        c_uint, c_uint, CUstream, *mut *mut c_void, *mut *mut c_void);
+    mem_alloc = "cuMemAlloc_v2": fn(*mut CUdeviceptr, usize);
+    mem_free = "cuMemFree_v2": fn(CUdeviceptr);
+    mem_alloc_async = "cuMemAllocAsync": fn(*mut CUdeviceptr, usize, CUstream);
+    mem_free_async = "cuMemFreeAsync": fn(CUdeviceptr, CUstream);
+    host_register = "cuMemHostRegister_v2": fn(*mut c_void, usize, c_uint);
+    host_unregister = "cuMemHostUnregister": fn(*mut c_void);
+    host_device_pointer = "cuMemHostGetDevicePointer_v2": fn(*mut CUdeviceptr, *mut c_void, c_uint);
+    memcpy_dtod_async = "cuMemcpyDtoDAsync_v2": fn(CUdeviceptr, CUdeviceptr, usize, CUstream);
+    memcpy_dtoh = "cuMemcpyDtoH_v2": fn(*mut c_void, CUdeviceptr, usize);
+    memset_d8_async = "cuMemsetD8Async": fn(CUdeviceptr, u8, usize, CUstream);
+    stream_synchronize = "cuStreamSynchronize": fn(CUstream);
+    stream_query = "cuStreamQuery": fn(CUstream);
+    stream_is_capturing = "cuStreamIsCapturing": fn(CUstream, *mut c_int);
+    stream_wait_event = "cuStreamWaitEvent": fn(CUstream, CUevent, c_uint);
+    exchange_capture_mode = "cuThreadExchangeStreamCaptureMode": fn(*mut c_int);
+    event_create = "cuEventCreate": fn(*mut CUevent, c_uint);
+    event_record = "cuEventRecord": fn(CUevent, CUstream);
+    event_query = "cuEventQuery": fn(CUevent);
+    event_destroy = "cuEventDestroy_v2": fn(CUevent);
+    pointer_attr = "cuPointerGetAttribute": fn(*mut c_void, c_int, CUdeviceptr);
+    error_name = "cuGetErrorName": fn(CUresult, *mut *const c_char);
+    error_string = "cuGetErrorString": fn(CUresult, *mut *const c_char);
+}
+
+static API: OnceCell<std::result::Result<Api, Error>> = OnceCell::new();
+
+/// Whether `libcuda.so.1` can be loaded at all (the executor choice probes this first).
+pub fn present() -> bool {
+    // SAFETY: loading libcuda runs its initialisers only.
+    unsafe { libloading::Library::new("libcuda.so.1").is_ok() }
+}
+
+/// The driver, loaded and initialised once (`cuInit`).
+pub fn api() -> Result<&'static Api> {
+    API.get_or_init(|| {
+        // SAFETY: as in `present`.
+        let lib = unsafe { libloading::Library::new("libcuda.so.1") }.map_err(|e| {
+            Error::new(
+                Code::UnhandledCudaError,
+                format!(
+                    "OXCCL_DEVICE=cuda, but the CUDA driver library libcuda.so.1 could not be \
+                     loaded ({e}): is the NVIDIA driver installed?"
+                ),
+            )
+        })?;
+        let api = Api::load(lib)?;
+        // SAFETY: cuInit takes flags 0.
+        let r = unsafe { (api.init)(0) };
+        if r != CUDA_SUCCESS {
+            return Err(cuda_error(&api, r, "cuInit (initialising the CUDA driver)"));
+        }
+        Ok(api)
+    })
+    .as_ref()
+    .map_err(Clone::clone)
+}
+
+fn cuda_error(api: &Api, r: CUresult, what: &str) -> Error {
+    let mut name: *const c_char = std::ptr::null();
+    let mut desc: *const c_char = std::ptr::null();
+    // SAFETY: both return pointers to static strings (or leave them null for unknown codes).
+    unsafe {
+        (api.error_name)(r, &mut name);
+        (api.error_string)(r, &mut desc);
+    }
+    let s = |p: *const c_char| {
+        if p.is_null() {
+            "?".to_string()
+        } else {
+            // SAFETY: a NUL-terminated static string from the driver.
+            unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned()
+        }
+    };
+    Error::new(
+        Code::UnhandledCudaError,
+        format!("{what}: CUDA error {r} {} ({})", s(name), s(desc)),
+    )
+}
+
+/// `r` as a result: an error names the CUDA error and `what` was being done.
+pub fn check(r: CUresult, what: impl FnOnce() -> String) -> Result<()> {
+    if r == CUDA_SUCCESS {
+        return Ok(());
+    }
+    match api() {
+        Ok(api) => Err(cuda_error(api, r, &what())),
+        Err(e) => Err(e),
+    }
+}
+
+/// The driver's version (e.g. 12040 for 12.4).
+pub fn version() -> Result<i32> {
+    let api = api()?;
+    let mut v = 0;
+    // SAFETY: writes one int.
+    check(unsafe { (api.driver_version)(&mut v) }, || {
+        "cuDriverGetVersion".into()
+    })?;
+    Ok(v)
+}
+
+pub fn device_count() -> Result<i32> {
+    let api = api()?;
+    let mut n = 0;
+    // SAFETY: writes one int.
+    check(unsafe { (api.device_count)(&mut n) }, || {
+        "cuDeviceGetCount".into()
+    })?;
+    Ok(n)
+}
+
+pub fn attr(dev: CUdevice, a: c_int) -> Result<i32> {
+    let api = api()?;
+    let mut v = 0;
+    // SAFETY: writes one int.
+    check(unsafe { (api.device_attr)(&mut v, a, dev) }, || {
+        format!("cuDeviceGetAttribute({a}) of device {dev}")
+    })?;
+    Ok(v)
+}
+
+/// The device the calling thread's current context belongs to (the CUDA runtime's current
+/// device); device 0 when the thread has no context yet (as the runtime's default).
+pub fn current_device() -> Result<i32> {
+    let api = api()?;
+    let mut ctx: CUcontext = std::ptr::null_mut();
+    // SAFETY: writes one pointer.
+    check(unsafe { (api.ctx_get_current)(&mut ctx) }, || {
+        "cuCtxGetCurrent".into()
+    })?;
+    if ctx.is_null() {
+        return Ok(0);
+    }
+    let mut d = 0;
+    // SAFETY: writes one int.
+    check(unsafe { (api.ctx_get_device)(&mut d) }, || {
+        "cuCtxGetDevice".into()
+    })?;
+    Ok(d)
+}
+
+/// The primary context of `dev` (retained for the life of the process, as the runtime does).
+pub fn primary_context(dev: i32) -> Result<usize> {
+    let api = api()?;
+    let n = device_count()?;
+    if dev < 0 || dev >= n {
+        return Err(Error::invalid_argument(format!(
+            "CUDA device {dev} does not exist (this machine has {n})"
+        )));
+    }
+    let mut d: CUdevice = 0;
+    // SAFETY: writes one int.
+    check(unsafe { (api.device_get)(&mut d, dev) }, || {
+        format!("cuDeviceGet({dev})")
+    })?;
+    let mut ctx: CUcontext = std::ptr::null_mut();
+    // SAFETY: writes one pointer.
+    check(unsafe { (api.primary_retain)(&mut ctx, d) }, || {
+        format!("cuDevicePrimaryCtxRetain of device {dev}")
+    })?;
+    Ok(ctx as usize)
+}
+
+/// Makes `ctx` current on this thread until the guard drops (then the previous one is current
+/// again): every call runs on its communicator's device, whatever the caller's current device.
+pub struct CtxGuard {
+    prev: CUcontext,
+    changed: bool,
+}
+
+impl CtxGuard {
+    /// `ctx`: a context handle (as `usize`: handles are opaque to us).
+    pub fn enter(ctx: usize) -> Result<CtxGuard> {
+        let ctx = ctx as CUcontext;
+        let api = api()?;
+        let mut prev: CUcontext = std::ptr::null_mut();
+        // SAFETY: writes one pointer.
+        check(unsafe { (api.ctx_get_current)(&mut prev) }, || {
+            "cuCtxGetCurrent".into()
+        })?;
+        if prev == ctx {
+            return Ok(CtxGuard {
+                prev,
+                changed: false,
+            });
+        }
+        // SAFETY: a context retained for the life of the process.
+        check(unsafe { (api.ctx_set_current)(ctx) }, || {
+            "cuCtxSetCurrent".into()
+        })?;
+        Ok(CtxGuard {
+            prev,
+            changed: true,
+        })
+    }
+}
+
+impl Drop for CtxGuard {
+    fn drop(&mut self) {
+        if self.changed {
+            if let Ok(api) = api() {
+                // SAFETY: restores the context that was current (possibly none).
+                unsafe { (api.ctx_set_current)(self.prev) };
+            }
+        }
+    }
+}
+
+/// Whether `stream` is capturing a CUDA graph now.
+pub fn capturing(stream: usize) -> Result<bool> {
+    let stream = stream as CUstream;
+    let api = api()?;
+    let mut st = 0;
+    // SAFETY: writes one int; the stream is the caller's.
+    check(
+        unsafe { (api.stream_is_capturing)(stream, &mut st) },
+        || format!("cuStreamIsCapturing on stream {stream:p}"),
+    )?;
+    Ok(st != CU_STREAM_CAPTURE_STATUS_NONE)
+}
+
+/// Runs `f` with this thread's capture mode relaxed: setup calls (allocations, host memory
+/// registration) are legal even while a caller's stream captures a graph.
+pub fn relaxed<T>(f: impl FnOnce() -> Result<T>) -> Result<T> {
+    let api = api()?;
+    let mut mode = CU_STREAM_CAPTURE_MODE_RELAXED;
+    // SAFETY: swaps the thread's mode; restored below.
+    check(unsafe { (api.exchange_capture_mode)(&mut mode) }, || {
+        "cuThreadExchangeStreamCaptureMode".into()
+    })?;
+    let r = f();
+    // SAFETY: puts the previous mode back.
+    unsafe { (api.exchange_capture_mode)(&mut mode) };
+    r
+}

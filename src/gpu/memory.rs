@@ -1,0 +1,113 @@
+//! Memory the GPU reaches, for the layers below the executors: host memory pinned and mapped
+//! into every device (connection regions, which the kernels and proxy threads both reach; the
+//! control blocks of communicators), and connection slots in device memory.
+
+use super::driver::{self, check, CtxGuard};
+use crate::error::{Error, Result};
+
+/// Pins `len` bytes of host memory at `ptr` and maps them into every device (the device sees
+/// them at the same address: unified addressing).
+pub fn pin_host(ptr: *mut u8, len: usize) -> Result<()> {
+    let api = driver::api()?;
+    let _g = CtxGuard::enter(driver::primary_context(0)?)?;
+    driver::relaxed(|| {
+        // SAFETY: the caller's mapping of `len` bytes, unpinned before it goes (`unpin_host`).
+        let r = unsafe {
+            (api.host_register)(
+                ptr as *mut std::ffi::c_void,
+                len,
+                driver::CU_MEMHOSTREGISTER_PORTABLE | driver::CU_MEMHOSTREGISTER_DEVICEMAP,
+            )
+        };
+        if r == driver::CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED {
+            return Ok(());
+        }
+        check(r, || {
+            format!("pinning {len} bytes of host memory at {ptr:p} (cuMemHostRegister)")
+        })?;
+        let mut d: driver::CUdeviceptr = 0;
+        // SAFETY: registered just above.
+        check(
+            unsafe { (api.host_device_pointer)(&mut d, ptr as *mut std::ffi::c_void, 0) },
+            || "cuMemHostGetDevicePointer".into(),
+        )?;
+        if d as usize != ptr as usize {
+            return Err(Error::internal(format!(
+                "pinned host memory at {ptr:p} is at {d:#x} on the device (oxccl needs unified \
+                 addressing)"
+            )));
+        }
+        Ok(())
+    })
+}
+
+/// Undoes `pin_host` (before the memory is freed or unmapped).
+pub fn unpin_host(ptr: *mut u8) {
+    if let Ok(api) = driver::api() {
+        if let Ok(ctx) = driver::primary_context(0) {
+            if let Ok(_g) = CtxGuard::enter(ctx) {
+                // SAFETY: memory pinned by `pin_host`, still mapped.
+                unsafe { (api.host_unregister)(ptr as *mut std::ffi::c_void) };
+            }
+        }
+    }
+}
+
+/// Pins `ptr` when the CUDA executor runs this process (connection regions): kernels read and
+/// write it.
+pub fn pin_if_cuda(ptr: *mut u8, len: usize) -> Result<()> {
+    match super::kind() {
+        super::Kind::Cuda => pin_host(ptr, len),
+        super::Kind::Host => Ok(()),
+    }
+}
+
+pub fn unpin_if_cuda(ptr: *mut u8) {
+    if super::kind() == super::Kind::Cuda {
+        unpin_host(ptr)
+    }
+}
+
+/// Device memory holding the slots of a connection between ranks of this process (freed with
+/// the connection's region).
+pub struct DevSlots {
+    pub ptr: u64,
+    ctx: usize,
+}
+
+impl DevSlots {
+    /// `bytes` of device memory in the calling thread's current context (the communicator's,
+    /// entered by whoever makes connections), else device 0's.
+    pub fn alloc(bytes: usize) -> Result<DevSlots> {
+        let api = driver::api()?;
+        let mut ctx: driver::CUcontext = std::ptr::null_mut();
+        // SAFETY: writes one pointer.
+        check(unsafe { (api.ctx_get_current)(&mut ctx) }, || {
+            "cuCtxGetCurrent".into()
+        })?;
+        if ctx.is_null() {
+            ctx = driver::primary_context(0)? as driver::CUcontext;
+        }
+        let _g = CtxGuard::enter(ctx as usize)?;
+        driver::relaxed(|| {
+            let mut p: driver::CUdeviceptr = 0;
+            // SAFETY: writes one device pointer.
+            check(unsafe { (api.mem_alloc)(&mut p, bytes.max(1)) }, || {
+                format!("cuMemAlloc of {bytes} bytes for connection slots")
+            })?;
+            Ok(DevSlots {
+                ptr: p,
+                ctx: ctx as usize,
+            })
+        })
+    }
+}
+
+impl Drop for DevSlots {
+    fn drop(&mut self) {
+        if let (Ok(api), Ok(_g)) = (driver::api(), CtxGuard::enter(self.ctx)) {
+            // SAFETY: allocated in `alloc`, freed once, after both ends are gone.
+            unsafe { (api.mem_free)(self.ptr) };
+        }
+    }
+}
