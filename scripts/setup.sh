@@ -18,3 +18,8 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 if [ -x "$root/scripts/fetch-upstream-nccl.sh" ]; then
   "$root/scripts/fetch-upstream-nccl.sh" "$root/target/upstream-nccl" >/dev/null
 fi
+# NVRTC from PyPI, for the test that compiles the CUDA kernels (no GPU needed).
+nv="$root/target/cuda-wheels"
+if [ ! -e "$nv/nvidia/cuda_nvrtc/lib/libnvrtc.so.12" ]; then
+  python3 -m pip install -q --disable-pip-version-check --target "$nv" "nvidia-cuda-nvrtc-cu12==12.9.*" >/dev/null
+fi

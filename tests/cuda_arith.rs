@@ -569,6 +569,8 @@ fn header_matches_host_reducer_bit_for_bit() {
                 // Unspecified on the host: which of two NaNs, the sign of max/min(+0, -0).
                 let ok = match w {
                     0 if is_nan(dt, pa) && is_nan(dt, b) => is_nan(dt, g) && is_nan(dt, x),
+                    // The premul product of two NaNs is either (then combined on).
+                    0 if premul_nan && is_nan(dt, a) => is_nan(dt, g) && is_nan(dt, x),
                     0 if matches!(c.red.kind, ReduceKind::Max | ReduceKind::Min)
                         && dt.is_float()
                         && is_zero(dt, pa)

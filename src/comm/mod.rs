@@ -284,11 +284,14 @@ fn build_core(p: PendingInit) -> Result<Core> {
         boot: &boot,
         health: health.clone(),
         name: p.config.comm_name.clone(),
+        dev: cuda_dev,
     })?;
     let local = peers.iter().filter(|q| q.host == me.host).count();
     let conns = Conns::new(boot, peers, hash, health.clone());
     let nodes = conns.nodes();
+    let dev_guard = exec.enter_device()?;
     conns.connect_ring()?;
+    drop(dev_guard);
     crate::debug::info(&format!(
         "comm {hash:#x} rank {} nRanks {} nNodes {nodes} localRanks {} - Init COMPLETE ({})",
         p.rank,
@@ -309,10 +312,14 @@ fn build_core(p: PendingInit) -> Result<Core> {
 }
 
 /// Communicators can be made only where the executor is there (the CUDA one is not yet).
-fn check_executor() -> Result<()> {
-    match crate::exec::kind() {
-        crate::exec::Kind::Host => Ok(()),
-        crate::exec::Kind::Cuda => Err(crate::exec::cuda::missing()),
+/// The device a new rank is bound to: the one named (`ncclCommInitAll`'s list, a split's
+/// parent), else, on the CUDA executor, the calling thread's current device (as NCCL binds
+/// `ncclCommInitRank*`); the host executor numbers host slots itself (None).
+fn bind_device(dev: Option<i32>) -> Result<Option<i32>> {
+    match (crate::gpu::kind(), dev) {
+        (_, Some(d)) => Ok(Some(d)),
+        (crate::gpu::Kind::Host, None) => Ok(None),
+        (crate::gpu::Kind::Cuda, None) => crate::exec::cuda::current_device().map(Some),
     }
 }
 
@@ -330,7 +337,7 @@ pub(crate) fn new_comm(
     config: CommConfig,
     dev: Option<i32>,
 ) -> Result<Arc<Comm>> {
-    check_executor()?;
+    let dev = bind_device(dev)?;
     if nranks < 1 {
         return Err(Error::invalid_argument(format!(
             "invalid number of ranks {nranks} (must be at least 1)"
@@ -364,7 +371,6 @@ pub fn pending_rank(
 
 /// `ncclCommInitAll`: one comm per listed device (host slot), all in this process.
 pub fn init_all(devs: &[i32]) -> Result<Vec<Arc<Comm>>> {
-    check_executor()?;
     if devs.is_empty() {
         return Err(Error::invalid_argument(
             "ncclCommInitAll: ndev must be at least 1",
@@ -377,7 +383,9 @@ pub fn init_all(devs: &[i32]) -> Result<Vec<Arc<Comm>>> {
                 "invalid device {d} in devlist"
             )));
         }
-        if !seen.insert(d) {
+        // Several ranks on one GPU are fine on the CUDA executor (NCCL refuses them): it is how
+        // one GPU runs every multi-rank path.
+        if !seen.insert(d) && crate::gpu::kind() == crate::gpu::Kind::Host {
             return Err(Error::invalid_usage(format!(
                 "device {d} appears twice in devlist"
             )));

@@ -1,7 +1,6 @@
 //! The executor seam. An executor runs planned work in stream order on the memory it owns:
 //! `host` on host memory (CPU copies and reductions, polling the connections' counters); `cuda`
-//! (not there yet: a stub that says so) on a GPU stream with kernels, over the same plans and
-//! the same counters. Both have the same files: `mod.rs` (launch), `comm.rs` (per-communicator
+//! on a GPU stream with kernels, over the same plans and the same counters. Both have the same files: `mod.rs` (launch), `comm.rs` (per-communicator
 //! state), `stream.rs` (what a `cudaStream_t` is), `memory.rs` (`ncclMemAlloc`).
 //!
 //! Everything above this module (`group`, `launch`, `api`, `comm`) talks to executors only
@@ -22,10 +21,10 @@ use std::time::Instant;
 
 /// Which executor runs this process's communicators (chosen once by `device`: the CUDA
 /// executor where a driver is found, unless `OXCCL_DEVICE=host`).
-pub use crate::device::DeviceKind as Kind;
+pub use crate::gpu::Kind;
 
 pub fn kind() -> Kind {
-    crate::device::kind()
+    crate::gpu::kind()
 }
 
 /// What a `cudaStream_t` argument means to the executor.
@@ -71,6 +70,8 @@ pub struct CommSetup<'a> {
     pub health: Arc<Health>,
     /// `ncclConfig_t.commName`, for log lines.
     pub name: Option<String>,
+    /// The device (CUDA executor) or host slot the rank is bound to.
+    pub dev: i32,
 }
 
 impl CommExec {
@@ -89,7 +90,16 @@ impl CommExec {
     pub fn wait_quiescent(&self, deadline: Instant) -> Result<()> {
         match self {
             CommExec::Host(h) => h.wait_quiescent(deadline),
-            CommExec::Cuda(c) => match *c {},
+            CommExec::Cuda(c) => c.wait_quiescent(deadline),
+        }
+    }
+
+    /// Makes the rank's device current on this thread until the guard drops (connections made
+    /// now put their device memory there); nothing on the host executor.
+    pub fn enter_device(&self) -> Result<Option<crate::gpu::driver::CtxGuard>> {
+        match self {
+            CommExec::Host(_) => Ok(None),
+            CommExec::Cuda(c) => c.enter().map(Some),
         }
     }
 
@@ -97,7 +107,7 @@ impl CommExec {
     pub fn name(&self) -> &'static str {
         match self {
             CommExec::Host(_) => "host executor",
-            CommExec::Cuda(c) => match *c {},
+            CommExec::Cuda(_) => "CUDA executor",
         }
     }
 }
@@ -120,7 +130,7 @@ pub struct Call<'a> {
 pub fn launch_one(call: Call<'_>) -> Result<()> {
     match call.comm {
         CommExec::Host(_) => host::launch_one(&call),
-        CommExec::Cuda(c) => match *c {},
+        CommExec::Cuda(_) => cuda::launch(vec![call]),
     }
 }
 
@@ -139,7 +149,14 @@ pub fn launch(calls: Vec<Call<'_>>) -> Result<()> {
             }
             host::launch(calls)
         }
-        CommExec::Cuda(c) => match *c {},
+        CommExec::Cuda(_) => {
+            if calls.iter().any(|c| !matches!(c.comm, CommExec::Cuda(_))) {
+                return Err(Error::invalid_usage(
+                    "one group mixes communicators of the host and the CUDA executor",
+                ));
+            }
+            cuda::launch(calls)
+        }
     }
 }
 

@@ -296,48 +296,64 @@ struct Encoder {
     f: Flat,
 }
 
-impl Encoder {
-    fn conn(&mut self, c: &Option<ConnKey>) -> Result<u32> {
-        let Some(k) = c else { return Ok(NONE) };
-        let r = FlatConn {
-            peer: idx(k.peer)?,
-            is_sender: k.is_sender as u32,
-            class: k.class as u32,
-            _pad: 0,
-        };
-        match self.f.conns.iter().position(|x| *x == r) {
-            Some(i) => idx(i),
-            None => {
-                self.f.conns.push(r);
-                idx(self.f.conns.len() - 1)
-            }
+/// The index of connection `c` in `conns` (added if new), `NONE` for no connection.
+fn key_index(conns: &mut Vec<FlatConn>, c: &Option<ConnKey>) -> Result<u32> {
+    let Some(k) = c else { return Ok(NONE) };
+    let r = FlatConn {
+        peer: idx(k.peer)?,
+        is_sender: k.is_sender as u32,
+        class: k.class as u32,
+        _pad: 0,
+    };
+    match conns.iter().position(|x| *x == r) {
+        Some(i) => idx(i),
+        None => {
+            conns.push(r);
+            idx(conns.len() - 1)
         }
     }
+}
 
+/// Appends program `p` (its steps to `steps`, itself to `programs`), naming each connection
+/// by the index `conn` gives it (`NONE` for none): the one flat form of a program, which the
+/// CUDA executor's kernels read (`cuda/runner.cu`). Returns the program's index.
+pub fn encode_program<C>(
+    p: &Program<C>,
+    steps: &mut Vec<FlatStep>,
+    programs: &mut Vec<FlatProgram>,
+    mut conn: impl FnMut(&Option<C>) -> Result<u32>,
+) -> Result<u32> {
+    let first_step = idx(steps.len())?;
+    for s in &p.steps {
+        let step = FlatStep {
+            prim: prim_code(s.prim),
+            prep: s.prep as u32,
+            send: conn(&s.send)?,
+            recv: conn(&s.recv)?,
+            src: enc_addr(s.src),
+            dst: enc_addr(s.dst),
+            len: s.len as u64,
+        };
+        steps.push(step);
+    }
+    programs.push(FlatProgram {
+        first_step,
+        nsteps: idx(p.steps.len())?,
+        esize: p.esize as u64,
+        slice: p.slice as u64,
+        niter: p.niter as u64,
+        red: enc_red(p.red),
+        call: p.call,
+    });
+    idx(programs.len() - 1)
+}
+
+impl Encoder {
     fn program(&mut self, p: &Program) -> Result<u32> {
-        let first_step = idx(self.f.steps.len())?;
-        for s in &p.steps {
-            let step = FlatStep {
-                prim: prim_code(s.prim),
-                prep: s.prep as u32,
-                send: self.conn(&s.send)?,
-                recv: self.conn(&s.recv)?,
-                src: enc_addr(s.src),
-                dst: enc_addr(s.dst),
-                len: s.len as u64,
-            };
-            self.f.steps.push(step);
-        }
-        self.f.programs.push(FlatProgram {
-            first_step,
-            nsteps: idx(p.steps.len())?,
-            esize: p.esize as u64,
-            slice: p.slice as u64,
-            niter: p.niter as u64,
-            red: enc_red(p.red),
-            call: p.call,
-        });
-        idx(self.f.programs.len() - 1)
+        let conns = &mut self.f.conns;
+        encode_program(p, &mut self.f.steps, &mut self.f.programs, |c| {
+            key_index(conns, c)
+        })
     }
 
     fn direct(&mut self, op: &BoardOp) -> Result<u32> {

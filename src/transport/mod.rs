@@ -237,6 +237,19 @@ impl Conn {
         }
     }
 
+    /// Where a kernel finds this connection: the header (counters and slot metadata) and the
+    /// first slot (both in memory the device reaches when the CUDA executor runs).
+    pub fn device_view(&self) -> (usize, usize) {
+        let slots = match &self.region {
+            Region::Heap(h) => h.device_slots().map(|p| p as usize),
+            Region::Shm(_) => None,
+        };
+        (
+            self.base as usize,
+            slots.unwrap_or(self.base as usize + HDR_BYTES),
+        )
+    }
+
     fn counter(&self, off: usize) -> &AtomicU64 {
         // SAFETY: the header is inside the mapped region, 64-byte aligned, and only ever accessed
         // atomically by either end.
@@ -441,7 +454,13 @@ impl Named {
         let region = if shm {
             Region::Shm(shm::ShmRegion::open(&name, bytes)?)
         } else {
-            Region::Heap(inproc::open(&name, bytes)?)
+            let h = inproc::open(&name, bytes)?;
+            // Ranks of one process on the CUDA executor: slots in device memory, unless
+            // NCCL_P2P_DISABLE=1 asks for host-staged memory.
+            if crate::gpu::kind() == crate::gpu::Kind::Cuda && !crate::param::p2p_disabled() {
+                h.use_device_slots(spec.nsteps * spec.slot_bytes)?;
+            }
+            Region::Heap(h)
         };
         let blob = name.as_bytes().to_vec();
         Ok((

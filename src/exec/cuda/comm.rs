@@ -1,13 +1,263 @@
-//! The CUDA executor's per-communicator state: none can be built yet (the type has no values,
-//! so every use of one is statically unreachable).
+//! The CUDA executor's state of one rank: its device and context, the event that marks the end
+//! of its last launch (operations of a communicator run in issue order whatever streams they
+//! are given, as NCCL's do), and its control block: pinned host memory through which the host
+//! stops the kernels (abort) and kernels report why they stopped (a call mismatch).
 
-use crate::error::Result;
+use super::kernels::{self, Kernels};
+use crate::error::{Error, Result};
 use crate::exec::CommSetup;
+use crate::gpu::driver::{self, check, CtxGuard};
+use crate::health::Health;
+use parking_lot::Mutex;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Arc, Weak};
+use std::time::{Duration, Instant};
 
-pub enum CudaComm {}
+/// The control block (`OxCtl` in `cuda/runner.cu`), in a pinned page of its own.
+pub(super) struct Ctl {
+    page: *mut u8,
+}
+
+// SAFETY: the page is owned by the Ctl and only touched through atomics / volatile reads.
+unsafe impl Send for Ctl {}
+// SAFETY: as above.
+unsafe impl Sync for Ctl {}
+
+const CTL_PAGE: usize = 4096;
+
+impl Ctl {
+    fn new() -> Result<Ctl> {
+        let layout = std::alloc::Layout::from_size_align(CTL_PAGE, CTL_PAGE).expect("layout");
+        // SAFETY: non-zero size.
+        let page = unsafe { std::alloc::alloc_zeroed(layout) };
+        if page.is_null() {
+            return Err(Error::system("out of memory for a control block"));
+        }
+        if let Err(e) = crate::gpu::memory::pin_host(page, CTL_PAGE) {
+            // SAFETY: allocated above with this layout.
+            unsafe { std::alloc::dealloc(page, layout) };
+            return Err(e);
+        }
+        Ok(Ctl { page })
+    }
+
+    pub fn addr(&self) -> u64 {
+        self.page as u64
+    }
+
+    fn word(&self, i: usize) -> &AtomicU32 {
+        // SAFETY: inside the page, 4-byte aligned.
+        unsafe { &*(self.page.add(4 * i) as *const AtomicU32) }
+    }
+
+    pub fn abort(&self) {
+        self.word(0).store(1, Ordering::SeqCst);
+    }
+
+    /// The kernel's error code and details, if one stopped on an error.
+    pub fn error(&self) -> Option<(u32, [u64; 6])> {
+        let code = self.word(1).load(Ordering::Acquire);
+        if code == 0 {
+            return None;
+        }
+        let mut info = [0u64; 6];
+        for (i, v) in info.iter_mut().enumerate() {
+            // SAFETY: inside the page, 8-byte aligned (offset 8 + 8 i).
+            *v = unsafe { std::ptr::read_volatile(self.page.add(8 + 8 * i) as *const u64) };
+        }
+        Some((code, info))
+    }
+}
+
+impl Drop for Ctl {
+    fn drop(&mut self) {
+        crate::gpu::memory::unpin_host(self.page);
+        let layout = std::alloc::Layout::from_size_align(CTL_PAGE, CTL_PAGE).expect("layout");
+        // SAFETY: allocated in `new` with this layout.
+        unsafe { std::alloc::dealloc(self.page, layout) };
+    }
+}
+
+/// Where the communicator's last launch went.
+pub(super) struct Last {
+    /// Recorded after the last launch (0: none yet).
+    pub event: usize,
+    /// The stream of the last launch (later launches on it need no join).
+    pub stream: Option<usize>,
+    /// The event was recorded (a launch happened outside graph capture).
+    pub recorded: bool,
+}
+
+pub struct CudaComm {
+    pub dev: i32,
+    pub(super) ctx: usize,
+    pub rank: usize,
+    pub nranks: usize,
+    pub(super) health: Arc<Health>,
+    pub(super) ctl: Arc<Ctl>,
+    pub(super) kern: Kernels,
+    pub(super) last: Mutex<Last>,
+    name: String,
+}
 
 impl CudaComm {
-    pub fn init(_s: CommSetup<'_>) -> Result<CudaComm> {
-        Err(super::missing())
+    pub fn init(s: CommSetup<'_>) -> Result<CudaComm> {
+        let dev = s.dev;
+        let ctx = driver::primary_context(dev)?;
+        let _g = CtxGuard::enter(ctx)?;
+        let kern = kernels::get(ctx, dev)?;
+        let api = driver::api()?;
+        let mut ev: driver::CUevent = std::ptr::null_mut();
+        // SAFETY: writes one event handle.
+        check(
+            unsafe { (api.event_create)(&mut ev, driver::CU_EVENT_DISABLE_TIMING) },
+            || "cuEventCreate".into(),
+        )?;
+        let ctl = Arc::new(Ctl::new()?);
+        let name = match &s.name {
+            Some(n) => format!("comm {n} ({:#x}) rank {} of {}", s.hash, s.rank, s.nranks),
+            None => format!("comm {:#x} rank {} of {}", s.hash, s.rank, s.nranks),
+        };
+        watch(&ctl, &s.health, &name);
+        crate::debug::info(&format!(
+            "{name}: CUDA executor on device {dev} (driver {})",
+            driver::version().unwrap_or(0)
+        ));
+        Ok(CudaComm {
+            dev,
+            ctx,
+            rank: s.rank,
+            nranks: s.nranks,
+            health: s.health,
+            ctl,
+            kern,
+            last: Mutex::new(Last {
+                event: ev as usize,
+                stream: None,
+                recorded: false,
+            }),
+            name,
+        })
+    }
+
+    /// Makes the communicator's context current until the guard drops.
+    pub fn enter(&self) -> Result<CtxGuard> {
+        CtxGuard::enter(self.ctx)
+    }
+
+    pub fn describe(&self) -> &str {
+        &self.name
+    }
+
+    /// Waits until the last launch is done; after an abort, tells the kernels to stop first.
+    pub fn wait_quiescent(&self, deadline: Instant) -> Result<()> {
+        if self.health.halted() {
+            self.ctl.abort();
+        }
+        let api = driver::api()?;
+        let _g = CtxGuard::enter(self.ctx)?;
+        let ev = {
+            let l = self.last.lock();
+            if !l.recorded {
+                return Ok(());
+            }
+            l.event
+        };
+        loop {
+            // SAFETY: our event.
+            let r = unsafe { (api.event_query)(ev as driver::CUevent) };
+            if r != driver::CUDA_ERROR_NOT_READY {
+                return check(r, || {
+                    format!("{}: waiting for its last operation", self.name)
+                });
+            }
+            if self.health.halted() {
+                self.ctl.abort();
+            }
+            if Instant::now() >= deadline {
+                return Err(Error::timeout(format!(
+                    "{}: its operations on device {} did not finish in time",
+                    self.name, self.dev
+                )));
+            }
+            std::thread::sleep(Duration::from_micros(200));
+        }
+    }
+}
+
+impl Drop for CudaComm {
+    fn drop(&mut self) {
+        let _ = self.wait_quiescent(Instant::now() + Duration::from_secs(30));
+        if let (Ok(api), Ok(_g)) = (driver::api(), CtxGuard::enter(self.ctx)) {
+            // SAFETY: our event, destroyed once.
+            unsafe { (api.event_destroy)(self.last.lock().event as driver::CUevent) };
+        }
+    }
+}
+
+/// What the watcher thread looks after: a communicator's control block and health.
+struct Watched {
+    ctl: Weak<Ctl>,
+    health: Weak<Health>,
+    name: String,
+    reported: bool,
+}
+
+static WATCHED: Mutex<Vec<Watched>> = Mutex::new(Vec::new());
+
+/// Registers a communicator with the watcher thread (started at the first one): a kernel's
+/// error becomes the communicator's error (announced to the peers), and an aborted or failed
+/// communicator's kernels are told to stop.
+fn watch(ctl: &Arc<Ctl>, health: &Arc<Health>, name: &str) {
+    let mut w = WATCHED.lock();
+    let start = w.is_empty();
+    w.push(Watched {
+        ctl: Arc::downgrade(ctl),
+        health: Arc::downgrade(health),
+        name: name.to_string(),
+        reported: false,
+    });
+    if start {
+        let _ = std::thread::Builder::new()
+            .name("oxccl-cuda-watch".into())
+            .spawn(|| loop {
+                std::thread::sleep(Duration::from_millis(5));
+                let mut w = WATCHED.lock();
+                w.retain_mut(|x| {
+                    let (Some(ctl), Some(h)) = (x.ctl.upgrade(), x.health.upgrade()) else {
+                        return false;
+                    };
+                    if !x.reported {
+                        if let Some((code, info)) = ctl.error() {
+                            x.reported = true;
+                            h.fail_and_announce(kernel_error(&x.name, code, info));
+                            ctl.abort();
+                        }
+                    }
+                    if h.halted() || h.failed() {
+                        ctl.abort();
+                    }
+                    true
+                });
+                if w.is_empty() {
+                    // The next communicator starts a new watcher.
+                    return;
+                }
+            });
+    }
+}
+
+fn kernel_error(name: &str, code: u32, info: [u64; 6]) -> Error {
+    match code {
+        1 => Error::invalid_usage(format!(
+            "{name}: a peer sent data of {} into an operation of {} (connection {} of lane {}): \
+             every rank must make the same calls in the same order; the communicator can now \
+             only be destroyed or aborted",
+            crate::plan::call::describe([info[1], info[2]]),
+            crate::plan::call::describe([info[3], info[4]]),
+            info[0],
+            info[5]
+        )),
+        c => Error::internal(format!("{name}: a kernel stopped with code {c}")),
     }
 }

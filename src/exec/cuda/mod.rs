@@ -1,19 +1,375 @@
-//! The CUDA executor: not there yet. It sits behind the same seam as the host executor, with the
-//! same files, so that the CUDA issue replaces these stubs without touching the layers above:
-//! every entry point says plainly that it is missing, and its communicator state cannot be
-//! built (so nothing else here is ever reached).
+//! The CUDA executor: runs the same plans as the host executor, on the caller's CUDA stream, with
+//! the kernels of `cuda/` (`kernels`: compiled at run time by NVRTC). A group's calls are
+//! planned per communicator (`plan::build`, without the host's direct board operations), their
+//! connections made, their programs bound to the connections and flattened into kernel
+//! parameters (`desc`); each stage of a task is one kernel launch (one block per lane), in
+//! stream order. The calls return once the work is enqueued.
+//!
+//! Ranks of one thread's group that share a device and a stream are launched together (one
+//! kernel runs all their lanes), so that ranks on one GPU never wait for a kernel queued behind
+//! their own. A communicator's launches run in issue order even on different streams (a launch
+//! on another stream than the last one waits for the last one's event), except while a stream
+//! captures a graph (a captured launch must not depend on work outside the graph).
+//!
+//! Connection memory (FIFO slots and counters) is host memory pinned and mapped into the
+//! devices (`memory::pin_host`), so that the same regions serve the shared-memory transport
+//! between processes and the proxy threads of the network.
 
 pub mod comm;
+mod desc;
+mod kernels;
 pub mod memory;
+mod nvrtc;
 pub mod stream;
 
 pub use comm::CudaComm;
 
-use crate::error::Error;
+use super::{Call, CommExec};
+use crate::error::{Error, Result};
+use crate::gpu::driver::{self, check, CtxGuard};
+use crate::plan::build::Caps;
+use crate::plan::{Addr, Work};
+use desc::{Desc, DevProgram};
+use std::ffi::c_void;
 
-/// The error every stub returns.
-pub(crate) fn missing() -> Error {
-    Error::not_yet(
-        "the CUDA executor (a CUDA driver was found; set OXCCL_DEVICE=host to run on host memory)",
+/// The calling thread's current device (the CUDA runtime's), for `ncclCommInitRank*`.
+pub fn current_device() -> Result<i32> {
+    driver::current_device()
+}
+
+impl<'a> Call<'a> {
+    fn cuda(&self) -> &'a CudaComm {
+        match self.comm {
+            CommExec::Cuda(c) => c,
+            CommExec::Host(_) => unreachable!("a host communicator in a CUDA launch"),
+        }
+    }
+}
+
+/// Scratch for a plan's stash: device copies of inputs, taken in stream order.
+struct Scratch {
+    copies: Vec<(usize, usize)>,
+    bases: Vec<u64>,
+}
+
+/// One communicator's planned and bound work.
+struct Job<'a> {
+    comm: &'a CudaComm,
+    stream: usize,
+    stages: Vec<(Vec<Vec<DevProgram>>, Scratch)>,
+    p2p: (Vec<Vec<DevProgram>>, Scratch),
+}
+
+fn bind_lanes(
+    lanes: Vec<Vec<Work>>,
+    conns: &crate::transport::conns::Conns,
+) -> Result<Vec<Vec<DevProgram>>> {
+    lanes
+        .into_iter()
+        .map(|lane| {
+            lane.into_iter()
+                .map(|w| match w {
+                    Work::Steps(p) => p.bind(&mut |k| conns.bound(k)),
+                    Work::Board(b) => match b.fallback {
+                        Some(p) => p.bind(&mut |k| conns.bound(k)),
+                        None => Err(Error::internal(
+                            "a direct board operation was planned for the CUDA executor",
+                        )),
+                    },
+                })
+                .collect()
+        })
+        .collect()
+}
+
+/// Checks that a buffer the kernels will touch is memory the device reaches (device, managed
+/// or pinned-and-mapped host memory): a pageable host pointer would fault on the GPU and spoil
+/// the context for every later call.
+fn check_buffer(comm: &CudaComm, addr: usize, what: &str, name: &str) -> Result<()> {
+    if addr == 0 {
+        return Ok(());
+    }
+    let api = driver::api()?;
+    let mut ty: std::ffi::c_uint = 0;
+    // SAFETY: writes one unsigned int; any address may be asked about.
+    let r = unsafe {
+        (api.pointer_attr)(
+            &mut ty as *mut _ as *mut c_void,
+            driver::CU_POINTER_ATTRIBUTE_MEMORY_TYPE,
+            addr as u64,
+        )
+    };
+    if r != driver::CUDA_SUCCESS {
+        return Err(Error::invalid_argument(format!(
+            "{name}: {what} {addr:#x} is not memory the GPU can reach (not from cudaMalloc,              ncclMemAlloc, cudaMallocManaged or cudaHostAlloc); {} runs on device {}",
+            comm.describe(),
+            comm.dev
+        )));
+    }
+    Ok(())
+}
+
+/// Launches a group's calls (all on CUDA communicators).
+pub fn launch(ops: Vec<Call<'_>>) -> Result<()> {
+    for q in &ops {
+        let name = q.args.kind.name();
+        if q.args.count > 0 {
+            let _g = q.cuda().enter()?;
+            check_buffer(q.cuda(), q.args.send, "sendbuff", name)?;
+            if q.args.recv != q.args.send {
+                check_buffer(q.cuda(), q.args.recv, "recvbuff", name)?;
+            }
+        }
+    }
+    // Group by communicator, keeping call order.
+    let mut per_comm: Vec<Vec<Call>> = Vec::new();
+    for q in ops {
+        match per_comm
+            .iter_mut()
+            .find(|v| std::ptr::eq(v[0].cuda(), q.cuda()))
+        {
+            Some(v) => v.push(q),
+            None => per_comm.push(vec![q]),
+        }
+    }
+    let caps = Caps {
+        direct: false,
+        eager_bytes: 0,
+    };
+    let mut planned = Vec::with_capacity(per_comm.len());
+    for qs in per_comm {
+        let call = |q: &Call<'_>| (q.args, q.red);
+        let t = crate::plan::build::build_task(qs[0].conns, caps, &qs, call)?;
+        planned.push((qs, t));
+    }
+    let needs: Vec<_> = planned
+        .iter()
+        .map(|(qs, t)| {
+            let conns = qs[0].conns;
+            (conns, conns.missing_of(|f| t.for_each_key(&mut |k| f(k))))
+        })
+        .filter(|(_, keys)| !keys.is_empty())
+        .collect();
+    if !needs.is_empty() {
+        // Device memory of new connections goes to the (first) communicator's device.
+        let _g = planned[0].0[0].cuda().enter()?;
+        if let Err(e) = crate::transport::conns::connect_all(&needs) {
+            for (qs, _) in &planned {
+                qs[0].cuda().health.fail(e.clone());
+            }
+            return Err(e);
+        }
+    }
+    let mut jobs = Vec::with_capacity(planned.len());
+    for (qs, t) in planned {
+        let conns = qs[0].conns;
+        let stages = t
+            .stages
+            .into_iter()
+            .map(|s| {
+                Ok((
+                    bind_lanes(s.lanes, conns)?,
+                    Scratch {
+                        copies: s.stash.copies,
+                        bases: Vec::new(),
+                    },
+                ))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        jobs.push(Job {
+            comm: qs[0].cuda(),
+            stream: stream::handle(&qs[0].stream),
+            stages,
+            p2p: (
+                bind_lanes(t.p2p, conns)?,
+                Scratch {
+                    copies: t.p2p_stash.copies,
+                    bases: Vec::new(),
+                },
+            ),
+        });
+    }
+    // Launch together the jobs that share a context and a stream.
+    let mut first_err = None;
+    while !jobs.is_empty() {
+        let (ctx, s) = (jobs[0].comm.ctx, jobs[0].stream);
+        let (mut set, rest): (Vec<Job>, Vec<Job>) = jobs
+            .into_iter()
+            .partition(|j| j.comm.ctx == ctx && j.stream == s);
+        jobs = rest;
+        if let Err(e) = launch_set(&mut set) {
+            first_err.get_or_insert(e);
+        }
+    }
+    first_err.map_or(Ok(()), Err)
+}
+
+/// Takes a stash's copies on `stream` (allocated in stream order) and points the programs at
+/// them.
+fn fill_scratch(
+    sc: &mut Scratch,
+    lanes: &mut [Vec<DevProgram>],
+    stream: usize,
+    api: &driver::Api,
+) -> Result<()> {
+    if sc.copies.is_empty() {
+        return Ok(());
+    }
+    for &(src, bytes) in &sc.copies {
+        let mut p: driver::CUdeviceptr = 0;
+        // SAFETY: stream-ordered allocation on the caller's stream.
+        check(
+            unsafe { (api.mem_alloc_async)(&mut p, bytes.max(1), stream as _) },
+            || format!("cuMemAllocAsync of {bytes} bytes of scratch"),
+        )?;
+        sc.bases.push(p);
+        // SAFETY: `src` is `bytes` of the caller's (validated) buffer; `p` holds `bytes`.
+        check(
+            unsafe { (api.memcpy_dtod_async)(p, src as u64, bytes, stream as _) },
+            || "copying an input to scratch (cuMemcpyDtoDAsync)".into(),
+        )?;
+    }
+    let place = |a: Addr| match a {
+        Addr::Scratch { idx, off } => Addr::User(sc.bases[idx as usize] as usize + off),
+        a => a,
+    };
+    for p in lanes.iter_mut().flatten() {
+        for s in &mut p.steps {
+            s.src = place(s.src);
+            s.dst = place(s.dst);
+        }
+    }
+    Ok(())
+}
+
+fn free_scratch(sc: &Scratch, stream: usize, api: &driver::Api) {
+    for &p in &sc.bases {
+        // SAFETY: allocated by `fill_scratch` on this stream; freed after the launch using it.
+        unsafe { (api.mem_free_async)(p, stream as _) };
+    }
+}
+
+/// Launches the jobs of one (context, stream): stage k of every job in launch k; the
+/// point-to-point lanes in the first.
+fn launch_set(jobs: &mut [Job<'_>]) -> Result<()> {
+    let api = driver::api()?;
+    let comm0 = jobs[0].comm;
+    let stream = jobs[0].stream;
+    let _g = CtxGuard::enter(comm0.ctx)?;
+    let capturing = driver::capturing(stream)?;
+    // Issue order per communicator across streams.
+    if !capturing {
+        for j in jobs.iter() {
+            let l = j.comm.last.lock();
+            if l.recorded && l.stream != Some(stream) {
+                // SAFETY: our event, recorded on the communicator's last stream.
+                check(
+                    unsafe { (api.stream_wait_event)(stream as _, l.event as _, 0) },
+                    || "cuStreamWaitEvent (ordering a communicator's launches)".into(),
+                )?;
+            }
+        }
+    }
+    let nstages = jobs.iter().map(|j| j.stages.len()).max().unwrap_or(0);
+    let has_p2p = jobs.iter().any(|j| !j.p2p.0.is_empty());
+    let launches = nstages.max(has_p2p as usize);
+    for k in 0..launches {
+        let mut d = Desc::new();
+        let mut used: Vec<&Scratch> = Vec::new();
+        for j in jobs.iter_mut() {
+            let ctl = j.comm.ctl.addr();
+            if let Some((lanes, sc)) = j.stages.get_mut(k) {
+                fill_scratch(sc, lanes, stream, api)?;
+                for lane in lanes.iter() {
+                    d.lane(lane, ctl)?;
+                }
+            }
+            if k == 0 {
+                let (lanes, sc) = &mut j.p2p;
+                fill_scratch(sc, lanes, stream, api)?;
+                for lane in lanes.iter() {
+                    d.lane(lane, ctl)?;
+                }
+            }
+        }
+        let r = run(&d, comm0, stream, api);
+        for j in jobs.iter() {
+            if let Some((_, sc)) = j.stages.get(k) {
+                used.push(sc);
+            }
+            if k == 0 {
+                used.push(&j.p2p.1);
+            }
+        }
+        for sc in used {
+            free_scratch(sc, stream, api);
+        }
+        r?;
+    }
+    if !capturing {
+        for j in jobs.iter() {
+            let mut l = j.comm.last.lock();
+            // SAFETY: our event, on the stream just used.
+            check(
+                unsafe { (api.event_record)(l.event as _, stream as _) },
+                || "cuEventRecord".into(),
+            )?;
+            l.recorded = true;
+            l.stream = Some(stream);
+        }
+    }
+    Ok(())
+}
+
+/// Launches one descriptor on `stream`.
+fn run(d: &Desc, comm: &CudaComm, stream: usize, api: &driver::Api) -> Result<()> {
+    if d.lanes() == 0 {
+        return Ok(());
+    }
+    if let Some(copies) = d.plain_copies() {
+        // Copies only (a one-rank collective, a send to oneself): the copy engine, in order.
+        for (dst, src, bytes) in copies {
+            if dst != src && bytes > 0 {
+                // SAFETY: validated user ranges of `bytes` each.
+                check(
+                    unsafe { (api.memcpy_dtod_async)(dst, src, bytes as usize, stream as _) },
+                    || format!("{}: cuMemcpyDtoDAsync", comm.describe()),
+                )?;
+            }
+        }
+        return Ok(());
+    }
+    let mut params = d.params()?;
+    let mut args = [params.as_mut_ptr() as *mut c_void];
+    let (func, grid_x, grid_y) = if d.wide() {
+        let blocks = (d.max_bytes() / (512 * 64)).clamp(1, 2 * comm.kern.sms as usize);
+        (comm.kern.local, blocks as u32, d.lanes() as u32)
+    } else {
+        (comm.kern.run, d.lanes() as u32, 1)
+    };
+    // SAFETY: the kernel takes one parameter of `PARAM_BYTES` bytes, `params` holds them.
+    check(
+        unsafe {
+            (api.launch_kernel)(
+                func as _,
+                grid_x,
+                grid_y,
+                1,
+                512,
+                1,
+                1,
+                0,
+                stream as _,
+                args.as_mut_ptr(),
+                std::ptr::null_mut(),
+            )
+        },
+        || {
+            format!(
+                "{}: launching a kernel of {} lanes on stream {stream:#x}",
+                comm.describe(),
+                d.lanes()
+            )
+        },
     )
 }

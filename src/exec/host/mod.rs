@@ -35,7 +35,8 @@ impl Call<'_> {
     fn host(&self) -> &Arc<HostComm> {
         match self.comm {
             CommExec::Host(h) => h,
-            CommExec::Cuda(c) => match *c {},
+            // `exec::launch` hands the host executor only its own communicators.
+            CommExec::Cuda(_) => unreachable!("a CUDA communicator in a host launch"),
         }
     }
 }

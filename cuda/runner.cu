@@ -1,0 +1,401 @@
+// The CUDA executor's kernels: the program runner (one block per lane runs the lane's step
+// programs over connections, slice by slice, exactly as the host executor's `exec/host/steps.rs`
+// does on the CPU) and a wide kernel for work that touches no connection.
+//
+// A launch's work arrives by value as the kernel parameter (a flat descriptor, laid out by
+// `src/exec/cuda/desc.rs`): nothing outside the launch refers to host memory the caller may
+// reuse, and a CUDA graph that captured the launch replays it unchanged. The connections'
+// counters and slots live in the connection regions (pinned host memory mapped into the device,
+// or device memory), whose state (monotonic counters) carries over from launch to launch and
+// from replay to replay.
+//
+// Connection region layout (`src/transport/mod.rs`): tail (u64) at 0, head (u64) at 64, attach
+// count (u32) at 128, per slot (call word 0, call word 1, bytes) as u64 at 1024 + 24 * slot;
+// slot data at `slots + slot * slot_bytes`.
+
+#include "reduce.cuh"
+
+#define OX_THREADS 512
+#define OX_PARAM_BYTES 4000
+
+enum OxPrim {
+  P_SEND = 0,
+  P_RECV = 1,
+  P_COPY_SEND = 2,
+  P_RECV_COPY_SEND = 3,
+  P_RECV_REDUCE_SEND = 4,
+  P_RECV_REDUCE_COPY = 5,
+  P_RECV_REDUCE_COPY_SEND = 6,
+  P_LOCAL_COPY = 7,
+  P_LOCAL_REDUCE = 8,
+};
+
+struct OxConnD {  // 32 bytes
+  uint64_t hdr;
+  uint64_t slots;
+  uint64_t nsteps;
+  uint64_t slot_bytes;
+};
+// Programs and steps in the plan's flat form (`FlatProgram`, `FlatStep`, `FlatRed`,
+// `FlatAddr` of `src/plan/encode.rs`).
+struct OxAddr {  // kind 0 none, 1 address `at`
+  uint32_t kind, idx;
+  uint64_t at;
+};
+struct OxStepD {  // 56 bytes
+  uint32_t prim, prep;
+  uint32_t send, recv;  // connection index, or OX_NONE
+  OxAddr src, dst;
+  uint64_t len;
+};
+// kind: 0 none, 1 ready (flags bit 0: premul in `scalar`, bit 1: `postdiv`), 2 PreMulSum with
+// the scalar's bits in `scalar`, 3 PreMulSum with the scalar at device address `scalar`.
+struct OxRedD {  // 32 bytes
+  uint32_t kind;
+  int32_t dtype;
+  uint32_t op, flags;
+  uint64_t scalar, postdiv;
+};
+struct OxProgD {  // 80 bytes
+  uint32_t first_step, nsteps;
+  uint64_t esize, slice, niter;
+  OxRedD red;
+  uint64_t call0, call1;
+};
+#define OX_NONE 0xffffffffu
+struct OxHeadD {  // 16 bytes
+  uint64_t reserved;
+  uint16_t nconns, nprogs, nsteps, nlanes;
+};
+struct OxLaneD {  // 16 bytes
+  uint16_t first_prog, nprogs;
+  uint32_t pad;
+  uint64_t ctl;  // the lane's communicator's control block (OxCtl)
+};
+// The communicator's control block (pinned host memory): the host sets `abort`; a kernel that
+// stops on an error says why in `err` and `info`.
+struct OxCtl {
+  uint32_t abort;
+  uint32_t err;
+  uint64_t info[6];
+};
+static_assert(sizeof(OxConnD) == 32, "OxConnD layout");
+static_assert(sizeof(OxStepD) == 56, "OxStepD layout");
+static_assert(sizeof(OxProgD) == 80, "OxProgD layout");
+static_assert(sizeof(OxHeadD) == 16, "OxHeadD layout");
+static_assert(sizeof(OxLaneD) == 16, "OxLaneD layout");
+struct OxParams {
+  uint64_t words[OX_PARAM_BYTES / 8];
+};
+
+enum { OX_ERR_NONE = 0, OX_ERR_CALL = 1, OX_ERR_ABORT = 2 };
+
+__device__ __forceinline__ uint64_t ld_vol64(const uint64_t* p) {
+  return *(const volatile uint64_t*)p;
+}
+__device__ __forceinline__ uint32_t ld_vol32(const uint32_t* p) {
+  return *(const volatile uint32_t*)p;
+}
+__device__ __forceinline__ void st_vol64(uint64_t* p, uint64_t v) {
+  *(volatile uint64_t*)p = v;
+}
+
+// A load that sees what another agent wrote since this kernel last read the same address (FIFO
+// slots are reused: an L1 line left from an earlier pass would be stale).
+template <typename T>
+__device__ __forceinline__ T ld_fresh(const T* p) {
+  return *(const volatile T*)p;
+}
+__device__ __forceinline__ uint4 ld_fresh(const uint4* p) {
+  uint4 v;
+  asm volatile("ld.volatile.global.v4.u32 {%0,%1,%2,%3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+}
+
+struct OxShared {
+  const uint8_t* in;
+  uint8_t* out;
+  uint64_t rstep, sstep;
+  int stop;
+  OxRed red;
+};
+
+// Thread 0 waits until `pred` holds, checking the abort word now and then: false when aborted.
+__device__ __forceinline__ bool ox_aborted(OxCtl* ctl) {
+  return ld_vol32(&ctl->abort) != 0;
+}
+
+// ---- element loops (all threads of the block; `tid`/`nt` the thread's place) ----
+
+__device__ __forceinline__ void copy_bytes(uint8_t* d0, uint8_t* d1, const uint8_t* s, size_t bytes,
+                                           bool fresh, int tid, int nt) {
+  // Vectorised when every pointer is 16-byte aligned.
+  uintptr_t al = (uintptr_t)s | (uintptr_t)d0 | (uintptr_t)d1;
+  size_t done = 0;
+  if ((al & 15) == 0) {
+    size_t nv = bytes / 16;
+    const uint4* sv = (const uint4*)s;
+    uint4* v0 = (uint4*)d0;
+    uint4* v1 = (uint4*)d1;
+    for (size_t i = tid; i < nv; i += nt) {
+      uint4 x = fresh ? ld_fresh(sv + i) : sv[i];
+      if (v0) v0[i] = x;
+      if (v1) v1[i] = x;
+    }
+    done = nv * 16;
+  } else if ((al & 3) == 0) {
+    size_t nw = bytes / 4;
+    const uint32_t* sw = (const uint32_t*)s;
+    uint32_t* w0 = (uint32_t*)d0;
+    uint32_t* w1 = (uint32_t*)d1;
+    for (size_t i = tid; i < nw; i += nt) {
+      uint32_t x = fresh ? ld_fresh(sw + i) : sw[i];
+      if (w0) w0[i] = x;
+      if (w1) w1[i] = x;
+    }
+    done = nw * 4;
+  }
+  for (size_t i = done + tid; i < bytes; i += nt) {
+    uint8_t x = fresh ? ld_fresh(s + i) : s[i];
+    if (d0) d0[i] = x;
+    if (d1) d1[i] = x;
+  }
+}
+
+// The reducing primitives over `n` elements of dtype DT.
+template <int DT>
+__device__ __forceinline__ void reduce_typed(int prim, bool prep, const uint8_t* src0,
+                                             const uint8_t* in0, uint8_t* dst0, uint8_t* out0,
+                                             size_t n, const OxRed& r, int tid, int nt) {
+  typedef typename OxDt<DT>::S S;
+  const S* src = (const S*)src0;
+  const S* in = (const S*)in0;
+  S* dst = (S*)dst0;
+  S* out = (S*)out0;
+  switch (prim) {
+    case P_SEND:  // prep only (a plain send is a copy)
+      for (size_t i = tid; i < n; i += nt) out[i] = ox_prep<DT>(src[i], r);
+      break;
+    case P_RECV_REDUCE_SEND:
+      for (size_t i = tid; i < n; i += nt) out[i] = ox_combine<DT>(src[i], ld_fresh(in + i), r);
+      break;
+    case P_RECV_REDUCE_COPY:
+      for (size_t i = tid; i < n; i += nt)
+        dst[i] = ox_finish<DT>(ox_combine<DT>(src[i], ld_fresh(in + i), r), r);
+      break;
+    case P_RECV_REDUCE_COPY_SEND:
+      for (size_t i = tid; i < n; i += nt) {
+        S v = ox_finish<DT>(ox_combine<DT>(src[i], ld_fresh(in + i), r), r);
+        dst[i] = v;
+        out[i] = v;
+      }
+      break;
+    case P_LOCAL_REDUCE:
+      for (size_t i = tid; i < n; i += nt) dst[i] = ox_finish<DT>(ox_prep<DT>(src[i], r), r);
+      break;
+  }
+  (void)prep;
+}
+
+__device__ void reduce_any(int prim, bool prep, const uint8_t* src, const uint8_t* in,
+                           uint8_t* dst, uint8_t* out, size_t n, const OxRed& r, int tid,
+                           int nt) {
+  switch (r.dtype) {
+#define OX_CASE(d) \
+  case d: reduce_typed<d>(prim, prep, src, in, dst, out, n, r, tid, nt); break;
+    OX_CASE(0) OX_CASE(1) OX_CASE(2) OX_CASE(3) OX_CASE(4) OX_CASE(5)
+    OX_CASE(6) OX_CASE(7) OX_CASE(8) OX_CASE(9) OX_CASE(10) OX_CASE(11)
+#undef OX_CASE
+  }
+}
+
+// One primitive over one slice (all threads).
+__device__ __forceinline__ void run_prim(const OxStepD& s, const OxProgD& p, const OxRed& r,
+                                         const uint8_t* src, uint8_t* dst, const uint8_t* in,
+                                         uint8_t* out, size_t n, int tid, int nt) {
+  size_t bytes = n * p.esize;
+  switch (s.prim) {
+    case P_SEND:
+      if (s.prep && r.has_premul)
+        reduce_any(P_SEND, true, src, nullptr, nullptr, out, n, r, tid, nt);
+      else
+        copy_bytes(out, nullptr, src, bytes, false, tid, nt);
+      break;
+    case P_RECV: copy_bytes(dst, nullptr, in, bytes, true, tid, nt); break;
+    case P_COPY_SEND: copy_bytes(out, dst, src, bytes, false, tid, nt); break;
+    case P_RECV_COPY_SEND: copy_bytes(out, dst, in, bytes, true, tid, nt); break;
+    case P_LOCAL_COPY: copy_bytes(dst, nullptr, src, bytes, false, tid, nt); break;
+    default: reduce_any(s.prim, s.prep, src, in, dst, out, n, r, tid, nt); break;
+  }
+}
+
+struct OxView {
+  const OxHeadD* h;
+  const OxConnD* conns;
+  const OxProgD* progs;
+  const OxStepD* steps;
+  const OxLaneD* lanes;
+};
+
+__device__ __forceinline__ OxView ox_view(const OxParams& P) {
+  OxView v;
+  const uint8_t* b = (const uint8_t*)P.words;
+  v.h = (const OxHeadD*)b;
+  v.conns = (const OxConnD*)(b + sizeof(OxHeadD));
+  v.progs = (const OxProgD*)((const uint8_t*)v.conns + sizeof(OxConnD) * v.h->nconns);
+  v.steps = (const OxStepD*)((const uint8_t*)v.progs + sizeof(OxProgD) * v.h->nprogs);
+  v.lanes = (const OxLaneD*)((const uint8_t*)v.steps + sizeof(OxStepD) * v.h->nsteps);
+  return v;
+}
+
+// Stops the kernel with an error (thread 0): the host reads it from the control block.
+__device__ void ox_fail(OxCtl* ctl, uint32_t code, uint64_t a, uint64_t b, uint64_t c, uint64_t d,
+                        uint64_t e) {
+  if (atomicCAS((unsigned int*)&ctl->err, 0u, code) == 0u) {
+    ctl->info[0] = a;
+    ctl->info[1] = b;
+    ctl->info[2] = c;
+    ctl->info[3] = d;
+    ctl->info[4] = e;
+    ctl->info[5] = blockIdx.x;
+    __threadfence_system();
+  }
+}
+
+// Thread 0: waits for the step's slots. False when the kernel must stop (abort or error).
+__device__ bool ox_wait_slots(const OxView& v, const OxStepD& s, const OxProgD& p, OxCtl* ctl,
+                              OxShared* sh) {
+  unsigned spins = 0;
+  sh->in = nullptr;
+  sh->out = nullptr;
+  if (s.recv != OX_NONE) {
+    const OxConnD& c = v.conns[s.recv];
+    uint64_t* hdr = (uint64_t*)c.hdr;
+    uint64_t head = ld_vol64(hdr + 8);
+    while (ld_vol64(hdr) <= head) {
+      if ((++spins & 1023) == 0 && ox_aborted(ctl)) return false;
+    }
+    __threadfence_system();
+    uint64_t idx = head % c.nsteps;
+    const uint64_t* meta = (const uint64_t*)(c.hdr + 1024 + 24 * idx);
+    uint64_t t0 = ld_vol64(meta), t1 = ld_vol64(meta + 1);
+    if (t0 != p.call0 || t1 != p.call1) {
+      ox_fail(ctl, OX_ERR_CALL, (uint64_t)s.recv, t0, t1, p.call0, p.call1);
+      return false;
+    }
+    sh->in = (const uint8_t*)(c.slots + idx * c.slot_bytes);
+    sh->rstep = head;
+  }
+  if (s.send != OX_NONE) {
+    const OxConnD& c = v.conns[s.send];
+    uint64_t* hdr = (uint64_t*)c.hdr;
+    while (ld_vol32((const uint32_t*)(c.hdr + 128)) < 2) {
+      if ((++spins & 1023) == 0 && ox_aborted(ctl)) return false;
+    }
+    uint64_t tail = ld_vol64(hdr);
+    while (tail - ld_vol64(hdr + 8) >= c.nsteps) {
+      if ((++spins & 1023) == 0 && ox_aborted(ctl)) return false;
+    }
+    sh->out = (uint8_t*)(c.slots + (tail % c.nsteps) * c.slot_bytes);
+    sh->sstep = tail;
+  }
+  return true;
+}
+
+__device__ void ox_post(const OxView& v, const OxStepD& s, const OxProgD& p, const OxShared* sh,
+                        uint64_t bytes) {
+  if (s.recv != OX_NONE) {
+    const OxConnD& c = v.conns[s.recv];
+    st_vol64((uint64_t*)c.hdr + 8, sh->rstep + 1);
+  }
+  if (s.send != OX_NONE) {
+    const OxConnD& c = v.conns[s.send];
+    uint64_t* meta = (uint64_t*)(c.hdr + 1024 + 24 * (sh->sstep % c.nsteps));
+    st_vol64(meta, p.call0);
+    st_vol64(meta + 1, p.call1);
+    st_vol64(meta + 2, bytes);
+    __threadfence_system();
+    st_vol64((uint64_t*)c.hdr, sh->sstep + 1);
+  }
+}
+
+// Reads a PreMulSum scalar of `esize` bytes from device memory.
+__device__ uint64_t ox_scalar(uint64_t addr, int esize) {
+  uint64_t v = 0;
+  const uint8_t* p = (const uint8_t*)addr;
+  for (int i = 0; i < esize; i++) v |= (uint64_t)p[i] << (8 * i);
+  return v;
+}
+
+// The reduction of a program, a device-resident PreMulSum scalar read now (as NCCL's kernels
+// read it when they run).
+__device__ OxRed ox_red(const OxProgD& p) {
+  OxRed r;
+  r.dtype = (uint32_t)p.red.dtype;
+  r.kind = p.red.kind == 1 ? p.red.op : 0;
+  r.pad = 0;
+  r.has_premul = p.red.kind >= 2 || (p.red.kind == 1 && (p.red.flags & 1));
+  r.premul_bits = p.red.kind == 3 ? ox_scalar(p.red.scalar, (int)p.esize) : p.red.scalar;
+  r.postdiv = (p.red.kind == 1 && (p.red.flags & 2)) ? p.red.postdiv : 0;
+  return r;
+}
+
+extern "C" __global__ void __launch_bounds__(OX_THREADS)
+    oxccl_run(const __grid_constant__ OxParams P) {
+  OxView v = ox_view(P);
+  if (blockIdx.x >= v.h->nlanes) return;
+  const OxLaneD lane = v.lanes[blockIdx.x];
+  OxCtl* ctl = (OxCtl*)lane.ctl;
+  __shared__ OxShared sh;
+  const int tid = threadIdx.x, nt = blockDim.x;
+  for (int pi = 0; pi < lane.nprogs; pi++) {
+    const OxProgD& p = v.progs[lane.first_prog + pi];
+    OxRed r;
+    if (tid == 0) sh.red = ox_red(p);
+    __syncthreads();
+    r = sh.red;
+    __syncthreads();
+    for (uint64_t it = 0; it < p.niter; it++) {
+      for (uint32_t k = 0; k < p.nsteps; k++) {
+        const OxStepD& s = v.steps[p.first_step + k];
+        uint64_t off = it * p.slice;
+        if (off >= s.len) continue;
+        uint64_t n = s.len - off < p.slice ? s.len - off : p.slice;
+        if (tid == 0) sh.stop = !ox_wait_slots(v, s, p, ctl, &sh);
+        __syncthreads();
+        if (sh.stop) return;
+        const uint8_t* in = sh.in;
+        uint8_t* out = sh.out;
+        const uint8_t* src = s.src.at ? (const uint8_t*)(s.src.at + off * p.esize) : nullptr;
+        uint8_t* dst = s.dst.at ? (uint8_t*)(s.dst.at + off * p.esize) : nullptr;
+        run_prim(s, p, r, src, dst, in, out, n, tid, nt);
+        if (s.send != OX_NONE) __threadfence_system();
+        __syncthreads();
+        if (tid == 0) ox_post(v, s, p, &sh, n * p.esize);
+      }
+    }
+  }
+}
+
+// Work that touches no connection, one program of one step per lane (e.g. the copy of a
+// one-rank collective): every block takes its share of each lane's elements (gridDim.y =
+// lanes).
+extern "C" __global__ void __launch_bounds__(OX_THREADS)
+    oxccl_local(const __grid_constant__ OxParams P) {
+  OxView v = ox_view(P);
+  if (blockIdx.y >= v.h->nlanes) return;
+  const OxLaneD lane = v.lanes[blockIdx.y];
+  const int tid = blockIdx.x * blockDim.x + threadIdx.x;
+  const int nt = gridDim.x * blockDim.x;
+  for (int pi = 0; pi < lane.nprogs; pi++) {
+    const OxProgD& p = v.progs[lane.first_prog + pi];
+    OxRed r = ox_red(p);
+    for (uint32_t k = 0; k < p.nsteps; k++) {
+      const OxStepD& s = v.steps[p.first_step + k];
+      run_prim(s, p, r, (const uint8_t*)s.src.at, (uint8_t*)s.dst.at, nullptr, nullptr, s.len,
+               tid, nt);
+    }
+  }
+}

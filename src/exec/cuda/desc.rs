@@ -1,0 +1,327 @@
+//! A launch's work as the kernels read it: a flat descriptor passed by value as the kernel's
+//! parameter. Programs and steps are in the plan's one flat form (`plan::encode`'s
+//! `FlatProgram` / `FlatStep`); around them this adds what only a launch knows: the connections
+//! (where each one's counters and slots are) and the lanes (one block each, with the control
+//! block of the lane's communicator). Layout shared with `cuda/runner.cu`: `OxHeadD`, then
+//! connections, programs, steps, lanes. Nothing in it points at host memory the caller owns, so
+//! a captured CUDA graph replays it as it is.
+
+use crate::error::{Error, Result};
+use crate::plan::encode::{encode_program, FlatProgram, FlatStep, NONE};
+use crate::plan::{Prim, Program};
+use crate::transport::Conn;
+use std::sync::Arc;
+
+/// The kernels' parameter size (`OX_PARAM_BYTES`).
+pub const PARAM_BYTES: usize = 4000;
+
+const HEAD: usize = 16;
+const CONN: usize = 32;
+const PROG: usize = std::mem::size_of::<FlatProgram>();
+const STEP: usize = std::mem::size_of::<FlatStep>();
+const LANE: usize = 16;
+const _: () = assert!(PROG == 80 && STEP == 56);
+
+/// A program bound to this rank's connections, its addresses in device memory.
+pub type DevProgram = Program<Arc<Conn>>;
+
+/// The descriptor of one kernel launch.
+#[derive(Default)]
+pub struct Desc {
+    conns: Vec<Arc<Conn>>,
+    progs: Vec<FlatProgram>,
+    steps: Vec<FlatStep>,
+    /// (first program, programs, the communicator's control block).
+    lanes: Vec<(u16, u16, u64)>,
+    /// The largest step, in bytes.
+    max_bytes: usize,
+    /// Whether some step is more than a plain copy.
+    transforms: bool,
+}
+
+fn as_bytes<T: Copy>(v: &T) -> &[u8] {
+    // SAFETY: `T` is a `#[repr(C)]` record of integers (FlatProgram / FlatStep) with no padding
+    // bytes (checked by the sizes above), read as its bytes.
+    unsafe { std::slice::from_raw_parts(v as *const T as *const u8, std::mem::size_of::<T>()) }
+}
+
+impl Desc {
+    pub fn new() -> Desc {
+        Desc::default()
+    }
+
+    pub fn lanes(&self) -> usize {
+        self.lanes.len()
+    }
+
+    /// Whether the launch is wide work: no connection, and each lane one program of at most one
+    /// step (so that every block may take a share of every step, in no particular order).
+    pub fn wide(&self) -> bool {
+        self.conns.is_empty()
+            && self
+                .lanes
+                .iter()
+                .all(|&(first, n, _)| n <= 1 && (n == 0 || self.progs[first as usize].nsteps <= 1))
+    }
+
+    /// Adds a lane running `progs` in order, for the communicator whose control block is at
+    /// `ctl`. Scratch addresses must have been placed (made the device's) before.
+    pub fn lane<'p>(
+        &mut self,
+        progs: impl IntoIterator<Item = &'p DevProgram>,
+        ctl: u64,
+    ) -> Result<()> {
+        let first = self.progs.len();
+        for p in progs {
+            for s in &p.steps {
+                self.max_bytes = self.max_bytes.max(s.len * p.esize);
+                self.transforms |= s.prim != Prim::LocalCopy;
+                if matches!(s.src, crate::plan::Addr::Scratch { .. })
+                    || matches!(s.dst, crate::plan::Addr::Scratch { .. })
+                {
+                    return Err(Error::internal("scratch reached a launch unplaced"));
+                }
+            }
+            let conns = &mut self.conns;
+            encode_program(p, &mut self.steps, &mut self.progs, |c| match c {
+                None => Ok(NONE),
+                Some(c) => Ok(match conns.iter().position(|x| Arc::ptr_eq(x, c)) {
+                    Some(i) => i as u32,
+                    None => {
+                        conns.push(c.clone());
+                        conns.len() as u32 - 1
+                    }
+                }),
+            })?;
+        }
+        let n = self.progs.len() - first;
+        let (Ok(first), Ok(n)) = (u16::try_from(first), u16::try_from(n)) else {
+            return Err(Error::internal("too many programs in one launch"));
+        };
+        self.lanes.push((first, n, ctl));
+        Ok(())
+    }
+
+    /// The bytes of the kernel parameter.
+    pub fn params(&self) -> Result<Vec<u64>> {
+        let size = HEAD
+            + CONN * self.conns.len()
+            + PROG * self.progs.len()
+            + STEP * self.steps.len()
+            + LANE * self.lanes.len();
+        if size > PARAM_BYTES {
+            return Err(Error::invalid_usage(format!(
+                "this launch needs a {size}-byte descriptor ({} lanes, {} programs, {} steps); \
+                 one CUDA launch takes {PARAM_BYTES}: split the group into smaller ones",
+                self.lanes.len(),
+                self.progs.len(),
+                self.steps.len()
+            )));
+        }
+        let mut b = Vec::with_capacity(PARAM_BYTES);
+        let n16 = |v: usize| (v as u16).to_le_bytes();
+        b.extend_from_slice(&0u64.to_le_bytes());
+        for n in [
+            self.conns.len(),
+            self.progs.len(),
+            self.steps.len(),
+            self.lanes.len(),
+        ] {
+            b.extend_from_slice(&n16(n));
+        }
+        for c in &self.conns {
+            let (hdr, slots) = c.device_view();
+            for v in [hdr as u64, slots as u64, c.nsteps, c.slot_bytes as u64] {
+                b.extend_from_slice(&v.to_le_bytes());
+            }
+        }
+        for p in &self.progs {
+            b.extend_from_slice(as_bytes(p));
+        }
+        for s in &self.steps {
+            b.extend_from_slice(as_bytes(s));
+        }
+        for &(f, n, ctl) in &self.lanes {
+            b.extend_from_slice(&f.to_le_bytes());
+            b.extend_from_slice(&n.to_le_bytes());
+            b.extend_from_slice(&0u32.to_le_bytes());
+            b.extend_from_slice(&ctl.to_le_bytes());
+        }
+        b.resize(PARAM_BYTES, 0);
+        Ok(b.chunks_exact(8)
+            .map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes")))
+            .collect())
+    }
+
+    /// The largest step, in bytes (sizes a local launch).
+    pub fn max_bytes(&self) -> usize {
+        self.max_bytes
+    }
+
+    /// (dst, src, bytes) of each step, where every step is a plain local copy.
+    pub fn plain_copies(&self) -> Option<Vec<(u64, u64, u64)>> {
+        if self.transforms || !self.conns.is_empty() {
+            return None;
+        }
+        Some(
+            self.progs
+                .iter()
+                .flat_map(|p| {
+                    let (a, n) = (p.first_step as usize, p.nsteps as usize);
+                    self.steps[a..a + n]
+                        .iter()
+                        .map(move |s| (s.dst.at, s.src.at, s.len * p.esize))
+                })
+                .collect(),
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::plan::{Addr, RedSpec, Step};
+    use crate::transport::{inproc, Region};
+    use crate::types::{DataType, ReduceKind, Reduction};
+
+    fn rd64(b: &[u64], byte: usize) -> u64 {
+        assert_eq!(byte % 8, 0);
+        b[byte / 8]
+    }
+    fn rd32(b: &[u64], byte: usize) -> u32 {
+        (b[byte / 8] >> (8 * (byte % 8))) as u32
+    }
+    fn rd16(b: &[u64], byte: usize) -> u16 {
+        (b[byte / 8] >> (8 * (byte % 8))) as u16
+    }
+
+    /// The descriptor's bytes are where `cuda/runner.cu` reads them (OxHeadD, OxConnD,
+    /// OxProgD = FlatProgram, OxStepD = FlatStep, OxLaneD, in that order).
+    #[test]
+    fn layout_matches_the_kernel() {
+        let region = inproc::open("oxccl-desc-test", crate::transport::region_bytes(4, 4096))
+            .expect("region");
+        let conn = Arc::new(Conn::new(Region::Heap(region), 4, 4096, (0, 1), true));
+        let red = Reduction {
+            dtype: DataType::Float32,
+            kind: ReduceKind::Max,
+            premul: None,
+            postdiv: Some(3),
+        };
+        let step = |prim, recv: Option<&Arc<Conn>>, send: Option<&Arc<Conn>>, src, dst, len| Step {
+            prim,
+            recv: recv.cloned(),
+            send: send.cloned(),
+            src,
+            dst,
+            len,
+            prep: prim == Prim::Send,
+        };
+        let prog: DevProgram = Program {
+            steps: vec![
+                step(
+                    Prim::Send,
+                    None,
+                    Some(&conn),
+                    Addr::User(0x1000),
+                    Addr::None,
+                    100,
+                ),
+                step(
+                    Prim::RecvReduceCopySend,
+                    Some(&conn),
+                    Some(&conn),
+                    Addr::User(0x2000),
+                    Addr::User(0x3000),
+                    50,
+                ),
+            ],
+            esize: 4,
+            slice: 1024,
+            niter: 1,
+            red: Some(RedSpec::Ready(red)),
+            call: [7, 9],
+        };
+        let mut d = Desc::new();
+        d.lane([&prog], 0xc7c7).expect("lane");
+        let b = d.params().expect("params");
+        assert_eq!(b.len() * 8, PARAM_BYTES);
+        assert_eq!(
+            [rd16(&b, 8), rd16(&b, 10), rd16(&b, 12), rd16(&b, 14)],
+            [1, 1, 2, 1]
+        );
+        let (hdr, slots) = conn.device_view();
+        assert_eq!([rd64(&b, 16), rd64(&b, 24)], [hdr as u64, slots as u64]);
+        assert_eq!([rd64(&b, 32), rd64(&b, 40)], [4, 4096]);
+        // OxProgD: first_step, nsteps, esize, slice, niter, red {kind, dtype, op, flags,
+        // scalar, postdiv}, call.
+        let p = 16 + CONN;
+        assert_eq!([rd32(&b, p), rd32(&b, p + 4)], [0, 2]);
+        assert_eq!(
+            [rd64(&b, p + 8), rd64(&b, p + 16), rd64(&b, p + 24)],
+            [4, 1024, 1]
+        );
+        assert_eq!(
+            [
+                rd32(&b, p + 32),
+                rd32(&b, p + 36),
+                rd32(&b, p + 40),
+                rd32(&b, p + 44)
+            ],
+            [1, DataType::Float32 as u32, 2, 2]
+        );
+        assert_eq!(rd64(&b, p + 56), 3);
+        assert_eq!([rd64(&b, p + 64), rd64(&b, p + 72)], [7, 9]);
+        // OxStepD: prim, prep, send, recv, src {kind, idx, at}, dst, len.
+        let s = p + PROG;
+        assert_eq!(
+            [
+                rd32(&b, s),
+                rd32(&b, s + 4),
+                rd32(&b, s + 8),
+                rd32(&b, s + 12)
+            ],
+            [0, 1, 0, NONE]
+        );
+        assert_eq!((rd32(&b, s + 16), rd64(&b, s + 24)), (1, 0x1000));
+        assert_eq!((rd32(&b, s + 32), rd64(&b, s + 48)), (0, 100));
+        let s2 = s + STEP;
+        assert_eq!(
+            [rd32(&b, s2), rd32(&b, s2 + 8), rd32(&b, s2 + 12)],
+            [6, 0, 0]
+        );
+        assert_eq!([rd64(&b, s2 + 40), rd64(&b, s2 + 48)], [0x3000, 50]);
+        let l = s2 + STEP;
+        assert_eq!([rd16(&b, l), rd16(&b, l + 2)], [0, 1]);
+        assert_eq!(rd64(&b, l + 8), 0xc7c7);
+        inproc::forget("oxccl-desc-test");
+    }
+
+    #[test]
+    fn too_large_a_launch_is_an_error() {
+        let prog: DevProgram = Program {
+            steps: (0..100)
+                .map(|_| Step {
+                    prim: Prim::LocalCopy,
+                    recv: None,
+                    send: None,
+                    src: Addr::User(8),
+                    dst: Addr::User(16),
+                    len: 1,
+                    prep: false,
+                })
+                .collect(),
+            esize: 2,
+            slice: 1,
+            niter: 1,
+            red: None,
+            call: [0, 0],
+        };
+        let mut d = Desc::new();
+        d.lane([&prog], 0).expect("lane");
+        let e = d.params().expect_err("too large");
+        assert!(e.msg.contains("split the group"), "{}", e.msg);
+        let c = d.plain_copies().expect("copies only");
+        assert_eq!((c.len(), c[0]), (100, (16, 8, 2)));
+    }
+}

@@ -1,0 +1,176 @@
+//! The kernels of `cuda/`, loaded once per device context: compiled at run time by NVRTC for the
+//! device's architecture (the sources are embedded in the library), cached per architecture.
+
+use super::nvrtc;
+use crate::error::Result;
+use crate::gpu::driver::{self, check};
+use once_cell::sync::Lazy;
+use parking_lot::Mutex;
+use std::collections::HashMap;
+use std::sync::Arc;
+
+const RUNNER: &str = include_str!("../../../cuda/runner.cu");
+const REDUCE: &str = include_str!("../../../cuda/reduce.cuh");
+/// NVRTC has no C library headers: the fixed-width types the kernels use.
+const STDINT: &str = "#pragma once\n\
+typedef signed char int8_t; typedef unsigned char uint8_t;\n\
+typedef short int16_t; typedef unsigned short uint16_t;\n\
+typedef int int32_t; typedef unsigned int uint32_t;\n\
+typedef long long int64_t; typedef unsigned long long uint64_t;\n\
+typedef unsigned long uintptr_t; typedef unsigned long size_t;\n";
+
+/// The functions of one loaded module (handles valid in their context for the process's life).
+#[derive(Clone, Copy)]
+pub struct Kernels {
+    pub run: usize,
+    pub local: usize,
+    /// Streaming multiprocessors of the device (sizes wide launches).
+    pub sms: u32,
+}
+
+static IMAGES: Lazy<Mutex<HashMap<i32, Arc<nvrtc::Image>>>> = Lazy::new(Default::default);
+static LOADED: Lazy<Mutex<HashMap<usize, Kernels>>> = Lazy::new(Default::default);
+
+/// The kernel sources as NVRTC compiles them: (main, headers).
+pub fn sources() -> (&'static str, [(&'static str, &'static str); 2]) {
+    (RUNNER, [("reduce.cuh", REDUCE), ("stdint.h", STDINT)])
+}
+
+/// Where compiled kernels are kept between processes: `OXCCL_CACHE_DIR`, else
+/// `$XDG_CACHE_HOME/oxccl` or `~/.cache/oxccl`; the file name carries a hash of the sources.
+fn cache_file(arch: i32) -> Option<std::path::PathBuf> {
+    let dir = match std::env::var_os("OXCCL_CACHE_DIR") {
+        Some(d) => std::path::PathBuf::from(d),
+        None => match std::env::var_os("XDG_CACHE_HOME") {
+            Some(d) => std::path::PathBuf::from(d).join("oxccl"),
+            None => std::path::PathBuf::from(std::env::var_os("HOME")?).join(".cache/oxccl"),
+        },
+    };
+    Some(dir.join(cache_name(arch)))
+}
+
+/// The cache file name of the kernels for `sm_{arch}`: a hash of their sources in it.
+fn cache_name(arch: i32) -> String {
+    use std::hash::{Hash, Hasher};
+    // SipHash with fixed keys: the same name in every process and build of these sources.
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    let (main, headers) = sources();
+    (main, headers).hash(&mut h);
+    format!("kernels-{:016x}-sm{arch}.bin", h.finish())
+}
+
+fn image(arch: i32) -> Result<Arc<nvrtc::Image>> {
+    if let Some(i) = IMAGES.lock().get(&arch) {
+        return Ok(i.clone());
+    }
+    let file = cache_file(arch);
+    if let Some(bytes) = file.as_ref().and_then(|f| std::fs::read(f).ok()) {
+        let img = Arc::new(nvrtc::Image {
+            bytes,
+            what: format!(
+                "cached in {}",
+                file.as_ref()
+                    .map_or(String::new(), |f| f.display().to_string())
+            ),
+        });
+        IMAGES.lock().insert(arch, img.clone());
+        return Ok(img);
+    }
+    let (main, headers) = sources();
+    let t0 = std::time::Instant::now();
+    let img = Arc::new(nvrtc::compile(main, &headers, arch)?);
+    if let Some(f) = &file {
+        // Best effort: a cache that cannot be written only costs the next process a compile.
+        let tmp = f.with_extension(format!("tmp{}", std::process::id()));
+        if std::fs::create_dir_all(f.parent().unwrap_or(f)).is_ok()
+            && std::fs::write(&tmp, &img.bytes).is_ok()
+        {
+            let _ = std::fs::rename(&tmp, f);
+        }
+    }
+    crate::debug::info(&format!(
+        "CUDA kernels compiled for sm_{arch} in {} ms ({})",
+        t0.elapsed().as_millis(),
+        img.what
+    ));
+    IMAGES.lock().insert(arch, img.clone());
+    Ok(img)
+}
+
+/// The kernels in context `ctx` (current on this thread) of device `dev`.
+pub fn get(ctx: usize, dev: i32) -> Result<Kernels> {
+    if let Some(k) = LOADED.lock().get(&ctx) {
+        return Ok(*k);
+    }
+    let api = driver::api()?;
+    let major = driver::attr(dev, driver::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?;
+    let minor = driver::attr(dev, driver::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?;
+    let sms = driver::attr(dev, driver::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?;
+    let img = image(major * 10 + minor)?;
+    let mut module: driver::CUmodule = std::ptr::null_mut();
+    // SAFETY: a cubin or NUL-terminated PTX image made by NVRTC.
+    check(
+        unsafe { (api.module_load_data)(&mut module, img.bytes.as_ptr() as *const _) },
+        || format!("loading the kernels ({}) on device {dev}", img.what),
+    )?;
+    let func = |name: &std::ffi::CStr| -> Result<usize> {
+        let mut f: driver::CUfunction = std::ptr::null_mut();
+        // SAFETY: the module loaded above; a NUL-terminated name.
+        check(
+            unsafe { (api.module_get_function)(&mut f, module, name.as_ptr()) },
+            || format!("kernel {name:?} in the loaded module"),
+        )?;
+        Ok(f as usize)
+    };
+    let k = Kernels {
+        run: func(c"oxccl_run")?,
+        local: func(c"oxccl_local")?,
+        sms: sms.max(1) as u32,
+    };
+    LOADED.lock().insert(ctx, k);
+    Ok(k)
+}
+
+#[cfg(test)]
+mod tests {
+    /// The embedded kernel sources compile with NVRTC for every architecture the library
+    /// supports (NVRTC from PyPI, installed by `scripts/setup.sh`; no GPU needed).
+    #[test]
+    fn kernels_compile_with_nvrtc() {
+        let wheel = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/target/cuda-wheels/nvidia/cuda_nvrtc/lib/libnvrtc.so.12"
+        );
+        if std::env::var_os("OXCCL_NVRTC").is_none() && std::path::Path::new(wheel).exists() {
+            std::env::set_var("OXCCL_NVRTC", wheel);
+        }
+        let (main, headers) = super::sources();
+        // `scripts/gpu-check.sh --prepare` keeps the images as a kernel cache for the GPU
+        // machine (which then needs no NVRTC).
+        let export = std::env::var_os("OXCCL_KERNEL_EXPORT").map(std::path::PathBuf::from);
+        for arch in [80, 90, 100] {
+            match super::nvrtc::compile(main, &headers, arch) {
+                Ok(img) => {
+                    assert!(
+                        img.what.contains(&format!("sm_{arch}")) && img.bytes.len() > 1000,
+                        "sm_{arch}: no cubin ({})",
+                        img.what
+                    );
+                    if let Some(dir) = &export {
+                        std::fs::create_dir_all(dir).expect("export dir");
+                        std::fs::write(dir.join(super::cache_name(arch)), &img.bytes)
+                            .expect("export");
+                    }
+                }
+                Err(e)
+                    if e.msg.contains("NVRTC was not found")
+                        && std::env::var_os("CI").is_none() =>
+                {
+                    eprintln!("skipped: {} (scripts/setup.sh installs it)", e.msg);
+                    return;
+                }
+                Err(e) => panic!("sm_{arch}: {}", e.msg),
+            }
+        }
+    }
+}
