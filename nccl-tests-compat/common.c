@@ -1001,7 +1001,9 @@ int main(int argc, char** argv) {
   int pr = parseArgs(argc, argv);
   if (pr != 0) return pr > 0 ? 0 : EXIT_BAD_ARGS;
 
-  NCCLCHECK(oxcclGetExecutor(&executor));
+  /* NVIDIA's NCCL has no oxcclGetExecutor (weak: NULL there) and always runs on the GPU. */
+  if (oxcclGetExecutor) NCCLCHECK(oxcclGetExecutor(&executor));
+  else executor = 1;
   if (executor == 1) cudaLoad();
   oobInit();
   nRanks = nProcs * optThreads * optGpus;

@@ -10,12 +10,14 @@
 #include <stdint.h>
 #include "nccl.h"
 
-/* oxccl extensions (declared here too in case the nccl.h in use is NVIDIA's). */
-ncclResult_t oxcclHostStreamCreate(cudaStream_t* stream);
-ncclResult_t oxcclHostStreamSynchronize(cudaStream_t stream);
-ncclResult_t oxcclHostStreamQuery(cudaStream_t stream);
-ncclResult_t oxcclHostStreamDestroy(cudaStream_t stream);
-ncclResult_t oxcclGetExecutor(int* executor);
+/* oxccl extensions (declared here too in case the nccl.h in use is NVIDIA's). Weak: absent from
+ * NVIDIA's NCCL, against which the same binaries also run (they are only called on oxccl's host
+ * executor). */
+ncclResult_t oxcclHostStreamCreate(cudaStream_t* stream) __attribute__((weak));
+ncclResult_t oxcclHostStreamSynchronize(cudaStream_t stream) __attribute__((weak));
+ncclResult_t oxcclHostStreamQuery(cudaStream_t stream) __attribute__((weak));
+ncclResult_t oxcclHostStreamDestroy(cudaStream_t stream) __attribute__((weak));
+ncclResult_t oxcclGetExecutor(int* executor) __attribute__((weak));
 
 /* Reduction selector used by the tools: NCCL's builtin ops plus "mulsum" (a PreMulSum op that
  * each rank creates with its own scalar), and "none" for collectives without an op. */

@@ -1,15 +1,21 @@
 #!/usr/bin/env bash
 # The GPU machine's check, in one call, building nothing there.
 #
-#   scripts/gpu-check.sh --prepare     # here: build the library, perf tools and C tests into
-#                                      # target/gpu-check/ (what the device call carries)
+#   scripts/gpu-check.sh --prepare     # here: build the library, perf tools, C tests and the
+#                                      # example into target/gpu-check/ (what the device call carries)
 #   scripts/gpu-check.sh               # there (device tool: carry target/gpu-check); log in $OUT
 #
-# What it checks on a machine with a CUDA driver: that libnccl.so.2 loads, finds the driver and
-# says plainly that the CUDA executor is not there yet (ncclInvalidUsage with a message) instead of
-# running anything on the GPU; and, with OXCCL_DEVICE=host, that the C programs and every perf tool
-# give exact results there too, with the many cores such a machine has (up to 16 ranks), plus
-# an all_reduce_perf sweep for the log. When the CUDA executor lands, its GPU tests join here.
+# On a machine with a CUDA driver it runs, each check under a time limit (a hang fails the check,
+# it does not stall the run):
+#  1. the CUDA executor on device buffers: every collective x datatype x op on 1, 2 and 4 ranks of
+#     the one GPU (coll_matrix cuda), ranks as threads and as processes (cuda_ranks), CUDA graph
+#     capture and replay (cuda_graph);
+#  2. the perf tools on the GPU: all_reduce_perf at nranks=1 against NVIDIA's libnccl.so.2 (from
+#     the machine's Python packages) side by side, then 2 and 4 ranks on the one GPU, and the
+#     other tools at 2 ranks;
+#  3. PyTorch with LD_PRELOAD=libnccl.so.2 (scripts/gpu-torch-check.py): world sizes 1 and 2;
+#  4. the host executor there (OXCCL_DEVICE=host): the C programs, perf tools and the TP/PP
+#     example with the machine's many cores.
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 pack="$root/target/gpu-check"
@@ -19,7 +25,6 @@ if [ "${1:-}" = "--prepare" ]; then
   cd "$root"
   cargo build --release --lib
   make -s -C nccl-tests-compat
-  cargo test --release --test ffi --no-run >/dev/null 2>&1 || true
   OXCCL_DEVICE=host cargo test --release --test ffi ex_single >/dev/null   # builds the C programs
   rm -rf "$pack"; mkdir -p "$pack/lib" "$pack/bin"
   cp target/release/libnccl.so "$pack/lib/libnccl.so.2"
@@ -27,6 +32,11 @@ if [ "${1:-}" = "--prepare" ]; then
     cp "target/release/${t}_perf" "$pack/bin/"
   done
   cp target/release/ffi-tests/bin/* "$pack/bin/"
+  cp scripts/gpu-torch-check.py "$pack/bin/" 2>/dev/null || true
+  # The kernels compiled here (NVRTC from PyPI) for sm_80/90/100, as the library's kernel cache
+  # there (OXCCL_CACHE_DIR): the GPU machine needs no NVRTC of its own.
+  OXCCL_KERNEL_EXPORT="$pack/kcache" cargo test --release --lib kernels_compile_with_nvrtc >/dev/null
+  ls "$pack/kcache"
   make -s -C examples BUILD="$pack/bin" LIBDIR="$root/target/release"
   du -sh "$pack"
   exit 0
@@ -38,40 +48,81 @@ log="$OUT/gpu-check.log"
 : >"$log"
 fails=0
 say() { echo "$*" | tee -a "$log"; }
-check() {  # name, command...
-  local name=$1; shift
+check() {  # name, limit (s), command...
+  local name=$1 limit=$2; shift 2
   say "== $name: $*"
-  if timeout 300 "$@" >>"$log" 2>&1; then say "   ok"; else say "   FAILED (rc=$?)"; fails=$((fails + 1)); fi
+  local t0=$SECONDS
+  if timeout -k 5 "$limit" "$@" >>"$log" 2>&1; then say "   ok ($((SECONDS - t0)) s)"
+  else say "   FAILED (rc=$?, $((SECONDS - t0)) s)"; fails=$((fails + 1)); fi
 }
 [ -f "$pack/lib/libnccl.so.2" ] || { say "no $pack: run scripts/gpu-check.sh --prepare here and carry target/gpu-check"; exit 2; }
-export LD_LIBRARY_PATH="$pack/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+OXLIB="$pack/lib"
 B="$pack/bin"
 
 say "# $(date -u) $(hostname) $(nproc) cores"
-nvidia-smi -L >>"$log" 2>&1 || say "(no nvidia-smi)"
-ldconfig -p | grep -q libcuda.so && say "libcuda: present" || say "libcuda: not found"
+nvidia-smi >>"$log" 2>&1 || say "(no nvidia-smi)"
+# NVIDIA's NCCL, the CUDA runtime (for the perf tools) and NVRTC from the Python packages.
+sites=$(python3 -c 'import site,sys; print(" ".join(site.getsitepackages()+[site.getusersitepackages()]))' 2>/dev/null)
+findlib() { for s in $sites /usr/local/cuda /usr/lib/x86_64-linux-gnu; do find "$s" -name "$1" 2>/dev/null | head -1; done | head -1; }
+NV_NCCL=$(findlib 'libnccl.so.2')
+CUDART=$(findlib 'libcudart.so.1[0-9]*')
+NVRTC=$(findlib 'libnvrtc.so.1[0-9]')
+say "NVIDIA NCCL: ${NV_NCCL:-none}; cudart: ${CUDART:-none}; nvrtc: ${NVRTC:-none}"
+python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, "nccl", torch.cuda.nccl.version())' >>"$log" 2>&1
+[ -n "$NVRTC" ] && export OXCCL_NVRTC="$NVRTC"
+# Kernels compiled where the pack was made (a cache miss compiles them here with NVRTC).
+export OXCCL_CACHE_DIR="${TMPDIR:-/tmp}/oxccl-kcache"
+mkdir -p "$OXCCL_CACHE_DIR" && cp "$pack"/kcache/* "$OXCCL_CACHE_DIR"/ 2>/dev/null
+ls "$OXCCL_CACHE_DIR" >>"$log"
+RTDIR=$([ -n "$CUDART" ] && dirname "$CUDART")
+export LD_LIBRARY_PATH="$OXLIB${RTDIR:+:$RTDIR}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 
-# 1. With the driver present and no OXCCL_DEVICE, init must fail cleanly, naming the CUDA executor.
-say "== CUDA executor not there yet: ex_single_process without OXCCL_DEVICE"
-env -u OXCCL_DEVICE "$B/ex_single_process" >"$OUT/cuda-probe.txt" 2>&1; rc=$?
-cat "$OUT/cuda-probe.txt" >>"$log"
-if [ $rc -ne 0 ] && grep -qi "cuda" "$OUT/cuda-probe.txt"; then say "   ok (rc=$rc, message names CUDA)"; else say "   UNEXPECTED (rc=$rc)"; fails=$((fails + 1)); fi
+# 1. The CUDA executor on device buffers.
+export NCCL_DEBUG=WARN
+check "CUDA: 1 rank, every collective" 60 env NCCL_DEBUG=INFO "$B/coll_matrix" 1 cuda big=none
+check "CUDA: 2 ranks (threads), 2 collectives" 60 "$B/cuda_ranks" 2 threads
+check "CUDA: 2 ranks, every collective x datatype x op" 120 "$B/coll_matrix" 2 cuda big=none
+check "CUDA: 4 ranks, every collective x datatype x op" 150 "$B/coll_matrix" 4 cuda
+check "CUDA: 4 ranks as threads" 60 "$B/cuda_ranks" 4 threads
+check "CUDA: 2 ranks as processes" 60 "$B/cuda_ranks" 2 processes
+check "CUDA: 4 ranks as processes, in place" 90 "$B/cuda_ranks" 4 processes inplace
+check "CUDA: graph capture and replay, 2 ranks" 60 "$B/cuda_graph" 2
 
-# 2. Host executor on this machine's cores.
-export OXCCL_DEVICE=host
-check "C: one process, InitAll + group" "$B/ex_single_process"
-check "C: thread per rank" "$B/ex_threads"
-check "C: process per rank" "$B/ex_processes"
-for n in 4 8; do check "C: collective matrix, $n ranks" "$B/coll_matrix" "$n" big=none; done
-check "C: collective matrix, 8 ranks, host streams" "$B/coll_matrix" 8 stream big=none
-check "C: bad input" "$B/bad_input"
-for t in all_reduce all_gather broadcast reduce reduce_scatter alltoall gather scatter sendrecv hypercube; do
-  check "perf: ${t}_perf -g 8" "$B/${t}_perf" -b 8 -e 8M -f 8 -g 8 -n 5 -w 1
+# 2. Perf tools on the GPU; nranks=1 against NVIDIA's NCCL side by side.
+perf() {  # label, lib dir, args...
+  local label=$1 dir=$2; shift 2
+  say "== perf ($label): $*"
+  LD_LIBRARY_PATH="$dir${RTDIR:+:$RTDIR}" timeout -k 5 120 "$@" >"$OUT/perf-$label.txt" 2>&1
+  local rc=$?
+  cat "$OUT/perf-$label.txt" >>"$log"
+  [ $rc -eq 0 ] && grep -q "Avg bus bandwidth" "$OUT/perf-$label.txt" || { say "   FAILED (rc=$rc)"; fails=$((fails + 1)); }
+}
+sweep=(-b 8 -e 1G -f 4 -n 20 -w 5)
+perf oxccl-g1 "$OXLIB" "$B/all_reduce_perf" "${sweep[@]}" -g 1
+if [ -n "$NV_NCCL" ]; then
+  perf nvidia-g1 "$(dirname "$NV_NCCL")" "$B/all_reduce_perf" "${sweep[@]}" -g 1
+  say "== nranks=1 all_reduce busbw (out of place), oxccl vs NVIDIA"
+  paste <(grep -E '^ +[0-9]+ ' "$OUT/perf-oxccl-g1.txt" | awk '{print $1, $8}') \
+        <(grep -E '^ +[0-9]+ ' "$OUT/perf-nvidia-g1.txt" | awk '{print $8, $6}') |
+    awk '{printf "%12s B  oxccl %9s GB/s  nvidia %9s GB/s  ratio %s   (nvidia %s us)\n", $1, $2, $3, ($3>0? sprintf("%.2f",$2/$3):"-"), $4}' | tee -a "$log"
+fi
+perf oxccl-g2 "$OXLIB" "$B/all_reduce_perf" "${sweep[@]}" -g 2
+perf oxccl-g4 "$OXLIB" "$B/all_reduce_perf" -b 8 -e 1G -f 8 -n 10 -w 3 -g 4
+for t in all_gather broadcast reduce_scatter alltoall sendrecv; do
+  perf "$t-g2" "$OXLIB" "$B/${t}_perf" -b 8 -e 64M -f 8 -n 10 -w 3 -g 2
 done
-check "perf: all_reduce_perf -g 16" "$B/all_reduce_perf" -b 8 -e 64M -f 8 -g 16 -n 5 -w 1
-check "perf: all_reduce_perf -t 8 (threads)" "$B/all_reduce_perf" -b 8 -e 64M -f 4 -t 8 -n 10 -w 2
-# The tensor/pipeline-parallel example, 8 ranks (TP=4, PP=2), host buffers (its GPU variant
-# comes with the CUDA executor).
+
+# 3. PyTorch through LD_PRELOAD.
+if [ -f "$B/gpu-torch-check.py" ]; then
+  check "PyTorch: torch.distributed nccl, world 1 and 2, CUDA graph" 300 \
+    env LD_PRELOAD="$OXLIB/libnccl.so.2" python3 "$B/gpu-torch-check.py"
+fi
+
+# 4. The host executor there.
+export OXCCL_DEVICE=host
+check "host: C, one process, InitAll + group" 60 "$B/ex_single_process"
+check "host: collective matrix, 8 ranks" 120 "$B/coll_matrix" 8 big=none
+check "host: all_reduce_perf -g 8" 60 "$B/all_reduce_perf" -b 8 -e 64M -f 8 -g 8 -n 5 -w 1
 tppp() {
   local port=$((29700 + RANDOM % 200)) pids=() rc=0
   for r in 7 6 5 4 3 2 1 0; do
@@ -81,9 +132,6 @@ tppp() {
   for p in "${pids[@]}"; do wait "$p" || rc=1; done
   return $rc
 }
-check "example: tp_pp_mlp --tp 4 --pp 2 --exact" tppp --tp 4 --pp 2 --exact
-check "example: tp_pp_mlp --tp 4 --pp 2 --hidden 256 --layers 4" tppp --tp 4 --pp 2 --hidden 256 --layers 4
-say "== perf sweep: all_reduce_perf -b 8 -e 256M -f 2 -g 8"
-"$B/all_reduce_perf" -b 8 -e 256M -f 2 -g 8 -n 20 -w 3 2>&1 | tee -a "$log" | tail -4
+check "host: tp_pp_mlp --tp 4 --pp 2 --exact" 60 tppp --tp 4 --pp 2 --exact
 say "# failures: $fails"
 exit $((fails > 0))
