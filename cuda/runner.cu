@@ -100,15 +100,39 @@ __device__ __forceinline__ void st_vol64(uint64_t* p, uint64_t v) {
   *(volatile uint64_t*)p = v;
 }
 
-// A load that sees what another agent wrote since this kernel last read the same address (FIFO
-// slots are reused: an L1 line left from an earlier pass would be stale).
+// A load of FIFO slot data that sees what the peer wrote since this block last read the same
+// address (slots are reused: an L1 line left from an earlier pass would be stale). It bypasses
+// L1 (ld.global.cg) but is an ordinary load the compiler may batch; the counter read before it
+// was followed by a system-scope fence.
 template <typename T>
 __device__ __forceinline__ T ld_fresh(const T* p) {
-  return *(const volatile T*)p;
+  if (sizeof(T) == 1) {
+    unsigned short v;
+    asm volatile("ld.global.cg.u8 %0, [%1];" : "=h"(v) : "l"(p));
+    return (T)v;
+  } else if (sizeof(T) == 2) {
+    unsigned short v;
+    asm volatile("ld.global.cg.u16 %0, [%1];" : "=h"(v) : "l"(p));
+    T t;
+    memcpy(&t, &v, 2);
+    return t;
+  } else if (sizeof(T) == 4) {
+    unsigned int v;
+    asm volatile("ld.global.cg.u32 %0, [%1];" : "=r"(v) : "l"(p));
+    T t;
+    memcpy(&t, &v, 4);
+    return t;
+  } else {
+    unsigned long long v;
+    asm volatile("ld.global.cg.u64 %0, [%1];" : "=l"(v) : "l"(p));
+    T t;
+    memcpy(&t, &v, 8);
+    return t;
+  }
 }
 __device__ __forceinline__ uint4 ld_fresh(const uint4* p) {
   uint4 v;
-  asm volatile("ld.volatile.global.v4.u32 {%0,%1,%2,%3}, [%4];"
+  asm volatile("ld.global.cg.v4.u32 {%0,%1,%2,%3}, [%4];"
                : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
                : "l"(p));
   return v;
@@ -139,7 +163,23 @@ __device__ __forceinline__ void copy_bytes(uint8_t* d0, uint8_t* d1, const uint8
     const uint4* sv = (const uint4*)s;
     uint4* v0 = (uint4*)d0;
     uint4* v1 = (uint4*)d1;
-    for (size_t i = tid; i < nv; i += nt) {
+    size_t i = tid;
+    // Four loads in flight per thread.
+    if (!fresh) {
+      for (; i + 3 * (size_t)nt < nv; i += 4 * (size_t)nt) {
+        uint4 a = sv[i], b = sv[i + nt], c = sv[i + 2 * nt], d = sv[i + 3 * nt];
+        if (v0) { v0[i] = a; v0[i + nt] = b; v0[i + 2 * nt] = c; v0[i + 3 * nt] = d; }
+        if (v1) { v1[i] = a; v1[i + nt] = b; v1[i + 2 * nt] = c; v1[i + 3 * nt] = d; }
+      }
+    } else {
+      for (; i + 3 * (size_t)nt < nv; i += 4 * (size_t)nt) {
+        uint4 a = ld_fresh(sv + i), b = ld_fresh(sv + i + nt), c = ld_fresh(sv + i + 2 * nt),
+              d = ld_fresh(sv + i + 3 * nt);
+        if (v0) { v0[i] = a; v0[i + nt] = b; v0[i + 2 * nt] = c; v0[i + 3 * nt] = d; }
+        if (v1) { v1[i] = a; v1[i + nt] = b; v1[i + 2 * nt] = c; v1[i + 3 * nt] = d; }
+      }
+    }
+    for (; i < nv; i += nt) {
       uint4 x = fresh ? ld_fresh(sv + i) : sv[i];
       if (v0) v0[i] = x;
       if (v1) v1[i] = x;
@@ -164,16 +204,78 @@ __device__ __forceinline__ void copy_bytes(uint8_t* d0, uint8_t* d1, const uint8
   }
 }
 
-// The reducing primitives over `n` elements of dtype DT.
+// 16 bytes of elements of dtype DT.
+template <int DT>
+union OxPack {
+  uint4 v;
+  typename OxDt<DT>::S e[16 / sizeof(typename OxDt<DT>::S)];
+};
+
+// One primitive's element function (PRIM fixed at compile time).
+template <int DT, int PRIM>
+__device__ __forceinline__ typename OxDt<DT>::S ox_elem(typename OxDt<DT>::S a,
+                                                       typename OxDt<DT>::S b, const OxRed& r) {
+  if (PRIM == P_SEND) return ox_prep<DT>(a, r);
+  if (PRIM == P_LOCAL_REDUCE) return ox_finish<DT>(ox_prep<DT>(a, r), r);
+  if (PRIM == P_RECV_REDUCE_SEND) return ox_combine<DT>(a, b, r);
+  return ox_finish<DT>(ox_combine<DT>(a, b, r), r);
+}
+
+// 16-byte packs of a primitive: loads batched, elements in a short loop.
+template <int DT, int PRIM>
+__device__ __forceinline__ void reduce_packs(const uint4* sv, const uint4* iv, uint4* dv,
+                                             uint4* ov, size_t np, const OxRed& r, int tid,
+                                             int nt) {
+  const int K = 16 / sizeof(typename OxDt<DT>::S);
+  const bool recv = PRIM != P_SEND && PRIM != P_LOCAL_REDUCE;
+  for (size_t i = tid; i < np; i += nt) {
+    OxPack<DT> a, b, y;
+    a.v = sv[i];
+    b.v = recv ? ld_fresh(iv + i) : a.v;
+#pragma unroll 4
+    for (int j = 0; j < K; j++) y.e[j] = ox_elem<DT, PRIM>(a.e[j], b.e[j], r);
+    if (PRIM == P_SEND || PRIM == P_RECV_REDUCE_SEND || PRIM == P_RECV_REDUCE_COPY_SEND)
+      ov[i] = y.v;
+    if (PRIM != P_SEND && PRIM != P_RECV_REDUCE_SEND) dv[i] = y.v;
+  }
+}
+
+// The reducing primitives over `n` elements of dtype DT: 16 bytes at a time where every
+// pointer allows it (4- and 8-byte types), then element by element.
 template <int DT>
 __device__ __forceinline__ void reduce_typed(int prim, bool prep, const uint8_t* src0,
                                              const uint8_t* in0, uint8_t* dst0, uint8_t* out0,
                                              size_t n, const OxRed& r, int tid, int nt) {
   typedef typename OxDt<DT>::S S;
-  const S* src = (const S*)src0;
-  const S* in = (const S*)in0;
-  S* dst = (S*)dst0;
-  S* out = (S*)out0;
+  const int K = 16 / sizeof(S);
+  uintptr_t al = (uintptr_t)src0 | (uintptr_t)in0 | (uintptr_t)dst0 | (uintptr_t)out0;
+  size_t head = 0;
+  // Packs for 4- and 8-byte types (for narrower ones the conversions dominate, and unrolling
+  // them costs minutes of NVRTC compile time).
+  if (sizeof(S) >= 4 && (al & 15) == 0) {
+    size_t np = n / K;
+    const uint4* sv = (const uint4*)src0;
+    const uint4* iv = (const uint4*)in0;
+    uint4* dv = (uint4*)dst0;
+    uint4* ov = (uint4*)out0;
+    switch (prim) {
+      case P_SEND: reduce_packs<DT, P_SEND>(sv, iv, dv, ov, np, r, tid, nt); break;
+      case P_LOCAL_REDUCE: reduce_packs<DT, P_LOCAL_REDUCE>(sv, iv, dv, ov, np, r, tid, nt); break;
+      case P_RECV_REDUCE_SEND:
+        reduce_packs<DT, P_RECV_REDUCE_SEND>(sv, iv, dv, ov, np, r, tid, nt);
+        break;
+      case P_RECV_REDUCE_COPY:
+        reduce_packs<DT, P_RECV_REDUCE_COPY>(sv, iv, dv, ov, np, r, tid, nt);
+        break;
+      default: reduce_packs<DT, P_RECV_REDUCE_COPY_SEND>(sv, iv, dv, ov, np, r, tid, nt); break;
+    }
+    head = np * K;
+  }
+  const S* src = (const S*)src0 + head;
+  const S* in = in0 ? (const S*)in0 + head : nullptr;
+  S* dst = dst0 ? (S*)dst0 + head : nullptr;
+  S* out = out0 ? (S*)out0 + head : nullptr;
+  n -= head;
   switch (prim) {
     case P_SEND:  // prep only (a plain send is a copy)
       for (size_t i = tid; i < n; i += nt) out[i] = ox_prep<DT>(src[i], r);
@@ -227,6 +329,13 @@ __device__ __forceinline__ void run_prim(const OxStepD& s, const OxProgD& p, con
     case P_COPY_SEND: copy_bytes(out, dst, src, bytes, false, tid, nt); break;
     case P_RECV_COPY_SEND: copy_bytes(out, dst, in, bytes, true, tid, nt); break;
     case P_LOCAL_COPY: copy_bytes(dst, nullptr, src, bytes, false, tid, nt); break;
+    case P_LOCAL_REDUCE:
+      // One rank's reduction: a copy unless scaled.
+      if (!r.has_premul && r.postdiv <= 1)
+        copy_bytes(dst, nullptr, src, bytes, false, tid, nt);
+      else
+        reduce_any(s.prim, s.prep, src, in, dst, out, n, r, tid, nt);
+      break;
     default: reduce_any(s.prim, s.prep, src, in, dst, out, n, r, tid, nt); break;
   }
 }
@@ -306,6 +415,7 @@ __device__ bool ox_wait_slots(const OxView& v, const OxStepD& s, const OxProgD& 
 
 __device__ void ox_post(const OxView& v, const OxStepD& s, const OxProgD& p, const OxShared* sh,
                         uint64_t bytes) {
+  __threadfence_system();
   if (s.recv != OX_NONE) {
     const OxConnD& c = v.conns[s.recv];
     st_vol64((uint64_t*)c.hdr + 8, sh->rstep + 1);
@@ -371,7 +481,8 @@ extern "C" __global__ void __launch_bounds__(OX_THREADS)
         const uint8_t* src = s.src.at ? (const uint8_t*)(s.src.at + off * p.esize) : nullptr;
         uint8_t* dst = s.dst.at ? (uint8_t*)(s.dst.at + off * p.esize) : nullptr;
         run_prim(s, p, r, src, dst, in, out, n, tid, nt);
-        if (s.send != OX_NONE) __threadfence_system();
+        // The block's writes reach thread 0 at the barrier; its system-scope fence in ox_post
+        // (cumulative) orders them before the tail it publishes.
         __syncthreads();
         if (tid == 0) ox_post(v, s, p, &sh, n * p.esize);
       }

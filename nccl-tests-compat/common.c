@@ -99,6 +99,7 @@ static struct {
   int (*streamQuery)(cudaStream_t);
   int (*streamDestroy)(cudaStream_t);
   const char* (*errStr)(int);
+  int (*deviceCount)(int*);
 } cu;
 
 static void cudaLoad(void) {
@@ -116,6 +117,7 @@ static void cudaLoad(void) {
   LOADSYM(streamQuery, "cudaStreamQuery");
   LOADSYM(streamDestroy, "cudaStreamDestroy");
   LOADSYM(errStr, "cudaGetErrorString");
+  LOADSYM(deviceCount, "cudaGetDeviceCount");
 #undef LOADSYM
 }
 
@@ -125,8 +127,13 @@ static void cudaLoad(void) {
                      cu.errStr ? cu.errStr(e_) : "?");                                  \
   } while (0)
 
+/* Rank slots beyond the machine's GPUs wrap around: several ranks share a GPU (oxccl allows it;
+ * NVIDIA's NCCL refuses it at init with a message of its own). */
 static void devSet(int dev) {
-  if (executor == 1) CUDACHECK(cu.setDevice(dev));
+  if (executor != 1) return;
+  int n = 0;
+  CUDACHECK(cu.deviceCount(&n));
+  CUDACHECK(cu.setDevice(n > 0 ? dev % n : dev));
 }
 
 static void* devAlloc(size_t bytes) {

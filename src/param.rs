@@ -100,6 +100,11 @@ fn raw(name: &str) -> Option<String> {
     std::env::var(name).ok().filter(|v| !v.is_empty())
 }
 
+/// Whether the environment (or nccl.conf) sets `name`.
+pub fn is_set(name: &str) -> bool {
+    raw(name).is_some()
+}
+
 pub fn get_str(name: &str) -> Option<String> {
     raw(name).or_else(|| {
         PARAMS

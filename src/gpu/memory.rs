@@ -68,17 +68,23 @@ pub fn unpin_if_cuda(ptr: *mut u8) {
     }
 }
 
-/// Device memory holding the slots of a connection between ranks of this process (freed with
-/// the connection's region).
-pub struct DevSlots {
-    pub ptr: u64,
+/// A connection between ranks of this process kept wholly in device memory: its header
+/// (counters, slot metadata) and its slots, so that kernels on the device poll and move it at
+/// device speed (freed with the connection's region). The attach count is 2 from the start:
+/// both ends live in this process and exist once either has been set up.
+pub struct DevConn {
+    pub hdr: u64,
+    pub slots: u64,
     ctx: usize,
 }
 
-impl DevSlots {
-    /// `bytes` of device memory in the calling thread's current context (the communicator's,
-    /// entered by whoever makes connections), else device 0's.
-    pub fn alloc(bytes: usize) -> Result<DevSlots> {
+/// Where a connection header keeps its attach count (`transport`'s layout).
+const ATTACH_OFF: u64 = 128;
+
+impl DevConn {
+    /// `hdr_bytes` of header and `slot_bytes` of slots in the calling thread's current context
+    /// (the communicator's, entered by whoever makes connections), else device 0's.
+    pub fn alloc(hdr_bytes: usize, slot_bytes: usize) -> Result<DevConn> {
         let api = driver::api()?;
         let mut ctx: driver::CUcontext = std::ptr::null_mut();
         // SAFETY: writes one pointer.
@@ -90,24 +96,37 @@ impl DevSlots {
         }
         let _g = CtxGuard::enter(ctx as usize)?;
         driver::relaxed(|| {
+            let bytes = hdr_bytes + slot_bytes;
             let mut p: driver::CUdeviceptr = 0;
             // SAFETY: writes one device pointer.
-            check(unsafe { (api.mem_alloc)(&mut p, bytes.max(1)) }, || {
-                format!("cuMemAlloc of {bytes} bytes for connection slots")
+            check(unsafe { (api.mem_alloc)(&mut p, bytes) }, || {
+                format!("cuMemAlloc of {bytes} bytes for a connection")
             })?;
-            Ok(DevSlots {
-                ptr: p,
+            let c = DevConn {
+                hdr: p,
+                slots: p + hdr_bytes as u64,
                 ctx: ctx as usize,
-            })
+            };
+            // SAFETY: the header just allocated (zeroed, then the attach count set).
+            check(unsafe { (api.memset_d8)(p, 0, hdr_bytes) }, || {
+                "cuMemsetD8 of a connection header".into()
+            })?;
+            let two = 2u32;
+            // SAFETY: 4 bytes inside the header.
+            check(
+                unsafe { (api.memcpy_htod)(p + ATTACH_OFF, &two as *const u32 as *const _, 4) },
+                || "cuMemcpyHtoD of a connection header".into(),
+            )?;
+            Ok(c)
         })
     }
 }
 
-impl Drop for DevSlots {
+impl Drop for DevConn {
     fn drop(&mut self) {
         if let (Ok(api), Ok(_g)) = (driver::api(), CtxGuard::enter(self.ctx)) {
             // SAFETY: allocated in `alloc`, freed once, after both ends are gone.
-            unsafe { (api.mem_free)(self.ptr) };
+            unsafe { (api.mem_free)(self.hdr) };
         }
     }
 }

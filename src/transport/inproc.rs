@@ -13,9 +13,9 @@ pub struct HeapRegion {
     ptr: *mut u8,
     layout: Layout,
     name: String,
-    /// On the CUDA executor, the connection's slots in device memory (ranks of one process on
-    /// one GPU move data through it at device speed; the counters stay in `ptr`).
-    dev_slots: once_cell::sync::OnceCell<crate::gpu::memory::DevSlots>,
+    /// On the CUDA executor, the connection in device memory (ranks of one process on one GPU
+    /// move data through it at device speed); `ptr` then only serves the host's bookkeeping.
+    dev: once_cell::sync::OnceCell<crate::gpu::memory::DevConn>,
 }
 
 // SAFETY: the allocation is owned by the region and freed only on drop; concurrent access goes
@@ -32,15 +32,16 @@ impl HeapRegion {
         &self.name
     }
 
-    /// The device address of the slots, where they live in device memory.
-    pub fn device_slots(&self) -> Option<u64> {
-        self.dev_slots.get().map(|d| d.ptr)
+    /// The device addresses of (header, slots), where the connection lives in device memory.
+    pub fn device_conn(&self) -> Option<(u64, u64)> {
+        self.dev.get().map(|d| (d.hdr, d.slots))
     }
 
-    /// Puts the slots (`bytes`) in device memory of the current device, once for both ends.
-    pub fn use_device_slots(&self, bytes: usize) -> Result<()> {
-        self.dev_slots
-            .get_or_try_init(|| crate::gpu::memory::DevSlots::alloc(bytes))
+    /// Puts the connection (`hdr_bytes` of header, `slot_bytes` of slots) in device memory of
+    /// the current device, once for both ends.
+    pub fn use_device_memory(&self, hdr_bytes: usize, slot_bytes: usize) -> Result<()> {
+        self.dev
+            .get_or_try_init(|| crate::gpu::memory::DevConn::alloc(hdr_bytes, slot_bytes))
             .map(|_| ())
     }
 }
@@ -86,7 +87,7 @@ pub fn open(name: &str, bytes: usize) -> Result<Arc<HeapRegion>> {
         ptr,
         layout,
         name: name.to_string(),
-        dev_slots: once_cell::sync::OnceCell::new(),
+        dev: once_cell::sync::OnceCell::new(),
     });
     map.insert(name.to_string(), r.clone());
     Ok(r)

@@ -240,14 +240,19 @@ impl Conn {
     /// Where a kernel finds this connection: the header (counters and slot metadata) and the
     /// first slot (both in memory the device reaches when the CUDA executor runs).
     pub fn device_view(&self) -> (usize, usize) {
-        let slots = match &self.region {
-            Region::Heap(h) => h.device_slots().map(|p| p as usize),
+        let dev = match &self.region {
+            Region::Heap(h) => h.device_conn(),
             Region::Shm(_) => None,
         };
-        (
-            self.base as usize,
-            slots.unwrap_or(self.base as usize + HDR_BYTES),
-        )
+        match dev {
+            Some((hdr, slots)) => (hdr as usize, slots as usize),
+            None => (self.base as usize, self.base as usize + HDR_BYTES),
+        }
+    }
+
+    /// Whether the counters live in device memory (the host's copy of them is unused).
+    pub fn on_device(&self) -> bool {
+        matches!(&self.region, Region::Heap(h) if h.device_conn().is_some())
     }
 
     fn counter(&self, off: usize) -> &AtomicU64 {
@@ -267,6 +272,22 @@ impl Conn {
     fn attached(&self) -> &AtomicU32 {
         // SAFETY: as for `counter`.
         unsafe { &*(self.base.add(ATTACH_OFF) as *const AtomicU32) }
+    }
+
+    /// The counters, for messages: "tail T head H attached A".
+    pub fn counters(&self) -> String {
+        if self.on_device() {
+            let (me, peer) = (self.me, self.peer);
+            return format!("{me}/{peer}: counters in device memory");
+        }
+        format!(
+            "{} -> {}: tail {} head {} attached {}",
+            if self.is_sender { self.me } else { self.peer },
+            if self.is_sender { self.peer } else { self.me },
+            self.tail().load(Ordering::Acquire),
+            self.head().load(Ordering::Acquire),
+            self.attached().load(Ordering::Acquire)
+        )
     }
 
     /// Increments the attach count; returns how many ends had attached before.
@@ -458,7 +479,7 @@ impl Named {
             // Ranks of one process on the CUDA executor: slots in device memory, unless
             // NCCL_P2P_DISABLE=1 asks for host-staged memory.
             if crate::gpu::kind() == crate::gpu::Kind::Cuda && !crate::param::p2p_disabled() {
-                h.use_device_slots(spec.nsteps * spec.slot_bytes)?;
+                h.use_device_memory(HDR_BYTES, spec.nsteps * spec.slot_bytes)?;
             }
             Region::Heap(h)
         };

@@ -33,13 +33,22 @@ fn host_hash() -> u64 {
     })
 }
 
+/// FIFO slot size: `OXCCL_CHUNK_BYTES`, whose default is larger on the CUDA executor (a slot
+/// costs a counter handshake; kernels move a megabyte in about the time it takes).
+fn slot_bytes() -> usize {
+    match crate::gpu::kind() {
+        crate::gpu::Kind::Cuda if !crate::param::is_set("OXCCL_CHUNK_BYTES") => 1 << 20,
+        _ => crate::param::chunk_bytes(),
+    }
+}
+
 impl PeerInfo {
     pub fn mine(dev: i32) -> PeerInfo {
         PeerInfo {
             host: host_hash(),
             pid: std::process::id(),
             dev,
-            slot_bytes: crate::param::chunk_bytes() as u64,
+            slot_bytes: slot_bytes() as u64,
             nsteps: crate::param::nsteps() as u32,
             probe: crate::transport::cma::probe_addr(),
             hostname: nix::unistd::gethostname()

@@ -97,6 +97,8 @@ pub struct CudaComm {
     pub(super) ctl: Arc<Ctl>,
     pub(super) kern: Kernels,
     pub(super) last: Mutex<Last>,
+    /// The connections of the last launch (their counters go into timeout messages).
+    pub(super) last_conns: Mutex<Vec<Arc<crate::transport::Conn>>>,
     name: String,
 }
 
@@ -136,8 +138,18 @@ impl CudaComm {
                 stream: None,
                 recorded: false,
             }),
+            last_conns: Mutex::new(Vec::new()),
             name,
         })
+    }
+
+    /// The counters of the last launch's connections, for messages.
+    fn counters(&self) -> String {
+        let c = self.last_conns.lock();
+        c.iter()
+            .map(|c| c.counters())
+            .collect::<Vec<_>>()
+            .join("; ")
     }
 
     /// Makes the communicator's context current until the guard drops.
@@ -152,6 +164,11 @@ impl CudaComm {
     /// Waits until the last launch is done; after an abort, tells the kernels to stop first.
     pub fn wait_quiescent(&self, deadline: Instant) -> Result<()> {
         if self.health.halted() {
+            crate::debug::warn(&format!(
+                "{}: stopping its kernels (connections of the last launch: {})",
+                self.name,
+                self.counters()
+            ));
             self.ctl.abort();
         }
         let api = driver::api()?;
@@ -176,8 +193,11 @@ impl CudaComm {
             }
             if Instant::now() >= deadline {
                 return Err(Error::timeout(format!(
-                    "{}: its operations on device {} did not finish in time",
-                    self.name, self.dev
+                    "{}: its operations on device {} did not finish in time (connections of \
+                     the last launch: {})",
+                    self.name,
+                    self.dev,
+                    self.counters()
                 )));
             }
             std::thread::sleep(Duration::from_micros(200));

@@ -75,7 +75,16 @@ impl Desc {
         for p in progs {
             for s in &p.steps {
                 self.max_bytes = self.max_bytes.max(s.len * p.esize);
-                self.transforms |= s.prim != Prim::LocalCopy;
+                // A one-rank reduction that scales nothing is a copy.
+                let identity = match p.red {
+                    None => true,
+                    Some(crate::plan::RedSpec::Ready(r)) => {
+                        r.premul.is_none() && r.postdiv.unwrap_or(0) <= 1
+                    }
+                    Some(_) => false,
+                };
+                self.transforms |=
+                    !(s.prim == Prim::LocalCopy || (s.prim == Prim::LocalReduce && identity));
                 if matches!(s.src, crate::plan::Addr::Scratch { .. })
                     || matches!(s.dst, crate::plan::Addr::Scratch { .. })
                 {
@@ -151,6 +160,50 @@ impl Desc {
         Ok(b.chunks_exact(8)
             .map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes")))
             .collect())
+    }
+
+    /// The connections of the launch.
+    pub fn conns(&self) -> &[Arc<Conn>] {
+        &self.conns
+    }
+
+    /// The launch in words, for `OXCCL_CUDA_TRACE`.
+    pub fn describe(&self) -> String {
+        let mut out = String::new();
+        for (l, &(first, n, _)) in self.lanes.iter().enumerate() {
+            out += &format!(" lane {l}:");
+            for p in &self.progs[first as usize..(first + n) as usize] {
+                out += &format!(
+                    " [prog niter {} slice {} esize {} red {}/{}:",
+                    p.niter, p.slice, p.esize, p.red.kind, p.red.op
+                );
+                let (a, m) = (p.first_step as usize, p.nsteps as usize);
+                for s in &self.steps[a..a + m] {
+                    let c = |i: u32| {
+                        if i == NONE {
+                            "-".to_string()
+                        } else {
+                            i.to_string()
+                        }
+                    };
+                    out += &format!(
+                        " p{} r{} s{} len {} {:#x}->{:#x};",
+                        s.prim,
+                        c(s.recv),
+                        c(s.send),
+                        s.len,
+                        s.src.at,
+                        s.dst.at
+                    );
+                }
+                out += "]";
+            }
+        }
+        for (i, c) in self.conns.iter().enumerate() {
+            let (h, sl) = c.device_view();
+            out += &format!(" conn {i} {} hdr {h:#x} slots {sl:#x};", c.counters());
+        }
+        out
     }
 
     /// The largest step, in bytes (sizes a local launch).

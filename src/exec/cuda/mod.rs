@@ -132,6 +132,22 @@ pub fn launch(ops: Vec<Call<'_>>) -> Result<()> {
             None => per_comm.push(vec![q]),
         }
     }
+    if trace() {
+        for v in &per_comm {
+            for q in v {
+                crate::debug::info(&format!(
+                    "{}: call {} send {:#x} recv {:#x} count {} stream {:#x} (comm at {:p})",
+                    q.cuda().describe(),
+                    q.args.kind.name(),
+                    q.args.send,
+                    q.args.recv,
+                    q.args.count,
+                    stream::handle(&q.stream),
+                    q.cuda()
+                ));
+            }
+        }
+    }
     let caps = Caps {
         direct: false,
         eager_bytes: 0,
@@ -273,6 +289,7 @@ fn launch_set(jobs: &mut [Job<'_>]) -> Result<()> {
     let nstages = jobs.iter().map(|j| j.stages.len()).max().unwrap_or(0);
     let has_p2p = jobs.iter().any(|j| !j.p2p.0.is_empty());
     let launches = nstages.max(has_p2p as usize);
+    let mut launched = false;
     for k in 0..launches {
         let mut d = Desc::new();
         let mut used: Vec<&Scratch> = Vec::new();
@@ -292,7 +309,19 @@ fn launch_set(jobs: &mut [Job<'_>]) -> Result<()> {
                 }
             }
         }
-        let r = run(&d, comm0, stream, api);
+        if trace() {
+            crate::debug::info(&format!(
+                "{}: launch {k} on stream {stream:#x}:{}",
+                comm0.describe(),
+                d.describe()
+            ));
+        }
+        for j in jobs.iter() {
+            let mut lc = j.comm.last_conns.lock();
+            lc.clear();
+            lc.extend(d.conns().iter().cloned());
+        }
+        let r = run(&d, comm0, stream, api).map(|l| launched |= l);
         for j in jobs.iter() {
             if let Some((_, sc)) = j.stages.get(k) {
                 used.push(sc);
@@ -306,7 +335,7 @@ fn launch_set(jobs: &mut [Job<'_>]) -> Result<()> {
         }
         r?;
     }
-    if !capturing {
+    if !capturing && launched {
         for j in jobs.iter() {
             let mut l = j.comm.last.lock();
             // SAFETY: our event, on the stream just used.
@@ -321,23 +350,42 @@ fn launch_set(jobs: &mut [Job<'_>]) -> Result<()> {
     Ok(())
 }
 
+/// Copies from this size on go to the wide kernel rather than the copy engine.
+const WIDE_COPY_BYTES: u64 = 512 << 10;
+
+/// `OXCCL_CUDA_TRACE=1`: every launch is logged (INFO) with its lanes, steps and connections.
+fn trace() -> bool {
+    static T: once_cell::sync::Lazy<bool> =
+        once_cell::sync::Lazy::new(|| std::env::var("OXCCL_CUDA_TRACE").is_ok_and(|v| v == "1"));
+    *T
+}
+
 /// Launches one descriptor on `stream`.
-fn run(d: &Desc, comm: &CudaComm, stream: usize, api: &driver::Api) -> Result<()> {
+fn run(d: &Desc, comm: &CudaComm, stream: usize, api: &driver::Api) -> Result<bool> {
     if d.lanes() == 0 {
-        return Ok(());
+        return Ok(false);
     }
     if let Some(copies) = d.plain_copies() {
-        // Copies only (a one-rank collective, a send to oneself): the copy engine, in order.
-        for (dst, src, bytes) in copies {
-            if dst != src && bytes > 0 {
+        let copies: Vec<_> = copies
+            .into_iter()
+            .filter(|&(dst, src, bytes)| dst != src && bytes > 0)
+            .collect();
+        if copies.is_empty() {
+            // In place on one rank: nothing to do.
+            return Ok(false);
+        }
+        // Small copies on the copy engine (cheapest to start); large ones by the wide kernel
+        // below, which moves twice what the copy engine does on an H200.
+        if copies.iter().all(|c| c.2 < WIDE_COPY_BYTES) {
+            for (dst, src, bytes) in copies {
                 // SAFETY: validated user ranges of `bytes` each.
                 check(
                     unsafe { (api.memcpy_dtod_async)(dst, src, bytes as usize, stream as _) },
                     || format!("{}: cuMemcpyDtoDAsync", comm.describe()),
                 )?;
             }
+            return Ok(true);
         }
-        return Ok(());
     }
     let mut params = d.params()?;
     let mut args = [params.as_mut_ptr() as *mut c_void];
@@ -371,5 +419,6 @@ fn run(d: &Desc, comm: &CudaComm, stream: usize, api: &driver::Api) -> Result<()
                 d.lanes()
             )
         },
-    )
+    )?;
+    Ok(true)
 }
