@@ -138,12 +138,20 @@ __device__ __forceinline__ uint4 ld_fresh(const uint4* p) {
   return v;
 }
 
+// Connections one launch may use with several blocks per lane (more fall back to one).
+#define OX_MAX_CONNS 64
+
 struct OxShared {
   const uint8_t* in;
   uint8_t* out;
   uint64_t rstep, sstep;
   int stop;
   OxRed red;
+  // Per connection of the launch: the next step this block sends or receives on it (read
+  // from the counters at the block's first use, then counted here: with several blocks per
+  // lane the counters move only when the last block of a step is done).
+  uint64_t next[OX_MAX_CONNS];
+  uint8_t known[OX_MAX_CONNS];
 };
 
 // Thread 0 waits until `pred` holds, checking the abort word now and then: false when aborted.
@@ -373,6 +381,26 @@ __device__ void ox_fail(OxCtl* ctl, uint32_t code, uint64_t a, uint64_t b, uint6
   }
 }
 
+// Where a connection header keeps the arrival counts of the blocks of a lane, per slot: the
+// sending end's and the receiving end's (u32 each; used only with several blocks per lane,
+// where headers are in device memory).
+#define OX_SEND_ARRIVALS 2560
+#define OX_RECV_ARRIVALS 2816
+
+// Thread 0: the step number this block is at on connection `ci` (sender: the tail, receiver:
+// the head, as they were when the block first used the connection, plus its own steps since).
+__device__ __forceinline__ uint64_t ox_next(const OxConnD& c, uint32_t ci, bool send,
+                                            OxShared* sh) {
+  if (ci < OX_MAX_CONNS) {
+    if (!sh->known[ci]) {
+      sh->known[ci] = 1;
+      sh->next[ci] = ld_vol64((const uint64_t*)c.hdr + (send ? 0 : 8));
+    }
+    return sh->next[ci];
+  }
+  return ld_vol64((const uint64_t*)c.hdr + (send ? 0 : 8));
+}
+
 // Thread 0: waits for the step's slots. False when the kernel must stop (abort or error).
 __device__ bool ox_wait_slots(const OxView& v, const OxStepD& s, const OxProgD& p, OxCtl* ctl,
                               OxShared* sh) {
@@ -382,7 +410,7 @@ __device__ bool ox_wait_slots(const OxView& v, const OxStepD& s, const OxProgD& 
   if (s.recv != OX_NONE) {
     const OxConnD& c = v.conns[s.recv];
     uint64_t* hdr = (uint64_t*)c.hdr;
-    uint64_t head = ld_vol64(hdr + 8);
+    uint64_t head = ox_next(c, s.recv, false, sh);
     while (ld_vol64(hdr) <= head) {
       if ((++spins & 1023) == 0 && ox_aborted(ctl)) return false;
     }
@@ -403,7 +431,7 @@ __device__ bool ox_wait_slots(const OxView& v, const OxStepD& s, const OxProgD& 
     while (ld_vol32((const uint32_t*)(c.hdr + 128)) < 2) {
       if ((++spins & 1023) == 0 && ox_aborted(ctl)) return false;
     }
-    uint64_t tail = ld_vol64(hdr);
+    uint64_t tail = ox_next(c, s.send, true, sh);
     while (tail - ld_vol64(hdr + 8) >= c.nsteps) {
       if ((++spins & 1023) == 0 && ox_aborted(ctl)) return false;
     }
@@ -413,21 +441,46 @@ __device__ bool ox_wait_slots(const OxView& v, const OxStepD& s, const OxProgD& 
   return true;
 }
 
-__device__ void ox_post(const OxView& v, const OxStepD& s, const OxProgD& p, const OxShared* sh,
-                        uint64_t bytes) {
+// Thread 0, after the block's part of a step: counts the block in (with `nb` blocks per lane)
+// and, if it is the last, publishes the step (head for the receive, metadata and tail for the
+// send). The block's writes were made visible before it counts itself in.
+__device__ void ox_post(const OxView& v, const OxStepD& s, const OxProgD& p, OxShared* sh,
+                        uint64_t bytes, uint32_t nb) {
   __threadfence_system();
   if (s.recv != OX_NONE) {
     const OxConnD& c = v.conns[s.recv];
-    st_vol64((uint64_t*)c.hdr + 8, sh->rstep + 1);
+    bool last = true;
+    if (nb > 1) {
+      unsigned* arr = (unsigned*)(c.hdr + OX_RECV_ARRIVALS) + sh->rstep % c.nsteps;
+      last = atomicAdd(arr, 1u) == nb - 1;
+      if (last) {
+        atomicExch(arr, 0u);
+        __threadfence();
+      }
+    }
+    if (last) st_vol64((uint64_t*)c.hdr + 8, sh->rstep + 1);
+    if (s.recv < OX_MAX_CONNS) sh->next[s.recv] = sh->rstep + 1;
   }
   if (s.send != OX_NONE) {
     const OxConnD& c = v.conns[s.send];
-    uint64_t* meta = (uint64_t*)(c.hdr + 1024 + 24 * (sh->sstep % c.nsteps));
-    st_vol64(meta, p.call0);
-    st_vol64(meta + 1, p.call1);
-    st_vol64(meta + 2, bytes);
-    __threadfence_system();
-    st_vol64((uint64_t*)c.hdr, sh->sstep + 1);
+    bool last = true;
+    if (nb > 1) {
+      unsigned* arr = (unsigned*)(c.hdr + OX_SEND_ARRIVALS) + sh->sstep % c.nsteps;
+      last = atomicAdd(arr, 1u) == nb - 1;
+      if (last) {
+        atomicExch(arr, 0u);
+        __threadfence();
+      }
+    }
+    if (last) {
+      uint64_t* meta = (uint64_t*)(c.hdr + 1024 + 24 * (sh->sstep % c.nsteps));
+      st_vol64(meta, p.call0);
+      st_vol64(meta + 1, p.call1);
+      st_vol64(meta + 2, bytes);
+      __threadfence_system();
+      st_vol64((uint64_t*)c.hdr, sh->sstep + 1);
+    }
+    if (s.send < OX_MAX_CONNS) sh->next[s.send] = sh->sstep + 1;
   }
 }
 
@@ -452,14 +505,22 @@ __device__ OxRed ox_red(const OxProgD& p) {
   return r;
 }
 
+// The program runner: `nb` blocks per lane (the header's `reserved` low 16 bits; 1 unless
+// every connection is in device memory), block `blockIdx.x % nb` taking its share of each
+// slice.
 extern "C" __global__ void __launch_bounds__(OX_THREADS)
     oxccl_run(const __grid_constant__ OxParams P) {
   OxView v = ox_view(P);
-  if (blockIdx.x >= v.h->nlanes) return;
-  const OxLaneD lane = v.lanes[blockIdx.x];
+  uint32_t nb = (uint32_t)(v.h->reserved & 0xffff);
+  if (nb == 0) nb = 1;
+  const uint32_t li = blockIdx.x / nb, part = blockIdx.x % nb;
+  if (li >= v.h->nlanes) return;
+  const OxLaneD lane = v.lanes[li];
   OxCtl* ctl = (OxCtl*)lane.ctl;
   __shared__ OxShared sh;
   const int tid = threadIdx.x, nt = blockDim.x;
+  for (int i = tid; i < OX_MAX_CONNS; i += nt) sh.known[i] = 0;
+  __syncthreads();
   for (int pi = 0; pi < lane.nprogs; pi++) {
     const OxProgD& p = v.progs[lane.first_prog + pi];
     OxRed r;
@@ -467,6 +528,8 @@ extern "C" __global__ void __launch_bounds__(OX_THREADS)
     __syncthreads();
     r = sh.red;
     __syncthreads();
+    // Elements per share, a multiple of 16 bytes.
+    const uint64_t align = p.esize < 16 ? 16 / p.esize : 1;
     for (uint64_t it = 0; it < p.niter; it++) {
       for (uint32_t k = 0; k < p.nsteps; k++) {
         const OxStepD& s = v.steps[p.first_step + k];
@@ -476,15 +539,19 @@ extern "C" __global__ void __launch_bounds__(OX_THREADS)
         if (tid == 0) sh.stop = !ox_wait_slots(v, s, p, ctl, &sh);
         __syncthreads();
         if (sh.stop) return;
-        const uint8_t* in = sh.in;
-        uint8_t* out = sh.out;
-        const uint8_t* src = s.src.at ? (const uint8_t*)(s.src.at + off * p.esize) : nullptr;
-        uint8_t* dst = s.dst.at ? (uint8_t*)(s.dst.at + off * p.esize) : nullptr;
-        run_prim(s, p, r, src, dst, in, out, n, tid, nt);
-        // The block's writes reach thread 0 at the barrier; its system-scope fence in ox_post
-        // (cumulative) orders them before the tail it publishes.
+        uint64_t per = ((n + nb - 1) / nb + align - 1) / align * align;
+        uint64_t lo = per * part < n ? per * part : n;
+        uint64_t hi = lo + per < n ? lo + per : n;
+        uint64_t at = (off + lo) * p.esize;
+        const uint8_t* in = sh.in ? sh.in + lo * p.esize : nullptr;
+        uint8_t* out = sh.out ? sh.out + lo * p.esize : nullptr;
+        const uint8_t* src = s.src.at ? (const uint8_t*)(s.src.at + at) : nullptr;
+        uint8_t* dst = s.dst.at ? (uint8_t*)(s.dst.at + at) : nullptr;
+        if (hi > lo) run_prim(s, p, r, src, dst, in, out, hi - lo, tid, nt);
+        // The block's writes reach thread 0 at the barrier; its fences in ox_post (cumulative)
+        // order them before what it publishes.
         __syncthreads();
-        if (tid == 0) ox_post(v, s, p, &sh, n * p.esize);
+        if (tid == 0) ox_post(v, s, p, &sh, n * p.esize, nb);
       }
     }
   }

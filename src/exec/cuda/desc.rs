@@ -21,6 +21,8 @@ const PROG: usize = std::mem::size_of::<FlatProgram>();
 const STEP: usize = std::mem::size_of::<FlatStep>();
 const LANE: usize = 16;
 const _: () = assert!(PROG == 80 && STEP == 56);
+/// Connections a launch may have to run several blocks per lane (`OX_MAX_CONNS`).
+const MAX_CONNS_MULTI: usize = 64;
 
 /// A program bound to this rank's connections, its addresses in device memory.
 pub type DevProgram = Program<Arc<Conn>>;
@@ -111,8 +113,20 @@ impl Desc {
         Ok(())
     }
 
-    /// The bytes of the kernel parameter.
-    pub fn params(&self) -> Result<Vec<u64>> {
+    /// Blocks per lane for the runner: several where every connection is in device memory
+    /// (their arrival counts live in the headers) and steps are large enough to share out.
+    pub fn blocks_per_lane(&self) -> u16 {
+        if self.conns.is_empty()
+            || self.conns.len() > MAX_CONNS_MULTI
+            || !self.conns.iter().all(|c| c.on_device())
+        {
+            return 1;
+        }
+        (self.max_bytes / (256 << 10)).clamp(1, 8) as u16
+    }
+
+    /// The bytes of the kernel parameter, for `nb` blocks per lane.
+    pub fn params(&self, nb: u16) -> Result<Vec<u64>> {
         let size = HEAD
             + CONN * self.conns.len()
             + PROG * self.progs.len()
@@ -129,7 +143,7 @@ impl Desc {
         }
         let mut b = Vec::with_capacity(PARAM_BYTES);
         let n16 = |v: usize| (v as u16).to_le_bytes();
-        b.extend_from_slice(&0u64.to_le_bytes());
+        b.extend_from_slice(&u64::from(nb).to_le_bytes());
         for n in [
             self.conns.len(),
             self.progs.len(),
@@ -297,7 +311,8 @@ mod tests {
         };
         let mut d = Desc::new();
         d.lane([&prog], 0xc7c7).expect("lane");
-        let b = d.params().expect("params");
+        let b = d.params(3).expect("params");
+        assert_eq!(b[0], 3);
         assert_eq!(b.len() * 8, PARAM_BYTES);
         assert_eq!(
             [rd16(&b, 8), rd16(&b, 10), rd16(&b, 12), rd16(&b, 14)],
@@ -372,7 +387,7 @@ mod tests {
         };
         let mut d = Desc::new();
         d.lane([&prog], 0).expect("lane");
-        let e = d.params().expect_err("too large");
+        let e = d.params(1).expect_err("too large");
         assert!(e.msg.contains("split the group"), "{}", e.msg);
         let c = d.plain_copies().expect("copies only");
         assert_eq!((c.len(), c[0]), (100, (16, 8, 2)));

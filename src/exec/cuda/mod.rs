@@ -387,14 +387,15 @@ fn run(d: &Desc, comm: &CudaComm, stream: usize, api: &driver::Api) -> Result<bo
             return Ok(true);
         }
     }
-    let mut params = d.params()?;
-    let mut args = [params.as_mut_ptr() as *mut c_void];
-    let (func, grid_x, grid_y) = if d.wide() {
+    let (func, grid_x, grid_y, nb) = if d.wide() {
         let blocks = (d.max_bytes() / (512 * 64)).clamp(1, 2 * comm.kern.sms as usize);
-        (comm.kern.local, blocks as u32, d.lanes() as u32)
+        (comm.kern.local, blocks as u32, d.lanes() as u32, 1)
     } else {
-        (comm.kern.run, d.lanes() as u32, 1)
+        let nb = d.blocks_per_lane();
+        (comm.kern.run, d.lanes() as u32 * u32::from(nb), 1, nb)
     };
+    let mut params = d.params(nb)?;
+    let mut args = [params.as_mut_ptr() as *mut c_void];
     // SAFETY: the kernel takes one parameter of `PARAM_BYTES` bytes, `params` holds them.
     check(
         unsafe {
