@@ -2,9 +2,16 @@
  * root, on NRANKS ranks of one process (ncclCommInitAll + groups), each element checked against a
  * reference computed here (in int64 / double, converted with our own minifloat code).
  *
- * usage: coll_matrix NRANKS [stream] [memalloc] [big=none|some|all] [coll=NAME]
+ * usage: coll_matrix NRANKS [stream|cuda] [memalloc] [big=none|some|all] [coll=NAME]
  *   stream    per-rank oxccl host streams; several cases queued before oxcclHostStreamSynchronize
- *   memalloc  buffers from ncclMemAlloc instead of malloc
+ *   cuda      on a GPU: every rank on device 0 (ncclCommInitAll with a devlist of zeros), buffers
+ *             (guard bytes included) in device memory (cuMemAlloc) with a host shadow: a case's
+ *             shadow is filled and copied to the device on the rank's stream, collectives run on
+ *             per-rank CUDA streams (non-blocking), several cases are queued as with `stream`, and
+ *             a flush synchronizes every stream, copies every buffer back into its shadow and
+ *             checks the shadow (guards too). PreMulSum's "device" scalar is in device memory.
+ *             The driver is loaded with dlopen (cuda_driver.h); without one the program exits 3.
+ *   memalloc  buffers from ncclMemAlloc instead of malloc (with cuda: instead of cuMemAlloc)
  *   big=      how much of the matrix runs at count 70000 (default some: every collective and
  *             datatype, ops sum/avg/premulsum-device, roots 0 and n-1)
  *   coll=     run one collective only (AllReduce, Broadcast, Bcast, Reduce, AllGather,
@@ -12,6 +19,7 @@
  * Prints "coll_matrix: N checks passed, M failed"; exits 0 only when M == 0.
  */
 #include "common.h"
+#include "cuda_driver.h"
 
 #include <stdarg.h>
 
@@ -34,7 +42,7 @@ static const char* const op_names[NUM_OPS] = {"sum", "prod", "max", "min", "avg"
 #define MAX_PENDING_BYTES (96u << 20)
 
 static int nranks;
-static int use_stream, use_memalloc, big_mode = 1; /* 0 none, 1 some, 2 all */
+static int use_stream, use_memalloc, use_cuda, big_mode = 1; /* 0 none, 1 some, 2 all */
 static ncclComm_t comms[MAX_RANKS];
 static cudaStream_t streams[MAX_RANKS];
 static long long n_pass, n_fail;
@@ -146,13 +154,25 @@ static double reduce_ref(const Gen* g, size_t idx, int* exact) {
  * Buffers with guard bytes on both sides.
  * -------------------------------------------------------------------------------------------- */
 typedef struct {
-  char* base;   /* allocation start */
-  size_t bytes; /* payload bytes */
+  char* base;      /* allocation start (cuda: the host shadow) */
+  size_t bytes;    /* payload bytes */
+  CUdeviceptr dev; /* cuda: the device allocation the shadow mirrors */
 } Buf;
 
 static void buf_alloc(Buf* b, size_t bytes) {
   size_t total = bytes + 2 * PAD;
-  if (use_memalloc) {
+  b->dev = 0;
+  if (use_cuda) {
+    if (use_memalloc) {
+      void* p = NULL;
+      NCCLCHECK(ncclMemAlloc(&p, total));
+      b->dev = (CUdeviceptr)(uintptr_t)p;
+    } else {
+      CUCHECK(cu.MemAlloc(&b->dev, total));
+    }
+    b->base = (char*)malloc(total);
+    SYSCHECK(b->base != NULL, "malloc");
+  } else if (use_memalloc) {
     void* p = NULL;
     NCCLCHECK(ncclMemAlloc(&p, total));
     b->base = (char*)p;
@@ -168,10 +188,33 @@ static void buf_alloc(Buf* b, size_t bytes) {
 
 static char* buf_data(const Buf* b) { return b->base + PAD; }
 
+/* cuda: the device address of a pointer into b's shadow. */
+static void* buf_dev(const Buf* b, const char* host) {
+  return (void*)(uintptr_t)(b->dev + (CUdeviceptr)(host - b->base));
+}
+
+/* cuda: shadow -> device (on the rank's stream, ordered before its collectives). */
+static void buf_upload(const Buf* b, CUstream st) {
+  if (b->base) CUCHECK(cu.MemcpyHtoDAsync(b->dev, b->base, b->bytes + 2 * PAD, st));
+}
+
+/* cuda: device -> shadow (after the streams were synchronized; a device -> pageable copy has
+ * completed when it returns). */
+static void buf_download(Buf* b, CUstream st) {
+  if (b->base) CUCHECK(cu.MemcpyDtoHAsync(b->base, b->dev, b->bytes + 2 * PAD, st));
+}
+
 static void buf_free(Buf* b) {
   if (!b->base) return;
-  if (use_memalloc) NCCLCHECK(ncclMemFree(b->base));
-  else free(b->base);
+  if (use_cuda) {
+    if (use_memalloc) NCCLCHECK(ncclMemFree((void*)(uintptr_t)b->dev));
+    else CUCHECK(cu.MemFree(b->dev));
+    free(b->base);
+  } else if (use_memalloc) {
+    NCCLCHECK(ncclMemFree(b->base));
+  } else {
+    free(b->base);
+  }
   b->base = NULL;
 }
 
@@ -187,6 +230,7 @@ typedef struct {
   ncclRedOp_t redop[MAX_RANKS];
   int have_redop;
   uint64_t scalar_store[MAX_RANKS];     /* PreMulSum scalars (bytes of the datatype) */
+  CUdeviceptr scalar_dev[MAX_RANKS];    /* cuda: the "device" scalars, in device memory */
   /* AlltoAllv layout */
   size_t a2av_send_total[MAX_RANKS], a2av_recv_total[MAX_RANKS];
 } Case;
@@ -257,7 +301,23 @@ static void case_setup(Case* c) {
       c->recvp[r] = buf_data(&c->rbuf[r]);
     }
     for (size_t i = 0; i < se; i++) store_elem(g->dt, c->sendp[r], i, (double)gen_value(g, r, i));
+    if (use_cuda) {
+      buf_upload(&c->sbuf[r], streams[r]);
+      buf_upload(&c->rbuf[r], streams[r]);
+    }
   }
+}
+
+/* The buffers sendp/recvp point into, and the pointers the library gets (device addresses with
+ * cuda). */
+static const Buf* send_buf(const Case* c, int r) { return c->g.inplace ? &c->rbuf[r] : &c->sbuf[r]; }
+
+static void* lib_send(const Case* c, int r) {
+  return use_cuda ? buf_dev(send_buf(c, r), c->sendp[r]) : (void*)c->sendp[r];
+}
+
+static void* lib_recv(const Case* c, int r) {
+  return use_cuda ? buf_dev(&c->rbuf[r], c->recvp[r]) : (void*)c->recvp[r];
 }
 
 static void case_create_ops(Case* c) {
@@ -276,6 +336,16 @@ static void case_create_ops(Case* c) {
                                          ncclScalarHostImmediate, comms[r]));
       /* Host-immediate scalars are read during the call: a later change must not matter. */
       store_elem(g->dt, &c->scalar_store[r], 0, 7.0);
+    } else if (use_cuda) {
+      /* The same with the scalar in device memory, written on the rank's stream. */
+      size_t es = dtype_size(g->dt);
+      CUCHECK(cu.MemAlloc(&c->scalar_dev[r], 8));
+      store_elem(g->dt, &c->scalar_store[r], 0, 5.0);
+      CUCHECK(cu.MemcpyHtoDAsync(c->scalar_dev[r], &c->scalar_store[r], es, streams[r]));
+      NCCLCHECK(ncclRedOpCreatePreMulSum(&c->redop[r], (void*)(uintptr_t)c->scalar_dev[r],
+                                         (ncclDataType_t)g->dt, ncclScalarDevice, comms[r]));
+      store_elem(g->dt, &c->scalar_store[r], 0, (double)pms_scalar(r));
+      CUCHECK(cu.MemcpyHtoDAsync(c->scalar_dev[r], &c->scalar_store[r], es, streams[r]));
     } else {
       store_elem(g->dt, &c->scalar_store[r], 0, 5.0);
       NCCLCHECK(ncclRedOpCreatePreMulSum(&c->redop[r], &c->scalar_store[r], (ncclDataType_t)g->dt,
@@ -289,7 +359,11 @@ static void case_create_ops(Case* c) {
 
 static void case_destroy_ops(Case* c) {
   if (!c->have_redop) return;
-  for (int r = 0; r < nranks; r++) NCCLCHECK(ncclRedOpDestroy(c->redop[r], comms[r]));
+  for (int r = 0; r < nranks; r++) {
+    NCCLCHECK(ncclRedOpDestroy(c->redop[r], comms[r]));
+    if (c->scalar_dev[r]) CUCHECK(cu.MemFree(c->scalar_dev[r]));
+    c->scalar_dev[r] = 0;
+  }
   c->have_redop = 0;
 }
 
@@ -300,9 +374,9 @@ static void case_issue(Case* c) {
   NCCLCHECK(ncclGroupStart());
   for (int r = 0; r < nranks; r++) {
     ncclComm_t cm = comms[r];
-    cudaStream_t st = use_stream ? streams[r] : NULL;
-    void* s = c->sendp[r];
-    void* d = c->recvp[r];
+    cudaStream_t st = (use_stream || use_cuda) ? streams[r] : NULL;
+    void* s = lib_send(c, r);
+    void* d = lib_recv(c, r);
     switch (g->coll) {
       case C_ALLREDUCE: NCCLCHECK(ncclAllReduce(s, d, g->count, dt, c->redop[r], cm, st)); break;
       case C_BROADCAST: NCCLCHECK(ncclBroadcast(s, d, g->count, dt, g->root, cm, st)); break;
@@ -334,11 +408,11 @@ static void case_issue(Case* c) {
 
 static void describe(const Case* c, char* out, size_t n) {
   const Gen* g = &c->g;
-  snprintf(out, n, "%s %s%s%s n=%d count=%zu %s root=%d%s%s", coll_names[g->coll],
+  snprintf(out, n, "%s %s%s%s n=%d count=%zu %s root=%d%s%s%s", coll_names[g->coll],
            dtype_names[g->dt], is_reduction(g->coll) ? " op=" : "",
            is_reduction(g->coll) ? op_names[g->op] : "", nranks, g->count,
            g->inplace ? "in-place" : "out-of-place", g->root, use_stream ? " stream" : "",
-           use_memalloc ? " memalloc" : "");
+           use_cuda ? " cuda" : "", use_memalloc ? " memalloc" : "");
 }
 
 static void check_guards(const Case* c, const Buf* b, int r, const char* which) {
@@ -449,6 +523,14 @@ static void flush(void) {
   if (use_stream) {
     for (int r = 0; r < nranks; r++) NCCLCHECK(oxcclHostStreamSynchronize(streams[r]));
   }
+  if (use_cuda) {
+    for (int r = 0; r < nranks; r++) CUCHECK(cu.StreamSynchronize(streams[r]));
+    for (int i = 0; i < npending; i++)
+      for (int r = 0; r < nranks; r++) {
+        buf_download(&pending[i]->sbuf[r], streams[r]);
+        buf_download(&pending[i]->rbuf[r], streams[r]);
+      }
+  }
   for (int i = 0; i < npending; i++) {
     case_check(pending[i]);
     case_destroy_ops(pending[i]);
@@ -474,7 +556,7 @@ static void run_case(int coll, int dt, int op, int inplace, size_t count, int ro
   case_issue(c);
   pending[npending++] = c;
   pending_bytes += case_bytes(c);
-  if (!use_stream || npending == MAX_PENDING || pending_bytes > MAX_PENDING_BYTES) flush();
+  if (!(use_stream || use_cuda) || npending == MAX_PENDING || pending_bytes > MAX_PENDING_BYTES) flush();
 }
 
 static int has_root(int coll) {
@@ -485,7 +567,8 @@ static int has_root(int coll) {
 int main(int argc, char** argv) {
   int only = -1;
   if (argc < 2) {
-    fprintf(stderr, "usage: %s NRANKS [stream] [memalloc] [big=none|some|all] [coll=NAME]\n", argv[0]);
+    fprintf(stderr, "usage: %s NRANKS [stream|cuda] [memalloc] [big=none|some|all] [coll=NAME]\n",
+            argv[0]);
     return 2;
   }
   nranks = atoi(argv[1]);
@@ -495,6 +578,7 @@ int main(int argc, char** argv) {
   }
   for (int i = 2; i < argc; i++) {
     if (!strcmp(argv[i], "stream")) use_stream = 1;
+    else if (!strcmp(argv[i], "cuda")) use_cuda = 1;
     else if (!strcmp(argv[i], "memalloc")) use_memalloc = 1;
     else if (!strcmp(argv[i], "big=none")) big_mode = 0;
     else if (!strcmp(argv[i], "big=some")) big_mode = 1;
@@ -511,10 +595,20 @@ int main(int argc, char** argv) {
       return 2;
     }
   }
+  if (use_stream && use_cuda) {
+    fprintf(stderr, "stream (oxccl host streams) and cuda (CUDA streams) exclude each other\n");
+    return 2;
+  }
   if (check_conversions() != 0) return 1;
 
-  int devs[MAX_RANKS];
-  for (int r = 0; r < nranks; r++) devs[r] = r;
+  int devs[MAX_RANKS], one_gpu = 0;
+  if (use_cuda) {
+    cuda_load("coll_matrix");
+    cuda_make_current(); /* before any NCCL call on this thread */
+    /* Every rank on the one GPU; the host executor (a mock driver) wants distinct slots. */
+    one_gpu = !cuda_executor_is_host("coll_matrix", 1);
+  }
+  for (int r = 0; r < nranks; r++) devs[r] = one_gpu ? 0 : r;
   NCCLCHECK(ncclCommInitAll(comms, nranks, devs));
   for (int r = 0; r < nranks; r++) {
     int cnt = -1, rank = -1;
@@ -522,6 +616,7 @@ int main(int argc, char** argv) {
     NCCLCHECK(ncclCommUserRank(comms[r], &rank));
     if (cnt != nranks || rank != r) report("comm %d: count %d rank %d", r, cnt, rank);
     if (use_stream) NCCLCHECK(oxcclHostStreamCreate(&streams[r]));
+    if (use_cuda) CUCHECK(cu.StreamCreate(&streams[r], CU_STREAM_NON_BLOCKING));
   }
 
   static const size_t counts[] = {0, 1, 7, 1000, 70000};
@@ -562,10 +657,11 @@ int main(int argc, char** argv) {
 
   for (int r = 0; r < nranks; r++) {
     if (use_stream) NCCLCHECK(oxcclHostStreamDestroy(streams[r]));
+    if (use_cuda) CUCHECK(cu.StreamDestroy(streams[r]));
     NCCLCHECK(ncclCommDestroy(comms[r]));
   }
-  printf("coll_matrix: %lld checks passed, %lld failed (nranks=%d%s%s, %.1fs)\n", n_pass, n_fail,
-         nranks, use_stream ? ", host streams" : "", use_memalloc ? ", ncclMemAlloc" : "",
-         now_sec() - t0);
+  printf("coll_matrix: %lld checks passed, %lld failed (nranks=%d%s%s%s, %.1fs)\n", n_pass, n_fail,
+         nranks, use_stream ? ", host streams" : "", use_cuda ? ", CUDA device buffers" : "",
+         use_memalloc ? ", ncclMemAlloc" : "", now_sec() - t0);
   return n_fail == 0 ? 0 : 1;
 }
