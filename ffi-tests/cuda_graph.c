@@ -1,0 +1,314 @@
+/* CUDA graph capture and replay of NCCL collectives: NRANKS ranks on GPU 0, one thread each
+ * (ncclCommInitRank), device buffers, non-blocking CUDA streams. Each rank:
+ *   1. runs one eager ncclAllReduce (float sum, 4096 elements), checked;
+ *   2. captures an ncclAllReduce (float sum, 4096 elements) on its stream into a graph
+ *      (cuStreamBeginCapture_v2 .. cuStreamEndCapture), instantiates it, and replays it 5 times:
+ *      before each replay new inputs (and poison in the output) are copied to the device on the
+ *      stream, outside the graph; after it the output is copied back and checked element by
+ *      element, guard bytes too;
+ *   3. the same with a group of two all-reduces captured together (ncclGroupStart/End inside the
+ *      capture: float sum of 4096 elements and int32 max of 777), replayed 3 times.
+ * Capture mode: THREAD_LOCAL by default. It forbids "unsafe" calls (implicitly synchronizing ones,
+ * cuMemAlloc, ...) on the capturing thread, so a library doing one inside ncclAllReduce without
+ * relaxing its own thread's mode fails the capture, while other ranks' threads (which may be
+ * capturing at the same time) are not affected. GLOBAL (PyTorch's default) also forbids unsafe
+ * calls on every other thread of the process while any thread captures, including the library's
+ * own background threads; RELAXED forbids nothing. Device memory is allocated before, and copied
+ * back after, a barrier around each capture, so the program itself is correct in every mode.
+ *
+ * usage: cuda_graph NRANKS [thread|global|relaxed] [nograph] [timeout=S]   (default thread, 50 s)
+ *   nograph  no capture: each "replay" issues the collectives directly (tests this program's own
+ *            logic with a mock driver and oxccl's host executor, tests/ffi.rs)
+ * Prints "cuda_graph: N checks passed, M failed"; exits 0 only when M == 0; 3 without a CUDA
+ * driver or device; 1 on a timeout.
+ */
+#include "common.h"
+#include "cuda_driver.h"
+
+#include <errno.h>
+#include <pthread.h>
+#include <stdarg.h>
+#include <unistd.h>
+
+#define MAX_RANKS 16
+#define PAD 256
+#define GUARD 0xA5
+#define POISON 0x5A
+#define N1 4096
+#define N2 777
+#define REPLAYS 5
+#define GROUP_REPLAYS 3
+
+static int nranks;
+static int capture_mode = CU_STREAM_CAPTURE_MODE_THREAD_LOCAL;
+static int no_graph;
+static double timeout_s = 50;
+static ncclUniqueId uid;
+static pthread_barrier_t barrier;
+
+typedef struct {
+  CUdeviceptr dev; /* PAD + bytes + PAD */
+  char* host;      /* shadow, same layout */
+  size_t bytes;
+} Buf;
+
+typedef struct {
+  int rank;
+  ncclComm_t comm;
+  CUstream st;
+  Buf s1, r1, s2, r2;
+  long long pass, fail;
+  int printed;
+} Rank;
+
+static void report(Rank* R, const char* fmt, ...) __attribute__((format(printf, 2, 3)));
+static void report(Rank* R, const char* fmt, ...) {
+  R->fail++;
+  if (R->printed++ >= 20) return;
+  va_list ap;
+  va_start(ap, fmt);
+  fprintf(stderr, "FAIL rank %d: ", R->rank);
+  vfprintf(stderr, fmt, ap);
+  fputc('\n', stderr);
+  va_end(ap);
+  fflush(stderr);
+}
+
+static void buf_alloc(Buf* b, size_t bytes) {
+  b->bytes = bytes;
+  CUCHECK(cu.MemAlloc(&b->dev, bytes + 2 * PAD));
+  b->host = (char*)malloc(bytes + 2 * PAD);
+  SYSCHECK(b->host != NULL, "malloc");
+}
+static void buf_free(Buf* b) {
+  CUCHECK(cu.MemFree(b->dev));
+  free(b->host);
+}
+static void* buf_dptr(const Buf* b) { return (void*)(uintptr_t)(b->dev + PAD); }
+static float* buf_f(const Buf* b) { return (float*)(b->host + PAD); }
+static int32_t* buf_i(const Buf* b) { return (int32_t*)(b->host + PAD); }
+
+/* Guards and poison into the shadow (the caller then writes inputs into it). */
+static void buf_reset(Buf* b) {
+  memset(b->host, GUARD, PAD);
+  memset(b->host + PAD, POISON, b->bytes);
+  memset(b->host + PAD + b->bytes, GUARD, PAD);
+}
+static void buf_upload(const Buf* b, CUstream st) {
+  CUCHECK(cu.MemcpyHtoDAsync(b->dev, b->host, b->bytes + 2 * PAD, st));
+}
+static void buf_download(Buf* b, CUstream st) {
+  CUCHECK(cu.MemcpyDtoHAsync(b->host, b->dev, b->bytes + 2 * PAD, st));
+  CUCHECK(cu.StreamSynchronize(st));
+}
+static void buf_guards(Rank* R, const Buf* b, const char* what) {
+  for (size_t i = 0; i < PAD; i++)
+    if ((unsigned char)b->host[i] != GUARD || (unsigned char)b->host[PAD + b->bytes + i] != GUARD) {
+      report(R, "%s: bytes around a buffer were overwritten", what);
+      return;
+    }
+  R->pass++;
+}
+
+/* Inputs of replay `it` (small integers: float sums are exact). */
+static float fin(int r, size_t i, int it) { return (float)((r * 5 + (int)i * 3 + it * 7) % 32); }
+static int32_t iin(int r, size_t i, int it) { return (int32_t)((r * 97 + (int)i * 31 + it * 1009) % 4001) - 2000; }
+
+static void set_inputs(Rank* R, int it, int second) {
+  buf_reset(&R->s1);
+  buf_reset(&R->r1);
+  for (size_t i = 0; i < N1; i++) buf_f(&R->s1)[i] = fin(R->rank, i, it);
+  buf_upload(&R->s1, R->st);
+  buf_upload(&R->r1, R->st);
+  if (second) {
+    buf_reset(&R->s2);
+    buf_reset(&R->r2);
+    for (size_t i = 0; i < N2; i++) buf_i(&R->s2)[i] = iin(R->rank, i, it);
+    buf_upload(&R->s2, R->st);
+    buf_upload(&R->r2, R->st);
+  }
+}
+
+static void check_outputs(Rank* R, int it, int second, const char* what) {
+  char w[128];
+  CUCHECK(cu.StreamSynchronize(R->st));
+  buf_download(&R->s1, R->st);
+  buf_download(&R->r1, R->st);
+  snprintf(w, sizeof w, "%s: float sum", what);
+  int bad = 0, send_bad = 0;
+  for (size_t i = 0; i < N1; i++) {
+    float want = 0;
+    for (int p = 0; p < nranks; p++) want += fin(p, i, it);
+    float got = buf_f(&R->r1)[i];
+    if (got == want) R->pass++;
+    else if (bad++ < 3) report(R, "%s element %zu: got %.9g, expected %.9g", w, i, (double)got, (double)want);
+    else R->fail++;
+    if (buf_f(&R->s1)[i] != fin(R->rank, i, it) && !send_bad++) report(R, "%s: send element %zu changed", w, i);
+  }
+  buf_guards(R, &R->s1, w);
+  buf_guards(R, &R->r1, w);
+  if (!second) return;
+  buf_download(&R->s2, R->st);
+  buf_download(&R->r2, R->st);
+  snprintf(w, sizeof w, "%s: int32 max", what);
+  bad = 0;
+  send_bad = 0;
+  for (size_t i = 0; i < N2; i++) {
+    int32_t want = iin(0, i, it);
+    for (int p = 1; p < nranks; p++)
+      if (iin(p, i, it) > want) want = iin(p, i, it);
+    int32_t got = buf_i(&R->r2)[i];
+    if (got == want) R->pass++;
+    else if (bad++ < 3) report(R, "%s element %zu: got %d, expected %d", w, i, got, want);
+    else R->fail++;
+    if (buf_i(&R->s2)[i] != iin(R->rank, i, it) && !send_bad++) report(R, "%s: send element %zu changed", w, i);
+  }
+  buf_guards(R, &R->s2, w);
+  buf_guards(R, &R->r2, w);
+}
+
+static void enqueue(Rank* R, int second) {
+  if (second) NCCLCHECK(ncclGroupStart());
+  NCCLCHECK(ncclAllReduce(buf_dptr(&R->s1), buf_dptr(&R->r1), N1, ncclFloat32, ncclSum, R->comm, R->st));
+  if (second) {
+    NCCLCHECK(ncclAllReduce(buf_dptr(&R->s2), buf_dptr(&R->r2), N2, ncclInt32, ncclMax, R->comm, R->st));
+    NCCLCHECK(ncclGroupEnd());
+  }
+}
+
+/* Capture (between barriers: no rank allocates or copies synchronously while another captures),
+ * instantiate, replay with new inputs each time. */
+static void graph_case(Rank* R, int second, int replays, int it0) {
+  const char* what = second ? "graph of a group of two all-reduces" : "graph of one all-reduce";
+  if (R->rank == 0) {
+    fprintf(stderr, "  [rank 0] %s: %s, %d replays\n", what, no_graph ? "nograph" : "capture", replays);
+    fflush(stderr);
+  }
+  CUgraph g = NULL;
+  CUgraphExec ge = NULL;
+  if (no_graph) {
+    for (int k = 0; k < replays; k++) {
+      set_inputs(R, it0 + k, second);
+      enqueue(R, second);
+      check_outputs(R, it0 + k, second, what);
+    }
+    return;
+  }
+  pthread_barrier_wait(&barrier);
+  CUCHECK(cu.StreamBeginCapture(R->st, capture_mode));
+  enqueue(R, second);
+  CUCHECK(cu.StreamEndCapture(R->st, &g));
+  pthread_barrier_wait(&barrier);
+  if (!g) {
+    report(R, "%s: cuStreamEndCapture gave no graph", what);
+    return;
+  }
+  size_t nodes = 0;
+  if (cu.GraphGetNodes && cu.GraphGetNodes(g, NULL, &nodes) == CUDA_SUCCESS) {
+    if (nodes == 0) report(R, "%s: the captured graph is empty (the collective ran outside it?)", what);
+    else R->pass++;
+    if (R->rank == 0) fprintf(stderr, "  [rank 0] %s: %zu nodes captured\n", what, nodes);
+  }
+  CUCHECK(cuda_graph_instantiate(&ge, g));
+  for (int k = 0; k < replays; k++) {
+    int it = it0 + k;
+    set_inputs(R, it, second); /* outside the graph, on the stream */
+    CUCHECK(cu.GraphLaunch(ge, R->st));
+    char w[128];
+    snprintf(w, sizeof w, "%s, replay %d", what, k);
+    check_outputs(R, it, second, w);
+  }
+  CUCHECK(cu.GraphExecDestroy(ge));
+  CUCHECK(cu.GraphDestroy(g));
+}
+
+static void* rank_main(void* arg) {
+  Rank* R = (Rank*)arg;
+  cuda_make_current(); /* before any NCCL call on this thread */
+  buf_alloc(&R->s1, N1 * 4);
+  buf_alloc(&R->r1, N1 * 4);
+  buf_alloc(&R->s2, N2 * 4);
+  buf_alloc(&R->r2, N2 * 4);
+  CUCHECK(cu.StreamCreate(&R->st, CU_STREAM_NON_BLOCKING));
+  NCCLCHECK(ncclCommInitRank(&R->comm, nranks, uid, R->rank));
+  pthread_barrier_wait(&barrier);
+
+  /* Eager first (what a program does before capturing), then the graphs. */
+  if (R->rank == 0) {
+    fprintf(stderr, "  [rank 0] eager all-reduce\n");
+    fflush(stderr);
+  }
+  set_inputs(R, 100, 0);
+  enqueue(R, 0);
+  check_outputs(R, 100, 0, "eager all-reduce");
+  graph_case(R, 0, REPLAYS, 0);
+  graph_case(R, 1, GROUP_REPLAYS, 10);
+
+  pthread_barrier_wait(&barrier); /* nobody frees device memory while a peer still runs */
+  NCCLCHECK(ncclCommDestroy(R->comm));
+  CUCHECK(cu.StreamDestroy(R->st));
+  buf_free(&R->s1);
+  buf_free(&R->r1);
+  buf_free(&R->s2);
+  buf_free(&R->r2);
+  return NULL;
+}
+
+int main(int argc, char** argv) {
+  if (argc < 2) {
+    fprintf(stderr, "usage: %s NRANKS [thread|global|relaxed] [timeout=S]\n", argv[0]);
+    return 2;
+  }
+  nranks = atoi(argv[1]);
+  if (nranks < 1 || nranks > MAX_RANKS) {
+    fprintf(stderr, "NRANKS must be 1..%d\n", MAX_RANKS);
+    return 2;
+  }
+  const char* mode_name = "thread-local";
+  for (int i = 2; i < argc; i++) {
+    if (!strcmp(argv[i], "thread")) capture_mode = CU_STREAM_CAPTURE_MODE_THREAD_LOCAL;
+    else if (!strcmp(argv[i], "global")) capture_mode = CU_STREAM_CAPTURE_MODE_GLOBAL, mode_name = "global";
+    else if (!strcmp(argv[i], "relaxed")) capture_mode = CU_STREAM_CAPTURE_MODE_RELAXED, mode_name = "relaxed";
+    else if (!strcmp(argv[i], "nograph")) no_graph = 1;
+    else if (!strncmp(argv[i], "timeout=", 8)) timeout_s = atof(argv[i] + 8);
+    else {
+      fprintf(stderr, "unknown argument %s\n", argv[i]);
+      return 2;
+    }
+  }
+  double t0 = now_sec();
+  cuda_load("cuda_graph");
+  cuda_make_current();
+  if (cuda_executor_is_host("cuda_graph", 1) && !no_graph) {
+    fprintf(stderr, "cuda_graph: needs real CUDA graphs (the host executor cannot be captured)\n");
+    return CUDA_UNAVAILABLE;
+  }
+  NCCLCHECK(ncclGetUniqueId(&uid));
+  pthread_barrier_init(&barrier, NULL, (unsigned)nranks);
+  static Rank ranks[MAX_RANKS];
+  pthread_t th[MAX_RANKS];
+  for (int r = 0; r < nranks; r++) {
+    ranks[r].rank = r;
+    SYSCHECK(pthread_create(&th[r], NULL, rank_main, &ranks[r]) == 0, "pthread_create");
+  }
+  struct timespec ts;
+  clock_gettime(CLOCK_REALTIME, &ts);
+  ts.tv_sec += (time_t)timeout_s;
+  long long pass = 0, fail = 0;
+  for (int r = 0; r < nranks; r++) {
+    int e = pthread_timedjoin_np(th[r], NULL, &ts);
+    if (e == ETIMEDOUT) {
+      fprintf(stderr, "FAIL cuda_graph: rank %d still running after %.0f s: hung\n", r, timeout_s);
+      printf("cuda_graph: timeout (nranks=%d)\n", nranks);
+      fflush(NULL);
+      _exit(1);
+    }
+    SYSCHECK(e == 0, "pthread_timedjoin_np");
+    pass += ranks[r].pass;
+    fail += ranks[r].fail;
+  }
+  printf("cuda_graph: %lld checks passed, %lld failed (nranks=%d, %s%s, %.1fs)\n", pass, fail,
+         nranks, no_graph ? "nograph: issued directly" : "capture mode ", no_graph ? "" : mode_name,
+         now_sec() - t0);
+  return fail == 0 ? 0 : 1;
+}
