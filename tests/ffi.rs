@@ -2,6 +2,13 @@
 //! built with gcc/g++ `-Wall -Wextra -Werror` against the freshly built `libnccl.so` and run with
 //! `OXCCL_DEVICE=host`, each under a timeout.
 //!
+//! The GPU programs (`coll_matrix cuda`, `cuda_ranks`, `cuda_graph`: the CUDA driver loaded with
+//! dlopen) are run here on a mock `libcuda.so.1` (ffi-tests/mock-cuda: "device" memory is host
+//! memory, streams are host streams) to test their own logic, and must fail cleanly (exit 3, a
+//! message) where there is no driver. The executables land in `target/<profile>/ffi-tests/bin/`,
+//! from where `scripts/gpu-check.sh --prepare` packs them: the `ex_single` test it runs builds
+//! every program.
+//!
 //! The header is the repository's `include/nccl.h` when it exists; until then NCCL's upstream
 //! header (`/tmp/up/nvidia/nccl/include`, or `$OXCCL_UPSTREAM_INCLUDE`) with the stand-in CUDA
 //! headers of `ffi-tests/cuda-stub`. `OXCCL_FFI_TIMEOUT` (seconds) overrides every timeout.
@@ -101,7 +108,7 @@ fn build(src: &str) -> PathBuf {
         .arg(&exe)
         .arg(format!("-L{}", libdir.display()))
         .arg(format!("-Wl,-rpath,{}", libdir.display()))
-        .args(["-lnccl", "-lm", "-pthread"]);
+        .args(["-lnccl", "-lm", "-pthread", "-ldl"]);
     let out = cmd
         .output()
         .unwrap_or_else(|e| panic!("cannot run {compiler}: {e}"));
@@ -114,6 +121,57 @@ fn build(src: &str) -> PathBuf {
     );
     map.insert(src.to_string(), exe.clone());
     exe
+}
+
+/// Every program of ffi-tests/ (what gpu-check.sh packs for the GPU machine).
+fn build_all() {
+    let mut srcs: Vec<String> = std::fs::read_dir(manifest_dir().join("ffi-tests"))
+        .expect("read ffi-tests/")
+        .filter_map(|e| e.ok())
+        .map(|e| e.file_name().to_string_lossy().to_string())
+        .filter(|n| n.ends_with(".c") || n.ends_with(".cpp"))
+        .collect();
+    srcs.sort();
+    for src in srcs {
+        build(&src);
+    }
+}
+
+/// The mock CUDA driver: a directory holding `libcuda.so.1` built from
+/// ffi-tests/mock-cuda/mock_cuda.c (put it on LD_LIBRARY_PATH).
+fn mock_cuda_dir() -> &'static Path {
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
+    DIR.get_or_init(|| {
+        let dir = profile_dir().join("ffi-tests").join("mock-cuda");
+        std::fs::create_dir_all(&dir).expect("create ffi-tests/mock-cuda");
+        let cc = std::env::var("CC").unwrap_or_else(|_| "gcc".into());
+        let mut cmd = Command::new(&cc);
+        cmd.args([
+            "-std=c11",
+            "-D_GNU_SOURCE",
+            "-O2",
+            "-g",
+            "-Wall",
+            "-Wextra",
+            "-Werror",
+        ])
+        .args(["-shared", "-fPIC"])
+        .arg(manifest_dir().join("ffi-tests/mock-cuda/mock_cuda.c"))
+        .arg("-o")
+        .arg(dir.join("libcuda.so.1"))
+        .arg("-ldl");
+        let out = cmd
+            .output()
+            .unwrap_or_else(|e| panic!("cannot run {cc}: {e}"));
+        assert!(
+            out.status.success(),
+            "compiling the mock libcuda failed ({:?}):\n{}{}",
+            cmd,
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        dir
+    })
 }
 
 /// leak_check looks at machine-wide /dev/shm and must not see other tests' files: it runs alone.
@@ -149,12 +207,51 @@ fn run(src: &str, args: &[&str], timeout_s: u64) {
 
 /// `run` with extra environment variables.
 fn run_env(src: &str, args: &[&str], envs: &[(&str, &str)], timeout_s: u64) {
+    let mut all = vec![("OXCCL_DEVICE", "host")];
+    all.extend_from_slice(envs);
+    let o = run_raw(src, args, &all, timeout_s);
+    match o.status {
+        None => panic!(
+            "{}: still running after {:?}, killed\n--- stdout\n{}\n--- stderr\n{}",
+            o.what,
+            o.timeout,
+            tail(&o.stdout, 4000),
+            tail(&o.stderr, 8000)
+        ),
+        Some(st) if !st.success() => panic!(
+            "{}: {st}\n--- stdout\n{}\n--- stderr\n{}",
+            o.what,
+            tail(&o.stdout, 4000),
+            tail(&o.stderr, 8000)
+        ),
+        Some(_) => {
+            print!("{} ({:.1}s): {}", o.what, o.elapsed, o.stdout);
+            if !o.stderr.is_empty() {
+                eprint!("{}", tail(&o.stderr, 4000));
+            }
+        }
+    }
+}
+
+/// What a run gave: the exit status (None: killed at the timeout) and the output.
+struct Outcome {
+    what: String,
+    status: Option<std::process::ExitStatus>,
+    stdout: String,
+    stderr: String,
+    elapsed: f64,
+    timeout: Duration,
+}
+
+/// Run a built program with exactly these extra environment variables (OXCCL_DEVICE only when
+/// given) in its own process group; kill the group on timeout.
+fn run_raw(src: &str, args: &[&str], envs: &[(&str, &str)], timeout_s: u64) -> Outcome {
     let exe = build(src);
     let timeout = timeout_for(timeout_s);
     let mut child = Command::new(&exe)
         .args(args)
+        .env_remove("OXCCL_DEVICE")
         .envs(envs.iter().copied())
-        .env("OXCCL_DEVICE", "host")
         .env_remove("OXCCL_FAULT")
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -196,25 +293,13 @@ fn run_env(src: &str, args: &[&str], envs: &[(&str, &str)], timeout_s: u64) {
     );
     let stdout = t_out.join().unwrap_or_default();
     let stderr = t_err.join().unwrap_or_default();
-    let what = format!("{} {}", exe.display(), args.join(" "));
-    match status {
-        None => panic!(
-            "{what}: still running after {:?}, killed\n--- stdout\n{}\n--- stderr\n{}",
-            timeout,
-            tail(&stdout, 4000),
-            tail(&stderr, 8000)
-        ),
-        Some(st) if !st.success() => panic!(
-            "{what}: {st}\n--- stdout\n{}\n--- stderr\n{}",
-            tail(&stdout, 4000),
-            tail(&stderr, 8000)
-        ),
-        Some(_) => {
-            print!("{what} ({:.1}s): {stdout}", start.elapsed().as_secs_f64());
-            if !stderr.is_empty() {
-                eprint!("{}", tail(&stderr, 4000));
-            }
-        }
+    Outcome {
+        what: format!("{} {}", exe.display(), args.join(" ")),
+        status,
+        stdout,
+        stderr,
+        elapsed: start.elapsed().as_secs_f64(),
+        timeout,
     }
 }
 
@@ -239,6 +324,8 @@ fn cpp_smoke_extern_c_and_allreduce() {
 #[test]
 fn ex_single_process_init_all_and_group() {
     let _g = shared();
+    // scripts/gpu-check.sh --prepare runs only this test to build the C programs it packs.
+    build_all();
     for n in RANKS {
         run("ex_single_process.c", &[n], 120);
     }
@@ -364,4 +451,66 @@ fn leak_check_after_destroy() {
     let _g = exclusive().write().unwrap_or_else(|e| e.into_inner());
     run("leak_check.c", &["4"], 120);
     run("leak_check.c", &["2"], 120);
+}
+
+/// The GPU programs where there is no CUDA driver: a message and exit code 3, no crash, no hang.
+/// (Where there is a driver and a GPU they run for real and must pass.)
+#[test]
+fn cuda_programs_fail_cleanly_without_a_driver() {
+    let _g = shared();
+    let empty = profile_dir().join("ffi-tests").join("no-cuda");
+    std::fs::create_dir_all(&empty).expect("create ffi-tests/no-cuda");
+    let path = empty.display().to_string();
+    for (src, args) in [
+        ("coll_matrix.c", &["2", "cuda", "big=none"][..]),
+        ("cuda_ranks.c", &["2", "threads"][..]),
+        ("cuda_ranks.c", &["2", "processes"][..]),
+        ("cuda_graph.c", &["2"][..]),
+    ] {
+        let o = run_raw(src, args, &[("LD_LIBRARY_PATH", &path)], 120);
+        let code = o.status.and_then(|s| s.code());
+        match code {
+            Some(0) => print!("{} ran on a GPU: {}", o.what, o.stdout),
+            Some(3) => {
+                assert!(
+                    o.stderr.contains("CUDA"),
+                    "{}: exit 3 without a message about CUDA:\n{}",
+                    o.what,
+                    o.stderr
+                );
+                println!("{}: {}", o.what, o.stderr.lines().last().unwrap_or(""));
+            }
+            _ => panic!(
+                "{}: {:?} (want exit 3 without a driver, 0 with a GPU)\n--- stdout\n{}\n--- stderr\n{}",
+                o.what,
+                o.status,
+                tail(&o.stdout, 4000),
+                tail(&o.stderr, 8000)
+            ),
+        }
+    }
+}
+
+/// The GPU programs' own logic (shadows and copies, device addresses, in-place offsets, guards,
+/// ranks as threads and processes) on the mock driver with the host executor.
+#[test]
+fn cuda_programs_on_a_mock_driver() {
+    let _g = shared();
+    let mock = mock_cuda_dir().display().to_string();
+    let env = [("LD_LIBRARY_PATH", mock.as_str())];
+    for n in ["1", "2", "3", "4"] {
+        run_env("coll_matrix.c", &[n, "cuda", "big=none"], &env, 300);
+        run_env("cuda_ranks.c", &[n, "threads"], &env, 120);
+        run_env("cuda_ranks.c", &[n, "processes", "inplace"], &env, 120);
+        run_env("cuda_graph.c", &[n, "nograph"], &env, 120);
+    }
+    run_env("coll_matrix.c", &["3", "cuda"], &env, 300);
+    run_env(
+        "coll_matrix.c",
+        &["2", "cuda", "memalloc", "big=none"],
+        &env,
+        300,
+    );
+    run_env("cuda_ranks.c", &["3", "threads", "inplace"], &env, 120);
+    run_env("cuda_ranks.c", &["2", "processes"], &env, 120);
 }
