@@ -446,12 +446,7 @@ __device__ bool ox_wait_slots(const OxView& v, const OxStepD& s, const OxProgD& 
 // send). The block's writes were made visible before it counts itself in.
 __device__ void ox_post(const OxView& v, const OxStepD& s, const OxProgD& p, OxShared* sh,
                         uint64_t bytes, uint32_t nb) {
-  // Several blocks per lane only where every connection is in this device's memory, read by
-  // kernels on this device: a device-scope fence is enough there.
-  if (nb > 1)
-    __threadfence();
-  else
-    __threadfence_system();
+  __threadfence_system();
   if (s.recv != OX_NONE) {
     const OxConnD& c = v.conns[s.recv];
     bool last = true;
@@ -482,10 +477,7 @@ __device__ void ox_post(const OxView& v, const OxStepD& s, const OxProgD& p, OxS
       st_vol64(meta, p.call0);
       st_vol64(meta + 1, p.call1);
       st_vol64(meta + 2, bytes);
-      if (nb > 1)
-        __threadfence();
-      else
-        __threadfence_system();
+      __threadfence_system();
       st_vol64((uint64_t*)c.hdr, sh->sstep + 1);
     }
     if (s.send < OX_MAX_CONNS) sh->next[s.send] = sh->sstep + 1;

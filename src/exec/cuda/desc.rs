@@ -122,7 +122,7 @@ impl Desc {
         {
             return 1;
         }
-        (self.max_bytes / (128 << 10)).clamp(1, 16) as u16
+        (self.max_bytes / (256 << 10)).clamp(1, 8) as u16
     }
 
     /// The bytes of the kernel parameter, for `nb` blocks per lane.
