@@ -80,19 +80,26 @@ export LD_LIBRARY_PATH="$OXLIB${RTDIR:+:$RTDIR}${LD_LIBRARY_PATH:+:$LD_LIBRARY_P
 # 1. The CUDA executor on device buffers.
 export NCCL_DEBUG=WARN
 check "CUDA: 1 rank, every collective" 60 env NCCL_DEBUG=INFO "$B/coll_matrix" 1 cuda big=none
-check "CUDA: 2 ranks (threads), 2 collectives" 60 "$B/cuda_ranks" 2 threads
+check "CUDA: 2 ranks (threads), six collectives and a send/recv ring" 60 "$B/cuda_ranks" 2 threads
 check "CUDA: 2 ranks, every collective x datatype x op" 120 "$B/coll_matrix" 2 cuda big=none
 check "CUDA: 4 ranks, every collective x datatype x op" 150 "$B/coll_matrix" 4 cuda
+check "CUDA: 3 ranks, ncclMemAlloc buffers" 90 "$B/coll_matrix" 3 cuda memalloc big=none
 check "CUDA: 4 ranks as threads" 60 "$B/cuda_ranks" 4 threads
+check "CUDA: 4 ranks as threads, in place" 60 "$B/cuda_ranks" 4 threads inplace
 check "CUDA: 2 ranks as processes" 60 "$B/cuda_ranks" 2 processes
-check "CUDA: 4 ranks as processes, in place" 90 "$B/cuda_ranks" 4 processes inplace
+check "CUDA: 4 ranks as processes, in place" 90 "$B/cuda_ranks" 4 processes inplace timeout=80
 check "CUDA: graph capture and replay, 2 ranks" 60 "$B/cuda_graph" 2
+check "CUDA: graph capture, global capture mode" 60 "$B/cuda_graph" 2 global
 
 # 2. Perf tools on the GPU; nranks=1 against NVIDIA's NCCL side by side.
 perf() {  # label, lib dir, args...
   local label=$1 dir=$2; shift 2
   say "== perf ($label): $*"
-  LD_LIBRARY_PATH="$dir${RTDIR:+:$RTDIR}" timeout -k 5 120 "$@" >"$OUT/perf-$label.txt" 2>&1
+  if declare -F "$1" >/dev/null; then  # a shell function: run it in a bash under the limit
+    LD_LIBRARY_PATH="$dir${RTDIR:+:$RTDIR}" timeout -k 5 120 bash -c "$(declare -f "$1"); \"\$@\"" _ "$@" >"$OUT/perf-$label.txt" 2>&1
+  else
+    LD_LIBRARY_PATH="$dir${RTDIR:+:$RTDIR}" timeout -k 5 120 "$@" >"$OUT/perf-$label.txt" 2>&1
+  fi
   local rc=$?
   cat "$OUT/perf-$label.txt" >>"$log"
   [ $rc -eq 0 ] && grep -q "Avg bus bandwidth" "$OUT/perf-$label.txt" || { say "   FAILED (rc=$rc)"; fails=$((fails + 1)); }
@@ -108,6 +115,17 @@ if [ -n "$NV_NCCL" ]; then
 fi
 perf oxccl-g2 "$OXLIB" "$B/all_reduce_perf" "${sweep[@]}" -g 2
 perf oxccl-g4 "$OXLIB" "$B/all_reduce_perf" -b 8 -e 1G -f 8 -n 10 -w 3 -g 4
+perf oxccl-g2-hoststaged "$OXLIB" env NCCL_P2P_DISABLE=1 "$B/all_reduce_perf" -b 8 -e 64M -f 8 -n 10 -w 3 -g 2
+# Two processes on the one GPU (pinned host-memory connections; the GPU time-slices them).
+procs2() {
+  local port=$((29900 + RANDOM % 90)) rc=0
+  RANK=1 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=$port "$@" >/dev/null 2>&1 &
+  local p=$!
+  RANK=0 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=$port "$@" || rc=1
+  wait $p || rc=1
+  return $rc
+}
+perf oxccl-2procs "$OXLIB" procs2 "$B/all_reduce_perf" -b 8 -e 16M -f 8 -n 5 -w 2 -g 1
 for t in all_gather broadcast reduce_scatter alltoall sendrecv; do
   perf "$t-g2" "$OXLIB" "$B/${t}_perf" -b 8 -e 64M -f 8 -n 10 -w 3 -g 2
 done
@@ -115,7 +133,7 @@ done
 # 3. PyTorch through LD_PRELOAD.
 if [ -f "$B/gpu-torch-check.py" ]; then
   check "PyTorch: torch.distributed nccl, world 1 and 2, CUDA graph" 300 \
-    env LD_PRELOAD="$OXLIB/libnccl.so.2" python3 "$B/gpu-torch-check.py"
+    env LD_PRELOAD="$OXLIB/libnccl.so.2" python3 "$B/gpu-torch-check.py" --timeout 120
 fi
 
 # 4. The host executor there.

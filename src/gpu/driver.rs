@@ -45,21 +45,37 @@ macro_rules! driver_api {
         #[allow(non_snake_case)]
         pub struct Api {
             $( pub $field: unsafe extern "C" fn($($arg),*) -> CUresult, )*
-            _lib: libloading::Library,
+            _lib: Option<libloading::Library>,
         }
 
         impl Api {
             fn load(lib: libloading::Library) -> Result<Api> {
+                // SAFETY: every symbol has the C signature given in the table in every driver
+                // that exports it (CUDA's `cuda.h`); the library stays loaded as long as the
+                // table lives.
+                let mut api = unsafe {
+                    Api::resolve(|name| lib.get::<*const c_void>(name.as_bytes()).ok().map(|s| *s))
+                }?;
+                api._lib = Some(lib);
+                Ok(api)
+            }
+
+            /// The table from `lookup(symbol name with its NUL)`, an error naming the first
+            /// symbol it cannot give.
+            ///
+            /// # Safety
+            /// Each address `lookup` gives is a function with the C signature the table lists
+            /// for that symbol, valid while the table is used.
+            pub unsafe fn resolve(
+                lookup: impl Fn(&str) -> Option<*const c_void>,
+            ) -> Result<Api> {
                 Ok(Api {
                     $( $field: {
-                        // SAFETY: the symbol has this C signature in every driver that exports it
-                        // (CUDA's `cuda.h`); the library stays loaded as long as the table lives.
-                        let s = unsafe {
-                            lib.get::<unsafe extern "C" fn($($arg),*) -> CUresult>(
-                                concat!($sym, "\0").as_bytes(),
-                            )
-                        };
-                        *s.map_err(|_| Error::new(
+                        let s = lookup(concat!($sym, "\0")).filter(|p| !p.is_null());
+                        // SAFETY: per the contract, the address is such a function.
+                        s.map(|p| unsafe {
+                            std::mem::transmute::<*const c_void, unsafe extern "C" fn($($arg),*) -> CUresult>(p)
+                        }).ok_or_else(|| Error::new(
                             Code::UnhandledCudaError,
                             format!(
                                 "the CUDA driver (libcuda.so.1) lacks {}: it is too old for \
@@ -69,7 +85,7 @@ macro_rules! driver_api {
                             ),
                         ))?
                     }, )*
-                    _lib: lib,
+                    _lib: None,
                 })
             }
         }
@@ -119,6 +135,13 @@ driver_api! {
 }
 
 static API: OnceCell<std::result::Result<Api, Error>> = OnceCell::new();
+
+/// Uses `api` as the driver from now on (a stand-in that records calls, for tests of the CUDA
+/// executor's host-side logic on machines without a GPU); false if a driver was loaded already.
+#[doc(hidden)]
+pub fn install(api: Api) -> bool {
+    API.set(Ok(api)).is_ok()
+}
 
 /// Whether `libcuda.so.1` can be loaded at all (the executor choice probes this first).
 pub fn present() -> bool {

@@ -50,7 +50,7 @@ fn cache_file(arch: i32) -> Option<std::path::PathBuf> {
 }
 
 /// The cache file name of the kernels for `sm_{arch}`: a hash of their sources in it.
-fn cache_name(arch: i32) -> String {
+pub(super) fn cache_name(arch: i32) -> String {
     use std::hash::{Hash, Hasher};
     // SipHash with fixed keys: the same name in every process and build of these sources.
     let mut h = std::collections::hash_map::DefaultHasher::new();

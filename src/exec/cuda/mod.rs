@@ -32,6 +32,13 @@ use crate::plan::{Addr, Work};
 use desc::{Desc, DevProgram};
 use std::ffi::c_void;
 
+/// The file name under which compiled kernels for `sm_{arch}` are cached (tests put a stand-in
+/// image there).
+#[doc(hidden)]
+pub fn kernel_cache_name(arch: i32) -> String {
+    kernels::cache_name(arch)
+}
+
 /// The calling thread's current device (the CUDA runtime's), for `ncclCommInitRank*`.
 pub fn current_device() -> Result<i32> {
     driver::current_device()

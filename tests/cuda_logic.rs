@@ -1,0 +1,488 @@
+//! The CUDA executor's host-side logic against a recording stand-in of the driver (no GPU):
+//! which launches go to which streams with which grids and descriptors, the events that keep a
+//! communicator's launches in order across streams (and their absence while a stream captures a
+//! graph), one-rank copies, and buffers the GPU cannot reach. The stand-in runs no kernel: this
+//! tests the logic that surrounds them, not the GPU check (`scripts/gpu-check.sh`).
+//!
+//! One process, one test function: the driver and the executor are chosen once per process.
+
+use nccl::gpu::driver::{self, Api, CUresult};
+use nccl::types::{CollArgs, CollKind, DataType};
+use parking_lot::Mutex;
+use std::ffi::{c_char, c_int, c_uint, c_void};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+
+/// What the driver was asked to do, in order.
+#[derive(Clone, Debug, PartialEq)]
+enum Ev {
+    Launch {
+        func: usize,
+        grid: (u32, u32),
+        block: u32,
+        stream: usize,
+        head: [u64; 2],
+    },
+    Copy {
+        dst: u64,
+        src: u64,
+        bytes: usize,
+        stream: usize,
+    },
+    Record {
+        event: usize,
+        stream: usize,
+    },
+    Wait {
+        stream: usize,
+        event: usize,
+    },
+}
+
+static LOG: Mutex<Vec<Ev>> = Mutex::new(Vec::new());
+static CAPTURING: AtomicBool = AtomicBool::new(false);
+static NEXT: AtomicU64 = AtomicU64::new(0x100);
+/// Addresses the stand-in says are not GPU memory (pageable host memory).
+static PAGEABLE: Mutex<Vec<u64>> = Mutex::new(Vec::new());
+
+fn log(e: Ev) {
+    LOG.lock().push(e);
+}
+fn take() -> Vec<Ev> {
+    std::mem::take(&mut *LOG.lock())
+}
+
+const OK: CUresult = 0;
+const RUN: usize = 0x3001;
+const LOCAL: usize = 0x3002;
+
+thread_local! {
+    static CURRENT: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+}
+
+// The stand-in's functions (C signatures of the driver table).
+unsafe extern "C" fn ok_u(_: c_uint) -> CUresult {
+    OK
+}
+unsafe extern "C" fn version(v: *mut c_int) -> CUresult {
+    unsafe { *v = 12080 };
+    OK
+}
+unsafe extern "C" fn count(n: *mut c_int) -> CUresult {
+    unsafe { *n = 1 };
+    OK
+}
+unsafe extern "C" fn device_get(d: *mut c_int, o: c_int) -> CUresult {
+    unsafe { *d = o };
+    OK
+}
+unsafe extern "C" fn attr(v: *mut c_int, a: c_int, _: c_int) -> CUresult {
+    unsafe {
+        *v = match a {
+            75 => 9,
+            76 => 0,
+            16 => 132,
+            _ => 0,
+        }
+    };
+    OK
+}
+unsafe extern "C" fn name(_: *mut c_char, _: c_int, _: c_int) -> CUresult {
+    OK
+}
+unsafe extern "C" fn retain(c: *mut *mut c_void, _: c_int) -> CUresult {
+    unsafe { *c = 0x1000 as *mut c_void };
+    OK
+}
+unsafe extern "C" fn get_current(c: *mut *mut c_void) -> CUresult {
+    unsafe { *c = CURRENT.with(|x| x.get()) as *mut c_void };
+    OK
+}
+unsafe extern "C" fn set_current(c: *mut c_void) -> CUresult {
+    CURRENT.with(|x| x.set(c as usize));
+    OK
+}
+unsafe extern "C" fn ctx_device(d: *mut c_int) -> CUresult {
+    unsafe { *d = 0 };
+    OK
+}
+unsafe extern "C" fn module_load(m: *mut *mut c_void, _: *const c_void) -> CUresult {
+    unsafe { *m = 0x2000 as *mut c_void };
+    OK
+}
+unsafe extern "C" fn get_function(
+    f: *mut *mut c_void,
+    _: *mut c_void,
+    n: *const c_char,
+) -> CUresult {
+    let n = unsafe { std::ffi::CStr::from_ptr(n) }.to_str().unwrap();
+    unsafe { *f = if n == "oxccl_run" { RUN } else { LOCAL } as *mut c_void };
+    OK
+}
+unsafe extern "C" fn set_attr(_: *mut c_void, _: c_int, _: c_int) -> CUresult {
+    OK
+}
+#[allow(clippy::too_many_arguments)]
+unsafe extern "C" fn launch(
+    f: *mut c_void,
+    gx: c_uint,
+    gy: c_uint,
+    _gz: c_uint,
+    bx: c_uint,
+    _by: c_uint,
+    _bz: c_uint,
+    _shm: c_uint,
+    s: *mut c_void,
+    params: *mut *mut c_void,
+    _extra: *mut *mut c_void,
+) -> CUresult {
+    let p = unsafe { *params } as *const u64;
+    log(Ev::Launch {
+        func: f as usize,
+        grid: (gx, gy),
+        block: bx,
+        stream: s as usize,
+        head: unsafe { [*p, *p.add(1)] },
+    });
+    OK
+}
+/// "Device" memory: host memory (the logic under test never touches it from the host but
+/// for connection headers).
+unsafe extern "C" fn alloc(p: *mut u64, n: usize) -> CUresult {
+    let v = vec![0u8; n + 256].leak();
+    unsafe { *p = ((v.as_ptr() as u64) + 255) & !255 };
+    OK
+}
+unsafe extern "C" fn free(_: u64) -> CUresult {
+    OK
+}
+unsafe extern "C" fn alloc_async(p: *mut u64, n: usize, _: *mut c_void) -> CUresult {
+    unsafe { alloc(p, n) }
+}
+unsafe extern "C" fn free_async(_: u64, _: *mut c_void) -> CUresult {
+    OK
+}
+unsafe extern "C" fn register(_: *mut c_void, _: usize, _: c_uint) -> CUresult {
+    OK
+}
+unsafe extern "C" fn unregister(_: *mut c_void) -> CUresult {
+    OK
+}
+unsafe extern "C" fn host_dptr(d: *mut u64, p: *mut c_void, _: c_uint) -> CUresult {
+    unsafe { *d = p as u64 };
+    OK
+}
+unsafe extern "C" fn dtod_async(d: u64, s: u64, n: usize, st: *mut c_void) -> CUresult {
+    log(Ev::Copy {
+        dst: d,
+        src: s,
+        bytes: n,
+        stream: st as usize,
+    });
+    OK
+}
+unsafe extern "C" fn dtoh(d: *mut c_void, s: u64, n: usize) -> CUresult {
+    unsafe { std::ptr::copy(s as *const u8, d as *mut u8, n) };
+    OK
+}
+unsafe extern "C" fn memset_async(d: u64, v: u8, n: usize, _: *mut c_void) -> CUresult {
+    unsafe { std::ptr::write_bytes(d as *mut u8, v, n) };
+    OK
+}
+unsafe extern "C" fn memset(d: u64, v: u8, n: usize) -> CUresult {
+    unsafe { std::ptr::write_bytes(d as *mut u8, v, n) };
+    OK
+}
+unsafe extern "C" fn htod(d: u64, s: *const c_void, n: usize) -> CUresult {
+    unsafe { std::ptr::copy(s as *const u8, d as *mut u8, n) };
+    OK
+}
+unsafe extern "C" fn stream_ok(_: *mut c_void) -> CUresult {
+    OK
+}
+unsafe extern "C" fn is_capturing(_: *mut c_void, st: *mut c_int) -> CUresult {
+    unsafe { *st = CAPTURING.load(Ordering::SeqCst) as c_int };
+    OK
+}
+unsafe extern "C" fn wait_event(s: *mut c_void, e: *mut c_void, _: c_uint) -> CUresult {
+    log(Ev::Wait {
+        stream: s as usize,
+        event: e as usize,
+    });
+    OK
+}
+unsafe extern "C" fn exchange_mode(_: *mut c_int) -> CUresult {
+    OK
+}
+unsafe extern "C" fn event_create(e: *mut *mut c_void, _: c_uint) -> CUresult {
+    unsafe { *e = NEXT.fetch_add(1, Ordering::SeqCst) as *mut c_void };
+    OK
+}
+unsafe extern "C" fn event_record(e: *mut c_void, s: *mut c_void) -> CUresult {
+    log(Ev::Record {
+        event: e as usize,
+        stream: s as usize,
+    });
+    OK
+}
+unsafe extern "C" fn event_ok(_: *mut c_void) -> CUresult {
+    OK
+}
+unsafe extern "C" fn pointer_attr(v: *mut c_void, _: c_int, p: u64) -> CUresult {
+    if PAGEABLE.lock().contains(&p) {
+        return 1; // CUDA_ERROR_INVALID_VALUE
+    }
+    unsafe { *(v as *mut c_uint) = 2 };
+    OK
+}
+unsafe extern "C" fn error_str(_: CUresult, s: *mut *const c_char) -> CUresult {
+    unsafe { *s = c"stand-in error".as_ptr() };
+    OK
+}
+
+fn stand_in() -> Api {
+    let table: Vec<(&str, *const c_void)> = vec![
+        ("cuInit", ok_u as *const c_void),
+        ("cuDriverGetVersion", version as *const c_void),
+        ("cuDeviceGetCount", count as *const c_void),
+        ("cuDeviceGet", device_get as *const c_void),
+        ("cuDeviceGetAttribute", attr as *const c_void),
+        ("cuDeviceGetName", name as *const c_void),
+        ("cuDevicePrimaryCtxRetain", retain as *const c_void),
+        ("cuCtxGetCurrent", get_current as *const c_void),
+        ("cuCtxSetCurrent", set_current as *const c_void),
+        ("cuCtxGetDevice", ctx_device as *const c_void),
+        ("cuModuleLoadData", module_load as *const c_void),
+        ("cuModuleGetFunction", get_function as *const c_void),
+        ("cuFuncSetAttribute", set_attr as *const c_void),
+        ("cuLaunchKernel", launch as *const c_void),
+        ("cuMemAlloc_v2", alloc as *const c_void),
+        ("cuMemFree_v2", free as *const c_void),
+        ("cuMemAllocAsync", alloc_async as *const c_void),
+        ("cuMemFreeAsync", free_async as *const c_void),
+        ("cuMemHostRegister_v2", register as *const c_void),
+        ("cuMemHostUnregister", unregister as *const c_void),
+        ("cuMemHostGetDevicePointer_v2", host_dptr as *const c_void),
+        ("cuMemcpyDtoDAsync_v2", dtod_async as *const c_void),
+        ("cuMemcpyDtoH_v2", dtoh as *const c_void),
+        ("cuMemsetD8Async", memset_async as *const c_void),
+        ("cuMemsetD8_v2", memset as *const c_void),
+        ("cuMemcpyHtoD_v2", htod as *const c_void),
+        ("cuStreamSynchronize", stream_ok as *const c_void),
+        ("cuStreamQuery", stream_ok as *const c_void),
+        ("cuStreamIsCapturing", is_capturing as *const c_void),
+        ("cuStreamWaitEvent", wait_event as *const c_void),
+        (
+            "cuThreadExchangeStreamCaptureMode",
+            exchange_mode as *const c_void,
+        ),
+        ("cuEventCreate", event_create as *const c_void),
+        ("cuEventRecord", event_record as *const c_void),
+        ("cuEventQuery", event_ok as *const c_void),
+        ("cuEventDestroy_v2", event_ok as *const c_void),
+        ("cuPointerGetAttribute", pointer_attr as *const c_void),
+        ("cuGetErrorName", error_str as *const c_void),
+        ("cuGetErrorString", error_str as *const c_void),
+    ];
+    // SAFETY: each function above has the signature the driver table lists for its symbol.
+    unsafe {
+        Api::resolve(|sym| {
+            let sym = sym.trim_end_matches('\0');
+            table.iter().find(|(n, _)| *n == sym).map(|(_, f)| *f)
+        })
+    }
+    .unwrap_or_else(|e| panic!("{}", e.msg))
+}
+
+/// A "device" buffer of `bytes` (host memory the stand-in hands out).
+fn buffer(bytes: usize) -> usize {
+    let mut p = 0u64;
+    // SAFETY: writes one pointer.
+    unsafe { alloc(&mut p, bytes) };
+    p as usize
+}
+
+fn all_reduce(send: usize, recv: usize, count: usize) -> CollArgs {
+    CollArgs {
+        kind: CollKind::AllReduce,
+        send,
+        recv,
+        count,
+        dtype: DataType::Float32,
+        op: 0,
+        root: 0,
+    }
+}
+
+fn launches(ev: &[Ev]) -> Vec<&Ev> {
+    ev.iter()
+        .filter(|e| matches!(e, Ev::Launch { .. }))
+        .collect()
+}
+
+#[test]
+fn cuda_executor_logic_on_a_recording_driver() {
+    // The executor and its driver, before anything else in this process looks at them.
+    std::env::set_var("OXCCL_DEVICE", "cuda");
+    assert!(driver::install(stand_in()), "a driver was loaded already");
+    let cache = std::env::temp_dir().join(format!("oxccl-cuda-logic-{}", std::process::id()));
+    std::fs::create_dir_all(&cache).unwrap();
+    std::fs::write(
+        cache.join(nccl::exec::cuda::kernel_cache_name(90)),
+        b"stand-in image",
+    )
+    .unwrap();
+    std::env::set_var("OXCCL_CACHE_DIR", &cache);
+    assert_eq!(nccl::gpu::kind(), nccl::gpu::Kind::Cuda);
+
+    let comms = nccl::api::comm_init_all(&[0, 0]).expect("two ranks on one device");
+    take();
+    let n = 1 << 20;
+    let bufs: Vec<(usize, usize)> = (0..2).map(|_| (buffer(4 * n), buffer(4 * n))).collect();
+    let cuda = |h: usize| nccl::api::stream_from_handle(h).unwrap();
+
+    // 1. A group of both ranks on their own streams: one launch each, on its stream, several
+    //    blocks per lane (connections of one process are in device memory), then an event.
+    nccl::api::group_start().unwrap();
+    for (r, c) in comms.iter().enumerate() {
+        nccl::api::enqueue(c, all_reduce(bufs[r].0, bufs[r].1, n), cuda(0x51 + r)).unwrap();
+    }
+    nccl::api::group_end().unwrap();
+    let ev = take();
+    let l = launches(&ev);
+    assert_eq!(l.len(), 2, "{ev:#?}");
+    for (r, e) in l.iter().enumerate() {
+        let Ev::Launch {
+            func,
+            grid,
+            block,
+            stream,
+            head,
+        } = e
+        else {
+            unreachable!()
+        };
+        assert_eq!((*func, *stream, *block), (RUN, 0x51 + r, 512));
+        let nb = head[0];
+        assert!(
+            nb > 1,
+            "large steps over device-memory connections share out: {ev:#?}"
+        );
+        assert_eq!(grid.0 as u64, nb, "one lane, {nb} blocks");
+        assert_eq!(head[1] >> 48, 1, "one lane in the descriptor");
+    }
+    let records: Vec<_> = ev
+        .iter()
+        .filter(|e| matches!(e, Ev::Record { .. }))
+        .collect();
+    assert_eq!(records.len(), 2, "{ev:#?}");
+    assert!(!ev.iter().any(|e| matches!(e, Ev::Wait { .. })), "{ev:#?}");
+    let ev0 = match records[0] {
+        Ev::Record { event, .. } => *event,
+        _ => unreachable!(),
+    };
+
+    // 2. Both ranks on one stream: one kernel runs both lanes (ranks of one GPU must not wait
+    //    for a kernel queued behind their own).
+    nccl::api::group_start().unwrap();
+    for (r, c) in comms.iter().enumerate() {
+        nccl::api::enqueue(c, all_reduce(bufs[r].0, bufs[r].1, n), cuda(0x51)).unwrap();
+    }
+    nccl::api::group_end().unwrap();
+    let ev = take();
+    let l = launches(&ev);
+    assert_eq!(l.len(), 1, "{ev:#?}");
+    if let Ev::Launch { grid, head, .. } = l[0] {
+        assert_eq!(head[1] >> 48, 2, "two lanes: {ev:#?}");
+        assert_eq!(grid.0 as u64, 2 * head[0]);
+    }
+    // Rank 1 moved from stream 0x52 to 0x51: its launch waits for its last one.
+    assert!(
+        ev.iter()
+            .any(|e| matches!(e, Ev::Wait { stream: 0x51, .. })),
+        "{ev:#?}"
+    );
+
+    // 3. Rank 0 alone on another stream: waits for its last launch's event first (issue order
+    //    across streams); small steps: one block.
+    nccl::api::group_start().unwrap();
+    for (r, c) in comms.iter().enumerate() {
+        nccl::api::enqueue(c, all_reduce(bufs[r].0, bufs[r].1, 1000), cuda(0x53 + r)).unwrap();
+    }
+    nccl::api::group_end().unwrap();
+    let ev = take();
+    let wait_at = ev
+        .iter()
+        .position(|e| matches!(e, Ev::Wait { stream: 0x53, .. }));
+    let launch_at = ev
+        .iter()
+        .position(|e| matches!(e, Ev::Launch { stream: 0x53, .. }));
+    assert!(
+        matches!((wait_at, launch_at), (Some(w), Some(l)) if w < l),
+        "{ev:#?}"
+    );
+    for e in launches(&ev) {
+        if let Ev::Launch { grid, head, .. } = e {
+            assert_eq!((head[0], grid.0), (1, 1), "small steps: one block");
+        }
+    }
+    let _ = ev0;
+
+    // 4. While the stream captures a graph: launches, but no event is recorded or waited for.
+    CAPTURING.store(true, Ordering::SeqCst);
+    nccl::api::group_start().unwrap();
+    for (r, c) in comms.iter().enumerate() {
+        nccl::api::enqueue(c, all_reduce(bufs[r].0, bufs[r].1, n), cuda(0x61 + r)).unwrap();
+    }
+    nccl::api::group_end().unwrap();
+    CAPTURING.store(false, Ordering::SeqCst);
+    let ev = take();
+    assert_eq!(launches(&ev).len(), 2, "{ev:#?}");
+    assert!(
+        !ev.iter()
+            .any(|e| matches!(e, Ev::Record { .. } | Ev::Wait { .. })),
+        "{ev:#?}"
+    );
+
+    // 5. A pageable buffer: ncclInvalidArgument naming it, and nothing launched.
+    let bad = buffer(4 * n) as u64;
+    PAGEABLE.lock().push(bad);
+    let e = nccl::api::enqueue(
+        &comms[0],
+        all_reduce(bad as usize, bufs[0].1, n),
+        cuda(0x51),
+    )
+    .expect_err("pageable memory");
+    assert_eq!(e.code, nccl::error::Code::InvalidArgument);
+    assert!(e.msg.contains("sendbuff"), "{}", e.msg);
+    assert!(launches(&take()).is_empty());
+
+    // 6. One rank: in place is nothing at all; a small copy goes to the copy engine; a large
+    //    one to the wide kernel.
+    let one = nccl::api::comm_init_all(&[0]).expect("one rank");
+    take();
+    let (s, r) = bufs[0];
+    nccl::api::enqueue(&one[0], all_reduce(s, s, n), cuda(0x71)).unwrap();
+    assert!(
+        take().is_empty(),
+        "in place on one rank: nothing to enqueue"
+    );
+    nccl::api::enqueue(&one[0], all_reduce(s, r, 1000), cuda(0x71)).unwrap();
+    let ev = take();
+    assert!(
+        ev.contains(&Ev::Copy {
+            dst: r as u64,
+            src: s as u64,
+            bytes: 4000,
+            stream: 0x71
+        }),
+        "{ev:#?}"
+    );
+    nccl::api::enqueue(&one[0], all_reduce(s, r, n), cuda(0x71)).unwrap();
+    let ev = take();
+    let l = launches(&ev);
+    assert!(
+        matches!(l.as_slice(), [Ev::Launch { func: LOCAL, grid: (g, 1), stream: 0x71, .. }] if *g > 1),
+        "{ev:#?}"
+    );
+    let _ = std::fs::remove_dir_all(&cache);
+}
