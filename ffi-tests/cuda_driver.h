@@ -24,6 +24,7 @@
 #define OXCCL_FFI_CUDA_DRIVER_H
 
 #include <dlfcn.h>
+#include <stdarg.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -169,6 +170,21 @@ static inline void cuda_load(const char* prog) {
   }
   CUCHECK(cu.DeviceGet(&cu_dev, 0));
   CUCHECK(cu.DevicePrimaryCtxRetain(&cu_ctx, cu_dev));
+}
+
+/* Counts a failed check of rank `rank` and prints the first 20 (the GPU programs' `report`). */
+static void report_failure(int rank, long long* fail, int* printed, const char* fmt, ...)
+    __attribute__((unused, format(printf, 4, 5)));
+static void report_failure(int rank, long long* fail, int* printed, const char* fmt, ...) {
+  (*fail)++;
+  if ((*printed)++ >= 20) return;
+  va_list ap;
+  va_start(ap, fmt);
+  fprintf(stderr, "FAIL rank %d: ", rank);
+  vfprintf(stderr, fmt, ap);
+  fputc('\n', stderr);
+  va_end(ap);
+  fflush(stderr);
 }
 
 static inline void cuda_make_current(void) { CUCHECK(cu.CtxSetCurrent(cu_ctx)); }

@@ -61,18 +61,8 @@ typedef struct {
   int printed;
 } Rank;
 
-static void report(Rank* R, const char* fmt, ...) __attribute__((format(printf, 2, 3)));
-static void report(Rank* R, const char* fmt, ...) {
-  R->fail++;
-  if (R->printed++ >= 20) return;
-  va_list ap;
-  va_start(ap, fmt);
-  fprintf(stderr, "FAIL rank %d: ", R->rank);
-  vfprintf(stderr, fmt, ap);
-  fputc('\n', stderr);
-  va_end(ap);
-  fflush(stderr);
-}
+/* A failed check of rank R (the first 20 printed). */
+#define report(R, ...) report_failure((R)->rank, &(R)->fail, &(R)->printed, __VA_ARGS__)
 
 static void buf_alloc(Buf* b, size_t bytes) {
   b->bytes = bytes;

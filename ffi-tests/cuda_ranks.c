@@ -69,18 +69,8 @@ static void sync_ranks(void) {
   if (!use_procs) pthread_barrier_wait(&barrier);
 }
 
-static void report(Rank* R, const char* fmt, ...) __attribute__((format(printf, 2, 3)));
-static void report(Rank* R, const char* fmt, ...) {
-  R->fail++;
-  if (R->printed++ >= 20) return;
-  va_list ap;
-  va_start(ap, fmt);
-  fprintf(stderr, "FAIL rank %d: ", R->rank);
-  vfprintf(stderr, fmt, ap);
-  fputc('\n', stderr);
-  va_end(ap);
-  fflush(stderr);
-}
+/* A failed check of rank R (the first 20 printed). */
+#define report(R, ...) report_failure((R)->rank, &(R)->fail, &(R)->printed, __VA_ARGS__)
 
 /* ---- values (small integers: exact in float, sums too) ------------------------------------- */
 static float fval(int r, size_t i) { return (float)((r * 7 + (int)(i % 4099) * 3) % 16); }
