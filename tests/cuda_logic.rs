@@ -456,7 +456,41 @@ fn cuda_executor_logic_on_a_recording_driver() {
     assert!(e.msg.contains("sendbuff"), "{}", e.msg);
     assert!(launches(&take()).is_empty());
 
-    // 6. One rank: in place is nothing at all; a small copy goes to the copy engine; a large
+    // 6. A group whose launch would not fit a kernel parameter (60 sends and receives between
+    //    two ranks): an error before anything is launched, and the communicators still work.
+    nccl::api::group_start().unwrap();
+    for i in 0..60 {
+        let p2p = |kind, r: usize| CollArgs {
+            kind,
+            send: if kind == CollKind::Send {
+                bufs[r].0 + 64 * i
+            } else {
+                0
+            },
+            recv: if kind == CollKind::Recv {
+                bufs[r].1 + 64 * i
+            } else {
+                0
+            },
+            count: 16,
+            dtype: DataType::Float32,
+            op: 0,
+            root: 1 - r as i32,
+        };
+        nccl::api::enqueue(&comms[0], p2p(CollKind::Send, 0), cuda(0x51)).unwrap();
+        nccl::api::enqueue(&comms[1], p2p(CollKind::Recv, 1), cuda(0x52)).unwrap();
+    }
+    let e = nccl::api::group_end().expect_err("too large a launch");
+    assert!(e.msg.contains("one CUDA launch takes"), "{}", e.msg);
+    let ev = take();
+    assert!(launches(&ev).is_empty(), "{ev:#?}");
+    for c in &comms {
+        assert_eq!(nccl::api::comm_async_error(c), nccl::error::Code::Success);
+    }
+    nccl::api::enqueue(&comms[0], all_reduce(bufs[0].0, bufs[0].1, n), cuda(0x51)).unwrap();
+    assert_eq!(launches(&take()).len(), 1);
+
+    // 7. One rank: in place is nothing at all; a small copy goes to the copy engine; a large
     //    one to the wide kernel.
     let one = nccl::api::comm_init_all(&[0]).expect("one rank");
     take();

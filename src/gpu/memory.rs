@@ -9,7 +9,9 @@ use crate::error::{Error, Result};
 /// them at the same address: unified addressing).
 pub fn pin_host(ptr: *mut u8, len: usize) -> Result<()> {
     let api = driver::api()?;
-    let _g = CtxGuard::enter(driver::primary_context(0)?)?;
+    // In the current context (a communicator's, entered by whoever makes connections); device
+    // 0's only where there is none. PORTABLE maps the memory into every context anyway.
+    let _g = CtxGuard::enter(current_or_device0()?)?;
     driver::relaxed(|| {
         // SAFETY: the caller's mapping of `len` bytes, unpinned before it goes (`unpin_host`).
         let r = unsafe {
@@ -41,10 +43,25 @@ pub fn pin_host(ptr: *mut u8, len: usize) -> Result<()> {
     })
 }
 
+/// The calling thread's current context, else device 0's primary context.
+fn current_or_device0() -> Result<usize> {
+    let api = driver::api()?;
+    let mut ctx: driver::CUcontext = std::ptr::null_mut();
+    // SAFETY: writes one pointer.
+    check(unsafe { (api.ctx_get_current)(&mut ctx) }, || {
+        "cuCtxGetCurrent".into()
+    })?;
+    if ctx.is_null() {
+        driver::primary_context(0)
+    } else {
+        Ok(ctx as usize)
+    }
+}
+
 /// Undoes `pin_host` (before the memory is freed or unmapped).
 pub fn unpin_host(ptr: *mut u8) {
     if let Ok(api) = driver::api() {
-        if let Ok(ctx) = driver::primary_context(0) {
+        if let Ok(ctx) = current_or_device0() {
             if let Ok(_g) = CtxGuard::enter(ctx) {
                 // SAFETY: memory pinned by `pin_host`, still mapped.
                 unsafe { (api.host_unregister)(ptr as *mut std::ffi::c_void) };
@@ -86,15 +103,8 @@ impl DevConn {
     /// (the communicator's, entered by whoever makes connections), else device 0's.
     pub fn alloc(hdr_bytes: usize, slot_bytes: usize) -> Result<DevConn> {
         let api = driver::api()?;
-        let mut ctx: driver::CUcontext = std::ptr::null_mut();
-        // SAFETY: writes one pointer.
-        check(unsafe { (api.ctx_get_current)(&mut ctx) }, || {
-            "cuCtxGetCurrent".into()
-        })?;
-        if ctx.is_null() {
-            ctx = driver::primary_context(0)? as driver::CUcontext;
-        }
-        let _g = CtxGuard::enter(ctx as usize)?;
+        let ctx = current_or_device0()?;
+        let _g = CtxGuard::enter(ctx)?;
         driver::relaxed(|| {
             let bytes = hdr_bytes + slot_bytes;
             let mut p: driver::CUdeviceptr = 0;
@@ -105,7 +115,7 @@ impl DevConn {
             let c = DevConn {
                 hdr: p,
                 slots: p + hdr_bytes as u64,
-                ctx: ctx as usize,
+                ctx,
             };
             // SAFETY: the header just allocated (zeroed, then the attach count set).
             check(unsafe { (api.memset_d8)(p, 0, hdr_bytes) }, || {

@@ -257,6 +257,7 @@ impl Conns {
             class: k.class,
             nsteps: self.nsteps,
             slot_bytes: self.slot_bytes,
+            same_device: self.peers[self.rank].dev == self.peers[k.peer].dev,
         }
     }
 

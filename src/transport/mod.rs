@@ -37,6 +37,13 @@ const CALL_OFF: usize = 1024;
 const META_BYTES: usize = 24;
 const HDR_BYTES: usize = 4096;
 const _: () = assert!(CALL_OFF + 64 * META_BYTES <= HDR_BYTES); // nsteps <= 64 (param::nsteps)
+/// Per slot, the arrival counts (u32) of the blocks of a CUDA kernel's lane at the sending and
+/// the receiving end (`cuda/runner.cu`: `OX_SEND_ARRIVALS`, `OX_RECV_ARRIVALS`).
+const SEND_ARRIVALS_OFF: usize = 2560;
+const RECV_ARRIVALS_OFF: usize = 2816;
+const _: () = assert!(CALL_OFF + 64 * META_BYTES <= SEND_ARRIVALS_OFF);
+const _: () = assert!(SEND_ARRIVALS_OFF + 64 * 4 <= RECV_ARRIVALS_OFF);
+const _: () = assert!(RECV_ARRIVALS_OFF + 64 * 4 <= HDR_BYTES);
 
 /// What class of traffic a connection carries: each class has its own FIFOs, so operations of
 /// different classes that run at the same time never interleave on one FIFO.
@@ -441,6 +448,8 @@ pub struct ConnSpec {
     pub class: Class,
     pub nsteps: usize,
     pub slot_bytes: usize,
+    /// Both ends run on one device (CUDA executor): their connection may live in its memory.
+    pub same_device: bool,
 }
 
 impl ConnSpec {
@@ -476,9 +485,13 @@ impl Named {
             Region::Shm(shm::ShmRegion::open(&name, bytes)?)
         } else {
             let h = inproc::open(&name, bytes)?;
-            // Ranks of one process on the CUDA executor: slots in device memory, unless
-            // NCCL_P2P_DISABLE=1 asks for host-staged memory.
-            if crate::gpu::kind() == crate::gpu::Kind::Cuda && !crate::param::p2p_disabled() {
+            // Ranks of one process on one device, on the CUDA executor: the connection in
+            // device memory, unless NCCL_P2P_DISABLE=1 asks for host-staged memory. (Ranks on
+            // different devices stay in pinned host memory: peer access is not enabled.)
+            if crate::gpu::kind() == crate::gpu::Kind::Cuda
+                && spec.same_device
+                && !crate::param::p2p_disabled()
+            {
                 h.use_device_memory(HDR_BYTES, spec.nsteps * spec.slot_bytes)?;
             }
             Region::Heap(h)

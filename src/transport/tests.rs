@@ -168,6 +168,7 @@ fn each_locality_has_its_transport_and_blobs_are_checked() {
         class: Class::Ring,
         nsteps: 2,
         slot_bytes: 4096,
+        same_device: false,
     };
     let t = pick(&me, &me).unwrap();
     let (ep, _) = t.setup(&spec(true)).unwrap();

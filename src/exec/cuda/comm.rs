@@ -99,6 +99,8 @@ pub struct CudaComm {
     pub(super) last: Mutex<Last>,
     /// The connections of the last launch (their counters go into timeout messages).
     pub(super) last_conns: Mutex<Vec<Arc<crate::transport::Conn>>>,
+    /// Ranks of this communicator on this host and device (their kernels share its SMs).
+    pub(super) ranks_on_device: usize,
     name: String,
 }
 
@@ -139,6 +141,12 @@ impl CudaComm {
                 recorded: false,
             }),
             last_conns: Mutex::new(Vec::new()),
+            ranks_on_device: s
+                .peers
+                .iter()
+                .filter(|q| q.host == s.peers[s.rank].host && q.dev == dev)
+                .count()
+                .max(1),
             name,
         })
     }
@@ -207,7 +215,24 @@ impl CudaComm {
 
 impl Drop for CudaComm {
     fn drop(&mut self) {
-        let _ = self.wait_quiescent(Instant::now() + Duration::from_secs(30));
+        if self
+            .wait_quiescent(Instant::now() + Duration::from_secs(30))
+            .is_err()
+        {
+            // Kernels still run: tell them to stop, and if they do not, leave the control
+            // block they read allocated (a leak, not a fault that spoils the context).
+            self.ctl.abort();
+            if self
+                .wait_quiescent(Instant::now() + Duration::from_secs(5))
+                .is_err()
+            {
+                crate::debug::warn(&format!(
+                    "{}: destroyed while its kernels still run; their memory is not freed",
+                    self.name
+                ));
+                std::mem::forget(self.ctl.clone());
+            }
+        }
         if let (Ok(api), Ok(_g)) = (driver::api(), CtxGuard::enter(self.ctx)) {
             // SAFETY: our event, destroyed once.
             unsafe { (api.event_destroy)(self.last.lock().event as driver::CUevent) };

@@ -41,6 +41,18 @@ pub struct Desc {
     transforms: bool,
 }
 
+/// The error of a launch whose descriptor does not fit a kernel parameter.
+pub fn too_large(size: usize, lanes: usize, progs: usize, steps: usize) -> Result<()> {
+    if size <= PARAM_BYTES {
+        return Ok(());
+    }
+    Err(Error::invalid_usage(format!(
+        "this launch needs a {size}-byte descriptor ({lanes} lanes, {progs} programs, {steps} \
+         steps); one CUDA launch takes {PARAM_BYTES} (fewer calls per group, fewer ranks \
+         sharing a stream, or fewer peers per all-to-all fit)"
+    )))
+}
+
 fn as_bytes<T: Copy>(v: &T) -> &[u8] {
     // SAFETY: `T` is a `#[repr(C)]` record of integers (FlatProgram / FlatStep) with no padding
     // bytes (checked by the sizes above), read as its bytes.
@@ -113,6 +125,30 @@ impl Desc {
         Ok(())
     }
 
+    /// The descriptor bytes `lanes` would take: checked for every launch of a group before any
+    /// is launched, so that a group fails whole rather than half run.
+    pub fn bytes_for<'p>(lanes: impl IntoIterator<Item = &'p [DevProgram]>) -> usize {
+        let mut conns: Vec<*const Conn> = Vec::new();
+        let (mut np, mut ns, mut nl) = (0, 0, 0);
+        for lane in lanes {
+            nl += 1;
+            for p in lane {
+                np += 1;
+                ns += p.steps.len();
+                for c in p
+                    .steps
+                    .iter()
+                    .flat_map(|s| s.recv.iter().chain(s.send.iter()))
+                {
+                    if !conns.contains(&Arc::as_ptr(c)) {
+                        conns.push(Arc::as_ptr(c));
+                    }
+                }
+            }
+        }
+        HEAD + CONN * conns.len() + PROG * np + STEP * ns + LANE * nl
+    }
+
     /// Blocks per lane for the runner: several where every connection is in device memory
     /// (their arrival counts live in the headers) and steps are large enough to share out.
     pub fn blocks_per_lane(&self) -> u16 {
@@ -132,15 +168,7 @@ impl Desc {
             + PROG * self.progs.len()
             + STEP * self.steps.len()
             + LANE * self.lanes.len();
-        if size > PARAM_BYTES {
-            return Err(Error::invalid_usage(format!(
-                "this launch needs a {size}-byte descriptor ({} lanes, {} programs, {} steps); \
-                 one CUDA launch takes {PARAM_BYTES}: split the group into smaller ones",
-                self.lanes.len(),
-                self.progs.len(),
-                self.steps.len()
-            )));
-        }
+        too_large(size, self.lanes.len(), self.progs.len(), self.steps.len())?;
         let mut b = Vec::with_capacity(PARAM_BYTES);
         let n16 = |v: usize| (v as u16).to_le_bytes();
         b.extend_from_slice(&u64::from(nb).to_le_bytes());
@@ -388,7 +416,7 @@ mod tests {
         let mut d = Desc::new();
         d.lane([&prog], 0).expect("lane");
         let e = d.params(1).expect_err("too large");
-        assert!(e.msg.contains("split the group"), "{}", e.msg);
+        assert!(e.msg.contains("one CUDA launch takes"), "{}", e.msg);
         let c = d.plain_copies().expect("copies only");
         assert_eq!((c.len(), c[0]), (100, (16, 8, 2)));
     }

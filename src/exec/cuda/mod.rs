@@ -296,26 +296,96 @@ fn launch_set(jobs: &mut [Job<'_>]) -> Result<()> {
     let nstages = jobs.iter().map(|j| j.stages.len()).max().unwrap_or(0);
     let has_p2p = jobs.iter().any(|j| !j.p2p.0.is_empty());
     let launches = nstages.max(has_p2p as usize);
-    let mut launched = false;
+    // Every launch's descriptor must fit before the first is launched: a group fails whole.
     for k in 0..launches {
-        let mut d = Desc::new();
-        let mut used: Vec<&Scratch> = Vec::new();
-        for j in jobs.iter_mut() {
-            let ctl = j.comm.ctl.addr();
-            if let Some((lanes, sc)) = j.stages.get_mut(k) {
-                fill_scratch(sc, lanes, stream, api)?;
-                for lane in lanes.iter() {
-                    d.lane(lane, ctl)?;
-                }
-            }
-            if k == 0 {
-                let (lanes, sc) = &mut j.p2p;
-                fill_scratch(sc, lanes, stream, api)?;
-                for lane in lanes.iter() {
-                    d.lane(lane, ctl)?;
-                }
+        let lanes = jobs.iter().flat_map(|j| {
+            let stage = j.stages.get(k).map(|(l, _)| l.as_slice()).unwrap_or(&[]);
+            let p2p = if k == 0 { j.p2p.0.as_slice() } else { &[] };
+            stage.iter().chain(p2p.iter()).map(|l| l.as_slice())
+        });
+        let (nl, np, ns) = jobs.iter().fold((0, 0, 0), |a, j| {
+            let stage = j.stages.get(k).map(|(l, _)| l.as_slice()).unwrap_or(&[]);
+            let p2p = if k == 0 { j.p2p.0.as_slice() } else { &[] };
+            stage.iter().chain(p2p.iter()).fold(a, |(l, p, s), lane| {
+                (
+                    l + 1,
+                    p + lane.len(),
+                    s + lane.iter().map(|x| x.steps.len()).sum::<usize>(),
+                )
+            })
+        });
+        desc::too_large(Desc::bytes_for(lanes), nl, np, ns)?;
+    }
+    let mut launched = false;
+    let mut result = Ok(());
+    for k in 0..launches {
+        let r = launch_stage(jobs, k, stream, api, &mut launched);
+        if r.is_err() {
+            result = r;
+            break;
+        }
+    }
+    if !capturing && launched {
+        // Also after an error: later launches and quiescence wait for what did run.
+        for j in jobs.iter() {
+            let mut l = j.comm.last.lock();
+            // SAFETY: our event, on the stream just used.
+            let r = check(
+                unsafe { (api.event_record)(l.event as _, stream as _) },
+                || "cuEventRecord".into(),
+            );
+            if r.is_ok() {
+                l.recorded = true;
+                l.stream = Some(stream);
+            } else if result.is_ok() {
+                result = r;
             }
         }
+    }
+    if let (Err(e), true) = (&result, launched) {
+        // Part of the group runs and waits for peers that will not get the rest: the
+        // communicators are broken (their kernels are told to stop, their peers told).
+        for j in jobs.iter() {
+            j.comm.health.fail_and_announce(e.clone());
+        }
+    }
+    result
+}
+
+/// Launch `k` of a set: stage k of every job (and the point-to-point lanes in the first),
+/// their scratch taken before and freed after, in stream order.
+fn launch_stage(
+    jobs: &mut [Job<'_>],
+    k: usize,
+    stream: usize,
+    api: &driver::Api,
+    launched: &mut bool,
+) -> Result<()> {
+    let comm0 = jobs[0].comm;
+    let mut d = Desc::new();
+    let mut filled: Vec<(usize, bool)> = Vec::new();
+    let mut r = Ok(());
+    for (i, j) in jobs.iter_mut().enumerate() {
+        let ctl = j.comm.ctl.addr();
+        if let Some((lanes, sc)) = j.stages.get_mut(k) {
+            filled.push((i, false));
+            r = fill_scratch(sc, lanes, stream, api)
+                .and_then(|_| lanes.iter().try_for_each(|lane| d.lane(lane, ctl)));
+            if r.is_err() {
+                break;
+            }
+        }
+        if k == 0 {
+            let (lanes, sc) = &mut j.p2p;
+            filled.push((i, true));
+            r = fill_scratch(sc, lanes, stream, api)
+                .and_then(|_| lanes.iter().try_for_each(|lane| d.lane(lane, ctl)));
+            if r.is_err() {
+                break;
+            }
+        }
+    }
+    if r.is_ok() {
         if trace() {
             crate::debug::info(&format!(
                 "{}: launch {k} on stream {stream:#x}:{}",
@@ -328,33 +398,16 @@ fn launch_set(jobs: &mut [Job<'_>]) -> Result<()> {
             lc.clear();
             lc.extend(d.conns().iter().cloned());
         }
-        let r = run(&d, comm0, stream, api).map(|l| launched |= l);
-        for j in jobs.iter() {
-            if let Some((_, sc)) = j.stages.get(k) {
-                used.push(sc);
-            }
-            if k == 0 {
-                used.push(&j.p2p.1);
-            }
-        }
-        for sc in used {
-            free_scratch(sc, stream, api);
-        }
-        r?;
+        r = run(&d, comm0, stream, api).map(|l| *launched |= l);
     }
-    if !capturing && launched {
-        for j in jobs.iter() {
-            let mut l = j.comm.last.lock();
-            // SAFETY: our event, on the stream just used.
-            check(
-                unsafe { (api.event_record)(l.event as _, stream as _) },
-                || "cuEventRecord".into(),
-            )?;
-            l.recorded = true;
-            l.stream = Some(stream);
-        }
+    // Scratch goes back in stream order after the launch that used it (or at once, in stream
+    // order, when nothing was launched).
+    for (i, p2p) in filled {
+        let j = &jobs[i];
+        let sc = if p2p { &j.p2p.1 } else { &j.stages[k].1 };
+        free_scratch(sc, stream, api);
     }
-    Ok(())
+    r
 }
 
 /// Copies from this size on go to the wide kernel rather than the copy engine.
@@ -398,7 +451,10 @@ fn run(d: &Desc, comm: &CudaComm, stream: usize, api: &driver::Api) -> Result<bo
         let blocks = (d.max_bytes() / (512 * 64)).clamp(1, 2 * comm.kern.sms as usize);
         (comm.kern.local, blocks as u32, d.lanes() as u32, 1)
     } else {
-        let nb = d.blocks_per_lane();
+        // Every block of every lane of the ranks on this device spins for the others: all must
+        // fit on the device at once (one 512-thread block per SM is assumed).
+        let room = comm.kern.sms as usize / (d.lanes() * comm.ranks_on_device).max(1);
+        let nb = d.blocks_per_lane().min(room.max(1) as u16);
         (comm.kern.run, d.lanes() as u32 * u32::from(nb), 1, nb)
     };
     let mut params = d.params(nb)?;
