@@ -43,6 +43,8 @@ static CAPTURING: AtomicBool = AtomicBool::new(false);
 static NEXT: AtomicU64 = AtomicU64::new(0x100);
 /// Addresses the stand-in says are not GPU memory (pageable host memory).
 static PAGEABLE: Mutex<Vec<u64>> = Mutex::new(Vec::new());
+/// Addresses the stand-in says are memory of device 1.
+static OTHER_DEVICE: Mutex<Vec<u64>> = Mutex::new(Vec::new());
 
 fn log(e: Ev) {
     LOG.lock().push(e);
@@ -227,11 +229,16 @@ unsafe extern "C" fn event_record(e: *mut c_void, s: *mut c_void) -> CUresult {
 unsafe extern "C" fn event_ok(_: *mut c_void) -> CUresult {
     OK
 }
-unsafe extern "C" fn pointer_attr(v: *mut c_void, _: c_int, p: u64) -> CUresult {
+unsafe extern "C" fn pointer_attr(v: *mut c_void, a: c_int, p: u64) -> CUresult {
     if PAGEABLE.lock().contains(&p) {
         return 1; // CUDA_ERROR_INVALID_VALUE
     }
-    unsafe { *(v as *mut c_uint) = 2 };
+    // Memory type: device (2); device ordinal: 1 for the "other device" buffers, else 0.
+    let value = match a {
+        9 => u32::from(OTHER_DEVICE.lock().contains(&p)),
+        _ => 2,
+    };
+    unsafe { *(v as *mut c_uint) = value };
     OK
 }
 unsafe extern "C" fn error_str(_: CUresult, s: *mut *const c_char) -> CUresult {
@@ -454,6 +461,20 @@ fn cuda_executor_logic_on_a_recording_driver() {
     .expect_err("pageable memory");
     assert_eq!(e.code, nccl::error::Code::InvalidArgument);
     assert!(e.msg.contains("sendbuff"), "{}", e.msg);
+    assert!(launches(&take()).is_empty());
+    let elsewhere = buffer(4 * n) as u64;
+    OTHER_DEVICE.lock().push(elsewhere);
+    let e = nccl::api::enqueue(
+        &comms[0],
+        all_reduce(bufs[0].0, elsewhere as usize, n),
+        cuda(0x51),
+    )
+    .expect_err("another device's memory");
+    assert!(
+        e.msg.contains("recvbuff") && e.msg.contains("device 1"),
+        "{}",
+        e.msg
+    );
     assert!(launches(&take()).is_empty());
 
     // 6. A group whose launch would not fit a kernel parameter (60 sends and receives between

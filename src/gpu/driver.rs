@@ -258,8 +258,19 @@ pub fn current_device() -> Result<i32> {
     Ok(d)
 }
 
-/// The primary context of `dev` (retained for the life of the process, as the runtime does).
+/// The primary context of `dev` (retained once, for the life of the process, as the runtime
+/// does).
 pub fn primary_context(dev: i32) -> Result<usize> {
+    static RETAINED: parking_lot::Mutex<Vec<(i32, usize)>> = parking_lot::Mutex::new(Vec::new());
+    if let Some(&(_, c)) = RETAINED.lock().iter().find(|(d, _)| *d == dev) {
+        return Ok(c);
+    }
+    let c = retain_primary(dev)?;
+    RETAINED.lock().push((dev, c));
+    Ok(c)
+}
+
+fn retain_primary(dev: i32) -> Result<usize> {
     let api = api()?;
     let n = device_count()?;
     if dev < 0 || dev >= n {

@@ -263,32 +263,49 @@ fn watch(ctl: &Arc<Ctl>, health: &Arc<Health>, name: &str) {
         reported: false,
     });
     if start {
-        let _ = std::thread::Builder::new()
+        let spawned = std::thread::Builder::new()
             .name("oxccl-cuda-watch".into())
             .spawn(|| loop {
                 std::thread::sleep(Duration::from_millis(5));
-                let mut w = WATCHED.lock();
-                w.retain_mut(|x| {
-                    let (Some(ctl), Some(h)) = (x.ctl.upgrade(), x.health.upgrade()) else {
-                        return false;
-                    };
-                    if !x.reported {
-                        if let Some((code, info)) = ctl.error() {
-                            x.reported = true;
-                            h.fail_and_announce(kernel_error(&x.name, code, info));
-                            ctl.abort();
+                // Look under the lock, act after it (announcing a failure talks to the peers).
+                let mut errors = Vec::new();
+                let mut stops = Vec::new();
+                {
+                    let mut w = WATCHED.lock();
+                    w.retain_mut(|x| {
+                        let (Some(ctl), Some(h)) = (x.ctl.upgrade(), x.health.upgrade()) else {
+                            return false;
+                        };
+                        if !x.reported {
+                            if let Some((code, info)) = ctl.error() {
+                                x.reported = true;
+                                errors.push((h.clone(), kernel_error(&x.name, code, info)));
+                            }
                         }
+                        if x.reported || h.halted() || h.failed() {
+                            stops.push(ctl);
+                        }
+                        true
+                    });
+                    if w.is_empty() && errors.is_empty() {
+                        // The next communicator starts a new watcher.
+                        return;
                     }
-                    if h.halted() || h.failed() {
-                        ctl.abort();
-                    }
-                    true
-                });
-                if w.is_empty() {
-                    // The next communicator starts a new watcher.
-                    return;
+                }
+                for (h, e) in errors {
+                    h.fail_and_announce(e);
+                }
+                for ctl in stops {
+                    ctl.abort();
                 }
             });
+        if let Err(e) = spawned {
+            crate::debug::warn(&format!(
+                "cannot start the CUDA watcher thread ({e}): kernel errors and aborts are seen \
+                 only when a communicator waits"
+            ));
+            w.clear();
+        }
     }
 }
 

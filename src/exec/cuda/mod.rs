@@ -108,10 +108,30 @@ fn check_buffer(comm: &CudaComm, addr: usize, what: &str, name: &str) -> Result<
     };
     if r != driver::CUDA_SUCCESS {
         return Err(Error::invalid_argument(format!(
-            "{name}: {what} {addr:#x} is not memory the GPU can reach (not from cudaMalloc,              ncclMemAlloc, cudaMallocManaged or cudaHostAlloc); {} runs on device {}",
+            "{name}: {what} {addr:#x} is not memory the GPU can reach (not from cudaMalloc, \
+             ncclMemAlloc, cudaMallocManaged or cudaHostAlloc); {} runs on device {}",
             comm.describe(),
             comm.dev
         )));
+    }
+    if ty == driver::CU_MEMORYTYPE_DEVICE {
+        let mut dev: std::ffi::c_int = -1;
+        // SAFETY: writes one int.
+        let r = unsafe {
+            (api.pointer_attr)(
+                &mut dev as *mut _ as *mut c_void,
+                driver::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
+                addr as u64,
+            )
+        };
+        if r == driver::CUDA_SUCCESS && dev != comm.dev {
+            return Err(Error::invalid_argument(format!(
+                "{name}: {what} {addr:#x} is memory of device {dev}, but {} runs on device {} \
+                 (peer access between devices is not enabled)",
+                comm.describe(),
+                comm.dev
+            )));
+        }
     }
     Ok(())
 }
