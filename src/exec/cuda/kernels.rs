@@ -59,11 +59,20 @@ pub(super) fn cache_name(arch: i32) -> String {
     format!("kernels-{:016x}-sm{arch}.bin", h.finish())
 }
 
-fn image(arch: i32) -> Result<Arc<nvrtc::Image>> {
-    if let Some(i) = IMAGES.lock().get(&arch) {
+/// The image for `sm_{arch}`: made once per process (concurrent first inits wait for one
+/// compile), from the disk cache unless `fresh` (a cached image the driver refused).
+fn image(arch: i32, fresh: bool) -> Result<Arc<nvrtc::Image>> {
+    static COMPILING: Mutex<()> = Mutex::new(());
+    let _one = COMPILING.lock();
+    if let Some(i) = IMAGES.lock().get(&arch).filter(|_| !fresh) {
         return Ok(i.clone());
     }
     let file = cache_file(arch);
+    if fresh {
+        if let Some(f) = &file {
+            let _ = std::fs::remove_file(f);
+        }
+    }
     if let Some(bytes) = file.as_ref().and_then(|f| std::fs::read(f).ok()) {
         let img = Arc::new(nvrtc::Image {
             bytes,
@@ -106,13 +115,26 @@ pub fn get(ctx: usize, dev: i32) -> Result<Kernels> {
     let major = driver::attr(dev, driver::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?;
     let minor = driver::attr(dev, driver::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?;
     let sms = driver::attr(dev, driver::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?;
-    let img = image(major * 10 + minor)?;
-    let mut module: driver::CUmodule = std::ptr::null_mut();
-    // SAFETY: a cubin or NUL-terminated PTX image made by NVRTC.
-    check(
-        unsafe { (api.module_load_data)(&mut module, img.bytes.as_ptr() as *const _) },
-        || format!("loading the kernels ({}) on device {dev}", img.what),
-    )?;
+    let arch = major * 10 + minor;
+    let load = |img: &nvrtc::Image| -> Result<driver::CUmodule> {
+        let mut module: driver::CUmodule = std::ptr::null_mut();
+        // SAFETY: a cubin or NUL-terminated PTX image made by NVRTC.
+        check(
+            unsafe { (api.module_load_data)(&mut module, img.bytes.as_ptr() as *const _) },
+            || format!("loading the kernels ({}) on device {dev}", img.what),
+        )?;
+        Ok(module)
+    };
+    let img = image(arch, false)?;
+    let module = match load(&img) {
+        Ok(m) => m,
+        // A cached image the driver refuses (damaged, or from an older toolkit): compile afresh.
+        Err(e) if img.what.starts_with("cached") => {
+            crate::debug::warn(&format!("{}: compiling the kernels again", e.msg));
+            load(&*image(arch, true)?)?
+        }
+        Err(e) => return Err(e),
+    };
     let func = |name: &std::ffi::CStr| -> Result<usize> {
         let mut f: driver::CUfunction = std::ptr::null_mut();
         // SAFETY: the module loaded above; a NUL-terminated name.
