@@ -434,6 +434,38 @@ fn cuda_executor_logic_on_a_recording_driver() {
     }
     let _ = ev0;
 
+    // 3b. One communicator's calls of a group on two streams: launched on the first, which
+    //     waits for the second's queued work; the second then waits for the launch.
+    nccl::api::group_start().unwrap();
+    nccl::api::enqueue(
+        &comms[0],
+        all_reduce(bufs[0].0, bufs[0].1, 1000),
+        cuda(0x81),
+    )
+    .unwrap();
+    nccl::api::enqueue(
+        &comms[0],
+        all_reduce(bufs[0].0, bufs[0].1, 1000),
+        cuda(0x82),
+    )
+    .unwrap();
+    nccl::api::group_end().unwrap();
+    let ev = take();
+    let pos = |f: &dyn Fn(&Ev) -> bool| ev.iter().position(f);
+    let join_rec = pos(&|e| matches!(e, Ev::Record { stream: 0x82, .. }));
+    let join_wait = pos(&|e| matches!(e, Ev::Wait { stream: 0x81, .. }));
+    let first_launch = pos(&|e| matches!(e, Ev::Launch { stream: 0x81, .. }));
+    let back = pos(&|e| matches!(e, Ev::Wait { stream: 0x82, .. }));
+    let last_launch = ev.iter().rposition(|e| matches!(e, Ev::Launch { .. }));
+    assert!(
+        matches!((join_rec, join_wait, first_launch, back, last_launch),
+            (Some(a), Some(b), Some(c), Some(d), Some(e)) if a < b && b < c && e < d),
+        "{ev:#?}"
+    );
+    assert!(launches(&ev)
+        .iter()
+        .all(|e| matches!(e, Ev::Launch { stream: 0x81, .. })));
+
     // 4. While the stream captures a graph: launches, but no event is recorded or waited for.
     CAPTURING.store(true, Ordering::SeqCst);
     nccl::api::group_start().unwrap();

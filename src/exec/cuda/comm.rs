@@ -99,6 +99,8 @@ pub struct CudaComm {
     pub(super) last: Mutex<Last>,
     /// The connections of the last launch (their counters go into timeout messages).
     pub(super) last_conns: Mutex<Vec<Arc<crate::transport::Conn>>>,
+    /// Recorded on a group's other streams to join them to the launch stream.
+    pub(super) join_event: usize,
     /// Ranks of this communicator on this host and device (their kernels share its SMs).
     pub(super) ranks_on_device: usize,
     name: String,
@@ -115,6 +117,12 @@ impl CudaComm {
         // SAFETY: writes one event handle.
         check(
             unsafe { (api.event_create)(&mut ev, driver::CU_EVENT_DISABLE_TIMING) },
+            || "cuEventCreate".into(),
+        )?;
+        let mut join: driver::CUevent = std::ptr::null_mut();
+        // SAFETY: writes one event handle.
+        check(
+            unsafe { (api.event_create)(&mut join, driver::CU_EVENT_DISABLE_TIMING) },
             || "cuEventCreate".into(),
         )?;
         let ctl = Arc::new(Ctl::new()?);
@@ -141,6 +149,7 @@ impl CudaComm {
                 recorded: false,
             }),
             last_conns: Mutex::new(Vec::new()),
+            join_event: join as usize,
             ranks_on_device: s
                 .peers
                 .iter()
@@ -234,8 +243,11 @@ impl Drop for CudaComm {
             }
         }
         if let (Ok(api), Ok(_g)) = (driver::api(), CtxGuard::enter(self.ctx)) {
-            // SAFETY: our event, destroyed once.
-            unsafe { (api.event_destroy)(self.last.lock().event as driver::CUevent) };
+            // SAFETY: our events, destroyed once.
+            unsafe {
+                (api.event_destroy)(self.last.lock().event as driver::CUevent);
+                (api.event_destroy)(self.join_event as driver::CUevent);
+            }
         }
     }
 }

@@ -63,6 +63,9 @@ struct Scratch {
 struct Job<'a> {
     comm: &'a CudaComm,
     stream: usize,
+    /// Other streams the communicator's calls of the group were given: the launch stream waits
+    /// for what they have queued, and they for the launch (as NCCL joins them).
+    joins: Vec<usize>,
     stages: Vec<(Vec<Vec<DevProgram>>, Scratch)>,
     p2p: (Vec<Vec<DevProgram>>, Scratch),
 }
@@ -222,6 +225,17 @@ pub fn launch(ops: Vec<Call<'_>>) -> Result<()> {
         jobs.push(Job {
             comm: qs[0].cuda(),
             stream: stream::handle(&qs[0].stream),
+            joins: {
+                let first = stream::handle(&qs[0].stream);
+                let mut v: Vec<usize> = Vec::new();
+                for q in &qs[1..] {
+                    let h = stream::handle(&q.stream);
+                    if h != first && !v.contains(&h) {
+                        v.push(h);
+                    }
+                }
+                v
+            },
             stages,
             p2p: (
                 bind_lanes(t.p2p, conns)?,
@@ -300,9 +314,21 @@ fn launch_set(jobs: &mut [Job<'_>]) -> Result<()> {
     let stream = jobs[0].stream;
     let _g = CtxGuard::enter(comm0.ctx)?;
     let capturing = driver::capturing(stream)?;
-    // Issue order per communicator across streams.
+    // Issue order per communicator across streams, and the group's other streams joined.
     if !capturing {
         for j in jobs.iter() {
+            for &other in &j.joins {
+                // SAFETY: the communicator's join event, recorded on the caller's stream.
+                check(
+                    unsafe { (api.event_record)(j.comm.join_event as _, other as _) },
+                    || "cuEventRecord (joining a group's streams)".into(),
+                )?;
+                // SAFETY: as above.
+                check(
+                    unsafe { (api.stream_wait_event)(stream as _, j.comm.join_event as _, 0) },
+                    || "cuStreamWaitEvent (joining a group's streams)".into(),
+                )?;
+            }
             let l = j.comm.last.lock();
             if l.recorded && l.stream != Some(stream) {
                 // SAFETY: our event, recorded on the communicator's last stream.
@@ -357,6 +383,16 @@ fn launch_set(jobs: &mut [Job<'_>]) -> Result<()> {
             if r.is_ok() {
                 l.recorded = true;
                 l.stream = Some(stream);
+                for &other in &j.joins {
+                    // SAFETY: our event, just recorded; the caller's stream.
+                    let w = check(
+                        unsafe { (api.stream_wait_event)(other as _, l.event as _, 0) },
+                        || "cuStreamWaitEvent (joining a group's streams)".into(),
+                    );
+                    if result.is_ok() {
+                        result = w;
+                    }
+                }
             } else if result.is_ok() {
                 result = r;
             }
