@@ -204,11 +204,6 @@ impl Desc {
             .collect())
     }
 
-    /// The connections of the launch.
-    pub fn conns(&self) -> &[Arc<Conn>] {
-        &self.conns
-    }
-
     /// The launch in words, for `OXCCL_CUDA_TRACE`.
     pub fn describe(&self) -> String {
         let mut out = String::new();

@@ -450,9 +450,18 @@ fn launch_stage(
             ));
         }
         for j in jobs.iter() {
+            // Each communicator keeps its own connections of the launch (for messages).
             let mut lc = j.comm.last_conns.lock();
             lc.clear();
-            lc.extend(d.conns().iter().cloned());
+            let stage = j.stages.get(k).map(|(l, _)| l.as_slice()).unwrap_or(&[]);
+            let p2p = if k == 0 { j.p2p.0.as_slice() } else { &[] };
+            for s in stage.iter().chain(p2p).flatten().flat_map(|p| &p.steps) {
+                for c in s.recv.iter().chain(s.send.iter()) {
+                    if !lc.iter().any(|x| std::sync::Arc::ptr_eq(x, c)) {
+                        lc.push(c.clone());
+                    }
+                }
+            }
         }
         r = run(&d, comm0, stream, api).map(|l| *launched |= l);
     }
