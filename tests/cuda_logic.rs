@@ -190,12 +190,14 @@ unsafe extern "C" fn memset_async(d: u64, v: u8, n: usize, _: *mut c_void) -> CU
     unsafe { std::ptr::write_bytes(d as *mut u8, v, n) };
     OK
 }
-unsafe extern "C" fn memset(d: u64, v: u8, n: usize) -> CUresult {
-    unsafe { std::ptr::write_bytes(d as *mut u8, v, n) };
+unsafe extern "C" fn memset32_async(d: u64, v: c_uint, n: usize, _: *mut c_void) -> CUresult {
+    for i in 0..n {
+        unsafe { *(d as *mut u32).add(i) = v };
+    }
     OK
 }
-unsafe extern "C" fn htod(d: u64, s: *const c_void, n: usize) -> CUresult {
-    unsafe { std::ptr::copy(s as *const u8, d as *mut u8, n) };
+unsafe extern "C" fn stream_create(s: *mut *mut c_void, _: c_uint) -> CUresult {
+    unsafe { *s = NEXT.fetch_add(1, Ordering::SeqCst) as *mut c_void };
     OK
 }
 unsafe extern "C" fn stream_ok(_: *mut c_void) -> CUresult {
@@ -272,8 +274,9 @@ fn stand_in() -> Api {
         ("cuMemcpyDtoDAsync_v2", dtod_async as *const c_void),
         ("cuMemcpyDtoH_v2", dtoh as *const c_void),
         ("cuMemsetD8Async", memset_async as *const c_void),
-        ("cuMemsetD8_v2", memset as *const c_void),
-        ("cuMemcpyHtoD_v2", htod as *const c_void),
+        ("cuMemsetD32Async", memset32_async as *const c_void),
+        ("cuStreamCreate", stream_create as *const c_void),
+        ("cuStreamDestroy_v2", stream_ok as *const c_void),
         ("cuStreamSynchronize", stream_ok as *const c_void),
         ("cuStreamQuery", stream_ok as *const c_void),
         ("cuStreamIsCapturing", is_capturing as *const c_void),

@@ -118,8 +118,9 @@ driver_api! {
     memcpy_dtod_async = "cuMemcpyDtoDAsync_v2": fn(CUdeviceptr, CUdeviceptr, usize, CUstream);
     memcpy_dtoh = "cuMemcpyDtoH_v2": fn(*mut c_void, CUdeviceptr, usize);
     memset_d8_async = "cuMemsetD8Async": fn(CUdeviceptr, u8, usize, CUstream);
-    memset_d8 = "cuMemsetD8_v2": fn(CUdeviceptr, u8, usize);
-    memcpy_htod = "cuMemcpyHtoD_v2": fn(CUdeviceptr, *const c_void, usize);
+    memset_d32_async = "cuMemsetD32Async": fn(CUdeviceptr, c_uint, usize, CUstream);
+    stream_create = "cuStreamCreate": fn(*mut CUstream, c_uint);
+    stream_destroy = "cuStreamDestroy_v2": fn(CUstream);
     stream_synchronize = "cuStreamSynchronize": fn(CUstream);
     stream_query = "cuStreamQuery": fn(CUstream);
     stream_is_capturing = "cuStreamIsCapturing": fn(CUstream, *mut c_int);

@@ -117,16 +117,36 @@ impl DevConn {
                 slots: p + hdr_bytes as u64,
                 ctx,
             };
-            // SAFETY: the header just allocated (zeroed, then the attach count set).
-            check(unsafe { (api.memset_d8)(p, 0, hdr_bytes) }, || {
-                "cuMemsetD8 of a connection header".into()
-            })?;
-            let two = 2u32;
-            // SAFETY: 4 bytes inside the header.
+            // The header zeroed and its attach count set on a private non-blocking stream:
+            // legal even while a caller's stream captures a graph (the legacy stream's
+            // synchronous copies would join, and spoil, the capture).
+            let mut st: driver::CUstream = std::ptr::null_mut();
+            // SAFETY: writes one stream handle.
             check(
-                unsafe { (api.memcpy_htod)(p + ATTACH_OFF, &two as *const u32 as *const _, 4) },
-                || "cuMemcpyHtoD of a connection header".into(),
+                unsafe { (api.stream_create)(&mut st, driver::CU_STREAM_NON_BLOCKING) },
+                || "cuStreamCreate".into(),
             )?;
+            // SAFETY: the header just allocated; the stream made above, destroyed once.
+            let r = check(
+                unsafe { (api.memset_d8_async)(p, 0, hdr_bytes, st) },
+                || "cuMemsetD8Async of a connection header".into(),
+            )
+            .and_then(|_| {
+                // SAFETY: 4 bytes inside the header.
+                check(
+                    unsafe { (api.memset_d32_async)(p + ATTACH_OFF, 2, 1, st) },
+                    || "cuMemsetD32Async of a connection header".into(),
+                )
+            })
+            .and_then(|_| {
+                // SAFETY: the stream made above.
+                check(unsafe { (api.stream_synchronize)(st) }, || {
+                    "cuStreamSynchronize".into()
+                })
+            });
+            // SAFETY: as above.
+            unsafe { (api.stream_destroy)(st) };
+            r?;
             Ok(c)
         })
     }
