@@ -54,6 +54,37 @@ pub fn warn(msg: &str) {
     }
 }
 
+/// NCCL's log subsystems that oxccl's INFO lines may be filtered by (`NCCL_DEBUG_SUBSYS`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Subsys {
+    /// Which algorithm and protocol each collective got.
+    Tuning,
+}
+
+/// Whether INFO lines of `s` are printed: `NCCL_DEBUG=INFO` (or more) and `NCCL_DEBUG_SUBSYS`
+/// naming it or ALL (NCCL's syntax: a comma list, `^` to exclude; unset means NCCL's default,
+/// INIT,BOOTSTRAP,ENV).
+pub fn subsys_enabled(s: Subsys) -> bool {
+    static TUNING: Lazy<bool> = Lazy::new(|| {
+        let v = crate::param::nccl_debug_subsys().unwrap_or_else(|| "INIT,BOOTSTRAP,ENV".into());
+        let v = v.to_ascii_uppercase();
+        let (exclude, list) = match v.strip_prefix('^') {
+            Some(l) => (true, l.to_string()),
+            None => (false, v.clone()),
+        };
+        let named = list
+            .split(',')
+            .map(str::trim)
+            .any(|n| n == "TUNING" || n == "ALL");
+        named != exclude
+    });
+    // One flag per subsystem, level included (the check sits on launch paths).
+    static ON: Lazy<bool> = Lazy::new(|| level() >= Level::Info && *TUNING);
+    match s {
+        Subsys::Tuning => *ON,
+    }
+}
+
 pub fn info(msg: &str) {
     if level() >= Level::Info {
         emit("INFO", msg);

@@ -86,7 +86,7 @@ pub const PARAMS: &[Param] = &[
     },
     Param {
         name: "NCCL_ALGO",
-        doc: "algorithms allowed: Ring, Direct (comma list, ^ to exclude)",
+        doc: "algorithms allowed, NCCL's syntax: Ring, Direct (a comma list, ^ to exclude, per collective as allreduce:ring;broadcast:direct); NCCL's other names (Tree, NVLS, ...) leave oxccl its choice",
         default: "",
     },
     Param {
@@ -136,6 +136,10 @@ pub fn get_u64(name: &str) -> u64 {
                 .and_then(|p| p.default.parse().ok())
                 .unwrap_or(0)
         })
+}
+
+pub fn nccl_debug_subsys() -> Option<String> {
+    raw("NCCL_DEBUG_SUBSYS")
 }
 
 pub fn nccl_debug() -> Option<String> {
@@ -244,15 +248,77 @@ pub fn fault_corrupt() -> bool {
     *F
 }
 
-/// Whether direct (board, zero-copy) algorithms may be used: not when `OXCCL_ALGO=ring`, nor when
-/// `NCCL_ALGO` asks for Ring only.
-pub fn direct_algorithms() -> bool {
-    static D: once_cell::sync::Lazy<bool> = once_cell::sync::Lazy::new(|| {
-        let ox = raw("OXCCL_ALGO").map(|v| v.to_ascii_lowercase());
-        let nc = raw("NCCL_ALGO").map(|v| v.to_ascii_lowercase());
-        !(ox.as_deref() == Some("ring") || nc.as_deref() == Some("ring"))
-    });
-    *D
+/// An `NCCL_ALGO` / `NCCL_PROTO` value in NCCL's syntax: a comma list of names (any case),
+/// `^` first to exclude them instead, optionally per collective:
+/// `allreduce:tree,ring;broadcast:ring` (a collective without a rule of its own takes the rule
+/// without a collective, if any, else everything is allowed).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Selection {
+    /// (collective or None for all, excluding, names), all lower case.
+    rules: Vec<(Option<String>, bool, Vec<String>)>,
+}
+
+impl Selection {
+    pub fn parse(v: &str) -> Selection {
+        let mut rules = Vec::new();
+        for part in v.split(';').map(str::trim).filter(|p| !p.is_empty()) {
+            let (coll, list) = match part.split_once(':') {
+                Some((c, l)) => (Some(c.trim().to_ascii_lowercase()), l.trim()),
+                None => (None, part),
+            };
+            let (exclude, list) = match list.strip_prefix('^') {
+                Some(l) => (true, l),
+                None => (false, list),
+            };
+            let names = list
+                .split(',')
+                .map(|n| n.trim().to_ascii_lowercase())
+                .filter(|n| !n.is_empty())
+                .collect();
+            rules.push((coll, exclude, names));
+        }
+        Selection { rules }
+    }
+
+    /// The rule for collective `coll` (lower case): (excluding, names).
+    fn rule(&self, coll: &str) -> Option<(bool, &[String])> {
+        let pick = |c: Option<&str>| {
+            self.rules
+                .iter()
+                .find(|(rc, _, _)| rc.as_deref() == c)
+                .map(|(_, ex, n)| (*ex, n.as_slice()))
+        };
+        pick(Some(coll)).or_else(|| pick(None))
+    }
+
+    /// Whether `name` may serve `coll`, where `ours` are the names the library has: a list that
+    /// names only algorithms it lacks (NCCL's Tree, NVLS, ...) leaves the choice among its own.
+    pub fn allows(&self, coll: &str, name: &str, ours: &[&str]) -> bool {
+        match self.rule(coll) {
+            None => true,
+            Some((true, names)) => !names.iter().any(|n| n == name),
+            Some((false, names)) => {
+                names.iter().any(|n| n == name) || !names.iter().any(|n| ours.contains(&n.as_str()))
+            }
+        }
+    }
+
+    /// Every name the value uses (for checking them against the known ones).
+    pub fn names(&self) -> impl Iterator<Item = &str> {
+        self.rules
+            .iter()
+            .flat_map(|(_, _, n)| n.iter().map(String::as_str))
+    }
+}
+
+/// The raw value of `NCCL_ALGO` (or `OXCCL_ALGO=ring`, an older spelling of `NCCL_ALGO=Ring`).
+pub fn algo_value() -> Option<String> {
+    raw("NCCL_ALGO").or_else(|| raw("OXCCL_ALGO").filter(|v| v.eq_ignore_ascii_case("ring")))
+}
+
+/// The raw value of `NCCL_PROTO`.
+pub fn proto_value() -> Option<String> {
+    raw("NCCL_PROTO")
 }
 
 /// `OXCCL_HEARTBEAT_S`: how long a peer on another host may stay silent (no data, no heartbeat:
@@ -272,6 +338,31 @@ pub fn heartbeat() -> Option<Duration> {
 #[cfg(test)]
 mod tests {
     use super::parse_u64;
+    use super::Selection;
+
+    #[test]
+    fn nccl_algo_syntax() {
+        let ours = ["ring", "direct"];
+        let s = Selection::parse("Ring");
+        assert!(s.allows("allreduce", "ring", &ours) && !s.allows("allreduce", "direct", &ours));
+        let s = Selection::parse("^ring");
+        assert!(!s.allows("broadcast", "ring", &ours) && s.allows("broadcast", "direct", &ours));
+        // Per collective, with a default for the others.
+        let s = Selection::parse("allreduce:direct;broadcast:^direct; ring");
+        assert!(s.allows("allreduce", "direct", &ours) && !s.allows("allreduce", "ring", &ours));
+        assert!(!s.allows("broadcast", "direct", &ours) && s.allows("broadcast", "ring", &ours));
+        assert!(s.allows("reduce", "ring", &ours) && !s.allows("reduce", "direct", &ours));
+        // Only algorithms oxccl lacks: its own choice.
+        let s = Selection::parse("Tree,NVLS");
+        assert!(s.allows("allreduce", "ring", &ours) && s.allows("allreduce", "direct", &ours));
+        let s = Selection::parse("tree,ring");
+        assert!(s.allows("allreduce", "ring", &ours) && !s.allows("allreduce", "direct", &ours));
+        assert!(Selection::parse("").allows("allreduce", "direct", &ours));
+        assert_eq!(
+            Selection::parse("a:x;y").names().collect::<Vec<_>>(),
+            vec!["x", "y"]
+        );
+    }
 
     #[test]
     fn sizes_take_binary_suffixes() {

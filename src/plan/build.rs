@@ -144,6 +144,8 @@ pub fn build_task<T>(
                         p.call = words;
                         Ok(p)
                     };
+                    let bytes = a.count * a.dtype.size();
+                    let direct = direct && super::algo::algo_allows(a.kind.name(), "direct");
                     let work = if direct && nranks > 1 {
                         // An eager operation never falls back: no ring to plan.
                         let eager = super::board::fits_inline(
@@ -158,13 +160,22 @@ pub fn build_task<T>(
                         } else {
                             Some(Box::new(ring_program()?))
                         };
+                        let algo = if eager {
+                            "Direct"
+                        } else {
+                            "Direct (Ring fallback)"
+                        };
+                        super::algo::log_choice(a.kind.name(), bytes, nranks, algo);
                         Work::Board(Box::new(BoardOp::new(rank, nranks, &a, red, bk, fallback)))
                     } else {
+                        super::algo::log_choice(a.kind.name(), bytes, nranks, "Ring");
                         ring_program()?.into()
                     };
                     task.stages.push_back(stage(work));
                 }
                 CollKind::AlltoAll => {
+                    let bytes = a.count * a.dtype.size() * nranks;
+                    super::algo::log_choice(a.kind.name(), bytes, nranks, "Direct");
                     let mut s = tagged(direct::all_to_all(l, a.send, a.recv, a.count, a.dtype)?);
                     s.fault = fault;
                     task.stages.push_back(s);

@@ -7,6 +7,7 @@
 //! Plans are data: nothing here runs, waits or owns executor state (`build` chooses the
 //! algorithms; `task` is what an executor is handed).
 
+pub mod algo;
 pub mod board;
 pub mod build;
 pub mod call;

@@ -70,7 +70,7 @@ impl HostComm {
                 let all = boot.allgather(&[mine as u8])?;
                 cma = all.iter().all(|v| v.first() == Some(&1));
             }
-            if crate::param::direct_algorithms() {
+            if crate::plan::algo::direct_algorithms() {
                 Some(Arc::new(Board::open(hash, nranks, shared)?))
             } else {
                 None

@@ -91,6 +91,7 @@ fn run_lone(qs: &[Call<'_>]) -> Option<Result<()>> {
         let bk = BoardKind::of(a.kind)?;
         if comm.nranks < 2
             || !crate::plan::board::fits_inline(bk, comm.nranks, a.count, a.dtype, INLINE)
+            || !crate::plan::algo::direct_allowed(a.kind)
             || !comm.has_board()
             // The flight recorder sees tasks (a debugging mode: small operations take the
             // general path then).
@@ -132,7 +133,12 @@ fn run_lone(qs: &[Call<'_>]) -> Option<Result<()>> {
         return None;
     }
     fn start<'a>(q: &'a Call<'_>, board: (Arc<Board>, u64), kind: BoardKind) -> LoneOp<'a> {
-        LoneOp::start(q.host(), board, &q.args, q.red, kind)
+        let a = &q.args;
+        if crate::debug::subsys_enabled(crate::debug::Subsys::Tuning) {
+            let bytes = a.count * a.dtype.size();
+            crate::plan::algo::log_choice(a.kind.name(), bytes, q.host().nranks, "Direct");
+        }
+        LoneOp::start(q.host(), board, a, q.red, kind)
     }
     // Checked above: board collectives, and the communicators have boards.
     let board = |q: &Call<'_>| Some((q.host().board_op()?, BoardKind::of(q.args.kind)?));
