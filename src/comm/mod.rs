@@ -258,6 +258,7 @@ impl Comm {
 
 fn build_core(p: PendingInit) -> Result<Core> {
     crate::plan::algo::check_env();
+    crate::transport::plugin::check_once();
     let health = Arc::new(Health::with_flag(p.abort.clone()));
     let boot = Bootstrap::init(&p.ids, p.rank, p.nranks, health.clone())
         .map_err(|e| e.context(format!("bootstrap of rank {} of {}", p.rank, p.nranks)))?;

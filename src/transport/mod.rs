@@ -16,6 +16,7 @@ pub mod conns;
 pub mod inproc;
 pub mod net;
 pub mod peer;
+pub mod plugin;
 pub mod proxy;
 pub mod shm;
 #[cfg(test)]

@@ -1,0 +1,84 @@
+//! NCCL net plugins: one that does not exist is a WARN naming it and the loader's reason and
+//! everything still works; one that loads is identified by its ncclNetPlugin_vN symbol and name.
+
+use std::process::Command;
+
+#[test]
+fn a_plugin_that_loads_is_identified() {
+    let dir = std::env::temp_dir().join(format!("oxccl-net-plugin-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let src = dir.join("fake.c");
+    // Only the first field of every ncclNet_vN is read: the plugin's name.
+    std::fs::write(
+        &src,
+        "struct fake { const char* name; void* rest[32]; };\n\
+         struct fake ncclNetPlugin_v8 = { \"fake-net\", {0} };\n",
+    )
+    .unwrap();
+    let so = dir.join("libnccl-net-fake.so");
+    let st = Command::new("cc")
+        .args(["-shared", "-fPIC", "-o"])
+        .arg(&so)
+        .arg(&src)
+        .status();
+    if !st.is_ok_and(|s| s.success()) {
+        eprintln!("skipped: no C compiler");
+        return;
+    }
+    let found = nccl::transport::plugin::find(Some(so.to_str().unwrap()));
+    assert_eq!(
+        found,
+        nccl::transport::plugin::Found::Loaded(so.display().to_string(), 8, "fake-net".into())
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// The child: two ranks on host slots, an all-reduce checked.
+#[test]
+fn child_entry() {
+    if std::env::var_os("OXCCL_PLUGIN_CHILD").is_none() {
+        return;
+    }
+    let comms = nccl::api::comm_init_all(&[0, 1]).unwrap();
+    let mut bufs: Vec<Vec<f32>> = (0..2).map(|r| vec![r as f32 + 1.0; 1000]).collect();
+    nccl::api::group_start().unwrap();
+    for (r, c) in comms.iter().enumerate() {
+        let p = bufs[r].as_mut_ptr() as usize;
+        let a = nccl::types::CollArgs {
+            kind: nccl::types::CollKind::AllReduce,
+            send: p,
+            recv: p,
+            count: 1000,
+            dtype: nccl::types::DataType::Float32,
+            op: 0,
+            root: 0,
+        };
+        nccl::api::enqueue(c, a, nccl::exec::Stream::Null).unwrap();
+    }
+    nccl::api::group_end().unwrap();
+    assert!(bufs.iter().flatten().all(|&x| x == 3.0));
+    println!("RESULT ok");
+}
+
+#[test]
+fn a_missing_plugin_is_a_warning_and_everything_works() {
+    let out = Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", "child_entry", "--nocapture", "--test-threads=1"])
+        .env("OXCCL_PLUGIN_CHILD", "1")
+        .env("OXCCL_DEVICE", "host")
+        .env("NCCL_DEBUG", "WARN")
+        .env("NCCL_NET_PLUGIN", "oxccl-test-missing")
+        .env("NCCL_NET", "IB")
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success() && text.contains("RESULT ok"), "{text}");
+    assert!(
+        text.contains("NCCL WARN NET/Plugin: NCCL_NET_PLUGIN=oxccl-test-missing could not be loaded (tried libnccl-net-oxccl-test-missing.so"),
+        "{text}"
+    );
+    assert!(
+        text.contains("NCCL WARN NCCL_NET=IB: oxccl's only network is Socket"),
+        "{text}"
+    );
+}
