@@ -2,6 +2,8 @@
 //! built: build them with make, run short sweeps on the host executor and check every row of
 //! their output table for wrong elements.
 
+mod common;
+
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 use std::sync::OnceLock;
@@ -391,4 +393,73 @@ fn corrupt_fault_is_detected() {
         text(&o)
     );
     assert!(String::from_utf8_lossy(&o.stdout).contains("FAILED"));
+}
+
+/// The perf tools across 2 namespace hosts x 2 ranks under the environment launcher (RANK,
+/// WORLD_SIZE, MASTER_ADDR, MASTER_PORT): every row checked (`Out of bounds values : 0 OK`),
+/// and the data went over the link between the hosts.
+#[test]
+fn tools_across_two_namespace_hosts() {
+    let Some(mut hosts) = common::netns::Hosts::new(2) else {
+        return;
+    };
+    let b = built();
+    for name in ["all_reduce_perf", "all_gather_perf", "sendrecv_perf"] {
+        let exe = b.bin.join(name).display().to_string();
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let log = |r: usize| {
+            std::env::temp_dir().join(format!(
+                "oxccl-perf-hosts-{}-{name}-{r}.log",
+                std::process::id()
+            ))
+        };
+        let env: Vec<(String, String)> = [
+            ("OXCCL_DEVICE", "host".to_string()),
+            ("LD_LIBRARY_PATH", b.lib.display().to_string()),
+            ("WORLD_SIZE", "4".to_string()),
+            ("MASTER_ADDR", hosts.ip(0)),
+            ("MASTER_PORT", port.to_string()),
+            ("OXCCL_TIMEOUT_S", "60".to_string()),
+        ]
+        .into_iter()
+        .map(|(a, b)| (a.to_string(), b))
+        .collect();
+        let before: Vec<u64> = (0..2).map(|i| hosts.bytes(i)).collect();
+        for i in 0..2 {
+            let cmds: Vec<String> = (2 * i..2 * i + 2)
+                .map(|r| {
+                    format!(
+                        "RANK={r} {exe} -b 8 -e 4M -f 16 -n 3 -w 1 > {} 2>&1",
+                        log(r).display()
+                    )
+                })
+                .collect();
+            hosts.start(i, &env, &cmds);
+        }
+        let ok = hosts.wait_for(std::time::Duration::from_secs(120));
+        let logs: Vec<String> = (0..4)
+            .map(|r| {
+                let t = std::fs::read_to_string(log(r)).unwrap_or_default();
+                let _ = std::fs::remove_file(log(r));
+                t
+            })
+            .collect();
+        assert_eq!(ok, Some(vec![true, true]), "{name}:\n{}", logs.join("\n"));
+        assert!(
+            logs[0].contains("# Out of bounds values : 0 OK") && logs[0].contains("  524288 "),
+            "{name}:\n{}",
+            logs[0]
+        );
+        for (i, b) in before.iter().enumerate() {
+            let moved = hosts.bytes(i) - b;
+            assert!(
+                moved > 4 << 20,
+                "{name}: host {i}'s link moved only {moved} bytes"
+            );
+        }
+    }
 }
