@@ -2,38 +2,26 @@
 //! does not know are a WARN listing the known ones, and `NCCL_DEBUG_SUBSYS=TUNING` shows the
 //! algorithm each collective got. Each case runs in a child process (settings are read once).
 
-use std::process::Command;
+mod common;
 
+/// The child's output under `NCCL_ALGO` / `NCCL_PROTO` (an empty value is unset).
 fn child(algo: Option<&str>, proto: Option<&str>) -> String {
-    let mut c = Command::new(std::env::current_exe().unwrap());
-    c.args(["--exact", "child_entry", "--nocapture", "--test-threads=1"])
-        .env("OXCCL_ALGO_CHILD", "1")
-        .env("OXCCL_DEVICE", "host")
-        .env("NCCL_DEBUG", "INFO")
-        .env("NCCL_DEBUG_SUBSYS", "INIT,TUNING")
-        .env_remove("OXCCL_ALGO");
-    match algo {
-        Some(a) => c.env("NCCL_ALGO", a),
-        None => c.env_remove("NCCL_ALGO"),
-    };
-    match proto {
-        Some(p) => c.env("NCCL_PROTO", p),
-        None => c.env_remove("NCCL_PROTO"),
-    };
-    let out = c.output().unwrap();
-    let text = String::from_utf8_lossy(&out.stdout).to_string();
-    assert!(
-        out.status.success(),
-        "{text}\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    text
+    common::in_child(
+        "child_entry",
+        &[
+            ("NCCL_DEBUG", "INFO"),
+            ("NCCL_DEBUG_SUBSYS", "INIT,TUNING"),
+            ("OXCCL_ALGO", ""),
+            ("NCCL_ALGO", algo.unwrap_or("")),
+            ("NCCL_PROTO", proto.unwrap_or("")),
+        ],
+    )
 }
 
 /// Two ranks on host slots: an all-reduce and a broadcast of 64 floats, checked.
 #[test]
 fn child_entry() {
-    if std::env::var_os("OXCCL_ALGO_CHILD").is_none() {
+    if !common::is_child() {
         return;
     }
     use nccl::types::{CollArgs, CollKind, DataType};

@@ -3,24 +3,14 @@
 //! creation and `ncclMemAlloc`. Each case runs in a child process (the executor is chosen once
 //! per process).
 
-use std::process::Command;
+mod common;
 
-fn child(case: &str, device: Option<&str>) -> String {
-    let mut c = Command::new(std::env::current_exe().unwrap());
-    c.args(["--exact", "child_entry", "--nocapture", "--test-threads=1"])
-        .env("OXCCL_ABSENT_CASE", case);
-    match device {
-        Some(d) => c.env("OXCCL_DEVICE", d),
-        None => c.env_remove("OXCCL_DEVICE"),
-    };
-    let out = c.output().unwrap();
-    let text = String::from_utf8_lossy(&out.stdout).to_string();
-    assert!(
-        out.status.success(),
-        "child {case}: {text}\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    text
+/// The child's output for `case`, with `OXCCL_DEVICE` set to `device` (empty: unset).
+fn child(case: &str, device: &str) -> String {
+    common::in_child(
+        "child_entry",
+        &[("OXCCL_ABSENT_CASE", case), ("OXCCL_DEVICE", device)],
+    )
 }
 
 fn driver_present() -> bool {
@@ -31,6 +21,9 @@ fn driver_present() -> bool {
 /// The child's side: prints what happened, for the parent to check.
 #[test]
 fn child_entry() {
+    if !common::is_child() {
+        return;
+    }
     let Ok(case) = std::env::var("OXCCL_ABSENT_CASE") else {
         return;
     };
@@ -56,7 +49,7 @@ fn no_driver_means_the_host_executor() {
         eprintln!("skipped: this machine has a CUDA driver");
         return;
     }
-    let out = child("init", None);
+    let out = child("init", "");
     assert!(out.contains("RESULT ok kind=Host"), "{out}");
 }
 
@@ -67,7 +60,7 @@ fn oxccl_device_cuda_without_a_driver_is_a_clear_error() {
         return;
     }
     for case in ["init", "memalloc"] {
-        let out = child(case, Some("cuda"));
+        let out = child(case, "cuda");
         assert!(
             out.contains("RESULT err code=UnhandledCudaError") && out.contains("libcuda.so.1"),
             "{case}: {out}"

@@ -6,6 +6,8 @@
 //!
 //! One process, one test function: the driver and the executor are chosen once per process.
 
+mod common;
+
 use nccl::gpu::driver::{self, Api, CUresult};
 use nccl::types::{CollArgs, CollKind, DataType};
 use parking_lot::Mutex;
@@ -311,17 +313,7 @@ fn buffer(bytes: usize) -> usize {
     p as usize
 }
 
-fn all_reduce(send: usize, recv: usize, count: usize) -> CollArgs {
-    CollArgs {
-        kind: CollKind::AllReduce,
-        send,
-        recv,
-        count,
-        dtype: DataType::Float32,
-        op: 0,
-        root: 0,
-    }
-}
+use common::all_reduce_f32_at as all_reduce;
 
 fn launches(ev: &[Ev]) -> Vec<&Ev> {
     ev.iter()

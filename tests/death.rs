@@ -6,7 +6,7 @@
 
 use nccl::api::{self, CollArgs, StreamArg};
 use nccl::error::Code;
-use nccl::types::{CollKind, DataType, OP_SUM};
+use nccl::types::CollKind;
 use std::time::{Duration, Instant};
 
 mod common;
@@ -27,17 +27,7 @@ const CASES: [(&str, &[(&str, &str)]); 5] = [
     ("mid-direct", &[]),
 ];
 
-fn all_reduce(send: usize, recv: usize, count: usize) -> CollArgs {
-    CollArgs {
-        kind: CollKind::AllReduce,
-        send,
-        recv,
-        count,
-        dtype: DataType::Float32,
-        op: OP_SUM,
-        root: 0,
-    }
-}
+use common::all_reduce_f32_at as all_reduce;
 
 fn kill_me() {
     nix::sys::signal::kill(nix::unistd::getpid(), nix::sys::signal::Signal::SIGKILL).unwrap();

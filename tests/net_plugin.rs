@@ -1,6 +1,8 @@
 //! NCCL net plugins: one that does not exist is a WARN naming it and the loader's reason and
 //! everything still works; one that loads is identified by its ncclNetPlugin_vN symbol and name.
 
+mod common;
+
 use std::process::Command;
 
 #[test]
@@ -36,7 +38,7 @@ fn a_plugin_that_loads_is_identified() {
 /// The child: two ranks on host slots, an all-reduce checked.
 #[test]
 fn child_entry() {
-    if std::env::var_os("OXCCL_PLUGIN_CHILD").is_none() {
+    if !common::is_child() {
         return;
     }
     let comms = nccl::api::comm_init_all(&[0, 1]).unwrap();
@@ -62,17 +64,15 @@ fn child_entry() {
 
 #[test]
 fn a_missing_plugin_is_a_warning_and_everything_works() {
-    let out = Command::new(std::env::current_exe().unwrap())
-        .args(["--exact", "child_entry", "--nocapture", "--test-threads=1"])
-        .env("OXCCL_PLUGIN_CHILD", "1")
-        .env("OXCCL_DEVICE", "host")
-        .env("NCCL_DEBUG", "WARN")
-        .env("NCCL_NET_PLUGIN", "oxccl-test-missing")
-        .env("NCCL_NET", "IB")
-        .output()
-        .unwrap();
-    let text = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success() && text.contains("RESULT ok"), "{text}");
+    let text = common::in_child(
+        "child_entry",
+        &[
+            ("NCCL_DEBUG", "WARN"),
+            ("NCCL_NET_PLUGIN", "oxccl-test-missing"),
+            ("NCCL_NET", "IB"),
+        ],
+    );
+    assert!(text.contains("RESULT ok"), "{text}");
     assert!(
         text.contains("NCCL WARN NET/Plugin: NCCL_NET_PLUGIN=oxccl-test-missing could not be loaded (tried libnccl-net-oxccl-test-missing.so"),
         "{text}"

@@ -79,11 +79,22 @@ pub fn in_child(test: &str, env: &[(&str, &str)]) -> String {
 /// A float32 sum all-reduce of `send` into `recv`.
 #[allow(dead_code)]
 pub fn all_reduce_f32(send: &[f32], recv: &mut [f32]) -> nccl::api::CollArgs {
+    all_reduce_f32_at(
+        send.as_ptr() as usize,
+        recv.as_mut_ptr() as usize,
+        send.len(),
+    )
+}
+
+/// A float32 sum all-reduce of `count` elements at address `send` into `recv` (buffers the
+/// test does not hold as slices: device memory, a stand-in's, a peer's).
+#[allow(dead_code)]
+pub fn all_reduce_f32_at(send: usize, recv: usize, count: usize) -> nccl::api::CollArgs {
     nccl::api::CollArgs {
         kind: nccl::types::CollKind::AllReduce,
-        send: send.as_ptr() as usize,
-        recv: recv.as_mut_ptr() as usize,
-        count: send.len(),
+        send,
+        recv,
+        count,
         dtype: nccl::types::DataType::Float32,
         op: nccl::types::OP_SUM,
         root: 0,
