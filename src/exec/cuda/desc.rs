@@ -42,7 +42,7 @@ pub struct Desc {
 }
 
 /// The error of a launch whose descriptor does not fit a kernel parameter.
-pub fn too_large(size: usize, lanes: usize, progs: usize, steps: usize) -> Result<()> {
+fn too_large(size: usize, lanes: usize, progs: usize, steps: usize) -> Result<()> {
     if size <= PARAM_BYTES {
         return Ok(());
     }
@@ -125,9 +125,9 @@ impl Desc {
         Ok(())
     }
 
-    /// The descriptor bytes `lanes` would take: checked for every launch of a group before any
-    /// is launched, so that a group fails whole rather than half run.
-    pub fn bytes_for<'p>(lanes: impl IntoIterator<Item = &'p [DevProgram]>) -> usize {
+    /// Whether `lanes` fit one launch's descriptor: checked for every launch of a group before
+    /// any is launched, so that a group fails whole rather than half run.
+    pub fn check_fits<'p>(lanes: impl IntoIterator<Item = &'p [DevProgram]>) -> Result<()> {
         let mut conns: Vec<*const Conn> = Vec::new();
         let (mut np, mut ns, mut nl) = (0, 0, 0);
         for lane in lanes {
@@ -146,7 +146,8 @@ impl Desc {
                 }
             }
         }
-        HEAD + CONN * conns.len() + PROG * np + STEP * ns + LANE * nl
+        let size = HEAD + CONN * conns.len() + PROG * np + STEP * ns + LANE * nl;
+        too_large(size, nl, np, ns)
     }
 
     /// Blocks per lane for the runner: several where every connection is in device memory

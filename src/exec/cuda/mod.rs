@@ -70,6 +70,15 @@ struct Job<'a> {
     p2p: (Vec<Vec<DevProgram>>, Scratch),
 }
 
+impl Job<'_> {
+    /// The lanes of launch `k`: stage k's, and in the first the point-to-point lanes.
+    fn lanes(&self, k: usize) -> impl Iterator<Item = &Vec<DevProgram>> {
+        let stage = self.stages.get(k).map(|(l, _)| l.as_slice()).unwrap_or(&[]);
+        let p2p = if k == 0 { self.p2p.0.as_slice() } else { &[] };
+        stage.iter().chain(p2p)
+    }
+}
+
 fn bind_lanes(
     lanes: Vec<Vec<Work>>,
     conns: &crate::transport::conns::Conns,
@@ -344,23 +353,7 @@ fn launch_set(jobs: &mut [Job<'_>]) -> Result<()> {
     let launches = nstages.max(has_p2p as usize);
     // Every launch's descriptor must fit before the first is launched: a group fails whole.
     for k in 0..launches {
-        let lanes = jobs.iter().flat_map(|j| {
-            let stage = j.stages.get(k).map(|(l, _)| l.as_slice()).unwrap_or(&[]);
-            let p2p = if k == 0 { j.p2p.0.as_slice() } else { &[] };
-            stage.iter().chain(p2p.iter()).map(|l| l.as_slice())
-        });
-        let (nl, np, ns) = jobs.iter().fold((0, 0, 0), |a, j| {
-            let stage = j.stages.get(k).map(|(l, _)| l.as_slice()).unwrap_or(&[]);
-            let p2p = if k == 0 { j.p2p.0.as_slice() } else { &[] };
-            stage.iter().chain(p2p.iter()).fold(a, |(l, p, s), lane| {
-                (
-                    l + 1,
-                    p + lane.len(),
-                    s + lane.iter().map(|x| x.steps.len()).sum::<usize>(),
-                )
-            })
-        });
-        desc::too_large(Desc::bytes_for(lanes), nl, np, ns)?;
+        Desc::check_fits(jobs.iter().flat_map(|j| j.lanes(k)).map(Vec::as_slice))?;
     }
     let mut launched = false;
     let mut result = Ok(());
@@ -453,9 +446,7 @@ fn launch_stage(
             // Each communicator keeps its own connections of the launch (for messages).
             let mut lc = j.comm.last_conns.lock();
             lc.clear();
-            let stage = j.stages.get(k).map(|(l, _)| l.as_slice()).unwrap_or(&[]);
-            let p2p = if k == 0 { j.p2p.0.as_slice() } else { &[] };
-            for s in stage.iter().chain(p2p).flatten().flat_map(|p| &p.steps) {
+            for s in j.lanes(k).flatten().flat_map(|p| &p.steps) {
                 for c in s.recv.iter().chain(s.send.iter()) {
                     if !lc.iter().any(|x| std::sync::Arc::ptr_eq(x, c)) {
                         lc.push(c.clone());
