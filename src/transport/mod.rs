@@ -142,15 +142,18 @@ pub trait Proxy: Send + Sync {
     fn flushed(&self) -> bool {
         true
     }
-    /// The socket the proxy thread may sleep on (poll) while nothing moves: data arriving
-    /// there wakes it.
-    fn wait_fd(&self) -> Option<std::os::fd::RawFd> {
+    /// What the proxy thread sleeps on (poll) while nothing moves: the socket and whether the
+    /// end waits to read from it or to write to it; None when only the executor can unblock it
+    /// (a sending end with nothing to send, a receiving end whose FIFO is full: its kick wakes
+    /// the thread).
+    fn wait_for(&self) -> Option<Wait> {
         None
     }
     /// Called once by the proxy thread that drives this end: how the executor wakes it
     /// (`Conn::kick`).
     fn set_waker(&self, _waker: proxy::Waker) {}
-    /// The executor has filled a slot: wake the proxy thread if it sleeps.
+    /// The executor has filled a slot (sending end) or freed one (receiving end): the end moves
+    /// what it can on the executor's thread and wakes the proxy thread where it must.
     fn kick(&self) {}
     /// How long a receiving end has heard nothing from its peer (slots or heartbeats); None
     /// where that is not known.
@@ -161,6 +164,13 @@ pub trait Proxy: Send + Sync {
     /// is at it (then nothing): the data moves without a hand-off between threads. Errors are
     /// left to the proxy thread (which meets them too).
     fn progress_inline(&self) {}
+}
+
+/// What a proxy's end waits for on its socket (`Proxy::wait_for`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Wait {
+    Readable(std::os::fd::RawFd),
+    Writable(std::os::fd::RawFd),
 }
 
 static INPROC: inproc::InProc = inproc::InProc;

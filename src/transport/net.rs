@@ -13,7 +13,7 @@
 
 use super::inproc;
 use super::peer::PeerInfo;
-use super::{ConnSpec, Endpoint, Locality, Proxy, Region, Transport};
+use super::{ConnSpec, Endpoint, Locality, Proxy, Region, Transport, Wait};
 use crate::error::{Error, Result};
 use parking_lot::Mutex;
 use std::io::{ErrorKind, Read, Write};
@@ -154,6 +154,7 @@ impl Endpoint for NetSetup {
                 last: std::time::Instant::now(),
             }),
             closed: Default::default(),
+            polled: Default::default(),
             waker: Default::default(),
         }));
         Ok(conn)
@@ -203,6 +204,8 @@ pub struct NetEnd {
     state: Mutex<Wire>,
     /// The peer closed the connection between slots.
     closed: std::sync::atomic::AtomicBool,
+    /// The proxy thread's last poll set (it sleeps on it) includes this end's socket.
+    polled: std::sync::atomic::AtomicBool,
     /// Set when the proxy thread takes the end.
     waker: once_cell::sync::OnceCell<super::proxy::Waker>,
 }
@@ -212,20 +215,53 @@ impl Proxy for NetEnd {
         self.closed.load(Ordering::Acquire)
     }
 
-    fn wait_fd(&self) -> Option<std::os::fd::RawFd> {
+    fn wait_for(&self) -> Option<Wait> {
         use std::os::fd::AsRawFd;
-        match &self.state.lock().state {
-            State::Connected(s) => Some(s.as_raw_fd()),
-            State::Listening(l, _) => Some(l.as_raw_fd()),
+        if self.closed() {
+            return None;
         }
+        let w = self.state.lock();
+        let v = &self.view;
+        let wait = match &w.state {
+            State::Listening(l, _) => Some(Wait::Readable(l.as_raw_fd())),
+            // Bytes to write: wait for room in the socket.
+            State::Connected(s) if self.is_sender => (w.off > 0
+                || w.step < v.tail().load(Ordering::Acquire))
+            .then(|| Wait::Writable(s.as_raw_fd())),
+            // Room in the FIFO (or a slot half read): wait for bytes.
+            State::Connected(s) => (w.off > 0
+                || w.step - v.head().load(Ordering::Acquire) < v.nsteps)
+                .then(|| Wait::Readable(s.as_raw_fd())),
+        };
+        self.polled.store(wait.is_some(), Ordering::Release);
+        wait
     }
 
     fn set_waker(&self, w: super::proxy::Waker) {
         let _ = self.waker.set(w);
     }
 
+    /// The executor filled a slot (sending end) or freed one (receiving end): move what can
+    /// move now, on its thread (the slot is on the wire without a hand-over to the proxy
+    /// thread), and wake the proxy thread only where something is left that its poll would
+    /// not see (bytes the socket did not take; a FIFO that was full when it went to sleep).
     #[inline]
     fn kick(&self) {
+        if let Some(mut w) = self.state.try_lock() {
+            if !self.closed() {
+                // Errors are left to the proxy thread, which meets them too.
+                let _ = self.step(&mut w);
+            }
+            let settled = if self.is_sender {
+                w.off == 0 && w.step >= self.view.tail().load(Ordering::Acquire)
+            } else {
+                self.polled.load(Ordering::Acquire)
+            };
+            drop(w);
+            if settled {
+                return;
+            }
+        }
         if let Some(w) = self.waker.get() {
             w.kick();
         }

@@ -1,11 +1,14 @@
 //! A communicator's proxy thread: it drives the ends of the connections whose data it moves
-//! (`Proxy`, the network's), polling each in turn, spinning while they move data; once idle
-//! for a while it sleeps in poll(2) on the ends' sockets and a wake-up socket that the executor
-//! writes to when it fills or frees a slot (`Waker`), so it neither burns a core nor adds a
-//! sleep's latency. An end that fails breaks the communicator: its error is recorded in the
+//! (`Proxy`, the network's), polling each in turn while they move data. Once a pass moves
+//! nothing it sleeps in poll(2) on what each end waits for (`Proxy::wait_for`: a socket to
+//! read from or to write to) and on a wake-up socket that an end writes to when the executor
+//! left it something the poll would not see (`Waker`). It does not spin: the executor moves
+//! the data itself as it fills and frees slots and while it waits, and on a host with few
+//! cores a spinning proxy takes the core that the executor and the kernel's network stack
+//! need. An end that fails breaks the communicator: its error is recorded in the
 //! communicator's health and its waiting operations stop.
 
-use super::Proxy;
+use super::{Proxy, Wait};
 use crate::health::{Backoff, Health};
 use parking_lot::Mutex;
 use std::io::{Read, Write};
@@ -42,8 +45,6 @@ impl Waker {
     }
 }
 
-/// Idle passes between yields, while the thread has not slept yet.
-const SPINS_PER_YIELD: u32 = 64;
 /// The longest sleep (ms): shutdown and ends added meanwhile are seen within it.
 const SLEEP_MS: u16 = 20;
 
@@ -117,8 +118,6 @@ impl Drop for ProxyThread {
 fn run(sh: &Shared, health: &Health) {
     let mut ends: Vec<Arc<dyn Proxy>> = Vec::new();
     let mut seen = u64::MAX;
-    let mut idle: Option<std::time::Instant> = None;
-    let mut spins = 0u32;
     while !sh.stop.load(Ordering::Acquire) {
         let g = sh.generation.load(Ordering::Acquire);
         if g != seen {
@@ -145,42 +144,30 @@ fn run(sh: &Shared, health: &Health) {
             seen = sh.generation.fetch_add(1, Ordering::AcqRel) + 1;
         }
         if moved {
-            idle = None;
             continue;
         }
-        // Spin, then yield (peers answer within microseconds), and only after a while without
-        // anything to move sleep.
-        let since = *idle.get_or_insert_with(std::time::Instant::now);
-        if since.elapsed() < crate::health::YIELD_BEFORE_SLEEP {
-            spins = spins.wrapping_add(1);
-            if spins.is_multiple_of(SPINS_PER_YIELD) {
-                std::thread::yield_now();
-            } else {
-                std::hint::spin_loop();
-            }
-            continue;
-        }
-        // Asleep until a socket has data, the executor kicks, or a while has passed.
+        // Asleep until a socket is ready, an end kicks, or a while has passed.
         sh.sleeping.store(true, Ordering::SeqCst);
         let again = ends.iter().any(|e| e.progress().unwrap_or(true));
         if !again {
             sleep(sh, &ends);
         }
         sh.sleeping.store(false, Ordering::SeqCst);
-        idle = None;
     }
 }
 
 fn sleep(sh: &Shared, ends: &[Arc<dyn Proxy>]) {
-    let raw: Vec<_> = ends.iter().filter_map(|e| e.wait_fd()).collect();
-    let mut fds = vec![nix::poll::PollFd::new(
-        sh.wake_rx.as_fd(),
-        nix::poll::PollFlags::POLLIN,
-    )];
-    for &fd in &raw {
+    use nix::poll::{PollFd, PollFlags};
+    let waits: Vec<_> = ends.iter().filter_map(|e| e.wait_for()).collect();
+    let mut fds = vec![PollFd::new(sh.wake_rx.as_fd(), PollFlags::POLLIN)];
+    for w in &waits {
+        let (fd, flags) = match *w {
+            Wait::Readable(fd) => (fd, PollFlags::POLLIN),
+            Wait::Writable(fd) => (fd, PollFlags::POLLOUT),
+        };
         // SAFETY: the ends own these sockets and outlive this call (`ends` holds them).
         let b = unsafe { BorrowedFd::borrow_raw(fd) };
-        fds.push(nix::poll::PollFd::new(b, nix::poll::PollFlags::POLLIN));
+        fds.push(PollFd::new(b, flags));
     }
     // Kernels fill slots without kicking the thread: on the CUDA executor it looks again soon.
     let ms = match crate::gpu::kind() {
