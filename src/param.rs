@@ -86,7 +86,7 @@ pub const PARAMS: &[Param] = &[
     },
     Param {
         name: "NCCL_ALGO",
-        doc: "algorithms allowed, NCCL's syntax: Ring, Direct (a comma list, ^ to exclude, per collective as allreduce:ring;broadcast:direct); NCCL's other names (Tree, NVLS, ...) leave oxccl its choice",
+        doc: "algorithms allowed, NCCL's syntax: Ring, Direct, Tree (a comma list, ^ to exclude, per collective as allreduce:ring;broadcast:direct); Tree is the hierarchical all-reduce across hosts, Direct also the exchange of 2 ranks on 2 hosts; a list naming none of a collective's candidates (NVLS, ...) leaves oxccl its choice",
         default: "",
     },
     Param {

@@ -147,3 +147,211 @@ fn a_death_reaches_every_rank_of_a_ring() {
         t0.elapsed()
     );
 }
+
+/// Element `i` of a buffer of `dtype`, as f64 (the test's values are small integers).
+fn get(dtype: DataType, b: &[u8], i: usize) -> f64 {
+    let es = dtype.size();
+    let x = &b[i * es..(i + 1) * es];
+    match dtype {
+        DataType::Uint8 => x[0] as f64,
+        DataType::Int32 => i32::from_le_bytes(x.try_into().unwrap()) as f64,
+        DataType::Int64 => i64::from_le_bytes(x.try_into().unwrap()) as f64,
+        DataType::Float32 => f32::from_le_bytes(x.try_into().unwrap()) as f64,
+        DataType::Float64 => f64::from_le_bytes(x.try_into().unwrap()),
+        DataType::Bfloat16 => {
+            f32::from_bits((u16::from_le_bytes(x.try_into().unwrap()) as u32) << 16) as f64
+        }
+        _ => unreachable!(),
+    }
+}
+
+fn put(dtype: DataType, b: &mut [u8], i: usize, v: f64) {
+    let es = dtype.size();
+    let x = &mut b[i * es..(i + 1) * es];
+    match dtype {
+        DataType::Uint8 => x[0] = v as u8,
+        DataType::Int32 => x.copy_from_slice(&(v as i32).to_le_bytes()),
+        DataType::Int64 => x.copy_from_slice(&(v as i64).to_le_bytes()),
+        DataType::Float32 => x.copy_from_slice(&(v as f32).to_le_bytes()),
+        DataType::Float64 => x.copy_from_slice(&v.to_le_bytes()),
+        DataType::Bfloat16 => {
+            x.copy_from_slice(&(((v as f32).to_bits() >> 16) as u16).to_le_bytes())
+        }
+        _ => unreachable!(),
+    }
+}
+
+/// An all-reduce's inputs and expected result at element `i` on rank `r` of `n`, for op
+/// `op` (5: PreMulSum by 2): small integers, so that every summation order gives the same.
+fn reduction_case(op: usize, n: usize, r: usize, i: usize) -> (f64, f64) {
+    let base = |r: usize| ((i * 7 + r * 3) % 11) as f64;
+    let bit = |r: usize| (1 + (i + r) % 2) as f64;
+    match op {
+        0 => (base(r), (0..n).map(base).sum()),
+        1 => (bit(r), (0..n).map(bit).product()),
+        2 => (base(r), (0..n).map(base).fold(f64::MIN, f64::max)),
+        3 => (base(r), (0..n).map(base).fold(f64::MAX, f64::min)),
+        // Avg: inputs that are multiples of n.
+        4 => (n as f64 * base(r), (0..n).map(base).sum()),
+        _ => (base(r), 2.0 * (0..n).map(base).sum::<f64>()),
+    }
+}
+
+/// The all-reduce plans across hosts (the exchange of 2 ranks on 2 hosts; the hierarchical
+/// plan: reduce inside each host, all-reduce among the hosts' first ranks, broadcast inside each
+/// host), in several placements of ranks on hosts: every op (PreMulSum with a host and a device
+/// scalar), six datatypes, in place and out of place, several FIFO slots per rank, each element
+/// against the expected value. Rank 0's TUNING lines must name the plan.
+#[test]
+fn all_reduce_plans_across_hosts() {
+    const T: &str = "all_reduce_plans_across_hosts";
+    if let Some((id, n, r)) = common::rank_env() {
+        let hosts: Vec<usize> = std::env::var("OXCCL_TEST_PLACE")
+            .unwrap()
+            .split(',')
+            .map(|h| h.parse().unwrap())
+            .collect();
+        std::env::set_var("OXCCL_HOSTID", format!("plans-host-{}", hosts[r]));
+        let c = api::comm_init_rank(n as i32, &id, r as i32, Default::default()).unwrap();
+        let count = 40_000;
+        let dtypes = [
+            DataType::Float32,
+            DataType::Float64,
+            DataType::Int32,
+            DataType::Uint8,
+            DataType::Int64,
+            DataType::Bfloat16,
+        ];
+        for dtype in dtypes {
+            let es = dtype.size();
+            let two = match dtype {
+                DataType::Float64 => 2f64.to_bits(),
+                DataType::Float32 => 2f32.to_bits() as u64,
+                DataType::Bfloat16 => (2f32.to_bits() >> 16) as u64,
+                _ => 2,
+            };
+            let dev_scalar = two.to_le_bytes();
+            for op in 0..7 {
+                let (nccl_op, what) = match op {
+                    0..=4 => (op as i32, format!("op {op}")),
+                    5 => {
+                        let s = nccl::types::ScalarArg::Host(nccl::types::Scalar { bits: two });
+                        (
+                            api::redop_create_premulsum(&c, dtype, s).unwrap(),
+                            "premulsum".into(),
+                        )
+                    }
+                    _ => {
+                        let s = nccl::types::ScalarArg::Device(dev_scalar.as_ptr() as usize);
+                        let op = api::redop_create_premulsum(&c, dtype, s).unwrap();
+                        (op, "premulsum (device scalar)".into())
+                    }
+                };
+                let case = op.min(5);
+                for in_place in [false, true] {
+                    let mut send = vec![0u8; count * es];
+                    let mut out = vec![0u8; count * es];
+                    for i in 0..count {
+                        put(dtype, &mut send, i, reduction_case(case, n, r, i).0);
+                    }
+                    let (s, d) = if in_place {
+                        (send.as_mut_ptr() as usize, send.as_mut_ptr() as usize)
+                    } else {
+                        (send.as_ptr() as usize, out.as_mut_ptr() as usize)
+                    };
+                    let a = CollArgs {
+                        kind: CollKind::AllReduce,
+                        send: s,
+                        recv: d,
+                        count,
+                        dtype,
+                        op: nccl_op,
+                        root: 0,
+                    };
+                    api::enqueue(&c, a, StreamArg::Null).unwrap();
+                    let got = if in_place { &send } else { &out };
+                    for i in 0..count {
+                        let want = reduction_case(case, n, r, i).1;
+                        let x = get(dtype, got, i);
+                        // A float average is a pre-multiply by 1/n: rounding, within 1e-5.
+                        let ok = if case == 4
+                            && matches!(
+                                dtype,
+                                DataType::Float32 | DataType::Float64 | DataType::Bfloat16
+                            ) {
+                            (x - want).abs()
+                                <= 1e-5 * want.abs().max(1.0)
+                                    + if dtype == DataType::Bfloat16 {
+                                        0.5
+                                    } else {
+                                        0.0
+                                    }
+                        } else {
+                            x == want
+                        };
+                        assert!(
+                            ok,
+                            "rank {r} of {n} (hosts {hosts:?}): {dtype:?} {what} in place {in_place}: \
+                             element {i} is {x}, expected {want}"
+                        );
+                    }
+                }
+                if op >= 5 {
+                    api::redop_destroy(&c, nccl_op).unwrap();
+                }
+            }
+        }
+        api::comm_destroy(api::comm_handle(&c)).unwrap();
+        return;
+    }
+    let dir = std::env::temp_dir().join(format!("oxccl-plans-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    for (place, algo) in [
+        ("0,1", "Direct (exchange)"),
+        ("0,0,1,1", "Tree (hierarchical)"),
+        ("0,1,0,1,0,1", "Tree (hierarchical)"),
+        ("0,1,1,2,2,2", "Tree (hierarchical)"),
+        ("0,1,2,3", "Ring"),
+    ] {
+        let n = place.split(',').count();
+        let id = api::get_unique_id().unwrap();
+        let hex: String = id.iter().map(|b| format!("{b:02x}")).collect();
+        let exe = std::env::current_exe().unwrap();
+        let log = |r: usize| dir.join(format!("rank{r}.log"));
+        let kids: Vec<_> = (0..n)
+            .map(|r| {
+                std::process::Command::new(&exe)
+                    .args(["--exact", T, "--nocapture"])
+                    .env("OXCCL_DEVICE", "host")
+                    .env("OXCCL_TEST_ID", &hex)
+                    .env("OXCCL_TEST_N", n.to_string())
+                    .env("OXCCL_TEST_RANK", r.to_string())
+                    .env("OXCCL_TEST_PLACE", place)
+                    .env("OXCCL_TIMEOUT_S", "60")
+                    .env("NCCL_DEBUG", "INFO")
+                    .env("NCCL_DEBUG_SUBSYS", "TUNING")
+                    // NCCL's INFO lines go to stdout.
+                    .stdout(std::fs::File::create(log(r)).unwrap())
+                    .spawn()
+                    .unwrap()
+            })
+            .collect();
+        for (r, mut k) in kids.into_iter().enumerate() {
+            let ok = k.wait().unwrap().success();
+            let text = std::fs::read_to_string(log(r)).unwrap_or_default();
+            assert!(ok, "hosts {place}: rank {r} failed:\n{text}");
+            let algos: std::collections::BTreeSet<&str> = text
+                .lines()
+                .filter_map(|l| l.split("AllReduce: ").nth(1))
+                .filter_map(|l| l.split("-> Algo ").nth(1))
+                .filter_map(|l| l.split(" proto").next())
+                .collect();
+            assert_eq!(
+                algos.into_iter().collect::<Vec<_>>(),
+                vec![algo],
+                "hosts {place}: rank {r}'s plans"
+            );
+        }
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}

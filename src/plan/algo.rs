@@ -64,9 +64,15 @@ fn warn_unknown<'a>(var: &str, v: &str, names: impl Iterator<Item = &'a str>, kn
 /// under `NCCL_ALGO`.
 #[inline]
 pub fn algo_allows(coll: &str, algo: &str) -> bool {
+    algo_allows_among(coll, algo, &OUR_ALGOS)
+}
+
+/// `algo_allows` where the collective's candidates are `candidates` (a selection naming none
+/// of them leaves oxccl its choice).
+pub fn algo_allows_among(coll: &str, algo: &str, candidates: &[&str]) -> bool {
     match algo_selection() {
         None => true,
-        Some(s) => s.allows(&coll.to_ascii_lowercase(), algo, &OUR_ALGOS),
+        Some(s) => s.allows(&coll.to_ascii_lowercase(), algo, candidates),
     }
 }
 

@@ -5,6 +5,7 @@
 
 use super::board::{BoardKind, BoardOp};
 use super::call::{of_coll, of_p2p};
+use super::hier;
 use super::ring::Links;
 use super::task::{Task, What};
 use super::{direct, out_count, overlaps, ring, Addr, Program, RedSpec, Stage, Stash, Work};
@@ -145,6 +146,39 @@ pub fn build_task<T>(
                         Ok(p)
                     };
                     let bytes = a.count * a.dtype.size();
+                    // Across hosts, an all-reduce's own plans (see `hier`).
+                    let across = match (bk, red) {
+                        (BoardKind::AllReduce, Some(red)) => super::hier::choose(l)
+                            .filter(|p| {
+                                let among = ["ring", p.algo()];
+                                super::algo::algo_allows_among(a.kind.name(), p.algo(), &among)
+                            })
+                            .map(|p| (p, red)),
+                        _ => None,
+                    };
+                    if let Some((plan, red)) = across {
+                        let algo = match plan {
+                            hier::Plan::Exchange => "Direct (exchange)",
+                            hier::Plan::Hierarchical => "Tree (hierarchical)",
+                        };
+                        super::algo::log_choice(a.kind.name(), bytes, nranks, algo);
+                        let programs = match plan {
+                            hier::Plan::Exchange => vec![hier::all_reduce_exchange(
+                                l, a.send, a.recv, a.count, a.dtype, red,
+                            )?],
+                            hier::Plan::Hierarchical => hier::all_reduce_hierarchical(
+                                l, a.send, a.recv, a.count, a.dtype, red,
+                            )?,
+                        };
+                        let mut stages = hier::stages(programs);
+                        if let Some(last) = stages.last_mut() {
+                            last.fault = fault;
+                        }
+                        for s in stages {
+                            task.stages.push_back(tagged(s));
+                        }
+                        continue;
+                    }
                     let direct = direct && super::algo::algo_allows(a.kind.name(), "direct");
                     let work = if direct && nranks > 1 {
                         // An eager operation never falls back: no ring to plan.

@@ -13,6 +13,7 @@ pub mod build;
 pub mod call;
 pub mod direct;
 pub mod encode;
+pub mod hier;
 pub mod ring;
 pub mod task;
 #[cfg(test)]

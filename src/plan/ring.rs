@@ -27,6 +27,10 @@ pub trait Links {
     fn ring(&self) -> Option<&[usize]> {
         None
     }
+    /// An identity of the host `rank` runs on (ranks on one host share it).
+    fn host(&self, _rank: usize) -> u64 {
+        0
+    }
 }
 
 impl Links for Conns {
@@ -41,6 +45,9 @@ impl Links for Conns {
     }
     fn ring(&self) -> Option<&[usize]> {
         self.ring_order()
+    }
+    fn host(&self, rank: usize) -> u64 {
+        self.peers()[rank].host
     }
 }
 
