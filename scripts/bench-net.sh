@@ -8,7 +8,8 @@
 #   (b) OpenMPI MPI_Allreduce over TCP (--mca btl tcp,self) in the same namespaces
 #   (c) iperf3 between the same namespaces, each direction and both at once: the link's ceiling
 # Prints one table (busbw GB/s, oxccl/MPI) and the targets: oxccl/MPI >= 1.5 at >= 16 MiB,
-# oxccl >= 70% of iperf3's bidirectional rate per direction, 1 KiB latency <= MPI's. Raw outputs
+# oxccl >= 70% of iperf3's bidirectional rate per direction, 1 KiB latency <= MPI's; then
+# 2 hosts x 2 ranks, the flat ring against the hierarchical all-reduce (tree/ring). Raw outputs
 # under target/bench-net/. Needs root; installs iperf3 and OpenMPI if missing. Removes its
 # namespaces and links on exit.
 set -euo pipefail
@@ -73,6 +74,21 @@ for r in 1 0; do
     "$TOOL" -b 1K -e "$MAX" -f 4 -n 20 -w 5 -d float -o sum >"$OUT/oxccl.rank$r.txt" 2>&1 &
 done
 wait
+# ---- (a2) 2 hosts x 2 ranks: the flat ring against the hierarchical all-reduce -----------------
+log "oxccl all_reduce_perf, 2 hosts x 2 ranks: NCCL_ALGO=ring, then tree"
+# The two ranks of a host share its /dev/shm (one `on` each host).
+for algo in ring tree; do
+  for h in 1 0; do
+    on "$h" env LD_LIBRARY_PATH="$LIB" OXCCL_DEVICE=host WORLD_SIZE=4 MASTER_ADDR=10.79.0.1 \
+      MASTER_PORT=29556 NCCL_SOCKET_IFNAME=eth0 NCCL_ALGO=$algo sh -c "
+        for r in $((2 * h + 1)) $((2 * h)); do
+          RANK=\$r '$TOOL' -b 1K -e $MAX -f 4 -n 20 -w 5 -d float -o sum \
+            >'$OUT/oxccl4.$algo.rank'\$r.txt 2>&1 &
+        done
+        wait" &
+  done
+  wait
+done
 # ---- (b) MPI -----------------------------------------------------------------------------
 log "OpenMPI MPI_Allreduce over TCP"
 PMIX_MCA_ptl_tcp_remote_connections=1 PMIX_MCA_ptl_tcp_if_include="${T}br" \
@@ -124,4 +140,16 @@ if big:
 if 1024 in ox and 1024 in mpi:
     print(f"  1 KiB latency <= MPI's              measured {ox[1024]:.1f} vs {mpi[1024]:.1f} us  {'PASS' if ox[1024] <= mpi[1024] else 'FAIL'}")
 print(f"  #wrong 0                            {'PASS' if not wrong else 'FAIL'}")
+
+ring, tree = rows(f"{out}/oxccl4.ring.rank0.txt"), rows(f"{out}/oxccl4.tree.rank0.txt")
+bus4 = lambda b, t: b / t / 1e3 * 1.5  # busbw for 4 ranks: 2(n-1)/n = 1.5
+print("\n2 hosts x 2 ranks: flat ring (NCCL_ALGO=ring) against hierarchical (NCCL_ALGO=tree)")
+print(f"{'size':>10} {'ring':>8} {'tree':>8} {'tree/ring':>9} {'ring us':>9} {'tree us':>9}")
+for b in sorted(ring):
+    t = tree.get(b)
+    print(f"{b:>10} {bus4(b, ring[b]):8.3f} {bus4(b, t) if t else float('nan'):8.3f} "
+          f"{(ring[b] / t) if t else float('nan'):9.2f} {ring[b]:9.1f} {t if t else float('nan'):9.1f}")
+wrong4 = [l for a in ("ring", "tree") for l in open(f"{out}/oxccl4.{a}.rank0.txt")
+          if l.split()[:1] and l.split()[0].isdigit() and l.split()[8] != "0"]
+print(f"  #wrong 0 (2 x 2)                    {'PASS' if not wrong4 and ring and tree else 'FAIL'}")
 EOF

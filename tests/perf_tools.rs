@@ -463,3 +463,61 @@ fn tools_across_two_namespace_hosts() {
         }
     }
 }
+
+/// Two ranks of one machine (same hostname and boot id) that do not share /dev/shm (each
+/// mounted its own tmpfs, as containers with private IPC do) cannot share memory: they are
+/// told apart as hosts and the all-reduce goes over the network, instead of each rank waiting
+/// on a FIFO the other never sees (every row checked; it used to hang).
+#[test]
+fn ranks_with_private_dev_shm_talk_over_the_network() {
+    let Some(mut hosts) = common::netns::Hosts::new(1) else {
+        return;
+    };
+    let b = built();
+    let exe = b.bin.join("all_reduce_perf").display().to_string();
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let log = |r: usize| {
+        std::env::temp_dir().join(format!("oxccl-private-shm-{}-{r}.log", std::process::id()))
+    };
+    let env: Vec<(String, String)> = [
+        ("OXCCL_DEVICE", "host".to_string()),
+        ("LD_LIBRARY_PATH", b.lib.display().to_string()),
+        ("WORLD_SIZE", "2".to_string()),
+        ("MASTER_ADDR", hosts.ip(0)),
+        ("MASTER_PORT", port.to_string()),
+        ("OXCCL_TIMEOUT_S", "20".to_string()),
+        ("NCCL_DEBUG", "INFO".to_string()),
+    ]
+    .into_iter()
+    .map(|(a, b)| (a.to_string(), b))
+    .collect();
+    let cmds: Vec<String> = (0..2)
+        .map(|r| {
+            format!(
+                "unshare --mount --propagation private sh -c 'mount -t tmpfs tmpfs /dev/shm && \
+                 RANK={r} exec {exe} -b 8 -e 1M -f 16 -n 3 -w 1' > {} 2>&1",
+                log(r).display()
+            )
+        })
+        .collect();
+    hosts.start(0, &env, &cmds);
+    let ok = hosts.wait_for(std::time::Duration::from_secs(90));
+    let logs: Vec<String> = (0..2)
+        .map(|r| {
+            let t = std::fs::read_to_string(log(r)).unwrap_or_default();
+            let _ = std::fs::remove_file(log(r));
+            t
+        })
+        .collect();
+    assert_eq!(ok, Some(vec![true]), "{}", logs.join("\n"));
+    assert!(
+        logs[0].contains("# Out of bounds values : 0 OK") && logs[0].contains("  524288 "),
+        "{}",
+        logs[0]
+    );
+    assert!(logs[0].contains("via NET/Socket"), "{}", logs[0]);
+}

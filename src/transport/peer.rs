@@ -17,7 +17,11 @@ pub struct PeerInfo {
 
 const BYTES: usize = 8 + 4 + 4 + 8 + 4 + 8;
 
-/// This host's identity: hostname and boot id (`OXCCL_HOSTID` overrides, for tests).
+/// This host's identity: hostname, boot id, and which /dev/shm the process sees
+/// (`OXCCL_HOSTID` overrides, for tests). Processes of one machine that do not share /dev/shm
+/// (containers with private IPC, each mounting its own tmpfs) cannot share memory: they are
+/// on different "hosts" and talk over the network, instead of each creating a FIFO the other
+/// never sees.
 fn host_hash() -> u64 {
     let id = std::env::var("OXCCL_HOSTID").unwrap_or_else(|_| {
         let host = nix::unistd::gethostname()
@@ -25,7 +29,10 @@ fn host_hash() -> u64 {
             .and_then(|h| h.into_string().ok())
             .unwrap_or_default();
         let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").unwrap_or_default();
-        format!("{host}|{}", boot.trim())
+        let shm = nix::sys::stat::stat("/dev/shm")
+            .map(|st| format!("{}:{}", st.st_dev, st.st_ino))
+            .unwrap_or_default();
+        format!("{host}|{}|{shm}", boot.trim())
     });
     // FNV-1a: stable across processes and builds.
     id.bytes().fold(0xcbf29ce484222325u64, |h, b| {
