@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Installs what the tests need on a fresh machine: C/C++ compilers, binutils, iproute2 (Debian), and
-# NCCL 2.32.3's wheel (PyPI) in a cache, for the ABI conformance test. Idempotent.
+# Installs what the tests need on a fresh machine: C/C++ compilers, binutils, iproute2, OpenMPI's
+# mpirun (Debian), and NCCL 2.32.3's wheel (PyPI) in a cache, for the ABI conformance test.
+# Idempotent.
 set -euo pipefail
 need=()
 command -v gcc >/dev/null || need+=(gcc)
@@ -11,6 +12,8 @@ command -v unzip >/dev/null || need+=(unzip)
 # The multi-host tests make network namespaces (they skip, saying so, where that is refused).
 command -v ip >/dev/null || need+=(iproute2)
 command -v unshare >/dev/null || need+=(util-linux)
+# The perf tools across namespace hosts under mpirun.
+command -v mpirun >/dev/null || need+=(openmpi-bin)
 if [ ${#need[@]} -gt 0 ]; then
   apt-get update -qq && apt-get install -y -qq "${need[@]}"
 fi

@@ -521,3 +521,75 @@ fn ranks_with_private_dev_shm_talk_over_the_network() {
     );
     assert!(logs[0].contains("via NET/Socket"), "{}", logs[0]);
 }
+
+/// The perf tools across 2 namespace hosts x 2 ranks under OpenMPI's `mpirun` (installed by
+/// scripts/setup.sh): mpirun runs on host 0 and starts host 1's ranks through `ip netns exec`
+/// (its PMIx server listening on host 0's eth0); the tools take their ranks from mpirun's
+/// environment and rank 0's address from MASTER_ADDR/MASTER_PORT (`-x`). Every row checked,
+/// and the data went over the hosts' link.
+#[test]
+fn tools_across_two_namespace_hosts_under_mpirun() {
+    if Command::new("mpirun").arg("--version").output().is_err() {
+        assert!(
+            std::env::var_os("CI").is_none(),
+            "mpirun missing: scripts/setup.sh installs openmpi-bin"
+        );
+        eprintln!("SKIPPED: no mpirun (scripts/setup.sh installs openmpi-bin)");
+        return;
+    }
+    let Some(mut hosts) = common::netns::Hosts::new(2) else {
+        return;
+    };
+    let b = built();
+    for name in ["all_reduce_perf", "sendrecv_perf"] {
+        let exe = b.bin.join(name).display().to_string();
+        let log = std::env::temp_dir().join(format!(
+            "oxccl-perf-mpirun-{}-{name}.log",
+            std::process::id()
+        ));
+        let env: Vec<(String, String)> = [
+            ("OXCCL_DEVICE", "host".to_string()),
+            ("LD_LIBRARY_PATH", b.lib.display().to_string()),
+            ("MASTER_ADDR", hosts.ip(0)),
+            ("MASTER_PORT", "29571".to_string()),
+            ("OXCCL_TIMEOUT_S", "60".to_string()),
+            ("PMIX_MCA_ptl_tcp_remote_connections", "1".to_string()),
+            ("PMIX_MCA_ptl_tcp_if_include", "eth0".to_string()),
+        ]
+        .into_iter()
+        .map(|(a, b)| (a.to_string(), b))
+        .collect();
+        let args = "-b 8 -e 4M -f 16 -n 3 -w 1";
+        let host1 = format!(
+            "ip netns exec {} unshare --uts sh -c 'hostname {}-1 && exec {exe} {args}'",
+            hosts.ns(1),
+            hosts.ns(1)
+        );
+        let cmd = format!(
+            "mpirun --allow-run-as-root --oversubscribe --mca oob_tcp_if_include eth0 \
+             --mca btl self -x OXCCL_DEVICE -x LD_LIBRARY_PATH -x MASTER_ADDR -x MASTER_PORT \
+             -x OXCCL_TIMEOUT_S -np 2 {exe} {args} : -np 2 {host1} > {} 2>&1",
+            log.display()
+        );
+        let before: Vec<u64> = (0..2).map(|i| hosts.bytes(i)).collect();
+        hosts.start(0, &env, &[cmd]);
+        let ok = hosts.wait_for(std::time::Duration::from_secs(120));
+        let text = std::fs::read_to_string(&log).unwrap_or_default();
+        let _ = std::fs::remove_file(&log);
+        assert_eq!(ok, Some(vec![true]), "{name}:\n{text}");
+        assert!(
+            text.contains("# Out of bounds values : 0 OK")
+                && text.contains("  524288 ")
+                && text.contains("Rank  3 Group  0 Pid")
+                && text.contains(&format!("on {}-1 ", hosts.ns(1))),
+            "{name}:\n{text}"
+        );
+        for (i, b) in before.iter().enumerate() {
+            let moved = hosts.bytes(i) - b;
+            assert!(
+                moved > 4 << 20,
+                "{name}: host {i}'s link moved only {moved} bytes"
+            );
+        }
+    }
+}
