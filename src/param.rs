@@ -90,6 +90,16 @@ pub const PARAMS: &[Param] = &[
         default: "",
     },
     Param {
+        name: "NCCL_NSOCKS_PERTHREAD",
+        doc: "sockets per network connection and thread: a connection uses NCCL_NSOCKS_PERTHREAD x NCCL_SOCKET_NTHREADS sockets (at most 64), each slot cut into parts that travel at once; the receiving end's value counts",
+        default: "1",
+    },
+    Param {
+        name: "NCCL_SOCKET_NTHREADS",
+        doc: "multiplies NCCL_NSOCKS_PERTHREAD (oxccl moves every socket of a communicator from the same threads: the executor's and its proxy's)",
+        default: "1",
+    },
+    Param {
         name: "OXCCL_FAULT",
         doc: "fault injection for tests: 'corrupt' flips a bit in every reduction result",
         default: "",

@@ -201,7 +201,8 @@ fn reduction_case(op: usize, n: usize, r: usize, i: usize) -> (f64, f64) {
 /// plan: reduce inside each host, all-reduce among the hosts' first ranks, broadcast inside each
 /// host), in several placements of ranks on hosts: every op (PreMulSum with a host and a device
 /// scalar), six datatypes, in place and out of place, several FIFO slots per rank, each element
-/// against the expected value. Rank 0's TUNING lines must name the plan.
+/// against the expected value; also with slots cut over 8 and 3 sockets per connection. Rank 0's
+/// TUNING lines must name the plan.
 #[test]
 fn all_reduce_plans_across_hosts() {
     const T: &str = "all_reduce_plans_across_hosts";
@@ -306,12 +307,24 @@ fn all_reduce_plans_across_hosts() {
     }
     let dir = std::env::temp_dir().join(format!("oxccl-plans-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
-    for (place, algo) in [
-        ("0,1", "Direct (exchange)"),
-        ("0,0,1,1", "Tree (hierarchical)"),
-        ("0,1,0,1,0,1", "Tree (hierarchical)"),
-        ("0,1,1,2,2,2", "Tree (hierarchical)"),
-        ("0,1,2,3", "Ring"),
+    // The last two runs cut each slot into parts over several sockets per connection.
+    let many = [
+        ("NCCL_NSOCKS_PERTHREAD", "4"),
+        ("NCCL_SOCKET_NTHREADS", "2"),
+        ("OXCCL_CHUNK_BYTES", "1048576"),
+    ];
+    let odd = [
+        ("NCCL_NSOCKS_PERTHREAD", "3"),
+        ("OXCCL_CHUNK_BYTES", "300032"),
+    ];
+    for (place, algo, env) in [
+        ("0,1", "Direct (exchange)", &[][..]),
+        ("0,0,1,1", "Tree (hierarchical)", &[]),
+        ("0,1,0,1,0,1", "Tree (hierarchical)", &[]),
+        ("0,1,1,2,2,2", "Tree (hierarchical)", &[]),
+        ("0,1,2,3", "Ring", &[]),
+        ("0,1", "Direct (exchange)", &many[..]),
+        ("0,0,1,1", "Tree (hierarchical)", &odd[..]),
     ] {
         let n = place.split(',').count();
         let id = api::get_unique_id().unwrap();
@@ -330,6 +343,7 @@ fn all_reduce_plans_across_hosts() {
                     .env("OXCCL_TIMEOUT_S", "60")
                     .env("NCCL_DEBUG", "INFO")
                     .env("NCCL_DEBUG_SUBSYS", "TUNING")
+                    .envs(env.iter().copied())
                     // NCCL's INFO lines go to stdout.
                     .stdout(std::fs::File::create(log(r)).unwrap())
                     .spawn()
@@ -339,7 +353,7 @@ fn all_reduce_plans_across_hosts() {
         for (r, mut k) in kids.into_iter().enumerate() {
             let ok = k.wait().unwrap().success();
             let text = std::fs::read_to_string(log(r)).unwrap_or_default();
-            assert!(ok, "hosts {place}: rank {r} failed:\n{text}");
+            assert!(ok, "hosts {place} {env:?}: rank {r} failed:\n{text}");
             let algos: std::collections::BTreeSet<&str> = text
                 .lines()
                 .filter_map(|l| l.split("AllReduce: ").nth(1))

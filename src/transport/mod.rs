@@ -142,13 +142,11 @@ pub trait Proxy: Send + Sync {
     fn flushed(&self) -> bool {
         true
     }
-    /// What the proxy thread sleeps on (poll) while nothing moves: the socket and whether the
-    /// end waits to read from it or to write to it; None when only the executor can unblock it
-    /// (a sending end with nothing to send, a receiving end whose FIFO is full: its kick wakes
-    /// the thread).
-    fn wait_for(&self) -> Option<Wait> {
-        None
-    }
+    /// What the proxy thread sleeps on (poll) while nothing moves, added to `out`: sockets and
+    /// whether the end waits to read from them or to write to them; nothing when only the
+    /// executor can unblock it (a sending end with nothing to send, a receiving end whose FIFO
+    /// is full: its kick wakes the thread).
+    fn wait_for(&self, _out: &mut Vec<Wait>) {}
     /// Called once by the proxy thread that drives this end: how the executor wakes it
     /// (`Conn::kick`).
     fn set_waker(&self, _waker: proxy::Waker) {}

@@ -1,15 +1,20 @@
 //! Ranks on other hosts: the socket transport. Each end of a connection keeps its FIFO in local
-//! memory, as the other transports do, so the executor works on it unchanged; the
-//! communicator's proxy thread (`proxy`) moves the slots over one TCP connection: on the
-//! sending host it writes each filled slot's header (call words, bytes) and bytes to the socket
-//! and then frees the slot; on the receiving host it reads them into the next free slot and
-//! publishes it. TCP's flow control is the FIFO's: a receiver whose slots are full stops
-//! reading, and the sender's proxy stops freeing.
+//! memory, as the other transports do, so the executor works on it unchanged; the slots move
+//! over TCP (`wire`: one socket, or several at once, `NCCL_NSOCKS_PERTHREAD` x
+//! `NCCL_SOCKET_NTHREADS`), moved by the executor's thread as it fills and frees slots and
+//! while it waits, and by the communicator's proxy thread (`proxy`) otherwise: on the sending
+//! host each filled slot's header (call words, bytes) and bytes go to the sockets and then the
+//! slot is freed; on the receiving host they are read into the next free slot, which is then
+//! published. TCP's flow control is the FIFO's: a receiver whose slots are full stops reading,
+//! and the sender stops freeing.
 //!
 //! Set-up goes through the transport seam: the receiving end listens (on the address its
-//! bootstrap uses) and its blob is that address and a random token; the sending end connects
-//! and presents the token before anything else (the blob came through the bootstrap, whose
-//! connections prove the unique id's secret, so only a rank of the communicator knows it).
+//! bootstrap uses) and its blob is a random token, its number of sockets and that address; the
+//! sending end opens the sockets and presents the token (and the socket's index) on each before
+//! anything else (the blob came through the bootstrap, whose connections prove the unique id's
+//! secret, so only a rank of the communicator knows it).
+
+mod wire;
 
 use super::inproc;
 use super::peer::PeerInfo;
@@ -27,6 +32,17 @@ pub struct Net;
 const TOKEN: usize = 16;
 /// A slot on the wire: call words and bytes (little endian), then the bytes.
 const HDR: usize = 24;
+/// The most sockets a connection uses.
+const MAX_SOCKS: usize = 64;
+
+/// Sockets per connection: `NCCL_NSOCKS_PERTHREAD` x `NCCL_SOCKET_NTHREADS` (at most 64, as
+/// NCCL caps them). oxccl moves every socket from the same threads (the executor's, the
+/// proxy's), so the product is what counts.
+fn sockets() -> usize {
+    let per = crate::param::get_u64("NCCL_NSOCKS_PERTHREAD").max(1);
+    let threads = crate::param::get_u64("NCCL_SOCKET_NTHREADS").max(1);
+    (per.saturating_mul(threads) as usize).min(MAX_SOCKS)
+}
 /// A header whose byte count is this is a heartbeat, not a slot: an idle sending end sends one
 /// every `BEAT_EVERY`, so that the receiving end can tell a quiet peer from a lost one.
 const BEAT: u64 = u64::MAX;
@@ -64,6 +80,7 @@ impl Transport for Net {
                 .map_err(|e| Error::os("the listener's address", e))?;
             let token = random_token()?;
             let mut blob = token.to_vec();
+            blob.push(sockets() as u8);
             blob.extend_from_slice(at.to_string().as_bytes());
             (Some(l), token, blob)
         };
@@ -119,26 +136,39 @@ impl Endpoint for NetSetup {
         // The region is this end's alone: both "ends" of it are here.
         conn.attach();
         conn.attach();
-        let state = if n.is_sender {
+        let (state, k) = if n.is_sender {
             let token = peer_blob
                 .get(..TOKEN)
                 .ok_or_else(|| bad_blob(&n, peer_blob))?;
-            let addr: SocketAddr = std::str::from_utf8(&peer_blob[TOKEN..])
+            let k = *peer_blob
+                .get(TOKEN)
+                .filter(|&&k| (1..=MAX_SOCKS).contains(&(k as usize)))
+                .ok_or_else(|| bad_blob(&n, peer_blob))? as usize;
+            let addr: SocketAddr = std::str::from_utf8(&peer_blob[TOKEN + 1..])
                 .ok()
                 .and_then(|s| s.parse().ok())
                 .ok_or_else(|| bad_blob(&n, peer_blob))?;
             let who = || format!("rank {}: connecting to rank {} at {addr}", n.me, n.peer);
-            let mut s = TcpStream::connect_timeout(&addr, crate::param::timeout())
-                .map_err(|e| Error::remote(format!("{}: {e}", who())))?;
-            s.write_all(token)
-                .map_err(|e| Error::remote(format!("{}: {e}", who())))?;
-            tune(&s)?;
-            State::Connected(s)
+            let mut socks = Vec::with_capacity(k);
+            for j in 0..k {
+                let mut s = TcpStream::connect_timeout(&addr, crate::param::timeout())
+                    .map_err(|e| Error::remote(format!("{}: {e}", who())))?;
+                s.write_all(token)
+                    .and_then(|_| s.write_all(&[j as u8]))
+                    .map_err(|e| Error::remote(format!("{}: {e}", who())))?;
+                tune(&s)?;
+                socks.push(s);
+            }
+            (State::Connected(socks), k)
         } else {
             let l = n
                 .listener
                 .ok_or_else(|| Error::internal("a receiving end without a listener"))?;
-            State::Listening(l, n.token)
+            let k = sockets();
+            (
+                State::Listening(l, n.token, (0..k).map(|_| None).collect()),
+                k,
+            )
         };
         conn.proxy = Some(Arc::new(NetEnd {
             view: view(&n.region),
@@ -147,11 +177,7 @@ impl Endpoint for NetSetup {
             is_sender: n.is_sender,
             state: Mutex::new(Wire {
                 state,
-                step: 0,
-                off: 0,
-                hdr: [0; HDR],
-                beat: false,
-                last: std::time::Instant::now(),
+                p: wire::Progress::new(k),
             }),
             closed: Default::default(),
             polled: Default::default(),
@@ -177,21 +203,15 @@ fn tune(s: &TcpStream) -> Result<()> {
 }
 
 enum State {
-    /// The receiving end, until its peer connects and presents the token.
-    Listening(TcpListener, [u8; TOKEN]),
-    Connected(TcpStream),
+    /// The receiving end, until its peer has opened every socket and presented the token on
+    /// each (the sockets so far, by index).
+    Listening(TcpListener, [u8; TOKEN], Vec<Option<TcpStream>>),
+    Connected(Vec<TcpStream>),
 }
 
 struct Wire {
     state: State,
-    /// The next step (slot) to move, and how many of its bytes (header first) have moved.
-    step: u64,
-    off: usize,
-    hdr: [u8; HDR],
-    /// Sending end: a heartbeat's header is on its way (in `hdr`).
-    beat: bool,
-    /// When bytes last went out (sending end) or came in (receiving end).
-    last: std::time::Instant,
+    p: wire::Progress,
 }
 
 /// One end of a network connection, as the proxy thread drives it: `view` is the same FIFO the
@@ -215,26 +235,28 @@ impl Proxy for NetEnd {
         self.closed.load(Ordering::Acquire)
     }
 
-    fn wait_for(&self) -> Option<Wait> {
+    fn wait_for(&self, out: &mut Vec<Wait>) {
         use std::os::fd::AsRawFd;
-        if self.closed() {
-            return None;
+        let before = out.len();
+        if !self.closed() {
+            let w = self.state.lock();
+            match &w.state {
+                State::Listening(l, ..) => out.push(Wait::Readable(l.as_raw_fd())),
+                // Bytes to write: room in those sockets; room in the FIFO (or a slot half
+                // read): bytes on those.
+                State::Connected(socks) => {
+                    for j in self.pending(socks, &w.p) {
+                        let fd = socks[j].as_raw_fd();
+                        out.push(if self.is_sender {
+                            Wait::Writable(fd)
+                        } else {
+                            Wait::Readable(fd)
+                        });
+                    }
+                }
+            }
         }
-        let w = self.state.lock();
-        let v = &self.view;
-        let wait = match &w.state {
-            State::Listening(l, _) => Some(Wait::Readable(l.as_raw_fd())),
-            // Bytes to write: wait for room in the socket.
-            State::Connected(s) if self.is_sender => (w.off > 0
-                || w.step < v.tail().load(Ordering::Acquire))
-            .then(|| Wait::Writable(s.as_raw_fd())),
-            // Room in the FIFO (or a slot half read): wait for bytes.
-            State::Connected(s) => (w.off > 0
-                || w.step - v.head().load(Ordering::Acquire) < v.nsteps)
-                .then(|| Wait::Readable(s.as_raw_fd())),
-        };
-        self.polled.store(wait.is_some(), Ordering::Release);
-        wait
+        self.polled.store(out.len() > before, Ordering::Release);
     }
 
     fn set_waker(&self, w: super::proxy::Waker) {
@@ -253,7 +275,7 @@ impl Proxy for NetEnd {
                 let _ = self.step(&mut w);
             }
             let settled = if self.is_sender {
-                w.off == 0 && w.step >= self.view.tail().load(Ordering::Acquire)
+                w.p.idle() && w.p.step >= self.view.tail().load(Ordering::Acquire)
             } else {
                 self.polled.load(Ordering::Acquire)
             };
@@ -272,11 +294,11 @@ impl Proxy for NetEnd {
             return None;
         }
         let w = self.state.try_lock()?;
-        matches!(w.state, State::Connected(_)).then(|| w.last.elapsed())
+        matches!(w.state, State::Connected(_)).then(|| w.p.last.elapsed())
     }
 
     fn flushed(&self) -> bool {
-        !self.is_sender || self.state.lock().step >= self.view.tail().load(Ordering::Acquire)
+        !self.is_sender || self.state.lock().p.step >= self.view.tail().load(Ordering::Acquire)
     }
 
     fn progress(&self) -> Result<bool> {
@@ -299,12 +321,18 @@ impl Proxy for NetEnd {
 impl NetEnd {
     /// One round of `progress` with the end's state held.
     fn step(&self, w: &mut Wire) -> Result<bool> {
-        let sock = match &mut w.state {
+        let socks = match &mut w.state {
             State::Connected(s) => s,
-            State::Listening(l, token) => match l.accept() {
+            State::Listening(l, token, got) => match l.accept() {
                 Ok((s, from)) => {
-                    let s = self.hello(s, from, token)?;
-                    w.state = State::Connected(s);
+                    let (s, j) = self.hello(s, from, token, got.len())?;
+                    if got[j].replace(s).is_some() {
+                        return Err(self.failed(&format!("socket {j} was opened twice")));
+                    }
+                    if got.iter().all(Option::is_some) {
+                        let socks = got.iter_mut().map(|s| s.take().expect("all there"));
+                        w.state = State::Connected(socks.collect());
+                    }
                     return Ok(true);
                 }
                 Err(e) if e.kind() == ErrorKind::WouldBlock => return Ok(false),
@@ -312,28 +340,27 @@ impl NetEnd {
             },
         };
         if self.is_sender {
-            self.send(
-                sock,
-                &mut w.step,
-                &mut w.off,
-                &mut w.hdr,
-                (&mut w.beat, &mut w.last),
-            )
+            self.send(socks, &mut w.p)
         } else {
-            self.recv(sock, &mut w.step, &mut w.off, &mut w.hdr, &mut w.last)
+            self.recv(socks, &mut w.p)
         }
     }
-}
 
-impl NetEnd {
-    /// The receiving end's first bytes from a connection: the token, or the connection is
-    /// dropped (and the end keeps listening).
-    fn hello(&self, mut s: TcpStream, from: SocketAddr, token: &[u8; TOKEN]) -> Result<TcpStream> {
-        let mut got = [0u8; TOKEN];
+    /// The receiving end's first bytes from a connection: the token and the socket's index
+    /// (below `k`), or the connection is refused.
+    fn hello(
+        &self,
+        mut s: TcpStream,
+        from: SocketAddr,
+        token: &[u8; TOKEN],
+        k: usize,
+    ) -> Result<(TcpStream, usize)> {
+        let mut got = [0u8; TOKEN + 1];
         let ok = s.set_nonblocking(false).is_ok()
             && s.set_read_timeout(Some(Duration::from_secs(5))).is_ok()
             && s.read_exact(&mut got).is_ok()
-            && got == *token;
+            && got[..TOKEN] == *token
+            && (got[TOKEN] as usize) < k;
         if !ok {
             crate::debug::warn(&format!(
                 "rank {}: dropped a connection from {from} that did not present rank {}'s token",
@@ -344,7 +371,7 @@ impl NetEnd {
             )));
         }
         tune(&s)?;
-        Ok(s)
+        Ok((s, got[TOKEN] as usize))
     }
 
     fn failed(&self, what: &str) -> Error {
@@ -354,130 +381,6 @@ impl NetEnd {
             if self.is_sender { "to" } else { "from" },
             self.peer
         ))
-    }
-
-    /// Writes filled slots to the socket, freeing each once it is all written.
-    fn send(
-        &self,
-        s: &mut TcpStream,
-        step: &mut u64,
-        off: &mut usize,
-        hdr: &mut [u8; HDR],
-        (beat, last): (&mut bool, &mut std::time::Instant),
-    ) -> Result<bool> {
-        let v = &self.view;
-        let mut moved = false;
-        loop {
-            // Between slots: the next filled slot's header, or, once the end has been idle for
-            // a while, a heartbeat's (a header with no bytes).
-            if !*beat && *off == 0 {
-                if *step < v.tail().load(Ordering::Acquire) {
-                    for (i, m) in v.meta(*step).iter().enumerate() {
-                        hdr[8 * i..8 * i + 8].copy_from_slice(&m.to_le_bytes());
-                    }
-                } else if last.elapsed() >= BEAT_EVERY {
-                    *hdr = [0; HDR];
-                    hdr[16..].copy_from_slice(&BEAT.to_le_bytes());
-                    *beat = true;
-                } else {
-                    return Ok(moved);
-                }
-            }
-            let data: &[u8] = if *beat {
-                &[]
-            } else {
-                let bytes = v.meta(*step)[2] as usize;
-                // SAFETY: the slot holds `bytes <= slot_bytes` bytes the executor filled
-                // before publishing the tail; it stays ours until the head moves.
-                unsafe { std::slice::from_raw_parts(v.slot(*step), bytes) }
-            };
-            while *off < HDR + data.len() {
-                let r = if *off < HDR {
-                    // Header and bytes in one system call (and one segment when small).
-                    s.write_vectored(&[
-                        std::io::IoSlice::new(&hdr[*off..]),
-                        std::io::IoSlice::new(data),
-                    ])
-                } else {
-                    s.write(&data[*off - HDR..])
-                };
-                match r {
-                    Ok(0) => return Err(self.failed("the peer closed the connection")),
-                    Ok(k) => {
-                        *off += k;
-                        // A heartbeat is no progress: the proxy may go back to sleep.
-                        moved |= !*beat;
-                    }
-                    Err(e) if e.kind() == ErrorKind::WouldBlock => return Ok(moved),
-                    Err(e) if e.kind() == ErrorKind::Interrupted => {}
-                    Err(e) => return Err(self.failed(&e.to_string())),
-                }
-            }
-            *off = 0;
-            *last = std::time::Instant::now();
-            if std::mem::take(beat) {
-                continue;
-            }
-            v.head().store(*step + 1, Ordering::Release);
-            *step += 1;
-        }
-    }
-
-    /// Reads slots from the socket into free FIFO slots, publishing each once it is all there.
-    fn recv(
-        &self,
-        s: &mut TcpStream,
-        step: &mut u64,
-        off: &mut usize,
-        hdr: &mut [u8; HDR],
-        last: &mut std::time::Instant,
-    ) -> Result<bool> {
-        let v = &self.view;
-        let mut moved = false;
-        loop {
-            if *step - v.head().load(Ordering::Acquire) >= v.nsteps {
-                return Ok(moved); // the FIFO is full: TCP holds the rest
-            }
-            loop {
-                if *off == HDR && hdr[16..] == BEAT.to_le_bytes() {
-                    *off = 0; // a heartbeat: nothing to publish
-                }
-                let bytes = if *off >= HDR { self.bytes_of(hdr)? } else { 0 };
-                if *off >= HDR && *off == HDR + bytes {
-                    break;
-                }
-                let r = if *off < HDR {
-                    s.read(&mut hdr[*off..])
-                } else {
-                    // SAFETY: slot `step` is free (the head is within nsteps) and holds
-                    // slot_bytes >= bytes; the executor reads it only once the tail moves.
-                    let slot = unsafe { std::slice::from_raw_parts_mut(v.slot(*step), bytes) };
-                    s.read(&mut slot[*off - HDR..])
-                };
-                match r {
-                    // Between slots, the peer is done with the connection (it may have ended
-                    // its communicator): only a wait for more from it is an error (`closed`).
-                    Ok(0) if *off == 0 => {
-                        self.closed.store(true, Ordering::Release);
-                        return Ok(moved);
-                    }
-                    Ok(0) => return Err(self.failed("the peer closed the connection mid-slot")),
-                    Ok(k) => {
-                        *off += k;
-                        *last = std::time::Instant::now();
-                        moved = true;
-                    }
-                    Err(e) if e.kind() == ErrorKind::WouldBlock => return Ok(moved),
-                    Err(e) if e.kind() == ErrorKind::Interrupted => {}
-                    Err(e) => return Err(self.failed(&e.to_string())),
-                }
-            }
-            let word = |i: usize| u64::from_le_bytes(hdr[8 * i..8 * i + 8].try_into().unwrap());
-            v.set_meta(*step, [word(0), word(1), word(2)]);
-            v.tail().store(*step + 1, Ordering::Release);
-            *step += 1;
-            *off = 0;
-        }
     }
 
     /// The byte count of a slot header, checked against the slot's size.

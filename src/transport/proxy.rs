@@ -158,7 +158,10 @@ fn run(sh: &Shared, health: &Health) {
 
 fn sleep(sh: &Shared, ends: &[Arc<dyn Proxy>]) {
     use nix::poll::{PollFd, PollFlags};
-    let waits: Vec<_> = ends.iter().filter_map(|e| e.wait_for()).collect();
+    let mut waits = Vec::new();
+    for e in ends {
+        e.wait_for(&mut waits);
+    }
     let mut fds = vec![PollFd::new(sh.wake_rx.as_fd(), PollFlags::POLLIN)];
     for w in &waits {
         let (fd, flags) = match *w {

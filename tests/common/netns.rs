@@ -33,7 +33,10 @@ fn sh(cmd: &str) -> Result<(), String> {
 impl Hosts {
     /// `n` hosts, 10.77.0.1 .. 10.77.0.n on interface `eth0` of each.
     pub fn new(n: usize) -> Option<Hosts> {
-        let tag = format!("ox{}", std::process::id() % 100_000);
+        // Unique among the test binary's threads too (tests run at once).
+        static NEXT: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(0);
+        let k = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed) % 26;
+        let tag = format!("ox{}{}", std::process::id() % 100_000, (b'a' + k) as char);
         let h = Hosts {
             tag: tag.clone(),
             n,

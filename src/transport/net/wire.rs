@@ -1,0 +1,304 @@
+//! A network connection's slots on the wire, over one or several sockets (`NCCL_NSOCKS_PERTHREAD`
+//! x `NCCL_SOCKET_NTHREADS`): each slot travels as a header (call words, bytes) on the first
+//! socket, then its bytes cut into contiguous parts, part j on socket j, all moving at once.
+//! Slots smaller than a part's minimum use fewer sockets, so that a small slot costs one
+//! system call. Both ends cut a slot the same way from its byte count alone.
+//!
+//! Everything here is non-blocking: a call moves what the sockets take or hold and returns;
+//! `Sending`/`Receiving` remember where the current slot stands.
+
+use super::{NetEnd, BEAT, BEAT_EVERY, HDR};
+use crate::error::Result;
+use std::io::{ErrorKind, IoSlice, Read, Write};
+use std::net::TcpStream;
+use std::sync::atomic::Ordering;
+
+/// The smallest part worth a socket of its own.
+const MIN_PART: usize = 64 << 10;
+
+/// Where part `j` of a slot of `bytes` bytes, cut for `k` sockets, starts (`j` = parts: the end).
+pub fn part_start(bytes: usize, k: usize, j: usize) -> usize {
+    let parts = parts(bytes, k);
+    if j == 0 {
+        0
+    } else if j >= parts {
+        bytes
+    } else {
+        (bytes * j / parts) & !63
+    }
+}
+
+/// How many parts a slot of `bytes` bytes is cut into for `k` sockets.
+pub fn parts(bytes: usize, k: usize) -> usize {
+    (bytes / MIN_PART).clamp(1, k.max(1))
+}
+
+/// The state of a connection's current slot.
+pub struct Progress {
+    /// The next step (slot) to move.
+    pub step: u64,
+    /// Header bytes moved (a slot's or a heartbeat's).
+    pub hdr_off: usize,
+    pub hdr: [u8; HDR],
+    /// Bytes of each part moved.
+    pub done: Vec<usize>,
+    /// Sending end: a heartbeat's header is on its way (in `hdr`).
+    pub beat: bool,
+    /// When bytes last went out (sending end) or came in (receiving end).
+    pub last: std::time::Instant,
+}
+
+impl Progress {
+    pub fn new(k: usize) -> Progress {
+        Progress {
+            step: 0,
+            hdr_off: 0,
+            hdr: [0; HDR],
+            done: vec![0; k],
+            beat: false,
+            last: std::time::Instant::now(),
+        }
+    }
+
+    /// Between slots (nothing of the current one has moved).
+    pub fn idle(&self) -> bool {
+        self.hdr_off == 0 && self.done.iter().all(|&d| d == 0)
+    }
+
+    fn reset(&mut self) {
+        self.hdr_off = 0;
+        self.done.iter_mut().for_each(|d| *d = 0);
+    }
+}
+
+/// The result of one non-blocking transfer.
+enum Io {
+    Moved(usize),
+    Blocked,
+    Closed,
+}
+
+fn io(r: std::io::Result<usize>, end: &NetEnd) -> Result<Io> {
+    match r {
+        Ok(0) => Ok(Io::Closed),
+        Ok(k) => Ok(Io::Moved(k)),
+        Err(e) if e.kind() == ErrorKind::WouldBlock => Ok(Io::Blocked),
+        Err(e) if e.kind() == ErrorKind::Interrupted => Ok(Io::Moved(0)),
+        Err(e) => Err(end.failed(&e.to_string())),
+    }
+}
+
+impl NetEnd {
+    /// Writes filled slots to the sockets, freeing each once all of it is written.
+    pub(super) fn send(&self, socks: &mut [TcpStream], w: &mut Progress) -> Result<bool> {
+        let v = &self.view;
+        let k = socks.len();
+        let mut moved = false;
+        loop {
+            // Between slots: the next filled slot's header, or, once the end has been idle for
+            // a while, a heartbeat's (a header with no bytes).
+            if !w.beat && w.idle() {
+                if w.step < v.tail().load(Ordering::Acquire) {
+                    for (i, m) in v.meta(w.step).iter().enumerate() {
+                        w.hdr[8 * i..8 * i + 8].copy_from_slice(&m.to_le_bytes());
+                    }
+                } else if w.last.elapsed() >= BEAT_EVERY {
+                    w.hdr = [0; HDR];
+                    w.hdr[16..].copy_from_slice(&BEAT.to_le_bytes());
+                    w.beat = true;
+                } else {
+                    return Ok(moved);
+                }
+            }
+            let data: &[u8] = if w.beat {
+                &[]
+            } else {
+                let bytes = v.meta(w.step)[2] as usize;
+                // SAFETY: the slot holds `bytes <= slot_bytes` bytes the executor filled
+                // before publishing the tail; it stays ours until the head moves.
+                unsafe { std::slice::from_raw_parts(v.slot(w.step), bytes) }
+            };
+            let np = if w.beat { 1 } else { parts(data.len(), k) };
+            let mut complete = true;
+            for j in 0..np {
+                let part = &data[part_start(data.len(), k, j)..part_start(data.len(), k, j + 1)];
+                loop {
+                    let hdr_left = if j == 0 { HDR - w.hdr_off } else { 0 };
+                    let left = &part[w.done[j]..];
+                    if hdr_left == 0 && left.is_empty() {
+                        break;
+                    }
+                    let r = if hdr_left > 0 {
+                        // Header and first part in one system call (one segment when small).
+                        socks[0].write_vectored(&[
+                            IoSlice::new(&w.hdr[w.hdr_off..]),
+                            IoSlice::new(left),
+                        ])
+                    } else {
+                        socks[j].write(left)
+                    };
+                    match io(r, self)? {
+                        Io::Closed => return Err(self.failed("the peer closed the connection")),
+                        Io::Blocked => {
+                            complete = false;
+                            break;
+                        }
+                        Io::Moved(n) => {
+                            let h = n.min(hdr_left);
+                            w.hdr_off += h;
+                            w.done[j] += n - h;
+                            // A heartbeat is no progress: the proxy may go back to sleep.
+                            moved |= !w.beat;
+                        }
+                    }
+                }
+            }
+            if !complete {
+                return Ok(moved);
+            }
+            w.reset();
+            w.last = std::time::Instant::now();
+            if std::mem::take(&mut w.beat) {
+                continue;
+            }
+            v.head().store(w.step + 1, Ordering::Release);
+            w.step += 1;
+        }
+    }
+
+    /// Reads slots from the sockets into free FIFO slots, publishing each once all of it is
+    /// there.
+    pub(super) fn recv(&self, socks: &mut [TcpStream], w: &mut Progress) -> Result<bool> {
+        let v = &self.view;
+        let k = socks.len();
+        let mut moved = false;
+        loop {
+            if w.step - v.head().load(Ordering::Acquire) >= v.nsteps {
+                return Ok(moved); // the FIFO is full: TCP holds the rest
+            }
+            while w.hdr_off < HDR {
+                match io(socks[0].read(&mut w.hdr[w.hdr_off..]), self)? {
+                    // Between slots, the peer is done with the connection (it may have ended
+                    // its communicator): only a wait for more from it is an error (`closed`).
+                    Io::Closed if w.hdr_off == 0 => {
+                        self.closed.store(true, Ordering::Release);
+                        return Ok(moved);
+                    }
+                    Io::Closed => {
+                        return Err(self.failed("the peer closed the connection mid-slot"))
+                    }
+                    Io::Blocked => return Ok(moved),
+                    Io::Moved(n) => {
+                        w.hdr_off += n;
+                        w.last = std::time::Instant::now();
+                        moved = true;
+                    }
+                }
+            }
+            if w.hdr[16..] == BEAT.to_le_bytes() {
+                w.reset(); // a heartbeat: nothing to publish
+                continue;
+            }
+            let bytes = self.bytes_of(&w.hdr)?;
+            let mut complete = true;
+            for (j, sock) in socks.iter_mut().enumerate().take(parts(bytes, k)) {
+                let (lo, hi) = (part_start(bytes, k, j), part_start(bytes, k, j + 1));
+                while lo + w.done[j] < hi {
+                    // SAFETY: slot `step` is free (the head is within nsteps) and holds
+                    // slot_bytes >= bytes; the executor reads it only once the tail moves.
+                    let slot = unsafe {
+                        std::slice::from_raw_parts_mut(
+                            v.slot(w.step).add(lo + w.done[j]),
+                            hi - lo - w.done[j],
+                        )
+                    };
+                    match io(sock.read(slot), self)? {
+                        Io::Closed => {
+                            return Err(self.failed("the peer closed the connection mid-slot"))
+                        }
+                        Io::Blocked => {
+                            complete = false;
+                            break;
+                        }
+                        Io::Moved(n) => {
+                            w.done[j] += n;
+                            w.last = std::time::Instant::now();
+                            moved = true;
+                        }
+                    }
+                }
+            }
+            if !complete {
+                return Ok(moved);
+            }
+            let word = |i: usize| u64::from_le_bytes(w.hdr[8 * i..8 * i + 8].try_into().unwrap());
+            v.set_meta(w.step, [word(0), word(1), word(2)]);
+            v.tail().store(w.step + 1, Ordering::Release);
+            w.step += 1;
+            w.reset();
+        }
+    }
+
+    /// The sockets a sleeping proxy waits on for this end's current slot: for a sending end,
+    /// those with bytes left to write; for a receiving end, those with bytes to read.
+    pub(super) fn pending(&self, socks: &[TcpStream], w: &Progress) -> Vec<usize> {
+        let v = &self.view;
+        let k = socks.len();
+        if self.is_sender {
+            if w.idle() && !w.beat && w.step >= v.tail().load(Ordering::Acquire) {
+                return Vec::new();
+            }
+            if w.beat || w.hdr_off < HDR || w.idle() {
+                return vec![0];
+            }
+            let bytes = v.meta(w.step)[2] as usize;
+            (0..parts(bytes, k))
+                .filter(|&j| part_start(bytes, k, j) + w.done[j] < part_start(bytes, k, j + 1))
+                .collect()
+        } else {
+            if w.idle() && w.step - v.head().load(Ordering::Acquire) >= v.nsteps {
+                return Vec::new(); // the FIFO is full: a freed slot kicks the proxy
+            }
+            if w.hdr_off < HDR {
+                return vec![0];
+            }
+            let Ok(bytes) = self.bytes_of(&w.hdr) else {
+                return vec![0];
+            };
+            (0..parts(bytes, k))
+                .filter(|&j| part_start(bytes, k, j) + w.done[j] < part_start(bytes, k, j + 1))
+                .collect()
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parts_cover_the_slot_in_order() {
+        for k in [1usize, 2, 3, 4, 8] {
+            for bytes in [
+                0usize,
+                1,
+                64,
+                4095,
+                MIN_PART,
+                2 * MIN_PART + 17,
+                1 << 20,
+                (1 << 20) + 8,
+            ] {
+                let np = parts(bytes, k);
+                assert!(np >= 1 && np <= k);
+                assert_eq!(part_start(bytes, k, 0), 0);
+                assert_eq!(part_start(bytes, k, np), bytes);
+                for j in 0..np {
+                    assert!(part_start(bytes, k, j) <= part_start(bytes, k, j + 1));
+                }
+            }
+        }
+        assert_eq!(parts(4096, 4), 1);
+        assert_eq!(parts(1 << 20, 4), 4);
+    }
+}
