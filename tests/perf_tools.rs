@@ -593,3 +593,56 @@ fn tools_across_two_namespace_hosts_under_mpirun() {
         }
     }
 }
+
+/// A C program whose peer on another host dies mid-transfer gets an error, and is not killed
+/// by a signal (a C program does not ignore SIGPIPE): two all_reduce_perf ranks on 2 "hosts"
+/// (loopback, `OXCCL_HOSTID`) move 32 MiB all-reduces; rank 1 is killed; rank 0 must exit with
+/// the tool's NCCL failure message naming the lost peer. (Whether a write meets the dead
+/// socket first is a race: `transport::net::wire::tests` checks the SIGPIPE case itself.)
+#[test]
+fn a_peer_dying_mid_transfer_is_an_error_in_a_c_program() {
+    use std::os::unix::process::ExitStatusExt;
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+        .to_string();
+    let start = |r: usize| {
+        tool("all_reduce_perf")
+            .args([
+                "-b", "32M", "-e", "32M", "-n", "100000", "-w", "1", "-c", "0",
+            ])
+            .env("WORLD_SIZE", "2")
+            .env("RANK", r.to_string())
+            .env("MASTER_ADDR", "127.0.0.1")
+            .env("MASTER_PORT", &port)
+            .env("OXCCL_HOSTID", format!("sigpipe-host-{r}"))
+            .env("OXCCL_TIMEOUT_S", "30")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap()
+    };
+    let r0 = start(0);
+    let mut r1 = start(1);
+    // Both are well into their all-reduces by then.
+    std::thread::sleep(std::time::Duration::from_millis(1500));
+    r1.kill().unwrap();
+    let _ = r1.wait();
+    let t0 = std::time::Instant::now();
+    let o = r0.wait_with_output().unwrap();
+    assert_eq!(
+        o.status.signal(),
+        None,
+        "rank 0 was killed by a signal:\n{}",
+        text(&o)
+    );
+    assert!(!o.status.success(), "{}", text(&o));
+    let t = text(&o);
+    assert!(
+        t.contains("Test NCCL failure") && t.contains("rank 1"),
+        "{t}"
+    );
+    assert!(t0.elapsed() < std::time::Duration::from_secs(20), "{t}");
+}

@@ -8,10 +8,13 @@
 //!   inside its host. Each host boundary carries the data once each way, where the flat ring
 //!   carries 2(n-1)/n of it and crosses hosts at every one of its 2(n-1) steps.
 //!
-//! Every rank computes the same result bit for bit: the exchange combines the two inputs with
-//! one commutative operation; the leaders' ring gives every leader the same sums. A pre-multiply
-//! (PreMulSum) is applied once, by the rank whose input it is; a post-divide (Avg) once, at the
-//! end.
+//! Every rank computes the same result bit for bit: the leaders' ring gives every leader the
+//! same sums, and the exchange, where each rank combines the two inputs in its own order, serves
+//! only reductions whose result does not depend on that order (integers; float sums and
+//! products; float max and min go round the ring, since max(+0, -0) and max(-0, +0) differ).
+//! Only a NaN's payload may differ between the ranks of an exchange (both get a NaN). A
+//! pre-multiply (PreMulSum) is applied once, by the rank whose input it is; a post-divide (Avg)
+//! once, at the end.
 
 use super::ring::{self, Links};
 use super::{Addr, Prim, Program, RedSpec, Stage, Step};
@@ -55,16 +58,32 @@ impl Plan {
     }
 }
 
-/// The plan for an all-reduce of this communicator: the exchange for 2 ranks on 2 hosts, the
-/// hierarchical plan where some host has several ranks, nothing on one host or with one rank
-/// per host (the ring is then as good: each of its steps crosses a host boundary anyway).
-pub fn choose(l: &dyn Links) -> Option<Plan> {
+/// Whether the exchange may combine inputs with `red`: each rank combines them in its own
+/// order, so only where the order cannot change the result's bits (see the module's notes).
+pub fn order_free(red: &RedSpec) -> bool {
+    match red {
+        RedSpec::PreMul { .. } => true,
+        RedSpec::Ready(r) => {
+            !r.dtype.is_float()
+                || matches!(
+                    r.kind,
+                    crate::types::ReduceKind::Sum | crate::types::ReduceKind::Prod
+                )
+        }
+    }
+}
+
+/// The plan for an all-reduce of this communicator with `red`: the exchange for 2 ranks on 2
+/// hosts (where `order_free`), the hierarchical plan where some host has several ranks, nothing
+/// on one host or with one rank per host (the ring is then as good: each of its steps crosses a
+/// host boundary anyway).
+pub fn choose(l: &dyn Links, red: &RedSpec) -> Option<Plan> {
     let n = l.nranks();
     if n < 2 || (0..n).all(|r| l.host(r) == l.host(0)) {
         return None;
     }
     if n == 2 {
-        return Some(Plan::Exchange);
+        return order_free(red).then_some(Plan::Exchange);
     }
     let hs = hosts(l);
     (hs.iter().any(|h| h.len() > 1)).then_some(Plan::Hierarchical)
@@ -210,7 +229,7 @@ pub fn all_reduce_hierarchical(
             me: leaders.iter().position(|&r| r == me).expect("a leader"),
         };
         let red = without_pre(red);
-        out.push(if leaders.len() == 2 {
+        out.push(if leaders.len() == 2 && order_free(&red) {
             exchange(
                 &across,
                 1 - across.me,

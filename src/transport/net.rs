@@ -224,8 +224,9 @@ pub struct NetEnd {
     state: Mutex<Wire>,
     /// The peer closed the connection between slots.
     closed: std::sync::atomic::AtomicBool,
-    /// The proxy thread's last poll set (it sleeps on it) includes this end's socket.
-    polled: std::sync::atomic::AtomicBool,
+    /// The sockets in the proxy thread's last poll set (bit j: socket j, or the listener), set
+    /// under `state`'s lock (`wait_for`).
+    polled: std::sync::atomic::AtomicU64,
     /// Set when the proxy thread takes the end.
     waker: once_cell::sync::OnceCell<super::proxy::Waker>,
 }
@@ -237,26 +238,29 @@ impl Proxy for NetEnd {
 
     fn wait_for(&self, out: &mut Vec<Wait>) {
         use std::os::fd::AsRawFd;
-        let before = out.len();
-        if !self.closed() {
-            let w = self.state.lock();
-            match &w.state {
-                State::Listening(l, ..) => out.push(Wait::Readable(l.as_raw_fd())),
-                // Bytes to write: room in those sockets; room in the FIFO (or a slot half
-                // read): bytes on those.
-                State::Connected(socks) => {
-                    for j in self.pending(socks, &w.p) {
-                        let fd = socks[j].as_raw_fd();
-                        out.push(if self.is_sender {
-                            Wait::Writable(fd)
-                        } else {
-                            Wait::Readable(fd)
-                        });
-                    }
+        let w = self.state.lock();
+        let mask = self.waiting_on(&w);
+        match &w.state {
+            State::Listening(l, ..) if mask != 0 => out.push(Wait::Readable(l.as_raw_fd())),
+            State::Listening(..) => {}
+            // Bytes to write: room in those sockets; room in the FIFO (or a slot half read):
+            // bytes on those.
+            State::Connected(socks) => {
+                for (_, s) in socks
+                    .iter()
+                    .enumerate()
+                    .filter(|(j, _)| (mask >> j) & 1 == 1)
+                {
+                    out.push(if self.is_sender {
+                        Wait::Writable(s.as_raw_fd())
+                    } else {
+                        Wait::Readable(s.as_raw_fd())
+                    });
                 }
             }
         }
-        self.polled.store(out.len() > before, Ordering::Release);
+        // Under the lock: a kick compares what it leaves against this.
+        self.polled.store(mask, Ordering::Release);
     }
 
     fn set_waker(&self, w: super::proxy::Waker) {
@@ -274,11 +278,8 @@ impl Proxy for NetEnd {
                 // Errors are left to the proxy thread, which meets them too.
                 let _ = self.step(&mut w);
             }
-            let settled = if self.is_sender {
-                w.p.idle() && w.p.step >= self.view.tail().load(Ordering::Acquire)
-            } else {
-                self.polled.load(Ordering::Acquire)
-            };
+            // Settled when the proxy's poll already covers every socket left to move.
+            let settled = (self.waiting_on(&w) & !self.polled.load(Ordering::Acquire)) == 0;
             drop(w);
             if settled {
                 return;
@@ -319,6 +320,17 @@ impl Proxy for NetEnd {
 }
 
 impl NetEnd {
+    /// What this end waits for now (see `wire::pending`; the listener is bit 0).
+    fn waiting_on(&self, w: &Wire) -> u64 {
+        if self.closed() {
+            return 0;
+        }
+        match &w.state {
+            State::Listening(..) => 1,
+            State::Connected(socks) => self.pending(socks.len(), &w.p),
+        }
+    }
+
     /// One round of `progress` with the end's state held.
     fn step(&self, w: &mut Wire) -> Result<bool> {
         let socks = match &mut w.state {

@@ -148,6 +148,9 @@ fn run(sh: &Shared, health: &Health) {
         }
         // Asleep until a socket is ready, an end kicks, or a while has passed.
         sh.sleeping.store(true, Ordering::SeqCst);
+        // Orders the store before the looks at the counters (as `Waker::kick` orders its
+        // counter store before its look at `sleeping`).
+        fence(Ordering::SeqCst);
         let again = ends.iter().any(|e| e.progress().unwrap_or(true));
         if !again {
             sleep(sh, &ends);

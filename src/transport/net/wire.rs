@@ -71,6 +71,16 @@ impl Progress {
     }
 }
 
+/// `write_vectored` without SIGPIPE: writev(2) raises it when the peer has gone, which kills a C
+/// program that did not ignore it (std's `write` uses send(2) with MSG_NOSIGNAL: EPIPE only).
+fn send_vectored(s: &TcpStream, bufs: &[&[u8]]) -> std::io::Result<usize> {
+    use nix::sys::socket::{sendmsg, MsgFlags};
+    use std::os::fd::AsRawFd;
+    let iov: Vec<IoSlice> = bufs.iter().map(|b| IoSlice::new(b)).collect();
+    sendmsg::<()>(s.as_raw_fd(), &iov, &[], MsgFlags::MSG_NOSIGNAL, None)
+        .map_err(std::io::Error::from)
+}
+
 /// The result of one non-blocking transfer.
 enum Io {
     Moved(usize),
@@ -130,10 +140,7 @@ impl NetEnd {
                     }
                     let r = if hdr_left > 0 {
                         // Header and first part in one system call (one segment when small).
-                        socks[0].write_vectored(&[
-                            IoSlice::new(&w.hdr[w.hdr_off..]),
-                            IoSlice::new(left),
-                        ])
+                        send_vectored(&socks[0], &[&w.hdr[w.hdr_off..], left])
                     } else {
                         socks[j].write(left)
                     };
@@ -239,35 +246,30 @@ impl NetEnd {
         }
     }
 
-    /// The sockets a sleeping proxy waits on for this end's current slot: for a sending end,
-    /// those with bytes left to write; for a receiving end, those with bytes to read.
-    pub(super) fn pending(&self, socks: &[TcpStream], w: &Progress) -> Vec<usize> {
+    /// The sockets a sleeping proxy waits on for this end's current slot, as a bit mask (bit j:
+    /// socket j): for a sending end, those with bytes left to write; for a receiving end, those
+    /// with bytes to read.
+    pub(super) fn pending(&self, k: usize, w: &Progress) -> u64 {
         let v = &self.view;
-        let k = socks.len();
+        let parts_left = |bytes: usize| {
+            (0..parts(bytes, k))
+                .filter(|&j| part_start(bytes, k, j) + w.done[j] < part_start(bytes, k, j + 1))
+                .fold(0u64, |m, j| m | 1 << j)
+        };
         if self.is_sender {
             if w.idle() && !w.beat && w.step >= v.tail().load(Ordering::Acquire) {
-                return Vec::new();
+                0
+            } else if w.beat || w.hdr_off < HDR || w.idle() {
+                1
+            } else {
+                parts_left(v.meta(w.step)[2] as usize)
             }
-            if w.beat || w.hdr_off < HDR || w.idle() {
-                return vec![0];
-            }
-            let bytes = v.meta(w.step)[2] as usize;
-            (0..parts(bytes, k))
-                .filter(|&j| part_start(bytes, k, j) + w.done[j] < part_start(bytes, k, j + 1))
-                .collect()
+        } else if w.idle() && w.step - v.head().load(Ordering::Acquire) >= v.nsteps {
+            0 // the FIFO is full: a freed slot kicks the proxy
+        } else if w.hdr_off < HDR {
+            1
         } else {
-            if w.idle() && w.step - v.head().load(Ordering::Acquire) >= v.nsteps {
-                return Vec::new(); // the FIFO is full: a freed slot kicks the proxy
-            }
-            if w.hdr_off < HDR {
-                return vec![0];
-            }
-            let Ok(bytes) = self.bytes_of(&w.hdr) else {
-                return vec![0];
-            };
-            (0..parts(bytes, k))
-                .filter(|&j| part_start(bytes, k, j) + w.done[j] < part_start(bytes, k, j + 1))
-                .collect()
+            self.bytes_of(&w.hdr).map_or(1, parts_left)
         }
     }
 }
@@ -300,5 +302,37 @@ mod tests {
         }
         assert_eq!(parts(4096, 4), 1);
         assert_eq!(parts(1 << 20, 4), 4);
+    }
+
+    /// Writing to a socket whose peer has gone is EPIPE, not SIGPIPE, even where SIGPIPE kills
+    /// (a C program's default; Rust's runtime ignores it, so a forked child restores it).
+    #[test]
+    fn a_gone_peer_is_an_error_not_sigpipe() {
+        use nix::sys::signal::{signal, SigHandler, Signal};
+        use nix::sys::wait::{waitpid, WaitStatus};
+        use nix::unistd::{fork, ForkResult};
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let s = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        drop(l.accept().unwrap());
+        drop(l);
+        std::thread::sleep(std::time::Duration::from_millis(50));
+        // SAFETY: the child only makes system calls and exits.
+        match unsafe { fork() }.unwrap() {
+            ForkResult::Child => {
+                // SAFETY: restoring the default disposition.
+                unsafe { signal(Signal::SIGPIPE, SigHandler::SigDfl) }.unwrap();
+                let mut failed = false;
+                for _ in 0..4 {
+                    failed |= send_vectored(&s, &[&[1u8; 24], &[2u8; 100]]).is_err();
+                    std::thread::sleep(std::time::Duration::from_millis(10));
+                }
+                // SAFETY: ends the forked child at once.
+                unsafe { nix::libc::_exit(if failed { 0 } else { 1 }) }
+            }
+            ForkResult::Parent { child } => {
+                let st = waitpid(child, None).unwrap();
+                assert_eq!(st, WaitStatus::Exited(child, 0), "the writer: {st:?}");
+            }
+        }
     }
 }
