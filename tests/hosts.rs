@@ -201,8 +201,9 @@ fn reduction_case(op: usize, n: usize, r: usize, i: usize) -> (f64, f64) {
 /// plan: reduce inside each host, all-reduce among the hosts' first ranks, broadcast inside each
 /// host), in several placements of ranks on hosts: every op (PreMulSum with a host and a device
 /// scalar), six datatypes, in place and out of place, several FIFO slots per rank, each element
-/// against the expected value; also with slots cut over 8 and 3 sockets per connection. Rank 0's
-/// TUNING lines must name the plan.
+/// against the expected value; also with slots cut over 8 and 3 sockets per connection, and one
+/// rank on each of 4 and 5 hosts (the hosts' tree for small messages). Rank 0's TUNING lines
+/// must name the plan, and every rank must hold the same bytes.
 #[test]
 fn all_reduce_plans_across_hosts() {
     const T: &str = "all_reduce_plans_across_hosts";
@@ -214,7 +215,7 @@ fn all_reduce_plans_across_hosts() {
             .collect();
         std::env::set_var("OXCCL_HOSTID", format!("plans-host-{}", hosts[r]));
         let c = api::comm_init_rank(n as i32, &id, r as i32, Default::default()).unwrap();
-        let count = 40_000;
+        let count: usize = std::env::var("OXCCL_TEST_COUNT").map_or(40_000, |c| c.parse().unwrap());
         let dtypes = [
             DataType::Float32,
             DataType::Float64,
@@ -347,12 +348,16 @@ fn all_reduce_plans_across_hosts() {
     // Two ranks exchange, except for float max and min (the ring: see plan::hier).
     let exchange = &["Direct (exchange)", "Ring"][..];
     let tree = &["Tree (hierarchical)"][..];
+    // One rank per host: small ones go up and down the hosts' tree, except integer averages.
+    let tree_or_ring = &["Ring", "Tree (hierarchical)"][..];
+    let small = [("OXCCL_TEST_COUNT", "1000")];
     for (place, algos, env) in [
         ("0,1", exchange, &[][..]),
         ("0,0,1,1", tree, &[]),
         ("0,1,0,1,0,1", tree, &[]),
         ("0,1,1,2,2,2", tree, &[]),
-        ("0,1,2,3", &["Ring"][..], &[]),
+        ("0,1,2,3", tree_or_ring, &[]),
+        ("0,1,2,3,4", tree_or_ring, &small[..]),
         ("0,1", exchange, &many[..]),
         ("0,0,1,1", tree, &odd[..]),
     ] {

@@ -4,9 +4,11 @@
 //!   the two; one network hop instead of the ring's two, the same bytes on the wire.
 //! - *hierarchical* (NCCL's tree, in three stages): a chain reduce inside each host to its first
 //!   rank (the host's leader) over shared memory; an all-reduce among the leaders over the
-//!   network (an exchange for two hosts, a ring otherwise); a chain broadcast from each leader
-//!   inside its host. Each host boundary carries the data once each way, where the flat ring
-//!   carries 2(n-1)/n of it and crosses hosts at every one of its 2(n-1) steps.
+//!   network (an exchange for two hosts; for 3 or more, a binary tree up and down when small,
+//!   a ring otherwise); a chain broadcast from each leader inside its host. Each host boundary
+//!   carries the data once each way, where the flat ring carries 2(n-1)/n of it and crosses
+//!   hosts at every one of its 2(n-1) steps. With one rank per host it serves small messages
+//!   only (the leaders' tree: 2 log2(hosts) hops instead of the ring's 2(hosts - 1)).
 //!
 //! Every rank computes the same result bit for bit: the leaders' ring gives every leader the
 //! same sums, and the exchange, where each rank combines the two inputs in its own order, serves
@@ -73,11 +75,27 @@ pub fn order_free(red: &RedSpec) -> bool {
     }
 }
 
-/// The plan for an all-reduce of this communicator with `red`: the exchange for 2 ranks on 2
-/// hosts (where `order_free`), the hierarchical plan where some host has several ranks, nothing
-/// on one host or with one rank per host (the ring is then as good: each of its steps crosses a
-/// host boundary anyway).
-pub fn choose(l: &dyn Links, red: &RedSpec) -> Option<Plan> {
+/// All-reduces of at most this many bytes among 3 or more hosts' leaders go up and down a
+/// binary tree (2 log2(hosts) network hops) rather than round the ring (2 (hosts - 1) hops,
+/// but each link carries less: the ring wins for large messages).
+pub const TREE_BYTES: usize = 64 << 10;
+
+/// Whether the leaders' binary tree serves `red` for `bytes`: small, and no post-divide (the
+/// tree's one program would divide at every level; integer averages take the ring).
+fn tree_serves(red: &RedSpec, bytes: usize, hosts: usize) -> bool {
+    hosts >= 3
+        && bytes <= TREE_BYTES
+        && match red {
+            RedSpec::Ready(r) => r.postdiv.is_none(),
+            RedSpec::PreMul { .. } => true,
+        }
+}
+
+/// The plan for an all-reduce of this communicator of `bytes` with `red`: the exchange for 2
+/// ranks on 2 hosts (where `order_free`); the hierarchical plan where some host has several
+/// ranks, or, with one rank per host, where the leaders' tree serves it; otherwise nothing (the
+/// flat ring: each of its steps crosses a host boundary anyway).
+pub fn choose(l: &dyn Links, red: &RedSpec, bytes: usize) -> Option<Plan> {
     let n = l.nranks();
     if n < 2 || (0..n).all(|r| l.host(r) == l.host(0)) {
         return None;
@@ -86,7 +104,8 @@ pub fn choose(l: &dyn Links, red: &RedSpec) -> Option<Plan> {
         return order_free(red).then_some(Plan::Exchange);
     }
     let hs = hosts(l);
-    (hs.iter().any(|h| h.len() > 1)).then_some(Plan::Hierarchical)
+    (hs.iter().any(|h| h.len() > 1) || tree_serves(&without_pre(*red), bytes, hs.len()))
+        .then_some(Plan::Hierarchical)
 }
 
 /// A sub-group of a communicator's ranks (`members`, in the order its programs number them),
@@ -229,6 +248,7 @@ pub fn all_reduce_hierarchical(
             me: leaders.iter().position(|&r| r == me).expect("a leader"),
         };
         let red = without_pre(red);
+        let bytes = count * dtype.size();
         out.push(if leaders.len() == 2 && order_free(&red) {
             exchange(
                 &across,
@@ -239,6 +259,8 @@ pub fn all_reduce_hierarchical(
                 red,
                 false,
             )?
+        } else if tree_serves(&red, bytes, leaders.len()) {
+            tree(&across, recv, count, dtype, red)?
         } else {
             ring::all_reduce(&across, recv, recv, count, dtype, red)?
         });
@@ -247,6 +269,50 @@ pub fn all_reduce_hierarchical(
         out.push(ring::broadcast(&inside, recv, recv, count, dtype, 0)?);
     }
     Ok(out)
+}
+
+/// An all-reduce in place on `buf` up and down a binary tree of `l`'s ranks (position i's
+/// children are 2i+1 and 2i+2): each rank reduces its children's data into its own and sends
+/// the sum to its parent; the root's result comes back down. One program, pipelined by slice;
+/// every rank ends with the root's bytes. `red` has neither pre-multiply nor post-divide.
+fn tree(l: &dyn Links, buf: usize, count: usize, dtype: DataType, red: RedSpec) -> Result<Program> {
+    let i = l.rank();
+    let n = l.nranks();
+    let children: Vec<usize> = [2 * i + 1, 2 * i + 2]
+        .into_iter()
+        .filter(|&c| c < n)
+        .collect();
+    let step = |prim| Step {
+        prim,
+        recv: None,
+        send: None,
+        src: Addr::user(buf),
+        dst: Addr::user(buf),
+        len: count,
+        prep: false,
+    };
+    let mut steps = Vec::new();
+    for &c in &children {
+        let mut s = step(Prim::RecvReduceCopy);
+        s.recv = Some(l.conn(c, false, Class::Direct)?);
+        steps.push(s);
+    }
+    if i > 0 {
+        let parent = (i - 1) / 2;
+        let mut up = step(Prim::Send);
+        up.dst = Addr::None;
+        up.send = Some(l.conn(parent, true, Class::Direct)?);
+        let mut down = step(Prim::Recv);
+        down.recv = Some(l.conn(parent, false, Class::Direct)?);
+        steps.extend([up, down]);
+    }
+    for &c in &children {
+        let mut s = step(Prim::Send);
+        s.dst = Addr::None;
+        s.send = Some(l.conn(c, true, Class::Direct)?);
+        steps.push(s);
+    }
+    Ok(Program::new(steps, dtype, l.slot_bytes(), Some(red)))
 }
 
 /// One stage per program, each with one lane.
