@@ -1,5 +1,7 @@
-//! NCCL net plugins: one that does not exist is a WARN naming it and the loader's reason and
-//! everything still works; one that loads is identified by its ncclNetPlugin_vN symbol and name.
+//! NCCL net plugins: one that does not exist, or loads but cannot be used, is a WARN naming it
+//! and the reason, and everything still works; one that loads is identified by its
+//! ncclNetPlugin_vN symbol and name. (Data through a working plugin: tests/perf_tools.rs,
+//! every_collective_through_a_net_plugin.)
 
 mod common;
 
@@ -28,10 +30,16 @@ fn a_plugin_that_loads_is_identified() {
         return;
     }
     let found = nccl::transport::plugin::find(Some(so.to_str().unwrap()));
-    assert_eq!(
-        found,
-        nccl::transport::plugin::Found::Loaded(so.display().to_string(), 8, "fake-net".into())
-    );
+    match found {
+        nccl::transport::plugin::Found::Loaded(file, 8, name, table) => {
+            assert_eq!(
+                (file, name.as_str()),
+                (so.display().to_string(), "fake-net")
+            );
+            assert_ne!(table, 0);
+        }
+        f => panic!("{f:?}"),
+    }
     let _ = std::fs::remove_dir_all(&dir);
 }
 
@@ -78,7 +86,45 @@ fn a_missing_plugin_is_a_warning_and_everything_works() {
         "{text}"
     );
     assert!(
-        text.contains("NCCL WARN NCCL_NET=IB: oxccl's only network is Socket"),
+        text.contains(
+            "NCCL WARN NCCL_NET=IB: no such network here (oxccl has Socket); using Socket"
+        ),
+        "{text}"
+    );
+}
+
+/// A plugin that loads but cannot be used (here: no init function) is a WARN saying why, and
+/// the socket transport carries the data.
+#[test]
+fn an_unusable_plugin_is_a_warning_and_everything_works() {
+    let dir = std::env::temp_dir().join(format!("oxccl-net-plugin-bad-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let src = dir.join("bad.c");
+    std::fs::write(
+        &src,
+        "struct bad { const char* name; void* rest[32]; };\n\
+         struct bad ncclNetPlugin_v9 = { \"bad-net\", {0} };\n",
+    )
+    .unwrap();
+    let so = dir.join("libnccl-net-bad.so");
+    let st = Command::new("cc")
+        .args(["-shared", "-fPIC", "-o"])
+        .arg(&so)
+        .arg(&src)
+        .status();
+    assert!(st.is_ok_and(|s| s.success()), "cc");
+    let text = common::in_child(
+        "child_entry",
+        &[
+            ("NCCL_DEBUG", "WARN"),
+            ("NCCL_NET_PLUGIN", so.to_str().unwrap()),
+        ],
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+    assert!(text.contains("RESULT ok"), "{text}");
+    assert!(
+        text.contains("NCCL WARN NET/Plugin: net plugin 'bad-net' (ncclNet_v9) from")
+            && text.contains("cannot be used: net plugin 'bad-net' has no init function; using oxccl's socket transport"),
         "{text}"
     );
 }

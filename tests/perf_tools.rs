@@ -274,6 +274,18 @@ fn two_processes(name: &str, args: &[&str], envs: &[(&str, &str)]) -> (Output, O
 /// Runs `name` as `n` processes (env launcher) with `args` and `envs`; checks that ranks 1.. exit
 /// with 0 and returns every rank's output.
 fn processes(n: usize, name: &str, args: &[&str], envs: &[(&str, &str)]) -> Vec<Output> {
+    processes_placed(n, name, args, envs, &|_| None)
+}
+
+/// `processes`, rank r with `OXCCL_HOSTID` set to `host(r)` where that is Some (ranks on
+/// different "hosts" of this machine talk over the network).
+fn processes_placed(
+    n: usize,
+    name: &str,
+    args: &[&str],
+    envs: &[(&str, &str)],
+    host: &dyn Fn(usize) -> Option<String>,
+) -> Vec<Output> {
     let port = std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
         .local_addr()
@@ -290,6 +302,7 @@ fn processes(n: usize, name: &str, args: &[&str], envs: &[(&str, &str)]) -> Vec<
                 .env("WORLD_SIZE", n.to_string())
                 .env("MASTER_ADDR", "127.0.0.1")
                 .env("MASTER_PORT", &port)
+                .envs(host(r).map(|h| ("OXCCL_HOSTID", h)))
                 .stdout(Stdio::piped())
                 .stderr(Stdio::piped())
                 .spawn()
@@ -645,4 +658,88 @@ fn a_peer_dying_mid_transfer_is_an_error_in_a_c_program() {
         "{t}"
     );
     assert!(t0.elapsed() < std::time::Duration::from_secs(20), "{t}");
+}
+
+/// The test net plugin (tests/net_plugin/testnet.c) built for ABI version `v`.
+fn testnet_plugin(v: u32) -> PathBuf {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/net_plugin/testnet.c");
+    let so = profile_dir().join(format!("testnet-plugins/libnccl-net-testnet{v}.so"));
+    std::fs::create_dir_all(so.parent().unwrap()).unwrap();
+    let st = Command::new("cc")
+        .args(["-O2", "-Wall", "-Wextra", "-Werror", "-shared", "-fPIC"])
+        .arg(format!("-DNET_V={v}"))
+        .arg("-o")
+        .arg(&so)
+        .arg(&src)
+        .status()
+        .expect("cc");
+    assert!(st.success(), "building the test net plugin v{v} failed");
+    so
+}
+
+/// Every collective and Send/Recv through the net plugin path: the perf tools on 2 "hosts" x 2
+/// ranks (loopback, OXCCL_HOSTID), NCCL_NET_PLUGIN pointing at a TCP plugin built for ABI v8 and
+/// v12 (every row checked, the connections named NET/testnet), then all_reduce at every ABI
+/// version v6 .. v12.
+#[test]
+fn every_collective_through_a_net_plugin() {
+    let hosts = |r: usize| Some(format!("plugin-host-{}", r / 2));
+    let check = |name: &str, v: u32, outs: &[Output]| {
+        let t = text(&outs[0]);
+        assert_eq!(outs[0].status.code(), Some(0), "{name} v{v}:\n{t}");
+        assert!(
+            t.contains("# Out of bounds values : 0 OK"),
+            "{name} v{v}:\n{t}"
+        );
+        // The ranks whose connections cross the hosts say so (a sending end's line).
+        let all: String = outs.iter().map(text).collect();
+        assert!(all.contains("via NET/testnet/0"), "{name} v{v}:\n{all}");
+        assert!(!all.contains("via NET/Socket"), "{name} v{v}:\n{all}");
+        assert!(
+            t.contains(&format!("loaded net plugin 'testnet' (ncclNet_v{v})")),
+            "{name} v{v}:\n{t}"
+        );
+    };
+    for v in [8, 12] {
+        let so = testnet_plugin(v);
+        let so = so.to_str().unwrap();
+        let envs = [
+            ("NCCL_NET_PLUGIN", so),
+            ("NCCL_DEBUG", "INFO"),
+            ("OXCCL_TIMEOUT_S", "60"),
+        ];
+        for name in [
+            "all_reduce_perf",
+            "all_gather_perf",
+            "broadcast_perf",
+            "reduce_perf",
+            "reduce_scatter_perf",
+            "alltoall_perf",
+            "gather_perf",
+            "scatter_perf",
+            "sendrecv_perf",
+            "hypercube_perf",
+        ] {
+            let outs =
+                processes_placed(4, name, &["-b", "8", "-e", "1M", "-f", "32"], &envs, &hosts);
+            check(name, v, &outs);
+        }
+    }
+    for v in [6, 7, 9, 10, 11] {
+        let so = testnet_plugin(v);
+        let so = so.to_str().unwrap();
+        let envs = [
+            ("NCCL_NET_PLUGIN", so),
+            ("NCCL_DEBUG", "INFO"),
+            ("OXCCL_TIMEOUT_S", "60"),
+        ];
+        let outs = processes_placed(
+            4,
+            "all_reduce_perf",
+            &["-b", "8", "-e", "1M", "-f", "32"],
+            &envs,
+            &hosts,
+        );
+        check("all_reduce_perf", v, &outs);
+    }
 }

@@ -191,10 +191,11 @@ impl Conns {
         if crate::debug::level() < crate::debug::Level::Info {
             return;
         }
+        let plugin = super::plugin::net().map(|n| format!("NET/{}/0", n.name));
         let via = match self.locality(k.peer) {
             Locality::SameProcess => "P2P/direct pointer",
             Locality::SameHost => "SHM/direct/direct",
-            Locality::OtherHost => "NET/Socket/0",
+            Locality::OtherHost => plugin.as_deref().unwrap_or("NET/Socket/0"),
         };
         let dev = |r: usize| self.peers[r].dev.max(0);
         crate::debug::info(&format!(

@@ -15,6 +15,7 @@ pub mod cma;
 pub mod conns;
 pub mod inproc;
 pub mod net;
+pub mod net_plugin;
 pub mod peer;
 pub mod plugin;
 pub mod proxy;
@@ -169,15 +170,24 @@ pub trait Proxy: Send + Sync {
 pub enum Wait {
     Readable(std::os::fd::RawFd),
     Writable(std::os::fd::RawFd),
+    /// Nothing to sleep on (a net plugin's requests): look again soon.
+    Soon,
 }
 
 static INPROC: inproc::InProc = inproc::InProc;
 static SHM: shm::Shm = shm::Shm;
 static NET: net::Net = net::Net;
+static NET_PLUGIN: net_plugin::NetPlugin = net_plugin::NetPlugin;
 
-/// The transports, in order of preference.
+/// The transports, in order of preference: between hosts, the net plugin where one is in use
+/// (`plugin::net`), else the socket transport.
 pub fn transports() -> [&'static dyn Transport; 3] {
-    [&INPROC, &SHM, &NET]
+    let net: &'static dyn Transport = if plugin::net().is_some() {
+        &NET_PLUGIN
+    } else {
+        &NET
+    };
+    [&INPROC, &SHM, net]
 }
 
 /// The transport that connects `me` with `peer`.

@@ -1,12 +1,16 @@
-//! NCCL net plugins (`NCCL_NET_PLUGIN`, `libnccl-net.so`): found and identified, not driven yet.
+//! NCCL net plugins (`NCCL_NET_PLUGIN`, `libnccl-net.so`): found, loaded and driven
+//! (`net_plugin.rs` moves connections' slots through one).
 //!
 //! At the first communicator's init the plugin NCCL would load is looked for as NCCL does:
 //! `NCCL_NET_PLUGIN=none` disables it; a name `X` is tried as `libnccl-net-X.so`, then as given
 //! (a file name or path); unset, `libnccl-net.so`. A plugin named but not loadable is a WARN
-//! naming it and the loader's reason; a plugin that loads is identified (its `ncclNetPlugin_vN`
-//! symbol, v12 down to v6, and the name in it) and a WARN says that oxccl moves data with its
-//! own socket transport regardless: nothing is silently ignored. `NCCL_NET` naming a network
-//! other than `Socket` is a WARN too.
+//! naming it and the loader's reason, and the socket transport carries the data; so is a
+//! plugin whose init fails, that has no device, or whose device cannot move host memory. A
+//! plugin that loads (its `ncclNetPlugin_vN` symbol, v12 down to v6: `abi`) carries the data
+//! between hosts, unless `NCCL_NET=Socket` asks for the socket transport. `NCCL_NET` naming
+//! neither is a WARN.
+
+pub(crate) mod abi;
 
 use std::ffi::{c_char, CStr};
 
@@ -18,8 +22,8 @@ pub enum Found {
     NoDefault,
     /// Named, but not loadable: (what was tried, why).
     NotLoadable(String, String),
-    /// Loaded: (file, ABI version, the plugin's name).
-    Loaded(String, u32, String),
+    /// Loaded: (file, ABI version, the plugin's name, its table's address).
+    Loaded(String, u32, String, usize),
     /// Loaded, but it exports no `ncclNetPlugin_v6` .. `_v12`.
     NoSymbol(String),
 }
@@ -60,9 +64,13 @@ pub fn find(value: Option<&str>) -> Found {
                     .map(|n| CStr::from_ptr(n).to_string_lossy().into_owned())
             };
             if let Some(name) = name {
-                // The library stays loaded (as NCCL keeps its plugin): its name is ours now.
+                // SAFETY: as above; the symbol's address only.
+                let table = unsafe { lib.get::<*const u8>(sym.as_bytes()) }
+                    .map(|s| *s as usize)
+                    .unwrap_or(0);
+                // The library stays loaded (as NCCL keeps its plugin): its table is ours now.
                 std::mem::forget(lib);
-                return Found::Loaded(c, v, name);
+                return Found::Loaded(c, v, name, table);
             }
         }
         return Found::NoSymbol(c);
@@ -75,33 +83,93 @@ pub fn find(value: Option<&str>) -> Found {
 
 /// Looks once per process and says what it found (at the first communicator's init).
 pub fn check_once() {
-    static DONE: std::sync::Once = std::sync::Once::new();
-    DONE.call_once(|| {
-        let value = crate::param::get_str("NCCL_NET_PLUGIN");
-        match find(value.as_deref()) {
-            Found::Disabled | Found::NoDefault => {}
-            Found::NotLoadable(tried, why) => crate::debug::warn(&format!(
+    let _ = net();
+}
+
+/// The net plugin that carries data between hosts, if one was found, loaded and initialised
+/// (once per process); None: the socket transport does.
+pub(crate) fn net() -> Option<&'static abi::Net> {
+    static NET: once_cell::sync::Lazy<Option<abi::Net>> = once_cell::sync::Lazy::new(load);
+    NET.as_ref()
+}
+
+fn load() -> Option<abi::Net> {
+    let value = crate::param::get_str("NCCL_NET_PLUGIN");
+    let wanted = crate::param::get_str("NCCL_NET");
+    let socket_wanted = wanted
+        .as_deref()
+        .is_some_and(|n| n.eq_ignore_ascii_case("socket"));
+    let fallback = "using oxccl's socket transport";
+    let net = match find(value.as_deref()) {
+        Found::Disabled | Found::NoDefault => None,
+        Found::NotLoadable(tried, why) => {
+            crate::debug::warn(&format!(
                 "NET/Plugin: NCCL_NET_PLUGIN={} could not be loaded (tried {tried}: {why}); \
-                 using oxccl's socket transport",
-                value.unwrap_or_default()
-            )),
-            Found::NoSymbol(file) => crate::debug::warn(&format!(
-                "NET/Plugin: {file} exports no ncclNetPlugin_v6 .. _v12; using oxccl's socket \
-                 transport"
-            )),
-            Found::Loaded(file, v, name) => crate::debug::warn(&format!(
-                "NET/Plugin: {file} is net plugin '{name}' (ncclNet_v{v}), but oxccl does not \
-                 drive net plugins yet: data between hosts goes over its socket transport"
-            )),
+                 {fallback}",
+                value.clone().unwrap_or_default()
+            ));
+            None
         }
-        if let Some(net) = crate::param::get_str("NCCL_NET") {
-            if !net.eq_ignore_ascii_case("socket") {
-                crate::debug::warn(&format!(
-                    "NCCL_NET={net}: oxccl's only network is Socket; using it"
+        Found::NoSymbol(file) => {
+            crate::debug::warn(&format!(
+                "NET/Plugin: {file} exports no ncclNetPlugin_v6 .. _v12; {fallback}"
+            ));
+            None
+        }
+        Found::Loaded(_, _, name, _) if socket_wanted => {
+            crate::debug::info(&format!(
+                "NET/Plugin: NCCL_NET=Socket: not using net plugin '{name}'"
+            ));
+            None
+        }
+        Found::Loaded(file, v, name, table) => match start(v, table) {
+            Ok(net) => {
+                crate::debug::info(&format!(
+                    "NET/Plugin: loaded net plugin '{name}' (ncclNet_v{v}) from {file}"
                 ));
+                Some(net)
             }
+            Err(e) => {
+                crate::debug::warn(&format!(
+                    "NET/Plugin: net plugin '{name}' (ncclNet_v{v}) from {file} cannot be used: \
+                     {}; {fallback}",
+                    e.msg
+                ));
+                None
+            }
+        },
+    };
+    if let Some(w) = wanted.filter(|w| !w.eq_ignore_ascii_case("socket")) {
+        if !net
+            .as_ref()
+            .is_some_and(|n| n.name.eq_ignore_ascii_case(&w))
+        {
+            crate::debug::warn(&format!(
+                "NCCL_NET={w}: no such network here (oxccl has Socket{}); using {}",
+                net.as_ref()
+                    .map_or(String::new(), |n| format!(" and {}", n.name)),
+                net.as_ref().map_or("Socket", |n| n.name.as_str())
+            ));
         }
-    });
+    }
+    net
+}
+
+/// Initialises a loaded plugin and checks that its first device moves host memory.
+fn start(version: u32, table: usize) -> crate::error::Result<abi::Net> {
+    // SAFETY: `table` is the plugin's ncclNetPlugin_v<version>, kept loaded for the process.
+    let mut net = unsafe { abi::Net::new(version, table as *const std::ffi::c_void) }?;
+    net.init()?;
+    let n = net.devices()?;
+    if n < 1 {
+        return Err(crate::error::Error::system("it has no device"));
+    }
+    if !net.moves_host_memory(0)? {
+        return Err(crate::error::Error::system(
+            "its device 0 cannot move host memory (NCCL_PTR_HOST)",
+        ));
+    }
+    Ok(net)
 }
 
 #[cfg(test)]

@@ -166,17 +166,24 @@ fn sleep(sh: &Shared, ends: &[Arc<dyn Proxy>]) {
         e.wait_for(&mut waits);
     }
     let mut fds = vec![PollFd::new(sh.wake_rx.as_fd(), PollFlags::POLLIN)];
+    let mut soon = false;
     for w in &waits {
         let (fd, flags) = match *w {
             Wait::Readable(fd) => (fd, PollFlags::POLLIN),
             Wait::Writable(fd) => (fd, PollFlags::POLLOUT),
+            Wait::Soon => {
+                soon = true;
+                continue;
+            }
         };
         // SAFETY: the ends own these sockets and outlive this call (`ends` holds them).
         let b = unsafe { BorrowedFd::borrow_raw(fd) };
         fds.push(PollFd::new(b, flags));
     }
     // Kernels fill slots without kicking the thread: on the CUDA executor it looks again soon.
+    // So do a net plugin's requests, which have no socket to wait on.
     let ms = match crate::gpu::kind() {
+        _ if soon => 1u16,
         crate::gpu::Kind::Cuda => 1u16,
         crate::gpu::Kind::Host => SLEEP_MS,
     };

@@ -1,0 +1,406 @@
+//! Ranks on other hosts through a net plugin (`plugin::net`): the same FIFO as every transport,
+//! its slots moved by the plugin's isend/irecv. Each slot travels as two messages on the
+//! connection's comm: its header (call words, bytes) from a small registered array, then its
+//! bytes straight from (into) the FIFO slot, registered once. Up to `INFLIGHT` slots are posted
+//! at once; requests complete in order.
+//!
+//! Set-up goes through the transport seam: the receiving end listens on device 0 and its blob
+//! is the plugin's handle; the sending end connects to it. Both finish (connect, accept: the
+//! plugin may need several calls) while the executor and the proxy thread drive the end.
+
+use super::inproc;
+use super::peer::PeerInfo;
+use super::plugin::abi::{Net as Plugin, HANDLE_BYTES};
+use super::{ConnSpec, Endpoint, Locality, Proxy, Region, Transport, Wait};
+use crate::error::{Error, Result};
+use parking_lot::Mutex;
+use std::collections::VecDeque;
+use std::ffi::c_void;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+pub struct NetPlugin;
+
+const HDR: usize = 24;
+/// Slots posted at once (two requests each: within NCCL_NET_MAX_REQUESTS = 8 of older ABIs).
+const INFLIGHT: u64 = 4;
+
+fn plugin() -> Result<&'static Plugin> {
+    super::plugin::net().ok_or_else(|| Error::internal("the net plugin is gone"))
+}
+
+impl Transport for NetPlugin {
+    fn name(&self) -> &'static str {
+        "network (net plugin)"
+    }
+    fn reaches(&self, me: &PeerInfo, peer: &PeerInfo) -> bool {
+        Locality::of(me, peer) == Locality::OtherHost
+    }
+    fn setup(&self, spec: &ConnSpec) -> Result<(Box<dyn Endpoint>, Vec<u8>)> {
+        let net = plugin()?;
+        let name = format!("{}-netp-{}", spec.name(), std::process::id());
+        let region = inproc::open(&name, super::region_bytes(spec.nsteps, spec.slot_bytes))?;
+        inproc::forget(&name);
+        let (listen, blob) = if spec.is_sender {
+            (Comm::null(), Vec::new())
+        } else {
+            let mut handle = [0u8; HANDLE_BYTES];
+            let l = net.listen(0, &mut handle)?;
+            (Comm(l), handle.to_vec())
+        };
+        Ok((
+            Box::new(Setup {
+                region,
+                listen,
+                spec: (spec.me, spec.peer, spec.is_sender),
+                geometry: (spec.nsteps, spec.slot_bytes),
+            }),
+            blob,
+        ))
+    }
+}
+
+/// A plugin object (comm, request or memory handle), ours to pass back to it.
+#[derive(Clone, Copy)]
+struct Comm(*mut c_void);
+
+impl Comm {
+    fn null() -> Comm {
+        Comm(std::ptr::null_mut())
+    }
+}
+
+// SAFETY: plugin objects are used under the end's lock only, from any thread (as NCCL's
+// proxy threads do).
+unsafe impl Send for Comm {}
+
+struct Setup {
+    region: Arc<inproc::HeapRegion>,
+    listen: Comm,
+    spec: (usize, usize, bool),
+    geometry: (usize, usize),
+}
+
+impl Endpoint for Setup {
+    fn connect(self: Box<Self>, peer_blob: &[u8]) -> Result<super::Conn> {
+        let s = *self;
+        let (me, peer, is_sender) = s.spec;
+        let (nsteps, slot_bytes) = s.geometry;
+        let view = || {
+            super::Conn::new(
+                Region::Heap(s.region.clone()),
+                nsteps,
+                slot_bytes,
+                (me, peer),
+                is_sender,
+            )
+        };
+        let mut conn = view();
+        // The region is this end's alone: both "ends" of it are here.
+        conn.attach();
+        conn.attach();
+        let state = if is_sender {
+            let mut handle = [0u8; HANDLE_BYTES];
+            if peer_blob.len() != HANDLE_BYTES {
+                return Err(Error::internal(format!(
+                    "rank {me}: rank {peer}'s net plugin handle has {} bytes",
+                    peer_blob.len()
+                )));
+            }
+            handle.copy_from_slice(peer_blob);
+            State::Connecting(Box::new(handle))
+        } else {
+            State::Accepting(s.listen)
+        };
+        conn.proxy = Some(Arc::new(PluginEnd {
+            view: view(),
+            me,
+            peer,
+            is_sender,
+            hdrs: Mutex::new(vec![[0u8; HDR]; nsteps].into_boxed_slice()),
+            state: Mutex::new(Wire {
+                state,
+                posted: 0,
+                done: 0,
+                reqs: VecDeque::new(),
+            }),
+            closed: Default::default(),
+        }));
+        Ok(conn)
+    }
+}
+
+enum State {
+    Connecting(Box<[u8; HANDLE_BYTES]>),
+    Accepting(Comm),
+    /// The comm and the registrations of the FIFO's slots and of the header array.
+    Ready {
+        comm: Comm,
+        slots: Comm,
+        hdrs: Comm,
+    },
+    Closed,
+}
+
+struct Wire {
+    state: State,
+    /// Slots posted, and completed (freed on the sending end, published on the receiving end).
+    posted: u64,
+    done: u64,
+    /// Each posted slot's two requests (header, bytes), oldest first; None once complete.
+    reqs: VecDeque<[Option<Comm>; 2]>,
+}
+
+/// One end of a connection through the plugin.
+pub struct PluginEnd {
+    view: super::Conn,
+    me: usize,
+    peer: usize,
+    is_sender: bool,
+    /// Each slot's header on the wire (its own buffer: the FIFO's header area is not
+    /// registered with the plugin).
+    hdrs: Mutex<Box<[[u8; HDR]]>>,
+    state: Mutex<Wire>,
+    /// The peer closed the connection between slots.
+    closed: std::sync::atomic::AtomicBool,
+}
+
+impl PluginEnd {
+    fn failed(&self, e: Error) -> Error {
+        Error::remote(format!(
+            "rank {}: the network connection {} rank {} (net plugin) failed: {}",
+            self.me,
+            if self.is_sender { "to" } else { "from" },
+            self.peer,
+            e.msg
+        ))
+    }
+
+    /// One round: connect/accept, post what can be posted, complete what is done.
+    fn step(&self, w: &mut Wire) -> Result<bool> {
+        if self.closed.load(Ordering::Acquire) {
+            return Ok(false);
+        }
+        let net = plugin()?;
+        match &mut w.state {
+            State::Connecting(handle) => {
+                let c = net.connect(0, handle).map_err(|e| self.failed(e))?;
+                if c.is_null() {
+                    return Ok(false);
+                }
+                w.state = self.register(net, Comm(c))?;
+                return Ok(true);
+            }
+            State::Accepting(l) => {
+                let c = net.accept(l.0).map_err(|e| self.failed(e))?;
+                if c.is_null() {
+                    return Ok(false);
+                }
+                net.close_listen(l.0);
+                w.state = self.register(net, Comm(c))?;
+                return Ok(true);
+            }
+            State::Closed => return Ok(false),
+            State::Ready { .. } => {}
+        }
+        let State::Ready { comm, slots, hdrs } = w.state else {
+            unreachable!()
+        };
+        let v = &self.view;
+        let mut moved = false;
+        // Post: filled slots (sending end), free ones (receiving end).
+        loop {
+            let ready = if self.is_sender {
+                w.posted < v.tail().load(Ordering::Acquire)
+            } else {
+                w.posted - v.head().load(Ordering::Acquire) < v.nsteps
+            };
+            if !ready || w.posted - w.done >= INFLIGHT {
+                break;
+            }
+            let k = (w.posted % v.nsteps) as usize;
+            let hdr = {
+                let mut h = self.hdrs.lock();
+                if self.is_sender {
+                    for (i, m) in v.meta(w.posted).iter().enumerate() {
+                        h[k][8 * i..8 * i + 8].copy_from_slice(&m.to_le_bytes());
+                    }
+                }
+                h[k].as_mut_ptr()
+            };
+            let slot = v.slot(w.posted);
+            let (a, b) = if self.is_sender {
+                let bytes = v.meta(w.posted)[2] as usize;
+                let a = net.isend(comm.0, hdr, HDR, hdrs.0);
+                let a = a.map_err(|e| self.failed(e))?;
+                if a.is_null() {
+                    break;
+                }
+                (a, net.isend(comm.0, slot, bytes, slots.0))
+            } else {
+                let a = net
+                    .irecv(comm.0, hdr, HDR, hdrs.0)
+                    .map_err(|e| self.failed(e))?;
+                if a.is_null() {
+                    break;
+                }
+                (a, net.irecv(comm.0, slot, v.slot_bytes, slots.0))
+            };
+            let b = b.map_err(|e| self.failed(e))?;
+            // A plugin that took the header but not the bytes: retried below until it does.
+            w.reqs
+                .push_back([Some(Comm(a)), (!b.is_null()).then_some(Comm(b))]);
+            w.posted += 1;
+            moved = true;
+            if b.is_null() {
+                break;
+            }
+        }
+        // A slot whose bytes were not posted yet (the plugin was busy).
+        if let Some(last) = w.reqs.back_mut() {
+            if last[1].is_none() {
+                let step = w.posted - 1;
+                let slot = v.slot(step);
+                let b = if self.is_sender {
+                    net.isend(comm.0, slot, v.meta(step)[2] as usize, slots.0)
+                } else {
+                    net.irecv(comm.0, slot, v.slot_bytes, slots.0)
+                }
+                .map_err(|e| self.failed(e))?;
+                if !b.is_null() {
+                    last[1] = Some(Comm(b));
+                }
+            }
+        }
+        // Complete, in order.
+        while let Some(front) = w.reqs.front_mut() {
+            let mut size = 0;
+            for (i, r) in front.iter_mut().enumerate() {
+                let Some(req) = *r else {
+                    return Ok(moved); // not posted yet
+                };
+                if req.0.is_null() {
+                    continue; // done earlier
+                }
+                let tested = net.test(req.0);
+                // A receiving end's failed wait for a header: the peer is done with the
+                // connection (it may have ended its communicator); only a wait for more from
+                // it is an error (`closed`), as on the socket transport.
+                if tested.is_err() && !self.is_sender && i == 0 {
+                    self.closed.store(true, Ordering::Release);
+                    return Ok(moved);
+                }
+                match tested.map_err(|e| self.failed(e))? {
+                    None => return Ok(moved),
+                    Some(n) => {
+                        *r = Some(Comm::null());
+                        if i == 1 {
+                            size = n;
+                        }
+                    }
+                }
+            }
+            w.reqs.pop_front();
+            let step = w.done;
+            if self.is_sender {
+                v.head().store(step + 1, Ordering::Release);
+            } else {
+                let h = self.hdrs.lock()[(step % v.nsteps) as usize];
+                let word = |i: usize| u64::from_le_bytes(h[8 * i..8 * i + 8].try_into().unwrap());
+                if word(2) as usize != size || size > v.slot_bytes {
+                    return Err(self.failed(Error::internal(format!(
+                        "a slot said {} bytes and {size} arrived",
+                        word(2)
+                    ))));
+                }
+                v.set_meta(step, [word(0), word(1), word(2)]);
+                v.tail().store(step + 1, Ordering::Release);
+            }
+            w.done += 1;
+            moved = true;
+        }
+        Ok(moved)
+    }
+
+    /// Registers the FIFO's slots and the header array with a new comm.
+    fn register(&self, net: &Plugin, comm: Comm) -> Result<State> {
+        let v = &self.view;
+        let slots = net
+            .reg_mr(comm.0, v.slot(0), v.nsteps as usize * v.slot_bytes)
+            .map_err(|e| self.failed(e))?;
+        let hdrs = {
+            let mut h = self.hdrs.lock();
+            net.reg_mr(comm.0, h.as_mut_ptr() as *mut u8, h.len() * HDR)
+        }
+        .map_err(|e| self.failed(e))?;
+        Ok(State::Ready {
+            comm,
+            slots: Comm(slots),
+            hdrs: Comm(hdrs),
+        })
+    }
+}
+
+impl Proxy for PluginEnd {
+    fn closed(&self) -> bool {
+        self.closed.load(Ordering::Acquire)
+    }
+
+    fn progress(&self) -> Result<bool> {
+        self.step(&mut self.state.lock())
+    }
+
+    fn progress_inline(&self) {
+        if let Some(mut w) = self.state.try_lock() {
+            let _ = self.step(&mut w);
+        }
+    }
+
+    fn kick(&self) {
+        self.progress_inline();
+    }
+
+    /// A plugin has no socket to sleep on: the proxy looks again soon while anything is
+    /// pending (or the end is not connected yet).
+    fn wait_for(&self, out: &mut Vec<Wait>) {
+        let w = self.state.lock();
+        let busy = match w.state {
+            State::Connecting(_) | State::Accepting(_) => true,
+            State::Ready { .. } => {
+                !w.reqs.is_empty()
+                    || (self.is_sender && self.view.tail().load(Ordering::Acquire) > w.posted)
+            }
+            State::Closed => false,
+        };
+        if busy {
+            out.push(Wait::Soon);
+        }
+    }
+
+    fn flushed(&self) -> bool {
+        !self.is_sender || {
+            let w = self.state.lock();
+            w.done >= self.view.tail().load(Ordering::Acquire)
+        }
+    }
+}
+
+impl Drop for PluginEnd {
+    fn drop(&mut self) {
+        let Ok(net) = plugin() else { return };
+        let w = self.state.get_mut();
+        match std::mem::replace(&mut w.state, State::Closed) {
+            State::Ready { comm, slots, hdrs } => {
+                net.dereg_mr(comm.0, slots.0);
+                net.dereg_mr(comm.0, hdrs.0);
+                if self.is_sender {
+                    net.close_send(comm.0);
+                } else {
+                    net.close_recv(comm.0);
+                }
+            }
+            State::Accepting(l) => net.close_listen(l.0),
+            State::Connecting(_) | State::Closed => {}
+        }
+    }
+}
