@@ -177,8 +177,10 @@ fn each_locality_has_its_transport_and_blobs_are_checked() {
     let net = pick(&me, &other_host).unwrap();
     let (ep, _) = net.setup(&spec(true)).unwrap();
     assert!(ep.connect(b"short").is_err());
+    // Its blob: the token (16 bytes), its number of sockets, its address.
     let (_, blob) = net.setup(&spec(false)).unwrap();
-    let addr = std::str::from_utf8(&blob[16..]).unwrap();
+    assert_eq!(blob[16], 1, "sockets per connection");
+    let addr = std::str::from_utf8(&blob[17..]).unwrap();
     assert!(addr.starts_with("127.0.0.1:"), "{addr}");
 }
 
