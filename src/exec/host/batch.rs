@@ -335,7 +335,16 @@ impl Running {
         }
         if let Some((r, pid)) = self.comm().dead_peer() {
             // A peer that did its part and then exited is no failure: look once more, now
-            // that everything it wrote before exiting is visible.
+            // that everything it wrote before exiting is visible. Nor is it while this task
+            // waits on other peers only (over the network, say): if one of those waits for the
+            // dead one, it fails and says so to every rank.
+            let elsewhere = {
+                let mut waited = self.waited_conns().map(|c| c.peer).peekable();
+                waited.peek().is_some() && !waited.any(|p| p == r)
+            };
+            if elsewhere {
+                return;
+            }
             if self.poll() != Poll::Blocked {
                 return;
             }
