@@ -679,8 +679,8 @@ fn testnet_plugin(v: u32) -> PathBuf {
 
 /// Every collective and Send/Recv through the net plugin path: the perf tools on 2 "hosts" x 2
 /// ranks (loopback, OXCCL_HOSTID), NCCL_NET_PLUGIN pointing at a TCP plugin built for ABI v8 and
-/// v12 (every row checked, the connections named NET/testnet), then all_reduce at every ABI
-/// version v6 .. v12.
+/// v12 (every row checked, the connections named NET/testnet); three of them with a plugin that
+/// refuses every third post; then all_reduce at every ABI version v6 .. v12.
 #[test]
 fn every_collective_through_a_net_plugin() {
     let hosts = |r: usize| Some(format!("plugin-host-{}", r / 2));
@@ -724,6 +724,19 @@ fn every_collective_through_a_net_plugin() {
                 processes_placed(4, name, &["-b", "8", "-e", "1M", "-f", "32"], &envs, &hosts);
             check(name, v, &outs);
         }
+    }
+    // A plugin that sometimes refuses a post (NULL request: call again later).
+    let so = testnet_plugin(8);
+    let so = so.to_str().unwrap();
+    let envs = [
+        ("NCCL_NET_PLUGIN", so),
+        ("NCCL_DEBUG", "INFO"),
+        ("OXCCL_TIMEOUT_S", "60"),
+        ("OXCCL_TEST_NET_BUSY", "1"),
+    ];
+    for name in ["all_reduce_perf", "alltoall_perf", "sendrecv_perf"] {
+        let outs = processes_placed(4, name, &["-b", "8", "-e", "4M", "-f", "8"], &envs, &hosts);
+        check(name, 8, &outs);
     }
     for v in [6, 7, 9, 10, 11] {
         let so = testnet_plugin(v);

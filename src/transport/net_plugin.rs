@@ -117,14 +117,17 @@ impl Endpoint for Setup {
             me,
             peer,
             is_sender,
-            hdrs: Mutex::new(vec![[0u8; HDR]; nsteps].into_boxed_slice()),
+            hdrs: Headers::new(nsteps),
             state: Mutex::new(Wire {
                 state,
                 posted: 0,
                 done: 0,
                 reqs: VecDeque::new(),
+                failed: false,
+                last: std::time::Instant::now(),
             }),
             closed: Default::default(),
+            waker: Default::default(),
         }));
         Ok(conn)
     }
@@ -147,8 +150,49 @@ struct Wire {
     /// Slots posted, and completed (freed on the sending end, published on the receiving end).
     posted: u64,
     done: u64,
-    /// Each posted slot's two requests (header, bytes), oldest first; None once complete.
+    /// Each posted slot's two requests (header, bytes), oldest first: None where not posted
+    /// yet (the plugin was busy), a null request once complete.
     reqs: VecDeque<[Option<Comm>; 2]>,
+    /// An error ended the end.
+    failed: bool,
+    /// When a slot last completed.
+    last: std::time::Instant,
+}
+
+/// Slot headers as the plugin reads and writes them (outside any Rust borrow): `len` of them.
+struct Headers {
+    ptr: *mut u8,
+    len: usize,
+}
+
+// SAFETY: a plain allocation; header k is touched by one side at a time (see `step_ready`).
+unsafe impl Send for Headers {}
+// SAFETY: as above.
+unsafe impl Sync for Headers {}
+
+impl Headers {
+    fn new(len: usize) -> Headers {
+        let b: Box<[u8]> = vec![0u8; len * HDR].into_boxed_slice();
+        Headers {
+            ptr: Box::into_raw(b) as *mut u8,
+            len,
+        }
+    }
+    fn at(&self, k: usize) -> *mut u8 {
+        assert!(k < self.len);
+        // SAFETY: within the allocation.
+        unsafe { self.ptr.add(k * HDR) }
+    }
+}
+
+impl Drop for Headers {
+    fn drop(&mut self) {
+        // SAFETY: made by `new` from a boxed slice of len * HDR bytes; the plugin is done with
+        // it (the comm was closed first: PluginEnd's fields drop after its own Drop).
+        drop(unsafe {
+            Box::from_raw(std::ptr::slice_from_raw_parts_mut(self.ptr, self.len * HDR))
+        });
+    }
 }
 
 /// One end of a connection through the plugin.
@@ -159,10 +203,12 @@ pub struct PluginEnd {
     is_sender: bool,
     /// Each slot's header on the wire (its own buffer: the FIFO's header area is not
     /// registered with the plugin).
-    hdrs: Mutex<Box<[[u8; HDR]]>>,
+    hdrs: Headers,
     state: Mutex<Wire>,
     /// The peer closed the connection between slots.
     closed: std::sync::atomic::AtomicBool,
+    /// Set when the proxy thread takes the end.
+    waker: once_cell::sync::OnceCell<super::proxy::Waker>,
 }
 
 impl PluginEnd {
@@ -176,11 +222,20 @@ impl PluginEnd {
         ))
     }
 
-    /// One round: connect/accept, post what can be posted, complete what is done.
+    /// One round: connect/accept, post what can be posted, complete what is done. After an
+    /// error the end does nothing more (its error reached the communicator's health).
     fn step(&self, w: &mut Wire) -> Result<bool> {
-        if self.closed.load(Ordering::Acquire) {
+        if self.closed.load(Ordering::Acquire) || w.failed {
             return Ok(false);
         }
+        let r = self.step_ready(w);
+        if r.is_err() {
+            w.failed = true;
+        }
+        r
+    }
+
+    fn step_ready(&self, w: &mut Wire) -> Result<bool> {
         let net = plugin()?;
         match &mut w.state {
             State::Connecting(handle) => {
@@ -188,7 +243,10 @@ impl PluginEnd {
                 if c.is_null() {
                     return Ok(false);
                 }
-                w.state = self.register(net, Comm(c))?;
+                w.state = State::Closed;
+                w.state = self
+                    .register(net, Comm(c))
+                    .inspect_err(|_| net.close_send(c))?;
                 return Ok(true);
             }
             State::Accepting(l) => {
@@ -196,8 +254,12 @@ impl PluginEnd {
                 if c.is_null() {
                     return Ok(false);
                 }
+                let l = *l;
+                w.state = State::Closed;
                 net.close_listen(l.0);
-                w.state = self.register(net, Comm(c))?;
+                w.state = self
+                    .register(net, Comm(c))
+                    .inspect_err(|_| net.close_recv(c))?;
                 return Ok(true);
             }
             State::Closed => return Ok(false),
@@ -208,6 +270,25 @@ impl PluginEnd {
         };
         let v = &self.view;
         let mut moved = false;
+        // First the bytes of a slot whose header went out but whose bytes the plugin did not
+        // take (it was busy): nothing else may go on the comm before them.
+        if let Some(last) = w.reqs.back_mut() {
+            if last[1].is_none() {
+                let step = w.posted - 1;
+                let slot = v.slot(step);
+                let b = if self.is_sender {
+                    net.isend(comm.0, slot, v.meta(step)[2] as usize, slots.0)
+                } else {
+                    net.irecv(comm.0, slot, v.slot_bytes, slots.0)
+                }
+                .map_err(|e| self.failed(e))?;
+                if b.is_null() {
+                    return self.complete(net, w, moved);
+                }
+                last[1] = Some(Comm(b));
+                moved = true;
+            }
+        }
         // Post: filled slots (sending end), free ones (receiving end).
         loop {
             let ready = if self.is_sender {
@@ -219,35 +300,32 @@ impl PluginEnd {
                 break;
             }
             let k = (w.posted % v.nsteps) as usize;
-            let hdr = {
-                let mut h = self.hdrs.lock();
-                if self.is_sender {
-                    for (i, m) in v.meta(w.posted).iter().enumerate() {
-                        h[k][8 * i..8 * i + 8].copy_from_slice(&m.to_le_bytes());
-                    }
+            let hdr = self.hdrs.at(k);
+            if self.is_sender {
+                let meta = v.meta(w.posted);
+                // SAFETY: header k is free: its last slot (posted - nsteps) has completed.
+                let h = unsafe { std::slice::from_raw_parts_mut(hdr, HDR) };
+                for (i, m) in meta.iter().enumerate() {
+                    h[8 * i..8 * i + 8].copy_from_slice(&m.to_le_bytes());
                 }
-                h[k].as_mut_ptr()
-            };
+            }
             let slot = v.slot(w.posted);
-            let (a, b) = if self.is_sender {
-                let bytes = v.meta(w.posted)[2] as usize;
-                let a = net.isend(comm.0, hdr, HDR, hdrs.0);
-                let a = a.map_err(|e| self.failed(e))?;
-                if a.is_null() {
-                    break;
-                }
-                (a, net.isend(comm.0, slot, bytes, slots.0))
+            let a = if self.is_sender {
+                net.isend(comm.0, hdr, HDR, hdrs.0)
             } else {
-                let a = net
-                    .irecv(comm.0, hdr, HDR, hdrs.0)
-                    .map_err(|e| self.failed(e))?;
-                if a.is_null() {
-                    break;
-                }
-                (a, net.irecv(comm.0, slot, v.slot_bytes, slots.0))
-            };
-            let b = b.map_err(|e| self.failed(e))?;
-            // A plugin that took the header but not the bytes: retried below until it does.
+                net.irecv(comm.0, hdr, HDR, hdrs.0)
+            }
+            .map_err(|e| self.failed(e))?;
+            if a.is_null() {
+                break; // busy: again later
+            }
+            let b = if self.is_sender {
+                net.isend(comm.0, slot, v.meta(w.posted)[2] as usize, slots.0)
+            } else {
+                net.irecv(comm.0, slot, v.slot_bytes, slots.0)
+            }
+            .map_err(|e| self.failed(e))?;
+            // A plugin that took the header but not the bytes: retried first next time.
             w.reqs
                 .push_back([Some(Comm(a)), (!b.is_null()).then_some(Comm(b))]);
             w.posted += 1;
@@ -256,23 +334,12 @@ impl PluginEnd {
                 break;
             }
         }
-        // A slot whose bytes were not posted yet (the plugin was busy).
-        if let Some(last) = w.reqs.back_mut() {
-            if last[1].is_none() {
-                let step = w.posted - 1;
-                let slot = v.slot(step);
-                let b = if self.is_sender {
-                    net.isend(comm.0, slot, v.meta(step)[2] as usize, slots.0)
-                } else {
-                    net.irecv(comm.0, slot, v.slot_bytes, slots.0)
-                }
-                .map_err(|e| self.failed(e))?;
-                if !b.is_null() {
-                    last[1] = Some(Comm(b));
-                }
-            }
-        }
-        // Complete, in order.
+        self.complete(net, w, moved)
+    }
+
+    /// Completes posted slots, in order: frees them (sending end) or publishes them.
+    fn complete(&self, net: &Plugin, w: &mut Wire, mut moved: bool) -> Result<bool> {
+        let v = &self.view;
         while let Some(front) = w.reqs.front_mut() {
             let mut size = 0;
             for (i, r) in front.iter_mut().enumerate() {
@@ -283,17 +350,27 @@ impl PluginEnd {
                     continue; // done earlier
                 }
                 let tested = net.test(req.0);
-                // A receiving end's failed wait for a header: the peer is done with the
-                // connection (it may have ended its communicator); only a wait for more from
-                // it is an error (`closed`), as on the socket transport.
-                if tested.is_err() && !self.is_sender && i == 0 {
-                    self.closed.store(true, Ordering::Release);
-                    return Ok(moved);
+                // A receiving end's wait for a header that the plugin ends with a remote error:
+                // the peer is done with the connection (it may have ended its communicator);
+                // only a wait for more from it is an error (`closed`), as on the socket
+                // transport. Other errors are failures.
+                if !self.is_sender && i == 0 {
+                    if let Err(e) = &tested {
+                        if e.code == crate::error::Code::RemoteError {
+                            self.closed.store(true, Ordering::Release);
+                            return Ok(moved);
+                        }
+                    }
                 }
                 match tested.map_err(|e| self.failed(e))? {
                     None => return Ok(moved),
                     Some(n) => {
                         *r = Some(Comm::null());
+                        if i == 0 && !self.is_sender && n != HDR {
+                            return Err(self.failed(Error::internal(format!(
+                                "a slot header of {n} bytes arrived, not {HDR}"
+                            ))));
+                        }
                         if i == 1 {
                             size = n;
                         }
@@ -301,11 +378,14 @@ impl PluginEnd {
                 }
             }
             w.reqs.pop_front();
+            w.last = std::time::Instant::now();
             let step = w.done;
             if self.is_sender {
                 v.head().store(step + 1, Ordering::Release);
             } else {
-                let h = self.hdrs.lock()[(step % v.nsteps) as usize];
+                let k = (step % v.nsteps) as usize;
+                // SAFETY: header k was filled by the completed receive; not reposted yet.
+                let h = unsafe { std::slice::from_raw_parts(self.hdrs.at(k), HDR) };
                 let word = |i: usize| u64::from_le_bytes(h[8 * i..8 * i + 8].try_into().unwrap());
                 if word(2) as usize != size || size > v.slot_bytes {
                     return Err(self.failed(Error::internal(format!(
@@ -328,11 +408,9 @@ impl PluginEnd {
         let slots = net
             .reg_mr(comm.0, v.slot(0), v.nsteps as usize * v.slot_bytes)
             .map_err(|e| self.failed(e))?;
-        let hdrs = {
-            let mut h = self.hdrs.lock();
-            net.reg_mr(comm.0, h.as_mut_ptr() as *mut u8, h.len() * HDR)
-        }
-        .map_err(|e| self.failed(e))?;
+        let hdrs = net
+            .reg_mr(comm.0, self.hdrs.at(0), self.hdrs.len * HDR)
+            .map_err(|e| self.failed(e))?;
         Ok(State::Ready {
             comm,
             slots: Comm(slots),
@@ -356,19 +434,40 @@ impl Proxy for PluginEnd {
         }
     }
 
-    fn kick(&self) {
-        self.progress_inline();
+    fn set_waker(&self, w: super::proxy::Waker) {
+        let _ = self.waker.set(w);
     }
 
-    /// A plugin has no socket to sleep on: the proxy looks again soon while anything is
-    /// pending (or the end is not connected yet).
+    /// Moves what it can on the executor's thread; where the proxy thread holds the end, wakes
+    /// it instead (it may be about to sleep).
+    fn kick(&self) {
+        match self.state.try_lock() {
+            Some(mut w) => {
+                let _ = self.step(&mut w);
+            }
+            None => {
+                if let Some(k) = self.waker.get() {
+                    k.kick();
+                }
+            }
+        }
+    }
+
+    /// A plugin has no socket to sleep on: the proxy looks again soon (1 ms) while sends are
+    /// pending, the end is not connected yet, or slots moved in the last 100 ms; a receiving
+    /// end that only waits for its peer is looked at every 20 ms (the executor moves it
+    /// itself while it waits).
     fn wait_for(&self, out: &mut Vec<Wait>) {
         let w = self.state.lock();
+        if self.closed() || w.failed {
+            return;
+        }
         let busy = match w.state {
             State::Connecting(_) | State::Accepting(_) => true,
             State::Ready { .. } => {
-                !w.reqs.is_empty()
-                    || (self.is_sender && self.view.tail().load(Ordering::Acquire) > w.posted)
+                (self.is_sender
+                    && (!w.reqs.is_empty() || self.view.tail().load(Ordering::Acquire) > w.posted))
+                    || (!self.is_sender && w.last.elapsed() < std::time::Duration::from_millis(100))
             }
             State::Closed => false,
         };

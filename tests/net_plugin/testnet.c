@@ -139,6 +139,12 @@ static res_t post(void* cv, int recv, void* data, size_t size, void** request) {
   struct comm* c = cv;
   struct req* r = &c->reqs[c->tail];
   if (r->state != 0) { *request = NULL; return OK; } /* busy: again later */
+  /* OXCCL_TEST_NET_BUSY=1: refuse every third post, as a plugin out of resources may. */
+  static int calls;
+  if (getenv("OXCCL_TEST_NET_BUSY") && __atomic_fetch_add(&calls, 1, __ATOMIC_RELAXED) % 3 == 1) {
+    *request = NULL;
+    return OK;
+  }
   memset(r, 0, sizeof *r);
   r->c = c; r->recv = recv; r->state = 1; r->buf = data; r->size = size;
   r->len = size;
