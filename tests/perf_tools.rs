@@ -441,7 +441,7 @@ fn tools_across_two_namespace_hosts() {
         .into_iter()
         .map(|(a, b)| (a.to_string(), b))
         .collect();
-        let before: Vec<u64> = (0..2).map(|i| hosts.bytes(i)).collect();
+        let before = hosts.counters();
         for i in 0..2 {
             let cmds: Vec<String> = (2 * i..2 * i + 2)
                 .map(|r| {
@@ -467,13 +467,7 @@ fn tools_across_two_namespace_hosts() {
             "{name}:\n{}",
             logs[0]
         );
-        for (i, b) in before.iter().enumerate() {
-            let moved = hosts.bytes(i) - b;
-            assert!(
-                moved > 4 << 20,
-                "{name}: host {i}'s link moved only {moved} bytes"
-            );
-        }
+        hosts.assert_moved(&before, 4 << 20, name);
     }
 }
 
@@ -584,7 +578,7 @@ fn tools_across_two_namespace_hosts_under_mpirun() {
              -x OXCCL_TIMEOUT_S -np 2 {exe} {args} : -np 2 {host1} > {} 2>&1",
             log.display()
         );
-        let before: Vec<u64> = (0..2).map(|i| hosts.bytes(i)).collect();
+        let before = hosts.counters();
         hosts.start(0, &env, &[cmd]);
         let ok = hosts.wait_for(std::time::Duration::from_secs(120));
         let text = std::fs::read_to_string(&log).unwrap_or_default();
@@ -597,13 +591,7 @@ fn tools_across_two_namespace_hosts_under_mpirun() {
                 && text.contains(&format!("on {}-1 ", hosts.ns(1))),
             "{name}:\n{text}"
         );
-        for (i, b) in before.iter().enumerate() {
-            let moved = hosts.bytes(i) - b;
-            assert!(
-                moved > 4 << 20,
-                "{name}: host {i}'s link moved only {moved} bytes"
-            );
-        }
+        hosts.assert_moved(&before, 4 << 20, name);
     }
 }
 

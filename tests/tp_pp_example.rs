@@ -133,7 +133,7 @@ fn tp4_pp2_on_two_namespace_hosts() {
         .into_iter()
         .map(|(a, b)| (a.to_string(), b))
         .collect();
-        let before: Vec<u64> = (0..2).map(|i| hosts.bytes(i)).collect();
+        let before = hosts.counters();
         for i in 0..2 {
             let cmds: Vec<String> = (4 * i..4 * i + 4)
                 .map(|r| {
@@ -171,13 +171,7 @@ fn tp4_pp2_on_two_namespace_hosts() {
                 logs.concat()
             );
         }
-        for (i, b) in before.iter().enumerate() {
-            let moved = hosts.bytes(i) - b;
-            assert!(
-                moved > 10_000,
-                "{extra}: host {i}'s eth0 carried only {moved} bytes"
-            );
-        }
+        hosts.assert_moved(&before, 10_000, extra);
         let lines: Vec<&str> = logs
             .iter()
             .flat_map(|l| l.lines())

@@ -144,6 +144,23 @@ impl Hosts {
         Some(done.into_iter().map(|d| d == Some(true)).collect())
     }
 
+    /// Every host's eth0 byte count (`bytes`), to compare with later (`assert_moved`).
+    pub fn counters(&self) -> Vec<u64> {
+        (0..self.n).map(|i| self.bytes(i)).collect()
+    }
+
+    /// Asserts that every host's link moved more than `min` bytes since `before`
+    /// (`counters`): the data went over the network between the hosts.
+    pub fn assert_moved(&self, before: &[u64], min: u64, what: &str) {
+        for (i, b) in before.iter().enumerate() {
+            let moved = self.bytes(i) - b;
+            assert!(
+                moved > min,
+                "{what}: host {i}'s link moved only {moved} bytes"
+            );
+        }
+    }
+
     /// Bytes host `i`'s eth0 has received and sent.
     pub fn bytes(&self, i: usize) -> u64 {
         let read = |what: &str| -> u64 {
