@@ -4,6 +4,10 @@
 //! bytes straight from (into) the FIFO slot, registered once. Up to `INFLIGHT` slots are posted
 //! at once; requests complete in order.
 //!
+//! Unlike the socket transport, nothing travels while a connection is idle (no heartbeats): a
+//! peer whose connection closes is seen at once (a failed header wait), but a link that goes
+//! down only at the communicator's timeout.
+//!
 //! Set-up goes through the transport seam: the receiving end listens on device 0 and its blob
 //! is the plugin's handle; the sending end connects to it. Both finish (connect, accept: the
 //! plugin may need several calls) while the executor and the proxy thread drive the end.
