@@ -8,6 +8,8 @@
 # the launch's own work, not waiting. N: iterations per column (default 50000). Needs valgrind
 # (apt-get install valgrind) and the built library and tools (cargo build --release --lib &&
 # make -C nccl-tests-compat). Instructions, unlike times, do not depend on the machine's load.
+# LIBDIR=<folder holding another build's libnccl.so.2> measures that build with the same tools
+# (run both, alternating, to compare a change with what it replaced).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 N="${1:-50000}"
@@ -16,7 +18,7 @@ TOOL="$ROOT/target/release/all_reduce_perf"
 [ -x "$TOOL" ] || { echo "launch-cost.sh: build first: make -C nccl-tests-compat" >&2; exit 1; }
 OUT="$(mktemp -d)"
 trap 'rm -rf "$OUT"' EXIT
-export LD_LIBRARY_PATH="$ROOT/target/release/lib" OXCCL_DEVICE=host WORLD_SIZE=2 MASTER_ADDR=127.0.0.1
+export LD_LIBRARY_PATH="${LIBDIR:-$ROOT/target/release/lib}" OXCCL_DEVICE=host WORLD_SIZE=2 MASTER_ADDR=127.0.0.1
 export MASTER_PORT="$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')"
 args=(-b 8 -e 8 -n "$N" -w 10 -c 0)
 RANK=1 "$TOOL" "${args[@]}" > "$OUT/rank1.txt" 2>&1 &
