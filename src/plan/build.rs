@@ -157,11 +157,7 @@ pub fn build_task<T>(
                         _ => None,
                     };
                     if let Some((plan, red)) = across {
-                        let algo = match plan {
-                            hier::Plan::Exchange => "Direct (exchange)",
-                            hier::Plan::Hierarchical => "Tree (hierarchical)",
-                        };
-                        super::algo::log_choice(a.kind.name(), bytes, nranks, algo);
+                        super::algo::log_choice(a.kind.name(), bytes, nranks, plan.label());
                         let programs = match plan {
                             hier::Plan::Exchange => vec![hier::all_reduce_exchange(
                                 l, a.send, a.recv, a.count, a.dtype, red,

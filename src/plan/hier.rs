@@ -19,7 +19,7 @@
 //! once, at the end.
 
 use super::ring::{self, Links};
-use super::{Addr, Prim, Program, RedSpec, Stage, Step};
+use super::{Prim, Program, RedSpec, Stage};
 use crate::error::Result;
 use crate::transport::{Class, ConnKey};
 use crate::types::DataType;
@@ -51,11 +51,19 @@ pub enum Plan {
 }
 
 impl Plan {
-    /// The name `NCCL_ALGO` selects it by and the TUNING line shows.
+    /// The name `NCCL_ALGO` selects it by.
     pub fn algo(self) -> &'static str {
         match self {
             Plan::Exchange => "direct",
             Plan::Hierarchical => "tree",
+        }
+    }
+
+    /// What the TUNING line shows.
+    pub fn label(self) -> &'static str {
+        match self {
+            Plan::Exchange => "Direct (exchange)",
+            Plan::Hierarchical => "Tree (hierarchical)",
         }
     }
 }
@@ -174,18 +182,11 @@ fn exchange(
     red: RedSpec,
     prep: bool,
 ) -> Result<Program> {
-    let step = |prim, dst| Step {
-        prim,
-        recv: None,
-        send: None,
-        src: Addr::user(src),
-        dst,
-        len: count,
-        prep,
-    };
-    let mut send = step(Prim::Send, Addr::None);
+    let mut send = ring::step(Prim::Send, src, 0, count);
+    send.prep = prep;
     send.send = Some(l.conn(peer, true, Class::Direct)?);
-    let mut recv = step(Prim::RecvReduceCopy, Addr::user(dst));
+    let mut recv = ring::step(Prim::RecvReduceCopy, src, dst, count);
+    recv.prep = prep;
     recv.recv = Some(l.conn(peer, false, Class::Direct)?);
     Ok(Program::new(
         vec![send, recv],
@@ -282,33 +283,23 @@ fn tree(l: &dyn Links, buf: usize, count: usize, dtype: DataType, red: RedSpec) 
         .into_iter()
         .filter(|&c| c < n)
         .collect();
-    let step = |prim| Step {
-        prim,
-        recv: None,
-        send: None,
-        src: Addr::user(buf),
-        dst: Addr::user(buf),
-        len: count,
-        prep: false,
-    };
+    let step = |prim, dst| ring::step(prim, buf, dst, count);
     let mut steps = Vec::new();
     for &c in &children {
-        let mut s = step(Prim::RecvReduceCopy);
+        let mut s = step(Prim::RecvReduceCopy, buf);
         s.recv = Some(l.conn(c, false, Class::Direct)?);
         steps.push(s);
     }
     if i > 0 {
         let parent = (i - 1) / 2;
-        let mut up = step(Prim::Send);
-        up.dst = Addr::None;
+        let mut up = step(Prim::Send, 0);
         up.send = Some(l.conn(parent, true, Class::Direct)?);
-        let mut down = step(Prim::Recv);
+        let mut down = step(Prim::Recv, buf);
         down.recv = Some(l.conn(parent, false, Class::Direct)?);
         steps.extend([up, down]);
     }
     for &c in &children {
-        let mut s = step(Prim::Send);
-        s.dst = Addr::None;
+        let mut s = step(Prim::Send, 0);
         s.send = Some(l.conn(c, true, Class::Direct)?);
         steps.push(s);
     }

@@ -65,7 +65,8 @@ fn at_pos(l: &dyn Links, p: usize) -> usize {
     l.ring().map_or(p, |ring| ring[p])
 }
 
-fn step(prim: Prim, src: usize, dst: usize, len: usize) -> Step {
+/// A step over `len` elements of user memory (address 0: none), no connection yet.
+pub(super) fn step(prim: Prim, src: usize, dst: usize, len: usize) -> Step {
     Step {
         prim,
         recv: None,
