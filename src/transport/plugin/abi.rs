@@ -132,6 +132,20 @@ pub struct V11 {
     close_listen: F<unsafe extern "C" fn(P) -> R>,
 }
 
+/// Field `$f` of whichever version's table, for the fields whose type every version shares.
+macro_rules! same {
+    ($table:expr, $f:ident) => {
+        match $table {
+            Table::V6(t) => t.$f,
+            Table::V7(t) => t.$f,
+            Table::V8(t) => t.$f,
+            Table::V9(t) => t.$f,
+            Table::V10(t) => t.$f,
+            Table::V11(t) => t.$f,
+        }
+    };
+}
+
 /// A plugin's table, by version.
 #[derive(Clone, Copy)]
 pub enum Table {
@@ -263,14 +277,7 @@ impl Net {
     /// The number of devices.
     pub fn devices(&self) -> Result<i32> {
         let mut n: c_int = 0;
-        let f = match self.table {
-            Table::V6(t) => t.devices,
-            Table::V7(t) => t.devices,
-            Table::V8(t) => t.devices,
-            Table::V9(t) => t.devices,
-            Table::V10(t) => t.devices,
-            Table::V11(t) => t.devices,
-        };
+        let f = same!(self.table, devices);
         // SAFETY: as in `init`.
         let r = unsafe { must(f, &self.name, "devices")?(&mut n) };
         self.check("devices", r)?;
@@ -280,14 +287,7 @@ impl Net {
     /// Whether device `dev` moves host memory (`ptrSupport` & NCCL_PTR_HOST: the field sits at
     /// the same place, after name, pciPath and guid, in every version's properties).
     pub fn moves_host_memory(&self, dev: i32) -> Result<bool> {
-        let f = match self.table {
-            Table::V6(t) => t.get_properties,
-            Table::V7(t) => t.get_properties,
-            Table::V8(t) => t.get_properties,
-            Table::V9(t) => t.get_properties,
-            Table::V10(t) => t.get_properties,
-            Table::V11(t) => t.get_properties,
-        };
+        let f = same!(self.table, get_properties);
         // Larger than any version's properties.
         let mut props = vec![0u64; 1024];
         // SAFETY: as in `init`; the buffer outsizes the struct.
@@ -384,14 +384,7 @@ impl Net {
     }
 
     pub fn dereg_mr(&self, comm: P, mh: P) {
-        let f = match self.table {
-            Table::V6(t) => t.dereg_mr,
-            Table::V7(t) => t.dereg_mr,
-            Table::V8(t) => t.dereg_mr,
-            Table::V9(t) => t.dereg_mr,
-            Table::V10(t) => t.dereg_mr,
-            Table::V11(t) => t.dereg_mr,
-        };
+        let f = same!(self.table, dereg_mr);
         if let Some(f) = f {
             // SAFETY: `mh` came from `reg_mr` on `comm`.
             let _ = unsafe { f(comm, mh) };
@@ -460,14 +453,7 @@ impl Net {
 
     /// Whether `req` is done, and the bytes it moved.
     pub fn test(&self, req: P) -> Result<Option<usize>> {
-        let f = match self.table {
-            Table::V6(t) => t.test,
-            Table::V7(t) => t.test,
-            Table::V8(t) => t.test,
-            Table::V9(t) => t.test,
-            Table::V10(t) => t.test,
-            Table::V11(t) => t.test,
-        };
+        let f = same!(self.table, test);
         let (mut done, mut size) = (0 as c_int, 0 as c_int);
         // SAFETY: `req` came from isend/irecv and is not done yet.
         let r = unsafe { must(f, &self.name, "test")?(req, &mut done, &mut size) };
@@ -483,30 +469,12 @@ impl Net {
     }
 
     pub fn close_send(&self, comm: P) {
-        self.close_with(self.closers().0, comm)
+        self.close_with(same!(self.table, close_send), comm)
     }
     pub fn close_recv(&self, comm: P) {
-        self.close_with(self.closers().1, comm)
+        self.close_with(same!(self.table, close_recv), comm)
     }
     pub fn close_listen(&self, comm: P) {
-        self.close_with(self.closers().2, comm)
-    }
-
-    /// (closeSend, closeRecv, closeListen).
-    fn closers(&self) -> Closers {
-        match self.table {
-            Table::V6(t) => (t.close_send, t.close_recv, t.close_listen),
-            Table::V7(t) => (t.close_send, t.close_recv, t.close_listen),
-            Table::V8(t) => (t.close_send, t.close_recv, t.close_listen),
-            Table::V9(t) => (t.close_send, t.close_recv, t.close_listen),
-            Table::V10(t) => (t.close_send, t.close_recv, t.close_listen),
-            Table::V11(t) => (t.close_send, t.close_recv, t.close_listen),
-        }
+        self.close_with(same!(self.table, close_listen), comm)
     }
 }
-
-type Closers = (
-    F<unsafe extern "C" fn(P) -> R>,
-    F<unsafe extern "C" fn(P) -> R>,
-    F<unsafe extern "C" fn(P) -> R>,
-);
