@@ -127,7 +127,7 @@ impl Endpoint for Setup {
                 posted: 0,
                 done: 0,
                 reqs: VecDeque::new(),
-                failed: false,
+                failed: None,
                 last: std::time::Instant::now(),
             }),
             closed: Default::default(),
@@ -149,16 +149,36 @@ enum State {
     Closed,
 }
 
+/// A slot's message on the comm.
+#[derive(Clone, Copy)]
+enum Req {
+    /// Not posted yet: the plugin was busy (the bytes after their header only).
+    Unposted,
+    Pending(Comm),
+    Done,
+}
+
+impl Req {
+    /// A post's answer: a request, or null when the plugin was busy.
+    fn posted(r: *mut c_void) -> Req {
+        if r.is_null() {
+            Req::Unposted
+        } else {
+            Req::Pending(Comm(r))
+        }
+    }
+}
+
 struct Wire {
     state: State,
     /// Slots posted, and completed (freed on the sending end, published on the receiving end).
     posted: u64,
     done: u64,
-    /// Each posted slot's two requests (header, bytes), oldest first: None where not posted
-    /// yet (the plugin was busy), a null request once complete.
-    reqs: VecDeque<[Option<Comm>; 2]>,
-    /// An error ended the end.
-    failed: bool,
+    /// Each posted slot's two requests (header, bytes), oldest first.
+    reqs: VecDeque<[Req; 2]>,
+    /// The error that ended the end: every later round returns it again, so that the proxy
+    /// thread meets it even where the executor's thread met it first (and let it go).
+    failed: Option<Error>,
     /// When a slot last completed.
     last: std::time::Instant,
 }
@@ -227,14 +247,17 @@ impl PluginEnd {
     }
 
     /// One round: connect/accept, post what can be posted, complete what is done. After an
-    /// error the end does nothing more (its error reached the communicator's health).
+    /// error the end moves nothing more and each round returns that error.
     fn step(&self, w: &mut Wire) -> Result<bool> {
-        if self.closed.load(Ordering::Acquire) || w.failed {
+        if let Some(e) = &w.failed {
+            return Err(e.clone());
+        }
+        if self.closed.load(Ordering::Acquire) {
             return Ok(false);
         }
         let r = self.step_ready(w);
-        if r.is_err() {
-            w.failed = true;
+        if let Err(e) = &r {
+            w.failed = Some(e.clone());
         }
         r
     }
@@ -277,7 +300,7 @@ impl PluginEnd {
         // First the bytes of a slot whose header went out but whose bytes the plugin did not
         // take (it was busy): nothing else may go on the comm before them.
         if let Some(last) = w.reqs.back_mut() {
-            if last[1].is_none() {
+            if matches!(last[1], Req::Unposted) {
                 let step = w.posted - 1;
                 let slot = v.slot(step);
                 let b = if self.is_sender {
@@ -286,10 +309,10 @@ impl PluginEnd {
                     net.irecv(comm.0, slot, v.slot_bytes, slots.0)
                 }
                 .map_err(|e| self.failed(e))?;
-                if b.is_null() {
+                last[1] = Req::posted(b);
+                if matches!(last[1], Req::Unposted) {
                     return self.complete(net, w, moved);
                 }
-                last[1] = Some(Comm(b));
                 moved = true;
             }
         }
@@ -330,8 +353,7 @@ impl PluginEnd {
             }
             .map_err(|e| self.failed(e))?;
             // A plugin that took the header but not the bytes: retried first next time.
-            w.reqs
-                .push_back([Some(Comm(a)), (!b.is_null()).then_some(Comm(b))]);
+            w.reqs.push_back([Req::Pending(Comm(a)), Req::posted(b)]);
             w.posted += 1;
             moved = true;
             if b.is_null() {
@@ -347,12 +369,11 @@ impl PluginEnd {
         while let Some(front) = w.reqs.front_mut() {
             let mut size = 0;
             for (i, r) in front.iter_mut().enumerate() {
-                let Some(req) = *r else {
-                    return Ok(moved); // not posted yet
+                let req = match *r {
+                    Req::Unposted => return Ok(moved),
+                    Req::Done => continue,
+                    Req::Pending(req) => req,
                 };
-                if req.0.is_null() {
-                    continue; // done earlier
-                }
                 let tested = net.test(req.0);
                 // A receiving end's wait for a header that the plugin ends with a remote error:
                 // the peer is done with the connection (it may have ended its communicator);
@@ -369,7 +390,7 @@ impl PluginEnd {
                 match tested.map_err(|e| self.failed(e))? {
                     None => return Ok(moved),
                     Some(n) => {
-                        *r = Some(Comm::null());
+                        *r = Req::Done;
                         if i == 0 && !self.is_sender && n != HDR {
                             return Err(self.failed(Error::internal(format!(
                                 "a slot header of {n} bytes arrived, not {HDR}"
@@ -463,7 +484,7 @@ impl Proxy for PluginEnd {
     /// itself while it waits).
     fn wait_for(&self, out: &mut Vec<Wait>) {
         let w = self.state.lock();
-        if self.closed() || w.failed {
+        if self.closed() || w.failed.is_some() {
             return;
         }
         let busy = match w.state {
