@@ -688,34 +688,22 @@ fn every_collective_through_a_net_plugin() {
             "{name} v{v}:\n{t}"
         );
     };
-    for v in [8, 12] {
-        let so = testnet_plugin(v);
+    let v8 = testnet_plugin(8);
+    for (v, so) in [(8, v8.clone()), (12, testnet_plugin(12))] {
         let so = so.to_str().unwrap();
         let envs = [
             ("NCCL_NET_PLUGIN", so),
             ("NCCL_DEBUG", "INFO"),
             ("OXCCL_TIMEOUT_S", "60"),
         ];
-        for name in [
-            "all_reduce_perf",
-            "all_gather_perf",
-            "broadcast_perf",
-            "reduce_perf",
-            "reduce_scatter_perf",
-            "alltoall_perf",
-            "gather_perf",
-            "scatter_perf",
-            "sendrecv_perf",
-            "hypercube_perf",
-        ] {
+        for name in TOOLS {
             let outs =
                 processes_placed(4, name, &["-b", "8", "-e", "1M", "-f", "32"], &envs, &hosts);
             check(name, v, &outs);
         }
     }
     // A plugin that sometimes refuses a post (NULL request: call again later).
-    let so = testnet_plugin(8);
-    let so = so.to_str().unwrap();
+    let so = v8.to_str().unwrap();
     let envs = [
         ("NCCL_NET_PLUGIN", so),
         ("NCCL_DEBUG", "INFO"),
