@@ -274,7 +274,7 @@ pub struct Backoff {
 /// Spins before yielding.
 const SPINS: u32 = 64;
 /// How long a blocked thread yields its core before it starts sleeping.
-pub const YIELD_BEFORE_SLEEP: Duration = Duration::from_millis(5);
+const YIELD_BEFORE_SLEEP: Duration = Duration::from_millis(5);
 
 impl Backoff {
     /// Progress was made: start again with spinning.

@@ -148,7 +148,7 @@ pub fn build_task<T>(
                     let bytes = a.count * a.dtype.size();
                     // Across hosts, an all-reduce's own plans (see `hier`).
                     let across = match (bk, red) {
-                        (BoardKind::AllReduce, Some(red)) => super::hier::choose(l, &red, bytes)
+                        (BoardKind::AllReduce, Some(red)) => hier::choose(l, &red, bytes)
                             .filter(|p| {
                                 let among = ["ring", p.algo()];
                                 super::algo::algo_allows_among(a.kind.name(), p.algo(), &among)
