@@ -4,8 +4,12 @@
 //! Slots smaller than a part's minimum use fewer sockets, so that a small slot costs one
 //! system call. Both ends cut a slot the same way from its byte count alone.
 //!
+//! The receiving end reads the first socket through a small staging buffer (`Stage`): a slot's
+//! header and a small slot's bytes, and often the next slot's header too, come in one system
+//! call; larger parts are read straight into the slot.
+//!
 //! Everything here is non-blocking: a call moves what the sockets take or hold and returns;
-//! `Sending`/`Receiving` remember where the current slot stands.
+//! `Progress` remembers where the current slot stands.
 
 use super::{NetEnd, BEAT, BEAT_EVERY, HDR};
 use crate::error::Result;
@@ -15,6 +19,9 @@ use std::sync::atomic::Ordering;
 
 /// The smallest part worth a socket of its own.
 const MIN_PART: usize = 64 << 10;
+/// The receiving end's staging buffer for the first socket: reads that want less than this go
+/// through it.
+const STAGE: usize = 16 << 10;
 
 /// Where part `j` of a slot of `bytes` bytes, cut for `k` sockets, starts (`j` = parts: the end).
 pub fn part_start(bytes: usize, k: usize, j: usize) -> usize {
@@ -46,6 +53,37 @@ pub struct Progress {
     pub beat: bool,
     /// When bytes last went out (sending end) or came in (receiving end).
     pub last: std::time::Instant,
+    /// Receiving end: bytes read from the first socket and not yet used.
+    stage: Stage,
+}
+
+/// Bytes read ahead from a socket (`buf[lo..hi]`), handed out before the socket is read again.
+struct Stage {
+    buf: Vec<u8>,
+    lo: usize,
+    hi: usize,
+}
+
+impl Stage {
+    /// Reads into `dst` like `Read::read` (0: the peer closed), from what is staged or else
+    /// from `s`: straight into `dst` when it wants a full buffer or more, through the buffer
+    /// otherwise (allocated at its first use: sending ends never use it).
+    fn read(&mut self, s: &mut TcpStream, dst: &mut [u8]) -> std::io::Result<usize> {
+        if self.lo == self.hi {
+            if dst.len() >= STAGE {
+                return s.read(dst);
+            }
+            if self.buf.is_empty() {
+                self.buf = vec![0; STAGE];
+            }
+            self.hi = s.read(&mut self.buf)?;
+            self.lo = 0;
+        }
+        let n = dst.len().min(self.hi - self.lo);
+        dst[..n].copy_from_slice(&self.buf[self.lo..self.lo + n]);
+        self.lo += n;
+        Ok(n)
+    }
 }
 
 impl Progress {
@@ -57,6 +95,11 @@ impl Progress {
             done: vec![0; k],
             beat: false,
             last: std::time::Instant::now(),
+            stage: Stage {
+                buf: Vec::new(),
+                lo: 0,
+                hi: 0,
+            },
         }
     }
 
@@ -184,7 +227,7 @@ impl NetEnd {
                 return Ok(moved); // the FIFO is full: TCP holds the rest
             }
             while w.hdr_off < HDR {
-                match io(socks[0].read(&mut w.hdr[w.hdr_off..]), self)? {
+                match io(w.stage.read(&mut socks[0], &mut w.hdr[w.hdr_off..]), self)? {
                     // Between slots, the peer is done with the connection (it may have ended
                     // its communicator): only a wait for more from it is an error (`closed`).
                     Io::Closed if w.hdr_off == 0 => {
@@ -219,7 +262,12 @@ impl NetEnd {
                             hi - lo - w.done[j],
                         )
                     };
-                    match io(sock.read(slot), self)? {
+                    let r = if j == 0 {
+                        w.stage.read(sock, slot)
+                    } else {
+                        sock.read(slot)
+                    };
+                    match io(r, self)? {
                         Io::Closed => {
                             return Err(self.failed("the peer closed the connection mid-slot"))
                         }
