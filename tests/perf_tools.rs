@@ -471,6 +471,69 @@ fn tools_across_two_namespace_hosts() {
     }
 }
 
+/// Small all-reduces between two namespace hosts (1 rank each: one exchange per operation)
+/// send each direction's data on the sockets of the other: TCP acknowledges one direction's
+/// data in the other's packets, about 2 packets per operation on a host's link rather than 4
+/// (data and a bare acknowledgement each way), which is what small-message latency costs.
+/// Every row checked.
+#[test]
+fn the_two_directions_between_two_hosts_share_their_sockets() {
+    let Some(mut hosts) = common::netns::Hosts::new(2) else {
+        return;
+    };
+    let b = built();
+    let exe = b.bin.join("all_reduce_perf").display().to_string();
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let log = |r: usize| {
+        std::env::temp_dir().join(format!("oxccl-perf-pair-{}-{r}.log", std::process::id()))
+    };
+    let env: Vec<(String, String)> = [
+        ("OXCCL_DEVICE", "host".to_string()),
+        ("LD_LIBRARY_PATH", b.lib.display().to_string()),
+        ("WORLD_SIZE", "2".to_string()),
+        ("MASTER_ADDR", hosts.ip(0)),
+        ("MASTER_PORT", port.to_string()),
+        ("OXCCL_TIMEOUT_S", "60".to_string()),
+    ]
+    .into_iter()
+    .map(|(a, b)| (a.to_string(), b))
+    .collect();
+    let before = hosts.packets(0);
+    // Out of place, then in place: at least 2 x 2000 operations.
+    let ops = 2 * 2000;
+    for r in 0..2 {
+        let cmd = format!(
+            "RANK={r} {exe} -b 1K -e 1K -n 2000 -w 5 -d float > {} 2>&1",
+            log(r).display()
+        );
+        hosts.start(r, &env, &[cmd]);
+    }
+    let ok = hosts.wait_for(std::time::Duration::from_secs(120));
+    let logs: Vec<String> = (0..2)
+        .map(|r| {
+            let t = std::fs::read_to_string(log(r)).unwrap_or_default();
+            let _ = std::fs::remove_file(log(r));
+            t
+        })
+        .collect();
+    assert_eq!(ok, Some(vec![true, true]), "{}", logs.join("\n"));
+    assert!(
+        logs[0].contains("# Out of bounds values : 0 OK"),
+        "{}",
+        logs[0]
+    );
+    let packets = hosts.packets(0) - before;
+    assert!(
+        packets >= ops && packets < 3 * ops,
+        "{packets} packets on host 0's link for {ops}+ all-reduces of 1 KiB (want 2-3 per \
+         operation: each direction's data carrying the other's acknowledgement)"
+    );
+}
+
 /// Two ranks of one machine (same hostname and boot id) that do not share /dev/shm (each
 /// mounted its own tmpfs, as containers with private IPC do) cannot share memory: they are
 /// told apart as hosts and the all-reduce goes over the network, instead of each rank waiting

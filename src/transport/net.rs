@@ -12,8 +12,11 @@
 //! bootstrap uses) and its blob is a random token, its number of sockets and that address; the
 //! sending end opens the sockets and presents the token (and the socket's index) on each before
 //! anything else (the blob came through the bootstrap, whose connections prove the unique id's
-//! secret, so only a rank of the communicator knows it).
+//! secret, so only a rank of the communicator knows it). The reverse connection between the
+//! same two ranks uses the same sockets the other way where it can (`pair`): its sending end's
+//! blob says so.
 
+mod pair;
 mod wire;
 
 use super::inproc;
@@ -60,8 +63,26 @@ impl Transport for Net {
         let name = format!("{}-net-{}", spec.name(), std::process::id());
         let region = inproc::open(&name, super::region_bytes(spec.nsteps, spec.slot_bytes))?;
         inproc::forget(&name);
+        let (lo, hi) = (spec.me.min(spec.peer), spec.me.max(spec.peer));
+        let side = |opener| pair::Side {
+            comm_hash: spec.comm_hash,
+            lo,
+            hi,
+            class: spec.class as u8,
+            opener,
+        };
+        // The sockets lo -> hi: registered by the ends that connect them (the opener, lo's
+        // sending end; the acceptor, hi's receiving end), shared by hi's sending end if hi's
+        // receiving end is there (see `pair`).
+        let mut share = None;
+        let mut publish = None;
+        if spec.is_sender && spec.me > spec.peer {
+            share = pair::existing(side(false));
+        } else if spec.is_sender || spec.me > spec.peer {
+            publish = Some(pair::register(side(spec.is_sender)));
+        }
         let (listener, token, blob) = if spec.is_sender {
-            (None, [0u8; TOKEN], Vec::new())
+            (None, [0u8; TOKEN], vec![u8::from(share.is_some())])
         } else {
             let bind = SocketAddr::new(spec.local_ip, 0);
             let l = TcpListener::bind(bind).map_err(|e| {
@@ -94,6 +115,9 @@ impl Transport for Net {
                 is_sender: spec.is_sender,
                 nsteps: spec.nsteps,
                 slot_bytes: spec.slot_bytes,
+                share,
+                publish,
+                opener: side(true),
             }),
             blob,
         ))
@@ -118,6 +142,13 @@ struct NetSetup {
     is_sender: bool,
     nsteps: usize,
     slot_bytes: usize,
+    /// The sending end hi -> lo uses the sockets that hi's receiving end accepts.
+    share: Option<pair::Sockets>,
+    /// Where this end publishes the sockets it connects, for its rank's reverse end.
+    publish: Option<pair::Sockets>,
+    /// The opener's side of these two ranks' sockets: lo's receiving end reads from it when
+    /// hi's sending end shares.
+    opener: pair::Side,
 }
 
 impl Endpoint for NetSetup {
@@ -136,7 +167,14 @@ impl Endpoint for NetSetup {
         // The region is this end's alone: both "ends" of it are here.
         conn.attach();
         conn.attach();
-        let (state, k) = if n.is_sender {
+        let mut publish = n.publish.clone();
+        let (state, k) = if let Some(s) = n.share.clone() {
+            (State::Borrowing(s), 1)
+        } else if !n.is_sender && peer_blob == [1] {
+            // The peer sends on the sockets this rank's sending end opens.
+            publish = None;
+            (State::Borrowing(pair::register(n.opener)), 1)
+        } else if n.is_sender {
             let token = peer_blob
                 .get(..TOKEN)
                 .ok_or_else(|| bad_blob(&n, peer_blob))?;
@@ -159,6 +197,10 @@ impl Endpoint for NetSetup {
                 tune(&s)?;
                 socks.push(s);
             }
+            if let Some(p) = &publish {
+                pair::publish(p, &socks)
+                    .map_err(|e| Error::os("sharing a network connection's sockets", e))?;
+            }
             (State::Connected(socks), k)
         } else {
             let l = n
@@ -179,6 +221,7 @@ impl Endpoint for NetSetup {
                 state,
                 p: wire::Progress::new(k),
             }),
+            publish,
             closed: Default::default(),
             polled: Default::default(),
             waker: Default::default(),
@@ -207,6 +250,8 @@ enum State {
     /// each (the sockets so far, by index).
     Listening(TcpListener, [u8; TOKEN], Vec<Option<TcpStream>>),
     Connected(Vec<TcpStream>),
+    /// Using the sockets of the reverse connection's end on this rank, once they are connected.
+    Borrowing(pair::Sockets),
 }
 
 struct Wire {
@@ -222,6 +267,10 @@ pub struct NetEnd {
     peer: usize,
     is_sender: bool,
     state: Mutex<Wire>,
+    /// The cell where this end publishes the sockets it connects (the opener's, at once; the
+    /// acceptor's, once it accepted them all), held while the end lives: a reverse end set up
+    /// later finds them there (see `pair`).
+    publish: Option<pair::Sockets>,
     /// The peer closed the connection between slots.
     closed: std::sync::atomic::AtomicBool,
     /// The sockets in the proxy thread's last poll set (bit j: socket j, or the listener), set
@@ -243,6 +292,8 @@ impl Proxy for NetEnd {
         match &w.state {
             State::Listening(l, ..) if mask != 0 => out.push(Wait::Readable(l.as_raw_fd())),
             State::Listening(..) => {}
+            State::Borrowing(_) if mask != 0 => out.push(Wait::Soon),
+            State::Borrowing(_) => {}
             // Bytes to write: room in those sockets; room in the FIFO (or a slot half read):
             // bytes on those.
             State::Connected(socks) => {
@@ -326,7 +377,7 @@ impl NetEnd {
             return 0;
         }
         match &w.state {
-            State::Listening(..) => 1,
+            State::Listening(..) | State::Borrowing(_) => 1,
             State::Connected(socks) => self.pending(socks.len(), &w.p),
         }
     }
@@ -342,14 +393,32 @@ impl NetEnd {
                         return Err(self.failed(&format!("socket {j} was opened twice")));
                     }
                     if got.iter().all(Option::is_some) {
-                        let socks = got.iter_mut().map(|s| s.take().expect("all there"));
-                        w.state = State::Connected(socks.collect());
+                        let socks: Vec<_> = got
+                            .iter_mut()
+                            .map(|s| s.take().expect("all there"))
+                            .collect();
+                        if let Some(p) = &self.publish {
+                            pair::publish(p, &socks)
+                                .map_err(|e| self.failed(&format!("sharing its sockets: {e}")))?;
+                        }
+                        w.state = State::Connected(socks);
                     }
                     return Ok(true);
                 }
                 Err(e) if e.kind() == ErrorKind::WouldBlock => return Ok(false),
                 Err(e) => return Err(self.failed(&e.to_string())),
             },
+            State::Borrowing(cell) => {
+                return match pair::take(cell) {
+                    None => Ok(false),
+                    Some(Err(e)) => Err(self.failed(&format!("sharing sockets: {e}"))),
+                    Some(Ok(socks)) => {
+                        w.p = wire::Progress::new(socks.len());
+                        w.state = State::Connected(socks);
+                        Ok(true)
+                    }
+                };
+            }
         };
         if self.is_sender {
             self.send(socks, &mut w.p)

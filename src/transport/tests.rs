@@ -203,3 +203,62 @@ fn rings_keep_a_hosts_ranks_together() {
     assert_eq!(on(&[1, 2, 1, 2]), Some(vec![0, 2, 1, 3]));
     assert_eq!(on(&[5, 3, 5, 3, 5, 3]), Some(vec![0, 2, 4, 1, 3, 5]));
 }
+
+/// Two ranks on different hosts: the reverse of a network connection shares its sockets,
+/// whether it is made in the same exchange (class P2p, both ways at once) or in a later one
+/// (class Direct: 0 -> 1 first, 1 -> 0 afterwards); slots move both ways on each, in order.
+#[test]
+fn reverse_network_connections_share_sockets_and_carry_data() {
+    let slots = |send: &super::Conn, recv: &super::Conn, me: u64| {
+        let (mut sent, mut got) = (0u64, Vec::new());
+        let deadline = Instant::now() + T;
+        while (sent < 3 || got.len() < 3) && Instant::now() < deadline {
+            if sent < 3 {
+                if let Some((s, slot)) = send.send_slot() {
+                    // SAFETY: a free slot of `slot_bytes`, ours until posted.
+                    unsafe { (slot as *mut u64).write(100 * me + s) };
+                    send.post_send(s, [0; 2], 8);
+                    sent += 1;
+                }
+            }
+            if let Some((s, slot)) = recv.recv_slot() {
+                // SAFETY: a filled slot, ours until posted.
+                got.push(unsafe { (slot as *const u64).read() });
+                recv.post_recv(s);
+            }
+            recv.drive();
+            send.drive();
+        }
+        got
+    };
+    let got = ranks(
+        2,
+        |r| {
+            let mut p = PeerInfo::mine(-1);
+            p.host ^= r as u64 + 1;
+            p
+        },
+        |c| {
+            let (me, peer) = (c.rank, 1 - c.rank);
+            // Both ways in one exchange.
+            let both = vec![key(peer, true, Class::P2p), key(peer, false, Class::P2p)];
+            connect_all(&[(&c, both)]).unwrap();
+            let send = c.bound(key(peer, true, Class::P2p)).unwrap();
+            let recv = c.bound(key(peer, false, Class::P2p)).unwrap();
+            assert_eq!(c.locality(peer), Locality::OtherHost);
+            let a = slots(&send, &recv, me as u64);
+            // One way, then the other in a later exchange.
+            connect_all(&[(&c, vec![key(peer, me == 0, Class::Direct)])]).unwrap();
+            connect_all(&[(&c, vec![key(peer, me == 1, Class::Direct)])]).unwrap();
+            let send = c.bound(key(peer, true, Class::Direct)).unwrap();
+            let recv = c.bound(key(peer, false, Class::Direct)).unwrap();
+            let b = slots(&send, &recv, me as u64);
+            (me, a, b)
+        },
+    );
+    for (me, a, b) in got {
+        let want: Vec<u64> = (0..3).map(|s| 100 * (1 - me as u64) + s).collect();
+        assert_eq!(a, want, "rank {me}, both ways at once");
+        assert_eq!(b, want, "rank {me}, one way after the other");
+    }
+}

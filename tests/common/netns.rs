@@ -163,10 +163,19 @@ impl Hosts {
 
     /// Bytes host `i`'s eth0 has received and sent.
     pub fn bytes(&self, i: usize) -> u64 {
-        let read = |what: &str| -> u64 {
+        self.stat(i, "bytes")
+    }
+
+    /// Packets host `i`'s eth0 has received and sent.
+    pub fn packets(&self, i: usize) -> u64 {
+        self.stat(i, "packets")
+    }
+
+    fn stat(&self, i: usize, what: &str) -> u64 {
+        let read = |dir: &str| -> u64 {
             let out = Command::new("ip")
                 .args(["netns", "exec", &self.ns(i), "cat"])
-                .arg(format!("/sys/class/net/eth0/statistics/{what}_bytes"))
+                .arg(format!("/sys/class/net/eth0/statistics/{dir}_{what}"))
                 .output()
                 .ok();
             out.and_then(|o| String::from_utf8_lossy(&o.stdout).trim().parse().ok())
