@@ -202,8 +202,9 @@ fn reduction_case(op: usize, n: usize, r: usize, i: usize) -> (f64, f64) {
 /// host), in several placements of ranks on hosts: every op (PreMulSum with a host and a device
 /// scalar), six datatypes, in place and out of place, several FIFO slots per rank, each element
 /// against the expected value; also with slots cut over 8 and 3 sockets per connection, and one
-/// rank on each of 4 and 5 hosts (the hosts' tree for small messages). Rank 0's TUNING lines
-/// must name the plan, and every rank must hold the same bytes.
+/// rank on each of 4 and 5 hosts (the hosts' trees). Rank 0's TUNING lines must name the plan
+/// and how the leaders all-reduce (exchange, tree, double tree or ring), and every rank must
+/// hold the same bytes.
 #[test]
 fn all_reduce_plans_across_hosts() {
     const T: &str = "all_reduce_plans_across_hosts";
@@ -347,19 +348,29 @@ fn all_reduce_plans_across_hosts() {
     ];
     // Two ranks exchange, except for float max and min (the ring: see plan::hier).
     let exchange = &["Direct (exchange)", "Ring"][..];
-    let tree = &["Tree (hierarchical)"][..];
-    // One rank per host: small ones go up and down the hosts' tree, except integer averages.
-    let tree_or_ring = &["Ring", "Tree (hierarchical)"][..];
+    let h = |leaders: &str| format!("Tree (hierarchical, leaders: {leaders})");
+    let (x, t, d, r) = (h("exchange"), h("tree"), h("double tree"), h("ring"));
+    // Two hosts' leaders exchange, except for float max and min.
+    let two = &[x.as_str(), r.as_str()][..];
+    // Three: 40000 bytes (uint8) up and down one tree, more (the other types) round the
+    // ring, as integer averages (a post-divide) are.
+    let three = &[t.as_str(), r.as_str()][..];
+    // Four: 80000 and 160000 bytes over two trees (up to 160 KiB), 320000 round the ring.
+    let four = &[t.as_str(), d.as_str(), r.as_str()][..];
+    // One rank per host: the same, where the flat ring serves what the trees do not.
+    let trees = &["Ring", t.as_str(), d.as_str()][..];
+    let small_trees = &["Ring", t.as_str()][..];
     let small = [("OXCCL_TEST_COUNT", "1000")];
     for (place, algos, env) in [
         ("0,1", exchange, &[][..]),
-        ("0,0,1,1", tree, &[]),
-        ("0,1,0,1,0,1", tree, &[]),
-        ("0,1,1,2,2,2", tree, &[]),
-        ("0,1,2,3", tree_or_ring, &[]),
-        ("0,1,2,3,4", tree_or_ring, &small[..]),
+        ("0,0,1,1", two, &[]),
+        ("0,1,0,1,0,1", two, &[]),
+        ("0,1,1,2,2,2", three, &[]),
+        ("0,1,2,3", trees, &[]),
+        ("0,1,2,3,3", four, &[]),
+        ("0,1,2,3,4", small_trees, &small[..]),
         ("0,1", exchange, &many[..]),
-        ("0,0,1,1", tree, &odd[..]),
+        ("0,0,1,1", two, &odd[..]),
     ] {
         let n = place.split(',').count();
         let id = api::get_unique_id().unwrap();

@@ -157,11 +157,12 @@ pub fn build_task<T>(
                         _ => None,
                     };
                     if let Some((plan, red)) = across {
-                        super::algo::log_choice(a.kind.name(), bytes, nranks, plan.label());
+                        let label = plan.label(l, &red, bytes);
+                        super::algo::log_choice(a.kind.name(), bytes, nranks, &label);
                         let programs = match plan {
-                            hier::Plan::Exchange => vec![hier::all_reduce_exchange(
+                            hier::Plan::Exchange => vec![vec![hier::all_reduce_exchange(
                                 l, a.send, a.recv, a.count, a.dtype, red,
-                            )?],
+                            )?]],
                             hier::Plan::Hierarchical => hier::all_reduce_hierarchical(
                                 l, a.send, a.recv, a.count, a.dtype, red,
                             )?,

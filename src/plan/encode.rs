@@ -159,7 +159,7 @@ pub struct Flat {
     pub conns: Vec<FlatConn>,
 }
 
-const CLASSES: [Class; 3] = [Class::Ring, Class::P2p, Class::Direct];
+const CLASSES: [Class; 4] = [Class::Ring, Class::P2p, Class::Direct, Class::Tree];
 
 fn idx(n: usize) -> Result<u32> {
     u32::try_from(n)

@@ -4,11 +4,18 @@
 //!   the two; one network hop instead of the ring's two, the same bytes on the wire.
 //! - *hierarchical* (NCCL's tree, in three stages): a chain reduce inside each host to its first
 //!   rank (the host's leader) over shared memory; an all-reduce among the leaders over the
-//!   network (an exchange for two hosts; for 3 or more, a binary tree up and down when small,
-//!   a ring otherwise); a chain broadcast from each leader inside its host. Each host boundary
+//!   network (`Leaders`: an exchange for two hosts; for 3 or more, a binary tree up and down
+//!   when small, then two binary trees each carrying half the data while the hops they save
+//!   outweigh their slower pipelines, a ring above); a chain broadcast from each leader inside its host. Each host boundary
 //!   carries the data once each way, where the flat ring carries 2(n-1)/n of it and crosses
-//!   hosts at every one of its 2(n-1) steps. With one rank per host it serves small messages
-//!   only (the leaders' tree: 2 log2(hosts) hops instead of the ring's 2(hosts - 1)).
+//!   hosts at every one of its 2(n-1) steps. With one rank per host it serves what the trees
+//!   serve (2 log2(hosts) hops instead of the ring's 2(hosts - 1)).
+//!
+//! The double binary tree (NCCL's, for bandwidth): one tree numbers the leaders as the ring
+//! orders them, the other mirrors it, so that the leaves of one (half the leaders) are the
+//! inner nodes of the other. A single tree's inner nodes send every byte twice down and its
+//! leaves' links idle half the time; with two, each leader sends and receives about as much as
+//! in the ring, and each half still takes 2 log2(hosts) hops.
 //!
 //! Every rank computes the same result bit for bit: the leaders' ring gives every leader the
 //! same sums, and the exchange, where each rank combines the two inputs in its own order, serves
@@ -59,11 +66,15 @@ impl Plan {
         }
     }
 
-    /// What the TUNING line shows.
-    pub fn label(self) -> &'static str {
+    /// What the TUNING line shows for an all-reduce of `bytes` with `red` on `l`: the plan and,
+    /// for the hierarchical one, how the leaders all-reduce.
+    pub fn label(self, l: &dyn Links, red: &RedSpec, bytes: usize) -> String {
         match self {
-            Plan::Exchange => "Direct (exchange)",
-            Plan::Hierarchical => "Tree (hierarchical)",
+            Plan::Exchange => "Direct (exchange)".into(),
+            Plan::Hierarchical => {
+                let leaders = Leaders::choose(&without_pre(*red), bytes, hosts(l).len());
+                format!("Tree (hierarchical, leaders: {})", leaders.name())
+            }
         }
     }
 }
@@ -84,19 +95,60 @@ pub fn order_free(red: &RedSpec) -> bool {
 }
 
 /// All-reduces of at most this many bytes among 3 or more hosts' leaders go up and down a
-/// binary tree (2 log2(hosts) network hops) rather than round the ring (2 (hosts - 1) hops,
-/// but each link carries less: the ring wins for large messages).
+/// binary tree (2 log2(hosts) network hops) rather than round the ring (2 (hosts - 1) hops).
 pub const TREE_BYTES: usize = 64 << 10;
+/// Above `TREE_BYTES`, the double binary tree saves the ring's extra hops: 2 (hosts - 1) for
+/// the ring against 2 ceil(log2(hosts)) for each tree, each hop a network latency (~20 us
+/// between namespace hosts here), while each tree's pipeline moves its half a little slower
+/// than the ring moves the whole (measured on 4 loopback hosts: the tree ahead at 64 KiB, the
+/// ring at 256 KiB and above). So it serves up to this many bytes per hop saved (none for 3
+/// hosts; 4 and 5: 160 KiB; 8: 640 KiB; 16: 1.7 MiB), at most `DOUBLE_TREE_MAX`.
+pub const DOUBLE_TREE_BYTES_PER_HOP: usize = 80 << 10;
+pub const DOUBLE_TREE_MAX: usize = 16 << 20;
 
-/// Whether the leaders' binary tree serves `red` for `bytes`: small, and no post-divide (the
-/// tree's one program would divide at every level; integer averages take the ring).
-fn tree_serves(red: &RedSpec, bytes: usize, hosts: usize) -> bool {
-    hosts >= 3
-        && bytes <= TREE_BYTES
-        && match red {
-            RedSpec::Ready(r) => r.postdiv.is_none(),
-            RedSpec::PreMul { .. } => true,
+/// The most bytes the double binary tree serves among `hosts` leaders (see above).
+fn double_tree_bytes(hosts: usize) -> usize {
+    let depth = hosts.next_power_of_two().trailing_zeros() as usize;
+    let saved = 2 * (hosts - 1).saturating_sub(depth);
+    (saved * DOUBLE_TREE_BYTES_PER_HOP).min(DOUBLE_TREE_MAX)
+}
+
+/// How the hosts' leaders all-reduce among themselves.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Leaders {
+    Exchange,
+    Tree,
+    DoubleTree,
+    Ring,
+}
+
+impl Leaders {
+    pub fn name(self) -> &'static str {
+        match self {
+            Leaders::Exchange => "exchange",
+            Leaders::Tree => "tree",
+            Leaders::DoubleTree => "double tree",
+            Leaders::Ring => "ring",
         }
+    }
+
+    /// For `hosts` leaders, `bytes` and `red` (without its pre-multiply): the exchange for two
+    /// (where `order_free`); for 3 or more, the trees by size where there is no post-divide (a
+    /// tree's one program would divide at every level: integer averages take the ring).
+    pub fn choose(red: &RedSpec, bytes: usize, hosts: usize) -> Leaders {
+        let divides = matches!(red, RedSpec::Ready(r) if r.postdiv.is_some());
+        if hosts == 2 && order_free(red) {
+            Leaders::Exchange
+        } else if hosts < 3 || divides {
+            Leaders::Ring
+        } else if bytes <= TREE_BYTES {
+            Leaders::Tree
+        } else if bytes <= double_tree_bytes(hosts) {
+            Leaders::DoubleTree
+        } else {
+            Leaders::Ring
+        }
+    }
 }
 
 /// The plan for an all-reduce of this communicator of `bytes` with `red`: the exchange for 2
@@ -112,16 +164,21 @@ pub fn choose(l: &dyn Links, red: &RedSpec, bytes: usize) -> Option<Plan> {
         return order_free(red).then_some(Plan::Exchange);
     }
     let hs = hosts(l);
-    (hs.iter().any(|h| h.len() > 1) || tree_serves(&without_pre(*red), bytes, hs.len()))
-        .then_some(Plan::Hierarchical)
+    let trees = matches!(
+        Leaders::choose(&without_pre(*red), bytes, hs.len()),
+        Leaders::Tree | Leaders::DoubleTree
+    );
+    (hs.iter().any(|h| h.len() > 1) || trees).then_some(Plan::Hierarchical)
 }
 
 /// A sub-group of a communicator's ranks (`members`, in the order its programs number them),
-/// as the ring and chain builders see it; its connections are direct ones of the communicator.
+/// as the ring and chain builders see it; its connections are the communicator's of `class`
+/// (direct ones; the second of two trees that run at once has its own).
 struct Sub<'a> {
     parent: &'a dyn Links,
     members: &'a [usize],
     me: usize,
+    class: Class,
 }
 
 impl Links for Sub<'_> {
@@ -135,8 +192,7 @@ impl Links for Sub<'_> {
         self.parent.slot_bytes()
     }
     fn conn(&self, peer: usize, is_sender: bool, _class: Class) -> Result<ConnKey> {
-        self.parent
-            .conn(self.members[peer], is_sender, Class::Direct)
+        self.parent.conn(self.members[peer], is_sender, self.class)
     }
     fn host(&self, rank: usize) -> u64 {
         self.parent.host(self.members[rank])
@@ -210,7 +266,7 @@ pub fn all_reduce_exchange(
 }
 
 /// The hierarchical all-reduce: this rank's stages (2 or 3: the leaders' stage only on
-/// leaders), each holding one program.
+/// leaders), each holding the programs that run at once (two for the double tree, else one).
 pub fn all_reduce_hierarchical(
     l: &dyn Links,
     send: usize,
@@ -218,7 +274,7 @@ pub fn all_reduce_hierarchical(
     count: usize,
     dtype: DataType,
     red: RedSpec,
-) -> Result<Vec<Program>> {
+) -> Result<Vec<Vec<Program>>> {
     let me = l.rank();
     let hs = hosts(l);
     let mine = hs
@@ -229,11 +285,12 @@ pub fn all_reduce_hierarchical(
         parent: l,
         members: mine,
         me: mine.iter().position(|&r| r == me).expect("a member"),
+        class: Class::Direct,
     };
     let leaders: Vec<usize> = hs.iter().map(|h| h[0]).collect();
     let mut out = Vec::with_capacity(3);
     // Inside the host, to the leader (which applies its own pre-multiply; one rank: a local one).
-    out.push(ring::reduce(
+    out.push(vec![ring::reduce(
         &inside,
         send,
         recv,
@@ -241,47 +298,66 @@ pub fn all_reduce_hierarchical(
         dtype,
         without_post(red),
         0,
-    )?);
+    )?]);
     if leaders.contains(&me) {
-        let across = Sub {
+        let across = |class| Sub {
             parent: l,
             members: &leaders,
             me: leaders.iter().position(|&r| r == me).expect("a leader"),
+            class,
         };
+        let a = across(Class::Direct);
         let red = without_pre(red);
         let bytes = count * dtype.size();
-        out.push(if leaders.len() == 2 && order_free(&red) {
-            exchange(
-                &across,
-                1 - across.me,
+        out.push(match Leaders::choose(&red, bytes, leaders.len()) {
+            Leaders::Exchange => vec![exchange(
+                &a,
+                1 - a.me,
                 (recv, recv),
                 count,
                 dtype,
                 red,
                 false,
-            )?
-        } else if tree_serves(&red, bytes, leaders.len()) {
-            tree(&across, recv, count, dtype, red)?
-        } else {
-            ring::all_reduce(&across, recv, recv, count, dtype, red)?
+            )?],
+            Leaders::Tree => vec![tree(&a, false, recv, count, dtype, red)?],
+            Leaders::DoubleTree => {
+                let half = count / 2;
+                let upper = recv + half * dtype.size();
+                vec![
+                    tree(&a, false, recv, half, dtype, red)?,
+                    tree(&across(Class::Tree), true, upper, count - half, dtype, red)?,
+                ]
+            }
+            Leaders::Ring => vec![ring::all_reduce(&a, recv, recv, count, dtype, red)?],
         });
     }
     if mine.len() > 1 {
-        out.push(ring::broadcast(&inside, recv, recv, count, dtype, 0)?);
+        out.push(vec![ring::broadcast(&inside, recv, recv, count, dtype, 0)?]);
     }
     Ok(out)
 }
 
 /// An all-reduce in place on `buf` up and down a binary tree of `l`'s ranks (position i's
-/// children are 2i+1 and 2i+2): each rank reduces its children's data into its own and sends
-/// the sum to its parent; the root's result comes back down. One program, pipelined by slice;
-/// every rank ends with the root's bytes. `red` has neither pre-multiply nor post-divide.
-fn tree(l: &dyn Links, buf: usize, count: usize, dtype: DataType, red: RedSpec) -> Result<Program> {
-    let i = l.rank();
+/// children are 2i+1 and 2i+2; rank r holds position r, or n-1-r in the `mirror`ed tree): each
+/// rank reduces its children's data into its own and sends the sum to its parent; the root's
+/// result comes back down. One program, pipelined by slice; every rank ends with the root's
+/// bytes. `red` has neither pre-multiply nor post-divide.
+fn tree(
+    l: &dyn Links,
+    mirror: bool,
+    buf: usize,
+    count: usize,
+    dtype: DataType,
+    red: RedSpec,
+) -> Result<Program> {
     let n = l.nranks();
+    // Position to rank and back (the mirror is its own inverse).
+    let at = |p: usize| if mirror { n - 1 - p } else { p };
+    let i = at(l.rank());
     let children: Vec<usize> = [2 * i + 1, 2 * i + 2]
         .into_iter()
         .filter(|&c| c < n)
+        .map(at)
         .collect();
     let step = |prim, dst| ring::step(prim, buf, dst, count);
     let mut steps = Vec::new();
@@ -291,7 +367,7 @@ fn tree(l: &dyn Links, buf: usize, count: usize, dtype: DataType, red: RedSpec) 
         steps.push(s);
     }
     if i > 0 {
-        let parent = (i - 1) / 2;
+        let parent = at((i - 1) / 2);
         let mut up = step(Prim::Send, 0);
         up.send = Some(l.conn(parent, true, Class::Direct)?);
         let mut down = step(Prim::Recv, buf);
@@ -306,14 +382,57 @@ fn tree(l: &dyn Links, buf: usize, count: usize, dtype: DataType, red: RedSpec) 
     Ok(Program::new(steps, dtype, l.slot_bytes(), Some(red)))
 }
 
-/// One stage per program, each with one lane.
-pub fn stages(programs: Vec<Program>) -> Vec<Stage> {
+/// One stage per list of programs, each program a lane of its own.
+pub fn stages(programs: Vec<Vec<Program>>) -> Vec<Stage> {
     programs
         .into_iter()
-        .map(|p| {
+        .map(|ps| {
             let mut s = Stage::default();
-            s.lanes.push(vec![p.into()]);
+            s.lanes.extend(ps.into_iter().map(|p| vec![p.into()]));
             s
         })
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::types::{ReduceKind, Reduction};
+
+    fn red(dtype: DataType, kind: ReduceKind, postdiv: bool) -> RedSpec {
+        RedSpec::Ready(Reduction {
+            dtype,
+            kind,
+            premul: None,
+            postdiv: postdiv.then_some(2),
+        })
+    }
+
+    /// The leaders' all-reduce by hosts and size: the exchange for two (order-free reductions
+    /// only), one tree up to 64 KiB, two trees while they save hops (never for 3 hosts), the
+    /// ring otherwise and for post-divides.
+    #[test]
+    fn leaders_choose_by_hosts_and_size() {
+        use Leaders::*;
+        let sum = red(DataType::Float32, ReduceKind::Sum, false);
+        let max = red(DataType::Float32, ReduceKind::Max, false);
+        let avg = red(DataType::Int32, ReduceKind::Sum, true);
+        assert_eq!(Leaders::choose(&sum, 1 << 30, 2), Exchange);
+        assert_eq!(Leaders::choose(&max, 8, 2), Ring);
+        assert_eq!(Leaders::choose(&avg, 8, 4), Ring);
+        assert_eq!(Leaders::choose(&sum, 64 << 10, 3), Tree);
+        assert_eq!(Leaders::choose(&sum, (64 << 10) + 4, 3), Ring);
+        for (hosts, most) in [
+            (4, 160 << 10),
+            (5, 160 << 10),
+            (8, 640 << 10),
+            (16, 1760 << 10),
+        ] {
+            assert_eq!(Leaders::choose(&sum, 64 << 10, hosts), Tree, "{hosts}");
+            assert_eq!(Leaders::choose(&sum, most, hosts), DoubleTree, "{hosts}");
+            assert_eq!(Leaders::choose(&sum, most + 4, hosts), Ring, "{hosts}");
+        }
+        assert_eq!(Leaders::choose(&sum, 16 << 20, 1024), DoubleTree);
+        assert_eq!(Leaders::choose(&sum, (16 << 20) + 4, 1024), Ring);
+    }
 }

@@ -57,6 +57,8 @@ pub enum Class {
     P2p = 1,
     /// Direct algorithms of collectives (alltoall, gather, scatter, direct allreduce).
     Direct = 2,
+    /// The second of two trees that run at once (the first uses Direct connections).
+    Tree = 3,
 }
 
 /// Where the two ends of a connection live relative to each other.
