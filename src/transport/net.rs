@@ -59,8 +59,10 @@ impl Transport for Net {
         Locality::of(me, peer) == Locality::OtherHost
     }
     fn setup(&self, spec: &ConnSpec) -> Result<(Box<dyn Endpoint>, Vec<u8>)> {
-        // A private region: only this end maps it.
-        let name = format!("{}-net-{}", spec.name(), std::process::id());
+        // A private region: only this end maps it, named for it alone (both ends of one
+        // connection may live in one process).
+        let end = if spec.is_sender { "send" } else { "recv" };
+        let name = format!("{}-net-{}-{end}", spec.name(), std::process::id());
         let region = inproc::open(&name, super::region_bytes(spec.nsteps, spec.slot_bytes))?;
         inproc::forget(&name);
         let (lo, hi) = (spec.me.min(spec.peer), spec.me.max(spec.peer));
@@ -358,6 +360,16 @@ impl Proxy for NetEnd {
             return Ok(false);
         }
         self.step(&mut self.state.lock())
+    }
+
+    fn sockets(&self) -> Vec<(SocketAddr, SocketAddr)> {
+        match &self.state.lock().state {
+            State::Connected(socks) => socks
+                .iter()
+                .filter_map(|s| Some((s.local_addr().ok()?, s.peer_addr().ok()?)))
+                .collect(),
+            _ => Vec::new(),
+        }
     }
 
     fn progress_inline(&self) {

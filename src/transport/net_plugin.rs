@@ -42,7 +42,9 @@ impl Transport for NetPlugin {
     }
     fn setup(&self, spec: &ConnSpec) -> Result<(Box<dyn Endpoint>, Vec<u8>)> {
         let net = plugin()?;
-        let name = format!("{}-netp-{}", spec.name(), std::process::id());
+        // Named for this end alone (both ends of one connection may live in one process).
+        let end = if spec.is_sender { "send" } else { "recv" };
+        let name = format!("{}-netp-{}-{end}", spec.name(), std::process::id());
         let region = inproc::open(&name, super::region_bytes(spec.nsteps, spec.slot_bytes))?;
         inproc::forget(&name);
         let (listen, blob) = if spec.is_sender {
