@@ -286,12 +286,7 @@ fn processes_placed(
     envs: &[(&str, &str)],
     host: &dyn Fn(usize) -> Option<String>,
 ) -> Vec<Output> {
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-        .to_string();
+    let port = free_port().to_string();
     let kids: Vec<_> = (0..n)
         .map(|r| {
             tool(name)
@@ -408,6 +403,44 @@ fn corrupt_fault_is_detected() {
     assert!(String::from_utf8_lossy(&o.stdout).contains("FAILED"));
 }
 
+/// A TCP port free on this machine now (for MASTER_PORT).
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// What the perf tools launched on namespace hosts need (the environment launcher's variables,
+/// rank 0 on host 0 at a free port), with `extra` added; and the log file prefix for `what`
+/// (`common::netns::take_logs` reads and removes them).
+fn ns_launch(
+    b: &Built,
+    hosts: &common::netns::Hosts,
+    world: usize,
+    extra: &[(&str, &str)],
+    what: &str,
+) -> (Vec<(String, String)>, String) {
+    let port = free_port();
+    let mut env: Vec<(String, String)> = [
+        ("OXCCL_DEVICE", "host".to_string()),
+        ("LD_LIBRARY_PATH", b.lib.display().to_string()),
+        ("WORLD_SIZE", world.to_string()),
+        ("MASTER_ADDR", hosts.ip(0)),
+        ("MASTER_PORT", port.to_string()),
+    ]
+    .into_iter()
+    .map(|(a, b)| (a.to_string(), b))
+    .collect();
+    env.extend(extra.iter().map(|(a, b)| (a.to_string(), b.to_string())));
+    let prefix = std::env::temp_dir()
+        .join(format!("oxccl-{what}-{}", std::process::id()))
+        .display()
+        .to_string();
+    (env, prefix)
+}
+
 /// The perf tools across 2 namespace hosts x 2 ranks under the environment launcher (RANK,
 /// WORLD_SIZE, MASTER_ADDR, MASTER_PORT): every row checked (`Out of bounds values : 0 OK`),
 /// and the data went over the link between the hosts.
@@ -419,48 +452,18 @@ fn tools_across_two_namespace_hosts() {
     let b = built();
     for name in ["all_reduce_perf", "all_gather_perf", "sendrecv_perf"] {
         let exe = b.bin.join(name).display().to_string();
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
-        let log = |r: usize| {
-            std::env::temp_dir().join(format!(
-                "oxccl-perf-hosts-{}-{name}-{r}.log",
-                std::process::id()
-            ))
-        };
-        let env: Vec<(String, String)> = [
-            ("OXCCL_DEVICE", "host".to_string()),
-            ("LD_LIBRARY_PATH", b.lib.display().to_string()),
-            ("WORLD_SIZE", "4".to_string()),
-            ("MASTER_ADDR", hosts.ip(0)),
-            ("MASTER_PORT", port.to_string()),
-            ("OXCCL_TIMEOUT_S", "60".to_string()),
-        ]
-        .into_iter()
-        .map(|(a, b)| (a.to_string(), b))
-        .collect();
+        let (env, logs) = ns_launch(b, &hosts, 4, &[("OXCCL_TIMEOUT_S", "60")], name);
         let before = hosts.counters();
         for i in 0..2 {
             let cmds: Vec<String> = (2 * i..2 * i + 2)
                 .map(|r| {
-                    format!(
-                        "RANK={r} {exe} -b 8 -e 4M -f 16 -n 3 -w 1 > {} 2>&1",
-                        log(r).display()
-                    )
+                    format!("RANK={r} {exe} -b 8 -e 4M -f 16 -n 3 -w 1 > {logs}.rank{r}.log 2>&1")
                 })
                 .collect();
             hosts.start(i, &env, &cmds);
         }
         let ok = hosts.wait_for(std::time::Duration::from_secs(120));
-        let logs: Vec<String> = (0..4)
-            .map(|r| {
-                let t = std::fs::read_to_string(log(r)).unwrap_or_default();
-                let _ = std::fs::remove_file(log(r));
-                t
-            })
-            .collect();
+        let logs = common::netns::take_logs(&logs, 4);
         assert_eq!(ok, Some(vec![true, true]), "{name}:\n{}", logs.join("\n"));
         assert!(
             logs[0].contains("# Out of bounds values : 0 OK") && logs[0].contains("  524288 "),
@@ -469,69 +472,6 @@ fn tools_across_two_namespace_hosts() {
         );
         hosts.assert_moved(&before, 4 << 20, name);
     }
-}
-
-/// Small all-reduces between two namespace hosts (1 rank each: one exchange per operation)
-/// send each direction's data on the sockets of the other: TCP acknowledges one direction's
-/// data in the other's packets, about 2 packets per operation on a host's link rather than 4
-/// (data and a bare acknowledgement each way), which is what small-message latency costs.
-/// Every row checked.
-#[test]
-fn the_two_directions_between_two_hosts_share_their_sockets() {
-    let Some(mut hosts) = common::netns::Hosts::new(2) else {
-        return;
-    };
-    let b = built();
-    let exe = b.bin.join("all_reduce_perf").display().to_string();
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
-    let log = |r: usize| {
-        std::env::temp_dir().join(format!("oxccl-perf-pair-{}-{r}.log", std::process::id()))
-    };
-    let env: Vec<(String, String)> = [
-        ("OXCCL_DEVICE", "host".to_string()),
-        ("LD_LIBRARY_PATH", b.lib.display().to_string()),
-        ("WORLD_SIZE", "2".to_string()),
-        ("MASTER_ADDR", hosts.ip(0)),
-        ("MASTER_PORT", port.to_string()),
-        ("OXCCL_TIMEOUT_S", "60".to_string()),
-    ]
-    .into_iter()
-    .map(|(a, b)| (a.to_string(), b))
-    .collect();
-    let before = hosts.packets(0);
-    // Out of place, then in place: at least 2 x 2000 operations.
-    let ops = 2 * 2000;
-    for r in 0..2 {
-        let cmd = format!(
-            "RANK={r} {exe} -b 1K -e 1K -n 2000 -w 5 -d float > {} 2>&1",
-            log(r).display()
-        );
-        hosts.start(r, &env, &[cmd]);
-    }
-    let ok = hosts.wait_for(std::time::Duration::from_secs(120));
-    let logs: Vec<String> = (0..2)
-        .map(|r| {
-            let t = std::fs::read_to_string(log(r)).unwrap_or_default();
-            let _ = std::fs::remove_file(log(r));
-            t
-        })
-        .collect();
-    assert_eq!(ok, Some(vec![true, true]), "{}", logs.join("\n"));
-    assert!(
-        logs[0].contains("# Out of bounds values : 0 OK"),
-        "{}",
-        logs[0]
-    );
-    let packets = hosts.packets(0) - before;
-    assert!(
-        packets >= ops && packets < 3 * ops,
-        "{packets} packets on host 0's link for {ops}+ all-reduces of 1 KiB (want 2-3 per \
-         operation: each direction's data carrying the other's acknowledgement)"
-    );
 }
 
 /// Two ranks of one machine (same hostname and boot id) that do not share /dev/shm (each
@@ -545,44 +485,19 @@ fn ranks_with_private_dev_shm_talk_over_the_network() {
     };
     let b = built();
     let exe = b.bin.join("all_reduce_perf").display().to_string();
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
-    let log = |r: usize| {
-        std::env::temp_dir().join(format!("oxccl-private-shm-{}-{r}.log", std::process::id()))
-    };
-    let env: Vec<(String, String)> = [
-        ("OXCCL_DEVICE", "host".to_string()),
-        ("LD_LIBRARY_PATH", b.lib.display().to_string()),
-        ("WORLD_SIZE", "2".to_string()),
-        ("MASTER_ADDR", hosts.ip(0)),
-        ("MASTER_PORT", port.to_string()),
-        ("OXCCL_TIMEOUT_S", "20".to_string()),
-        ("NCCL_DEBUG", "INFO".to_string()),
-    ]
-    .into_iter()
-    .map(|(a, b)| (a.to_string(), b))
-    .collect();
+    let extra = [("OXCCL_TIMEOUT_S", "20"), ("NCCL_DEBUG", "INFO")];
+    let (env, logs) = ns_launch(b, &hosts, 2, &extra, "private-shm");
     let cmds: Vec<String> = (0..2)
         .map(|r| {
             format!(
                 "unshare --mount --propagation private sh -c 'mount -t tmpfs tmpfs /dev/shm && \
-                 RANK={r} exec {exe} -b 8 -e 1M -f 16 -n 3 -w 1' > {} 2>&1",
-                log(r).display()
+                 RANK={r} exec {exe} -b 8 -e 1M -f 16 -n 3 -w 1' > {logs}.rank{r}.log 2>&1"
             )
         })
         .collect();
     hosts.start(0, &env, &cmds);
     let ok = hosts.wait_for(std::time::Duration::from_secs(90));
-    let logs: Vec<String> = (0..2)
-        .map(|r| {
-            let t = std::fs::read_to_string(log(r)).unwrap_or_default();
-            let _ = std::fs::remove_file(log(r));
-            t
-        })
-        .collect();
+    let logs = common::netns::take_logs(&logs, 2);
     assert_eq!(ok, Some(vec![true]), "{}", logs.join("\n"));
     assert!(
         logs[0].contains("# Out of bounds values : 0 OK") && logs[0].contains("  524288 "),
@@ -666,12 +581,7 @@ fn tools_across_two_namespace_hosts_under_mpirun() {
 #[test]
 fn a_peer_dying_mid_transfer_is_an_error_in_a_c_program() {
     use std::os::unix::process::ExitStatusExt;
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-        .to_string();
+    let port = free_port().to_string();
     let start = |r: usize| {
         tool("all_reduce_perf")
             .args([

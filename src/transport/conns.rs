@@ -295,7 +295,10 @@ pub fn connect_all(needs: &[(&Conns, Vec<ConnKey>)]) -> Result<()> {
     let mut first_err: Option<Error> = None;
     let mut pending = Vec::new();
     for (c, keys) in needs {
-        for &k in keys {
+        // Receiving ends first: a sending end shares the sockets of its rank's receiving end
+        // from the same peer where that end exists (see `net::pair`).
+        let (recvs, sends): (Vec<ConnKey>, Vec<ConnKey>) = keys.iter().partition(|k| !k.is_sender);
+        for k in recvs.into_iter().chain(sends) {
             let (ep, blob) = c.setup(k);
             let sent = c.with_bootstrap(|b| b.send_setup(k.peer, blob_tag(k, k.is_sender), &blob));
             if let Err(e) = ep.as_ref().err().cloned().map_or(sent, Err) {

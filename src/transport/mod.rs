@@ -165,6 +165,10 @@ pub trait Proxy: Send + Sync {
     /// is at it (then nothing): the data moves without a hand-off between threads. Errors are
     /// left to the proxy thread (which meets them too).
     fn progress_inline(&self) {}
+    /// The (local, peer) addresses of the sockets the end moves data on, once connected.
+    fn sockets(&self) -> Vec<(std::net::SocketAddr, std::net::SocketAddr)> {
+        Vec::new()
+    }
 }
 
 /// What a proxy's end waits for on its socket (`Proxy::wait_for`).
@@ -414,6 +418,11 @@ impl Conn {
         if let Some(p) = &self.proxy {
             p.progress_inline();
         }
+    }
+
+    /// The sockets this connection's data moves on (see `Proxy::sockets`).
+    pub fn sockets(&self) -> Vec<(std::net::SocketAddr, std::net::SocketAddr)> {
+        self.proxy.as_ref().map_or_else(Vec::new, |p| p.sockets())
     }
 
     /// How long the peer has been silent on this connection (see `Proxy::silent_for`).

@@ -206,7 +206,9 @@ fn rings_keep_a_hosts_ranks_together() {
 
 /// Two ranks on different hosts: the reverse of a network connection shares its sockets,
 /// whether it is made in the same exchange (class P2p, both ways at once) or in a later one
-/// (class Direct: 0 -> 1 first, 1 -> 0 afterwards); slots move both ways on each, in order.
+/// (class Direct: 0 -> 1 first, 1 -> 0 afterwards); slots move both ways on each, in order,
+/// and each rank's two ends name the same sockets (so TCP carries each direction's
+/// acknowledgements in the other's packets).
 #[test]
 fn reverse_network_connections_share_sockets_and_carry_data() {
     let slots = |send: &super::Conn, recv: &super::Conn, me: u64| {
@@ -247,12 +249,19 @@ fn reverse_network_connections_share_sockets_and_carry_data() {
             let recv = c.bound(key(peer, false, Class::P2p)).unwrap();
             assert_eq!(c.locality(peer), Locality::OtherHost);
             let a = slots(&send, &recv, me as u64);
+            let shared = |send: &super::Conn, recv: &super::Conn| {
+                let s = send.sockets();
+                assert_eq!(s.len(), 1, "rank {me}: {s:?}");
+                assert_eq!(s, recv.sockets(), "rank {me}");
+            };
+            shared(&send, &recv);
             // One way, then the other in a later exchange.
             connect_all(&[(&c, vec![key(peer, me == 0, Class::Direct)])]).unwrap();
             connect_all(&[(&c, vec![key(peer, me == 1, Class::Direct)])]).unwrap();
             let send = c.bound(key(peer, true, Class::Direct)).unwrap();
             let recv = c.bound(key(peer, false, Class::Direct)).unwrap();
             let b = slots(&send, &recv, me as u64);
+            shared(&send, &recv);
             (me, a, b)
         },
     );
