@@ -286,8 +286,28 @@ fn processes_placed(
     envs: &[(&str, &str)],
     host: &dyn Fn(usize) -> Option<String>,
 ) -> Vec<Output> {
-    let port = free_port().to_string();
-    let kids: Vec<_> = (0..n)
+    // A port free a moment ago may be taken by the time rank 0 binds it (other tests open
+    // sockets all the time): rank 0 then exits at once, and the run is made again on another.
+    for _ in 0..3 {
+        if let Some(outs) = processes_on_port(n, name, args, envs, host, free_port()) {
+            return outs;
+        }
+    }
+    panic!("{name}: rank 0 could not listen on 3 free ports in a row");
+}
+
+/// `processes_placed` with rank 0 at `port`: None when rank 0 could not listen on it (the
+/// other ranks are stopped).
+fn processes_on_port(
+    n: usize,
+    name: &str,
+    args: &[&str],
+    envs: &[(&str, &str)],
+    host: &dyn Fn(usize) -> Option<String>,
+    port: u16,
+) -> Option<Vec<Output>> {
+    let port = port.to_string();
+    let mut kids: Vec<_> = (0..n)
         .map(|r| {
             tool(name)
                 .args(args)
@@ -304,14 +324,21 @@ fn processes_placed(
                 .unwrap()
         })
         .collect();
-    let outs: Vec<Output> = kids
-        .into_iter()
-        .map(|c| c.wait_with_output().unwrap())
+    let first = kids.remove(0).wait_with_output().unwrap();
+    if String::from_utf8_lossy(&first.stderr).contains("rank 0 cannot listen on port") {
+        for mut k in kids {
+            let _ = k.kill();
+            let _ = k.wait();
+        }
+        return None;
+    }
+    let outs: Vec<Output> = std::iter::once(first)
+        .chain(kids.into_iter().map(|c| c.wait_with_output().unwrap()))
         .collect();
     for (r, o) in outs.iter().enumerate().skip(1) {
         assert_eq!(o.status.code(), Some(0), "{name} rank {r}:\n{}", text(o));
     }
-    outs
+    Some(outs)
 }
 
 /// In place, nccl-tests' sendrecv sends from the buffer it receives into, and alltoall sends
