@@ -8,7 +8,8 @@ cd "$root"
 scripts/setup.sh
 export OXCCL_DEVICE=host
 cargo fmt --check
-cargo clippy --all-targets -- -D warnings
-# The C programs and the ABI checks load target/release/libnccl.so: build it first.
-cargo build --release --lib
+cargo clippy --workspace --all-targets -- -D warnings
+# The C programs and the ABI checks load target/release/libnccl.so, the net plugin test
+# target/release/libnccl_net_oxccl.so (net-plugin/): build them first.
+cargo build --release --workspace --lib
 cargo test --release --no-fail-fast 2>&1

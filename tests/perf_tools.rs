@@ -666,13 +666,14 @@ fn testnet_plugin(v: u32) -> PathBuf {
 }
 
 /// Every collective and Send/Recv through the net plugin path: the perf tools on 2 "hosts" x 2
-/// ranks (loopback, OXCCL_HOSTID), NCCL_NET_PLUGIN pointing at a TCP plugin built for ABI v8 and
-/// v12 (every row checked, the connections named NET/testnet); three of them with a plugin that
-/// refuses every third post; then all_reduce at every ABI version v6 .. v12.
+/// ranks (loopback, OXCCL_HOSTID), NCCL_NET_PLUGIN pointing at oxccl's socket transport built
+/// as a plugin (net-plugin/, ABI v8, connections named NET/oxsocket), then at a TCP plugin in
+/// C built for ABI v8 and v12 (NET/testnet); every row checked. Three of the tools with a
+/// plugin that refuses every third post; then all_reduce at every ABI version v6 .. v12.
 #[test]
 fn every_collective_through_a_net_plugin() {
     let hosts = |r: usize| Some(format!("plugin-host-{}", r / 2));
-    let check = |name: &str, v: u32, outs: &[Output]| {
+    let check_plugin = |plugin: &str, name: &str, v: u32, outs: &[Output]| {
         let t = text(&outs[0]);
         assert_eq!(outs[0].status.code(), Some(0), "{name} v{v}:\n{t}");
         assert!(
@@ -681,13 +682,33 @@ fn every_collective_through_a_net_plugin() {
         );
         // The ranks whose connections cross the hosts say so (a sending end's line).
         let all: String = outs.iter().map(text).collect();
-        assert!(all.contains("via NET/testnet/0"), "{name} v{v}:\n{all}");
+        assert!(
+            all.contains(&format!("via NET/{plugin}/0")),
+            "{name} v{v}:\n{all}"
+        );
         assert!(!all.contains("via NET/Socket"), "{name} v{v}:\n{all}");
         assert!(
-            t.contains(&format!("loaded net plugin 'testnet' (ncclNet_v{v})")),
+            t.contains(&format!("loaded net plugin '{plugin}' (ncclNet_v{v})")),
             "{name} v{v}:\n{t}"
         );
     };
+    let check = |name: &str, v: u32, outs: &[Output]| check_plugin("testnet", name, v, outs);
+    // oxccl's own socket transport as a plugin (net-plugin/, built with the library).
+    let ours = profile_dir().join("libnccl_net_oxccl.so");
+    assert!(
+        ours.exists(),
+        "{} is missing: cargo build --release --workspace --lib builds it",
+        ours.display()
+    );
+    let envs = [
+        ("NCCL_NET_PLUGIN", ours.to_str().unwrap()),
+        ("NCCL_DEBUG", "INFO"),
+        ("OXCCL_TIMEOUT_S", "60"),
+    ];
+    for name in TOOLS {
+        let outs = processes_placed(4, name, &["-b", "8", "-e", "1M", "-f", "32"], &envs, &hosts);
+        check_plugin("oxsocket", name, 8, &outs);
+    }
     let v8 = testnet_plugin(8);
     for (v, so) in [(8, v8.clone()), (12, testnet_plugin(12))] {
         let so = so.to_str().unwrap();
