@@ -98,7 +98,44 @@ fn soname_link() {
     }
 }
 
+/// Compiles the net plugins' variadic logger (`src/transport/plugin/logger.c`) into a static
+/// library linked into oxccl, with the C compiler Rust links with (`CC`, else `cc`).
+fn plugin_logger() {
+    let src = "src/transport/plugin/logger.c";
+    println!("cargo:rerun-if-changed={src}");
+    let dir = std::path::PathBuf::from(std::env::var("OUT_DIR").expect("OUT_DIR"));
+    let obj = dir.join("oxccl_logger.o");
+    let cc = std::env::var("CC").unwrap_or_else(|_| "cc".into());
+    let st = std::process::Command::new(&cc)
+        .args([
+            "-O2",
+            "-fPIC",
+            "-fvisibility=hidden",
+            "-Wall",
+            "-Wextra",
+            "-c",
+            src,
+            "-o",
+        ])
+        .arg(&obj)
+        .status()
+        .unwrap_or_else(|e| panic!("{cc} (compiling {src}): {e}"));
+    assert!(st.success(), "{cc} could not compile {src}");
+    let lib = dir.join("liboxccl_logger.a");
+    let _ = std::fs::remove_file(&lib);
+    let st = std::process::Command::new("ar")
+        .arg("crs")
+        .arg(&lib)
+        .arg(&obj)
+        .status()
+        .unwrap_or_else(|e| panic!("ar (archiving {src}): {e}"));
+    assert!(st.success(), "ar could not archive {src}");
+    println!("cargo:rustc-link-search=native={}", dir.display());
+    println!("cargo:rustc-link-lib=static=oxccl_logger");
+}
+
 fn main() {
+    plugin_logger();
     // The shared object is what C programs load: give it NCCL's SONAME.
     println!("cargo:rustc-cdylib-link-arg=-Wl,-soname,libnccl.so.2");
     soname_link();

@@ -691,6 +691,12 @@ fn every_collective_through_a_net_plugin() {
             t.contains(&format!("loaded net plugin '{plugin}' (ncclNet_v{v})")),
             "{name} v{v}:\n{t}"
         );
+        // The plugin's own log line, its format's arguments filled in.
+        let hello = match plugin {
+            "testnet" => format!("NET/Plugin: testnet plugin initialised (ABI v{v}, TCP)"),
+            _ => "NET/Plugin: oxccl socket net plugin initialised".to_string(),
+        };
+        assert!(t.contains(&hello), "{name} v{v}: no '{hello}' in\n{t}");
     };
     let check = |name: &str, v: u32, outs: &[Output]| check_plugin("testnet", name, v, outs);
     // oxccl's own socket transport as a plugin (net-plugin/, built with the library).

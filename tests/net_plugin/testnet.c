@@ -46,7 +46,7 @@ struct handle { uint32_t ip; uint16_t port; uint32_t magic; };
 struct listener { int fd; };
 
 static res_t init_(void) {
-  if (logf_) logf_(3, 0, __FILE__, __LINE__, "testnet plugin initialised");
+  if (logf_) logf_(3, 0, __FILE__, __LINE__, "testnet plugin initialised (ABI v%d, %s)", NET_V, "TCP");
   return OK;
 }
 static res_t devices(int* n) { *n = 1; return OK; }

@@ -169,25 +169,45 @@ unsafe impl Send for Net {}
 // SAFETY: as above.
 unsafe impl Sync for Net {}
 
-/// A plugin's log lines, at NCCL's INFO or WARN. The logger is variadic in C; oxccl reads the
-/// fixed arguments only and prints the format string as it is (without its arguments).
-unsafe extern "C" fn logger(
+extern "C" {
+    /// The logger plugins are given (`logger.c`): variadic, formats, then calls the sink.
+    fn oxccl_plugin_logger(
+        level: c_int,
+        flags: c_ulong,
+        file: *const c_char,
+        line: c_int,
+        fmt: *const c_char,
+        ...
+    );
+    fn oxccl_plugin_log_sink(
+        sink: unsafe extern "C" fn(c_int, *const c_char, c_int, *const c_char),
+    );
+}
+
+/// A plugin's log line, formatted by `oxccl_plugin_logger`: NCCL's WARN (level 2) or INFO (3).
+unsafe extern "C" fn log_sink(
     level: c_int,
-    _flags: c_ulong,
     _file: *const c_char,
     _line: c_int,
-    fmt: *const c_char,
+    text: *const c_char,
 ) {
-    if fmt.is_null() {
+    if text.is_null() {
         return;
     }
-    // SAFETY: the plugin passes a NUL-terminated format string.
-    let text = unsafe { CStr::from_ptr(fmt) }.to_string_lossy();
+    // SAFETY: logger.c passes its NUL-terminated buffer.
+    let text = unsafe { CStr::from_ptr(text) }.to_string_lossy();
     match level {
         2 => crate::debug::warn(&format!("NET/Plugin: {}", text.trim_end())),
         3 => crate::debug::info(&format!("NET/Plugin: {}", text.trim_end())),
         _ => {}
     }
+}
+
+/// The logger to hand a plugin's init.
+fn logger() -> Logger {
+    // SAFETY: sets a function pointer logger.c keeps; `log_sink` lives as long as the library.
+    unsafe { oxccl_plugin_log_sink(log_sink) };
+    oxccl_plugin_logger as *const c_void
 }
 
 fn must<T>(f: Option<T>, name: &str, what: &str) -> Result<T> {
@@ -246,7 +266,7 @@ impl Net {
 
     /// Initialises the plugin (once per process; v11+: one context for every communicator).
     pub fn init(&mut self) -> Result<()> {
-        let lg = logger as *const c_void;
+        let lg = logger();
         let n = self.name.clone();
         // SAFETY: calling the plugin's functions with arguments of the types its ABI declares.
         let r = unsafe {
