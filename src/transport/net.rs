@@ -351,8 +351,19 @@ impl Proxy for NetEnd {
         matches!(w.state, State::Connected(_)).then(|| w.p.last.elapsed())
     }
 
+    /// A sending end has written every slot it was handed and the peer has acknowledged every
+    /// byte: only then may its sockets close. They carry the reverse direction too (`pair`),
+    /// and a socket closed with bytes unread is reset, which would drop what is still queued.
     fn flushed(&self) -> bool {
-        !self.is_sender || self.state.lock().p.step >= self.view.tail().load(Ordering::Acquire)
+        if !self.is_sender || self.closed() {
+            return true;
+        }
+        let w = self.state.lock();
+        w.p.step >= self.view.tail().load(Ordering::Acquire)
+            && match &w.state {
+                State::Connected(socks) => socks.iter().all(wire::acknowledged),
+                _ => true,
+            }
     }
 
     fn progress(&self) -> Result<bool> {

@@ -128,7 +128,10 @@ fn send_vectored(s: &TcpStream, bufs: &[&[u8]]) -> std::io::Result<usize> {
 enum Io {
     Moved(usize),
     Blocked,
+    /// The peer closed the connection (end of stream).
     Closed,
+    /// The connection was reset or broken (the peer closed it with bytes unread, or is gone).
+    Reset(std::io::Error),
 }
 
 fn io(r: std::io::Result<usize>, end: &NetEnd) -> Result<Io> {
@@ -137,8 +140,26 @@ fn io(r: std::io::Result<usize>, end: &NetEnd) -> Result<Io> {
         Ok(k) => Ok(Io::Moved(k)),
         Err(e) if e.kind() == ErrorKind::WouldBlock => Ok(Io::Blocked),
         Err(e) if e.kind() == ErrorKind::Interrupted => Ok(Io::Moved(0)),
+        Err(e)
+            if matches!(
+                e.kind(),
+                ErrorKind::ConnectionReset | ErrorKind::ConnectionAborted | ErrorKind::BrokenPipe
+            ) =>
+        {
+            Ok(Io::Reset(e))
+        }
         Err(e) => Err(end.failed(&e.to_string())),
     }
+}
+
+/// Whether every byte written to `s` has been acknowledged by the peer (SIOCOUTQ is 0; an
+/// error counts as yes: there is nothing left to wait for).
+pub fn acknowledged(s: &TcpStream) -> bool {
+    use std::os::fd::AsRawFd;
+    let mut n: nix::libc::c_int = 0;
+    // SAFETY: TIOCOUTQ (SIOCOUTQ) writes one int: the bytes not yet acknowledged.
+    let r = unsafe { nix::libc::ioctl(s.as_raw_fd(), nix::libc::TIOCOUTQ, &mut n) };
+    r != 0 || n == 0
 }
 
 impl NetEnd {
@@ -188,7 +209,14 @@ impl NetEnd {
                         socks[j].write(left)
                     };
                     match io(r, self)? {
+                        // A heartbeat to a peer that is done with the connection (it ended its
+                        // communicator): nothing more goes; a wait for it is an error (`closed`).
+                        Io::Closed | Io::Reset(_) if w.beat => {
+                            self.closed.store(true, Ordering::Release);
+                            return Ok(moved);
+                        }
                         Io::Closed => return Err(self.failed("the peer closed the connection")),
+                        Io::Reset(e) => return Err(self.failed(&e.to_string())),
                         Io::Blocked => {
                             complete = false;
                             break;
@@ -229,14 +257,16 @@ impl NetEnd {
             while w.hdr_off < HDR {
                 match io(w.stage.read(&mut socks[0], &mut w.hdr[w.hdr_off..]), self)? {
                     // Between slots, the peer is done with the connection (it may have ended
-                    // its communicator): only a wait for more from it is an error (`closed`).
-                    Io::Closed if w.hdr_off == 0 => {
+                    // its communicator; closing a socket with bytes unread resets it): only a
+                    // wait for more from it is an error (`closed`).
+                    Io::Closed | Io::Reset(_) if w.hdr_off == 0 => {
                         self.closed.store(true, Ordering::Release);
                         return Ok(moved);
                     }
                     Io::Closed => {
                         return Err(self.failed("the peer closed the connection mid-slot"))
                     }
+                    Io::Reset(e) => return Err(self.failed(&e.to_string())),
                     Io::Blocked => return Ok(moved),
                     Io::Moved(n) => {
                         w.hdr_off += n;
@@ -271,6 +301,7 @@ impl NetEnd {
                         Io::Closed => {
                             return Err(self.failed("the peer closed the connection mid-slot"))
                         }
+                        Io::Reset(e) => return Err(self.failed(&e.to_string())),
                         Io::Blocked => {
                             complete = false;
                             break;
