@@ -99,14 +99,29 @@ fn soname_link() {
 }
 
 /// Compiles the net plugins' variadic logger (`src/transport/plugin/logger.c`) into a static
-/// library linked into oxccl, with the C compiler Rust links with (`CC`, else `cc`).
+/// library linked into oxccl, with the C compiler Rust links with (`CC`, else `cc`; `AR`, else
+/// `ar`).
 fn plugin_logger() {
     let src = "src/transport/plugin/logger.c";
     println!("cargo:rerun-if-changed={src}");
     let dir = std::path::PathBuf::from(std::env::var("OUT_DIR").expect("OUT_DIR"));
     let obj = dir.join("oxccl_logger.o");
-    let cc = std::env::var("CC").unwrap_or_else(|_| "cc".into());
-    let st = std::process::Command::new(&cc)
+    // CC and AR as make takes them (a program and its arguments: "ccache gcc").
+    println!("cargo:rerun-if-env-changed=CC");
+    println!("cargo:rerun-if-env-changed=AR");
+    let tool = |var: &str, default: &str| -> Vec<String> {
+        let v = std::env::var(var).unwrap_or_default();
+        let words: Vec<String> = v.split_whitespace().map(String::from).collect();
+        if words.is_empty() {
+            vec![default.to_string()]
+        } else {
+            words
+        }
+    };
+    let cc_words = tool("CC", "cc");
+    let cc = cc_words.join(" ");
+    let st = std::process::Command::new(&cc_words[0])
+        .args(&cc_words[1..])
         .args([
             "-O2",
             "-fPIC",
@@ -123,7 +138,9 @@ fn plugin_logger() {
     assert!(st.success(), "{cc} could not compile {src}");
     let lib = dir.join("liboxccl_logger.a");
     let _ = std::fs::remove_file(&lib);
-    let st = std::process::Command::new("ar")
+    let ar = tool("AR", "ar");
+    let st = std::process::Command::new(&ar[0])
+        .args(&ar[1..])
         .arg("crs")
         .arg(&lib)
         .arg(&obj)

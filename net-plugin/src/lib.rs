@@ -6,16 +6,19 @@
 //! random token that a connecting end presents before anything else (the handle travels
 //! through the caller's bootstrap, so only a rank of the communicator knows it). Requests of a
 //! comm complete in the order they were posted. Host memory only (`NCCL_PTR_HOST`), one
-//! device: the interface named by `NCCL_SOCKET_IFNAME` (a name prefix), else the first that is
-//! up and not loopback, else loopback; `OXCCL_NET_IP` names an address outright.
+//! device: the interface oxccl would choose (`NCCL_SOCKET_IFNAME` in NCCL's syntax, else the
+//! first that is not loopback or a container's); `OXCCL_NET_IP` names an address outright.
 //!
 //! No panic leaves a plugin function: each runs under `catch_unwind` and a panic becomes
 //! `ncclInternalError`.
 
+// oxccl's own interface choice, shared as a file (the plugin must not link oxccl).
+#[path = "../../src/bootstrap/ifaces.rs"]
+mod ifaces;
 mod wire;
 
 use std::ffi::{c_char, c_int, c_ulong, c_void};
-use std::net::{SocketAddr, TcpListener};
+use std::net::{IpAddr, Ipv4Addr, SocketAddr, TcpListener};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use wire::{Comm, Listener, HANDLE_BYTES};
 
@@ -64,40 +67,28 @@ fn guard(f: impl FnOnce() -> R + std::panic::UnwindSafe) -> R {
     std::panic::catch_unwind(f).unwrap_or(INTERNAL_ERROR)
 }
 
-/// The address this plugin listens on (see the crate's notes).
-fn local_ip() -> std::net::IpAddr {
+/// The address this plugin listens on: `OXCCL_NET_IP`, else the first address of the interface
+/// `NCCL_SOCKET_IFNAME` selects (NCCL's syntax; `NCCL_SOCKET_FAMILY`), else of the first one
+/// NCCL would pick (not loopback or a container's), else loopback. An `NCCL_SOCKET_IFNAME` that
+/// selects nothing is an error naming it.
+fn local_ip() -> Result<IpAddr, String> {
     if let Some(ip) = std::env::var("OXCCL_NET_IP")
         .ok()
         .and_then(|s| s.parse().ok())
     {
-        return ip;
+        return Ok(ip);
     }
-    let prefix = std::env::var("NCCL_SOCKET_IFNAME").unwrap_or_default();
-    let mut loopback = None;
-    if let Ok(addrs) = nix::ifaddrs::getifaddrs() {
-        for a in addrs {
-            let Some(ip) = a
-                .address
-                .as_ref()
-                .and_then(|s| s.as_sockaddr_in())
-                .map(|s| s.ip())
-            else {
-                continue;
-            };
-            let up = a.flags.contains(nix::net::if_::InterfaceFlags::IFF_UP);
-            let lo = a
-                .flags
-                .contains(nix::net::if_::InterfaceFlags::IFF_LOOPBACK);
-            if !up || !a.interface_name.starts_with(prefix.as_str()) {
-                continue;
-            }
-            if !lo {
-                return ip.into();
-            }
-            loopback.get_or_insert(ip);
-        }
+    let want6 = std::env::var("NCCL_SOCKET_FAMILY")
+        .is_ok_and(|f| f.trim().eq_ignore_ascii_case("AF_INET6"));
+    match std::env::var("NCCL_SOCKET_IFNAME") {
+        Ok(spec) => ifaces::first_addr(spec.trim(), want6)
+            .map(|a| a.ip())
+            .ok_or_else(|| {
+                format!("no interface with an address matches NCCL_SOCKET_IFNAME={spec}")
+            }),
+        Err(_) => Ok(ifaces::first_addr(ifaces::SKIPPED_BY_DEFAULT, want6)
+            .map_or(Ipv4Addr::LOCALHOST.into(), |a| a.ip())),
     }
-    loopback.unwrap_or(std::net::Ipv4Addr::LOCALHOST).into()
 }
 
 unsafe extern "C" fn init(logger: Logger) -> R {
@@ -160,7 +151,14 @@ unsafe extern "C" fn listen(dev: c_int, handle: P, listen_comm: *mut P) -> R {
         return INVALID_ARGUMENT;
     }
     guard(|| {
-        let at = SocketAddr::new(local_ip(), 0);
+        let ip = match local_ip() {
+            Ok(ip) => ip,
+            Err(e) => {
+                log(2, &format!("oxsocket: {e}"));
+                return SYSTEM_ERROR;
+            }
+        };
+        let at = SocketAddr::new(ip, 0);
         let l = match TcpListener::bind(at).and_then(Listener::new) {
             Ok(l) => l,
             Err(e) => {

@@ -98,12 +98,13 @@ impl Request {
 /// # Safety
 /// `r` is a request `Comm::post` returned, of a live comm, not yet reported complete.
 pub unsafe fn test(r: *mut Request) -> Result<Option<usize>, Failure> {
-    // SAFETY: `comm` is the live comm that holds the request (set by `post`); from here on the
-    // request is reached through the comm only.
+    // SAFETY: `r` points into its comm's request allocation (`post`), and `comm` is that live
+    // comm, whose struct does not hold the requests: the two never overlap.
     let c = unsafe { &mut *(*r).comm };
-    let i = c.index_of(r);
-    while c.reqs[i].state == State::Active && c.advance()? {}
-    let q = &mut c.reqs[i];
+    // SAFETY: as above; each read is a short-lived access through the raw pointer.
+    while unsafe { (*r).state } == State::Active && c.advance()? {}
+    // SAFETY: as above.
+    let q = unsafe { &mut *r };
     if q.state != State::Done {
         return Ok(None);
     }
@@ -118,10 +119,12 @@ pub struct Failure {
     pub msg: String,
 }
 
-/// One connection, one direction of messages; requests complete in order.
+/// One connection, one direction of messages; requests complete in order. The requests live in
+/// an allocation of their own, reached through a raw pointer only: the caller holds pointers to
+/// them between calls, which no `&mut` to the comm may cover.
 pub struct Comm {
     s: TcpStream,
-    reqs: Box<[Request; NREQ]>,
+    reqs: *mut Request,
     /// The oldest active request, and the next to hand out.
     head: usize,
     tail: usize,
@@ -131,9 +134,10 @@ impl Comm {
     fn new(s: TcpStream) -> std::io::Result<Comm> {
         s.set_nodelay(true)?;
         s.set_nonblocking(true)?;
+        let reqs: Box<[Request; NREQ]> = Box::new([Request::FREE; NREQ]);
         Ok(Comm {
             s,
-            reqs: Box::new([Request::FREE; NREQ]),
+            reqs: Box::into_raw(reqs) as *mut Request,
             head: 0,
             tail: 0,
         })
@@ -157,10 +161,19 @@ impl Comm {
         Comm::new(s).map_err(|e| format!("{addr}: {e}"))
     }
 
+    /// Request `i` (below NREQ): a pointer into the requests' own allocation.
+    fn req(&self, i: usize) -> *mut Request {
+        assert!(i < NREQ);
+        // SAFETY: within the allocation of NREQ requests made by `new`.
+        unsafe { self.reqs.add(i) }
+    }
+
     /// A request for `size` bytes at `buf`, or None while every request is in use.
     pub fn post(&mut self, recv: bool, buf: *mut u8, size: usize) -> Option<*mut Request> {
         let me = self as *mut Comm;
-        let r = &mut self.reqs[self.tail];
+        let p = self.req(self.tail);
+        // SAFETY: a request of this comm; no reference to it is alive (see `Comm`).
+        let r = unsafe { &mut *p };
         if r.state != State::Free {
             return None;
         }
@@ -174,16 +187,13 @@ impl Comm {
             ..Request::FREE
         };
         self.tail = (self.tail + 1) % NREQ;
-        Some(r as *mut Request)
-    }
-
-    fn index_of(&self, r: *const Request) -> usize {
-        (r as usize - self.reqs.as_ptr() as usize) / std::mem::size_of::<Request>()
+        Some(p)
     }
 
     /// Moves the oldest active request on: true when it completed.
     fn advance(&mut self) -> Result<bool, Failure> {
-        let r = &mut self.reqs[self.head];
+        // SAFETY: a request of this comm; no other reference to it is alive.
+        let r = unsafe { &mut *self.req(self.head) };
         if r.state != State::Active {
             return Ok(false);
         }
@@ -230,6 +240,14 @@ impl Comm {
         r.state = State::Done;
         self.head = (self.head + 1) % NREQ;
         Ok(true)
+    }
+}
+
+impl Drop for Comm {
+    fn drop(&mut self) {
+        // SAFETY: made by `new` with Box::into_raw of NREQ requests; the caller is done with
+        // them (closeSend/closeRecv).
+        drop(unsafe { Box::from_raw(self.reqs as *mut [Request; NREQ]) });
     }
 }
 

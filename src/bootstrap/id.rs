@@ -1,5 +1,6 @@
 //! The unique id's byte layout and the choice of the local address to listen on.
 
+use super::ifaces;
 use super::wire::{decode_addr, encode_addr, ADDR_BYTES};
 use crate::error::{Error, Result};
 use std::io::Read;
@@ -96,61 +97,19 @@ fn override_addr() -> Result<Option<SocketAddr>> {
     )))
 }
 
-/// Does interface `name` match an `NCCL_SOCKET_IFNAME` spec: comma list of prefixes, `=` for exact
-/// names, a leading `^` to exclude instead of select?
-pub(crate) fn ifname_matches(spec: &str, name: &str) -> bool {
-    let (exclude, rest) = match spec.strip_prefix('^') {
-        Some(r) => (true, r),
-        None => (false, spec),
-    };
-    let (exact, rest) = match rest.strip_prefix('=') {
-        Some(r) => (true, r),
-        None => (false, rest),
-    };
-    let hit = rest
-        .split(',')
-        .map(str::trim)
-        .filter(|p| !p.is_empty())
-        .any(|p| {
-            if exact {
-                name == p
-            } else {
-                name.starts_with(p)
-            }
-        });
-    hit != exclude
-}
-
 /// The first address of an interface selected by `NCCL_SOCKET_IFNAME` (IPv4 first unless
 /// `NCCL_SOCKET_FAMILY=AF_INET6`).
 fn interface_addr(spec: &str) -> Result<SocketAddr> {
     let want6 = crate::param::get_str("NCCL_SOCKET_FAMILY")
         .map(|f| f.trim().eq_ignore_ascii_case("AF_INET6"))
         .unwrap_or(false);
-    let ifs = nix::ifaddrs::getifaddrs().map_err(|e| Error::os("getifaddrs", e))?;
-    let mut v4 = None;
-    let mut v6 = None;
-    for ifa in ifs {
-        if !ifname_matches(spec, &ifa.interface_name) {
-            continue;
-        }
-        let Some(a) = ifa.address else { continue };
-        if let Some(sin) = a.as_sockaddr_in() {
-            v4.get_or_insert(SocketAddr::V4(std::net::SocketAddrV4::from(*sin)));
-        } else if let Some(sin6) = a.as_sockaddr_in6() {
-            v6.get_or_insert(SocketAddr::V6(std::net::SocketAddrV6::from(*sin6)));
-        }
-    }
-    let pick = if want6 { v6.or(v4) } else { v4.or(v6) };
-    let mut a = pick.ok_or_else(|| {
+    ifaces::first_addr(spec, want6).ok_or_else(|| {
         Error::system(format!(
             "no network interface with an IP address matches NCCL_SOCKET_IFNAME={spec} (this \
              host has: {})",
             interfaces().join(", ")
         ))
-    })?;
-    a.set_port(0);
-    Ok(a)
+    })
 }
 
 /// "name address" of every interface with an IP address, for messages.
@@ -172,13 +131,10 @@ fn interfaces() -> Vec<String> {
     v
 }
 
-/// Interfaces NCCL does not pick unless told to (loopback, container bridges and their veths).
-const SKIPPED_BY_DEFAULT: &str = "^lo,docker,virbr,veth";
-
 /// The interface a rank uses without `NCCL_SOCKET_IFNAME`, as NCCL picks it: the first with
 /// an address that is not loopback or a container's; loopback where there is nothing else.
 fn default_addr() -> SocketAddr {
-    interface_addr(SKIPPED_BY_DEFAULT)
+    interface_addr(ifaces::SKIPPED_BY_DEFAULT)
         .unwrap_or_else(|_| SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), 0))
 }
 
@@ -206,6 +162,7 @@ pub(crate) fn rank_bind_addr() -> Result<SocketAddr> {
 
 #[cfg(test)]
 mod tests {
+    use super::ifaces::ifname_matches;
     use super::*;
 
     #[test]
@@ -224,9 +181,9 @@ mod tests {
         assert_eq!(interface_addr("=lo").unwrap().ip(), Ipv4Addr::LOCALHOST);
         // The default is never a loopback or container interface unless there is nothing else.
         let d = default_addr();
-        let others = interfaces()
-            .iter()
-            .any(|i| !i.starts_with("lo ") && ifname_matches(SKIPPED_BY_DEFAULT, i));
+        let others = interfaces().iter().any(|i| {
+            !i.starts_with("lo ") && ifaces::ifname_matches(ifaces::SKIPPED_BY_DEFAULT, i)
+        });
         assert_eq!(
             d.ip().is_loopback(),
             !others,

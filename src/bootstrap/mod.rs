@@ -27,6 +27,7 @@
 //! one `Bootstrap` from several threads are serialized.
 
 mod id;
+mod ifaces;
 mod peer;
 mod root;
 mod service;

@@ -127,7 +127,7 @@ pub struct FlatStage {
 pub struct FlatConn {
     pub peer: u32,
     pub is_sender: u32,
-    /// `Class` (Ring 0, P2p 1, Direct 2).
+    /// `Class` (Ring 0, P2p 1, Direct 2, Tree 3).
     pub class: u32,
     pub _pad: u32,
 }

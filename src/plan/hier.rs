@@ -12,10 +12,11 @@
 //!   serve (2 log2(hosts) hops instead of the ring's 2(hosts - 1)).
 //!
 //! The double binary tree (NCCL's, for bandwidth): one tree numbers the leaders as the ring
-//! orders them, the other mirrors it, so that the leaves of one (half the leaders) are the
-//! inner nodes of the other. A single tree's inner nodes send every byte twice down and its
-//! leaves' links idle half the time; with two, each leader sends and receives about as much as
-//! in the ring, and each half still takes 2 log2(hosts) hops.
+//! orders them, the other mirrors it, so that the leaves of one (about half the leaders) are
+//! inner nodes of the other (with an odd number, the middle leader is a leaf in both). A single
+//! tree's inner nodes send every byte twice down and its leaves' links idle half the time;
+//! with two, each leader sends and receives about as much as in the ring, and each half still
+//! takes 2 log2(hosts) hops.
 //!
 //! Every rank computes the same result bit for bit: the leaders' ring gives every leader the
 //! same sums, and the exchange, where each rank combines the two inputs in its own order, serves
