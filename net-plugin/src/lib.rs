@@ -183,13 +183,14 @@ unsafe extern "C" fn connect(dev: c_int, handle: P, send_comm: *mut P, dev_comm:
     if dev != 0 || handle.is_null() || send_comm.is_null() {
         return INVALID_ARGUMENT;
     }
-    // SAFETY: the handle holds what `listen` wrote on the peer (HANDLE_BYTES bytes).
-    let h = unsafe { *(handle as *const [u8; HANDLE_BYTES]) };
-    guard(move || match Comm::connect(&h) {
+    // SAFETY: the handle holds what `listen` wrote on the peer (HANDLE_BYTES bytes); the
+    // caller passes the same handle until the connection is made (its state lives there).
+    let h = unsafe { &mut *(handle as *mut [u8; HANDLE_BYTES]) };
+    guard(std::panic::AssertUnwindSafe(|| match Comm::connect(h) {
         Ok(c) => {
             // SAFETY: valid out-pointers from the caller.
             unsafe {
-                *send_comm = Box::into_raw(Box::new(c)) as P;
+                *send_comm = c.map_or(std::ptr::null_mut(), |c| Box::into_raw(Box::new(c)) as P);
                 if !dev_comm.is_null() {
                     *dev_comm = std::ptr::null_mut();
                 }
@@ -200,7 +201,7 @@ unsafe extern "C" fn connect(dev: c_int, handle: P, send_comm: *mut P, dev_comm:
             log(2, &format!("oxsocket: connecting: {e}"));
             REMOTE_ERROR
         }
-    })
+    }))
 }
 
 unsafe extern "C" fn accept(listen_comm: P, recv_comm: *mut P, dev_comm: *mut P) -> R {

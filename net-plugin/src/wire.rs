@@ -1,13 +1,19 @@
 //! The plugin's sockets: listeners with their token, comms and their in-order requests.
 
-use std::io::{ErrorKind, Read, Write};
+use std::io::{ErrorKind, Read};
 use std::net::{SocketAddr, TcpListener, TcpStream};
-use std::time::Duration;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
 
 /// NCCL_NET_HANDLE_MAXSIZE.
 pub const HANDLE_BYTES: usize = 128;
 const MAGIC: &[u8; 4] = b"OXSK";
 const TOKEN: usize = 16;
+/// Where a connecting end keeps its state between `connect` calls: the handle's last 8 bytes
+/// (the caller passes the same handle until the connection is made), after the address text.
+const STAGE_AT: usize = HANDLE_BYTES - 8;
+/// How long a connection may take to connect, or to present its token once accepted.
+const SETUP_LIMIT: Duration = Duration::from_secs(30);
 /// Requests a comm holds at once (a post beyond them gets a NULL request: later).
 const NREQ: usize = 32;
 
@@ -15,6 +21,17 @@ const NREQ: usize = 32;
 pub struct Listener {
     l: TcpListener,
     token: [u8; TOKEN],
+    /// Accepted connections whose token has not all arrived yet.
+    pending: Mutex<Vec<Hello>>,
+}
+
+/// An accepted connection and the token bytes it sent so far.
+struct Hello {
+    s: TcpStream,
+    from: SocketAddr,
+    got: [u8; TOKEN],
+    n: usize,
+    since: Instant,
 }
 
 impl Listener {
@@ -22,7 +39,11 @@ impl Listener {
         l.set_nonblocking(true)?;
         let mut token = [0u8; TOKEN];
         std::fs::File::open("/dev/urandom")?.read_exact(&mut token)?;
-        Ok(Listener { l, token })
+        Ok(Listener {
+            l,
+            token,
+            pending: Mutex::new(Vec::new()),
+        })
     }
 
     /// Writes the handle a peer connects with: magic, token, address (text, NUL-terminated).
@@ -32,31 +53,69 @@ impl Listener {
         h[4..4 + TOKEN].copy_from_slice(&self.token);
         if let Ok(a) = self.l.local_addr() {
             let a = a.to_string();
-            let n = a.len().min(HANDLE_BYTES - 4 - TOKEN - 1);
+            let n = a.len().min(STAGE_AT - 4 - TOKEN - 1);
             h[4 + TOKEN..4 + TOKEN + n].copy_from_slice(&a.as_bytes()[..n]);
         }
     }
 
-    /// A connection that presented the token, if one is waiting (connections that do not are
-    /// dropped).
+    /// A connection that presented the token, if one has (without blocking: accepted
+    /// connections wait in `pending` until their token is all there; those that present
+    /// another, close, or take longer than `SETUP_LIMIT` are dropped).
     pub fn accept(&self) -> std::io::Result<Option<Comm>> {
-        let (mut s, from) = match self.l.accept() {
-            Ok(x) => x,
-            Err(e) if e.kind() == ErrorKind::WouldBlock => return Ok(None),
-            Err(e) => return Err(e),
-        };
-        let mut got = [0u8; TOKEN];
-        s.set_nonblocking(false)?;
-        s.set_read_timeout(Some(Duration::from_secs(5)))?;
-        if s.read_exact(&mut got).is_err() || got != self.token {
-            crate::log(
-                2,
-                &format!("oxsocket: dropped a connection from {from} without the token"),
-            );
-            return Ok(None);
+        let mut pending = self.pending.lock().unwrap_or_else(|e| e.into_inner());
+        loop {
+            match self.l.accept() {
+                Ok((s, from)) => {
+                    s.set_nonblocking(true)?;
+                    pending.push(Hello {
+                        s,
+                        from,
+                        got: [0; TOKEN],
+                        n: 0,
+                        since: Instant::now(),
+                    });
+                }
+                Err(e) if e.kind() == ErrorKind::WouldBlock => break,
+                Err(e) => return Err(e),
+            }
         }
-        Comm::new(s).map(Some)
+        let mut i = 0;
+        while i < pending.len() {
+            let h = &mut pending[i];
+            let gone = match h.s.read(&mut h.got[h.n..]) {
+                Ok(0) => true,
+                Ok(k) => {
+                    h.n += k;
+                    false
+                }
+                Err(e) => e.kind() != ErrorKind::WouldBlock && e.kind() != ErrorKind::Interrupted,
+            };
+            if h.n == TOKEN || gone || h.since.elapsed() > SETUP_LIMIT {
+                let h = pending.remove(i);
+                if h.n == TOKEN && h.got == self.token {
+                    return Comm::new(h.s).map(Some);
+                }
+                crate::log(
+                    2,
+                    &format!(
+                        "oxsocket: dropped a connection from {} without the token",
+                        h.from
+                    ),
+                );
+                continue;
+            }
+            i += 1;
+        }
+        Ok(None)
     }
+}
+
+/// A connection being made (kept behind the handle's `STAGE_AT` bytes between calls).
+struct Connecting {
+    s: TcpStream,
+    addr: SocketAddr,
+    sent: usize,
+    since: Instant,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -143,22 +202,46 @@ impl Comm {
         })
     }
 
-    /// Connects to the listener whose handle is `h` and presents its token.
-    pub fn connect(h: &[u8; HANDLE_BYTES]) -> Result<Comm, String> {
+    /// Connects to the listener whose handle is `h` and presents its token, without blocking:
+    /// None until the connection is made and the token sent (call again with the same handle,
+    /// which keeps the state meanwhile).
+    pub fn connect(h: &mut [u8; HANDLE_BYTES]) -> Result<Option<Comm>, String> {
         if &h[..4] != MAGIC {
             return Err("a handle that is not this plugin's".into());
         }
-        let text = &h[4 + TOKEN..];
-        let end = text.iter().position(|&b| b == 0).unwrap_or(text.len());
-        let addr: SocketAddr = std::str::from_utf8(&text[..end])
-            .ok()
-            .and_then(|s| s.parse().ok())
-            .ok_or("a handle without an address")?;
-        let mut s = TcpStream::connect_timeout(&addr, Duration::from_secs(30))
-            .map_err(|e| format!("{addr}: {e}"))?;
-        s.write_all(&h[4..4 + TOKEN])
-            .map_err(|e| format!("{addr}: {e}"))?;
-        Comm::new(s).map_err(|e| format!("{addr}: {e}"))
+        let stage = usize::from_le_bytes(h[STAGE_AT..].try_into().expect("8 bytes"));
+        if stage == 0 {
+            let text = &h[4 + TOKEN..STAGE_AT];
+            let end = text.iter().position(|&b| b == 0).unwrap_or(text.len());
+            let addr: SocketAddr = std::str::from_utf8(&text[..end])
+                .ok()
+                .and_then(|s| s.parse().ok())
+                .ok_or("a handle without an address")?;
+            let s = start_connect(addr).map_err(|e| format!("{addr}: {e}"))?;
+            let c = Box::new(Connecting {
+                s,
+                addr,
+                sent: 0,
+                since: Instant::now(),
+            });
+            h[STAGE_AT..].copy_from_slice(&(Box::into_raw(c) as usize).to_le_bytes());
+            return Ok(None);
+        }
+        // SAFETY: a Connecting this function boxed and stored in the handle, not yet freed
+        // (freed, and the bytes zeroed, below once it ends).
+        let c = unsafe { &mut *(stage as *mut Connecting) };
+        let r = c.progress(&h[4..4 + TOKEN]);
+        if !matches!(r, Ok(None)) {
+            h[STAGE_AT..].fill(0);
+            // SAFETY: as above; no reference to it outlives this.
+            let c = unsafe { Box::from_raw(stage as *mut Connecting) };
+            return match r {
+                Ok(Some(())) => Comm::new(c.s).map(Some).map_err(|e| e.to_string()),
+                Err(e) => Err(format!("{}: {e}", c.addr)),
+                Ok(None) => unreachable!(),
+            };
+        }
+        Ok(None)
     }
 
     /// Request `i` (below NREQ): a pointer into the requests' own allocation.
@@ -249,6 +332,57 @@ impl Drop for Comm {
         // them (closeSend/closeRecv).
         drop(unsafe { Box::from_raw(self.reqs as *mut [Request; NREQ]) });
     }
+}
+
+impl Connecting {
+    /// Some once connected with the whole token sent; None while still under way.
+    fn progress(&mut self, token: &[u8]) -> std::io::Result<Option<()>> {
+        use nix::poll::{poll, PollFd, PollFlags};
+        use std::os::fd::AsFd;
+        if self.since.elapsed() > SETUP_LIMIT {
+            return Err(std::io::Error::new(
+                ErrorKind::TimedOut,
+                "connecting timed out",
+            ));
+        }
+        let mut fds = [PollFd::new(self.s.as_fd(), PollFlags::POLLOUT)];
+        if poll(&mut fds, nix::poll::PollTimeout::ZERO)? == 0 {
+            return Ok(None);
+        }
+        if let Some(e) = self.s.take_error()? {
+            return Err(e);
+        }
+        while self.sent < token.len() {
+            match send(&self.s, &token[self.sent..]) {
+                Ok(k) => self.sent += k,
+                Err(e) if e.kind() == ErrorKind::WouldBlock => return Ok(None),
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(Some(()))
+    }
+}
+
+/// A non-blocking socket connecting to `addr` (the connection completes in the background).
+fn start_connect(addr: SocketAddr) -> std::io::Result<TcpStream> {
+    use nix::sys::socket::{connect, socket, AddressFamily, SockFlag, SockType, SockaddrStorage};
+    use std::os::fd::AsRawFd;
+    let family = if addr.is_ipv4() {
+        AddressFamily::Inet
+    } else {
+        AddressFamily::Inet6
+    };
+    let fd = socket(
+        family,
+        SockType::Stream,
+        SockFlag::SOCK_NONBLOCK | SockFlag::SOCK_CLOEXEC,
+        None,
+    )?;
+    match connect(fd.as_raw_fd(), &SockaddrStorage::from(addr)) {
+        Ok(()) | Err(nix::errno::Errno::EINPROGRESS) => {}
+        Err(e) => return Err(e.into()),
+    }
+    Ok(TcpStream::from(fd))
 }
 
 /// A write that is an error, not SIGPIPE, when the peer has gone.
