@@ -171,11 +171,14 @@ impl Endpoint for NetSetup {
         conn.attach();
         let mut publish = n.publish.clone();
         let (state, k) = if let Some(s) = n.share.clone() {
-            (State::Borrowing(s), 1)
+            (State::Borrowing(s, std::time::Instant::now()), 1)
         } else if !n.is_sender && peer_blob == [1] {
             // The peer sends on the sockets this rank's sending end opens.
             publish = None;
-            (State::Borrowing(pair::register(n.opener)), 1)
+            (
+                State::Borrowing(pair::register(n.opener), std::time::Instant::now()),
+                1,
+            )
         } else if n.is_sender {
             let token = peer_blob
                 .get(..TOKEN)
@@ -252,8 +255,9 @@ enum State {
     /// each (the sockets so far, by index).
     Listening(TcpListener, [u8; TOKEN], Vec<Option<TcpStream>>),
     Connected(Vec<TcpStream>),
-    /// Using the sockets of the reverse connection's end on this rank, once they are connected.
-    Borrowing(pair::Sockets),
+    /// Using the sockets of the reverse connection's end on this rank, once they are connected
+    /// (since when it waits: the communicator's timeout bounds it).
+    Borrowing(pair::Sockets, std::time::Instant),
 }
 
 struct Wire {
@@ -294,8 +298,8 @@ impl Proxy for NetEnd {
         match &w.state {
             State::Listening(l, ..) if mask != 0 => out.push(Wait::Readable(l.as_raw_fd())),
             State::Listening(..) => {}
-            State::Borrowing(_) if mask != 0 => out.push(Wait::Soon),
-            State::Borrowing(_) => {}
+            State::Borrowing(..) if mask != 0 => out.push(Wait::Soon),
+            State::Borrowing(..) => {}
             // Bytes to write: room in those sockets; room in the FIFO (or a slot half read):
             // bytes on those.
             State::Connected(socks) => {
@@ -400,7 +404,7 @@ impl NetEnd {
             return 0;
         }
         match &w.state {
-            State::Listening(..) | State::Borrowing(_) => 1,
+            State::Listening(..) | State::Borrowing(..) => 1,
             State::Connected(socks) => self.pending(socks.len(), &w.p),
         }
     }
@@ -431,8 +435,10 @@ impl NetEnd {
                 Err(e) if e.kind() == ErrorKind::WouldBlock => return Ok(false),
                 Err(e) => return Err(self.failed(&e.to_string())),
             },
-            State::Borrowing(cell) => {
+            State::Borrowing(cell, since) => {
                 return match pair::take(cell) {
+                    None if since.elapsed() > crate::param::timeout() => Err(self
+                        .failed("the reverse connection whose sockets it shares never connected")),
                     None => Ok(false),
                     Some(Err(e)) => Err(self.failed(&format!("sharing sockets: {e}"))),
                     Some(Ok(socks)) => {
