@@ -53,6 +53,8 @@ pub struct Progress {
     pub beat: bool,
     /// When bytes last went out (sending end) or came in (receiving end).
     pub last: std::time::Instant,
+    /// Receiving end: the size of the last slot that arrived.
+    pub last_bytes: usize,
     /// Receiving end: bytes read from the first socket and not yet used.
     stage: Stage,
 }
@@ -95,6 +97,7 @@ impl Progress {
             done: vec![0; k],
             beat: false,
             last: std::time::Instant::now(),
+            last_bytes: 0,
             stage: Stage {
                 buf: Vec::new(),
                 lo: 0,
@@ -320,6 +323,7 @@ impl NetEnd {
             let word = |i: usize| u64::from_le_bytes(w.hdr[8 * i..8 * i + 8].try_into().unwrap());
             v.set_meta(w.step, [word(0), word(1), word(2)]);
             v.tail().store(w.step + 1, Ordering::Release);
+            w.last_bytes = bytes;
             w.step += 1;
             w.reset();
         }
