@@ -289,7 +289,7 @@ fn processes_placed(
     // A port free a moment ago may be taken by the time rank 0 binds it (other tests open
     // sockets all the time): rank 0 then exits at once, and the run is made again on another.
     for _ in 0..3 {
-        if let Some(outs) = processes_on_port(n, name, args, envs, host, free_port()) {
+        if let Some(outs) = processes_on_port(n, name, args, envs, host, common::free_port()) {
             return outs;
         }
     }
@@ -430,15 +430,6 @@ fn corrupt_fault_is_detected() {
     assert!(String::from_utf8_lossy(&o.stdout).contains("FAILED"));
 }
 
-/// A TCP port free on this machine now (for MASTER_PORT).
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
 /// What the perf tools launched on namespace hosts need (the environment launcher's variables,
 /// rank 0 on host 0 at a free port), with `extra` added; and the log file prefix for `what`
 /// (`common::netns::take_logs` reads and removes them).
@@ -449,7 +440,7 @@ fn ns_launch(
     extra: &[(&str, &str)],
     what: &str,
 ) -> (Vec<(String, String)>, String) {
-    let port = free_port();
+    let port = common::free_port();
     let mut env: Vec<(String, String)> = [
         ("OXCCL_DEVICE", "host".to_string()),
         ("LD_LIBRARY_PATH", b.lib.display().to_string()),
@@ -608,7 +599,7 @@ fn tools_across_two_namespace_hosts_under_mpirun() {
 #[test]
 fn a_peer_dying_mid_transfer_is_an_error_in_a_c_program() {
     use std::os::unix::process::ExitStatusExt;
-    let port = free_port().to_string();
+    let port = common::free_port().to_string();
     let start = |r: usize| {
         tool("all_reduce_perf")
             .args([

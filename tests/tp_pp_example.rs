@@ -38,17 +38,9 @@ fn example() -> &'static Path {
     })
 }
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
 /// Runs `n` ranks on this host; rank 0's output.
 fn run_here(n: usize, args: &[&str]) -> String {
-    let port = free_port().to_string();
+    let port = common::free_port().to_string();
     let kids: Vec<_> = (0..n)
         .map(|r| {
             Command::new(example())
@@ -119,7 +111,7 @@ fn tp4_pp2_on_two_namespace_hosts() {
     };
     let exe = example().display().to_string();
     for extra in ["", "--tp-across-hosts"] {
-        let port = free_port();
+        let port = common::free_port();
         let tag = format!("{}-{}", std::process::id(), extra.len());
         let log = |r: usize| std::env::temp_dir().join(format!("oxccl-tppp-{tag}-{r}.log"));
         let env: Vec<(String, String)> = [

@@ -100,3 +100,14 @@ pub fn all_reduce_f32_at(send: usize, recv: usize, count: usize) -> nccl::api::C
         root: 0,
     }
 }
+
+/// A TCP port free on this machine now (for MASTER_PORT; another socket may take it before the
+/// rank binds it, which callers that can should retry).
+#[allow(dead_code)]
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
