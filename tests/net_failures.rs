@@ -2,7 +2,8 @@
 //! needs root, skipped otherwise): a peer killed on the other host is an error naming it within
 //! seconds; a link taken down mid-collective ends in an error once the peer's heartbeats have
 //! been missing for OXCCL_HEARTBEAT_S (well before the timeout); every rank process exits
-//! either way.
+//! either way. Both through oxccl's socket transport and through its net plugin (`net-plugin/`,
+//! where the kernel's TCP keepalive and user timeout stand in for the heartbeats).
 
 use nccl::api::{self, StreamArg};
 use nccl::error::Code;
@@ -87,7 +88,24 @@ fn failures_on_the_wire_end_in_errors() {
         return;
     };
     let exe = std::env::current_exe().unwrap().display().to_string();
-    for case in ["kill", "link-down"] {
+    let plugin = std::env::current_exe()
+        .unwrap()
+        .parent()
+        .and_then(|d| d.parent())
+        .unwrap()
+        .join("libnccl_net_oxccl.so");
+    assert!(
+        plugin.exists(),
+        "{} is missing: cargo build --release --workspace --lib builds it",
+        plugin.display()
+    );
+    let plugin = plugin.display().to_string();
+    for (case, net_plugin) in [
+        ("kill", ""),
+        ("link-down", ""),
+        ("kill", plugin.as_str()),
+        ("link-down", plugin.as_str()),
+    ] {
         let path = std::env::temp_dir()
             .join(format!("oxccl-wire-{}-{case}", std::process::id()))
             .display()
@@ -101,6 +119,11 @@ fn failures_on_the_wire_end_in_errors() {
             ("OXCCL_HEARTBEAT_S", "2"),
         ]
         .into_iter()
+        .chain(
+            [("NCCL_NET_PLUGIN", net_plugin), ("NCCL_DEBUG", "INFO")]
+                .into_iter()
+                .filter(|_| !net_plugin.is_empty()),
+        )
         .map(|(a, b)| (a.to_string(), b.to_string()))
         .collect();
         for r in 0..2 {
@@ -149,7 +172,13 @@ fn failures_on_the_wire_end_in_errors() {
         } else {
             [true, true]
         };
-        assert_eq!(ok, Some(want.to_vec()), "{case}:\n{logs}");
+        assert_eq!(ok, Some(want.to_vec()), "{case} ({net_plugin}):\n{logs}");
+        if !net_plugin.is_empty() {
+            assert!(
+                logs.contains("via NET/oxsocket"),
+                "{case}: not the plugin:\n{logs}"
+            );
+        }
         if case == "link-down" {
             let ns = hosts.ns(1);
             let _ = std::process::Command::new("ip")

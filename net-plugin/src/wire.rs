@@ -193,6 +193,7 @@ impl Comm {
     fn new(s: TcpStream) -> std::io::Result<Comm> {
         s.set_nodelay(true)?;
         s.set_nonblocking(true)?;
+        liveness(&s)?;
         let reqs: Box<[Request; NREQ]> = Box::new([Request::FREE; NREQ]);
         Ok(Comm {
             s,
@@ -361,6 +362,35 @@ impl Connecting {
         }
         Ok(Some(()))
     }
+}
+
+/// How long a peer may stay silent before its comm fails: `OXCCL_HEARTBEAT_S`, as oxccl's own
+/// transport reads it (default 5 s; 0: never, the caller's timeout decides).
+fn silence_limit() -> Option<u32> {
+    let s: u32 = std::env::var("OXCCL_HEARTBEAT_S")
+        .ok()
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(5);
+    (s > 0).then_some(s)
+}
+
+/// The kernel's liveness checks on a comm's socket, so that a link that goes down is an error
+/// within the silence limit rather than a wait for ever (oxccl's own transport sends
+/// heartbeats; a plugin's messages are the caller's, so TCP does it here): keepalive probes
+/// once a second after a second of quiet, the connection dropped when as many go unanswered as
+/// the limit allows; and bytes sent but not acknowledged within the limit drop it too.
+fn liveness(s: &TcpStream) -> std::io::Result<()> {
+    use nix::sys::socket::{setsockopt, sockopt};
+    let Some(limit) = silence_limit() else {
+        return Ok(());
+    };
+    let probes = limit.saturating_sub(1).max(1);
+    setsockopt(s, sockopt::KeepAlive, &true)?;
+    setsockopt(s, sockopt::TcpKeepIdle, &1)?;
+    setsockopt(s, sockopt::TcpKeepInterval, &1)?;
+    setsockopt(s, sockopt::TcpKeepCount, &probes)?;
+    setsockopt(s, sockopt::TcpUserTimeout, &(limit * 1000))?;
+    Ok(())
 }
 
 /// A non-blocking socket connecting to `addr` (the connection completes in the background).
