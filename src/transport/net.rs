@@ -169,12 +169,13 @@ impl Endpoint for NetSetup {
         // The region is this end's alone: both "ends" of it are here.
         conn.attach();
         conn.attach();
-        let mut publish = n.publish.clone();
+        // Only lo's sending end and hi's receiving end publish (see `setup`): a borrowing end
+        // never has a cell of its own.
+        let publish = n.publish.clone();
         let (state, k) = if let Some(s) = n.share.clone() {
             (State::Borrowing(s, std::time::Instant::now()), 1)
         } else if !n.is_sender && peer_blob == [1] {
-            // The peer sends on the sockets this rank's sending end opens.
-            publish = None;
+            // The peer (hi) sends on the sockets this rank's (lo's) sending end opens.
             (
                 State::Borrowing(pair::register(n.opener), std::time::Instant::now()),
                 1,

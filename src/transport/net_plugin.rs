@@ -303,15 +303,7 @@ impl PluginEnd {
         // take (it was busy): nothing else may go on the comm before them.
         if let Some(last) = w.reqs.back_mut() {
             if matches!(last[1], Req::Unposted) {
-                let step = w.posted - 1;
-                let slot = v.slot(step);
-                let b = if self.is_sender {
-                    net.isend(comm.0, slot, v.meta(step)[2] as usize, slots.0)
-                } else {
-                    net.irecv(comm.0, slot, v.slot_bytes, slots.0)
-                }
-                .map_err(|e| self.failed(e))?;
-                last[1] = Req::posted(b);
+                last[1] = Req::posted(self.post_bytes(net, comm, slots, w.posted - 1)?);
                 if matches!(last[1], Req::Unposted) {
                     return self.complete(net, w, moved);
                 }
@@ -338,22 +330,11 @@ impl PluginEnd {
                     h[8 * i..8 * i + 8].copy_from_slice(&m.to_le_bytes());
                 }
             }
-            let slot = v.slot(w.posted);
-            let a = if self.is_sender {
-                net.isend(comm.0, hdr, HDR, hdrs.0)
-            } else {
-                net.irecv(comm.0, hdr, HDR, hdrs.0)
-            }
-            .map_err(|e| self.failed(e))?;
+            let a = self.post(net, comm, hdr, HDR, hdrs)?;
             if a.is_null() {
                 break; // busy: again later
             }
-            let b = if self.is_sender {
-                net.isend(comm.0, slot, v.meta(w.posted)[2] as usize, slots.0)
-            } else {
-                net.irecv(comm.0, slot, v.slot_bytes, slots.0)
-            }
-            .map_err(|e| self.failed(e))?;
+            let b = self.post_bytes(net, comm, slots, w.posted)?;
             // A plugin that took the header but not the bytes: retried first next time.
             w.reqs.push_back([Req::Pending(Comm(a)), Req::posted(b)]);
             w.posted += 1;
@@ -363,6 +344,35 @@ impl PluginEnd {
             }
         }
         self.complete(net, w, moved)
+    }
+
+    /// Posts a message on `comm` in this end's direction: `len` bytes of `buf` sent, or room
+    /// for `len` received into it (`mr`: its registration). Null: the plugin is busy.
+    fn post(
+        &self,
+        net: &Plugin,
+        comm: Comm,
+        buf: *mut u8,
+        len: usize,
+        mr: Comm,
+    ) -> Result<*mut c_void> {
+        if self.is_sender {
+            net.isend(comm.0, buf, len, mr.0)
+        } else {
+            net.irecv(comm.0, buf, len, mr.0)
+        }
+        .map_err(|e| self.failed(e))
+    }
+
+    /// Posts slot `step`'s bytes: the bytes it holds (sending end), or room for a full slot.
+    fn post_bytes(&self, net: &Plugin, comm: Comm, slots: Comm, step: u64) -> Result<*mut c_void> {
+        let v = &self.view;
+        let len = if self.is_sender {
+            v.meta(step)[2] as usize
+        } else {
+            v.slot_bytes
+        };
+        self.post(net, comm, v.slot(step), len, slots)
     }
 
     /// Completes posted slots, in order: frees them (sending end) or publishes them.
