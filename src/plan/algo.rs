@@ -126,9 +126,16 @@ pub fn check_env() {
 /// collective got, in words.
 #[inline]
 pub fn log_choice(coll: &str, bytes: usize, nranks: usize, algo: &str) {
+    log_choice_with(coll, bytes, nranks, || algo.to_string());
+}
+
+/// `log_choice` where naming the algorithm takes work: `algo` runs only when the line prints.
+#[inline]
+pub fn log_choice_with(coll: &str, bytes: usize, nranks: usize, algo: impl FnOnce() -> String) {
     if crate::debug::subsys_enabled(crate::debug::Subsys::Tuning) {
         crate::debug::info(&format!(
-            "{coll}: {bytes} Bytes -> Algo {algo} proto Simple nranks {nranks}"
+            "{coll}: {bytes} Bytes -> Algo {} proto Simple nranks {nranks}",
+            algo()
         ));
     }
 }

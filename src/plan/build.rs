@@ -157,8 +157,10 @@ pub fn build_task<T>(
                         _ => None,
                     };
                     if let Some((plan, red)) = across {
-                        let label = plan.label(l, &red, bytes);
-                        super::algo::log_choice(a.kind.name(), bytes, nranks, &label);
+                        // The label takes work (`hier::hosts`): only when it prints.
+                        super::algo::log_choice_with(a.kind.name(), bytes, nranks, || {
+                            plan.label(l, &red, bytes)
+                        });
                         let programs = match plan {
                             hier::Plan::Exchange => vec![vec![hier::all_reduce_exchange(
                                 l, a.send, a.recv, a.count, a.dtype, red,
