@@ -1,7 +1,8 @@
 // tp_pp_mlp: transformer MLP blocks, Y = GeLU(X.A).B, split across ranks the way large models
 // are: tensor parallelism inside a layer (one all-reduce per block, Megatron-LM's split) and
 // pipeline parallelism across layers (activations sent from stage to stage). Uses only nccl.h,
-// the C++ standard library and POSIX sockets (to hand the unique id from rank 0 to the others).
+// the C++ standard library and POSIX sockets (to hand the unique id from rank 0 to the others);
+// with --device cuda also the CUDA driver and NVRTC, loaded at run time (cuda_engine.h).
 //
 // Launch one rank per process, like the perf tools: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT,
 // or under mpirun (OMPI_COMM_WORLD_RANK/SIZE; without MASTER_ADDR/MASTER_PORT, one host: rank 0
@@ -14,10 +15,15 @@
 //                               all-reduce of B x 4H) and B x H gathered after (an all-gather)
 //   --exact                     integer-valued data, ReLU and clamping: results are exact
 //   --tp-across-hosts           place each tensor-parallel group across hosts on purpose
+//   --device host|cuda          the buffers in host memory (oxccl's host executor: run with
+//                               OXCCL_DEVICE=host where a GPU is present), or on GPU 0 with
+//                               the arithmetic in kernels of ours (cuda_engine.h)
 // Rank 0 computes the same MLP unsplit and prints, last,
 //   tp_pp_mlp: max |diff| = <x> (tolerance <t>): PASS   (or FAIL, exit code 1)
 
 #include <nccl.h>
+
+#include "cuda_engine.h"
 
 #include <arpa/inet.h>
 #include <netdb.h>
@@ -58,7 +64,7 @@ double now() {
 
 struct Opts {
   int tp = 1, pp = 1, hidden = 64, layers = 2, microbatches = 4, batch = 8;
-  bool rows_first = false, exact = false, across = false;
+  bool rows_first = false, exact = false, across = false, cuda = false;
 };
 
 Opts parse(int argc, char** argv) {
@@ -77,6 +83,12 @@ Opts parse(int argc, char** argv) {
     else if (a == "--batch") o.batch = val();
     else if (a == "--exact") o.exact = true;
     else if (a == "--tp-across-hosts") o.across = true;
+    else if (a == "--device") {
+      if (i + 1 >= argc) die("missing value after --device");
+      std::string d = argv[++i];
+      if (d == "cuda") o.cuda = true;
+      else if (d != "host") die("--device is host or cuda, not " + d);
+    }
     else if (a == "--split") {
       if (i + 1 >= argc) die("missing value after --split");
       std::string s = argv[++i];
@@ -241,27 +253,60 @@ void clamp_exact(std::vector<float>& y, bool exact) {
     for (auto& v : y) v = std::max(-8.0f, std::min(8.0f, v));
 }
 
-// C (m x n) = X (m x k, row stride ldx, from column x0) . W (k rows from r0, columns c0..c0+n,
-// row stride ldw).
-void gemm(const float* x, int ldx, int x0, const float* w, int ldw, int r0, int c0, float* c,
-          int m, int k, int n) {
+// C (m x n, row stride ldc) = X (m x k, row stride ldx) . W (k x n, row stride ldw).
+void gemm(const float* x, int ldx, const float* w, int ldw, float* c, int ldc, int m, int k,
+          int n) {
   for (int i = 0; i < m; i++)
     for (int j = 0; j < n; j++) {
       float s = 0;
-      for (int t = 0; t < k; t++) s += x[i * ldx + x0 + t] * w[(r0 + t) * ldw + c0 + j];
-      c[i * n + j] = s;
+      for (int t = 0; t < k; t++) s += x[i * ldx + t] * w[t * ldw + j];
+      c[i * ldc + j] = s;
     }
 }
 
 std::vector<float> reference_layer(const Opts& o, const Layer& w, const std::vector<float>& x) {
   int m = o.batch, h = o.hidden, f = 4 * o.hidden;
   std::vector<float> z(static_cast<size_t>(m) * f), y(static_cast<size_t>(m) * h);
-  gemm(x.data(), h, 0, w.a.data(), f, 0, 0, z.data(), m, h, f);
+  gemm(x.data(), h, w.a.data(), f, z.data(), f, m, h, f);
   for (auto& v : z) v = act(v, o.exact);
-  gemm(z.data(), f, 0, w.b.data(), h, 0, 0, y.data(), m, f, h);
+  gemm(z.data(), f, w.b.data(), h, y.data(), h, m, f, h);
   clamp_exact(y, o.exact);
   return y;
 }
+
+// The host engine (--device host): buffers in host memory, the arithmetic in the loops above;
+// collectives on the NULL stream, where oxccl's host executor runs the call itself.
+// cuda_engine.h has the same members for GPU memory.
+class HostEngine {
+ public:
+  cudaStream_t stream() const { return nullptr; }
+  void sync() {}
+  float* alloc(size_t n) {
+    bufs_.emplace_back(n);
+    return bufs_.back().data();
+  }
+  void upload(float* dst, const float* src, size_t n) { std::memcpy(dst, src, n * sizeof(float)); }
+  void download(float* dst, const float* src, size_t n) { upload(dst, src, n); }
+  void gemm(const float* x, int ldx, const float* w, int ldw, float* c, int ldc, int m, int k,
+            int n) {
+    ::gemm(x, ldx, w, ldw, c, ldc, m, k, n);
+  }
+  void activate(float* z, size_t n, bool exact) {
+    for (size_t i = 0; i < n; i++) z[i] = act(z[i], exact);
+  }
+  void clamp(float* y, size_t n) {
+    for (size_t i = 0; i < n; i++) y[i] = std::max(-8.0f, std::min(8.0f, y[i]));
+  }
+  // y (m x tp*hs) from tp blocks of m x hs.
+  void interleave(const float* got, float* y, int tp, int m, int hs) {
+    for (int t = 0; t < tp; t++)
+      for (int i = 0; i < m; i++)
+        for (int j = 0; j < hs; j++) y[(i * tp + t) * hs + j] = got[(t * m + i) * hs + j];
+  }
+
+ private:
+  std::vector<std::vector<float>> bufs_;  // a moved vector keeps its storage
+};
 
 // What one communicator carried and how long its calls took.
 struct Stats {
@@ -269,17 +314,16 @@ struct Stats {
   int calls = 0;
 };
 
-}  // namespace
-
-int main(int argc, char** argv) {
-  Opts o = parse(argc, argv);
-  int rank = env_int("OMPI_COMM_WORLD_RANK", "RANK", 0);
-  int nranks = env_int("OMPI_COMM_WORLD_SIZE", "WORLD_SIZE", 1);
-  if (o.tp * o.pp != nranks)
-    die("--tp x --pp must be the world size (" + std::to_string(nranks) + ")");
+ncclUniqueId unique_id(int rank, int nranks) {
   ncclUniqueId id;
   if (nranks > 1) share_id(&id, rank, nranks);
   else NCCL(ncclGetUniqueId(&id));
+  return id;
+}
+
+// One rank's run on engine `eng` (host or device buffers).
+template <class Engine>
+int run(const Opts& o, Engine& eng, int rank, int nranks, const ncclUniqueId& id) {
   ncclComm_t world, tpc, ppc;
   NCCL(ncclCommInitRank(&world, nranks, id, rank));
   // Placement: by default a tensor-parallel group is consecutive ranks (one host's, when a
@@ -292,86 +336,100 @@ int main(int argc, char** argv) {
 
   const int m = o.batch, h = o.hidden, f = 4 * o.hidden;
   const int per = o.layers / o.pp, fs = f / o.tp, hs = h / o.tp;
+  const size_t mh = static_cast<size_t>(m) * h, mf = static_cast<size_t>(m) * f;
+  // This stage's weights, whole (each rank reads its slices in place).
   auto all = weights(o);
+  std::vector<float*> wa(o.layers), wb(o.layers);
+  for (int l = stage * per; l < (stage + 1) * per; l++) {
+    wa[l] = eng.alloc(all[l].a.size());
+    wb[l] = eng.alloc(all[l].b.size());
+    eng.upload(wa[l], all[l].a.data(), all[l].a.size());
+    eng.upload(wb[l], all[l].b.data(), all[l].b.size());
+  }
+  float *x = eng.alloc(mh), *y = eng.alloc(mh), *z = eng.alloc(mf);
+  float *part = eng.alloc(static_cast<size_t>(m) * hs), *got = eng.alloc(mh);
   Stats st_tp, st_pp;
-  auto timed = [](Stats& s, double bytes, auto&& call) {
+  // A collective's time: from when the stream has done the work before it to when the
+  // stream has done it.
+  auto timed = [&](Stats& s, double bytes, auto&& call) {
+    eng.sync();
     double t0 = now();
     call();
+    eng.sync();
     s.secs += now() - t0;
     s.bytes += bytes;
     s.calls++;
   };
-  cudaStream_t stream = nullptr;  // the NULL stream: on the host executor, the call itself
+  cudaStream_t stream = eng.stream();
 
   std::vector<std::vector<float>> outputs;
-  std::vector<float> x(static_cast<size_t>(m) * h), z, zp, y(static_cast<size_t>(m) * h);
   double t_start = now();
   for (int k = 0; k < o.microbatches; k++) {
     if (stage == 0) {
-      x = input(o, k);
+      std::vector<float> in = input(o, k);
+      eng.upload(x, in.data(), mh);
     } else {
-      timed(st_pp, x.size() * 4.0, [&] {
-        NCCL(ncclRecv(x.data(), x.size(), ncclFloat, stage - 1, ppc, stream));
-      });
+      timed(st_pp, mh * 4.0,
+            [&] { NCCL(ncclRecv(x, mh, ncclFloat, stage - 1, ppc, stream)); });
     }
     for (int l = stage * per; l < (stage + 1) * per; l++) {
-      const Layer& w = all[l];
       if (!o.rows_first) {
         // Megatron: A by columns, B by rows: GeLU on each rank's slice, one all-reduce.
-        z.assign(static_cast<size_t>(m) * fs, 0);
-        gemm(x.data(), h, 0, w.a.data(), f, 0, tpi * fs, z.data(), m, h, fs);
-        for (auto& v : z) v = act(v, o.exact);
-        gemm(z.data(), fs, 0, w.b.data(), h, tpi * fs, 0, y.data(), m, fs, h);
-        timed(st_tp, y.size() * 4.0, [&] {
-          NCCL(ncclAllReduce(y.data(), y.data(), y.size(), ncclFloat, ncclSum, tpc, stream));
-        });
+        eng.gemm(x, h, wa[l] + tpi * fs, f, z, fs, m, h, fs);
+        eng.activate(z, static_cast<size_t>(m) * fs, o.exact);
+        eng.gemm(z, fs, wb[l] + static_cast<size_t>(tpi) * fs * h, h, y, h, m, fs, h);
+        timed(st_tp, mh * 4.0,
+              [&] { NCCL(ncclAllReduce(y, y, mh, ncclFloat, ncclSum, tpc, stream)); });
       } else {
         // Rows first: A by rows (X by columns); X.A must be summed before the GeLU.
-        z.assign(static_cast<size_t>(m) * f, 0);
-        gemm(x.data(), h, tpi * hs, w.a.data(), f, tpi * hs, 0, z.data(), m, hs, f);
-        timed(st_tp, z.size() * 4.0, [&] {
-          NCCL(ncclAllReduce(z.data(), z.data(), z.size(), ncclFloat, ncclSum, tpc, stream));
+        eng.gemm(x + tpi * hs, h, wa[l] + static_cast<size_t>(tpi) * hs * f, f, z, f, m, hs, f);
+        timed(st_tp, mf * 4.0,
+              [&] { NCCL(ncclAllReduce(z, z, mf, ncclFloat, ncclSum, tpc, stream)); });
+        eng.activate(z, mf, o.exact);
+        // Each rank's columns of Y, gathered: [tp][m][hs] blocks, then interleaved into Y.
+        eng.gemm(z, f, wb[l] + tpi * hs, h, part, hs, m, f, hs);
+        timed(st_tp, mh * 4.0, [&] {
+          NCCL(ncclAllGather(part, got, static_cast<size_t>(m) * hs, ncclFloat, tpc, stream));
         });
-        for (auto& v : z) v = act(v, o.exact);
-        // Each rank's columns of Y, gathered: [tp][m][hs] blocks, then transposed into Y.
-        std::vector<float> part(static_cast<size_t>(m) * hs), got(static_cast<size_t>(m) * h);
-        gemm(z.data(), f, 0, w.b.data(), h, 0, tpi * hs, part.data(), m, f, hs);
-        timed(st_tp, got.size() * 4.0, [&] {
-          NCCL(ncclAllGather(part.data(), got.data(), part.size(), ncclFloat, tpc, stream));
-        });
-        for (int t = 0; t < o.tp; t++)
-          for (int i = 0; i < m; i++)
-            for (int j = 0; j < hs; j++) y[i * h + t * hs + j] = got[(t * m + i) * hs + j];
+        eng.interleave(got, y, o.tp, m, hs);
       }
-      clamp_exact(y, o.exact);
-      x = y;
+      if (o.exact) eng.clamp(y, mh);
+      std::swap(x, y);
     }
     if (stage + 1 < o.pp) {
-      timed(st_pp, x.size() * 4.0, [&] {
-        NCCL(ncclSend(x.data(), x.size(), ncclFloat, stage + 1, ppc, stream));
-      });
+      timed(st_pp, mh * 4.0, [&] { NCCL(ncclSend(x, mh, ncclFloat, stage + 1, ppc, stream)); });
     } else {
-      outputs.push_back(x);
+      outputs.emplace_back(mh);
+      eng.download(outputs.back().data(), x, mh);
     }
   }
+  eng.sync();
   double t_all = now() - t_start;
 
   // The last stage's first tensor-parallel rank hands its outputs to rank 0, which checks them.
   int last = world_rank(o.pp - 1, 0);
   double maxdiff = 0, tol = o.exact ? 0.0 : 1e-3 * o.layers;
   if (rank == last && rank != 0)
-    for (auto& out : outputs) NCCL(ncclSend(out.data(), out.size(), ncclFloat, 0, world, stream));
+    for (auto& out : outputs) {
+      eng.upload(x, out.data(), mh);
+      NCCL(ncclSend(x, mh, ncclFloat, 0, world, stream));
+    }
   if (rank == 0) {
-    std::vector<float> got(static_cast<size_t>(m) * h);
+    std::vector<float> back(mh);
     for (int k = 0; k < o.microbatches; k++) {
-      if (last != 0) NCCL(ncclRecv(got.data(), got.size(), ncclFloat, last, world, stream));
-      else got = outputs[k];
+      if (last != 0) {
+        NCCL(ncclRecv(x, mh, ncclFloat, last, world, stream));
+        eng.download(back.data(), x, mh);
+      } else {
+        back = outputs[k];
+      }
       std::vector<float> want = input(o, k);
       for (int l = 0; l < o.layers; l++) want = reference_layer(o, all[l], want);
       for (size_t i = 0; i < want.size(); i++)
-        maxdiff = std::max(maxdiff, static_cast<double>(std::fabs(want[i] - got[i])));
+        maxdiff = std::max(maxdiff, static_cast<double>(std::fabs(want[i] - back[i])));
     }
   }
+  eng.sync();
   std::printf(
       "rank %d (stage %d, tp %d): tp comm %d calls %.0f bytes %.3f ms, pp comm %d calls %.0f "
       "bytes %.3f ms, %.3f ms per micro-batch\n",
@@ -388,4 +446,23 @@ int main(int argc, char** argv) {
     return pass ? 0 : 1;
   }
   return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Opts o = parse(argc, argv);
+  int rank = env_int("OMPI_COMM_WORLD_RANK", "RANK", 0);
+  int nranks = env_int("OMPI_COMM_WORLD_SIZE", "WORLD_SIZE", 1);
+  if (o.tp * o.pp != nranks)
+    die("--tp x --pp must be the world size (" + std::to_string(nranks) + ")");
+  if (o.cuda) {
+    // Before the communicators: the device's context is current on this thread.
+    cuda_engine::Engine eng;
+    ncclUniqueId id = unique_id(rank, nranks);
+    return run(o, eng, rank, nranks, id);
+  }
+  HostEngine eng;
+  ncclUniqueId id = unique_id(rank, nranks);
+  return run(o, eng, rank, nranks, id);
 }

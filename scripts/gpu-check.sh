@@ -9,7 +9,8 @@
 # it does not stall the run):
 #  1. the CUDA executor on device buffers: every collective x datatype x op on 1, 2 and 4 ranks of
 #     the one GPU (coll_matrix cuda), ranks as threads and as processes (cuda_ranks), CUDA graph
-#     capture and replay (cuda_graph);
+#     capture and replay (cuda_graph); the TP/PP example on device buffers, 8 ranks (processes)
+#     on the one GPU;
 #  2. the perf tools on the GPU: all_reduce_perf at nranks=1 against NVIDIA's libnccl.so.2 (from
 #     the machine's Python packages) side by side, then 2 and 4 ranks on the one GPU, and the
 #     other tools at 2 ranks;
@@ -95,6 +96,23 @@ check "CUDA: 4 ranks as processes, in place" 90 "$B/cuda_ranks" 4 processes inpl
 check "CUDA: graph capture and replay, 2 ranks" 60 "$B/cuda_graph" 2
 check "CUDA: graph capture, global capture mode" 60 "$B/cuda_graph" 2 global
 
+# The TP/PP example (issue 15) on device buffers: 8 processes on the one GPU, the MLP in the
+# example's own kernels (compiled with NVRTC at start-up), every collective on the GPU.
+tppp() {
+  local port=$((29700 + RANDOM % 200)) pids=() rc=0
+  for r in 7 6 5 4 3 2 1 0; do
+    RANK=$r WORLD_SIZE=8 MASTER_ADDR=127.0.0.1 MASTER_PORT=$port "$B/tp_pp_mlp" "$@" &
+    pids+=($!)
+  done
+  for p in "${pids[@]}"; do wait "$p" || rc=1; done
+  return $rc
+}
+check "CUDA: tp_pp_mlp 8 ranks --tp 4 --pp 2 --exact" 120 tppp --tp 4 --pp 2 --exact --device cuda
+check "CUDA: tp_pp_mlp 8 ranks, float, H 512, 4 layers" 120 \
+  tppp --tp 4 --pp 2 --hidden 512 --layers 4 --microbatches 8 --batch 32 --device cuda
+check "CUDA: tp_pp_mlp 8 ranks, rows-first, exact" 120 \
+  tppp --tp 4 --pp 2 --exact --split rows-first --device cuda
+
 # 2. Perf tools on the GPU; nranks=1 against NVIDIA's NCCL side by side.
 perf() {  # label, lib dir, args...
   local label=$1 dir=$2; shift 2
@@ -148,15 +166,6 @@ export OXCCL_DEVICE=host
 check "host: C, one process, InitAll + group" 60 "$B/ex_single_process"
 check "host: collective matrix, 8 ranks" 120 "$B/coll_matrix" 8 big=none
 check "host: all_reduce_perf -g 8" 60 "$B/all_reduce_perf" -b 8 -e 64M -f 8 -g 8 -n 5 -w 1
-tppp() {
-  local port=$((29700 + RANDOM % 200)) pids=() rc=0
-  for r in 7 6 5 4 3 2 1 0; do
-    RANK=$r WORLD_SIZE=8 MASTER_ADDR=127.0.0.1 MASTER_PORT=$port "$B/tp_pp_mlp" "$@" &
-    pids+=($!)
-  done
-  for p in "${pids[@]}"; do wait "$p" || rc=1; done
-  return $rc
-}
 check "host: tp_pp_mlp --tp 4 --pp 2 --exact" 60 tppp --tp 4 --pp 2 --exact
 say "# failures: $fails"
 exit $((fails > 0))

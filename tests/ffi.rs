@@ -21,6 +21,8 @@ use std::process::{Command, Stdio};
 use std::sync::{Mutex, OnceLock, RwLock};
 use std::time::{Duration, Instant};
 
+mod common;
+
 fn manifest_dir() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
 }
@@ -135,43 +137,6 @@ fn build_all() {
     for src in srcs {
         build(&src);
     }
-}
-
-/// The mock CUDA driver: a directory holding `libcuda.so.1` built from
-/// ffi-tests/mock-cuda/mock_cuda.c (put it on LD_LIBRARY_PATH).
-fn mock_cuda_dir() -> &'static Path {
-    static DIR: OnceLock<PathBuf> = OnceLock::new();
-    DIR.get_or_init(|| {
-        let dir = profile_dir().join("ffi-tests").join("mock-cuda");
-        std::fs::create_dir_all(&dir).expect("create ffi-tests/mock-cuda");
-        let cc = std::env::var("CC").unwrap_or_else(|_| "gcc".into());
-        let mut cmd = Command::new(&cc);
-        cmd.args([
-            "-std=c11",
-            "-D_GNU_SOURCE",
-            "-O2",
-            "-g",
-            "-Wall",
-            "-Wextra",
-            "-Werror",
-        ])
-        .args(["-shared", "-fPIC"])
-        .arg(manifest_dir().join("ffi-tests/mock-cuda/mock_cuda.c"))
-        .arg("-o")
-        .arg(dir.join("libcuda.so.1"))
-        .arg("-ldl");
-        let out = cmd
-            .output()
-            .unwrap_or_else(|e| panic!("cannot run {cc}: {e}"));
-        assert!(
-            out.status.success(),
-            "compiling the mock libcuda failed ({:?}):\n{}{}",
-            cmd,
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        );
-        dir
-    })
 }
 
 /// leak_check looks at machine-wide /dev/shm and must not see other tests' files: it runs alone.
@@ -496,7 +461,7 @@ fn cuda_programs_fail_cleanly_without_a_driver() {
 #[test]
 fn cuda_programs_on_a_mock_driver() {
     let _g = shared();
-    let mock = mock_cuda_dir().display().to_string();
+    let mock = common::mock_cuda_dir().display().to_string();
     let env = [("LD_LIBRARY_PATH", mock.as_str())];
     for n in ["1", "2", "3", "4"] {
         run_env("coll_matrix.c", &[n, "cuda", "big=none"], &env, 300);

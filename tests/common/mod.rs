@@ -111,3 +111,53 @@ pub fn free_port() -> u16 {
         .unwrap()
         .port()
 }
+
+/// The mock CUDA driver: a directory holding `libcuda.so.1` built from
+/// ffi-tests/mock-cuda/mock_cuda.c (put it on LD_LIBRARY_PATH), next to this test binary's
+/// `target/<profile>/`.
+#[allow(dead_code)]
+pub fn mock_cuda_dir() -> &'static std::path::Path {
+    use std::path::PathBuf;
+    static DIR: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+    DIR.get_or_init(|| {
+        let exe = std::env::current_exe().expect("current_exe");
+        let deps = exe.parent().expect("test binary has a parent directory");
+        let dir = deps
+            .parent()
+            .unwrap_or(deps)
+            .join("ffi-tests")
+            .join("mock-cuda");
+        std::fs::create_dir_all(&dir).expect("create ffi-tests/mock-cuda");
+        let src = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("ffi-tests/mock-cuda/mock_cuda.c");
+        // Built under a temporary name and renamed: test binaries run at once may both build it.
+        let tmp = dir.join(format!("libcuda.so.1.{}", std::process::id()));
+        let cc = std::env::var("CC").unwrap_or_else(|_| "gcc".into());
+        let mut cmd = std::process::Command::new(&cc);
+        cmd.args([
+            "-std=c11",
+            "-D_GNU_SOURCE",
+            "-O2",
+            "-g",
+            "-Wall",
+            "-Wextra",
+            "-Werror",
+        ])
+        .args(["-shared", "-fPIC"])
+        .arg(&src)
+        .arg("-o")
+        .arg(&tmp)
+        .args(["-ldl", "-lm"]);
+        let out = cmd
+            .output()
+            .unwrap_or_else(|e| panic!("cannot run {cc}: {e}"));
+        assert!(
+            out.status.success(),
+            "compiling the mock libcuda failed ({:?}):\n{}{}",
+            cmd,
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        std::fs::rename(&tmp, dir.join("libcuda.so.1")).expect("rename the mock libcuda");
+        dir
+    })
+}
