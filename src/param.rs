@@ -96,7 +96,7 @@ pub const PARAMS: &[Param] = &[
     },
     Param {
         name: "NCCL_SOCKET_NTHREADS",
-        doc: "multiplies NCCL_NSOCKS_PERTHREAD (oxccl moves every socket of a communicator from the same threads: the executor's and its proxy's)",
+        doc: "threads per end of a network connection (at most 16): its NCCL_NSOCKS_PERTHREAD x NCCL_SOCKET_NTHREADS sockets are split into this many groups; the thread driving the connection (the executor's or the proxy's) moves the first, a helper thread each of the others (each end decides for itself; the default 1 was measured here: see the README)",
         default: "1",
     },
     Param {

@@ -2,8 +2,9 @@
 //! needs root, skipped otherwise): a peer killed on the other host is an error naming it within
 //! seconds; a link taken down mid-collective ends in an error once the peer's heartbeats have
 //! been missing for OXCCL_HEARTBEAT_S (well before the timeout); every rank process exits
-//! either way. Both through oxccl's socket transport and through its net plugin (`net-plugin/`,
-//! where the kernel's TCP keepalive and user timeout stand in for the heartbeats).
+//! either way. Through oxccl's socket transport (also with helper threads moving most of each
+//! slot, `NCCL_SOCKET_NTHREADS`), and through its net plugin (`net-plugin/`, where the kernel's
+//! TCP keepalive and user timeout stand in for the heartbeats).
 
 use nccl::api::{self, StreamArg};
 use nccl::error::Code;
@@ -100,14 +101,19 @@ fn failures_on_the_wire_end_in_errors() {
         plugin.display()
     );
     let plugin = plugin.display().to_string();
-    for (case, net_plugin) in [
-        ("kill", ""),
-        ("link-down", ""),
-        ("kill", plugin.as_str()),
-        ("link-down", plugin.as_str()),
+    for (case, net_plugin, threads) in [
+        ("kill", "", "1"),
+        ("link-down", "", "1"),
+        ("kill", "", "4"),
+        ("link-down", "", "4"),
+        ("kill", plugin.as_str(), "1"),
+        ("link-down", plugin.as_str(), "1"),
     ] {
         let path = std::env::temp_dir()
-            .join(format!("oxccl-wire-{}-{case}", std::process::id()))
+            .join(format!(
+                "oxccl-wire-{}-{case}-{threads}",
+                std::process::id()
+            ))
             .display()
             .to_string();
         let env: Vec<(String, String)> = [
@@ -117,10 +123,13 @@ fn failures_on_the_wire_end_in_errors() {
             ("NCCL_SOCKET_IFNAME", "eth0"),
             ("OXCCL_TIMEOUT_S", "60"),
             ("OXCCL_HEARTBEAT_S", "2"),
+            // 4 sockets, 3 of them moved by helper threads (a slot is cut into 2 parts).
+            ("NCCL_SOCKET_NTHREADS", threads),
+            ("NCCL_DEBUG", "INFO"),
         ]
         .into_iter()
         .chain(
-            [("NCCL_NET_PLUGIN", net_plugin), ("NCCL_DEBUG", "INFO")]
+            [("NCCL_NET_PLUGIN", net_plugin)]
                 .into_iter()
                 .filter(|_| !net_plugin.is_empty()),
         )
@@ -172,7 +181,17 @@ fn failures_on_the_wire_end_in_errors() {
         } else {
             [true, true]
         };
-        assert_eq!(ok, Some(want.to_vec()), "{case} ({net_plugin}):\n{logs}");
+        assert_eq!(
+            ok,
+            Some(want.to_vec()),
+            "{case} ({net_plugin}, {threads} threads):\n{logs}"
+        );
+        if threads != "1" {
+            assert!(
+                logs.contains("helper thread(s)"),
+                "{case}: no helper threads:\n{logs}"
+            );
+        }
         if !net_plugin.is_empty() {
             assert!(
                 logs.contains("via NET/oxsocket"),

@@ -2,7 +2,9 @@
 //! memory, as the other transports do, so the executor works on it unchanged; the slots move
 //! over TCP (`wire`: one socket, or several at once, `NCCL_NSOCKS_PERTHREAD` x
 //! `NCCL_SOCKET_NTHREADS`), moved by the executor's thread as it fills and frees slots and
-//! while it waits, and by the communicator's proxy thread (`proxy`) otherwise: on the sending
+//! while it waits, and by the communicator's proxy thread (`proxy`) otherwise (with
+//! `NCCL_SOCKET_NTHREADS` > 1, helper threads move all but the first group of sockets:
+//! `helpers`): on the sending
 //! host each filled slot's header (call words, bytes) and bytes go to the sockets and then the
 //! slot is freed; on the receiving host they are read into the next free slot, which is then
 //! published. TCP's flow control is the FIFO's: a receiver whose slots are full stops reading,
@@ -16,6 +18,7 @@
 //! same two ranks uses the same sockets the other way where it can (`pair`): its sending end's
 //! blob says so.
 
+mod helpers;
 mod pair;
 mod wire;
 
@@ -39,8 +42,7 @@ const HDR: usize = 24;
 const MAX_SOCKS: usize = 64;
 
 /// Sockets per connection: `NCCL_NSOCKS_PERTHREAD` x `NCCL_SOCKET_NTHREADS` (at most 64, as
-/// NCCL caps them). oxccl moves every socket from the same threads (the executor's, the
-/// proxy's), so the product is what counts.
+/// NCCL caps them). Which thread moves which socket is each end's own affair (`helpers`).
 fn sockets() -> usize {
     let per = crate::param::get_u64("NCCL_NSOCKS_PERTHREAD").max(1);
     let threads = crate::param::get_u64("NCCL_SOCKET_NTHREADS").max(1);
@@ -218,7 +220,7 @@ impl Endpoint for NetSetup {
                 k,
             )
         };
-        conn.proxy = Some(Arc::new(NetEnd {
+        let end = Arc::new(NetEnd {
             view: view(&n.region),
             me: n.me,
             peer: n.peer,
@@ -226,13 +228,21 @@ impl Endpoint for NetSetup {
             state: Mutex::new(Wire {
                 state,
                 p: wire::Progress::new(k),
+                helpers: None,
             }),
             publish,
             closed: Default::default(),
             polled: Default::default(),
             driven: Default::default(),
             waker: Default::default(),
-        }));
+        });
+        {
+            let w = &mut *end.state.lock();
+            if let State::Connected(socks) = &w.state {
+                w.helpers = end.start_helpers(socks)?;
+            }
+        }
+        conn.proxy = Some(end);
         Ok(conn)
     }
 }
@@ -265,6 +275,8 @@ enum State {
 struct Wire {
     state: State,
     p: wire::Progress,
+    /// The helper threads of a connected end (`NCCL_SOCKET_NTHREADS` > 1).
+    helpers: Option<helpers::Helpers>,
 }
 
 /// One end of a network connection, as the proxy thread drives it: `view` is the same FIFO the
@@ -284,8 +296,8 @@ pub struct NetEnd {
     /// The sockets in the proxy thread's last poll set (bit j: socket j, or the listener), set
     /// under `state`'s lock (`wait_for`).
     polled: std::sync::atomic::AtomicU64,
-    /// Set when the proxy thread takes the end.
-    waker: once_cell::sync::OnceCell<super::proxy::Waker>,
+    /// Set when the proxy thread takes the end (shared with the helper threads).
+    waker: Arc<once_cell::sync::OnceCell<super::proxy::Waker>>,
     /// When the executor's thread last polled this end while waiting on it (`progress_inline`;
     /// nanoseconds on `clock`).
     driven: std::sync::atomic::AtomicU64,
@@ -425,6 +437,13 @@ impl Proxy for NetEnd {
     }
 }
 
+impl Drop for NetEnd {
+    /// The helper threads stop before the FIFO (`view`) goes: they may be moving a slot.
+    fn drop(&mut self) {
+        self.state.get_mut().helpers.take();
+    }
+}
+
 impl NetEnd {
     /// What this end waits for now (see `wire::pending`; the listener is bit 0).
     fn waiting_on(&self, w: &Wire) -> u64 {
@@ -433,7 +452,7 @@ impl NetEnd {
         }
         match &w.state {
             State::Listening(..) | State::Borrowing(..) => 1,
-            State::Connected(socks) => self.pending(socks.len(), &w.p),
+            State::Connected(socks) => self.pending(socks.len(), &w.p, w.helpers.as_ref()),
         }
     }
 
@@ -456,6 +475,7 @@ impl NetEnd {
                             pair::publish(p, &socks)
                                 .map_err(|e| self.failed(&format!("sharing its sockets: {e}")))?;
                         }
+                        w.helpers = self.start_helpers(&socks)?;
                         w.state = State::Connected(socks);
                     }
                     return Ok(true);
@@ -471,6 +491,7 @@ impl NetEnd {
                     Some(Err(e)) => Err(self.failed(&format!("sharing sockets: {e}"))),
                     Some(Ok(socks)) => {
                         w.p = wire::Progress::new(socks.len());
+                        w.helpers = self.start_helpers(&socks)?;
                         w.state = State::Connected(socks);
                         Ok(true)
                     }
@@ -478,10 +499,23 @@ impl NetEnd {
             }
         };
         if self.is_sender {
-            self.send(socks, &mut w.p)
+            self.send(socks, &mut w.p, w.helpers.as_ref())
         } else {
-            self.recv(socks, &mut w.p)
+            self.recv(socks, &mut w.p, w.helpers.as_ref())
         }
+    }
+
+    /// The helper threads for the sockets of a connected end, if it has any.
+    fn start_helpers(&self, socks: &[TcpStream]) -> Result<Option<helpers::Helpers>> {
+        let who = format!(
+            "rank {}: network connection {} rank {}",
+            self.me,
+            if self.is_sender { "to" } else { "from" },
+            self.peer
+        );
+        let threads = crate::param::get_u64("NCCL_SOCKET_NTHREADS").clamp(1, 16) as usize;
+        helpers::Helpers::start(socks, threads, self.is_sender, &who, self.waker.clone())
+            .map_err(|e| self.failed(&format!("starting its helper threads: {e}")))
     }
 
     /// The receiving end's first bytes from a connection: the token and the socket's index

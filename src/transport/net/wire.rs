@@ -11,6 +11,7 @@
 //! Everything here is non-blocking: a call moves what the sockets take or hold and returns;
 //! `Progress` remembers where the current slot stands.
 
+use super::helpers::Helpers;
 use super::{NetEnd, BEAT, BEAT_EVERY, HDR};
 use crate::error::Result;
 use std::io::{ErrorKind, IoSlice, Read, Write};
@@ -57,6 +58,10 @@ pub struct Progress {
     pub last_bytes: usize,
     /// Receiving end: bytes read from the first socket and not yet used.
     stage: Stage,
+    /// The step last handed to the helper threads, plus one (0: none).
+    posted: u64,
+    /// The helper threads' byte count when last seen (their progress counts as traffic).
+    helped: u64,
 }
 
 /// Bytes read ahead from a socket (`buf[lo..hi]`), handed out before the socket is read again.
@@ -103,6 +108,8 @@ impl Progress {
                 lo: 0,
                 hi: 0,
             },
+            posted: 0,
+            helped: 0,
         }
     }
 
@@ -114,6 +121,29 @@ impl Progress {
     fn reset(&mut self) {
         self.hdr_off = 0;
         self.done.iter_mut().for_each(|d| *d = 0);
+    }
+
+    /// With helper threads: hands them the current slot (once), then whether they are done
+    /// with it (their progress counts as the connection's traffic).
+    fn helped(
+        &mut self,
+        h: Option<&Helpers>,
+        slot: *mut u8,
+        bytes: usize,
+        k: usize,
+        end: &NetEnd,
+    ) -> Result<bool> {
+        let Some(h) = h else { return Ok(true) };
+        if self.posted != self.step + 1 {
+            h.post(self.step, slot, bytes, k);
+            self.posted = self.step + 1;
+        }
+        let moved = h.moved();
+        if moved != self.helped {
+            self.helped = moved;
+            self.last = std::time::Instant::now();
+        }
+        h.finished(self.step, bytes, k).map_err(|e| end.failed(&e))
     }
 }
 
@@ -167,7 +197,12 @@ pub fn acknowledged(s: &TcpStream) -> bool {
 
 impl NetEnd {
     /// Writes filled slots to the sockets, freeing each once all of it is written.
-    pub(super) fn send(&self, socks: &mut [TcpStream], w: &mut Progress) -> Result<bool> {
+    pub(super) fn send(
+        &self,
+        socks: &mut [TcpStream],
+        w: &mut Progress,
+        helpers: Option<&Helpers>,
+    ) -> Result<bool> {
         let v = &self.view;
         let k = socks.len();
         let mut moved = false;
@@ -197,7 +232,10 @@ impl NetEnd {
             };
             let np = if w.beat { 1 } else { parts(data.len(), k) };
             let mut complete = true;
-            for j in 0..np {
+            if np > 1 && !w.helped(helpers, v.slot(w.step), data.len(), k, self)? {
+                complete = false;
+            }
+            for j in (0..np).filter(|&j| !helpers.is_some_and(|h| h.owns(j))) {
                 let part = &data[part_start(data.len(), k, j)..part_start(data.len(), k, j + 1)];
                 loop {
                     let hdr_left = if j == 0 { HDR - w.hdr_off } else { 0 };
@@ -249,7 +287,12 @@ impl NetEnd {
 
     /// Reads slots from the sockets into free FIFO slots, publishing each once all of it is
     /// there.
-    pub(super) fn recv(&self, socks: &mut [TcpStream], w: &mut Progress) -> Result<bool> {
+    pub(super) fn recv(
+        &self,
+        socks: &mut [TcpStream],
+        w: &mut Progress,
+        helpers: Option<&Helpers>,
+    ) -> Result<bool> {
         let v = &self.view;
         let k = socks.len();
         let mut moved = false;
@@ -284,7 +327,15 @@ impl NetEnd {
             }
             let bytes = self.bytes_of(&w.hdr)?;
             let mut complete = true;
-            for (j, sock) in socks.iter_mut().enumerate().take(parts(bytes, k)) {
+            if parts(bytes, k) > 1 && !w.helped(helpers, v.slot(w.step), bytes, k, self)? {
+                complete = false;
+            }
+            for (j, sock) in socks
+                .iter_mut()
+                .enumerate()
+                .take(parts(bytes, k))
+                .filter(|(j, _)| !helpers.is_some_and(|h| h.owns(*j)))
+            {
                 let (lo, hi) = (part_start(bytes, k, j), part_start(bytes, k, j + 1));
                 while lo + w.done[j] < hi {
                     // SAFETY: slot `step` is free (the head is within nsteps) and holds
@@ -332,10 +383,12 @@ impl NetEnd {
     /// The sockets a sleeping proxy waits on for this end's current slot, as a bit mask (bit j:
     /// socket j): for a sending end, those with bytes left to write; for a receiving end, those
     /// with bytes to read.
-    pub(super) fn pending(&self, k: usize, w: &Progress) -> u64 {
+    /// Sockets of helper threads are theirs to wait on: not in the mask.
+    pub(super) fn pending(&self, k: usize, w: &Progress, helpers: Option<&Helpers>) -> u64 {
         let v = &self.view;
         let parts_left = |bytes: usize| {
             (0..parts(bytes, k))
+                .filter(|&j| !helpers.is_some_and(|h| h.owns(j)))
                 .filter(|&j| part_start(bytes, k, j) + w.done[j] < part_start(bytes, k, j + 1))
                 .fold(0u64, |m, j| m | 1 << j)
         };
