@@ -101,7 +101,9 @@ check "CUDA: graph capture, global capture mode" 60 "$B/cuda_graph" 2 global
 tppp() {
   local port=$((29700 + RANDOM % 200)) pids=() rc=0
   for r in 7 6 5 4 3 2 1 0; do
-    RANK=$r WORLD_SIZE=8 MASTER_ADDR=127.0.0.1 MASTER_PORT=$port "$B/tp_pp_mlp" "$@" &
+    # TPPP_HOSTS=2: ranks 0-3 and 4-7 on two "hosts" (the pipeline over the network).
+    OXCCL_HOSTID=tppp$((r * ${TPPP_HOSTS:-1} / 8)) RANK=$r WORLD_SIZE=8 MASTER_ADDR=127.0.0.1 \
+      MASTER_PORT=$port "$B/tp_pp_mlp" "$@" &
     pids+=($!)
   done
   for p in "${pids[@]}"; do wait "$p" || rc=1; done
@@ -112,6 +114,8 @@ check "CUDA: tp_pp_mlp 8 ranks, float, H 512, 4 layers" 120 \
   tppp --tp 4 --pp 2 --hidden 512 --layers 4 --microbatches 8 --batch 32 --device cuda
 check "CUDA: tp_pp_mlp 8 ranks, rows-first, exact" 120 \
   tppp --tp 4 --pp 2 --exact --split rows-first --device cuda
+check "CUDA: tp_pp_mlp 8 ranks on 2 \"hosts\" (OXCCL_HOSTID), exact" 120 \
+  env TPPP_HOSTS=2 bash -c "$(declare -f tppp); tppp --tp 4 --pp 2 --exact --microbatches 8 --device cuda"
 
 # 2. Perf tools on the GPU; nranks=1 against NVIDIA's NCCL side by side.
 perf() {  # label, lib dir, args...
@@ -124,7 +128,8 @@ perf() {  # label, lib dir, args...
   fi
   local rc=$?
   cat "$OUT/perf-$label.txt" >>"$log"
-  [ $rc -eq 0 ] && grep -q "Avg bus bandwidth" "$OUT/perf-$label.txt" || { say "   FAILED (rc=$rc)"; fails=$((fails + 1)); }
+  [ $rc -eq 0 ] && grep -q "Avg bus bandwidth" "$OUT/perf-$label.txt" &&
+    ! grep -q "Out of bounds values : [1-9]" "$OUT/perf-$label.txt" || { say "   FAILED (rc=$rc)"; fails=$((fails + 1)); }
 }
 sweep=(-b 8 -e 1G -f 4 -n 20 -w 5)
 perf oxccl-g1 "$OXLIB" "$B/all_reduce_perf" "${sweep[@]}" -g 1
@@ -151,6 +156,19 @@ procs2() {
   return $rc
 }
 perf oxccl-2procs "$OXLIB" procs2 "$B/all_reduce_perf" -b 8 -e 16M -f 8 -n 5 -w 2 -g 1
+# The same two processes as two "hosts" (OXCCL_HOSTID): the network transport's proxies move
+# the GPU's pinned FIFOs over TCP (issue 14 on the CUDA executor); NET/Socket in the log.
+hosts2() {
+  local port=$((29800 + RANDOM % 90)) rc=0
+  OXCCL_HOSTID=gpuhost1 RANK=1 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=$port "$@" >/dev/null 2>&1 &
+  local p=$!
+  NCCL_DEBUG=INFO OXCCL_HOSTID=gpuhost0 RANK=0 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=$port "$@" || rc=1
+  wait $p || rc=1
+  return $rc
+}
+perf oxccl-2hosts "$OXLIB" hosts2 "$B/all_reduce_perf" -b 8 -e 64M -f 8 -n 5 -w 2 -g 1
+grep -m2 "via NET" "$OUT/perf-oxccl-2hosts.txt" | tee -a "$log"
+perf sendrecv-2hosts "$OXLIB" hosts2 "$B/sendrecv_perf" -b 8 -e 64M -f 8 -n 5 -w 2 -g 1
 for t in all_gather broadcast reduce_scatter alltoall sendrecv; do
   perf "$t-g2" "$OXLIB" "$B/${t}_perf" -b 8 -e 64M -f 8 -n 10 -w 3 -g 2
 done
