@@ -38,12 +38,7 @@ fn example() -> &'static Path {
     })
 }
 
-/// Runs `n` ranks on this host; rank 0's output.
-fn run_here(n: usize, args: &[&str]) -> String {
-    run_here_with(n, args, &[])
-}
-
-/// `run_here` with more environment.
+/// Runs `n` ranks on this host with more environment; rank 0's output.
 fn run_here_with(n: usize, args: &[&str], env: &[(&str, &str)]) -> String {
     let port = common::free_port().to_string();
     let kids: Vec<_> = (0..n)
@@ -81,31 +76,28 @@ fn passed(out: &str) -> bool {
         .is_some_and(|l| l.starts_with("tp_pp_mlp: max |diff| = ") && l.ends_with(": PASS"))
 }
 
-#[test]
-fn tp4_pp2_on_one_host() {
-    for args in [
-        &["--tp", "4", "--pp", "2", "--exact"][..],
-        &["--tp", "4", "--pp", "2", "--hidden", "96", "--layers", "4"][..],
-        &["--tp", "4", "--pp", "2", "--exact", "--split", "rows-first"][..],
-        &[
-            "--tp",
-            "2",
-            "--pp",
-            "4",
-            "--layers",
-            "4",
-            "--exact",
-            "--tp-across-hosts",
-        ][..],
+/// The one-host runs: TP=4 x PP=2 in both splits, exact and not, and TP=2 x PP=4 with the
+/// groups interleaved; 8 ranks each, with `extra` arguments and environment.
+fn one_host_cases(extra: &[&str], env: &[(&str, &str)]) {
+    for case in [
+        "--tp 4 --pp 2 --exact",
+        "--tp 4 --pp 2 --hidden 96 --layers 4",
+        "--tp 4 --pp 2 --exact --split rows-first",
+        "--tp 2 --pp 4 --layers 4 --exact --split rows-first --tp-across-hosts",
     ] {
-        let out = run_here(8, args);
+        let args: Vec<&str> = case.split(' ').chain(extra.iter().copied()).collect();
+        let out = run_here_with(8, &args, env);
         assert!(passed(&out), "{args:?}:\n{out}");
-        let exact = args.contains(&"--exact");
         assert!(
-            !exact || out.contains("max |diff| = 0 "),
+            !args.contains(&"--exact") || out.contains("max |diff| = 0 "),
             "{args:?}:\n{out}"
         );
     }
+}
+
+#[test]
+fn tp4_pp2_on_one_host() {
+    one_host_cases(&[], &[]);
 }
 
 /// 2 namespace hosts x 4 ranks: TP groups inside the hosts (pipeline across, over the network),
@@ -201,33 +193,7 @@ fn device_engine_on_a_mock_driver() {
         ("LD_LIBRARY_PATH", mock.as_str()),
         ("OXCCL_NVRTC", nvrtc.to_str().unwrap()),
     ];
-    for args in [
-        &["--tp", "4", "--pp", "2", "--exact", "--device", "cuda"][..],
-        &[
-            "--tp", "4", "--pp", "2", "--hidden", "96", "--layers", "4", "--device", "cuda",
-        ][..],
-        &[
-            "--tp",
-            "2",
-            "--pp",
-            "4",
-            "--layers",
-            "4",
-            "--exact",
-            "--split",
-            "rows-first",
-            "--tp-across-hosts",
-            "--device",
-            "cuda",
-        ][..],
-    ] {
-        let out = run_here_with(8, args, &env);
-        assert!(passed(&out), "{args:?}:\n{out}");
-        assert!(
-            !args.contains(&"--exact") || out.contains("max |diff| = 0 "),
-            "{args:?}:\n{out}"
-        );
-    }
+    one_host_cases(&["--device", "cuda"], &env);
 }
 
 /// Without a CUDA driver, `--device cuda` says so and exits with 3.
