@@ -3,8 +3,11 @@
  *     library state): each rank's thread count is back to its value before init, it has no
  *     /dev/shm/oxccl* mapping or open file; after all ranks exit no /dev/shm/oxccl* file that was
  *     not there before remains;
- *   - threads (one per rank in this process): same checks in this process.
- * usage: leak_check [NRANKS]   (default 4) */
+ *   - threads (one per rank in this process): same checks in this process;
+ *   - with "hosts": processes only, each rank on a host of its own (OXCCL_HOSTID), so that every
+ *     connection goes over the network transport; each rank's open descriptors (its sockets)
+ *     are also back to their number before init.
+ * usage: leak_check [NRANKS] [hosts]   (default 4) */
 #include "common.h"
 
 #include <dirent.h>
@@ -18,6 +21,7 @@
 
 static int nranks;
 static int failed;
+static int hosts;
 
 static int count_tasks(void) {
   DIR* d = opendir("/proc/self/task");
@@ -28,6 +32,17 @@ static int count_tasks(void) {
     if (e->d_name[0] != '.') n++;
   closedir(d);
   return n;
+}
+
+static int count_fds(void) {
+  DIR* d = opendir("/proc/self/fd");
+  SYSCHECK(d != NULL, "opendir /proc/self/fd");
+  int n = 0;
+  struct dirent* e;
+  while ((e = readdir(d)) != NULL)
+    if (e->d_name[0] != '.') n++;
+  closedir(d);
+  return n - 1; /* the directory's own descriptor */
 }
 
 /* Names of /dev/shm entries starting with "oxccl". */
@@ -108,6 +123,18 @@ static int threads_back_to(int want, const char* when) {
   return 1;
 }
 
+/* The open descriptors go back to `want` (allowing 3 s). */
+static int fds_back_to(int want, const char* when) {
+  int n = 0;
+  for (int i = 0; i < 30; i++) {
+    n = count_fds();
+    if (n <= want) return 0;
+    usleep(100000);
+  }
+  fprintf(stderr, "FAIL %s: %d open descriptors, %d before init\n", when, n, want);
+  return 1;
+}
+
 static void collectives(ncclComm_t comm, int rank) {
   int32_t s[1024], r[1024 * MAXR];
   for (int k = 0; k < 1024; k++) s[k] = rank + k;
@@ -127,7 +154,12 @@ static void collectives(ncclComm_t comm, int rank) {
 
 /* ---- processes ---- */
 static int process_rank(int rank, int fd_in, int* fds_out) {
-  int tasks0 = count_tasks();
+  if (hosts) {
+    char h[32];
+    snprintf(h, sizeof h, "leakhost%d", rank);
+    setenv("OXCCL_HOSTID", h, 1);
+  }
+  int tasks0 = count_tasks(), fds0 = count_fds();
   ncclUniqueId id;
   if (rank == 0) {
     NCCLCHECK(ncclGetUniqueId(&id));
@@ -148,6 +180,7 @@ static int process_rank(int rank, int fd_in, int* fds_out) {
   char when[64];
   snprintf(when, sizeof when, "process rank %d after destroy", rank);
   int bad = threads_back_to(tasks0, when) + own_shm_refs(when);
+  if (hosts) bad += fds_back_to(fds0, when);
   return bad ? 1 : 0;
 }
 
@@ -219,14 +252,16 @@ static int run_threads(void) {
 
 int main(int argc, char** argv) {
   nranks = argc > 1 ? atoi(argv[1]) : 4;
+  hosts = argc > 2 && !strcmp(argv[2], "hosts");
   if (nranks < 1 || nranks > MAXR) return 2;
   n_shm_before = list_shm(shm_before, MAXFILES);
   failed += run_processes();
-  failed += run_threads();
+  if (!hosts) failed += run_threads();
   if (failed) {
     fprintf(stderr, "leak_check: %d problems\n", failed);
     return 1;
   }
-  printf("leak_check: %d ranks, no leftover threads or /dev/shm files\n", nranks);
+  printf("leak_check: %d ranks%s, no leftover threads, %s/dev/shm files\n", nranks,
+         hosts ? " on hosts of their own" : "", hosts ? "sockets or " : "or ");
   return 0;
 }

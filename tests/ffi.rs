@@ -416,6 +416,14 @@ fn leak_check_after_destroy() {
     let _g = exclusive().write().unwrap_or_else(|e| e.into_inner());
     run("leak_check.c", &["4"], 120);
     run("leak_check.c", &["2"], 120);
+    // Over the network transport: its ends, sockets and helper threads go too.
+    run("leak_check.c", &["3", "hosts"], 120);
+    run_env(
+        "leak_check.c",
+        &["2", "hosts"],
+        &[("NCCL_SOCKET_NTHREADS", "4")],
+        120,
+    );
 }
 
 /// The GPU programs where there is no CUDA driver: a message and exit code 3, no crash, no hang.

@@ -112,6 +112,11 @@ impl Drop for ProxyThread {
         if let Some(h) = self.handle.take() {
             let _ = h.join();
         }
+        // Each end holds a `Waker`, which holds `shared`: let go of the ends here, or neither
+        // would ever be freed (nor their sockets, FIFOs and helper threads). Dropped outside
+        // the lock: an end's drop stops its helpers, which may kick.
+        let ends = std::mem::take(&mut *self.shared.ends.lock());
+        drop(ends);
     }
 }
 
