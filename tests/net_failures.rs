@@ -123,7 +123,7 @@ fn failures_on_the_wire_end_in_errors() {
             ("NCCL_SOCKET_IFNAME", "eth0"),
             ("OXCCL_TIMEOUT_S", "60"),
             ("OXCCL_HEARTBEAT_S", "2"),
-            // 4 sockets, 3 of them moved by helper threads (a slot is cut into 2 parts).
+            // 4 sockets; a slot of 128 KiB is cut into 2 parts, the second moved by a helper.
             ("NCCL_SOCKET_NTHREADS", threads),
             ("NCCL_DEBUG", "INFO"),
         ]

@@ -45,7 +45,7 @@ const MAX_SOCKS: usize = 64;
 /// NCCL caps them). Which thread moves which socket is each end's own affair (`helpers`).
 fn sockets() -> usize {
     let per = crate::param::get_u64("NCCL_NSOCKS_PERTHREAD").max(1);
-    let threads = crate::param::get_u64("NCCL_SOCKET_NTHREADS").max(1);
+    let threads = crate::param::get_u64("NCCL_SOCKET_NTHREADS").clamp(1, 16);
     (per.saturating_mul(threads) as usize).min(MAX_SOCKS)
 }
 /// A header whose byte count is this is a heartbeat, not a slot: an idle sending end sends one
@@ -514,8 +514,15 @@ impl NetEnd {
             self.peer
         );
         let threads = crate::param::get_u64("NCCL_SOCKET_NTHREADS").clamp(1, 16) as usize;
-        helpers::Helpers::start(socks, threads, self.is_sender, &who, self.waker.clone())
-            .map_err(|e| self.failed(&format!("starting its helper threads: {e}")))
+        helpers::Helpers::start(
+            socks,
+            threads,
+            self.view.slot_bytes,
+            self.is_sender,
+            &who,
+            self.waker.clone(),
+        )
+        .map_err(|e| self.failed(&format!("starting its helper threads: {e}")))
     }
 
     /// The receiving end's first bytes from a connection: the token and the socket's index

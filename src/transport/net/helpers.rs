@@ -53,28 +53,38 @@ struct Helper {
 /// The helper threads of one end (groups 1 and up).
 pub struct Helpers {
     helpers: Vec<Helper>,
-    /// Sockets per group.
-    per: usize,
+    /// The driver's sockets: those below this.
+    driver: usize,
 }
 
 impl Helpers {
     /// Starts the helpers for `socks` when `threads` (`NCCL_SOCKET_NTHREADS`) is more than
     /// one and there are sockets to give them; `None` where the driver moves every socket.
+    /// Only the sockets that a slot of `slot_bytes` can use (`wire::parts`) are shared out,
+    /// as evenly as they go, among at most `threads` threads.
     pub fn start(
         socks: &[TcpStream],
         threads: usize,
+        slot_bytes: usize,
         is_sender: bool,
         who: &str,
         waker: Arc<OnceCell<Waker>>,
     ) -> std::io::Result<Option<Helpers>> {
         let k = socks.len();
-        if threads <= 1 || k <= 1 {
+        let usable = parts(slot_bytes, k);
+        let t = threads.min(usable);
+        if t <= 1 {
             return Ok(None);
         }
-        let per = k.div_ceil(threads.min(k));
-        let mut helpers = Vec::new();
-        for first in (per..k).step_by(per) {
-            let mine = socks[first..(first + per).min(k)]
+        let bound = |g: usize| g * usable / t;
+        // Built first, so that an early return stops the helpers already started.
+        let mut hs = Helpers {
+            helpers: Vec::new(),
+            driver: bound(1),
+        };
+        for g in 1..t {
+            let (first, end) = (bound(g), bound(g + 1));
+            let mine = socks[first..end]
                 .iter()
                 .map(TcpStream::try_clone)
                 .collect::<std::io::Result<Vec<_>>>()?;
@@ -83,7 +93,7 @@ impl Helpers {
             let thread = std::thread::Builder::new()
                 .name(format!("oxccl-net-{first}"))
                 .spawn(move || run(&sh, mine, first, is_sender, &wk))?;
-            helpers.push(Helper {
+            hs.helpers.push(Helper {
                 shared,
                 first,
                 thread: Some(thread),
@@ -91,15 +101,15 @@ impl Helpers {
         }
         crate::debug::info(&format!(
             "{who}: {k} sockets, {} helper thread(s) besides the driving one",
-            helpers.len()
+            hs.helpers.len()
         ));
-        Ok(Some(Helpers { helpers, per }))
+        Ok(Some(hs))
     }
 
     /// Whether socket `j` is a helper's.
     #[inline]
     pub fn owns(&self, j: usize) -> bool {
-        j >= self.per
+        j >= self.driver
     }
 
     /// The helpers that hold a part of a slot of `bytes` bytes cut for `k` sockets.
@@ -310,15 +320,15 @@ mod tests {
         let k = 4;
         let (mut tx, mut rx) = pairs(k);
         let none = || Arc::new(OnceCell::new());
-        let send = Helpers::start(&tx, 2, true, "test", none())
+        let bytes = 1 << 20;
+        let send = Helpers::start(&tx, 2, bytes, true, "test", none())
             .unwrap()
             .unwrap();
-        let recv = Helpers::start(&rx, 4, false, "test", none())
+        let recv = Helpers::start(&rx, 4, bytes, false, "test", none())
             .unwrap()
             .unwrap();
         assert!(!send.owns(1) && send.owns(2));
         assert!(!recv.owns(0) && recv.owns(1));
-        let bytes = 1 << 20;
         assert_eq!(parts(bytes, k), 4);
         for step in 0..3u64 {
             let mut src: Vec<u8> = (0..bytes).map(|i| (i as u64 * 7 + step) as u8).collect();
@@ -357,5 +367,29 @@ mod tests {
         tx.truncate(3);
         let e = wait(&recv, 3, bytes, k).unwrap_err();
         assert!(e.contains("socket") && e.contains("closed"), "{e}");
+        // The helpers still hold the job's pointer into `dst`: they go first.
+        drop(recv);
+        drop(dst);
+    }
+
+    /// Threads share out only the sockets a slot can use, evenly: 5 sockets and 4 threads give
+    /// 4 groups for 1 MiB slots; 128 KiB slots use 2 sockets (2 groups); 64 KiB slots one.
+    #[test]
+    fn helpers_take_the_usable_sockets_evenly() {
+        let (tx, _rx) = pairs(5);
+        let none = || Arc::new(OnceCell::new());
+        let h = Helpers::start(&tx, 4, 1 << 20, true, "test", none())
+            .unwrap()
+            .unwrap();
+        let firsts: Vec<usize> = h.helpers.iter().map(|h| h.first).collect();
+        // Groups [0], [1], [2], [3, 4].
+        assert_eq!((h.driver, firsts), (1, vec![1, 2, 3]));
+        let h = Helpers::start(&tx, 4, 128 << 10, true, "test", none())
+            .unwrap()
+            .unwrap();
+        assert_eq!((h.driver, h.helpers.len()), (1, 1));
+        assert!(Helpers::start(&tx, 4, 64 << 10, true, "test", none())
+            .unwrap()
+            .is_none());
     }
 }
