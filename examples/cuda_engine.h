@@ -88,6 +88,8 @@ struct Api {
   nvrtcResult (*GetProgramLog)(nvrtcProgram, char*);
   nvrtcResult (*GetCUBINSize)(nvrtcProgram, size_t*);
   nvrtcResult (*GetCUBIN)(nvrtcProgram, char*);
+  nvrtcResult (*GetPTXSize)(nvrtcProgram, size_t*);
+  nvrtcResult (*GetPTX)(nvrtcProgram, char*);
   nvrtcResult (*DestroyProgram)(nvrtcProgram*);
 };
 
@@ -206,7 +208,8 @@ class Engine {
     std::fprintf(stderr, "tp_pp_mlp: %s: CUDA error %d: %s\n", what, r, s);
     std::exit(2);
   }
-  // NVRTC: the kernels as a cubin for sm_<major><minor>.
+  // NVRTC: the kernels as a cubin for sm_<major><minor>, or, where this NVRTC is older than
+  // the device, as PTX for an architecture it knows (the driver compiles that for the device).
   std::string compile(int major, int minor) {
     void* lib = nullptr;
     std::string tried;
@@ -224,26 +227,39 @@ class Engine {
     bind(lib, n, "nvrtcGetProgramLog", api_.GetProgramLog);
     bind(lib, n, "nvrtcGetCUBINSize", api_.GetCUBINSize);
     bind(lib, n, "nvrtcGetCUBIN", api_.GetCUBIN);
+    bind(lib, n, "nvrtcGetPTXSize", api_.GetPTXSize);
+    bind(lib, n, "nvrtcGetPTX", api_.GetPTX);
     bind(lib, n, "nvrtcDestroyProgram", api_.DestroyProgram);
+    std::string log, out;
+    const std::string sm = std::to_string(major) + std::to_string(minor);
+    for (const std::string& arch : {"sm_" + sm, std::string("compute_90"), std::string("compute_80")}) {
+      if (!try_compile("--gpu-architecture=" + arch, arch[0] == 's', &out, &log)) continue;
+      if (arch[0] == 'c')
+        std::fprintf(stderr, "tp_pp_mlp: this NVRTC cannot compile for sm_%s: kernels as PTX for %s\n",
+                     sm.c_str(), arch.c_str());
+      return out;
+    }
+    unavailable("compiling the kernels for sm_" + sm + " failed:\n" + log);
+  }
+  bool try_compile(const std::string& opt, bool cubin, std::string* out, std::string* log) {
     nvrtcProgram prog = nullptr;
     if (api_.CreateProgram(&prog, kSource, "tp_pp_mlp_kernels.cu", 0, nullptr, nullptr) != 0)
       unavailable("nvrtcCreateProgram failed");
-    std::string arch = "-arch=sm_" + std::to_string(major) + std::to_string(minor);
-    const char* opts[] = {arch.c_str(), "--fmad=false"};
-    nvrtcResult r = api_.CompileProgram(prog, 2, opts);
+    const char* opts[] = {opt.c_str(), "--fmad=false"};
     size_t size = 0;
-    std::string out;
-    if (r != 0) {
+    bool ok = api_.CompileProgram(prog, 2, opts) == 0;
+    if (ok) {
+      (cubin ? api_.GetCUBINSize : api_.GetPTXSize)(prog, &size);
+      out->assign(size, '\0');  // PTX: its size counts the terminating NUL
+      (cubin ? api_.GetCUBIN : api_.GetPTX)(prog, &(*out)[0]);
+    } else {
       api_.GetProgramLogSize(prog, &size);
-      out.resize(size);
-      api_.GetProgramLog(prog, &out[0]);
-      unavailable("compiling the kernels for " + arch + " failed:\n" + out);
+      std::string l(size, '\0');
+      api_.GetProgramLog(prog, &l[0]);
+      *log += opt + ": " + l.c_str() + "\n";
     }
-    api_.GetCUBINSize(prog, &size);
-    out.resize(size);
-    api_.GetCUBIN(prog, &out[0]);
     api_.DestroyProgram(&prog);
-    return out;
+    return ok;
   }
 
   Api api_{};

@@ -6,7 +6,7 @@
 # all_reduce_perf, 1 rank per host over veth, with every variant in turn and then OpenMPI's
 # MPI_Allreduce (--mca btl tcp,self; target/bench/bin/mpi_allreduce from scripts/bench-net.sh),
 # and prints the out-of-place time (us) of each. SZ (default 1K) and N (iterations, default
-# 1000) choose the size. Example, one socket against two with a helper thread, at 16 MiB:
+# 1000) choose the size; LIMIT (default 300 s) bounds each run. Example, one socket against two with a helper thread, at 16 MiB:
 #   SZ=16M N=30 scripts/ab-net.sh "target/release:NCCL_NSOCKS_PERTHREAD=1" \
 #     "target/release:NCCL_SOCKET_NTHREADS=2"
 set -uo pipefail
@@ -25,13 +25,14 @@ cleanup() {
   rm -f "/tmp/$T".*
 }
 trap cleanup EXIT
+trap 'exit 130' INT TERM
 ip link add "${T}br" type bridge && ip addr add 10.75.0.254/24 dev "${T}br" && ip link set "${T}br" up || exit 1
 for i in 0 1; do
-  ip netns add "$T$i" && ip -n "$T$i" link set lo up
-  ip link add "${T}v$i" type veth peer name "${T}p$i"
-  ip link set "${T}v$i" netns "$T$i" && ip -n "$T$i" link set "${T}v$i" name eth0
-  ip -n "$T$i" addr add "10.75.0.$((i + 1))/24" dev eth0 && ip -n "$T$i" link set eth0 up
-  ip link set "${T}p$i" master "${T}br" up
+  { ip netns add "$T$i" && ip -n "$T$i" link set lo up &&
+    ip link add "${T}v$i" type veth peer name "${T}p$i" &&
+    ip link set "${T}v$i" netns "$T$i" && ip -n "$T$i" link set "${T}v$i" name eth0 &&
+    ip -n "$T$i" addr add "10.75.0.$((i + 1))/24" dev eth0 && ip -n "$T$i" link set eth0 up &&
+    ip link set "${T}p$i" master "${T}br" up; } || { echo "ab-net: setting up host $i failed" >&2; exit 1; }
 done
 # A host: its namespace, a private /dev/shm and its own hostname.
 on() {
@@ -45,7 +46,7 @@ for rep in $(seq "$R"); do
     [ "$v" = - ] && v="$ROOT/target/release:"
     for r in 1 0; do
       # shellcheck disable=SC2086 # the variant's VAR=value words
-      on $r env LD_LIBRARY_PATH="${v%%:*}" OXCCL_DEVICE=host RANK=$r WORLD_SIZE=2 MASTER_ADDR=10.75.0.1 \
+      on $r timeout -k 5 "${LIMIT:-300}" env LD_LIBRARY_PATH="${v%%:*}" OXCCL_DEVICE=host RANK=$r WORLD_SIZE=2 MASTER_ADDR=10.75.0.1 \
         MASTER_PORT=29551 NCCL_SOCKET_IFNAME=eth0 ${v#*:} "$TOOL" -b "$SZ" -e "$SZ" -n "$N" -w 20 \
         -d float -o sum >"/tmp/$T.$r" 2>&1 &
     done
@@ -54,7 +55,7 @@ for rep in $(seq "$R"); do
   done
   if [ -x "$MPI" ] && command -v mpirun >/dev/null; then
     PMIX_MCA_ptl_tcp_remote_connections=1 PMIX_MCA_ptl_tcp_if_include="${T}br" \
-      mpirun --allow-run-as-root --oversubscribe --mca btl tcp,self \
+      timeout -k 5 "${LIMIT:-300}" mpirun --allow-run-as-root --oversubscribe --mca btl tcp,self \
       --mca btl_tcp_if_include 10.75.0.0/24 --mca oob_tcp_if_include "${T}br" \
       -np 1 ip netns exec "${T}0" "$MPI" -b "$SZ" -e "$SZ" -n "$N" -w 20 : \
       -np 1 ip netns exec "${T}1" "$MPI" -b "$SZ" -e "$SZ" -n "$N" -w 20 >"/tmp/$T.mpi" 2>&1

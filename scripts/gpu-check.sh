@@ -109,12 +109,12 @@ tppp() {
   for p in "${pids[@]}"; do wait "$p" || rc=1; done
   return $rc
 }
-check "CUDA: tp_pp_mlp 8 ranks --tp 4 --pp 2 --exact" 120 tppp --tp 4 --pp 2 --exact --device cuda
-check "CUDA: tp_pp_mlp 8 ranks, float, H 512, 4 layers" 120 \
+check "CUDA: tp_pp_mlp 8 ranks --tp 4 --pp 2 --exact" 60 tppp --tp 4 --pp 2 --exact --device cuda
+check "CUDA: tp_pp_mlp 8 ranks, float, H 512, 4 layers" 60 \
   tppp --tp 4 --pp 2 --hidden 512 --layers 4 --microbatches 8 --batch 32 --device cuda
-check "CUDA: tp_pp_mlp 8 ranks, rows-first, exact" 120 \
+check "CUDA: tp_pp_mlp 8 ranks, rows-first, exact" 60 \
   tppp --tp 4 --pp 2 --exact --split rows-first --device cuda
-check "CUDA: tp_pp_mlp 8 ranks on 2 \"hosts\" (OXCCL_HOSTID), exact" 120 \
+check "CUDA: tp_pp_mlp 8 ranks on 2 \"hosts\" (OXCCL_HOSTID), exact" 60 \
   env TPPP_HOSTS=2 bash -c "$(declare -f tppp); tppp --tp 4 --pp 2 --exact --microbatches 8 --device cuda"
 
 # 2. Perf tools on the GPU; nranks=1 against NVIDIA's NCCL side by side.

@@ -194,6 +194,20 @@ fn device_engine_on_a_mock_driver() {
         ("OXCCL_NVRTC", nvrtc.to_str().unwrap()),
     ];
     one_host_cases(&["--device", "cuda"], &env);
+    // A device newer than this NVRTC knows: the kernels go as PTX for an older architecture.
+    let mut newer = env.to_vec();
+    newer.push(("OXCCL_MOCK_CC", "129"));
+    let out = run_here_with(
+        8,
+        &["--tp", "4", "--pp", "2", "--exact", "--device", "cuda"],
+        &newer,
+    );
+    // (stdout, where PASS is the last line, then stderr, where the note is)
+    assert!(
+        out.contains("max |diff| = 0 (tolerance 0): PASS\n"),
+        "{out}"
+    );
+    assert!(out.contains("kernels as PTX for compute_90"), "{out}");
 }
 
 /// Without a CUDA driver, `--device cuda` says so and exits with 3.

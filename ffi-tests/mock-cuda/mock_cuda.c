@@ -122,11 +122,14 @@ CUresult cuGraphLaunch(Handle e, Handle st) { (void)e; (void)st; return CUDA_ERR
 CUresult cuGraphExecDestroy(Handle e) { (void)e; return CUDA_ERROR_NOT_SUPPORTED; }
 CUresult cuGraphDestroy(Handle g) { (void)g; return CUDA_ERROR_NOT_SUPPORTED; }
 
-/* A device of compute capability 9.0 (what the example compiles its kernels for). */
+/* A device of compute capability 9.0 (what the example compiles its kernels for), or
+ * OXCCL_MOCK_CC (major * 10 + minor: say 129, an architecture NVRTC does not know yet). */
 CUresult cuDeviceGetAttribute(int* v, int attr, int dev) {
   if (dev != 0) return CUDA_ERROR_INVALID_VALUE;
-  if (attr == 75) *v = 9;       /* CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR */
-  else if (attr == 76) *v = 0;  /* ..._MINOR */
+  const char* e = getenv("OXCCL_MOCK_CC");
+  int cc = e ? atoi(e) : 90;
+  if (attr == 75) *v = cc / 10;       /* CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR */
+  else if (attr == 76) *v = cc % 10;  /* ..._MINOR */
   else return CUDA_ERROR_NOT_SUPPORTED;
   return CUDA_SUCCESS;
 }
