@@ -282,6 +282,7 @@ impl NetEnd {
             }
             v.head().store(w.step + 1, Ordering::Release);
             w.step += 1;
+            moved = true; // (a slot the helpers finished: no byte moved in this call)
         }
     }
 
@@ -374,6 +375,7 @@ impl NetEnd {
             let word = |i: usize| u64::from_le_bytes(w.hdr[8 * i..8 * i + 8].try_into().unwrap());
             v.set_meta(w.step, [word(0), word(1), word(2)]);
             v.tail().store(w.step + 1, Ordering::Release);
+            moved = true;
             w.last_bytes = bytes;
             w.step += 1;
             w.reset();
