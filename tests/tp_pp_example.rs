@@ -226,3 +226,37 @@ fn device_engine_without_a_driver() {
     assert_eq!(o.status.code(), Some(3), "{err}");
     assert!(err.contains("--device cuda: no CUDA driver"), "{err}");
 }
+
+/// Under OpenMPI's mpirun (scripts/setup.sh installs it), 8 ranks on this host: the ranks come
+/// from mpirun's environment and, without MASTER_ADDR/MASTER_PORT, rank 0 publishes its port in
+/// a file named by the job.
+#[test]
+fn tp4_pp2_under_mpirun() {
+    if Command::new("mpirun").arg("--version").output().is_err() {
+        eprintln!("SKIP: no mpirun (scripts/setup.sh installs OpenMPI)");
+        return;
+    }
+    let o = Command::new("timeout")
+        .args([
+            "-k",
+            "5",
+            "120",
+            "mpirun",
+            "--allow-run-as-root",
+            "--oversubscribe",
+        ])
+        .args(["-np", "8", "-x", "OXCCL_DEVICE=host"])
+        .arg(example())
+        .args(["--tp", "4", "--pp", "2", "--exact"])
+        .env_remove("MASTER_ADDR")
+        .env_remove("MASTER_PORT")
+        .output()
+        .unwrap();
+    let out = String::from_utf8_lossy(&o.stdout).to_string() + &String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{out}");
+    assert!(
+        out.contains("tp_pp_mlp: max |diff| = 0 (tolerance 0): PASS"),
+        "{out}"
+    );
+    assert_eq!(out.matches(" per micro-batch").count(), 8, "{out}");
+}
