@@ -1,7 +1,8 @@
 //! The tensor- and pipeline-parallel MLP example (examples/tp_pp_mlp.cpp) against this build:
-//! 8 ranks on one host (TP=4, PP=2) in both splits, and 2 namespace hosts x 4 ranks with the
-//! tensor-parallel groups inside the hosts and, on purpose, across them. Rank 0 checks the
-//! result against the unsplit MLP (exactly, with --exact).
+//! 8 ranks on one host (TP=4, PP=2) in both splits, under the environment launcher and under
+//! mpirun, and 2 namespace hosts x 4 ranks with the tensor-parallel groups inside the hosts
+//! and, on purpose, across them; its device engine (`--device cuda`) on the mock CUDA driver.
+//! Rank 0 checks the result against the unsplit MLP (exactly, with --exact).
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
