@@ -2,7 +2,7 @@
 //! the timeout), naming the dead rank; `ncclCommAbort` then returns within a second, and no
 //! `/dev/shm` file is left behind, whatever the peer was doing when it died: right after init,
 //! before a connection's two ends attached, in the middle of a ring, in the middle of a direct
-//! operation.
+//! operation. So is a peer that ends its communicator and lives on.
 
 use nccl::api::{self, CollArgs, StreamArg};
 use nccl::error::Code;
@@ -165,5 +165,102 @@ fn a_peer_killed_is_an_error_within_seconds() {
         let after = shm_files();
         let left: Vec<_> = after.iter().filter(|n| !before.contains(n)).collect();
         assert!(left.is_empty(), "{case}: left behind in /dev/shm: {left:?}");
+    }
+}
+
+/// A peer that ends its communicator (`ncclCommAbort`, or `ncclCommDestroy` without making the
+/// call rank 0 waits in) and lives on is an error on the rank waiting for it, within seconds,
+/// naming it: over the board (a direct operation, an eager one), over a ring's shared-memory
+/// connections, and at a send whose connection rank 1 never set up. Rank 1's process stays
+/// alive meanwhile, so that only the end of its communicator can tell.
+const END_TEST: &str = "a_peer_that_ends_its_communicator_is_an_error_within_seconds";
+const END_CASES: [(&str, &[(&str, &str)]); 5] = [
+    ("abort-direct", &[]),
+    ("abort-eager", &[]),
+    ("abort-ring", &[("OXCCL_ALGO", "ring")]),
+    ("destroy-direct", &[]),
+    ("abort-send", &[]),
+];
+
+fn ending_rank(case: &str, r: i32, id: &[u8; api::UNIQUE_ID_BYTES]) {
+    let c = api::comm_init_rank(2, id, r, Default::default()).unwrap();
+    if r == 1 {
+        std::thread::sleep(Duration::from_millis(300));
+        let h = api::comm_handle(&c);
+        if case.starts_with("destroy") {
+            api::comm_destroy(h).unwrap();
+        } else {
+            api::comm_abort(h).unwrap();
+        }
+        // Alive until rank 0 is done (at most 8 s), so that no death check can tell it.
+        let done = std::env::var("OXCCL_END_DONE").unwrap();
+        let t = Instant::now();
+        while !std::path::Path::new(&done).exists() && t.elapsed() < Duration::from_secs(8) {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        return;
+    }
+    let count = if case == "abort-eager" { 2 } else { 1 << 20 };
+    let send = Box::leak(vec![1f32; count].into_boxed_slice()).as_ptr() as usize;
+    let recv = Box::leak(vec![0f32; count].into_boxed_slice()).as_ptr() as usize;
+    let t0 = Instant::now();
+    let a = if case == "abort-send" {
+        CollArgs {
+            kind: CollKind::Send,
+            root: 1,
+            ..all_reduce(send, recv, count)
+        }
+    } else {
+        all_reduce(send, recv, count)
+    };
+    // Rank 1 makes no such call: this one waits for it.
+    let e = api::enqueue(&c, a, StreamArg::Null).expect_err("a call succeeded without rank 1");
+    let took = t0.elapsed();
+    eprintln!("{case}: detected after {took:?}: {e}");
+    assert_eq!(e.code, Code::RemoteError, "{case}: {e}");
+    assert!(e.msg.contains("rank 1"), "{case}: names no rank: {e}");
+    assert!(took < Duration::from_secs(5), "{case}: after {took:?}: {e}");
+    assert!(!e.msg.contains("has died"), "{case}: not from the end: {e}");
+    std::fs::write(std::env::var("OXCCL_END_DONE").unwrap(), b"").unwrap();
+    let _ = api::comm_abort(api::comm_handle(&c));
+}
+
+#[test]
+fn a_peer_that_ends_its_communicator_is_an_error_within_seconds() {
+    if let Ok(r) = std::env::var("OXCCL_END_RANK") {
+        let hex = std::env::var("OXCCL_END_ID").unwrap();
+        let mut id = [0u8; api::UNIQUE_ID_BYTES];
+        for (i, b) in id.iter_mut().enumerate() {
+            *b = u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).unwrap();
+        }
+        let case = std::env::var("OXCCL_END_CASE").unwrap();
+        return ending_rank(&case, r.parse().unwrap(), &id);
+    }
+    for (case, env) in END_CASES {
+        let done = std::env::temp_dir().join(format!("oxccl-end-{}-{case}", std::process::id()));
+        let id = api::get_unique_id().unwrap();
+        let hex: String = id.iter().map(|b| format!("{b:02x}")).collect();
+        let exe = std::env::current_exe().unwrap();
+        let kids: Vec<_> = (0..2)
+            .map(|r| {
+                std::process::Command::new(&exe)
+                    .args(["--exact", END_TEST, "--nocapture"])
+                    .env("OXCCL_DEVICE", "host")
+                    .env("OXCCL_TIMEOUT_S", "60")
+                    .env("OXCCL_END_ID", &hex)
+                    .env("OXCCL_END_RANK", r.to_string())
+                    .env("OXCCL_END_CASE", case)
+                    .env("OXCCL_END_DONE", &done)
+                    .envs(env.iter().copied())
+                    .stdout(std::process::Stdio::null())
+                    .spawn()
+                    .unwrap()
+            })
+            .collect();
+        for (r, mut k) in kids.into_iter().enumerate() {
+            let st = k.wait().unwrap();
+            assert!(st.success(), "{case}: rank {r} failed: {st:?}");
+        }
+        let _ = std::fs::remove_file(&done);
     }
 }

@@ -46,7 +46,9 @@ impl Core {
     }
 
     fn teardown(&self) {
-        // Dropping the bootstrap closes its sockets and joins its threads.
+        // Peers on this host waiting for this rank stop waiting; dropping the bootstrap closes
+        // its sockets and joins its threads.
+        self.exec.end();
         self.conns.teardown();
     }
 

@@ -94,6 +94,14 @@ impl CommExec {
         }
     }
 
+    /// The communicator ends (destroyed or aborted, its work stopped): peers that wait for
+    /// this rank in shared memory stop waiting (see `HostComm::end`).
+    pub fn end(&self) {
+        if let CommExec::Host(h) = self {
+            h.end();
+        }
+    }
+
     /// Makes the rank's device current on this thread until the guard drops (connections made
     /// now put their device memory there); nothing on the host executor.
     pub fn enter_device(&self) -> Result<Option<crate::gpu::driver::CtxGuard>> {

@@ -70,6 +70,9 @@ struct Slot {
     /// What the rank called, by operation parity (`Call`): read by peers only when signatures
     /// differ, to say how.
     call: [[AtomicU64; 2]; 2],
+    /// Non-zero once the rank has ended its communicator (destroyed or aborted it): it will
+    /// arrive at no further operation.
+    ended: AtomicU64,
 }
 
 /// A call as the board describes it, to check that every rank made the same one: (count, kind |
@@ -308,6 +311,18 @@ impl Board {
     #[inline]
     pub fn reached(word: u64, seq: u64) -> bool {
         word & SEQ_MASK >= seq
+    }
+
+    /// This rank has ended its communicator: peers waiting for it to arrive somewhere, or to
+    /// finish, stop waiting (`ended`).
+    pub fn end(&self, rank: usize) {
+        self.slot(rank).ended.store(1, Ordering::Release);
+    }
+
+    /// Whether `rank` has ended its communicator. Everything it published before is visible
+    /// once this says yes: look at it again before concluding that it never arrived.
+    pub fn ended(&self, rank: usize) -> bool {
+        self.slot(rank).ended.load(Ordering::Acquire) != 0
     }
 
     pub fn arrived(&self, rank: usize, seq: u64) -> bool {

@@ -244,7 +244,12 @@ impl Conns {
             );
         }
         drop(proxy);
-        self.map.lock().clear();
+        // Each end lets go of its connection now, whoever still holds it (the other end stops
+        // waiting for this one: `Conn::peer_closed`).
+        let mut map = self.map.lock();
+        map.values().for_each(|c| c.close());
+        map.clear();
+        drop(map);
         let _ = self.bootstrap.lock().take();
     }
 

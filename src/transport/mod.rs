@@ -32,6 +32,10 @@ use std::sync::Arc;
 const TAIL_OFF: usize = 0;
 const HEAD_OFF: usize = 64;
 const ATTACH_OFF: usize = 128;
+/// Which ends have let go of the connection (bit 0: the sender's, bit 1: the receiver's): set
+/// when an end's `Conn` goes (its communicator destroyed or aborted), so that the other end
+/// stops waiting for it (`peer_closed`).
+const CLOSED_OFF: usize = 192;
 /// Per slot, the words of the call that filled it (`plan::call`) and the bytes it holds: the
 /// receiver checks the call against its own before using the slot; a proxy that moves slots
 /// over the network moves these too, and only the bytes the slot holds.
@@ -430,9 +434,26 @@ impl Conn {
         self.proxy.as_ref()?.silent_for()
     }
 
-    /// Whether the peer has closed this connection (its proxy saw it go): nothing more comes.
+    /// Whether the peer has closed this connection (its proxy saw it go, or, where both ends
+    /// share the region, its end is gone): nothing more comes. Whatever it wrote before is
+    /// visible once this says yes.
     pub fn peer_closed(&self) -> bool {
         self.proxy.as_ref().is_some_and(|p| p.closed())
+            || (!self.on_device()
+                && self.closed().load(Ordering::Acquire) & end_bit(!self.is_sender) != 0)
+    }
+
+    /// This end lets go of the connection: the other end's waits for it end (`peer_closed`).
+    pub fn close(&self) {
+        if !self.on_device() {
+            self.closed()
+                .fetch_or(end_bit(self.is_sender), Ordering::Release);
+        }
+    }
+
+    fn closed(&self) -> &AtomicU32 {
+        // SAFETY: as for `counter` (a u32 at a 64-byte aligned offset of the header).
+        unsafe { &*(self.base.add(CLOSED_OFF) as *const AtomicU32) }
     }
 
     /// What this end is waiting for, for timeout messages.
@@ -581,8 +602,18 @@ impl Drop for Named {
     }
 }
 
+/// An end's bit in the closed word.
+fn end_bit(is_sender: bool) -> u32 {
+    if is_sender {
+        1
+    } else {
+        2
+    }
+}
+
 impl Drop for Conn {
     fn drop(&mut self) {
+        self.close();
         // If the peer never attached, nobody else will remove the name (and nothing was sent:
         // senders wait for the receiver to attach).
         match &self.region {

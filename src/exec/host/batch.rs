@@ -324,9 +324,13 @@ impl Running {
             return self.stop(e, true);
         }
         if let Some(r) = self.closed_peer() {
+            // What it wrote before it went is visible now: look once more.
+            if self.poll() != Poll::Blocked {
+                return;
+            }
             let e = Error::remote(format!(
-                "{} on rank {}: {} closed its network connection (it ended its communicator, \
-                 exited or failed) while this rank waited for it",
+                "{} on rank {}: {} closed its connection (it ended its communicator, exited or \
+                 failed) while this rank waited for it",
                 self.task.what,
                 self.comm().rank,
                 self.comm().peer_name(r)

@@ -205,6 +205,10 @@ impl BoardState {
             }
             // A peer at this operation with a direct one called something else.
             other_kind_arrived(op, false)?;
+            // A peer that ended its communicator never arrives (looked at again after `ended`).
+            if op.board.ended(p) && !Board::reached(op.board.eager_word(p, op.seq), op.seq) {
+                return Err(ended(op, p, "arrive"));
+            }
             return Ok(if progressed {
                 Poll::Progress
             } else {
@@ -249,6 +253,7 @@ impl BoardState {
                         other_kind_arrived(op, true)?;
                         let sig = signature(call_words(op));
                         peer_left(op, |p| op.board.arrived(p, op.seq) && same_call(op, p, sig))?;
+                        peer_ended(op, |p| !op.board.arrived(p, op.seq), "arrive")?;
                         return Ok(if progressed {
                             Poll::Progress
                         } else {
@@ -306,8 +311,9 @@ impl BoardState {
                 Phase::Done => {
                     let done = (0..op.nranks).all(|p| op.board.is_done(p, op.seq));
                     if !done {
-                        // A peer that left will never be done.
+                        // A peer that left, or ended its communicator, will never be done.
                         peer_left(op, |p| !op.board.is_done(p, op.seq))?;
+                        peer_ended(op, |p| !op.board.is_done(p, op.seq), "finish")?;
                     }
                     return Ok(if done {
                         if let (Some((t0, path)), Some(t)) = (self.timed, &op.tuner) {
@@ -386,6 +392,25 @@ fn left(op: &Direct, peer: usize) -> Error {
     Error::remote(format!(
         "direct operation #{} on rank {}: rank {peer} left it unfinished (it failed, timed out or \
          was aborted); nothing was read from or written to rank {peer}'s buffers",
+        op.seq, op.rank
+    ))
+}
+
+/// An error if a peer that this rank still waits for (`which`, looked at after `Board::ended`)
+/// has ended its communicator: it will never come.
+#[inline]
+fn peer_ended(op: &Direct, which: impl Fn(usize) -> bool, waiting: &str) -> Result<()> {
+    match (0..op.nranks).find(|&p| p != op.rank && op.board.ended(p) && which(p)) {
+        Some(p) => Err(ended(op, p, waiting)),
+        None => Ok(()),
+    }
+}
+
+#[cold]
+fn ended(op: &Direct, peer: usize, waiting: &str) -> Error {
+    Error::remote(format!(
+        "direct operation #{} on rank {}: rank {peer} ended its communicator (ncclCommDestroy \
+         or ncclCommAbort) while this rank waited for it to {waiting}",
         op.seq, op.rank
     ))
 }

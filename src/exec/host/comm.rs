@@ -206,6 +206,14 @@ impl HostComm {
         self.peer_pids.get(p).copied().flatten().is_none_or(alive)
     }
 
+    /// The communicator ends here (destroyed or aborted, its work stopped): peers on this host
+    /// that wait for this rank on the board stop waiting (`Board::ended`).
+    pub fn end(&self) {
+        if let Some(b) = &self.board {
+            b.end(self.rank);
+        }
+    }
+
     /// Whether `board_op` gives an operation.
     #[inline]
     pub fn has_board(&self) -> bool {
