@@ -206,9 +206,11 @@ impl BoardState {
             // A peer at this operation with a direct one called something else.
             other_kind_arrived(op, false)?;
             // A peer that ended its communicator never arrives (looked at again after `ended`).
-            if op.board.ended(p) && !Board::reached(op.board.eager_word(p, op.seq), op.seq) {
-                return Err(ended(op, p, "arrive"));
-            }
+            peer_ended(
+                op,
+                |q| q == p && !Board::reached(op.board.eager_word(p, op.seq), op.seq),
+                "arrive",
+            )?;
             return Ok(if progressed {
                 Poll::Progress
             } else {
@@ -397,8 +399,8 @@ fn left(op: &Direct, peer: usize) -> Error {
 }
 
 /// An error if a peer that this rank still waits for (`which`, looked at after `Board::ended`)
-/// has ended its communicator: it will never come.
-#[inline]
+/// has ended its communicator: it will never come. (Out of line: only blocked polls call it.)
+#[inline(never)]
 fn peer_ended(op: &Direct, which: impl Fn(usize) -> bool, waiting: &str) -> Result<()> {
     match (0..op.nranks).find(|&p| p != op.rank && op.board.ended(p) && which(p)) {
         Some(p) => Err(ended(op, p, waiting)),
