@@ -124,38 +124,48 @@ fn shm_files() -> Vec<String> {
     v
 }
 
+/// In a rank process that `spawn_ranks` started: (case, rank, unique id).
+fn child() -> Option<(String, i32, [u8; api::UNIQUE_ID_BYTES])> {
+    let r = std::env::var("OXCCL_DEATH_RANK").ok()?;
+    let hex = std::env::var("OXCCL_DEATH_ID").unwrap();
+    let mut id = [0u8; api::UNIQUE_ID_BYTES];
+    for (i, b) in id.iter_mut().enumerate() {
+        *b = u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).unwrap();
+    }
+    let case = std::env::var("OXCCL_DEATH_CASE").unwrap();
+    Some((case, r.parse().unwrap(), id))
+}
+
+/// Runs this binary's test `test` again as ranks 0 and 1 of a new communicator, for `case`.
+fn spawn_ranks(test: &str, case: &str, env: &[(&str, &str)]) -> Vec<std::process::Child> {
+    let id = api::get_unique_id().unwrap();
+    let hex: String = id.iter().map(|b| format!("{b:02x}")).collect();
+    let exe = std::env::current_exe().unwrap();
+    (0..2)
+        .map(|r| {
+            std::process::Command::new(&exe)
+                .args(["--exact", test, "--nocapture"])
+                .env("OXCCL_DEVICE", "host")
+                .env("OXCCL_TIMEOUT_S", "60")
+                .env("OXCCL_DEATH_ID", &hex)
+                .env("OXCCL_DEATH_RANK", r.to_string())
+                .env("OXCCL_DEATH_CASE", case)
+                .envs(env.iter().copied())
+                .stdout(std::process::Stdio::null())
+                .spawn()
+                .unwrap()
+        })
+        .collect()
+}
+
 #[test]
 fn a_peer_killed_is_an_error_within_seconds() {
-    if let Ok(r) = std::env::var("OXCCL_DEATH_RANK") {
-        let hex = std::env::var("OXCCL_DEATH_ID").unwrap();
-        let mut id = [0u8; api::UNIQUE_ID_BYTES];
-        for (i, b) in id.iter_mut().enumerate() {
-            *b = u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).unwrap();
-        }
-        let case = std::env::var("OXCCL_DEATH_CASE").unwrap();
-        return rank(&case, r.parse().unwrap(), &id);
+    if let Some((case, r, id)) = child() {
+        return rank(&case, r, &id);
     }
     for (case, env) in CASES {
         let before = shm_files();
-        let id = api::get_unique_id().unwrap();
-        let hex: String = id.iter().map(|b| format!("{b:02x}")).collect();
-        let exe = std::env::current_exe().unwrap();
-        let kids: Vec<_> = (0..2)
-            .map(|r| {
-                std::process::Command::new(&exe)
-                    .args(["--exact", TEST, "--nocapture"])
-                    .env("OXCCL_DEVICE", "host")
-                    .env("OXCCL_TIMEOUT_S", "60")
-                    .env("OXCCL_DEATH_ID", &hex)
-                    .env("OXCCL_DEATH_RANK", r.to_string())
-                    .env("OXCCL_DEATH_CASE", case)
-                    .envs(env.iter().copied())
-                    .stdout(std::process::Stdio::null())
-                    .spawn()
-                    .unwrap()
-            })
-            .collect();
-        let mut kids = kids.into_iter();
+        let mut kids = spawn_ranks(TEST, case, env).into_iter();
         let (mut k0, mut k1) = (kids.next().unwrap(), kids.next().unwrap());
         // Rank 0 first: rank 1 stays a zombie while rank 0 waits for it (dead all the same).
         let s0 = k0.wait().unwrap();
@@ -227,36 +237,15 @@ fn ending_rank(case: &str, r: i32, id: &[u8; api::UNIQUE_ID_BYTES]) {
 
 #[test]
 fn a_peer_that_ends_its_communicator_is_an_error_within_seconds() {
-    if let Ok(r) = std::env::var("OXCCL_END_RANK") {
-        let hex = std::env::var("OXCCL_END_ID").unwrap();
-        let mut id = [0u8; api::UNIQUE_ID_BYTES];
-        for (i, b) in id.iter_mut().enumerate() {
-            *b = u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).unwrap();
-        }
-        let case = std::env::var("OXCCL_END_CASE").unwrap();
-        return ending_rank(&case, r.parse().unwrap(), &id);
+    if let Some((case, r, id)) = child() {
+        return ending_rank(&case, r, &id);
     }
     for (case, env) in END_CASES {
         let done = std::env::temp_dir().join(format!("oxccl-end-{}-{case}", std::process::id()));
-        let id = api::get_unique_id().unwrap();
-        let hex: String = id.iter().map(|b| format!("{b:02x}")).collect();
-        let exe = std::env::current_exe().unwrap();
-        let kids: Vec<_> = (0..2)
-            .map(|r| {
-                std::process::Command::new(&exe)
-                    .args(["--exact", END_TEST, "--nocapture"])
-                    .env("OXCCL_DEVICE", "host")
-                    .env("OXCCL_TIMEOUT_S", "60")
-                    .env("OXCCL_END_ID", &hex)
-                    .env("OXCCL_END_RANK", r.to_string())
-                    .env("OXCCL_END_CASE", case)
-                    .env("OXCCL_END_DONE", &done)
-                    .envs(env.iter().copied())
-                    .stdout(std::process::Stdio::null())
-                    .spawn()
-                    .unwrap()
-            })
-            .collect();
+        let done_s = done.display().to_string();
+        let mut env = env.to_vec();
+        env.push(("OXCCL_END_DONE", &done_s));
+        let kids = spawn_ranks(END_TEST, case, &env);
         for (r, mut k) in kids.into_iter().enumerate() {
             let st = k.wait().unwrap();
             assert!(st.success(), "{case}: rank {r} failed: {st:?}");
