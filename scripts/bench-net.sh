@@ -99,40 +99,32 @@ PMIX_MCA_ptl_tcp_remote_connections=1 PMIX_MCA_ptl_tcp_if_include="${T}br" \
   -np 1 ip netns exec "${T}0" "$BIN/mpi_allreduce" -b 1K -e "$MAX" -f 4 -n 20 -w 5 : \
   -np 1 ip netns exec "${T}1" "$BIN/mpi_allreduce" -b 1K -e "$MAX" -f 4 -n 20 -w 5 \
   >"$OUT/mpi.txt" 2>&1 || log "MPI failed: see $OUT/mpi.txt"
-# ---- (d) 1 KiB latency: 2000 all-reduces each, oxccl and MPI in turn, twice (the sweeps above
-# run 20 per size, and their first size also pays the start-up) ------------------------------
+# ---- (d), (e): oxccl and MPI in turn, ROUNDS times at one size (the sweeps above run 20 per
+# size, their first size also pays the start-up, and each row is one sample of a noisy
+# machine; the targets take each side's best round). Outputs oxccl.TAG<k>.rank<r>.txt and
+# mpi.TAG<k>.txt.
+in_turn() {  # tag, rounds, size, iterations, warm-up, first port
+  local tag=$1 rounds=$2 size=$3 n=$4 w=$5 port=$6 k r
+  for k in $(seq "$rounds"); do
+    for r in 1 0; do
+      on "$r" env LD_LIBRARY_PATH="$LIB" OXCCL_DEVICE=host RANK=$r WORLD_SIZE=2 \
+        MASTER_ADDR=10.79.0.1 MASTER_PORT=$((port + k)) NCCL_SOCKET_IFNAME=eth0 \
+        "$TOOL" -b "$size" -e "$size" -n "$n" -w "$w" -d float -o sum \
+        >"$OUT/oxccl.$tag$k.rank$r.txt" 2>&1 &
+    done
+    wait
+    PMIX_MCA_ptl_tcp_remote_connections=1 PMIX_MCA_ptl_tcp_if_include="${T}br" \
+      mpirun --allow-run-as-root --oversubscribe --mca btl tcp,self \
+      --mca btl_tcp_if_include 10.79.0.0/24 --mca oob_tcp_if_include "${T}br" \
+      -np 1 ip netns exec "${T}0" "$BIN/mpi_allreduce" -b "$size" -e "$size" -n "$n" -w "$w" : \
+      -np 1 ip netns exec "${T}1" "$BIN/mpi_allreduce" -b "$size" -e "$size" -n "$n" -w "$w" \
+      >"$OUT/mpi.$tag$k.txt" 2>&1 || log "MPI failed: see $OUT/mpi.$tag$k.txt"
+  done
+}
 log "1 KiB latency, 2000 iterations, oxccl and MPI in turn, twice"
-for k in 1 2; do
-  for r in 1 0; do
-    on "$r" env LD_LIBRARY_PATH="$LIB" OXCCL_DEVICE=host RANK=$r WORLD_SIZE=2 \
-      MASTER_ADDR=10.79.0.1 MASTER_PORT=$((29557 + k)) NCCL_SOCKET_IFNAME=eth0 \
-      "$TOOL" -b 1K -e 1K -n 2000 -w 100 -d float -o sum >"$OUT/oxccl.lat$k.rank$r.txt" 2>&1 &
-  done
-  wait
-  PMIX_MCA_ptl_tcp_remote_connections=1 PMIX_MCA_ptl_tcp_if_include="${T}br" \
-    mpirun --allow-run-as-root --oversubscribe --mca btl tcp,self \
-    --mca btl_tcp_if_include 10.79.0.0/24 --mca oob_tcp_if_include "${T}br" \
-    -np 1 ip netns exec "${T}0" "$BIN/mpi_allreduce" -b 1K -e 1K -n 2000 -w 100 : \
-    -np 1 ip netns exec "${T}1" "$BIN/mpi_allreduce" -b 1K -e 1K -n 2000 -w 100 \
-    >"$OUT/mpi.lat$k.txt" 2>&1 || log "MPI failed: see $OUT/mpi.lat$k.txt"
-done
-# ---- (e) 16 MiB: 30 all-reduces each, oxccl and MPI in turn, three times (one sweep's row is
-# one sample of a noisy machine; the targets take each side's best round) -------------------
+in_turn lat 2 1K 2000 100 29557
 log "16 MiB, 30 iterations, oxccl and MPI in turn, three times"
-for k in 1 2 3; do
-  for r in 1 0; do
-    on "$r" env LD_LIBRARY_PATH="$LIB" OXCCL_DEVICE=host RANK=$r WORLD_SIZE=2 \
-      MASTER_ADDR=10.79.0.1 MASTER_PORT=$((29567 + k)) NCCL_SOCKET_IFNAME=eth0 \
-      "$TOOL" -b 16M -e 16M -n 30 -w 5 -d float -o sum >"$OUT/oxccl.bw$k.rank$r.txt" 2>&1 &
-  done
-  wait
-  PMIX_MCA_ptl_tcp_remote_connections=1 PMIX_MCA_ptl_tcp_if_include="${T}br" \
-    mpirun --allow-run-as-root --oversubscribe --mca btl tcp,self \
-    --mca btl_tcp_if_include 10.79.0.0/24 --mca oob_tcp_if_include "${T}br" \
-    -np 1 ip netns exec "${T}0" "$BIN/mpi_allreduce" -b 16M -e 16M -n 30 -w 5 : \
-    -np 1 ip netns exec "${T}1" "$BIN/mpi_allreduce" -b 16M -e 16M -n 30 -w 5 \
-    >"$OUT/mpi.bw$k.txt" 2>&1 || log "MPI failed: see $OUT/mpi.bw$k.txt"
-done
+in_turn bw 3 16M 30 5 29567
 # ---- (c) iperf3 --------------------------------------------------------------------------
 log "iperf3"
 ip netns exec "${T}1" iperf3 -s -D -1 >/dev/null
