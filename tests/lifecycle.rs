@@ -198,3 +198,38 @@ fn abort_during_nonblocking_init() {
         t0.elapsed()
     );
 }
+
+/// A non-blocking init that fails says why: `ncclCommGetAsyncError` gives the code and
+/// `ncclGetLastError` the message, naming the rank (nobody else gets the init's error). Rank 0
+/// gives up its init; rank 1 joins afterwards and can no longer connect.
+#[test]
+fn a_failed_nonblocking_init_says_why() {
+    if !common::is_child() {
+        common::in_child(
+            "a_failed_nonblocking_init_says_why",
+            &[("OXCCL_BOOTSTRAP_CONNECT_S", "1")],
+        );
+        return;
+    }
+    let id = api::get_unique_id().unwrap();
+    let c0 = api::comm_init_rank(2, &id, 0, nonblocking()).unwrap();
+    std::thread::sleep(Duration::from_millis(50));
+    let _ = api::comm_abort(api::comm_handle(&c0));
+    let c1 = api::comm_init_rank(2, &id, 1, nonblocking()).unwrap();
+    let t0 = Instant::now();
+    while api::comm_async_error(&c1) == Code::InProgress {
+        assert!(
+            t0.elapsed() < Duration::from_secs(20),
+            "the init never ended"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let code = api::comm_async_error(&c1);
+    assert_ne!(code, Code::Success, "the init succeeded without rank 0");
+    let msg = nccl::error::last_error();
+    assert!(
+        msg.contains("non-blocking ncclCommInitRank (rank 1 of 2)") && msg.contains("rank 0"),
+        "{code:?}: {msg:?}"
+    );
+    api::comm_destroy(api::comm_handle(&c1)).unwrap();
+}

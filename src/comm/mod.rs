@@ -142,10 +142,22 @@ impl Comm {
             return self.run_init();
         }
         let me = self.clone();
+        let (rank, nranks) = self
+            .pending
+            .lock()
+            .as_ref()
+            .map_or((0, 0), |p| (p.rank, p.nranks));
         let t = std::thread::Builder::new()
             .name("oxccl-init".into())
             .spawn(move || {
-                let _ = me.run_init();
+                // Nobody returns this error to the caller: it is for ncclCommGetAsyncError,
+                // and its message for ncclGetLastError (NCCL's WARN line too).
+                if let Err(e) = me.run_init() {
+                    crate::error::set_last_error(&format!(
+                        "non-blocking ncclCommInitRank (rank {rank} of {nranks}): {}",
+                        e.msg
+                    ));
+                }
             })
             .map_err(|e| Error::os("starting the init thread", e))?;
         *self.init_thread.lock() = Some(t);
