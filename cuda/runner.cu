@@ -10,8 +10,8 @@
 // from replay to replay.
 //
 // Connection region layout (`src/transport/mod.rs`): tail (u64) at 0, head (u64) at 64, attach
-// count (u32) at 128, per slot (call word 0, call word 1, bytes) as u64 at 1024 + 24 * slot;
-// slot data at `slots + slot * slot_bytes`.
+// count (u32) at 128, which ends have closed (u32, the host's only) at 192, per slot (call word
+// 0, call word 1, bytes) as u64 at 1024 + 24 * slot; slot data at `slots + slot * slot_bytes`.
 
 #include "reduce.cuh"
 

@@ -253,3 +253,50 @@ fn a_peer_that_ends_its_communicator_is_an_error_within_seconds() {
         let _ = std::fs::remove_file(&done);
     }
 }
+
+/// A peer that did its part and then ended is no failure: rank 1 sends 512 KiB (it fits the
+/// connection's FIFO, so its send completes unread), destroys its communicator and lives on;
+/// rank 0 receives only afterwards, and gets every value.
+const PART_TEST: &str = "a_peer_that_ends_after_its_part_is_no_failure";
+
+fn part_rank(r: i32, id: &[u8; api::UNIQUE_ID_BYTES]) {
+    let c = api::comm_init_rank(2, id, r, Default::default()).unwrap();
+    let count = 128 << 10;
+    let init = |i: usize| if r == 1 { i as f32 } else { 0.0 };
+    let buf: &'static mut [f32] = Box::leak((0..count).map(init).collect());
+    let addr = buf.as_mut_ptr() as usize;
+    let p2p = |kind, root, n| CollArgs {
+        kind,
+        root,
+        ..all_reduce(addr, addr, n)
+    };
+    if r == 1 {
+        // The first send sets the connection up (rank 0 receives it at once).
+        api::enqueue(&c, p2p(CollKind::Send, 0, 1), StreamArg::Null).unwrap();
+        api::enqueue(&c, p2p(CollKind::Send, 0, count), StreamArg::Null).unwrap();
+        api::comm_destroy(api::comm_handle(&c)).unwrap();
+        std::thread::sleep(Duration::from_millis(1500));
+        return;
+    }
+    api::enqueue(&c, p2p(CollKind::Recv, 1, 1), StreamArg::Null).unwrap();
+    // By now rank 1 has sent everything and ended its communicator.
+    std::thread::sleep(Duration::from_millis(500));
+    api::enqueue(&c, p2p(CollKind::Recv, 1, count), StreamArg::Null)
+        .unwrap_or_else(|e| panic!("a receive of what rank 1 sent before it ended: {e}"));
+    assert!(
+        buf.iter().enumerate().all(|(i, &v)| v == i as f32),
+        "the data rank 1 sent before it ended"
+    );
+    api::comm_destroy(api::comm_handle(&c)).unwrap();
+}
+
+#[test]
+fn a_peer_that_ends_after_its_part_is_no_failure() {
+    if let Some((_, r, id)) = child() {
+        return part_rank(r, &id);
+    }
+    for (r, mut k) in spawn_ranks(PART_TEST, "part", &[]).into_iter().enumerate() {
+        let st = k.wait().unwrap();
+        assert!(st.success(), "rank {r} failed: {st:?}");
+    }
+}

@@ -142,22 +142,11 @@ impl Comm {
             return self.run_init();
         }
         let me = self.clone();
-        let (rank, nranks) = self
-            .pending
-            .lock()
-            .as_ref()
-            .map_or((0, 0), |p| (p.rank, p.nranks));
         let t = std::thread::Builder::new()
             .name("oxccl-init".into())
             .spawn(move || {
-                // Nobody returns this error to the caller: it is for ncclCommGetAsyncError,
-                // and its message for ncclGetLastError (NCCL's WARN line too).
-                if let Err(e) = me.run_init() {
-                    crate::error::set_last_error(&format!(
-                        "non-blocking ncclCommInitRank (rank {rank} of {nranks}): {}",
-                        e.msg
-                    ));
-                }
+                // Its error goes to ncclCommGetAsyncError and ncclGetLastError (`run_init`).
+                let _ = me.run_init();
             })
             .map_err(|e| Error::os("starting the init thread", e))?;
         *self.init_thread.lock() = Some(t);
@@ -208,6 +197,7 @@ impl Comm {
         let Some(p) = self.pending.lock().take() else {
             return Ok(());
         };
+        let aborted = p.abort.clone();
         match build_core(p) {
             Ok(core) => {
                 let core = Arc::new(core);
@@ -225,6 +215,16 @@ impl Comm {
                 Ok(())
             }
             Err(e) => {
+                // A non-blocking init's error reaches nobody as a return value: its message goes
+                // to ncclGetLastError (and NCCL's WARN line) before ncclCommGetAsyncError can
+                // report the code, so that a caller who polls the one finds the other. Not after
+                // ncclCommAbort, which the caller asked for.
+                if self.nonblocking && !aborted.load(std::sync::atomic::Ordering::SeqCst) {
+                    crate::error::set_last_error(&format!(
+                        "non-blocking communicator init: {}",
+                        e.msg
+                    ));
+                }
                 *self.init_error.lock() = Some(e.clone());
                 Err(e)
             }

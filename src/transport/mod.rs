@@ -36,6 +36,7 @@ const ATTACH_OFF: usize = 128;
 /// when an end's `Conn` goes (its communicator destroyed or aborted), so that the other end
 /// stops waiting for it (`peer_closed`).
 const CLOSED_OFF: usize = 192;
+const _: () = assert!(ATTACH_OFF + 4 <= CLOSED_OFF && CLOSED_OFF + 4 <= CALL_OFF);
 /// Per slot, the words of the call that filled it (`plan::call`) and the bytes it holds: the
 /// receiver checks the call against its own before using the slot; a proxy that moves slots
 /// over the network moves these too, and only the bytes the slot holds.
