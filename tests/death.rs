@@ -181,19 +181,36 @@ fn a_peer_killed_is_an_error_within_seconds() {
 /// A peer that ends its communicator (`ncclCommAbort`, or `ncclCommDestroy` without making the
 /// call rank 0 waits in) and lives on is an error on the rank waiting for it, within seconds,
 /// naming it: over the board (a direct operation, an eager one), over a ring's shared-memory
-/// connections, and at a send whose connection rank 1 never set up. Rank 1's process stays
+/// connections, at a send whose connection rank 1 never set up, and at a receive on a
+/// connection that exists. Rank 1's process stays
 /// alive meanwhile, so that only the end of its communicator can tell.
 const END_TEST: &str = "a_peer_that_ends_its_communicator_is_an_error_within_seconds";
-const END_CASES: [(&str, &[(&str, &str)]); 5] = [
+const END_CASES: [(&str, &[(&str, &str)]); 6] = [
     ("abort-direct", &[]),
     ("abort-eager", &[]),
     ("abort-ring", &[("OXCCL_ALGO", "ring")]),
     ("destroy-direct", &[]),
     ("abort-send", &[]),
+    ("abort-recv", &[]),
 ];
 
 fn ending_rank(case: &str, r: i32, id: &[u8; api::UNIQUE_ID_BYTES]) {
     let c = api::comm_init_rank(2, id, r, Default::default()).unwrap();
+    if case == "abort-recv" {
+        // One message first: the connection rank 1 -> rank 0 exists when rank 1 aborts.
+        let one = Box::leak(vec![1f32; 1].into_boxed_slice()).as_ptr() as usize;
+        let kind = if r == 1 {
+            CollKind::Send
+        } else {
+            CollKind::Recv
+        };
+        let a = CollArgs {
+            kind,
+            root: 1 - r,
+            ..all_reduce(one, one, 1)
+        };
+        api::enqueue(&c, a, StreamArg::Null).unwrap();
+    }
     if r == 1 {
         std::thread::sleep(Duration::from_millis(300));
         let h = api::comm_handle(&c);
@@ -214,14 +231,17 @@ fn ending_rank(case: &str, r: i32, id: &[u8; api::UNIQUE_ID_BYTES]) {
     let send = Box::leak(vec![1f32; count].into_boxed_slice()).as_ptr() as usize;
     let recv = Box::leak(vec![0f32; count].into_boxed_slice()).as_ptr() as usize;
     let t0 = Instant::now();
-    let a = if case == "abort-send" {
-        CollArgs {
-            kind: CollKind::Send,
+    let a = match case {
+        "abort-send" | "abort-recv" => CollArgs {
+            kind: if case == "abort-send" {
+                CollKind::Send
+            } else {
+                CollKind::Recv
+            },
             root: 1,
             ..all_reduce(send, recv, count)
-        }
-    } else {
-        all_reduce(send, recv, count)
+        },
+        _ => all_reduce(send, recv, count),
     };
     // Rank 1 makes no such call: this one waits for it.
     let e = api::enqueue(&c, a, StreamArg::Null).expect_err("a call succeeded without rank 1");
