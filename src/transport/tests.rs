@@ -42,6 +42,23 @@ fn ranks<R: Send>(
     })
 }
 
+/// Rank `r`'s facts, on a host of its own (so its peers reach it over the network).
+fn own_host(r: usize) -> PeerInfo {
+    let mut p = PeerInfo::mine(-1);
+    p.host ^= r as u64 + 1;
+    p
+}
+
+/// This rank's point-to-point ends with `peer`, both set up in one exchange: (send, receive).
+fn p2p_both_ways(c: &Conns, peer: usize) -> (Arc<super::Conn>, Arc<super::Conn>) {
+    let keys = vec![key(peer, true, Class::P2p), key(peer, false, Class::P2p)];
+    connect_all(&[(c, keys)]).unwrap();
+    (
+        c.bound(key(peer, true, Class::P2p)).unwrap(),
+        c.bound(key(peer, false, Class::P2p)).unwrap(),
+    )
+}
+
 fn key(peer: usize, is_sender: bool, class: Class) -> ConnKey {
     ConnKey {
         peer,
@@ -233,38 +250,27 @@ fn reverse_network_connections_share_sockets_and_carry_data() {
         }
         got
     };
-    let got = ranks(
-        2,
-        |r| {
-            let mut p = PeerInfo::mine(-1);
-            p.host ^= r as u64 + 1;
-            p
-        },
-        |c| {
-            let (me, peer) = (c.rank, 1 - c.rank);
-            // Both ways in one exchange.
-            let both = vec![key(peer, true, Class::P2p), key(peer, false, Class::P2p)];
-            connect_all(&[(&c, both)]).unwrap();
-            let send = c.bound(key(peer, true, Class::P2p)).unwrap();
-            let recv = c.bound(key(peer, false, Class::P2p)).unwrap();
-            assert_eq!(c.locality(peer), Locality::OtherHost);
-            let a = slots(&send, &recv, me as u64);
-            let shared = |send: &super::Conn, recv: &super::Conn| {
-                let s = send.sockets();
-                assert_eq!(s.len(), 1, "rank {me}: {s:?}");
-                assert_eq!(s, recv.sockets(), "rank {me}");
-            };
-            shared(&send, &recv);
-            // One way, then the other in a later exchange.
-            connect_all(&[(&c, vec![key(peer, me == 0, Class::Direct)])]).unwrap();
-            connect_all(&[(&c, vec![key(peer, me == 1, Class::Direct)])]).unwrap();
-            let send = c.bound(key(peer, true, Class::Direct)).unwrap();
-            let recv = c.bound(key(peer, false, Class::Direct)).unwrap();
-            let b = slots(&send, &recv, me as u64);
-            shared(&send, &recv);
-            (me, a, b)
-        },
-    );
+    let got = ranks(2, own_host, |c| {
+        let (me, peer) = (c.rank, 1 - c.rank);
+        // Both ways in one exchange.
+        let (send, recv) = p2p_both_ways(&c, peer);
+        assert_eq!(c.locality(peer), Locality::OtherHost);
+        let a = slots(&send, &recv, me as u64);
+        let shared = |send: &super::Conn, recv: &super::Conn| {
+            let s = send.sockets();
+            assert_eq!(s.len(), 1, "rank {me}: {s:?}");
+            assert_eq!(s, recv.sockets(), "rank {me}");
+        };
+        shared(&send, &recv);
+        // One way, then the other in a later exchange.
+        connect_all(&[(&c, vec![key(peer, me == 0, Class::Direct)])]).unwrap();
+        connect_all(&[(&c, vec![key(peer, me == 1, Class::Direct)])]).unwrap();
+        let send = c.bound(key(peer, true, Class::Direct)).unwrap();
+        let recv = c.bound(key(peer, false, Class::Direct)).unwrap();
+        let b = slots(&send, &recv, me as u64);
+        shared(&send, &recv);
+        (me, a, b)
+    });
     for (me, a, b) in got {
         let want: Vec<u64> = (0..3).map(|s| 100 * (1 - me as u64) + s).collect();
         assert_eq!(a, want, "rank {me}, both ways at once");
@@ -283,71 +289,60 @@ fn reverse_network_connections_share_sockets_and_carry_data() {
 #[test]
 fn a_teardown_delivers_every_slot_despite_unread_bytes() {
     const END: u64 = u64::MAX;
-    let got = ranks(
-        2,
-        |r| {
-            let mut p = PeerInfo::mine(-1);
-            p.host ^= r as u64 + 7;
-            p
-        },
-        |c| {
-            let (me, peer) = (c.rank, 1 - c.rank);
-            let keys = vec![key(peer, true, Class::P2p), key(peer, false, Class::P2p)];
-            connect_all(&[(&c, keys)]).unwrap();
-            let send = c.bound(key(peer, true, Class::P2p)).unwrap();
-            let recv = c.bound(key(peer, false, Class::P2p)).unwrap();
-            let bytes = c.slot_bytes;
-            let mut seen = Vec::new();
-            if me == 1 {
-                // Small slots rank 0 will never read, more than its FIFO holds.
-                let t0 = Instant::now();
-                let mut s = 0;
-                while s < 4 * c.nsteps && t0.elapsed() < Duration::from_secs(5) {
-                    if let Some((step, _)) = send.send_slot() {
-                        send.post_send(step, [0; 2], 8);
-                        s += 1;
-                    }
-                    send.drive();
+    let got = ranks(2, own_host, |c| {
+        let (me, peer) = (c.rank, 1 - c.rank);
+        let (send, recv) = p2p_both_ways(&c, peer);
+        let bytes = c.slot_bytes;
+        let mut seen = Vec::new();
+        if me == 1 {
+            // Small slots rank 0 will never read, more than its FIFO holds.
+            let t0 = Instant::now();
+            let mut s = 0;
+            while s < 4 * c.nsteps && t0.elapsed() < Duration::from_secs(5) {
+                if let Some((step, _)) = send.send_slot() {
+                    send.post_send(step, [0; 2], 8);
+                    s += 1;
                 }
-                std::thread::sleep(Duration::from_millis(300));
-                let deadline = Instant::now() + T;
-                while seen.last() != Some(&END) && Instant::now() < deadline {
-                    if let Some((step, slot)) = recv.recv_slot() {
-                        // SAFETY: a filled slot, ours until posted.
-                        seen.push(unsafe { (slot as *const u64).read() });
-                        recv.post_recv(step);
-                    } else {
-                        assert!(
-                            !recv.peer_closed(),
-                            "rank 0 closed after {} slots",
-                            seen.len()
-                        );
-                        recv.drive();
-                    }
-                }
-            } else {
-                // Full slots for 100 ms (what the sockets take), then the end marker.
-                let t0 = Instant::now();
-                let mut n = 0u64;
-                loop {
-                    let last = t0.elapsed() > Duration::from_millis(100);
-                    if let Some((step, slot)) = send.send_slot() {
-                        // SAFETY: a free slot of `bytes`, ours until posted.
-                        unsafe { (slot as *mut u64).write(if last { END } else { n }) };
-                        send.post_send(step, [0; 2], bytes);
-                        n += 1;
-                        if last {
-                            break;
-                        }
-                    }
-                    send.drive();
+                send.drive();
+            }
+            std::thread::sleep(Duration::from_millis(300));
+            let deadline = Instant::now() + T;
+            while seen.last() != Some(&END) && Instant::now() < deadline {
+                if let Some((step, slot)) = recv.recv_slot() {
+                    // SAFETY: a filled slot, ours until posted.
+                    seen.push(unsafe { (slot as *const u64).read() });
+                    recv.post_recv(step);
+                } else {
+                    assert!(
+                        !recv.peer_closed(),
+                        "rank 0 closed after {} slots",
+                        seen.len()
+                    );
+                    recv.drive();
                 }
             }
-            drop((send, recv));
-            c.teardown();
-            seen
-        },
-    );
+        } else {
+            // Full slots for 100 ms (what the sockets take), then the end marker.
+            let t0 = Instant::now();
+            let mut n = 0u64;
+            loop {
+                let last = t0.elapsed() > Duration::from_millis(100);
+                if let Some((step, slot)) = send.send_slot() {
+                    // SAFETY: a free slot of `bytes`, ours until posted.
+                    unsafe { (slot as *mut u64).write(if last { END } else { n }) };
+                    send.post_send(step, [0; 2], bytes);
+                    n += 1;
+                    if last {
+                        break;
+                    }
+                }
+                send.drive();
+            }
+        }
+        drop((send, recv));
+        c.teardown();
+        seen
+    });
     let seen = &got[1];
     assert_eq!(seen.last(), Some(&END), "rank 1 got {} slots", seen.len());
     let n = seen.len() as u64 - 1;
