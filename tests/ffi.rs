@@ -111,16 +111,7 @@ fn build(src: &str) -> PathBuf {
         .arg(format!("-L{}", libdir.display()))
         .arg(format!("-Wl,-rpath,{}", libdir.display()))
         .args(["-lnccl", "-lm", "-pthread", "-ldl"]);
-    let out = cmd
-        .output()
-        .unwrap_or_else(|e| panic!("cannot run {compiler}: {e}"));
-    assert!(
-        out.status.success(),
-        "compiling {src} failed ({:?}):\n{}{}",
-        cmd,
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
+    common::compile(&mut cmd, src);
     map.insert(src.to_string(), exe.clone());
     exe
 }

@@ -112,6 +112,21 @@ pub fn free_port() -> u16 {
         .port()
 }
 
+/// Runs a compiler command; a failure panics with the command and what the compiler said.
+#[allow(dead_code)]
+pub fn compile(cmd: &mut std::process::Command, what: &str) {
+    let out = cmd
+        .output()
+        .unwrap_or_else(|e| panic!("cannot run {:?}: {e}", cmd.get_program()));
+    assert!(
+        out.status.success(),
+        "compiling {what} failed ({:?}):\n{}{}",
+        cmd,
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
 /// The mock CUDA driver: a directory holding `libcuda.so.1` built from
 /// ffi-tests/mock-cuda/mock_cuda.c (put it on LD_LIBRARY_PATH), next to this test binary's
 /// `target/<profile>/`.
@@ -147,16 +162,7 @@ pub fn mock_cuda_dir() -> &'static std::path::Path {
         .arg("-o")
         .arg(&tmp)
         .args(["-ldl", "-lm"]);
-        let out = cmd
-            .output()
-            .unwrap_or_else(|e| panic!("cannot run {cc}: {e}"));
-        assert!(
-            out.status.success(),
-            "compiling the mock libcuda failed ({:?}):\n{}{}",
-            cmd,
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        );
+        compile(&mut cmd, "the mock libcuda");
         std::fs::rename(&tmp, dir.join("libcuda.so.1")).expect("rename the mock libcuda");
         dir
     })
