@@ -23,9 +23,10 @@ static int nranks;
 static int failed;
 static int hosts;
 
-static int count_tasks(void) {
-  DIR* d = opendir("/proc/self/task");
-  SYSCHECK(d != NULL, "opendir /proc/self/task");
+/* Entries of a /proc directory (one per thread, or per open descriptor). */
+static int count_entries(const char* dir) {
+  DIR* d = opendir(dir);
+  SYSCHECK(d != NULL, dir);
   int n = 0;
   struct dirent* e;
   while ((e = readdir(d)) != NULL)
@@ -34,16 +35,10 @@ static int count_tasks(void) {
   return n;
 }
 
-static int count_fds(void) {
-  DIR* d = opendir("/proc/self/fd");
-  SYSCHECK(d != NULL, "opendir /proc/self/fd");
-  int n = 0;
-  struct dirent* e;
-  while ((e = readdir(d)) != NULL)
-    if (e->d_name[0] != '.') n++;
-  closedir(d);
-  return n - 1; /* the directory's own descriptor */
-}
+static int count_tasks(void) { return count_entries("/proc/self/task"); }
+
+/* Less the directory's own descriptor. */
+static int count_fds(void) { return count_entries("/proc/self/fd") - 1; }
 
 /* Names of /dev/shm entries starting with "oxccl". */
 static int list_shm(char names[][256], int max) {
@@ -111,28 +106,25 @@ static int own_shm_refs(const char* when) {
   return refs;
 }
 
-/* The thread count goes back to `want` (allowing 3 s for exiting threads to be reaped). */
-static int threads_back_to(int want, const char* when) {
+/* `count()` goes back to `want` (allowing 3 s for exiting threads to be reaped and sockets to
+ * close); `what` names it in the failure. */
+static int back_to(int (*count)(void), const char* what, int want, const char* when) {
   int n = 0;
   for (int i = 0; i < 30; i++) {
-    n = count_tasks();
+    n = count();
     if (n <= want) return 0;
     usleep(100000);
   }
-  fprintf(stderr, "FAIL %s: %d threads, %d before init\n", when, n, want);
+  fprintf(stderr, "FAIL %s: %d %s, %d before init\n", when, n, what, want);
   return 1;
 }
 
-/* The open descriptors go back to `want` (allowing 3 s). */
+static int threads_back_to(int want, const char* when) {
+  return back_to(count_tasks, "threads", want, when);
+}
+
 static int fds_back_to(int want, const char* when) {
-  int n = 0;
-  for (int i = 0; i < 30; i++) {
-    n = count_fds();
-    if (n <= want) return 0;
-    usleep(100000);
-  }
-  fprintf(stderr, "FAIL %s: %d open descriptors, %d before init\n", when, n, want);
-  return 1;
+  return back_to(count_fds, "open descriptors", want, when);
 }
 
 static void collectives(ncclComm_t comm, int rank) {
