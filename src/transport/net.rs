@@ -44,9 +44,13 @@ const MAX_SOCKS: usize = 64;
 /// Sockets per connection: `NCCL_NSOCKS_PERTHREAD` x `NCCL_SOCKET_NTHREADS` (at most 64, as
 /// NCCL caps them). Which thread moves which socket is each end's own affair (`helpers`).
 fn sockets() -> usize {
-    let per = crate::param::get_u64("NCCL_NSOCKS_PERTHREAD").max(1);
-    let threads = crate::param::get_u64("NCCL_SOCKET_NTHREADS").clamp(1, 16);
-    (per.saturating_mul(threads) as usize).min(MAX_SOCKS)
+    let per = crate::param::get_u64("NCCL_NSOCKS_PERTHREAD").max(1) as usize;
+    per.saturating_mul(socket_threads()).min(MAX_SOCKS)
+}
+
+/// Threads per end of a connection (`NCCL_SOCKET_NTHREADS`, at most 16): see `helpers`.
+fn socket_threads() -> usize {
+    crate::param::get_u64("NCCL_SOCKET_NTHREADS").clamp(1, 16) as usize
 }
 /// A header whose byte count is this is a heartbeat, not a slot: an idle sending end sends one
 /// every `BEAT_EVERY`, so that the receiving end can tell a quiet peer from a lost one.
@@ -475,8 +479,7 @@ impl NetEnd {
                             pair::publish(p, &socks)
                                 .map_err(|e| self.failed(&format!("sharing its sockets: {e}")))?;
                         }
-                        w.helpers = self.start_helpers(&socks)?;
-                        w.state = State::Connected(socks);
+                        self.connected(w, socks)?;
                     }
                     return Ok(true);
                 }
@@ -489,12 +492,7 @@ impl NetEnd {
                         .failed("the reverse connection whose sockets it shares never connected")),
                     None => Ok(false),
                     Some(Err(e)) => Err(self.failed(&format!("sharing sockets: {e}"))),
-                    Some(Ok(socks)) => {
-                        w.p = wire::Progress::new(socks.len());
-                        w.helpers = self.start_helpers(&socks)?;
-                        w.state = State::Connected(socks);
-                        Ok(true)
-                    }
+                    Some(Ok(socks)) => self.connected(w, socks).map(|()| true),
                 };
             }
         };
@@ -505,6 +503,15 @@ impl NetEnd {
         }
     }
 
+    /// The end's sockets are all there (accepted, or borrowed from the reverse end): it moves
+    /// slots from now on, with its helper threads if it has any.
+    fn connected(&self, w: &mut Wire, socks: Vec<TcpStream>) -> Result<()> {
+        w.p = wire::Progress::new(socks.len());
+        w.helpers = self.start_helpers(&socks)?;
+        w.state = State::Connected(socks);
+        Ok(())
+    }
+
     /// The helper threads for the sockets of a connected end, if it has any.
     fn start_helpers(&self, socks: &[TcpStream]) -> Result<Option<helpers::Helpers>> {
         let who = format!(
@@ -513,10 +520,9 @@ impl NetEnd {
             if self.is_sender { "to" } else { "from" },
             self.peer
         );
-        let threads = crate::param::get_u64("NCCL_SOCKET_NTHREADS").clamp(1, 16) as usize;
         helpers::Helpers::start(
             socks,
-            threads,
+            socket_threads(),
             self.view.slot_bytes,
             self.is_sender,
             &who,
