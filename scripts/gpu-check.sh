@@ -146,29 +146,25 @@ perf oxccl-g2 "$OXLIB" "$B/all_reduce_perf" "${sweep[@]}" -g 2
 # longer than the limit (a single 1 GiB size took over 50 s there, the collective 4 ms).
 perf oxccl-g4 "$OXLIB" "$B/all_reduce_perf" -b 8 -e 256M -f 8 -n 10 -w 3 -g 4
 perf oxccl-g2-hoststaged "$OXLIB" env NCCL_P2P_DISABLE=1 "$B/all_reduce_perf" -b 8 -e 64M -f 8 -n 10 -w 3 -g 2
-# Two processes on the one GPU (pinned host-memory connections; the GPU time-slices them).
-procs2() {
-  local port=$((29900 + RANDOM % 90)) rc=0
-  RANK=1 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=$port "$@" >/dev/null 2>&1 &
+# Two processes on the one GPU (pinned host-memory connections; the GPU time-slices them);
+# "hosts": as two "hosts" (OXCCL_HOSTID), so that the network transport's proxies move the
+# GPU's pinned FIFOs over TCP (issue 14 on the CUDA executor), NET/Socket in rank 0's log.
+two_procs() {  # same|hosts, command...
+  local where=$1 port=$((29800 + RANDOM % 190)) rc=0 h0="" h1=""
+  shift
+  [ "$where" = hosts ] && h0="OXCCL_HOSTID=gpuhost0 NCCL_DEBUG=INFO" h1="OXCCL_HOSTID=gpuhost1"
+  # shellcheck disable=SC2086 # h0 and h1 are VAR=value words
+  env $h1 RANK=1 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=$port "$@" >/dev/null 2>&1 &
   local p=$!
-  RANK=0 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=$port "$@" || rc=1
+  # shellcheck disable=SC2086
+  env $h0 RANK=0 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=$port "$@" || rc=1
   wait $p || rc=1
   return $rc
 }
-perf oxccl-2procs "$OXLIB" procs2 "$B/all_reduce_perf" -b 8 -e 16M -f 8 -n 5 -w 2 -g 1
-# The same two processes as two "hosts" (OXCCL_HOSTID): the network transport's proxies move
-# the GPU's pinned FIFOs over TCP (issue 14 on the CUDA executor); NET/Socket in the log.
-hosts2() {
-  local port=$((29800 + RANDOM % 90)) rc=0
-  OXCCL_HOSTID=gpuhost1 RANK=1 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=$port "$@" >/dev/null 2>&1 &
-  local p=$!
-  NCCL_DEBUG=INFO OXCCL_HOSTID=gpuhost0 RANK=0 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=$port "$@" || rc=1
-  wait $p || rc=1
-  return $rc
-}
-perf oxccl-2hosts "$OXLIB" hosts2 "$B/all_reduce_perf" -b 8 -e 64M -f 8 -n 5 -w 2 -g 1
+perf oxccl-2procs "$OXLIB" two_procs same "$B/all_reduce_perf" -b 8 -e 16M -f 8 -n 5 -w 2 -g 1
+perf oxccl-2hosts "$OXLIB" two_procs hosts "$B/all_reduce_perf" -b 8 -e 64M -f 8 -n 5 -w 2 -g 1
 grep -m2 "via NET" "$OUT/perf-oxccl-2hosts.txt" | tee -a "$log"
-perf sendrecv-2hosts "$OXLIB" hosts2 "$B/sendrecv_perf" -b 8 -e 64M -f 8 -n 5 -w 2 -g 1
+perf sendrecv-2hosts "$OXLIB" two_procs hosts "$B/sendrecv_perf" -b 8 -e 64M -f 8 -n 5 -w 2 -g 1
 for t in all_gather broadcast reduce_scatter alltoall sendrecv; do
   perf "$t-g2" "$OXLIB" "$B/${t}_perf" -b 8 -e 64M -f 8 -n 10 -w 3 -g 2
 done
