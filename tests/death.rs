@@ -124,38 +124,17 @@ fn shm_files() -> Vec<String> {
     v
 }
 
-/// In a rank process that `spawn_ranks` started: (case, rank, unique id).
+/// In a rank process of `spawn_ranks`: (case, rank, unique id).
 fn child() -> Option<(String, i32, [u8; api::UNIQUE_ID_BYTES])> {
-    let r = std::env::var("OXCCL_DEATH_RANK").ok()?;
-    let hex = std::env::var("OXCCL_DEATH_ID").unwrap();
-    let mut id = [0u8; api::UNIQUE_ID_BYTES];
-    for (i, b) in id.iter_mut().enumerate() {
-        *b = u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).unwrap();
-    }
-    let case = std::env::var("OXCCL_DEATH_CASE").unwrap();
-    Some((case, r.parse().unwrap(), id))
+    let (id, _, r) = common::rank_env()?;
+    Some((std::env::var("OXCCL_DEATH_CASE").unwrap(), r as i32, id))
 }
 
 /// Runs this binary's test `test` again as ranks 0 and 1 of a new communicator, for `case`.
 fn spawn_ranks(test: &str, case: &str, env: &[(&str, &str)]) -> Vec<std::process::Child> {
-    let id = api::get_unique_id().unwrap();
-    let hex: String = id.iter().map(|b| format!("{b:02x}")).collect();
-    let exe = std::env::current_exe().unwrap();
-    (0..2)
-        .map(|r| {
-            std::process::Command::new(&exe)
-                .args(["--exact", test, "--nocapture"])
-                .env("OXCCL_DEVICE", "host")
-                .env("OXCCL_TIMEOUT_S", "60")
-                .env("OXCCL_DEATH_ID", &hex)
-                .env("OXCCL_DEATH_RANK", r.to_string())
-                .env("OXCCL_DEATH_CASE", case)
-                .envs(env.iter().copied())
-                .stdout(std::process::Stdio::null())
-                .spawn()
-                .unwrap()
-        })
-        .collect()
+    let mut all = vec![("OXCCL_DEATH_CASE", case)];
+    all.extend_from_slice(env);
+    common::spawn_ranks(test, 2, &all)
 }
 
 #[test]

@@ -22,10 +22,21 @@ pub fn rank_env() -> Option<([u8; UNIQUE_ID_BYTES], usize, usize)> {
 /// executor, with `envs` added, and asserts that every rank succeeds.
 #[allow(dead_code)]
 pub fn run_ranks(test: &str, n: usize, envs: &[(&str, &str)]) {
+    for (r, mut k) in spawn_ranks(test, n, envs).into_iter().enumerate() {
+        assert!(
+            k.wait().unwrap().success(),
+            "{test}: rank {r} of {n} failed"
+        );
+    }
+}
+
+/// `run_ranks` without the wait: the rank processes, in rank order (their stdout discarded).
+#[allow(dead_code)]
+pub fn spawn_ranks(test: &str, n: usize, envs: &[(&str, &str)]) -> Vec<std::process::Child> {
     let id = api::get_unique_id().unwrap();
     let hex: String = id.iter().map(|b| format!("{b:02x}")).collect();
     let exe = std::env::current_exe().unwrap();
-    let kids: Vec<_> = (0..n)
+    (0..n)
         .map(|r| {
             std::process::Command::new(&exe)
                 .args(["--exact", test, "--nocapture"])
@@ -39,13 +50,7 @@ pub fn run_ranks(test: &str, n: usize, envs: &[(&str, &str)]) {
                 .spawn()
                 .unwrap()
         })
-        .collect();
-    for (r, mut k) in kids.into_iter().enumerate() {
-        assert!(
-            k.wait().unwrap().success(),
-            "{test}: rank {r} of {n} failed"
-        );
-    }
+        .collect()
 }
 
 /// Whether this process is a child that `in_child` started.
