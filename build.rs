@@ -1,9 +1,9 @@
-//! Build script: the SONAME of the shared object, the `libnccl.so.2` link next to it, and the
+//! Build script: the SONAME of the shared object, the `libnccl.so.2` link next to it, the
 //! `pnccl*` twins of every `nccl*` C entry point (NCCL exports each public function under both
-//! names).
+//! names), and the CUDA kernels compiled by nvcc when one is found.
 
 use std::fmt::Write as _;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 /// The theme files whose `nccl*` functions get a `pnccl*` twin (the oxccl extensions have none).
 const TWINNED: &[&str] = &[
@@ -151,8 +151,125 @@ fn plugin_logger() {
     println!("cargo:rustc-link-lib=static=oxccl_logger");
 }
 
+/// The kernels' sources (`cuda/`) and the architectures nvcc compiles them for: a cubin for each
+/// (sm_80 also serves sm_86/87/89), and PTX for the first, which the driver compiles for any
+/// newer device (sm_120, ...).
+const KERNEL_SOURCES: [&str; 2] = ["cuda/runner.cu", "cuda/reduce.cuh"];
+const KERNEL_ARCHS: [u32; 3] = [80, 90, 100];
+
+/// nvcc, where one is: `OXCCL_NVCC` (a path; `none`: do not use nvcc), else
+/// `$CUDA_HOME/bin/nvcc`, the `PATH`, `/usr/local/cuda/bin/nvcc`, and the PyPI package
+/// `nvidia-cuda-nvcc` that `scripts/setup.sh` installs under `target/cuda-nvcc`.
+fn find_nvcc() -> Option<PathBuf> {
+    println!("cargo:rerun-if-env-changed=OXCCL_NVCC");
+    println!("cargo:rerun-if-env-changed=CUDA_HOME");
+    if let Some(v) = std::env::var_os("OXCCL_NVCC") {
+        return (v != "none" && !v.is_empty()).then(|| PathBuf::from(v));
+    }
+    let mut dirs: Vec<PathBuf> = Vec::new();
+    if let Some(h) = std::env::var_os("CUDA_HOME") {
+        dirs.push(Path::new(&h).join("bin"));
+    }
+    if let Some(p) = std::env::var_os("PATH") {
+        dirs.extend(std::env::split_paths(&p));
+    }
+    dirs.push("/usr/local/cuda/bin".into());
+    let root = std::env::var("CARGO_MANIFEST_DIR").expect("CARGO_MANIFEST_DIR");
+    dirs.push(Path::new(&root).join("target/cuda-nvcc/nvidia/cu13/bin"));
+    dirs.into_iter()
+        .map(|d| d.join("nvcc"))
+        .find(|f| f.is_file())
+}
+
+/// `OUT_DIR/kernels.fatbin`: the kernels compiled by nvcc (see `KERNEL_ARCHS`) into one fatbin,
+/// which the library embeds and loads; empty when there is no nvcc or it failed (a warning
+/// says why), and the library then compiles the sources at run time with NVRTC. A compile is
+/// kept under `<target>/oxccl-kernels`, named for a hash of the sources and of nvcc's version,
+/// so the debug and release builds share it.
+fn cuda_kernels() {
+    let out = PathBuf::from(std::env::var("OUT_DIR").expect("OUT_DIR")).join("kernels.fatbin");
+    for f in KERNEL_SOURCES {
+        println!("cargo:rerun-if-changed={f}");
+    }
+    let fatbin = find_nvcc().and_then(|nvcc| match compile_kernels(&nvcc, &out) {
+        Ok(f) => Some(f),
+        Err(e) => {
+            println!(
+                "cargo:warning=nvcc ({}) did not compile the CUDA kernels, so the library will \
+                 compile them at run time with NVRTC: {e}",
+                nvcc.display()
+            );
+            None
+        }
+    });
+    let bytes = fatbin
+        .and_then(|f| std::fs::read(f).ok())
+        .unwrap_or_default();
+    std::fs::write(&out, bytes).expect("write kernels.fatbin");
+}
+
+/// Compiles the kernels with `nvcc` (or finds the compile kept from an earlier build): the
+/// fatbin's path.
+fn compile_kernels(nvcc: &Path, out: &Path) -> Result<PathBuf, String> {
+    use std::hash::{Hash, Hasher};
+    use std::process::Command;
+    let run = |args: &[&str]| -> Result<String, String> {
+        let o = Command::new(nvcc)
+            .args(args)
+            .output()
+            .map_err(|e| e.to_string())?;
+        if !o.status.success() {
+            let err = String::from_utf8_lossy(&o.stderr);
+            let head: Vec<&str> = err.lines().take(20).collect();
+            return Err(format!("nvcc {}: {}", args.join(" "), head.join("\n")));
+        }
+        Ok(String::from_utf8_lossy(&o.stdout).into_owned())
+    };
+    let codes = run(&["--list-gpu-code"])?;
+    let archs: Vec<u32> = KERNEL_ARCHS
+        .into_iter()
+        .filter(|a| codes.split_whitespace().any(|c| c == format!("sm_{a}")))
+        .collect();
+    let Some(&ptx) = archs.first() else {
+        return Err(format!("it compiles for none of sm_{KERNEL_ARCHS:?}"));
+    };
+    let mut args: Vec<String> = ["-fatbin", "--std=c++17", "-fmad=false"]
+        .map(String::from)
+        .to_vec();
+    for a in &archs {
+        args.push(format!("-gencode=arch=compute_{a},code=sm_{a}"));
+    }
+    args.push(format!("-gencode=arch=compute_{ptx},code=compute_{ptx}"));
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    run(&["--version"])?.hash(&mut h);
+    args.hash(&mut h);
+    for f in KERNEL_SOURCES {
+        std::fs::read(f)
+            .map_err(|e| format!("{f}: {e}"))?
+            .hash(&mut h);
+    }
+    // OUT_DIR is <target>/<profile>/build/<package>-<hash>/out.
+    let dir = out.ancestors().nth(5).map_or_else(
+        || out.parent().expect("OUT_DIR").to_path_buf(),
+        |t| t.join("oxccl-kernels"),
+    );
+    let file = dir.join(format!("kernels-{:016x}.fatbin", h.finish()));
+    if file.is_file() {
+        return Ok(file);
+    }
+    std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    let tmp = file.with_extension(format!("tmp{}", std::process::id()));
+    let mut all: Vec<&str> = args.iter().map(String::as_str).collect();
+    let tmp_s = tmp.display().to_string();
+    all.extend(["-o", &tmp_s, KERNEL_SOURCES[0]]);
+    run(&all)?;
+    std::fs::rename(&tmp, &file).map_err(|e| format!("{}: {e}", file.display()))?;
+    Ok(file)
+}
+
 fn main() {
     plugin_logger();
+    cuda_kernels();
     // The shared object is what C programs load: give it NCCL's SONAME.
     println!("cargo:rustc-cdylib-link-arg=-Wl,-soname,libnccl.so.2");
     soname_link();

@@ -75,7 +75,8 @@ NVRTC=$(findlib 'libnvrtc.so.1[0-9]')
 say "NVIDIA NCCL: ${NV_NCCL:-none}; cudart: ${CUDART:-none}; nvrtc: ${NVRTC:-none}"
 python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, "nccl", torch.cuda.nccl.version())' >>"$log" 2>&1
 [ -n "$NVRTC" ] && export OXCCL_NVRTC="$NVRTC"
-# Kernels compiled where the pack was made (a cache miss compiles them here with NVRTC).
+# The library embeds nvcc's fatbin; NVRTC's images, compiled where the pack was made, serve the
+# fallback (OXCCL_KERNELS=nvrtc below; a cache miss compiles them here with NVRTC).
 export OXCCL_CACHE_DIR="${TMPDIR:-/tmp}/oxccl-kcache"
 mkdir -p "$OXCCL_CACHE_DIR" && cp "$pack"/kcache/* "$OXCCL_CACHE_DIR"/ 2>/dev/null
 ls "$OXCCL_CACHE_DIR" >>"$log"
@@ -86,6 +87,15 @@ export LD_LIBRARY_PATH="$OXLIB${RTDIR:+:$RTDIR}${LD_LIBRARY_PATH:+:$LD_LIBRARY_P
 export NCCL_DEBUG=WARN
 check "CUDA: 1 rank, every collective" 60 env NCCL_DEBUG=INFO "$B/coll_matrix" 1 cuda big=none
 check "CUDA: 2 ranks (threads), six collectives and a send/recv ring" 60 "$B/cuda_ranks" 2 threads
+kernels_from() {  # what (a regex), env...: the kernels' INFO line says where they came from
+  local what=$1; shift
+  env NCCL_DEBUG=INFO "$@" "$B/cuda_ranks" 2 threads >"$OUT/kernels.log" 2>&1 || return 1
+  grep "CUDA kernels" "$OUT/kernels.log" | head -3
+  grep -Eq "CUDA kernels for sm_[0-9]+ on device [0-9]+: $what" "$OUT/kernels.log"
+}
+check "CUDA: the kernels are the library's fatbin (nvcc)" 60 kernels_from "the library's own"
+check "CUDA: the kernels from NVRTC (OXCCL_KERNELS=nvrtc)" 60 kernels_from "(cached|NVRTC)" \
+  OXCCL_KERNELS=nvrtc
 check "CUDA: 2 ranks, every collective x datatype x op" 120 "$B/coll_matrix" 2 cuda big=none
 check "CUDA: 4 ranks, every collective x datatype x op" 150 "$B/coll_matrix" 4 cuda
 check "CUDA: 3 ranks, ncclMemAlloc buffers" 90 "$B/coll_matrix" 3 cuda memalloc big=none

@@ -26,3 +26,9 @@ nv="$root/target/cuda-wheels"
 if [ ! -e "$nv/nvidia/cuda_nvrtc/lib/libnvrtc.so.12" ]; then
   python3 -m pip install -q --disable-pip-version-check --target "$nv" "nvidia-cuda-nvrtc-cu12==12.9.*" >/dev/null
 fi
+# nvcc from PyPI (CUDA 13), which build.rs finds there and compiles the kernels with into the
+# fatbin the library embeds (a folder of its own: pip --target leaves an existing nvidia/ be).
+nvcc="$root/target/cuda-nvcc"
+if [ ! -x "$nvcc/nvidia/cu13/bin/nvcc" ]; then
+  python3 -m pip install -q --disable-pip-version-check --target "$nvcc" "nvidia-cuda-nvcc==13.5.*" >/dev/null
+fi

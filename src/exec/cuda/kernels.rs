@@ -1,5 +1,8 @@
-//! The kernels of `cuda/`, loaded once per device context: compiled at run time by NVRTC for the
-//! device's architecture (the sources are embedded in the library), cached per architecture.
+//! The kernels of `cuda/`, loaded once per device context: the fatbin nvcc made when the library
+//! was built (`build.rs`: cubins for sm_80, sm_90 and sm_100, and PTX the driver compiles for
+//! newer devices), or, where there is none or the driver refuses it, the embedded sources
+//! compiled at run time by NVRTC for the device's architecture, cached per architecture.
+//! `OXCCL_KERNELS=nvrtc` skips the fatbin.
 
 use super::nvrtc;
 use crate::error::Result;
@@ -18,6 +21,54 @@ typedef short int16_t; typedef unsigned short uint16_t;\n\
 typedef int int32_t; typedef unsigned int uint32_t;\n\
 typedef long long int64_t; typedef unsigned long long uint64_t;\n\
 typedef unsigned long uintptr_t; typedef unsigned long size_t;\n";
+
+/// The library's fatbin (empty when it was built without nvcc).
+static FATBIN: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/kernels.fatbin"));
+
+/// What a fatbin holds: (PTX?, architecture) of each image, in order; None when `b` is not one.
+/// The layout: a 16-byte header (magic 0xBA55ED50, version, header size, payload size), then
+/// images, each a header (kind 1 PTX / 2 ELF at 0, its size at 4, the payload's at 8, the
+/// architecture at 28) and its payload.
+pub fn fatbin_images(b: &[u8]) -> Option<Vec<(bool, u32)>> {
+    let u16_at = |o: usize| Some(u16::from_le_bytes(b.get(o..o + 2)?.try_into().ok()?));
+    let u32_at = |o: usize| Some(u32::from_le_bytes(b.get(o..o + 4)?.try_into().ok()?));
+    let u64_at = |o: usize| Some(u64::from_le_bytes(b.get(o..o + 8)?.try_into().ok()?));
+    if u32_at(0)? != 0xBA55_ED50 {
+        return None;
+    }
+    let start = usize::from(u16_at(6)?);
+    let end = start.checked_add(usize::try_from(u64_at(8)?).ok()?)?;
+    if end > b.len() {
+        return None;
+    }
+    let mut out = Vec::new();
+    let mut at = start;
+    while at < end {
+        let kind = u16_at(at)?;
+        let hs = u32_at(at + 4)? as usize;
+        let size = usize::try_from(u64_at(at + 8)?).ok()?;
+        out.push((kind == 1, u32_at(at + 28)?));
+        at = at.checked_add(hs)?.checked_add(size)?;
+    }
+    (at == end).then_some(out)
+}
+
+/// The library's fatbin in words ("sm_80 sm_90 sm_100, PTX compute_80").
+fn fatbin_what() -> String {
+    let images = fatbin_images(FATBIN).unwrap_or_default();
+    let names = |ptx: bool, pre: &str| -> Vec<String> {
+        images
+            .iter()
+            .filter(|i| i.0 == ptx)
+            .map(|i| format!("{pre}_{}", i.1))
+            .collect()
+    };
+    format!(
+        "the library's own: {}, PTX {}",
+        names(false, "sm").join(" "),
+        names(true, "compute").join(" ")
+    )
+}
 
 /// The functions of one loaded module (handles valid in their context for the process's life).
 #[derive(Clone, Copy)]
@@ -106,6 +157,25 @@ fn image(arch: i32, fresh: bool) -> Result<Arc<nvrtc::Image>> {
     Ok(img)
 }
 
+/// The kernels compiled by NVRTC for `sm_{arch}` (or taken from the disk cache), loaded by
+/// `load`, and where they came from.
+fn nvrtc_module(
+    arch: i32,
+    load: &dyn Fn(&nvrtc::Image) -> Result<driver::CUmodule>,
+) -> Result<(driver::CUmodule, String)> {
+    let img = image(arch, false)?;
+    match load(&img) {
+        Ok(m) => Ok((m, img.what.clone())),
+        // A cached image the driver refuses (damaged, or from an older toolkit): compile afresh.
+        Err(e) if img.what.starts_with("cached") => {
+            crate::debug::warn(&format!("{}: compiling the kernels again", e.msg));
+            let img = image(arch, true)?;
+            Ok((load(&img)?, img.what.clone()))
+        }
+        Err(e) => Err(e),
+    }
+}
+
 /// The kernels in context `ctx` (current on this thread) of device `dev`.
 pub fn get(ctx: usize, dev: i32) -> Result<Kernels> {
     if let Some(k) = LOADED.lock().get(&ctx) {
@@ -118,23 +188,31 @@ pub fn get(ctx: usize, dev: i32) -> Result<Kernels> {
     let arch = major * 10 + minor;
     let load = |img: &nvrtc::Image| -> Result<driver::CUmodule> {
         let mut module: driver::CUmodule = std::ptr::null_mut();
-        // SAFETY: a cubin or NUL-terminated PTX image made by NVRTC.
+        // SAFETY: a fatbin made by nvcc, or a cubin or NUL-terminated PTX image made by NVRTC.
         check(
             unsafe { (api.module_load_data)(&mut module, img.bytes.as_ptr() as *const _) },
             || format!("loading the kernels ({}) on device {dev}", img.what),
         )?;
         Ok(module)
     };
-    let img = image(arch, false)?;
-    let module = match load(&img) {
-        Ok(m) => m,
-        // A cached image the driver refuses (damaged, or from an older toolkit): compile afresh.
-        Err(e) if img.what.starts_with("cached") => {
-            crate::debug::warn(&format!("{}: compiling the kernels again", e.msg));
-            load(&*image(arch, true)?)?
+    let fatbin = (!FATBIN.is_empty()
+        && std::env::var("OXCCL_KERNELS").map_or(true, |v| v != "nvrtc"))
+    .then(|| nvrtc::Image {
+        bytes: FATBIN.to_vec(),
+        what: fatbin_what(),
+    });
+    let (module, what) = match fatbin.as_ref().map(|f| (load(f), f)) {
+        Some((Ok(m), f)) => (m, f.what.clone()),
+        other => {
+            if let Some((Err(e), _)) = other {
+                crate::debug::info(&format!("{}: compiling them with NVRTC instead", e.msg));
+            }
+            nvrtc_module(arch, &load)?
         }
-        Err(e) => return Err(e),
     };
+    crate::debug::info(&format!(
+        "CUDA kernels for sm_{arch} on device {dev}: {what}"
+    ));
     let func = |name: &std::ffi::CStr| -> Result<usize> {
         let mut f: driver::CUfunction = std::ptr::null_mut();
         // SAFETY: the module loaded above; a NUL-terminated name.
@@ -155,6 +233,39 @@ pub fn get(ctx: usize, dev: i32) -> Result<Kernels> {
 
 #[cfg(test)]
 mod tests {
+    /// The library embeds nvcc's cubins for sm_80, sm_90 and sm_100 and PTX for compute_80
+    /// (`build.rs`; nvcc from PyPI, installed by `scripts/setup.sh`). In CI a build without
+    /// them fails here.
+    #[test]
+    fn the_library_embeds_kernels_for_every_architecture() {
+        if super::FATBIN.is_empty() {
+            assert!(
+                std::env::var_os("CI").is_none(),
+                "the library was built without nvcc's kernels (see build.rs's warning)"
+            );
+            eprintln!("skipped: built without nvcc (scripts/setup.sh installs it)");
+            return;
+        }
+        let images = super::fatbin_images(super::FATBIN).expect("a fatbin");
+        for arch in [80, 90, 100] {
+            assert!(images.contains(&(false, arch)), "no sm_{arch}: {images:?}");
+        }
+        assert!(images.contains(&(true, 80)), "no PTX: {images:?}");
+        assert_eq!(
+            super::fatbin_what(),
+            "the library's own: sm_80 sm_90 sm_100, PTX compute_80"
+        );
+        // What is not a whole fatbin is refused, not misread.
+        for cut in [0, 8, 16, 100, super::FATBIN.len() - 1] {
+            assert_eq!(
+                super::fatbin_images(&super::FATBIN[..cut]),
+                None,
+                "cut at {cut}"
+            );
+        }
+        assert_eq!(super::fatbin_images(b"not a fatbin at all"), None);
+    }
+
     /// The embedded kernel sources compile with NVRTC for every architecture the library
     /// supports (NVRTC from PyPI, installed by `scripts/setup.sh`; no GPU needed).
     #[test]
