@@ -233,7 +233,7 @@ fn compile_kernels(nvcc: &Path, out: &Path) -> Result<PathBuf, String> {
     let Some(&ptx) = archs.first() else {
         return Err(format!("it compiles for none of sm_{KERNEL_ARCHS:?}"));
     };
-    let mut args: Vec<String> = ["-fatbin", "--std=c++17", "-fmad=false"]
+    let mut args: Vec<String> = ["-fatbin", "--std=c++17", "-fmad=false", "-DOX_LARGE"]
         .map(String::from)
         .to_vec();
     for a in &archs {
@@ -264,6 +264,13 @@ fn compile_kernels(nvcc: &Path, out: &Path) -> Result<PathBuf, String> {
     all.extend(["-o", &tmp_s, KERNEL_SOURCES[0]]);
     run(&all)?;
     std::fs::rename(&tmp, &file).map_err(|e| format!("{}: {e}", file.display()))?;
+    // Compiles of older sources are not needed again.
+    for old in std::fs::read_dir(&dir).into_iter().flatten().flatten() {
+        let name = old.file_name().to_string_lossy().into_owned();
+        if name.starts_with("kernels-") && name.ends_with(".fatbin") && old.path() != file {
+            let _ = std::fs::remove_file(old.path());
+        }
+    }
     Ok(file)
 }
 

@@ -4,7 +4,9 @@
 //
 // A launch's work arrives by value as the kernel parameter (a flat descriptor, laid out by
 // `src/exec/cuda/desc.rs`): nothing outside the launch refers to host memory the caller may
-// reuse, and a CUDA graph that captured the launch replays it unchanged. The connections'
+// reuse, and a CUDA graph that captured the launch replays it unchanged. Each kernel has a twin
+// (`_large`) whose parameter takes OX_PARAM_BYTES_LARGE, for launches whose descriptor is larger
+// than OX_PARAM_BYTES (CUDA 12.1 and later, sm_70 and later; compiled in where OX_LARGE is set). The connections'
 // counters and slots live in the connection regions (pinned host memory mapped into the device,
 // or device memory), whose state (monotonic counters) carries over from launch to launch and
 // from replay to replay.
@@ -84,8 +86,12 @@ static_assert(sizeof(OxStepD) == 56, "OxStepD layout");
 static_assert(sizeof(OxProgD) == 80, "OxProgD layout");
 static_assert(sizeof(OxHeadD) == 16, "OxHeadD layout");
 static_assert(sizeof(OxLaneD) == 16, "OxLaneD layout");
+#define OX_PARAM_BYTES_LARGE 32760
 struct OxParams {
   uint64_t words[OX_PARAM_BYTES / 8];
+};
+struct OxParamsLarge {
+  uint64_t words[OX_PARAM_BYTES_LARGE / 8];
 };
 
 enum { OX_ERR_NONE = 0, OX_ERR_CALL = 1, OX_ERR_ABORT = 2 };
@@ -356,9 +362,9 @@ struct OxView {
   const OxLaneD* lanes;
 };
 
-__device__ __forceinline__ OxView ox_view(const OxParams& P) {
+__device__ __forceinline__ OxView ox_view(const uint64_t* words) {
   OxView v;
-  const uint8_t* b = (const uint8_t*)P.words;
+  const uint8_t* b = (const uint8_t*)words;
   v.h = (const OxHeadD*)b;
   v.conns = (const OxConnD*)(b + sizeof(OxHeadD));
   v.progs = (const OxProgD*)((const uint8_t*)v.conns + sizeof(OxConnD) * v.h->nconns);
@@ -508,9 +514,8 @@ __device__ OxRed ox_red(const OxProgD& p) {
 // The program runner: `nb` blocks per lane (the header's `reserved` low 16 bits; 1 unless
 // every connection is in device memory), block `blockIdx.x % nb` taking its share of each
 // slice.
-extern "C" __global__ void __launch_bounds__(OX_THREADS)
-    oxccl_run(const __grid_constant__ OxParams P) {
-  OxView v = ox_view(P);
+__device__ __forceinline__ void ox_run(const uint64_t* words) {
+  OxView v = ox_view(words);
   uint32_t nb = (uint32_t)(v.h->reserved & 0xffff);
   if (nb == 0) nb = 1;
   const uint32_t li = blockIdx.x / nb, part = blockIdx.x % nb;
@@ -560,9 +565,8 @@ extern "C" __global__ void __launch_bounds__(OX_THREADS)
 // Work that touches no connection, one program of one step per lane (e.g. the copy of a
 // one-rank collective): every block takes its share of each lane's elements (gridDim.y =
 // lanes).
-extern "C" __global__ void __launch_bounds__(OX_THREADS)
-    oxccl_local(const __grid_constant__ OxParams P) {
-  OxView v = ox_view(P);
+__device__ __forceinline__ void ox_local(const uint64_t* words) {
+  OxView v = ox_view(words);
   if (blockIdx.y >= v.h->nlanes) return;
   const OxLaneD lane = v.lanes[blockIdx.y];
   const int tid = blockIdx.x * blockDim.x + threadIdx.x;
@@ -577,3 +581,24 @@ extern "C" __global__ void __launch_bounds__(OX_THREADS)
     }
   }
 }
+
+// The kernels, taking their descriptor by value (its address is the parameter's own: the
+// parameter is not copied).
+extern "C" __global__ void __launch_bounds__(OX_THREADS)
+    oxccl_run(const __grid_constant__ OxParams P) {
+  ox_run(P.words);
+}
+extern "C" __global__ void __launch_bounds__(OX_THREADS)
+    oxccl_local(const __grid_constant__ OxParams P) {
+  ox_local(P.words);
+}
+#ifdef OX_LARGE
+extern "C" __global__ void __launch_bounds__(OX_THREADS)
+    oxccl_run_large(const __grid_constant__ OxParamsLarge P) {
+  ox_run(P.words);
+}
+extern "C" __global__ void __launch_bounds__(OX_THREADS)
+    oxccl_local_large(const __grid_constant__ OxParamsLarge P) {
+  ox_local(P.words);
+}
+#endif

@@ -1,7 +1,9 @@
 /* NRANKS ranks on GPU 0, one thread or one forked process per rank, each with its own
  * ncclCommInitRank, running collectives on device buffers: AllReduce (float sum, int32 max),
  * Broadcast (root 1 % n), AllGather (int32), ReduceScatter (float sum), AlltoAll (float) and a ring
- * of ncclSend/ncclRecv in a group, at counts 1, 1000 and 1 << 20 elements. Every buffer has guard
+ * of ncclSend/ncclRecv in a group, at counts 1, 1000 and 1 << 20 elements; then GROUPED float sum
+ * AllReduces of 1000 elements each in one group (as PyTorch coalesces them: on the CUDA executor
+ * one launch whose descriptor needs the kernels' large parameter). Every buffer has guard
  * bytes on both sides; inputs are small integers (float sums are exact), written into a host
  * shadow and copied to the device on the rank's stream; after the stream is synchronized the
  * buffers are copied back and every element, the guards and (out of place) the send buffer are
@@ -321,6 +323,35 @@ static void sendrecv_ring(Rank* R, size_t n) {
     }
 }
 
+#define GROUPED 48
+
+/* GROUPED all-reduces of n elements each, on consecutive parts of the buffers, in one group. */
+static void grouped_allreduce(Rank* R, size_t n) {
+  char what[96];
+  snprintf(what, sizeof what, "AllReduce float sum x%d in one group count=%zu%s", GROUPED, n,
+           inplace ? " in-place" : "");
+  announce(R, what);
+  size_t total = n * GROUPED, b = total * 4;
+  begin(R, inplace ? 0 : b, b);
+  float* in = inplace ? hrf(R) : hsf(R);
+  for (size_t i = 0; i < total; i++) in[i] = fval(R->rank, i);
+  upload(R, inplace ? 0 : b, b);
+  NCCLCHECK(ncclGroupStart());
+  for (int j = 0; j < GROUPED; j++) {
+    size_t off = (size_t)j * n * 4;
+    NCCLCHECK(ncclAllReduce(inplace ? drecv(R, off) : dsend(R, off), drecv(R, off), n, ncclFloat32,
+                            ncclSum, R->comm, R->st));
+  }
+  NCCLCHECK(ncclGroupEnd());
+  finish(R, inplace ? 0 : b, b, what);
+  int bad = 0;
+  for (size_t i = 0; i < total; i++) {
+    float want = 0;
+    for (int p = 0; p < nranks; p++) want += fval(p, i);
+    check_f(R, what, "receive", i, hrf(R)[i], want, &bad);
+  }
+}
+
 /* One rank, start to end. The caller made device 0's primary context current. */
 static void run_rank(Rank* R, ncclUniqueId id) {
   R->cap = 2 * PAD + (size_t)nranks * MAX_COUNT * 4;
@@ -347,6 +378,7 @@ static void run_rank(Rank* R, ncclUniqueId id) {
     alltoall(R, n);
     sendrecv_ring(R, n);
   }
+  grouped_allreduce(R, 1000);
 
   sync_ranks(); /* every rank's collectives are done before anyone frees device memory */
   NCCLCHECK(ncclCommDestroy(R->comm));

@@ -58,6 +58,8 @@ fn take() -> Vec<Ev> {
 const OK: CUresult = 0;
 const RUN: usize = 0x3001;
 const LOCAL: usize = 0x3002;
+const RUN_LARGE: usize = 0x3003;
+const LOCAL_LARGE: usize = 0x3004;
 
 thread_local! {
     static CURRENT: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
@@ -119,7 +121,14 @@ unsafe extern "C" fn get_function(
     n: *const c_char,
 ) -> CUresult {
     let n = unsafe { std::ffi::CStr::from_ptr(n) }.to_str().unwrap();
-    unsafe { *f = if n == "oxccl_run" { RUN } else { LOCAL } as *mut c_void };
+    let f_of = match n {
+        "oxccl_run" => RUN,
+        "oxccl_local" => LOCAL,
+        "oxccl_run_large" => RUN_LARGE,
+        "oxccl_local_large" => LOCAL_LARGE,
+        _ => return 500, // CUDA_ERROR_NOT_FOUND
+    };
+    unsafe { *f = f_of as *mut c_void };
     OK
 }
 unsafe extern "C" fn set_attr(_: *mut c_void, _: c_int, _: c_int) -> CUresult {
@@ -504,32 +513,49 @@ fn cuda_executor_logic_on_a_recording_driver() {
     );
     assert!(launches(&take()).is_empty());
 
-    // 6. A group whose launch would not fit a kernel parameter (60 sends and receives between
-    //    two ranks): an error before anything is launched, and the communicators still work.
-    nccl::api::group_start().unwrap();
-    for i in 0..60 {
-        let p2p = |kind, r: usize| CollArgs {
-            kind,
-            send: if kind == CollKind::Send {
-                bufs[r].0 + 64 * i
-            } else {
-                0
-            },
-            recv: if kind == CollKind::Recv {
-                bufs[r].1 + 64 * i
-            } else {
-                0
-            },
-            count: 16,
-            dtype: DataType::Float32,
-            op: 0,
-            root: 1 - r as i32,
+    // 6. Groups of many sends and receives between two ranks. 60 of each: a descriptor past
+    //    4000 bytes, so the kernel's large-parameter twin (the stand-in is a CUDA 12.8 driver).
+    //    250: past its 32760 bytes, an error before anything is launched, and the
+    //    communicators still work.
+    let p2p_group = |pairs: usize| {
+        nccl::api::group_start().unwrap();
+        for i in 0..pairs {
+            let p2p = |kind, r: usize| CollArgs {
+                kind,
+                send: if kind == CollKind::Send {
+                    bufs[r].0 + 64 * i
+                } else {
+                    0
+                },
+                recv: if kind == CollKind::Recv {
+                    bufs[r].1 + 64 * i
+                } else {
+                    0
+                },
+                count: 16,
+                dtype: DataType::Float32,
+                op: 0,
+                root: 1 - r as i32,
+            };
+            nccl::api::enqueue(&comms[0], p2p(CollKind::Send, 0), cuda(0x51)).unwrap();
+            nccl::api::enqueue(&comms[1], p2p(CollKind::Recv, 1), cuda(0x52)).unwrap();
+        }
+        nccl::api::group_end()
+    };
+    p2p_group(60).expect("60 sends and receives");
+    let ev = take();
+    let l = launches(&ev);
+    assert_eq!(l.len(), 2, "{ev:#?}");
+    for e in l {
+        let Ev::Launch { func, head, .. } = e else {
+            unreachable!()
         };
-        nccl::api::enqueue(&comms[0], p2p(CollKind::Send, 0), cuda(0x51)).unwrap();
-        nccl::api::enqueue(&comms[1], p2p(CollKind::Recv, 1), cuda(0x52)).unwrap();
+        assert_eq!(*func, RUN_LARGE, "{ev:#?}");
+        let progs = (head[1] >> 16) & 0xffff;
+        assert!(progs * 80 > 4000, "{progs} programs: {ev:#?}");
     }
-    let e = nccl::api::group_end().expect_err("too large a launch");
-    assert!(e.msg.contains("one CUDA launch takes"), "{}", e.msg);
+    let e = p2p_group(250).expect_err("too large a launch");
+    assert!(e.msg.contains("one CUDA launch takes 32760"), "{}", e.msg);
     let ev = take();
     assert!(launches(&ev).is_empty(), "{ev:#?}");
     for c in &comms {

@@ -56,7 +56,7 @@ impl Stream {
 /// The executor's state of one rank of a communicator.
 pub enum CommExec {
     Host(Arc<host::HostComm>),
-    Cuda(cuda::CudaComm),
+    Cuda(Box<cuda::CudaComm>),
 }
 
 /// What an executor needs to set a communicator's rank up (a collective call: every rank of the
@@ -81,7 +81,7 @@ impl CommExec {
                 host::HostComm::init(s.rank, s.nranks, s.hash, s.peers, s.boot, s.health, s.name)
                     .map(|h| CommExec::Host(Arc::new(h)))
             }
-            Kind::Cuda => cuda::CudaComm::init(s).map(CommExec::Cuda),
+            Kind::Cuda => cuda::CudaComm::init(s).map(|c| CommExec::Cuda(Box::new(c))),
         }
     }
 

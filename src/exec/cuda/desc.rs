@@ -12,8 +12,10 @@ use crate::plan::{Prim, Program};
 use crate::transport::Conn;
 use std::sync::Arc;
 
-/// The kernels' parameter size (`OX_PARAM_BYTES`).
+/// The kernels' parameter size (`OX_PARAM_BYTES`), and their `_large` twins' (CUDA 12.1 and
+/// later: `OX_PARAM_BYTES_LARGE`), which serve larger descriptors.
 pub const PARAM_BYTES: usize = 4000;
+pub const PARAM_BYTES_LARGE: usize = 32760;
 
 const HEAD: usize = 16;
 const CONN: usize = 32;
@@ -41,14 +43,25 @@ pub struct Desc {
     transforms: bool,
 }
 
-/// The error of a launch whose descriptor does not fit a kernel parameter.
-fn too_large(size: usize, lanes: usize, progs: usize, steps: usize) -> Result<()> {
-    if size <= PARAM_BYTES {
+/// The error of a launch whose descriptor does not fit a kernel parameter (`large`: the driver
+/// takes the large-parameter kernels).
+fn too_large(size: usize, large: bool, lanes: usize, progs: usize, steps: usize) -> Result<()> {
+    let limit = if large {
+        PARAM_BYTES_LARGE
+    } else {
+        PARAM_BYTES
+    };
+    if size <= limit {
         return Ok(());
     }
+    let older = if large {
+        ""
+    } else {
+        " with this driver (a driver of CUDA 12.1 or later takes 32760)"
+    };
     Err(Error::invalid_usage(format!(
         "this launch needs a {size}-byte descriptor ({lanes} lanes, {progs} programs, {steps} \
-         steps); one CUDA launch takes {PARAM_BYTES} (fewer calls per group, fewer ranks \
+         steps); one CUDA launch takes {limit}{older} (fewer calls per group, fewer ranks \
          sharing a stream, or fewer peers per all-to-all fit)"
     )))
 }
@@ -125,9 +138,13 @@ impl Desc {
         Ok(())
     }
 
-    /// Whether `lanes` fit one launch's descriptor: checked for every launch of a group before
-    /// any is launched, so that a group fails whole rather than half run.
-    pub fn check_fits<'p>(lanes: impl IntoIterator<Item = &'p [DevProgram]>) -> Result<()> {
+    /// Whether `lanes` fit one launch's descriptor (`large`: the driver takes the large
+    /// parameters): checked for every launch of a group before any is launched, so that a group
+    /// fails whole rather than half run.
+    pub fn check_fits<'p>(
+        lanes: impl IntoIterator<Item = &'p [DevProgram]>,
+        large: bool,
+    ) -> Result<()> {
         let mut conns: Vec<*const Conn> = Vec::new();
         let (mut np, mut ns, mut nl) = (0, 0, 0);
         for lane in lanes {
@@ -147,7 +164,20 @@ impl Desc {
             }
         }
         let size = HEAD + CONN * conns.len() + PROG * np + STEP * ns + LANE * nl;
-        too_large(size, nl, np, ns)
+        too_large(size, large, nl, np, ns)
+    }
+
+    /// The descriptor's size in bytes.
+    pub fn size(&self) -> usize {
+        HEAD + CONN * self.conns.len()
+            + PROG * self.progs.len()
+            + STEP * self.steps.len()
+            + LANE * self.lanes.len()
+    }
+
+    /// Whether the descriptor needs the large-parameter kernels.
+    pub fn large(&self) -> bool {
+        self.size() > PARAM_BYTES
     }
 
     /// Blocks per lane for the runner: several where every connection is in device memory
@@ -162,15 +192,22 @@ impl Desc {
         (self.max_bytes / (256 << 10)).clamp(1, 8) as u16
     }
 
-    /// The bytes of the kernel parameter, for `nb` blocks per lane.
-    pub fn params(&self, nb: u16) -> Result<Vec<u64>> {
-        let size = HEAD
-            + CONN * self.conns.len()
-            + PROG * self.progs.len()
-            + STEP * self.steps.len()
-            + LANE * self.lanes.len();
-        too_large(size, self.lanes.len(), self.progs.len(), self.steps.len())?;
-        let mut b = Vec::with_capacity(PARAM_BYTES);
+    /// The bytes of the kernel parameter, for `nb` blocks per lane: `PARAM_BYTES` of them, or
+    /// `PARAM_BYTES_LARGE` where the descriptor needs them (`large`: the driver takes them).
+    pub fn params(&self, nb: u16, large: bool) -> Result<Vec<u64>> {
+        too_large(
+            self.size(),
+            large,
+            self.lanes.len(),
+            self.progs.len(),
+            self.steps.len(),
+        )?;
+        let bytes = if self.large() {
+            PARAM_BYTES_LARGE
+        } else {
+            PARAM_BYTES
+        };
+        let mut b = Vec::with_capacity(bytes);
         let n16 = |v: usize| (v as u16).to_le_bytes();
         b.extend_from_slice(&u64::from(nb).to_le_bytes());
         for n in [
@@ -199,7 +236,7 @@ impl Desc {
             b.extend_from_slice(&0u32.to_le_bytes());
             b.extend_from_slice(&ctl.to_le_bytes());
         }
-        b.resize(PARAM_BYTES, 0);
+        b.resize(bytes, 0);
         Ok(b.chunks_exact(8)
             .map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes")))
             .collect())
@@ -335,7 +372,7 @@ mod tests {
         };
         let mut d = Desc::new();
         d.lane([&prog], 0xc7c7).expect("lane");
-        let b = d.params(3).expect("params");
+        let b = d.params(3, false).expect("params");
         assert_eq!(b[0], 3);
         assert_eq!(b.len() * 8, PARAM_BYTES);
         assert_eq!(
@@ -389,31 +426,74 @@ mod tests {
         inproc::forget("oxccl-desc-test");
     }
 
+    /// Past `PARAM_BYTES`, a descriptor takes the large parameter where the driver has it, and
+    /// is an error where it has not; past `PARAM_BYTES_LARGE`, an error.
     #[test]
-    fn too_large_a_launch_is_an_error() {
-        let prog: DevProgram = Program {
-            steps: (0..100)
-                .map(|_| Step {
-                    prim: Prim::LocalCopy,
-                    recv: None,
-                    send: None,
-                    src: Addr::User(8),
-                    dst: Addr::User(16),
-                    len: 1,
-                    prep: false,
-                })
-                .collect(),
-            esize: 2,
-            slice: 1,
-            niter: 1,
-            red: None,
-            call: [0, 0],
+    fn large_descriptors_take_the_large_parameter() {
+        let prog = |steps: usize| -> DevProgram {
+            Program {
+                steps: (0..steps)
+                    .map(|i| Step {
+                        prim: Prim::LocalCopy,
+                        recv: None,
+                        send: None,
+                        src: Addr::User(8 + i),
+                        dst: Addr::User(16),
+                        len: 1,
+                        prep: false,
+                    })
+                    .collect(),
+                esize: 2,
+                slice: 1,
+                niter: 1,
+                red: None,
+                call: [0, 0],
+            }
         };
+        // 16 + 80 + 100 x 56 + 16 bytes.
         let mut d = Desc::new();
-        d.lane([&prog], 0).expect("lane");
-        let e = d.params(1).expect_err("too large");
-        assert!(e.msg.contains("one CUDA launch takes"), "{}", e.msg);
+        d.lane([&prog(100)], 0).expect("lane");
+        assert_eq!(d.size(), 5712);
+        assert!(d.large());
+        let e = d
+            .params(1, false)
+            .expect_err("too large for an older driver");
+        assert!(
+            e.msg
+                .contains("one CUDA launch takes 4000 with this driver"),
+            "{}",
+            e.msg
+        );
+        let b = d.params(1, true).expect("the large parameter");
+        assert_eq!(b.len() * 8, PARAM_BYTES_LARGE);
+        assert_eq!(rd16(&b, 12), 100);
+        // The last step's source, then the lane after it, where the kernel looks.
+        let last = 16 + PROG + 99 * STEP;
+        assert_eq!(rd64(&b, last + 24), 8 + 99);
+        assert_eq!(rd16(&b, last + STEP + 2), 1);
+        assert!(b[d.size() / 8..].iter().all(|&w| w == 0));
         let c = d.plain_copies().expect("copies only");
         assert_eq!((c.len(), c[0]), (100, (16, 8, 2)));
+        // 69 steps fit 4000 bytes; 583 fit 32760, 584 do not.
+        for (steps, large) in [(69, false), (70, true), (583, true)] {
+            let mut d = Desc::new();
+            d.lane([&prog(steps)], 0).expect("lane");
+            assert_eq!(d.large(), large, "{steps} steps");
+            let b = d.params(1, true).expect("fits");
+            let want = if large {
+                PARAM_BYTES_LARGE
+            } else {
+                PARAM_BYTES
+            };
+            assert_eq!(b.len() * 8, want);
+        }
+        let mut d = Desc::new();
+        d.lane([&prog(584)], 0).expect("lane");
+        let e = d.params(1, true).expect_err("too large");
+        assert!(e.msg.contains("one CUDA launch takes 32760 ("), "{}", e.msg);
+        let p = prog(584);
+        let e = Desc::check_fits([std::slice::from_ref(&p)], true).expect_err("too large");
+        assert!(e.msg.contains("32816-byte descriptor"), "{}", e.msg);
+        assert!(Desc::check_fits([std::slice::from_ref(&prog(100))], true).is_ok());
     }
 }

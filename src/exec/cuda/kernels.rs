@@ -75,11 +75,23 @@ fn fatbin_what() -> String {
 pub struct Kernels {
     pub run: usize,
     pub local: usize,
+    /// Their twins taking `desc::PARAM_BYTES_LARGE` (drivers of CUDA 12.1 and later).
+    pub run_large: Option<usize>,
+    pub local_large: Option<usize>,
     /// Streaming multiprocessors of the device (sizes wide launches).
     pub sms: u32,
 }
 
-static IMAGES: Lazy<Mutex<HashMap<i32, Arc<nvrtc::Image>>>> = Lazy::new(Default::default);
+impl Kernels {
+    /// Whether launches may take the large parameter (both twins are there).
+    pub fn large(&self) -> bool {
+        self.run_large.is_some() && self.local_large.is_some()
+    }
+}
+
+/// Images by (architecture, with the large-parameter twins).
+type Images = HashMap<(i32, bool), Arc<nvrtc::Image>>;
+static IMAGES: Lazy<Mutex<Images>> = Lazy::new(Default::default);
 static LOADED: Lazy<Mutex<HashMap<usize, Kernels>>> = Lazy::new(Default::default);
 
 /// The kernel sources as NVRTC compiles them: (main, headers).
@@ -89,7 +101,7 @@ pub fn sources() -> (&'static str, [(&'static str, &'static str); 2]) {
 
 /// Where compiled kernels are kept between processes: `OXCCL_CACHE_DIR`, else
 /// `$XDG_CACHE_HOME/oxccl` or `~/.cache/oxccl`; the file name carries a hash of the sources.
-fn cache_file(arch: i32) -> Option<std::path::PathBuf> {
+fn cache_file(arch: i32, large: bool) -> Option<std::path::PathBuf> {
     let dir = match std::env::var_os("OXCCL_CACHE_DIR") {
         Some(d) => std::path::PathBuf::from(d),
         None => match std::env::var_os("XDG_CACHE_HOME") {
@@ -97,28 +109,43 @@ fn cache_file(arch: i32) -> Option<std::path::PathBuf> {
             None => std::path::PathBuf::from(std::env::var_os("HOME")?).join(".cache/oxccl"),
         },
     };
-    Some(dir.join(cache_name(arch)))
+    Some(dir.join(cache_name(arch, large)))
 }
 
-/// The cache file name of the kernels for `sm_{arch}`: a hash of their sources in it.
-pub(super) fn cache_name(arch: i32) -> String {
+/// The cache file name of the kernels for `sm_{arch}`, with the large-parameter kernels or
+/// without: a hash of their sources in it.
+pub(super) fn cache_name(arch: i32, large: bool) -> String {
     use std::hash::{Hash, Hasher};
     // SipHash with fixed keys: the same name in every process and build of these sources.
     let mut h = std::collections::hash_map::DefaultHasher::new();
     let (main, headers) = sources();
     (main, headers).hash(&mut h);
-    format!("kernels-{:016x}-sm{arch}.bin", h.finish())
+    let large = if large { "-large" } else { "" };
+    format!("kernels-{:016x}-sm{arch}{large}.bin", h.finish())
 }
 
-/// The image for `sm_{arch}`: made once per process (concurrent first inits wait for one
-/// compile), from the disk cache unless `fresh` (a cached image the driver refused).
-fn image(arch: i32, fresh: bool) -> Result<Arc<nvrtc::Image>> {
+/// The driver version from which kernels take parameters of up to 32764 bytes (CUDA 12.1).
+const LARGE_PARAMS_DRIVER: i32 = 12010;
+
+/// The NVRTC options for the kernels with the large-parameter twins (`OX_LARGE`) or without.
+fn defines(large: bool) -> &'static [&'static str] {
+    if large {
+        &["-DOX_LARGE"]
+    } else {
+        &[]
+    }
+}
+
+/// The image for `sm_{arch}` (`large`: with the large-parameter twins, where this NVRTC can):
+/// made once per process (concurrent first inits wait for one compile), from the disk cache
+/// unless `fresh` (a cached image the driver refused).
+fn image(arch: i32, large: bool, fresh: bool) -> Result<Arc<nvrtc::Image>> {
     static COMPILING: Mutex<()> = Mutex::new(());
     let _one = COMPILING.lock();
-    if let Some(i) = IMAGES.lock().get(&arch).filter(|_| !fresh) {
+    if let Some(i) = IMAGES.lock().get(&(arch, large)).filter(|_| !fresh) {
         return Ok(i.clone());
     }
-    let file = cache_file(arch);
+    let file = cache_file(arch, large);
     if fresh {
         if let Some(f) = &file {
             let _ = std::fs::remove_file(f);
@@ -133,12 +160,18 @@ fn image(arch: i32, fresh: bool) -> Result<Arc<nvrtc::Image>> {
                     .map_or(String::new(), |f| f.display().to_string())
             ),
         });
-        IMAGES.lock().insert(arch, img.clone());
+        IMAGES.lock().insert((arch, large), img.clone());
         return Ok(img);
     }
     let (main, headers) = sources();
     let t0 = std::time::Instant::now();
-    let img = Arc::new(nvrtc::compile(main, &headers, arch)?);
+    // An NVRTC older than 12.1 refuses the large parameters: the kernels without them.
+    let img = Arc::new(
+        nvrtc::compile(main, &headers, arch, defines(large)).or_else(|e| match large {
+            true => nvrtc::compile(main, &headers, arch, defines(false)),
+            false => Err(e),
+        })?,
+    );
     if let Some(f) = &file {
         // Best effort: a cache that cannot be written only costs the next process a compile.
         let tmp = f.with_extension(format!("tmp{}", std::process::id()));
@@ -153,7 +186,7 @@ fn image(arch: i32, fresh: bool) -> Result<Arc<nvrtc::Image>> {
         t0.elapsed().as_millis(),
         img.what
     ));
-    IMAGES.lock().insert(arch, img.clone());
+    IMAGES.lock().insert((arch, large), img.clone());
     Ok(img)
 }
 
@@ -161,15 +194,16 @@ fn image(arch: i32, fresh: bool) -> Result<Arc<nvrtc::Image>> {
 /// `load`, and where they came from.
 fn nvrtc_module(
     arch: i32,
+    large: bool,
     load: &dyn Fn(&nvrtc::Image) -> Result<driver::CUmodule>,
 ) -> Result<(driver::CUmodule, String)> {
-    let img = image(arch, false)?;
+    let img = image(arch, large, false)?;
     match load(&img) {
         Ok(m) => Ok((m, img.what.clone())),
         // A cached image the driver refuses (damaged, or from an older toolkit): compile afresh.
         Err(e) if img.what.starts_with("cached") => {
             crate::debug::warn(&format!("{}: compiling the kernels again", e.msg));
-            let img = image(arch, true)?;
+            let img = image(arch, large, true)?;
             Ok((load(&img)?, img.what.clone()))
         }
         Err(e) => Err(e),
@@ -186,6 +220,8 @@ pub fn get(ctx: usize, dev: i32) -> Result<Kernels> {
     let minor = driver::attr(dev, driver::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?;
     let sms = driver::attr(dev, driver::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?;
     let arch = major * 10 + minor;
+    // Launches with a descriptor past `desc::PARAM_BYTES` need the large-parameter twins.
+    let large = driver::version()? >= LARGE_PARAMS_DRIVER && major >= 7;
     let load = |img: &nvrtc::Image| -> Result<driver::CUmodule> {
         let mut module: driver::CUmodule = std::ptr::null_mut();
         // SAFETY: a fatbin made by nvcc, or a cubin or NUL-terminated PTX image made by NVRTC.
@@ -207,7 +243,7 @@ pub fn get(ctx: usize, dev: i32) -> Result<Kernels> {
             if let Some((Err(e), _)) = other {
                 crate::debug::info(&format!("{}: compiling them with NVRTC instead", e.msg));
             }
-            nvrtc_module(arch, &load)?
+            nvrtc_module(arch, large, &load)?
         }
     };
     crate::debug::info(&format!(
@@ -222,9 +258,12 @@ pub fn get(ctx: usize, dev: i32) -> Result<Kernels> {
         )?;
         Ok(f as usize)
     };
+    let twin = |name: &std::ffi::CStr| large.then(|| func(name).ok()).flatten();
     let k = Kernels {
         run: func(c"oxccl_run")?,
         local: func(c"oxccl_local")?,
+        run_large: twin(c"oxccl_run_large"),
+        local_large: twin(c"oxccl_local_large"),
         sms: sms.max(1) as u32,
     };
     LOADED.lock().insert(ctx, k);
@@ -282,7 +321,7 @@ mod tests {
         // machine (which then needs no NVRTC).
         let export = std::env::var_os("OXCCL_KERNEL_EXPORT").map(std::path::PathBuf::from);
         for arch in [80, 90, 100] {
-            match super::nvrtc::compile(main, &headers, arch) {
+            match super::nvrtc::compile(main, &headers, arch, super::defines(true)) {
                 Ok(img) => {
                     assert!(
                         img.what.contains(&format!("sm_{arch}")) && img.bytes.len() > 1000,
@@ -291,7 +330,7 @@ mod tests {
                     );
                     if let Some(dir) = &export {
                         std::fs::create_dir_all(dir).expect("export dir");
-                        std::fs::write(dir.join(super::cache_name(arch)), &img.bytes)
+                        std::fs::write(dir.join(super::cache_name(arch, true)), &img.bytes)
                             .expect("export");
                     }
                 }

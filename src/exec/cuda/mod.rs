@@ -32,11 +32,11 @@ use crate::plan::{Addr, Work};
 use desc::{Desc, DevProgram};
 use std::ffi::c_void;
 
-/// The file name under which compiled kernels for `sm_{arch}` are cached (tests put a stand-in
-/// image there).
+/// The file name under which compiled kernels for `sm_{arch}` are cached for a driver of CUDA
+/// 12.1 or later (tests put a stand-in image there).
 #[doc(hidden)]
 pub fn kernel_cache_name(arch: i32) -> String {
-    kernels::cache_name(arch)
+    kernels::cache_name(arch, true)
 }
 
 /// The calling thread's current device (the CUDA runtime's), for `ncclCommInitRank*`.
@@ -353,7 +353,11 @@ fn launch_set(jobs: &mut [Job<'_>]) -> Result<()> {
     let launches = nstages.max(has_p2p as usize);
     // Every launch's descriptor must fit before the first is launched: a group fails whole.
     for k in 0..launches {
-        Desc::check_fits(jobs.iter().flat_map(|j| j.lanes(k)).map(Vec::as_slice))?;
+        let large = jobs[0].comm.kern.large();
+        Desc::check_fits(
+            jobs.iter().flat_map(|j| j.lanes(k)).map(Vec::as_slice),
+            large,
+        )?;
     }
     let mut launched = false;
     let mut result = Ok(());
@@ -503,19 +507,29 @@ fn run(d: &Desc, comm: &CudaComm, stream: usize, api: &driver::Api) -> Result<bo
             return Ok(true);
         }
     }
+    let k = &comm.kern;
+    // A descriptor past `PARAM_BYTES` goes to the kernels' large-parameter twins.
+    let pick = |small: usize, large: Option<usize>| match (d.large(), large) {
+        (true, Some(f)) => f,
+        _ => small,
+    };
     let (func, grid_x, grid_y, nb) = if d.wide() {
-        let blocks = (d.max_bytes() / (512 * 64)).clamp(1, 2 * comm.kern.sms as usize);
-        (comm.kern.local, blocks as u32, d.lanes() as u32, 1)
+        let blocks = (d.max_bytes() / (512 * 64)).clamp(1, 2 * k.sms as usize);
+        let f = pick(k.local, k.local_large);
+        (f, blocks as u32, d.lanes() as u32, 1)
     } else {
         // Every block of every lane of the ranks on this device spins for the others: all must
         // fit on the device at once (one 512-thread block per SM is assumed).
-        let room = comm.kern.sms as usize / (d.lanes() * comm.ranks_on_device).max(1);
+        let room = k.sms as usize / (d.lanes() * comm.ranks_on_device).max(1);
         let nb = d.blocks_per_lane().min(room.max(1) as u16);
-        (comm.kern.run, d.lanes() as u32 * u32::from(nb), 1, nb)
+        let f = pick(k.run, k.run_large);
+        (f, d.lanes() as u32 * u32::from(nb), 1, nb)
     };
-    let mut params = d.params(nb)?;
+    // (An error where the descriptor is large and the driver has no twins.)
+    let mut params = d.params(nb, k.large())?;
     let mut args = [params.as_mut_ptr() as *mut c_void];
-    // SAFETY: the kernel takes one parameter of `PARAM_BYTES` bytes, `params` holds them.
+    // SAFETY: the kernel takes one parameter of `PARAM_BYTES` bytes (its twin
+    // `PARAM_BYTES_LARGE`), and `params` holds as many as `func` takes.
     check(
         unsafe {
             (api.launch_kernel)(

@@ -174,9 +174,10 @@ pub struct Image {
     pub what: String,
 }
 
-/// Compiles `main` (with `headers`: (name, source)) for `sm_{arch}`; a cubin when NVRTC knows
-/// the architecture, else PTX for the newest virtual architecture it accepts.
-pub fn compile(main: &str, headers: &[(&str, &str)], arch: i32) -> Result<Image> {
+/// Compiles `main` (with `headers`: (name, source), and the options `extra`) for `sm_{arch}`; a
+/// cubin when NVRTC knows the architecture, else PTX for the newest virtual architecture it
+/// accepts.
+pub fn compile(main: &str, headers: &[(&str, &str)], arch: i32, extra: &[&str]) -> Result<Image> {
     let nv = load()?;
     let err = |what: String| Error::new(Code::UnhandledCudaError, what);
     let src = CString::new(main).map_err(|e| err(e.to_string()))?;
@@ -206,12 +207,16 @@ pub fn compile(main: &str, headers: &[(&str, &str)], arch: i32) -> Result<Image>
         if r != 0 {
             return Err(err(format!("nvrtcCreateProgram failed ({r})")));
         }
-        let opts = [
-            CString::new(opt.clone()).expect("option"),
-            CString::new("--std=c++17").expect("option"),
-            CString::new("-default-device").expect("option"),
-            CString::new("-fmad=false").expect("option"),
-        ];
+        let opts: Vec<CString> = [
+            opt.as_str(),
+            "--std=c++17",
+            "-default-device",
+            "-fmad=false",
+        ]
+        .iter()
+        .chain(extra)
+        .map(|o| CString::new(*o).expect("option"))
+        .collect();
         let op: Vec<*const c_char> = opts.iter().map(|s| s.as_ptr()).collect();
         // SAFETY: a program made above; options as above.
         let r = unsafe { (nv.compile)(prog, op.len() as c_int, op.as_ptr()) };
