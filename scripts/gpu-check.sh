@@ -152,6 +152,17 @@ if [ -n "$NV_NCCL" ]; then
     awk '{printf "%12s B  oxccl %9s GB/s  nvidia %9s GB/s  ratio %s   (nvidia %s us)\n", $1, $2, $3, ($3>0? sprintf("%.2f",$2/$3):"-"), $4}' | tee -a "$log"
 fi
 perf oxccl-g2 "$OXLIB" "$B/all_reduce_perf" "${sweep[@]}" -g 2
+# Blocks per lane (OXCCL_CUDA_BLOCKS, default 8) and slot size against 2 ranks' bandwidth: what
+# the next default should be.
+for v in "OXCCL_CUDA_BLOCKS=16" "OXCCL_CUDA_BLOCKS=32" "OXCCL_CUDA_BLOCKS=32 OXCCL_CHUNK_BYTES=1M" \
+  "OXCCL_CUDA_BLOCKS=64 OXCCL_CHUNK_BYTES=1M"; do
+  # shellcheck disable=SC2086 # VAR=value words
+  perf "oxccl-g2-${v// /-}" "$OXLIB" env $v "$B/all_reduce_perf" -b 16M -e 256M -f 4 -n 10 -w 3 -g 2
+done
+say "== 2 ranks, all_reduce busbw (GB/s) at 16M 64M 256M by blocks per lane and slot size"
+for f in "$OUT"/perf-oxccl-g2.txt "$OUT"/perf-oxccl-g2-OXCCL*.txt; do
+  echo "  $(basename "$f" .txt): $(awk '$1 == 16777216 || $1 == 67108864 || $1 == 268435456 {printf "%s ", $8}' "$f")"
+done | tee -a "$log"
 # Up to 256 MiB: at 1 GiB the tool's own set-up and checks of 4 x 1 GiB on the host take
 # longer than the limit (a single 1 GiB size took over 50 s there, the collective 4 ms).
 perf oxccl-g4 "$OXLIB" "$B/all_reduce_perf" -b 8 -e 256M -f 8 -n 10 -w 3 -g 4

@@ -80,6 +80,11 @@ pub const PARAMS: &[Param] = &[
         default: "0",
     },
     Param {
+        name: "OXCCL_CUDA_BLOCKS",
+        doc: "most blocks of a CUDA kernel per lane (one rank's collective) where its connections are in device memory: each step is shared out among them (1 to 64)",
+        default: "8",
+    },
+    Param {
         name: "OXCCL_RUN_AHEAD",
         doc: "0: step programs run strictly slice after slice (no run-ahead across iterations)",
         default: "1",
@@ -343,6 +348,13 @@ pub fn heartbeat() -> Option<Duration> {
         (v > 0).then(|| Duration::from_secs(v))
     });
     *T
+}
+
+/// The most blocks per lane of the CUDA runner (`OXCCL_CUDA_BLOCKS`, 1 to 64).
+pub fn cuda_blocks() -> usize {
+    static B: once_cell::sync::Lazy<usize> =
+        once_cell::sync::Lazy::new(|| (get_u64("OXCCL_CUDA_BLOCKS") as usize).clamp(1, 64));
+    *B
 }
 
 #[cfg(test)]

@@ -181,7 +181,8 @@ impl Desc {
     }
 
     /// Blocks per lane for the runner: several where every connection is in device memory
-    /// (their arrival counts live in the headers) and steps are large enough to share out.
+    /// (their arrival counts live in the headers) and steps are large enough to share out, one
+    /// per 256 KiB of the largest step, at most `OXCCL_CUDA_BLOCKS`.
     pub fn blocks_per_lane(&self) -> u16 {
         if self.conns.is_empty()
             || self.conns.len() > MAX_CONNS_MULTI
@@ -189,7 +190,7 @@ impl Desc {
         {
             return 1;
         }
-        (self.max_bytes / (256 << 10)).clamp(1, 8) as u16
+        (self.max_bytes / (256 << 10)).clamp(1, crate::param::cuda_blocks()) as u16
     }
 
     /// The bytes of the kernel parameter, for `nb` blocks per lane: `PARAM_BYTES` of them, or
