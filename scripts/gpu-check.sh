@@ -62,7 +62,7 @@ check() {  # name, limit (s), command... (a program, or a shell function of this
 [ -f "$pack/lib/libnccl.so.2" ] || { say "no $pack: run scripts/gpu-check.sh --prepare here and carry target/gpu-check"; exit 2; }
 OXLIB="$pack/lib"
 B="$pack/bin"
-export B OXLIB  # shell functions run under timeout in a child bash (check, perf)
+export B OXLIB OUT  # shell functions run under timeout in a child bash (check, perf)
 
 say "# $(date -u) $(hostname) $(nproc) cores"
 nvidia-smi >>"$log" 2>&1 || say "(no nvidia-smi)"
@@ -103,6 +103,17 @@ check "CUDA: 4 ranks as threads" 60 "$B/cuda_ranks" 4 threads
 check "CUDA: 4 ranks as threads, in place" 60 "$B/cuda_ranks" 4 threads inplace
 check "CUDA: 2 ranks as processes" 60 "$B/cuda_ranks" 2 processes
 check "CUDA: 4 ranks as processes, in place" 90 "$B/cuda_ranks" 4 processes inplace timeout=80
+# The same with CUDA IPC (OXCCL_CUDA_IPC=1: connections between the processes in device memory;
+# off by default until this passes): the connection lines must say P2P/IPC.
+with_ipc() {
+  env OXCCL_CUDA_IPC=1 NCCL_DEBUG=INFO "$@" >"$OUT/ipc.log" 2>&1; local rc=$?
+  grep -v "^NCCL INFO\|oxccl.*INFO" "$OUT/ipc.log" | tail -3
+  grep -m2 "via P2P/IPC" "$OUT/ipc.log" || { echo "no connection via P2P/IPC"; return 1; }
+  return $rc
+}
+check "CUDA IPC: 2 ranks as processes" 60 with_ipc "$B/cuda_ranks" 2 processes
+check "CUDA IPC: 4 ranks as processes, in place" 90 with_ipc "$B/cuda_ranks" 4 processes inplace timeout=80
+check "CUDA IPC: 3 ranks as processes" 60 with_ipc "$B/cuda_ranks" 3 processes
 check "CUDA: graph capture and replay, 2 ranks" 60 "$B/cuda_graph" 2
 check "CUDA: graph capture, global capture mode" 60 "$B/cuda_graph" 2 global
 
@@ -124,6 +135,8 @@ check "CUDA: tp_pp_mlp 8 ranks, float, H 512, 4 layers" 60 \
   tppp --tp 4 --pp 2 --hidden 512 --layers 4 --microbatches 8 --batch 32 --device cuda
 check "CUDA: tp_pp_mlp 8 ranks, rows-first, exact" 60 \
   tppp --tp 4 --pp 2 --exact --split rows-first --device cuda
+check "CUDA IPC: tp_pp_mlp 8 ranks --tp 4 --pp 2 --exact" 60 \
+  env OXCCL_CUDA_IPC=1 bash -c "$(declare -f tppp); tppp --tp 4 --pp 2 --exact --device cuda"
 check "CUDA: tp_pp_mlp 8 ranks on 2 \"hosts\" (OXCCL_HOSTID), exact" 60 \
   env TPPP_HOSTS=2 bash -c "$(declare -f tppp); tppp --tp 4 --pp 2 --exact --microbatches 8 --device cuda"
 
@@ -183,6 +196,7 @@ two_procs() {  # same|hosts, command...
   return $rc
 }
 perf oxccl-2procs "$OXLIB" two_procs same "$B/all_reduce_perf" -b 8 -e 16M -f 8 -n 5 -w 2 -g 1
+perf oxccl-2procs-ipc "$OXLIB" env OXCCL_CUDA_IPC=1 bash -c "$(declare -f two_procs); two_procs same $B/all_reduce_perf -b 8 -e 64M -f 8 -n 5 -w 2 -g 1"
 perf oxccl-2hosts "$OXLIB" two_procs hosts "$B/all_reduce_perf" -b 8 -e 64M -f 8 -n 5 -w 2 -g 1
 grep -m2 "via NET" "$OUT/perf-oxccl-2hosts.txt" | tee -a "$log"
 perf sendrecv-2hosts "$OXLIB" two_procs hosts "$B/sendrecv_perf" -b 8 -e 64M -f 8 -n 5 -w 2 -g 1

@@ -80,6 +80,11 @@ pub const PARAMS: &[Param] = &[
         default: "0",
     },
     Param {
+        name: "OXCCL_CUDA_IPC",
+        doc: "1: on the CUDA executor, connections between processes whose ranks share one GPU live in device memory, which the sending end opens by CUDA IPC (default 0, pinned host memory, until this is measured on a GPU)",
+        default: "0",
+    },
+    Param {
         name: "OXCCL_CUDA_BLOCKS",
         doc: "most blocks of a CUDA kernel per lane (one rank's collective) where its connections are in device memory: each step is shared out among them (1 to 64)",
         default: "8",
@@ -348,6 +353,13 @@ pub fn heartbeat() -> Option<Duration> {
         (v > 0).then(|| Duration::from_secs(v))
     });
     *T
+}
+
+/// Whether connections between processes on one GPU may live in device memory (`OXCCL_CUDA_IPC`).
+pub fn cuda_ipc() -> bool {
+    static B: once_cell::sync::Lazy<bool> =
+        once_cell::sync::Lazy::new(|| get_u64("OXCCL_CUDA_IPC") != 0);
+    *B
 }
 
 /// The most blocks per lane of the CUDA runner (`OXCCL_CUDA_BLOCKS`, 1 to 64).

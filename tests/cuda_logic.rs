@@ -254,6 +254,31 @@ unsafe extern "C" fn pointer_attr(v: *mut c_void, a: c_int, p: u64) -> CUresult 
     unsafe { *(v as *mut c_uint) = value };
     OK
 }
+unsafe extern "C" fn uuid(u: *mut [u8; 16], dev: c_int) -> CUresult {
+    unsafe { *u = [0xa0 + dev as u8; 16] };
+    OK
+}
+/// A handle names the allocation's address (and a mark); opening gives it back.
+const IPC_MARK: &[u8; 8] = b"oxipc-hd";
+static IPC_CLOSED: Mutex<Vec<u64>> = Mutex::new(Vec::new());
+unsafe extern "C" fn ipc_get(h: *mut driver::CUipcMemHandle, p: u64) -> CUresult {
+    let mut r = [0u8; 64];
+    r[..8].copy_from_slice(IPC_MARK);
+    r[8..16].copy_from_slice(&p.to_le_bytes());
+    unsafe { (*h).reserved = r };
+    OK
+}
+unsafe extern "C" fn ipc_open(p: *mut u64, h: driver::CUipcMemHandle, flags: c_uint) -> CUresult {
+    if &h.reserved[..8] != IPC_MARK || flags != 1 {
+        return 1; // CUDA_ERROR_INVALID_VALUE
+    }
+    unsafe { *p = u64::from_le_bytes(h.reserved[8..16].try_into().unwrap()) };
+    OK
+}
+unsafe extern "C" fn ipc_close(p: u64) -> CUresult {
+    IPC_CLOSED.lock().push(p);
+    OK
+}
 unsafe extern "C" fn error_str(_: CUresult, s: *mut *const c_char) -> CUresult {
     unsafe { *s = c"stand-in error".as_ptr() };
     OK
@@ -262,6 +287,10 @@ unsafe extern "C" fn error_str(_: CUresult, s: *mut *const c_char) -> CUresult {
 fn stand_in() -> Api {
     let table: Vec<(&str, *const c_void)> = vec![
         ("cuInit", ok_u as *const c_void),
+        ("cuDeviceGetUuid_v2", uuid as *const c_void),
+        ("cuIpcGetMemHandle", ipc_get as *const c_void),
+        ("cuIpcOpenMemHandle_v2", ipc_open as *const c_void),
+        ("cuIpcCloseMemHandle", ipc_close as *const c_void),
         ("cuDriverGetVersion", version as *const c_void),
         ("cuDeviceGetCount", count as *const c_void),
         ("cuDeviceGet", device_get as *const c_void),
@@ -592,5 +621,22 @@ fn cuda_executor_logic_on_a_recording_driver() {
         matches!(l.as_slice(), [Ev::Launch { func: LOCAL, grid: (g, 1), stream: 0x71, .. }] if *g > 1),
         "{ev:#?}"
     );
+
+    // 8. A connection in device memory between processes (CUDA IPC): the receiving end's
+    //    allocation, whose handle the sending end opens to the same header and slots, and
+    //    closes when it goes; the device's UUID names the GPU across processes.
+    use nccl::gpu::memory::{DevConn, IpcConn};
+    let own = DevConn::alloc(4096, 1 << 20).expect("a connection in device memory");
+    let h = own.ipc_handle().expect("its handle");
+    let opened = IpcConn::open(&h, 4096).expect("opened by its handle");
+    assert_eq!((opened.hdr, opened.slots), (own.hdr, own.hdr + 4096));
+    let at = opened.hdr;
+    drop(opened);
+    assert_eq!(*IPC_CLOSED.lock(), [at]);
+    assert!(
+        IpcConn::open(&[0; 64], 4096).is_err(),
+        "a handle of nothing"
+    );
+    assert_eq!(driver::device_uuid(0).unwrap(), [0xa0; 16]);
     let _ = std::fs::remove_dir_all(&cache);
 }

@@ -38,6 +38,15 @@ pub const CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL: c_int = 9;
 pub const CU_MEMORYTYPE_HOST: c_uint = 1;
 pub const CU_MEMORYTYPE_DEVICE: c_uint = 2;
 pub const CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES: c_int = 8;
+/// `cuIpcOpenMemHandle`'s flag: enable peer access to the memory's device where it is another.
+pub const CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS: c_uint = 1;
+
+/// `CUipcMemHandle`: device memory of one process, as another opens it (passed by value).
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct CUipcMemHandle {
+    pub reserved: [u8; 64],
+}
 
 macro_rules! driver_api {
     ($( $field:ident = $sym:literal : fn($($arg:ty),*) ;)*) => {
@@ -131,6 +140,10 @@ driver_api! {
     event_query = "cuEventQuery": fn(CUevent);
     event_destroy = "cuEventDestroy_v2": fn(CUevent);
     pointer_attr = "cuPointerGetAttribute": fn(*mut c_void, c_int, CUdeviceptr);
+    device_uuid = "cuDeviceGetUuid_v2": fn(*mut [u8; 16], CUdevice);
+    ipc_get_mem_handle = "cuIpcGetMemHandle": fn(*mut CUipcMemHandle, CUdeviceptr);
+    ipc_open_mem_handle = "cuIpcOpenMemHandle_v2": fn(*mut CUdeviceptr, CUipcMemHandle, c_uint);
+    ipc_close_mem_handle = "cuIpcCloseMemHandle": fn(CUdeviceptr);
     error_name = "cuGetErrorName": fn(CUresult, *mut *const c_char);
     error_string = "cuGetErrorString": fn(CUresult, *mut *const c_char);
 }
@@ -217,6 +230,18 @@ pub fn version() -> Result<i32> {
         "cuDriverGetVersion".into()
     })?;
     Ok(v)
+}
+
+/// Device `dev`'s UUID (a MIG instance's own where the device is one): the GPU's identity
+/// across processes, whose device numbers may differ (`CUDA_VISIBLE_DEVICES`).
+pub fn device_uuid(dev: CUdevice) -> Result<[u8; 16]> {
+    let api = api()?;
+    let mut u = [0u8; 16];
+    // SAFETY: writes 16 bytes.
+    check(unsafe { (api.device_uuid)(&mut u, dev) }, || {
+        format!("cuDeviceGetUuid of device {dev}")
+    })?;
+    Ok(u)
 }
 
 pub fn device_count() -> Result<i32> {

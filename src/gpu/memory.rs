@@ -85,10 +85,12 @@ pub fn unpin_if_cuda(ptr: *mut u8) {
     }
 }
 
-/// A connection between ranks of this process kept wholly in device memory: its header
-/// (counters, slot metadata) and its slots, so that kernels on the device poll and move it at
-/// device speed (freed with the connection's region). The attach count is 2 from the start:
-/// both ends live in this process and exist once either has been set up.
+/// A connection kept wholly in device memory: its header (counters, slot metadata) and its
+/// slots, so that kernels on the device poll and move it at device speed (freed with the
+/// connection's region). Between ranks of one process both ends use it; between processes on
+/// one GPU the receiving end allocates it and the sending end opens it by its IPC handle
+/// (`ipc_handle`, `IpcConn`). The attach count is 2 from the start: both ends exist once the
+/// connection does.
 pub struct DevConn {
     pub hdr: u64,
     pub slots: u64,
@@ -149,6 +151,64 @@ impl DevConn {
             r?;
             Ok(c)
         })
+    }
+}
+
+impl DevConn {
+    /// The handle another process opens this allocation by (`IpcConn::open`).
+    pub fn ipc_handle(&self) -> Result<[u8; 64]> {
+        let api = driver::api()?;
+        let _g = CtxGuard::enter(self.ctx)?;
+        let mut h = driver::CUipcMemHandle { reserved: [0; 64] };
+        // SAFETY: writes one handle; `hdr` is the allocation's base.
+        check(
+            unsafe { (api.ipc_get_mem_handle)(&mut h, self.hdr) },
+            || "cuIpcGetMemHandle of a connection in device memory".into(),
+        )?;
+        Ok(h.reserved)
+    }
+}
+
+/// Another process's `DevConn`, opened by its IPC handle in the current context (the
+/// communicator's), else device 0's; closed when dropped.
+pub struct IpcConn {
+    pub hdr: u64,
+    pub slots: u64,
+    ctx: usize,
+}
+
+impl IpcConn {
+    /// Opens `handle`, whose allocation holds `hdr_bytes` of header, then the slots.
+    pub fn open(handle: &[u8; 64], hdr_bytes: usize) -> Result<IpcConn> {
+        let api = driver::api()?;
+        let ctx = current_or_device0()?;
+        let _g = CtxGuard::enter(ctx)?;
+        driver::relaxed(|| {
+            let mut p: driver::CUdeviceptr = 0;
+            let h = driver::CUipcMemHandle { reserved: *handle };
+            // SAFETY: writes one device pointer; the handle came from the peer's
+            // cuIpcGetMemHandle.
+            check(
+                unsafe {
+                    (api.ipc_open_mem_handle)(&mut p, h, driver::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS)
+                },
+                || "cuIpcOpenMemHandle of the peer's connection in device memory".into(),
+            )?;
+            Ok(IpcConn {
+                hdr: p,
+                slots: p + hdr_bytes as u64,
+                ctx,
+            })
+        })
+    }
+}
+
+impl Drop for IpcConn {
+    fn drop(&mut self) {
+        if let (Ok(api), Ok(_g)) = (driver::api(), CtxGuard::enter(self.ctx)) {
+            // SAFETY: opened in `open`, closed once.
+            unsafe { (api.ipc_close_mem_handle)(self.hdr) };
+        }
     }
 }
 

@@ -186,14 +186,16 @@ impl Conns {
         connect_all(&[(self, keys)])
     }
 
-    /// The `NCCL_DEBUG=INFO` line NCCL prints for a connection, for the sending end of `k`.
-    fn log_connection(&self, k: ConnKey) {
+    /// The `NCCL_DEBUG=INFO` line NCCL prints for a connection, for the sending end of `k`
+    /// (`on_device`: the connection lives in device memory).
+    fn log_connection(&self, k: ConnKey, on_device: bool) {
         if crate::debug::level() < crate::debug::Level::Info {
             return;
         }
         let plugin = super::plugin::net().map(|n| format!("NET/{}/0", n.name));
         let via = match self.locality(k.peer) {
             Locality::SameProcess => "P2P/direct pointer",
+            Locality::SameHost if on_device => "P2P/IPC",
             Locality::SameHost => "SHM/direct/direct",
             Locality::OtherHost => plugin.as_deref().unwrap_or("NET/Socket/0"),
         };
@@ -263,7 +265,7 @@ impl Conns {
             class: k.class,
             nsteps: self.nsteps,
             slot_bytes: self.slot_bytes,
-            same_device: self.peers[self.rank].dev == self.peers[k.peer].dev,
+            same_device: self.peers[self.rank].same_gpu(&self.peers[k.peer]),
         }
     }
 
@@ -330,7 +332,7 @@ pub fn connect_all(needs: &[(&Conns, Vec<ConnKey>)]) -> Result<()> {
         match r {
             Ok(conn) => {
                 if k.is_sender {
-                    c.log_connection(k);
+                    c.log_connection(k, conn.on_device());
                 }
                 if let Some(p) = &conn.proxy {
                     if let Err(e) = c.drive(p.clone()) {

@@ -279,7 +279,7 @@ impl Conn {
     pub fn device_view(&self) -> (usize, usize) {
         let dev = match &self.region {
             Region::Heap(h) => h.device_conn(),
-            Region::Shm(_) => None,
+            Region::Shm(s) => s.device_conn(),
         };
         match dev {
             Some((hdr, slots)) => (hdr as usize, slots as usize),
@@ -289,7 +289,10 @@ impl Conn {
 
     /// Whether the counters live in device memory (the host's copy of them is unused).
     pub fn on_device(&self) -> bool {
-        matches!(&self.region, Region::Heap(h) if h.device_conn().is_some())
+        match &self.region {
+            Region::Heap(h) => h.device_conn().is_some(),
+            Region::Shm(s) => s.device_conn().is_some(),
+        }
     }
 
     fn counter(&self, off: usize) -> &AtomicU64 {
@@ -529,26 +532,45 @@ pub(crate) struct Named {
     is_sender: bool,
 }
 
+/// Whether a connection between `spec`'s ranks lives in device memory: ranks on one GPU, on
+/// the CUDA executor, unless `NCCL_P2P_DISABLE=1` asks for host-staged memory; between
+/// processes (CUDA IPC) only with `OXCCL_CUDA_IPC=1`. (Ranks on different GPUs stay in pinned
+/// host memory: peer access is not enabled.)
+fn in_device_memory(spec: &ConnSpec, shm: bool) -> bool {
+    crate::gpu::kind() == crate::gpu::Kind::Cuda
+        && spec.same_device
+        && !crate::param::p2p_disabled()
+        && (!shm || crate::param::cuda_ipc())
+}
+
+/// Between the connection's name and the IPC handle in a receiving end's blob.
+const HANDLE_MARK: u8 = 0;
+
 impl Named {
     pub(crate) fn setup(spec: &ConnSpec, shm: bool) -> Result<(Box<dyn Endpoint>, Vec<u8>)> {
         let name = spec.name();
         let bytes = region_bytes(spec.nsteps, spec.slot_bytes);
+        let slots = spec.nsteps * spec.slot_bytes;
+        let mut handle = None;
         let region = if shm {
-            Region::Shm(shm::ShmRegion::open(&name, bytes)?)
+            let r = shm::ShmRegion::open(&name, bytes)?;
+            // The receiving end allocates; the sending end opens what its blob names.
+            if !spec.is_sender && in_device_memory(spec, true) {
+                handle = Some(r.use_device_memory(HDR_BYTES, slots)?);
+            }
+            Region::Shm(r)
         } else {
             let h = inproc::open(&name, bytes)?;
-            // Ranks of one process on one device, on the CUDA executor: the connection in
-            // device memory, unless NCCL_P2P_DISABLE=1 asks for host-staged memory. (Ranks on
-            // different devices stay in pinned host memory: peer access is not enabled.)
-            if crate::gpu::kind() == crate::gpu::Kind::Cuda
-                && spec.same_device
-                && !crate::param::p2p_disabled()
-            {
-                h.use_device_memory(HDR_BYTES, spec.nsteps * spec.slot_bytes)?;
+            if in_device_memory(spec, false) {
+                h.use_device_memory(HDR_BYTES, slots)?;
             }
             Region::Heap(h)
         };
-        let blob = name.as_bytes().to_vec();
+        let mut blob = name.as_bytes().to_vec();
+        if let Some(h) = handle {
+            blob.push(HANDLE_MARK);
+            blob.extend_from_slice(&h);
+        }
         Ok((
             Box::new(Named {
                 region: Some(region),
@@ -564,6 +586,14 @@ impl Named {
     }
 }
 
+/// A peer's blob: the connection's name, and the IPC handle of its device memory if it has one.
+fn split_blob(blob: &[u8]) -> (&[u8], Option<&[u8]>) {
+    match blob.iter().position(|&b| b == HANDLE_MARK) {
+        Some(i) => (&blob[..i], Some(&blob[i + 1..])),
+        None => (blob, None),
+    }
+}
+
 impl Endpoint for Named {
     fn connect(mut self: Box<Self>, peer_blob: &[u8]) -> Result<Conn> {
         let n = &mut *self;
@@ -573,13 +603,41 @@ impl Endpoint for Named {
             .ok_or_else(|| Error::internal("a connection end connected twice"))?;
         // Dropped on error: the region is unlinked (see `Drop for Conn`).
         let conn = Conn::new(region, n.nsteps, n.slot_bytes, (n.me, n.peer), n.is_sender);
-        if peer_blob != n.name.as_bytes() {
+        let (name, handle) = split_blob(peer_blob);
+        if name != n.name.as_bytes() {
             return Err(Error::internal(format!(
                 "connection {}: rank {}'s end names another connection ({})",
                 n.name,
                 n.peer,
-                String::from_utf8_lossy(peer_blob)
+                String::from_utf8_lossy(name)
             )));
+        }
+        match (handle, &conn.region) {
+            (None, _) => {}
+            (Some(h), Region::Shm(s)) if n.is_sender => {
+                let h: &[u8; 64] = h.try_into().map_err(|_| {
+                    Error::internal(format!(
+                        "connection {}: rank {} sent an IPC handle of {} bytes",
+                        n.name,
+                        n.peer,
+                        h.len()
+                    ))
+                })?;
+                s.open_device_memory(h, HDR_BYTES).map_err(|e| {
+                    e.context(format!(
+                        "rank {}: opening rank {}'s end of connection {} in device memory \
+                         (CUDA IPC; OXCCL_CUDA_IPC=0 or NCCL_P2P_DISABLE=1 stage it in host \
+                         memory instead)",
+                        n.me, n.peer, n.name
+                    ))
+                })?;
+            }
+            (Some(_), _) => {
+                return Err(Error::internal(format!(
+                    "connection {}: rank {} sent an IPC handle this end cannot use",
+                    n.name, n.peer
+                )))
+            }
         }
         if conn.attach() >= 1 {
             // Both ends are attached: the name is no longer needed.

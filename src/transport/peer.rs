@@ -7,6 +7,9 @@ pub struct PeerInfo {
     pub host: u64,
     pub pid: u32,
     pub dev: i32,
+    /// The device's UUID on the CUDA executor (zeros on the host executor): which physical GPU,
+    /// whatever number each process gives it.
+    pub gpu: [u8; 16],
     pub slot_bytes: u64,
     pub nsteps: u32,
     /// Where this process keeps its cross-memory-attach probe word (`transport::cma`).
@@ -15,7 +18,7 @@ pub struct PeerInfo {
     pub hostname: String,
 }
 
-const BYTES: usize = 8 + 4 + 4 + 8 + 4 + 8;
+const BYTES: usize = 8 + 4 + 4 + 16 + 8 + 4 + 8;
 
 /// This host's identity: hostname, boot id, and which /dev/shm the process sees
 /// (`OXCCL_HOSTID` overrides, for tests). Processes of one machine that do not share /dev/shm
@@ -55,6 +58,12 @@ impl PeerInfo {
             host: host_hash(),
             pid: std::process::id(),
             dev,
+            gpu: match crate::gpu::kind() {
+                crate::gpu::Kind::Cuda if dev >= 0 => {
+                    crate::gpu::driver::device_uuid(dev).unwrap_or_default()
+                }
+                _ => [0; 16],
+            },
             slot_bytes: slot_bytes() as u64,
             nsteps: crate::param::nsteps() as u32,
             probe: crate::transport::cma::probe_addr(),
@@ -63,6 +72,16 @@ impl PeerInfo {
                 .and_then(|h| h.into_string().ok())
                 .map(|h| h.chars().take(64).collect())
                 .unwrap_or_default(),
+        }
+    }
+
+    /// Whether this rank and `other` run on one GPU: the same physical device where both know
+    /// its UUID (ranks of other processes), else the same device number (ranks of one process).
+    pub fn same_gpu(&self, other: &PeerInfo) -> bool {
+        if self.gpu != [0; 16] && other.gpu != [0; 16] {
+            self.gpu == other.gpu
+        } else {
+            self.pid == other.pid && self.dev == other.dev
         }
     }
 
@@ -79,6 +98,7 @@ impl PeerInfo {
         v.extend_from_slice(&self.host.to_le_bytes());
         v.extend_from_slice(&self.pid.to_le_bytes());
         v.extend_from_slice(&self.dev.to_le_bytes());
+        v.extend_from_slice(&self.gpu);
         v.extend_from_slice(&self.slot_bytes.to_le_bytes());
         v.extend_from_slice(&self.nsteps.to_le_bytes());
         v.extend_from_slice(&self.probe.to_le_bytes());
@@ -99,9 +119,10 @@ impl PeerInfo {
             host: u64_at(0),
             pid: u32_at(8),
             dev: u32_at(12) as i32,
-            slot_bytes: u64_at(16),
-            nsteps: u32_at(24),
-            probe: u64_at(28),
+            gpu: b[16..32].try_into().expect("16 bytes"),
+            slot_bytes: u64_at(32),
+            nsteps: u32_at(40),
+            probe: u64_at(44),
             hostname: String::from_utf8_lossy(&b[BYTES..]).into_owned(),
         })
     }
@@ -112,8 +133,30 @@ mod tests {
     use super::*;
     #[test]
     fn round_trip() {
-        let p = PeerInfo::mine(3);
+        let mut p = PeerInfo::mine(3);
+        p.gpu = *b"0123456789abcdef";
         assert_eq!(PeerInfo::from_bytes(&p.to_bytes()).unwrap(), p);
         assert!(PeerInfo::from_bytes(&[0u8; 3]).is_err());
+    }
+
+    #[test]
+    fn one_gpu_is_one_uuid_or_one_number_in_one_process() {
+        let a = PeerInfo::mine(0);
+        let mut b = a.clone();
+        assert!(a.same_gpu(&b));
+        b.dev = 1;
+        assert!(!a.same_gpu(&b));
+        // Other processes: device 0 in each need not be one GPU.
+        let mut c = a.clone();
+        c.pid += 1;
+        assert!(!a.same_gpu(&c));
+        // With UUIDs, whatever the numbers.
+        let (mut x, mut y) = (a.clone(), c.clone());
+        x.gpu = [7; 16];
+        y.gpu = [7; 16];
+        y.dev = 5;
+        assert!(x.same_gpu(&y));
+        y.gpu[15] = 8;
+        assert!(!x.same_gpu(&y));
     }
 }

@@ -15,6 +15,16 @@ pub struct ShmRegion {
     ptr: NonNull<std::ffi::c_void>,
     len: usize,
     name: String,
+    /// On the CUDA executor with `OXCCL_CUDA_IPC=1`, between ranks on one GPU: the connection
+    /// in device memory (the receiving end's allocation, which the sending end opens by its IPC
+    /// handle); the segment then only serves the host's bookkeeping.
+    dev: once_cell::sync::OnceCell<DevSide>,
+}
+
+/// A connection in device memory, as one end holds it.
+enum DevSide {
+    Own(crate::gpu::memory::DevConn),
+    Opened(crate::gpu::memory::IpcConn),
 }
 
 // SAFETY: the mapping lives as long as the region; access goes through the protocol's atomics.
@@ -57,7 +67,35 @@ impl ShmRegion {
             ptr,
             len,
             name: path,
+            dev: once_cell::sync::OnceCell::new(),
         })
+    }
+
+    /// The device addresses of (header, slots), where the connection lives in device memory.
+    pub fn device_conn(&self) -> Option<(u64, u64)> {
+        self.dev.get().map(|d| match d {
+            DevSide::Own(c) => (c.hdr, c.slots),
+            DevSide::Opened(c) => (c.hdr, c.slots),
+        })
+    }
+
+    /// The receiving end: puts the connection (`hdr_bytes` of header, `slot_bytes` of slots)
+    /// in device memory of the current device; its IPC handle, for the sending end.
+    pub fn use_device_memory(&self, hdr_bytes: usize, slot_bytes: usize) -> Result<[u8; 64]> {
+        let c = crate::gpu::memory::DevConn::alloc(hdr_bytes, slot_bytes)?;
+        let h = c.ipc_handle()?;
+        self.dev
+            .set(DevSide::Own(c))
+            .map_err(|_| Error::internal("a connection put in device memory twice"))?;
+        Ok(h)
+    }
+
+    /// The sending end: opens the receiving end's connection in device memory by `handle`.
+    pub fn open_device_memory(&self, handle: &[u8; 64], hdr_bytes: usize) -> Result<()> {
+        let c = crate::gpu::memory::IpcConn::open(handle, hdr_bytes)?;
+        self.dev
+            .set(DevSide::Opened(c))
+            .map_err(|_| Error::internal("a connection put in device memory twice"))
     }
 
     pub fn ptr(&self) -> *mut u8 {

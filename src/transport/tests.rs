@@ -351,3 +351,21 @@ fn a_teardown_delivers_every_slot_despite_unread_bytes() {
         "{seen:?}"
     );
 }
+
+/// A receiving end's blob may carry the IPC handle of its connection in device memory after
+/// the name (whose bytes are never 0); a sending end's is the name alone.
+#[test]
+fn a_blob_is_a_name_and_maybe_a_handle() {
+    let name = super::conn_name(0xfeed, 1, 2, Class::Ring);
+    assert!(!name.as_bytes().contains(&super::HANDLE_MARK));
+    assert_eq!(super::split_blob(name.as_bytes()), (name.as_bytes(), None));
+    let mut handle = [0u8; 64];
+    handle[10] = 7; // handles hold zeros too
+    let mut blob = name.as_bytes().to_vec();
+    blob.push(super::HANDLE_MARK);
+    blob.extend_from_slice(&handle);
+    assert_eq!(
+        super::split_blob(&blob),
+        (name.as_bytes(), Some(&handle[..]))
+    );
+}

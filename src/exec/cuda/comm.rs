@@ -153,7 +153,7 @@ impl CudaComm {
             ranks_on_device: s
                 .peers
                 .iter()
-                .filter(|q| q.host == s.peers[s.rank].host && q.dev == dev)
+                .filter(|q| q.host == s.peers[s.rank].host && q.same_gpu(&s.peers[s.rank]))
                 .count()
                 .max(1),
             name,
