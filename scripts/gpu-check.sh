@@ -105,15 +105,16 @@ check "CUDA: 2 ranks as processes" 60 "$B/cuda_ranks" 2 processes
 check "CUDA: 4 ranks as processes, in place" 90 "$B/cuda_ranks" 4 processes inplace timeout=80
 # The same with CUDA IPC (OXCCL_CUDA_IPC=1: connections between the processes in device memory;
 # off by default until this passes): the connection lines must say P2P/IPC.
-with_ipc() {
-  env OXCCL_CUDA_IPC=1 NCCL_DEBUG=INFO "$@" >"$OUT/ipc.log" 2>&1; local rc=$?
-  grep -v "^NCCL INFO\|oxccl.*INFO" "$OUT/ipc.log" | tail -3
-  grep -m2 "via P2P/IPC" "$OUT/ipc.log" || { echo "no connection via P2P/IPC"; return 1; }
+with_ipc() {  # label, command...: its log in $OUT/ipc-<label>.log, kept
+  local log="$OUT/ipc-$1.log"; shift
+  env OXCCL_CUDA_IPC=1 NCCL_DEBUG=INFO "$@" >"$log" 2>&1; local rc=$?
+  grep -v ' NCCL INFO ' "$log" | tail -3
+  grep -m2 "via P2P/IPC" "$log" || { echo "no connection via P2P/IPC"; return 1; }
   return $rc
 }
-check "CUDA IPC: 2 ranks as processes" 60 with_ipc "$B/cuda_ranks" 2 processes
-check "CUDA IPC: 4 ranks as processes, in place" 90 with_ipc "$B/cuda_ranks" 4 processes inplace timeout=80
-check "CUDA IPC: 3 ranks as processes" 60 with_ipc "$B/cuda_ranks" 3 processes
+check "CUDA IPC: 2 ranks as processes" 60 with_ipc ranks2 "$B/cuda_ranks" 2 processes
+check "CUDA IPC: 4 ranks as processes, in place" 90 with_ipc ranks4 "$B/cuda_ranks" 4 processes inplace timeout=80
+check "CUDA IPC: 3 ranks as processes" 60 with_ipc ranks3 "$B/cuda_ranks" 3 processes
 check "CUDA: graph capture and replay, 2 ranks" 60 "$B/cuda_graph" 2
 check "CUDA: graph capture, global capture mode" 60 "$B/cuda_graph" 2 global
 
@@ -136,7 +137,7 @@ check "CUDA: tp_pp_mlp 8 ranks, float, H 512, 4 layers" 60 \
 check "CUDA: tp_pp_mlp 8 ranks, rows-first, exact" 60 \
   tppp --tp 4 --pp 2 --exact --split rows-first --device cuda
 check "CUDA IPC: tp_pp_mlp 8 ranks --tp 4 --pp 2 --exact" 60 \
-  env OXCCL_CUDA_IPC=1 bash -c "$(declare -f tppp); tppp --tp 4 --pp 2 --exact --device cuda"
+  with_ipc tppp bash -c "$(declare -f tppp); tppp --tp 4 --pp 2 --exact --device cuda"
 check "CUDA: tp_pp_mlp 8 ranks on 2 \"hosts\" (OXCCL_HOSTID), exact" 60 \
   env TPPP_HOSTS=2 bash -c "$(declare -f tppp); tppp --tp 4 --pp 2 --exact --microbatches 8 --device cuda"
 
@@ -170,7 +171,7 @@ perf oxccl-g2 "$OXLIB" "$B/all_reduce_perf" "${sweep[@]}" -g 2
 for v in "OXCCL_CUDA_BLOCKS=16" "OXCCL_CUDA_BLOCKS=32" "OXCCL_CUDA_BLOCKS=32 OXCCL_CHUNK_BYTES=1M" \
   "OXCCL_CUDA_BLOCKS=64 OXCCL_CHUNK_BYTES=1M"; do
   # shellcheck disable=SC2086 # VAR=value words
-  perf "oxccl-g2-${v// /-}" "$OXLIB" env $v "$B/all_reduce_perf" -b 16M -e 256M -f 4 -n 10 -w 3 -g 2
+  perf "oxccl-g2-${v//[= ]/-}" "$OXLIB" env $v "$B/all_reduce_perf" -b 16M -e 256M -f 4 -n 10 -w 3 -g 2
 done
 say "== 2 ranks, all_reduce busbw (GB/s) at 16M 64M 256M by blocks per lane and slot size"
 for f in "$OUT"/perf-oxccl-g2.txt "$OUT"/perf-oxccl-g2-OXCCL*.txt; do
@@ -196,7 +197,10 @@ two_procs() {  # same|hosts, command...
   return $rc
 }
 perf oxccl-2procs "$OXLIB" two_procs same "$B/all_reduce_perf" -b 8 -e 16M -f 8 -n 5 -w 2 -g 1
-perf oxccl-2procs-ipc "$OXLIB" env OXCCL_CUDA_IPC=1 bash -c "$(declare -f two_procs); two_procs same $B/all_reduce_perf -b 8 -e 64M -f 8 -n 5 -w 2 -g 1"
+perf oxccl-2procs-ipc "$OXLIB" env OXCCL_CUDA_IPC=1 NCCL_DEBUG=INFO bash -c \
+  "$(declare -f two_procs); two_procs same $B/all_reduce_perf -b 8 -e 64M -f 8 -n 5 -w 2 -g 1"
+grep -m2 "via P2P/IPC" "$OUT/perf-oxccl-2procs-ipc.txt" | tee -a "$log" ||
+  { say "   FAILED: no connection via P2P/IPC"; fails=$((fails + 1)); }
 perf oxccl-2hosts "$OXLIB" two_procs hosts "$B/all_reduce_perf" -b 8 -e 64M -f 8 -n 5 -w 2 -g 1
 grep -m2 "via NET" "$OUT/perf-oxccl-2hosts.txt" | tee -a "$log"
 perf sendrecv-2hosts "$OXLIB" two_procs hosts "$B/sendrecv_perf" -b 8 -e 64M -f 8 -n 5 -w 2 -g 1

@@ -165,7 +165,10 @@ unsafe extern "C" fn alloc(p: *mut u64, n: usize) -> CUresult {
     unsafe { *p = ((v.as_ptr() as u64) + 255) & !255 };
     OK
 }
-unsafe extern "C" fn free(_: u64) -> CUresult {
+/// Device memory freed (cuMemFree), in order.
+static FREED: Mutex<Vec<u64>> = Mutex::new(Vec::new());
+unsafe extern "C" fn free(p: u64) -> CUresult {
+    FREED.lock().push(p);
     OK
 }
 unsafe extern "C" fn alloc_async(p: *mut u64, n: usize, _: *mut c_void) -> CUresult {
@@ -638,5 +641,50 @@ fn cuda_executor_logic_on_a_recording_driver() {
         "a handle of nothing"
     );
     assert_eq!(driver::device_uuid(0).unwrap(), [0xa0; 16]);
+
+    // 9. Its lifetime between processes (both ends here, the peer's process standing in by
+    //    this one's pid, which is alive): the receiving end's memory is freed only once the
+    //    sending end has closed its handle and said so; until then it is parked. An end whose
+    //    kernels did not stop leaves everything as it is.
+    use nccl::transport::{shm::ShmRegion, Conn, Region};
+    let me = std::process::id();
+    let ends = |name: &str| {
+        let recv = ShmRegion::open(name, 8192, me).unwrap();
+        let h = recv.use_device_memory(4096, 4096).expect("device memory");
+        let send = ShmRegion::open(name, 8192, me).unwrap();
+        send.open_device_memory(&h, 4096).expect("opened");
+        assert_eq!(send.device_conn(), recv.device_conn());
+        let hdr = recv.device_conn().unwrap().0;
+        let conn = |r, is_sender| Conn::new(Region::Shm(r), 1, 4096, (0, 1), is_sender);
+        (conn(recv, false), conn(send, true), hdr)
+    };
+    let (recv, send, hdr) = ends("oxccl-cuda-logic-ipc-a");
+    assert!(recv.on_device() && send.on_device());
+    FREED.lock().clear();
+    IPC_CLOSED.lock().clear();
+    drop(recv); // the sending end still has it open
+    assert!(
+        !FREED.lock().contains(&hdr),
+        "freed while the peer had it open"
+    );
+    drop(send); // closes the handle, then says so in the shared header
+    assert_eq!(*IPC_CLOSED.lock(), [hdr]);
+    let (recv2, send2, hdr2) = ends("oxccl-cuda-logic-ipc-b"); // a new allocation sweeps
+    assert!(FREED.lock().contains(&hdr), "the parked memory is freed");
+    // Sending end first: the receiving end frees at once.
+    drop(send2);
+    drop(recv2);
+    assert!(FREED.lock().contains(&hdr2));
+    // Kernels that did not stop: nothing is closed or freed.
+    let (recv3, send3, hdr3) = ends("oxccl-cuda-logic-ipc-c");
+    send3.abandon_device_memory();
+    recv3.abandon_device_memory();
+    drop(send3);
+    drop(recv3);
+    let _ = ends("oxccl-cuda-logic-ipc-d"); // sweeps
+    assert!(!IPC_CLOSED.lock().contains(&hdr3) && !FREED.lock().contains(&hdr3));
+    for n in "abcd".chars() {
+        let _ = std::fs::remove_file(format!("/dev/shm/oxccl-cuda-logic-ipc-{n}"));
+    }
     let _ = std::fs::remove_dir_all(&cache);
 }

@@ -45,11 +45,12 @@ impl Core {
             .wait_quiescent(std::time::Instant::now() + crate::param::timeout())
     }
 
-    fn teardown(&self) {
+    /// `idle`: its work is done (`wait_idle` succeeded).
+    fn teardown(&self, idle: bool) {
         // Peers on this host waiting for this rank stop waiting; dropping the bootstrap closes
         // its sockets and joins its threads.
         self.exec.end();
-        self.conns.teardown();
+        self.conns.teardown(idle);
     }
 
     pub fn with_bootstrap<T>(&self, f: impl FnOnce(&Bootstrap) -> Result<T>) -> Result<T> {
@@ -240,7 +241,7 @@ impl Comm {
         let r = match self.core.get() {
             Some(c) => {
                 let r = c.wait_idle();
-                c.teardown();
+                c.teardown(r.is_ok());
                 r
             }
             None => Ok(()),

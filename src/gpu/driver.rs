@@ -232,14 +232,19 @@ pub fn version() -> Result<i32> {
     Ok(v)
 }
 
-/// Device `dev`'s UUID (a MIG instance's own where the device is one): the GPU's identity
-/// across processes, whose device numbers may differ (`CUDA_VISIBLE_DEVICES`).
-pub fn device_uuid(dev: CUdevice) -> Result<[u8; 16]> {
+/// The UUID of device number `ordinal` (a MIG instance's own where the device is one): the
+/// GPU's identity across processes, whose device numbers may differ (`CUDA_VISIBLE_DEVICES`).
+pub fn device_uuid(ordinal: c_int) -> Result<[u8; 16]> {
     let api = api()?;
+    let mut dev: CUdevice = 0;
+    // SAFETY: writes one device handle.
+    check(unsafe { (api.device_get)(&mut dev, ordinal) }, || {
+        format!("cuDeviceGet({ordinal})")
+    })?;
     let mut u = [0u8; 16];
     // SAFETY: writes 16 bytes.
     check(unsafe { (api.device_uuid)(&mut u, dev) }, || {
-        format!("cuDeviceGetUuid of device {dev}")
+        format!("cuDeviceGetUuid of device {ordinal}")
     })?;
     Ok(u)
 }

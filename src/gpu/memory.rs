@@ -159,13 +159,15 @@ impl DevConn {
     pub fn ipc_handle(&self) -> Result<[u8; 64]> {
         let api = driver::api()?;
         let _g = CtxGuard::enter(self.ctx)?;
-        let mut h = driver::CUipcMemHandle { reserved: [0; 64] };
-        // SAFETY: writes one handle; `hdr` is the allocation's base.
-        check(
-            unsafe { (api.ipc_get_mem_handle)(&mut h, self.hdr) },
-            || "cuIpcGetMemHandle of a connection in device memory".into(),
-        )?;
-        Ok(h.reserved)
+        driver::relaxed(|| {
+            let mut h = driver::CUipcMemHandle { reserved: [0; 64] };
+            // SAFETY: writes one handle; `hdr` is the allocation's base.
+            check(
+                unsafe { (api.ipc_get_mem_handle)(&mut h, self.hdr) },
+                || "cuIpcGetMemHandle of a connection in device memory".into(),
+            )?;
+            Ok(h.reserved)
+        })
     }
 }
 

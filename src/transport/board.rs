@@ -113,7 +113,9 @@ impl Board {
         let name = format!("oxccl-{comm_hash:016x}-board");
         let bytes = HDR + nranks * SLOT + nranks * 2 * INLINE;
         let region = if shared {
-            Region::Shm(shm::ShmRegion::open(&name, bytes)?)
+            let r = shm::ShmRegion::open(&name, bytes, 0)?;
+            r.pin()?;
+            Region::Shm(r)
         } else {
             Region::Heap(inproc::open(&name, bytes)?)
         };

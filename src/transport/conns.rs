@@ -234,8 +234,11 @@ impl Conns {
         }
     }
 
-    /// Drops the connections and closes the bootstrap (its sockets and threads).
-    pub fn teardown(&self) {
+    /// Drops the connections and closes the bootstrap (its sockets and threads). `idle`: the
+    /// communicator's work is done; where it is not (kernels that did not stop), the device
+    /// memory of connections between processes is left allocated and mapped, since they may
+    /// still touch it (see `Conn::abandon_device_memory`).
+    pub fn teardown(&self, idle: bool) {
         // The proxy thread first: it drives ends of the connections. What the last operations
         // handed it goes out before it stops (their peers wait for it).
         let proxy = self.proxy.lock().take();
@@ -249,6 +252,9 @@ impl Conns {
         // Each end lets go of its connection now, whoever still holds it (the other end stops
         // waiting for this one: `Conn::peer_closed`).
         let mut map = self.map.lock();
+        if !idle {
+            map.values().for_each(|c| c.abandon_device_memory());
+        }
         map.values().for_each(|c| c.close());
         map.clear();
         drop(map);
@@ -266,6 +272,8 @@ impl Conns {
             nsteps: self.nsteps,
             slot_bytes: self.slot_bytes,
             same_device: self.peers[self.rank].same_gpu(&self.peers[k.peer]),
+            ipc: self.peers[self.rank].takes_ipc() && self.peers[k.peer].takes_ipc(),
+            peer_pid: self.peers[k.peer].pid,
         }
     }
 

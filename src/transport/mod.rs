@@ -443,16 +443,41 @@ impl Conn {
     /// visible once this says yes.
     pub fn peer_closed(&self) -> bool {
         self.proxy.as_ref().is_some_and(|p| p.closed())
-            || (!self.on_device()
+            || (self.host_header()
                 && self.closed().load(Ordering::Acquire) & end_bit(!self.is_sender) != 0)
     }
 
     /// This end lets go of the connection: the other end's waits for it end (`peer_closed`).
+    /// A sending end that opened the receiving end's device memory closes it first: the owner
+    /// frees it only once this end says it is done (`shm::Parked`).
     pub fn close(&self) {
-        if !self.on_device() {
+        if let Region::Shm(s) = &self.region {
+            if s.abandoned() {
+                // Its kernels may still touch the device memory: the owner must keep it.
+                return;
+            }
+            s.close_opened();
+        }
+        if self.host_header() {
             self.closed()
                 .fetch_or(end_bit(self.is_sender), Ordering::Release);
         }
+    }
+
+    /// The communicator's kernels did not stop: device memory of a connection between
+    /// processes stays allocated and mapped (a leak, rather than memory a running kernel
+    /// touches after it was freed), and this end never says it closed, so the other end keeps
+    /// its own too.
+    pub fn abandon_device_memory(&self) {
+        if let Region::Shm(s) = &self.region {
+            s.abandon();
+        }
+    }
+
+    /// Whether both ends share the host copy of the header's bookkeeping words: all but a
+    /// connection of one process in device memory (whose host copy nobody else reads).
+    fn host_header(&self) -> bool {
+        matches!(self.region, Region::Shm(_)) || !self.on_device()
     }
 
     fn closed(&self) -> &AtomicU32 {
@@ -505,6 +530,11 @@ pub struct ConnSpec {
     pub slot_bytes: usize,
     /// Both ends run on one device (CUDA executor): their connection may live in its memory.
     pub same_device: bool,
+    /// Both ends' processes take connections in device memory by CUDA IPC (`OXCCL_CUDA_IPC=1`
+    /// and not `NCCL_P2P_DISABLE=1` in each).
+    pub ipc: bool,
+    /// The process of the other end.
+    pub peer_pid: u32,
 }
 
 impl ConnSpec {
@@ -530,17 +560,21 @@ pub(crate) struct Named {
     me: usize,
     peer: usize,
     is_sender: bool,
+    /// A sending end between processes whose connection lives in device memory: the receiving
+    /// end's blob carries the IPC handle.
+    opens_handle: bool,
 }
 
 /// Whether a connection between `spec`'s ranks lives in device memory: ranks on one GPU, on
 /// the CUDA executor, unless `NCCL_P2P_DISABLE=1` asks for host-staged memory; between
-/// processes (CUDA IPC) only with `OXCCL_CUDA_IPC=1`. (Ranks on different GPUs stay in pinned
-/// host memory: peer access is not enabled.)
+/// processes (CUDA IPC) only where both took `OXCCL_CUDA_IPC=1` (`spec.ipc`), so that both
+/// ends decide alike. (Ranks on different GPUs stay in pinned host memory: peer access is not
+/// enabled.)
 fn in_device_memory(spec: &ConnSpec, shm: bool) -> bool {
     crate::gpu::kind() == crate::gpu::Kind::Cuda
         && spec.same_device
         && !crate::param::p2p_disabled()
-        && (!shm || crate::param::cuda_ipc())
+        && (!shm || spec.ipc)
 }
 
 /// Between the connection's name and the IPC handle in a receiving end's blob.
@@ -553,7 +587,7 @@ impl Named {
         let slots = spec.nsteps * spec.slot_bytes;
         let mut handle = None;
         let region = if shm {
-            let r = shm::ShmRegion::open(&name, bytes)?;
+            let r = shm::ShmRegion::open(&name, bytes, spec.peer_pid)?;
             // The receiving end allocates; the sending end opens what its blob names.
             if !spec.is_sender && in_device_memory(spec, true) {
                 handle = Some(r.use_device_memory(HDR_BYTES, slots)?);
@@ -580,6 +614,7 @@ impl Named {
                 me: spec.me,
                 peer: spec.peer,
                 is_sender: spec.is_sender,
+                opens_handle: shm && spec.is_sender && in_device_memory(spec, true),
             }),
             blob,
         ))
@@ -613,8 +648,15 @@ impl Endpoint for Named {
             )));
         }
         match (handle, &conn.region) {
+            (None, _) if n.opens_handle => {
+                return Err(Error::internal(format!(
+                    "connection {}: rank {} sent no IPC handle of its device memory",
+                    n.name, n.peer
+                )))
+            }
+            (None, Region::Shm(s)) if !conn.on_device() => s.pin()?,
             (None, _) => {}
-            (Some(h), Region::Shm(s)) if n.is_sender => {
+            (Some(h), Region::Shm(s)) if n.opens_handle => {
                 let h: &[u8; 64] = h.try_into().map_err(|_| {
                     Error::internal(format!(
                         "connection {}: rank {} sent an IPC handle of {} bytes",
@@ -626,8 +668,8 @@ impl Endpoint for Named {
                 s.open_device_memory(h, HDR_BYTES).map_err(|e| {
                     e.context(format!(
                         "rank {}: opening rank {}'s end of connection {} in device memory \
-                         (CUDA IPC; OXCCL_CUDA_IPC=0 or NCCL_P2P_DISABLE=1 stage it in host \
-                         memory instead)",
+                         (CUDA IPC; without OXCCL_CUDA_IPC=1, or with NCCL_P2P_DISABLE=1, in \
+                         either process the connection stages in host memory instead)",
                         n.me, n.peer, n.name
                     ))
                 })?;

@@ -10,6 +10,8 @@ pub struct PeerInfo {
     /// The device's UUID on the CUDA executor (zeros on the host executor): which physical GPU,
     /// whatever number each process gives it.
     pub gpu: [u8; 16],
+    /// `FLAG_IPC`.
+    pub flags: u32,
     pub slot_bytes: u64,
     pub nsteps: u32,
     /// Where this process keeps its cross-memory-attach probe word (`transport::cma`).
@@ -18,7 +20,11 @@ pub struct PeerInfo {
     pub hostname: String,
 }
 
-const BYTES: usize = 8 + 4 + 4 + 16 + 8 + 4 + 8;
+const BYTES: usize = 8 + 4 + 4 + 16 + 4 + 8 + 4 + 8;
+
+/// The process takes connections in device memory by CUDA IPC (CUDA executor,
+/// `OXCCL_CUDA_IPC=1`, not `NCCL_P2P_DISABLE=1`).
+const FLAG_IPC: u32 = 1;
 
 /// This host's identity: hostname, boot id, and which /dev/shm the process sees
 /// (`OXCCL_HOSTID` overrides, for tests). Processes of one machine that do not share /dev/shm
@@ -64,6 +70,14 @@ impl PeerInfo {
                 }
                 _ => [0; 16],
             },
+            flags: if crate::gpu::kind() == crate::gpu::Kind::Cuda
+                && crate::param::cuda_ipc()
+                && !crate::param::p2p_disabled()
+            {
+                FLAG_IPC
+            } else {
+                0
+            },
             slot_bytes: slot_bytes() as u64,
             nsteps: crate::param::nsteps() as u32,
             probe: crate::transport::cma::probe_addr(),
@@ -85,6 +99,11 @@ impl PeerInfo {
         }
     }
 
+    /// Whether this rank's process takes connections in device memory by CUDA IPC.
+    pub fn takes_ipc(&self) -> bool {
+        self.flags & FLAG_IPC != 0
+    }
+
     /// "rank R (process P on host H)", for messages.
     pub fn describe(&self, rank: usize) -> String {
         format!(
@@ -99,6 +118,7 @@ impl PeerInfo {
         v.extend_from_slice(&self.pid.to_le_bytes());
         v.extend_from_slice(&self.dev.to_le_bytes());
         v.extend_from_slice(&self.gpu);
+        v.extend_from_slice(&self.flags.to_le_bytes());
         v.extend_from_slice(&self.slot_bytes.to_le_bytes());
         v.extend_from_slice(&self.nsteps.to_le_bytes());
         v.extend_from_slice(&self.probe.to_le_bytes());
@@ -120,9 +140,10 @@ impl PeerInfo {
             pid: u32_at(8),
             dev: u32_at(12) as i32,
             gpu: b[16..32].try_into().expect("16 bytes"),
-            slot_bytes: u64_at(32),
-            nsteps: u32_at(40),
-            probe: u64_at(44),
+            flags: u32_at(32),
+            slot_bytes: u64_at(36),
+            nsteps: u32_at(44),
+            probe: u64_at(48),
             hostname: String::from_utf8_lossy(&b[BYTES..]).into_owned(),
         })
     }
@@ -135,6 +156,7 @@ mod tests {
     fn round_trip() {
         let mut p = PeerInfo::mine(3);
         p.gpu = *b"0123456789abcdef";
+        p.flags = FLAG_IPC;
         assert_eq!(PeerInfo::from_bytes(&p.to_bytes()).unwrap(), p);
         assert!(PeerInfo::from_bytes(&[0u8; 3]).is_err());
     }

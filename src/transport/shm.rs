@@ -10,15 +10,23 @@ use nix::sys::mman::{mmap, munmap, shm_open, shm_unlink, MapFlags, ProtFlags};
 use nix::sys::stat::Mode;
 use std::num::NonZeroUsize;
 use std::ptr::NonNull;
+use std::sync::atomic::Ordering;
 
 pub struct ShmRegion {
     ptr: NonNull<std::ffi::c_void>,
     len: usize,
     name: String,
-    /// On the CUDA executor with `OXCCL_CUDA_IPC=1`, between ranks on one GPU: the connection
-    /// in device memory (the receiving end's allocation, which the sending end opens by its IPC
-    /// handle); the segment then only serves the host's bookkeeping.
-    dev: once_cell::sync::OnceCell<DevSide>,
+    /// Pinned for the CUDA executor's kernels (`pin`), unpinned when it goes.
+    pinned: std::sync::atomic::AtomicBool,
+    /// On the CUDA executor with CUDA IPC, between ranks on one GPU: the connection in device
+    /// memory (the receiving end's allocation, which the sending end opens by its IPC handle),
+    /// and its (header, slots) addresses; the segment then only serves the host's bookkeeping.
+    dev: parking_lot::Mutex<Option<DevSide>>,
+    dev_at: once_cell::sync::OnceCell<(u64, u64)>,
+    /// The process of the connection's other end (see `Parked`).
+    peer_pid: u32,
+    /// Its device memory is left as it is (`abandon`).
+    abandoned: std::sync::atomic::AtomicBool,
 }
 
 /// A connection in device memory, as one end holds it.
@@ -33,7 +41,9 @@ unsafe impl Send for ShmRegion {}
 unsafe impl Sync for ShmRegion {}
 
 impl ShmRegion {
-    pub fn open(name: &str, len: usize) -> Result<ShmRegion> {
+    /// Creates or opens the segment `name` of `len` bytes; `peer_pid`: the process of the
+    /// other end, if another process maps it (0: none in particular).
+    pub fn open(name: &str, len: usize, peer_pid: u32) -> Result<ShmRegion> {
         super::check_size(len)?;
         let path = format!("/{name}");
         let fd = shm_open(
@@ -57,45 +67,27 @@ impl ShmRegion {
             )
         }
         .map_err(|e| Error::os(format!("mmap {path} ({len} bytes)"), e))?;
-        // Kernels of the CUDA executor read and write connection memory.
-        if let Err(e) = crate::gpu::memory::pin_if_cuda(ptr.as_ptr() as *mut u8, len) {
-            // SAFETY: mapped just above.
-            let _ = unsafe { munmap(ptr, len) };
-            return Err(e.context(format!("shared memory {path}")));
-        }
         Ok(ShmRegion {
             ptr,
             len,
             name: path,
-            dev: once_cell::sync::OnceCell::new(),
+            pinned: Default::default(),
+            dev: Default::default(),
+            dev_at: Default::default(),
+            peer_pid,
+            abandoned: Default::default(),
         })
     }
 
-    /// The device addresses of (header, slots), where the connection lives in device memory.
-    pub fn device_conn(&self) -> Option<(u64, u64)> {
-        self.dev.get().map(|d| match d {
-            DevSide::Own(c) => (c.hdr, c.slots),
-            DevSide::Opened(c) => (c.hdr, c.slots),
-        })
-    }
-
-    /// The receiving end: puts the connection (`hdr_bytes` of header, `slot_bytes` of slots)
-    /// in device memory of the current device; its IPC handle, for the sending end.
-    pub fn use_device_memory(&self, hdr_bytes: usize, slot_bytes: usize) -> Result<[u8; 64]> {
-        let c = crate::gpu::memory::DevConn::alloc(hdr_bytes, slot_bytes)?;
-        let h = c.ipc_handle()?;
-        self.dev
-            .set(DevSide::Own(c))
-            .map_err(|_| Error::internal("a connection put in device memory twice"))?;
-        Ok(h)
-    }
-
-    /// The sending end: opens the receiving end's connection in device memory by `handle`.
-    pub fn open_device_memory(&self, handle: &[u8; 64], hdr_bytes: usize) -> Result<()> {
-        let c = crate::gpu::memory::IpcConn::open(handle, hdr_bytes)?;
-        self.dev
-            .set(DevSide::Opened(c))
-            .map_err(|_| Error::internal("a connection put in device memory twice"))
+    /// Pins the segment when the CUDA executor runs this process: kernels read and write it.
+    pub fn pin(&self) -> Result<()> {
+        if self.pinned.load(Ordering::Acquire) {
+            return Ok(());
+        }
+        crate::gpu::memory::pin_if_cuda(self.ptr(), self.len)
+            .map_err(|e| e.context(format!("shared memory {}", self.name)))?;
+        self.pinned.store(true, Ordering::Release);
+        Ok(())
     }
 
     pub fn ptr(&self) -> *mut u8 {
@@ -105,12 +97,136 @@ impl ShmRegion {
     pub fn unlink(&self) {
         let _ = shm_unlink(self.name.as_str());
     }
+
+    /// The device addresses of (header, slots), where the connection lives in device memory.
+    pub fn device_conn(&self) -> Option<(u64, u64)> {
+        self.dev_at.get().copied()
+    }
+
+    /// The receiving end: puts the connection (`hdr_bytes` of header, `slot_bytes` of slots)
+    /// in device memory of the current device; its IPC handle, for the sending end.
+    pub fn use_device_memory(&self, hdr_bytes: usize, slot_bytes: usize) -> Result<[u8; 64]> {
+        Parked::sweep();
+        let c = crate::gpu::memory::DevConn::alloc(hdr_bytes, slot_bytes)?;
+        let h = c.ipc_handle()?;
+        self.set_dev(DevSide::Own(c))?;
+        Ok(h)
+    }
+
+    /// The sending end: opens the receiving end's connection in device memory by `handle`.
+    pub fn open_device_memory(&self, handle: &[u8; 64], hdr_bytes: usize) -> Result<()> {
+        let c = crate::gpu::memory::IpcConn::open(handle, hdr_bytes)?;
+        self.set_dev(DevSide::Opened(c))
+    }
+
+    fn set_dev(&self, d: DevSide) -> Result<()> {
+        let at = match &d {
+            DevSide::Own(c) => (c.hdr, c.slots),
+            DevSide::Opened(c) => (c.hdr, c.slots),
+        };
+        let mut dev = self.dev.lock();
+        if dev.is_some() || self.dev_at.set(at).is_err() {
+            return Err(Error::internal("a connection put in device memory twice"));
+        }
+        *dev = Some(d);
+        Ok(())
+    }
+
+    /// The sending end lets go of the receiving end's device memory (before it says it closed:
+    /// the owner frees it only after, see `Parked`).
+    pub fn close_opened(&self) {
+        let mut dev = self.dev.lock();
+        if matches!(*dev, Some(DevSide::Opened(_))) {
+            dev.take();
+        }
+    }
+
+    /// Leaves the device memory allocated and mapped for good, and the segment mapped (kernels
+    /// that did not stop may still touch them; see `Conn::abandon_device_memory`).
+    pub fn abandon(&self) {
+        if let Some(d) = self.dev.lock().take() {
+            std::mem::forget(d);
+            self.abandoned.store(true, Ordering::Release);
+        }
+    }
+
+    pub fn abandoned(&self) -> bool {
+        self.abandoned.load(Ordering::Acquire)
+    }
+
+    /// Whether the sending end is done with this segment's device memory: it said so in the
+    /// header's closed word, or its process is gone (the driver closed its mappings).
+    fn sender_done(ptr: *mut u8, peer_pid: u32) -> bool {
+        // SAFETY: the header's closed word, inside the mapping, only accessed atomically.
+        let closed =
+            unsafe { &*(ptr.add(super::CLOSED_OFF) as *const std::sync::atomic::AtomicU32) };
+        closed.load(Ordering::Acquire) & super::end_bit(true) != 0
+            || (peer_pid != 0
+                && nix::sys::signal::kill(nix::unistd::Pid::from_raw(peer_pid as i32), None)
+                    == Err(nix::errno::Errno::ESRCH))
+    }
 }
 
 impl Drop for ShmRegion {
     fn drop(&mut self) {
-        crate::gpu::memory::unpin_if_cuda(self.ptr.as_ptr() as *mut u8);
+        if self.abandoned() {
+            return; // the mapping too: the other end may read its header's words
+        }
+        let dev = self.dev.get_mut().take();
+        if let Some(DevSide::Own(c)) = dev {
+            if !Self::sender_done(self.ptr(), self.peer_pid) {
+                // The sending end's process may still have it open: freeing it now is
+                // undefined behaviour there (cuMemFree before cuIpcCloseMemHandle).
+                Parked::park(Parked {
+                    dev: Some(c),
+                    ptr: self.ptr,
+                    len: self.len,
+                    peer_pid: self.peer_pid,
+                });
+                return;
+            }
+        }
+        if self.pinned.load(Ordering::Acquire) {
+            crate::gpu::memory::unpin_if_cuda(self.ptr());
+        }
         // SAFETY: mapped in `open` with this length, not used after drop.
+        let _ = unsafe { munmap(self.ptr, self.len) };
+    }
+}
+
+/// A receiving end's device memory whose sending end had not let go of it when the connection
+/// went, kept (with the segment whose header says when it does) until it has or its process is
+/// gone; looked at whenever a region goes or device memory is allocated for a new one.
+struct Parked {
+    dev: Option<crate::gpu::memory::DevConn>,
+    ptr: NonNull<std::ffi::c_void>,
+    len: usize,
+    peer_pid: u32,
+}
+
+// SAFETY: the mapping and the allocation are owned by the entry; only atomics are read.
+unsafe impl Send for Parked {}
+
+static PARKED: parking_lot::Mutex<Vec<Parked>> = parking_lot::Mutex::new(Vec::new());
+
+impl Parked {
+    fn park(p: Parked) {
+        let mut list = PARKED.lock();
+        list.push(p);
+        list.retain(|p| !ShmRegion::sender_done(p.ptr.as_ptr() as *mut u8, p.peer_pid));
+    }
+
+    fn sweep() {
+        PARKED
+            .lock()
+            .retain(|p| !ShmRegion::sender_done(p.ptr.as_ptr() as *mut u8, p.peer_pid));
+    }
+}
+
+impl Drop for Parked {
+    fn drop(&mut self) {
+        self.dev.take();
+        // SAFETY: the segment's mapping, handed over by its region.
         let _ = unsafe { munmap(self.ptr, self.len) };
     }
 }

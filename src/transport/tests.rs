@@ -186,6 +186,8 @@ fn each_locality_has_its_transport_and_blobs_are_checked() {
         nsteps: 2,
         slot_bytes: 4096,
         same_device: false,
+        ipc: false,
+        peer_pid: 0,
     };
     let t = pick(&me, &me).unwrap();
     let (ep, _) = t.setup(&spec(true)).unwrap();
@@ -340,7 +342,7 @@ fn a_teardown_delivers_every_slot_despite_unread_bytes() {
             }
         }
         drop((send, recv));
-        c.teardown();
+        c.teardown(true);
         seen
     });
     let seen = &got[1];

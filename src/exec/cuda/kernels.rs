@@ -22,8 +22,13 @@ typedef int int32_t; typedef unsigned int uint32_t;\n\
 typedef long long int64_t; typedef unsigned long long uint64_t;\n\
 typedef unsigned long uintptr_t; typedef unsigned long size_t;\n";
 
-/// The library's fatbin (empty when it was built without nvcc).
-static FATBIN: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/kernels.fatbin"));
+/// The library's fatbin (empty when it was built without nvcc), aligned as a fatbin's
+/// 8-byte fields want it (and handed to the driver where it is).
+#[repr(C, align(64))]
+struct Aligned<T: ?Sized>(T);
+static FATBIN_ALIGNED: &Aligned<[u8]> =
+    &Aligned(*include_bytes!(concat!(env!("OUT_DIR"), "/kernels.fatbin")));
+static FATBIN: &[u8] = &FATBIN_ALIGNED.0;
 
 /// What a fatbin holds: (PTX?, architecture) of each image, in order; None when `b` is not one.
 /// The layout: a 16-byte header (magic 0xBA55ED50, version, header size, payload size), then
@@ -47,6 +52,9 @@ pub fn fatbin_images(b: &[u8]) -> Option<Vec<(bool, u32)>> {
         let kind = u16_at(at)?;
         let hs = u32_at(at + 4)? as usize;
         let size = usize::try_from(u64_at(at + 8)?).ok()?;
+        if hs < 32 {
+            return None; // (not even this header's own fields: and no progress)
+        }
         out.push((kind == 1, u32_at(at + 28)?));
         at = at.checked_add(hs)?.checked_add(size)?;
     }
@@ -222,28 +230,38 @@ pub fn get(ctx: usize, dev: i32) -> Result<Kernels> {
     let arch = major * 10 + minor;
     // Launches with a descriptor past `desc::PARAM_BYTES` need the large-parameter twins.
     let large = driver::version()? >= LARGE_PARAMS_DRIVER && major >= 7;
-    let load = |img: &nvrtc::Image| -> Result<driver::CUmodule> {
+    let load = |bytes: &[u8], what: &str| -> Result<driver::CUmodule> {
         let mut module: driver::CUmodule = std::ptr::null_mut();
         // SAFETY: a fatbin made by nvcc, or a cubin or NUL-terminated PTX image made by NVRTC.
         check(
-            unsafe { (api.module_load_data)(&mut module, img.bytes.as_ptr() as *const _) },
-            || format!("loading the kernels ({}) on device {dev}", img.what),
+            unsafe { (api.module_load_data)(&mut module, bytes.as_ptr() as *const _) },
+            || format!("loading the kernels ({what}) on device {dev}"),
         )?;
         Ok(module)
     };
-    let fatbin = (!FATBIN.is_empty()
-        && std::env::var("OXCCL_KERNELS").map_or(true, |v| v != "nvrtc"))
-    .then(|| nvrtc::Image {
-        bytes: FATBIN.to_vec(),
-        what: fatbin_what(),
-    });
-    let (module, what) = match fatbin.as_ref().map(|f| (load(f), f)) {
-        Some((Ok(m), f)) => (m, f.what.clone()),
-        other => {
-            if let Some((Err(e), _)) = other {
+    let use_fatbin =
+        !FATBIN.is_empty() && std::env::var("OXCCL_KERNELS").map_or(true, |v| v != "nvrtc");
+    let refused = match use_fatbin.then(|| load(FATBIN, &fatbin_what())) {
+        Some(Ok(m)) => Ok((m, fatbin_what())),
+        Some(Err(e)) => Err(Some(e)),
+        None => Err(None),
+    };
+    let (module, what) = match refused {
+        Ok(m) => m,
+        Err(refused) => {
+            // A driver older than the nvcc that made the fatbin refuses it.
+            if let Some(e) = &refused {
                 crate::debug::info(&format!("{}: compiling them with NVRTC instead", e.msg));
             }
-            nvrtc_module(arch, large, &load)?
+            nvrtc_module(arch, large, &|img| load(&img.bytes, &img.what)).map_err(|mut e| {
+                if let Some(r) = refused {
+                    e.msg = format!(
+                        "{} (the library's own kernels were refused: {})",
+                        e.msg, r.msg
+                    );
+                }
+                e
+            })?
         }
     };
     crate::debug::info(&format!(
@@ -303,6 +321,13 @@ mod tests {
             );
         }
         assert_eq!(super::fatbin_images(b"not a fatbin at all"), None);
+        // An image header that claims no size would never end the walk.
+        let mut zero = 0xBA55_ED50u32.to_le_bytes().to_vec();
+        zero.extend_from_slice(&[1, 0, 16, 0]);
+        zero.extend_from_slice(&64u64.to_le_bytes());
+        zero.extend_from_slice(&[0; 64]);
+        assert_eq!(super::fatbin_images(&zero), None);
+        assert_eq!(super::FATBIN.as_ptr() as usize % 64, 0);
     }
 
     /// The embedded kernel sources compile with NVRTC for every architecture the library

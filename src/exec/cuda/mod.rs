@@ -209,8 +209,10 @@ pub fn launch(ops: Vec<Call<'_>>) -> Result<()> {
         // Device memory of new connections goes to the (first) communicator's device.
         let _g = planned[0].0[0].cuda().enter()?;
         if let Err(e) = crate::transport::conns::connect_all(&needs) {
+            // Peers whose ends connected wait for this rank: tell them (a sending end that
+            // could not open a receiving end's device memory, say).
             for (qs, _) in &planned {
-                qs[0].cuda().health.fail(e.clone());
+                qs[0].cuda().health.fail_and_announce(e.clone());
             }
             return Err(e);
         }

@@ -302,9 +302,10 @@ fn launch_tasks(ops: Vec<Call<'_>>) -> Result<()> {
         .unzip();
     if !needs.is_empty() {
         if let Err(e) = crate::transport::conns::connect_all(&needs) {
-            // A communicator whose connections could not be made is broken, as NCCL's is.
+            // A communicator whose connections could not be made is broken, as NCCL's is; peers
+            // whose ends connected would wait for it: they are told.
             for comm in needy {
-                comm.health.fail(e.clone());
+                comm.health.fail_and_announce(e.clone());
             }
             return Err(e);
         }
