@@ -305,6 +305,9 @@ fn build_core(p: PendingInit) -> Result<Core> {
     })?;
     let local = peers.iter().filter(|q| q.host == me.host).count();
     let conns = Conns::new(boot, peers, hash, health.clone());
+    if let Some(ctx) = exec.device_ctx() {
+        conns.set_device_ctx(ctx);
+    }
     let nodes = conns.nodes();
     let dev_guard = exec.enter_device()?;
     conns.connect_ring()?;

@@ -34,6 +34,10 @@ pub struct Conns {
     health: Arc<crate::health::Health>,
     /// Started with the first connection whose data a proxy moves.
     proxy: Mutex<Option<super::proxy::ProxyThread>>,
+    /// On the CUDA executor, the communicator's context: connections in device memory are
+    /// made (allocated, or opened by CUDA IPC) in it, whichever communicator's context the
+    /// thread making them is in.
+    device_ctx: once_cell::sync::OnceCell<usize>,
 }
 
 /// Ranks grouped by host (hosts in the order of their first rank, ranks ascending within a
@@ -85,7 +89,22 @@ impl Conns {
             peers,
             map: Mutex::new(HashMap::default()),
             bootstrap: Mutex::new(Some(boot)),
+            device_ctx: Default::default(),
         }
+    }
+
+    /// The CUDA context of the communicator's device (see `device_ctx`).
+    pub fn set_device_ctx(&self, ctx: usize) {
+        let _ = self.device_ctx.set(ctx);
+    }
+
+    /// Makes the communicator's CUDA context current while the guard lives (nothing on the
+    /// host executor).
+    fn enter_device(&self) -> Result<Option<crate::gpu::driver::CtxGuard>> {
+        self.device_ctx
+            .get()
+            .map(|&c| crate::gpu::driver::CtxGuard::enter(c))
+            .transpose()
     }
 
     /// How many hosts the communicator's ranks are on.
@@ -287,12 +306,15 @@ impl Conns {
                 b.extend_from_slice(&blob);
                 (Ok(ep), b)
             }
-            Err(e) => {
-                let mut b = vec![FAILED];
-                b.extend_from_slice(e.msg.as_bytes());
-                (Err(e), b)
-            }
+            Err(e) => self.failed_setup(e),
         }
+    }
+
+    /// An end that could not be set up: the error, and the blob that tells the peer why.
+    fn failed_setup(&self, e: Error) -> (Result<Box<dyn Endpoint>>, Vec<u8>) {
+        let mut b = vec![FAILED];
+        b.extend_from_slice(e.msg.as_bytes());
+        (Err(e), b)
     }
 }
 
@@ -313,8 +335,12 @@ pub fn connect_all(needs: &[(&Conns, Vec<ConnKey>)]) -> Result<()> {
         // Receiving ends first: a sending end shares the sockets of its rank's receiving end
         // from the same peer where that end exists (see `net::pair`).
         let (recvs, sends): (Vec<ConnKey>, Vec<ConnKey>) = keys.iter().partition(|k| !k.is_sender);
+        let guard = c.enter_device();
         for k in recvs.into_iter().chain(sends) {
-            let (ep, blob) = c.setup(k);
+            let (ep, blob) = match &guard {
+                Ok(_) => c.setup(k),
+                Err(e) => c.failed_setup(e.clone()),
+            };
             let sent = c.with_bootstrap(|b| b.send_setup(k.peer, blob_tag(k, k.is_sender), &blob));
             if let Err(e) = ep.as_ref().err().cloned().map_or(sent, Err) {
                 first_err.get_or_insert(e);
@@ -326,6 +352,7 @@ pub fn connect_all(needs: &[(&Conns, Vec<ConnKey>)]) -> Result<()> {
         let blob = c.with_bootstrap(|b| b.recv_setup(k.peer, blob_tag(k, !k.is_sender)));
         let r = blob.and_then(|blob| {
             let ep = ep?;
+            let _g = c.enter_device()?;
             match blob.split_first() {
                 Some((&READY, rest)) => ep.connect(rest),
                 Some((_, msg)) => Err(Error::remote(format!(

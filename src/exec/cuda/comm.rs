@@ -174,6 +174,11 @@ impl CudaComm {
         CtxGuard::enter(self.ctx)
     }
 
+    /// The context of the communicator's device (its primary context).
+    pub fn ctx(&self) -> usize {
+        self.ctx
+    }
+
     pub fn describe(&self) -> &str {
         &self.name
     }

@@ -206,7 +206,8 @@ pub fn launch(ops: Vec<Call<'_>>) -> Result<()> {
         .filter(|(_, keys)| !keys.is_empty())
         .collect();
     if !needs.is_empty() {
-        // Device memory of new connections goes to the (first) communicator's device.
+        // Device memory of new connections goes to each communicator's device (`Conns`
+        // enters its context); the first's is current meanwhile.
         let _g = planned[0].0[0].cuda().enter()?;
         if let Err(e) = crate::transport::conns::connect_all(&needs) {
             // Peers whose ends connected wait for this rank: tell them (a sending end that
