@@ -7,16 +7,20 @@
 #
 # On a machine with a CUDA driver it runs, each check under a time limit (a hang fails the check,
 # it does not stall the run):
-#  1. the CUDA executor on device buffers: every collective x datatype x op on 1, 2 and 4 ranks of
-#     the one GPU (coll_matrix cuda), ranks as threads and as processes (cuda_ranks), CUDA graph
-#     capture and replay (cuda_graph); the TP/PP example on device buffers, 8 ranks (processes)
-#     on the one GPU;
+#  1. the CUDA executor on device buffers: where its kernels came from (the library's fatbin, and
+#     NVRTC with OXCCL_KERNELS=nvrtc); every collective x datatype x op on 1, 2 and 4 ranks of
+#     the one GPU (coll_matrix cuda), ranks as threads and as processes (cuda_ranks, which ends
+#     with 48 all-reduces in one group: the kernels' large parameter), the processes again with
+#     CUDA IPC (OXCCL_CUDA_IPC=1), CUDA graph capture and replay (cuda_graph); the TP/PP example
+#     on device buffers, 8 ranks (processes) on the one GPU, also with CUDA IPC;
 #  2. the perf tools on the GPU: all_reduce_perf at nranks=1 against NVIDIA's libnccl.so.2 (from
 #     the machine's Python packages) side by side, then 2 and 4 ranks on the one GPU, and the
 #     other tools at 2 ranks;
 #  3. PyTorch with LD_PRELOAD=libnccl.so.2 (scripts/gpu-torch-check.py): world sizes 1 and 2;
 #  4. the host executor there (OXCCL_DEVICE=host): the C programs, perf tools and the TP/PP
-#     example with the machine's many cores.
+#     example with the machine's many cores;
+#  5. measurements for the next defaults: two processes' all_reduce_perf with CUDA IPC, and 2
+#     ranks' bandwidth by blocks per lane (OXCCL_CUDA_BLOCKS) and slot size.
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 pack="$root/target/gpu-check"
@@ -166,17 +170,6 @@ if [ -n "$NV_NCCL" ]; then
     awk '{printf "%12s B  oxccl %9s GB/s  nvidia %9s GB/s  ratio %s   (nvidia %s us)\n", $1, $2, $3, ($3>0? sprintf("%.2f",$2/$3):"-"), $4}' | tee -a "$log"
 fi
 perf oxccl-g2 "$OXLIB" "$B/all_reduce_perf" "${sweep[@]}" -g 2
-# Blocks per lane (OXCCL_CUDA_BLOCKS, default 8) and slot size against 2 ranks' bandwidth: what
-# the next default should be.
-for v in "OXCCL_CUDA_BLOCKS=16" "OXCCL_CUDA_BLOCKS=32" "OXCCL_CUDA_BLOCKS=32 OXCCL_CHUNK_BYTES=1M" \
-  "OXCCL_CUDA_BLOCKS=64 OXCCL_CHUNK_BYTES=1M"; do
-  # shellcheck disable=SC2086 # VAR=value words
-  perf "oxccl-g2-${v//[= ]/-}" "$OXLIB" env $v "$B/all_reduce_perf" -b 16M -e 256M -f 4 -n 10 -w 3 -g 2
-done
-say "== 2 ranks, all_reduce busbw (GB/s) at 16M 64M 256M by blocks per lane and slot size"
-for f in "$OUT"/perf-oxccl-g2.txt "$OUT"/perf-oxccl-g2-OXCCL*.txt; do
-  echo "  $(basename "$f" .txt): $(awk '$1 == 16777216 || $1 == 67108864 || $1 == 268435456 {printf "%s ", $8}' "$f")"
-done | tee -a "$log"
 # Up to 256 MiB: at 1 GiB the tool's own set-up and checks of 4 x 1 GiB on the host take
 # longer than the limit (a single 1 GiB size took over 50 s there, the collective 4 ms).
 perf oxccl-g4 "$OXLIB" "$B/all_reduce_perf" -b 8 -e 256M -f 8 -n 10 -w 3 -g 4
@@ -197,10 +190,6 @@ two_procs() {  # same|hosts, command...
   return $rc
 }
 perf oxccl-2procs "$OXLIB" two_procs same "$B/all_reduce_perf" -b 8 -e 16M -f 8 -n 5 -w 2 -g 1
-perf oxccl-2procs-ipc "$OXLIB" env OXCCL_CUDA_IPC=1 NCCL_DEBUG=INFO bash -c \
-  "$(declare -f two_procs); two_procs same $B/all_reduce_perf -b 8 -e 64M -f 8 -n 5 -w 2 -g 1"
-grep -m2 "via P2P/IPC" "$OUT/perf-oxccl-2procs-ipc.txt" | tee -a "$log" ||
-  { say "   FAILED: no connection via P2P/IPC"; fails=$((fails + 1)); }
 perf oxccl-2hosts "$OXLIB" two_procs hosts "$B/all_reduce_perf" -b 8 -e 64M -f 8 -n 5 -w 2 -g 1
 grep -m2 "via NET" "$OUT/perf-oxccl-2hosts.txt" | tee -a "$log"
 perf sendrecv-2hosts "$OXLIB" two_procs hosts "$B/sendrecv_perf" -b 8 -e 64M -f 8 -n 5 -w 2 -g 1
@@ -256,5 +245,22 @@ check "host: C, one process, InitAll + group" 60 "$B/ex_single_process"
 check "host: collective matrix, 8 ranks" 120 "$B/coll_matrix" 8 big=none
 check "host: all_reduce_perf -g 8" 60 "$B/all_reduce_perf" -b 8 -e 64M -f 8 -g 8 -n 5 -w 1
 check "host: tp_pp_mlp --tp 4 --pp 2 --exact" 60 tppp --tp 4 --pp 2 --exact
-say "# failures: $fails"
+# 5. Measurements for the next defaults (last: a run cut short by its limit has the rest).
+unset OXCCL_DEVICE
+perf oxccl-2procs-ipc "$OXLIB" env OXCCL_CUDA_IPC=1 NCCL_DEBUG=INFO bash -c \
+  "$(declare -f two_procs); two_procs same $B/all_reduce_perf -b 8 -e 64M -f 8 -n 5 -w 2 -g 1"
+grep -m2 "via P2P/IPC" "$OUT/perf-oxccl-2procs-ipc.txt" | tee -a "$log" ||
+  { say "   FAILED: no connection via P2P/IPC"; fails=$((fails + 1)); }
+# Blocks per lane (OXCCL_CUDA_BLOCKS, default 8) and slot size against 2 ranks' bandwidth: what
+# the next default should be.
+for v in "OXCCL_CUDA_BLOCKS=16" "OXCCL_CUDA_BLOCKS=32" "OXCCL_CUDA_BLOCKS=32 OXCCL_CHUNK_BYTES=4M" \
+  "OXCCL_CUDA_BLOCKS=64 OXCCL_CHUNK_BYTES=4M"; do
+  # shellcheck disable=SC2086 # VAR=value words
+  perf "oxccl-g2-${v//[= ]/-}" "$OXLIB" env $v "$B/all_reduce_perf" -b 64M -e 64M -n 20 -w 5 -c 0 -g 2
+done
+say "== 2 ranks, all_reduce busbw (GB/s) at 64M by blocks per lane and slot size (the first: 8, 1 MiB)"
+for f in "$OUT"/perf-oxccl-g2.txt "$OUT"/perf-oxccl-g2-OXCCL*.txt; do
+  echo "  $(basename "$f" .txt): $(awk '$1 == 67108864 {printf "%s ", $8}' "$f")"
+done | tee -a "$log"
+say "# failures: $fails ($SECONDS s)"
 exit $((fails > 0))
