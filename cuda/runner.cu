@@ -583,22 +583,17 @@ __device__ __forceinline__ void ox_local(const uint64_t* words) {
 }
 
 // The kernels, taking their descriptor by value (its address is the parameter's own: the
-// parameter is not copied).
-extern "C" __global__ void __launch_bounds__(OX_THREADS)
-    oxccl_run(const __grid_constant__ OxParams P) {
-  ox_run(P.words);
-}
-extern "C" __global__ void __launch_bounds__(OX_THREADS)
-    oxccl_local(const __grid_constant__ OxParams P) {
-  ox_local(P.words);
-}
+// parameter is not copied): `oxccl_run` and `oxccl_local`, and their `_large` twins.
+#define OX_KERNELS(SUFFIX, PARAMS)                                                         \
+  extern "C" __global__ void __launch_bounds__(OX_THREADS)                                 \
+      oxccl_run##SUFFIX(const __grid_constant__ PARAMS P) {                                \
+    ox_run(P.words);                                                                       \
+  }                                                                                        \
+  extern "C" __global__ void __launch_bounds__(OX_THREADS)                                 \
+      oxccl_local##SUFFIX(const __grid_constant__ PARAMS P) {                              \
+    ox_local(P.words);                                                                     \
+  }
+OX_KERNELS(, OxParams)
 #ifdef OX_LARGE
-extern "C" __global__ void __launch_bounds__(OX_THREADS)
-    oxccl_run_large(const __grid_constant__ OxParamsLarge P) {
-  ox_run(P.words);
-}
-extern "C" __global__ void __launch_bounds__(OX_THREADS)
-    oxccl_local_large(const __grid_constant__ OxParamsLarge P) {
-  ox_local(P.words);
-}
+OX_KERNELS(_large, OxParamsLarge)
 #endif
