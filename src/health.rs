@@ -159,6 +159,16 @@ impl Health {
         }
     }
 
+    /// Records `e`, and tells the peers unless it came from one (`ncclRemoteError`: the rank
+    /// that failed tells everyone itself).
+    pub fn fail_unless_told(&self, e: Error) {
+        if e.code == crate::error::Code::RemoteError {
+            self.fail(e);
+        } else {
+            self.fail_and_announce(e);
+        }
+    }
+
     /// Why waiting on this communicator must stop, if it must: "aborted" (an
     /// `ncclRemoteError`-coded error when a peer asked for it), for `who` waiting for `what`.
     pub fn stopped(&self, who: &dyn std::fmt::Display, what: &dyn Fn() -> String) -> Result<()> {

@@ -264,6 +264,10 @@ unsafe extern "C" fn uuid(u: *mut [u8; 16], dev: c_int) -> CUresult {
 /// A handle names the allocation's address (and a mark); opening gives it back.
 const IPC_MARK: &[u8; 8] = b"oxipc-hd";
 static IPC_CLOSED: Mutex<Vec<u64>> = Mutex::new(Vec::new());
+/// A closed word the test watches (its address, 0: none), and its value at each
+/// cuIpcCloseMemHandle: an end must close its handle before it says it closed.
+static WATCH: AtomicU64 = AtomicU64::new(0);
+static WATCHED: Mutex<Vec<u32>> = Mutex::new(Vec::new());
 unsafe extern "C" fn ipc_get(h: *mut driver::CUipcMemHandle, p: u64) -> CUresult {
     let mut r = [0u8; 64];
     r[..8].copy_from_slice(IPC_MARK);
@@ -279,6 +283,11 @@ unsafe extern "C" fn ipc_open(p: *mut u64, h: driver::CUipcMemHandle, flags: c_u
     OK
 }
 unsafe extern "C" fn ipc_close(p: u64) -> CUresult {
+    let w = WATCH.load(Ordering::Acquire);
+    if w != 0 {
+        let word = unsafe { &*(w as *const std::sync::atomic::AtomicU32) };
+        WATCHED.lock().push(word.load(Ordering::Acquire));
+    }
     IPC_CLOSED.lock().push(p);
     OK
 }
@@ -644,21 +653,23 @@ fn cuda_executor_logic_on_a_recording_driver() {
 
     // 9. Its lifetime between processes (both ends here, the peer's process standing in by
     //    this one's pid, which is alive): the receiving end's memory is freed only once the
-    //    sending end has closed its handle and said so; until then it is parked. An end whose
-    //    kernels did not stop leaves everything as it is.
+    //    sending end has closed its handle and then said so (or its process is gone); until
+    //    then it is parked, and freed when a region goes. An end whose kernels did not stop
+    //    leaves everything as it is.
     use nccl::transport::{shm::ShmRegion, Conn, Region};
     let me = std::process::id();
-    let ends = |name: &str| {
-        let recv = ShmRegion::open(name, 8192, me).unwrap();
+    let ends_of = |name: &str, peer: u32| {
+        let recv = ShmRegion::open(name, 8192, peer).unwrap();
         let h = recv.use_device_memory(4096, 4096).expect("device memory");
         let send = ShmRegion::open(name, 8192, me).unwrap();
         send.open_device_memory(&h, 4096).expect("opened");
         assert_eq!(send.device_conn(), recv.device_conn());
         let hdr = recv.device_conn().unwrap().0;
+        let word = send.closed_word() as *const _ as u64;
         let conn = |r, is_sender| Conn::new(Region::Shm(r), 1, 4096, (0, 1), is_sender);
-        (conn(recv, false), conn(send, true), hdr)
+        (conn(recv, false), conn(send, true), hdr, word)
     };
-    let (recv, send, hdr) = ends("oxccl-cuda-logic-ipc-a");
+    let (recv, send, hdr, word) = ends_of("oxccl-cuda-logic-ipc-a", me);
     assert!(recv.on_device() && send.on_device());
     FREED.lock().clear();
     IPC_CLOSED.lock().clear();
@@ -667,23 +678,39 @@ fn cuda_executor_logic_on_a_recording_driver() {
         !FREED.lock().contains(&hdr),
         "freed while the peer had it open"
     );
+    WATCH.store(word, Ordering::Release);
     drop(send); // closes the handle, then says so in the shared header
+    WATCH.store(0, Ordering::Release);
     assert_eq!(*IPC_CLOSED.lock(), [hdr]);
-    let (recv2, send2, hdr2) = ends("oxccl-cuda-logic-ipc-b"); // a new allocation sweeps
+    // (Bit 0: the sending end's; bit 1, the receiving end's, is set.)
+    assert_eq!(*WATCHED.lock(), [2], "it said it closed before it did");
+    drop(ends_of("oxccl-cuda-logic-ipc-b", me)); // a region that goes sweeps
     assert!(FREED.lock().contains(&hdr), "the parked memory is freed");
     // Sending end first: the receiving end frees at once.
+    let (recv2, send2, hdr2, _) = ends_of("oxccl-cuda-logic-ipc-c", me);
     drop(send2);
     drop(recv2);
     assert!(FREED.lock().contains(&hdr2));
     // Kernels that did not stop: nothing is closed or freed.
-    let (recv3, send3, hdr3) = ends("oxccl-cuda-logic-ipc-c");
+    let (recv3, send3, hdr3, _) = ends_of("oxccl-cuda-logic-ipc-d", me);
     send3.abandon_device_memory();
     recv3.abandon_device_memory();
     drop(send3);
     drop(recv3);
-    let _ = ends("oxccl-cuda-logic-ipc-d"); // sweeps
+    drop(ends_of("oxccl-cuda-logic-ipc-e", me)); // sweeps
     assert!(!IPC_CLOSED.lock().contains(&hdr3) && !FREED.lock().contains(&hdr3));
-    for n in "abcd".chars() {
+    // A sending process that is gone (this one's child, reaped): freed at once.
+    let mut child = std::process::Command::new("true").spawn().unwrap();
+    let gone = child.id();
+    child.wait().unwrap();
+    let (recv4, send4, hdr4, _) = ends_of("oxccl-cuda-logic-ipc-f", gone);
+    drop(recv4);
+    assert!(
+        FREED.lock().contains(&hdr4),
+        "kept for a process that is gone"
+    );
+    drop(send4);
+    for n in "abcdef".chars() {
         let _ = std::fs::remove_file(format!("/dev/shm/oxccl-cuda-logic-ipc-{n}"));
     }
     let _ = std::fs::remove_dir_all(&cache);

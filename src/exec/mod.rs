@@ -102,8 +102,6 @@ impl CommExec {
         }
     }
 
-    /// Makes the rank's device current on this thread until the guard drops (connections made
-    /// now put their device memory there); nothing on the host executor.
     /// The CUDA context of the communicator's device (None on the host executor).
     pub fn device_ctx(&self) -> Option<usize> {
         match self {
@@ -112,6 +110,8 @@ impl CommExec {
         }
     }
 
+    /// Makes the rank's device current on this thread until the guard drops (connections made
+    /// now put their device memory there); nothing on the host executor.
     pub fn enter_device(&self) -> Result<Option<crate::gpu::driver::CtxGuard>> {
         match self {
             CommExec::Host(_) => Ok(None),

@@ -292,7 +292,7 @@ impl Conns {
             slot_bytes: self.slot_bytes,
             same_device: self.peers[self.rank].same_gpu(&self.peers[k.peer]),
             ipc: self.peers[self.rank].takes_ipc() && self.peers[k.peer].takes_ipc(),
-            peer_pid: self.peers[k.peer].pid,
+            peer_pid: self.peers[self.rank].pid_seen_by(&self.peers[k.peer]),
         }
     }
 

@@ -16,6 +16,8 @@ pub struct HeapRegion {
     /// On the CUDA executor, the connection in device memory (ranks of one process on one GPU
     /// move data through it at device speed); `ptr` then only serves the host's bookkeeping.
     dev: once_cell::sync::OnceCell<crate::gpu::memory::DevConn>,
+    /// Kernels that did not stop may still touch it: never freed (`abandon`).
+    abandoned: std::sync::atomic::AtomicBool,
 }
 
 // SAFETY: the allocation is owned by the region and freed only on drop; concurrent access goes
@@ -46,8 +48,23 @@ impl HeapRegion {
     }
 }
 
+impl HeapRegion {
+    /// Leaves the region (pinned) and its device memory allocated for good (see
+    /// `Conn::abandon_device_memory`).
+    pub fn abandon(&self) {
+        self.abandoned
+            .store(true, std::sync::atomic::Ordering::Release);
+    }
+}
+
 impl Drop for HeapRegion {
     fn drop(&mut self) {
+        if *self.abandoned.get_mut() {
+            if let Some(d) = self.dev.take() {
+                std::mem::forget(d);
+            }
+            return;
+        }
         crate::gpu::memory::unpin_if_cuda(self.ptr);
         // SAFETY: allocated in `open` with this layout.
         unsafe { dealloc(self.ptr, self.layout) };
@@ -88,6 +105,7 @@ pub fn open(name: &str, bytes: usize) -> Result<Arc<HeapRegion>> {
         layout,
         name: name.to_string(),
         dev: once_cell::sync::OnceCell::new(),
+        abandoned: Default::default(),
     });
     map.insert(name.to_string(), r.clone());
     Ok(r)

@@ -464,13 +464,17 @@ impl Conn {
         }
     }
 
-    /// The communicator's kernels did not stop: device memory of a connection between
-    /// processes stays allocated and mapped (a leak, rather than memory a running kernel
-    /// touches after it was freed), and this end never says it closed, so the other end keeps
-    /// its own too.
+    /// The communicator's kernels did not stop: the connection's memory (device memory, or
+    /// pinned host memory) stays allocated, mapped and pinned (a leak, rather than memory a
+    /// running kernel touches after it was freed), and this end never says it closed, so the
+    /// other end keeps its own too.
     pub fn abandon_device_memory(&self) {
-        if let Region::Shm(s) = &self.region {
-            s.abandon();
+        if crate::gpu::kind() != crate::gpu::Kind::Cuda {
+            return; // (host threads that did not stop leave nothing the driver owns)
+        }
+        match &self.region {
+            Region::Shm(s) => s.abandon(),
+            Region::Heap(h) => h.abandon(),
         }
     }
 
@@ -533,7 +537,7 @@ pub struct ConnSpec {
     /// Both ends' processes take connections in device memory by CUDA IPC (`OXCCL_CUDA_IPC=1`
     /// and not `NCCL_P2P_DISABLE=1` in each).
     pub ipc: bool,
-    /// The process of the other end.
+    /// The process of the other end, as this process sees it (0: in another PID namespace).
     pub peer_pid: u32,
 }
 
@@ -697,7 +701,14 @@ impl Drop for Named {
         // Never connected (the peer failed or died first): nobody else will remove the name.
         match self.region.take() {
             Some(Region::Heap(h)) => inproc::forget(h.name()),
-            Some(Region::Shm(s)) => s.unlink(),
+            Some(Region::Shm(s)) => {
+                // A sending end that never opened the receiving end's device memory is done
+                // with it: its owner may free it (`shm::Parked`).
+                if self.is_sender {
+                    s.closed_word().fetch_or(end_bit(true), Ordering::Release);
+                }
+                s.unlink()
+            }
             None => {}
         }
     }

@@ -12,6 +12,9 @@ pub struct PeerInfo {
     pub gpu: [u8; 16],
     /// `FLAG_IPC`.
     pub flags: u32,
+    /// The process's PID namespace (the inode of `/proc/self/ns/pid`, 0 if unknown): where it
+    /// equals this process's, `pid` means the same process here.
+    pub pidns: u64,
     pub slot_bytes: u64,
     pub nsteps: u32,
     /// Where this process keeps its cross-memory-attach probe word (`transport::cma`).
@@ -20,7 +23,7 @@ pub struct PeerInfo {
     pub hostname: String,
 }
 
-const BYTES: usize = 8 + 4 + 4 + 16 + 4 + 8 + 4 + 8;
+const BYTES: usize = 8 + 4 + 4 + 16 + 4 + 8 + 8 + 4 + 8;
 
 /// The process takes connections in device memory by CUDA IPC (CUDA executor,
 /// `OXCCL_CUDA_IPC=1`, not `NCCL_P2P_DISABLE=1`).
@@ -58,6 +61,12 @@ fn slot_bytes() -> usize {
     }
 }
 
+/// The inode of this process's PID namespace (0 where /proc does not say).
+fn pid_namespace() -> u64 {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::metadata("/proc/self/ns/pid").map_or(0, |m| m.ino())
+}
+
 impl PeerInfo {
     pub fn mine(dev: i32) -> PeerInfo {
         PeerInfo {
@@ -78,6 +87,7 @@ impl PeerInfo {
             } else {
                 0
             },
+            pidns: pid_namespace(),
             slot_bytes: slot_bytes() as u64,
             nsteps: crate::param::nsteps() as u32,
             probe: crate::transport::cma::probe_addr(),
@@ -96,6 +106,16 @@ impl PeerInfo {
             self.gpu == other.gpu
         } else {
             self.pid == other.pid && self.dev == other.dev
+        }
+    }
+
+    /// The PID by which this process can ask whether `other`'s process lives: its pid where
+    /// both are in one PID namespace, else 0 (unknown).
+    pub fn pid_seen_by(&self, other: &PeerInfo) -> u32 {
+        if self.pidns != 0 && self.pidns == other.pidns {
+            other.pid
+        } else {
+            0
         }
     }
 
@@ -119,6 +139,7 @@ impl PeerInfo {
         v.extend_from_slice(&self.dev.to_le_bytes());
         v.extend_from_slice(&self.gpu);
         v.extend_from_slice(&self.flags.to_le_bytes());
+        v.extend_from_slice(&self.pidns.to_le_bytes());
         v.extend_from_slice(&self.slot_bytes.to_le_bytes());
         v.extend_from_slice(&self.nsteps.to_le_bytes());
         v.extend_from_slice(&self.probe.to_le_bytes());
@@ -141,9 +162,10 @@ impl PeerInfo {
             dev: u32_at(12) as i32,
             gpu: b[16..32].try_into().expect("16 bytes"),
             flags: u32_at(32),
-            slot_bytes: u64_at(36),
-            nsteps: u32_at(44),
-            probe: u64_at(48),
+            pidns: u64_at(36),
+            slot_bytes: u64_at(44),
+            nsteps: u32_at(52),
+            probe: u64_at(56),
             hostname: String::from_utf8_lossy(&b[BYTES..]).into_owned(),
         })
     }
@@ -157,6 +179,7 @@ mod tests {
         let mut p = PeerInfo::mine(3);
         p.gpu = *b"0123456789abcdef";
         p.flags = FLAG_IPC;
+        p.pidns = 0xfeed_f00d;
         assert_eq!(PeerInfo::from_bytes(&p.to_bytes()).unwrap(), p);
         assert!(PeerInfo::from_bytes(&[0u8; 3]).is_err());
     }
@@ -180,5 +203,10 @@ mod tests {
         assert!(x.same_gpu(&y));
         y.gpu[15] = 8;
         assert!(!x.same_gpu(&y));
+        // A pid means something here only from this PID namespace.
+        assert_ne!(a.pidns, 0, "/proc/self/ns/pid");
+        assert_eq!(a.pid_seen_by(&c), c.pid);
+        c.pidns += 1;
+        assert_eq!(a.pid_seen_by(&c), 0);
     }
 }

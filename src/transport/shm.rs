@@ -106,7 +106,6 @@ impl ShmRegion {
     /// The receiving end: puts the connection (`hdr_bytes` of header, `slot_bytes` of slots)
     /// in device memory of the current device; its IPC handle, for the sending end.
     pub fn use_device_memory(&self, hdr_bytes: usize, slot_bytes: usize) -> Result<[u8; 64]> {
-        Parked::sweep();
         let c = crate::gpu::memory::DevConn::alloc(hdr_bytes, slot_bytes)?;
         let h = c.ipc_handle()?;
         self.set_dev(DevSide::Own(c))?;
@@ -141,13 +140,23 @@ impl ShmRegion {
         }
     }
 
-    /// Leaves the device memory allocated and mapped for good, and the segment mapped (kernels
-    /// that did not stop may still touch them; see `Conn::abandon_device_memory`).
+    /// Leaves the device memory allocated and mapped for good, and the segment mapped and
+    /// pinned (kernels that did not stop may still touch them; see
+    /// `Conn::abandon_device_memory`).
     pub fn abandon(&self) {
         if let Some(d) = self.dev.lock().take() {
             std::mem::forget(d);
             self.abandoned.store(true, Ordering::Release);
         }
+        if self.pinned.load(Ordering::Acquire) {
+            self.abandoned.store(true, Ordering::Release);
+        }
+    }
+
+    /// The header's closed word (`Conn::close`).
+    pub fn closed_word(&self) -> &std::sync::atomic::AtomicU32 {
+        // SAFETY: inside the mapping, 4-byte aligned, only accessed atomically.
+        unsafe { &*(self.ptr().add(super::CLOSED_OFF) as *const std::sync::atomic::AtomicU32) }
     }
 
     pub fn abandoned(&self) -> bool {
@@ -191,12 +200,13 @@ impl Drop for ShmRegion {
         }
         // SAFETY: mapped in `open` with this length, not used after drop.
         let _ = unsafe { munmap(self.ptr, self.len) };
+        Parked::sweep();
     }
 }
 
 /// A receiving end's device memory whose sending end had not let go of it when the connection
 /// went, kept (with the segment whose header says when it does) until it has or its process is
-/// gone; looked at whenever a region goes or device memory is allocated for a new one.
+/// gone; looked at whenever a region goes.
 struct Parked {
     dev: Option<crate::gpu::memory::DevConn>,
     ptr: NonNull<std::ffi::c_void>,
@@ -211,15 +221,21 @@ static PARKED: parking_lot::Mutex<Vec<Parked>> = parking_lot::Mutex::new(Vec::ne
 
 impl Parked {
     fn park(p: Parked) {
-        let mut list = PARKED.lock();
-        list.push(p);
-        list.retain(|p| !ShmRegion::sender_done(p.ptr.as_ptr() as *mut u8, p.peer_pid));
+        PARKED.lock().push(p);
     }
 
+    /// Frees what the sending ends are done with (cuMemFree waits for the device: outside the
+    /// lock, and only from where regions go, never from where connections are made).
     fn sweep() {
-        PARKED
-            .lock()
-            .retain(|p| !ShmRegion::sender_done(p.ptr.as_ptr() as *mut u8, p.peer_pid));
+        let done: Vec<Parked> = {
+            let mut list = PARKED.lock();
+            let (done, keep) = std::mem::take(&mut *list)
+                .into_iter()
+                .partition(|p| ShmRegion::sender_done(p.ptr.as_ptr() as *mut u8, p.peer_pid));
+            *list = keep;
+            done
+        };
+        drop(done);
     }
 }
 

@@ -213,7 +213,7 @@ pub fn launch(ops: Vec<Call<'_>>) -> Result<()> {
             // Peers whose ends connected wait for this rank: tell them (a sending end that
             // could not open a receiving end's device memory, say).
             for (qs, _) in &planned {
-                qs[0].cuda().health.fail_and_announce(e.clone());
+                qs[0].cuda().health.fail_unless_told(e.clone());
             }
             return Err(e);
         }

@@ -121,17 +121,22 @@ impl HostComm {
         if self.try_begin(ticket) {
             return Ok(());
         }
-        if self.health.halted() {
+        let h = &self.health;
+        // Stopped by a failure (a timeout, a lost peer): that failure says why, as a running
+        // task's would (`Running::aborted_error`); an abort or a revoke says so.
+        if !h.aborted_here() && !h.revoked() {
+            if let Some(e) = h.error() {
+                return Err(e);
+            }
+        }
+        if h.halted() {
             return Err(Error::remote(format!(
                 "rank {}: communicator {}",
                 self.rank,
-                self.health.halted_how()
+                h.halted_how()
             )));
         }
-        match self.health.error() {
-            Some(e) => Err(e),
-            None => Ok(()),
-        }
+        Ok(())
     }
 
     /// `begin` without the error: whether task `ticket` may begin.

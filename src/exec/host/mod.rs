@@ -305,7 +305,7 @@ fn launch_tasks(ops: Vec<Call<'_>>) -> Result<()> {
             // A communicator whose connections could not be made is broken, as NCCL's is; peers
             // whose ends connected would wait for it: they are told.
             for comm in needy {
-                comm.health.fail_and_announce(e.clone());
+                comm.health.fail_unless_told(e.clone());
             }
             return Err(e);
         }
