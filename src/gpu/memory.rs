@@ -29,17 +29,23 @@ pub fn pin_host(ptr: *mut u8, len: usize) -> Result<()> {
         })?;
         let mut d: driver::CUdeviceptr = 0;
         // SAFETY: registered just above.
-        check(
+        let r = check(
             unsafe { (api.host_device_pointer)(&mut d, ptr as *mut std::ffi::c_void, 0) },
             || "cuMemHostGetDevicePointer".into(),
-        )?;
-        if d as usize != ptr as usize {
-            return Err(Error::internal(format!(
+        )
+        .and_then(|_| match d as usize == ptr as usize {
+            true => Ok(()),
+            false => Err(Error::internal(format!(
                 "pinned host memory at {ptr:p} is at {d:#x} on the device (oxccl needs unified \
                  addressing)"
-            )));
+            ))),
+        });
+        if r.is_err() {
+            // Not left registered: a later mapping at this address would be taken as pinned.
+            // SAFETY: registered just above, not used.
+            unsafe { (api.host_unregister)(ptr as *mut std::ffi::c_void) };
         }
-        Ok(())
+        r
     })
 }
 

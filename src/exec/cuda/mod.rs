@@ -207,8 +207,7 @@ pub fn launch(ops: Vec<Call<'_>>) -> Result<()> {
         .collect();
     if !needs.is_empty() {
         // Device memory of new connections goes to each communicator's device (`Conns`
-        // enters its context); the first's is current meanwhile.
-        let _g = planned[0].0[0].cuda().enter()?;
+        // enters its context).
         if let Err(e) = crate::transport::conns::connect_all(&needs) {
             // Peers whose ends connected wait for this rank: tell them (a sending end that
             // could not open a receiving end's device memory, say).
