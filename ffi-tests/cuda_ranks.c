@@ -1,21 +1,22 @@
 /* NRANKS ranks on GPU 0, one thread or one forked process per rank, each with its own
  * ncclCommInitRank, running collectives on device buffers: AllReduce (float sum, int32 max),
  * Broadcast (root 1 % n), AllGather (int32), ReduceScatter (float sum), AlltoAll (float) and a ring
- * of ncclSend/ncclRecv in a group, at counts 1, 1000 and 1 << 20 elements; then GROUPED float sum
- * AllReduces of 1000 elements each in one group (as PyTorch coalesces them: on the CUDA executor
- * one launch whose descriptor needs the kernels' large parameter). Every buffer has guard
+ * of ncclSend/ncclRecv in a group, at counts 1, 1000 and 1 << 20 elements; with `grouped`, then
+ * GROUPED float sum AllReduces of 1000 elements each in one group (as PyTorch coalesces them: on
+ * the CUDA executor one launch whose descriptor needs the kernels' large parameter). Every buffer has guard
  * bytes on both sides; inputs are small integers (float sums are exact), written into a host
  * shadow and copied to the device on the rank's stream; after the stream is synchronized the
  * buffers are copied back and every element, the guards and (out of place) the send buffer are
  * checked against values computed here.
  *
- * usage: cuda_ranks NRANKS threads|processes [inplace] [timeout=S]
+ * usage: cuda_ranks NRANKS threads|processes [inplace] [grouped] [timeout=S]
  *   threads    one thread per rank; the unique id from ncclGetUniqueId on the main thread
  *   processes  one forked process per rank; nothing touches CUDA before fork: each child loads
  *              the driver and makes device 0's primary context current itself, and rank 0's
  *              process makes the unique id and passes it to the others in a shared mapping
  *   inplace    AllReduce, Broadcast, AllGather and ReduceScatter in place (AlltoAll and the
  *              send/recv ring have no in-place form and stay out of place)
+ *   grouped    also the GROUPED all-reduces in one group
  *   timeout=S  seconds before the ranks are declared hung and killed (default 50)
  * The driver is loaded with dlopen (cuda_driver.h); the CUDA streams are non-blocking. Threads
  * allocate and free device memory only between barriers (cuMemFree may wait for the whole device,
@@ -43,7 +44,7 @@
 
 static const size_t counts[] = {1, 1000, MAX_COUNT};
 
-static int nranks, inplace, use_procs;
+static int nranks, inplace, use_procs, grouped;
 static double timeout_s = 50;
 static double deadline; /* now_sec() value */
 
@@ -378,7 +379,7 @@ static void run_rank(Rank* R, ncclUniqueId id) {
     alltoall(R, n);
     sendrecv_ring(R, n);
   }
-  grouped_allreduce(R, 1000);
+  if (grouped) grouped_allreduce(R, 1000);
 
   sync_ranks(); /* every rank's collectives are done before anyone frees device memory */
   NCCLCHECK(ncclCommDestroy(R->comm));
@@ -520,7 +521,7 @@ static int run_processes(void) {
 
 int main(int argc, char** argv) {
   if (argc < 3) {
-    fprintf(stderr, "usage: %s NRANKS threads|processes [inplace] [timeout=S]\n", argv[0]);
+    fprintf(stderr, "usage: %s NRANKS threads|processes [inplace] [grouped] [timeout=S]\n", argv[0]);
     return 2;
   }
   nranks = atoi(argv[1]);
@@ -535,6 +536,7 @@ int main(int argc, char** argv) {
   }
   for (int i = 3; i < argc; i++) {
     if (!strcmp(argv[i], "inplace")) inplace = 1;
+    else if (!strcmp(argv[i], "grouped")) grouped = 1;
     else if (!strncmp(argv[i], "timeout=", 8)) timeout_s = atof(argv[i] + 8);
     else {
       fprintf(stderr, "unknown argument %s\n", argv[i]);

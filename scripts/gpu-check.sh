@@ -9,18 +9,19 @@
 # it does not stall the run):
 #  1. the CUDA executor on device buffers: where its kernels came from (the library's fatbin, and
 #     NVRTC with OXCCL_KERNELS=nvrtc); every collective x datatype x op on 1, 2 and 4 ranks of
-#     the one GPU (coll_matrix cuda), ranks as threads and as processes (cuda_ranks, which ends
-#     with 48 all-reduces in one group: the kernels' large parameter), the processes again with
-#     CUDA IPC (OXCCL_CUDA_IPC=1), CUDA graph capture and replay (cuda_graph); the TP/PP example
-#     on device buffers, 8 ranks (processes) on the one GPU, also with CUDA IPC;
+#     the one GPU (coll_matrix cuda), ranks as threads and as processes (cuda_ranks; with
+#     `grouped`, 48 all-reduces in one group: the kernels' large parameter), CUDA graph capture
+#     and replay (cuda_graph); the TP/PP example on device buffers, 8 ranks (processes) on the
+#     one GPU;
 #  2. the perf tools on the GPU: all_reduce_perf at nranks=1 against NVIDIA's libnccl.so.2 (from
 #     the machine's Python packages) side by side, then 2 and 4 ranks on the one GPU, and the
 #     other tools at 2 ranks;
 #  3. PyTorch with LD_PRELOAD=libnccl.so.2 (scripts/gpu-torch-check.py): world sizes 1 and 2;
 #  4. the host executor there (OXCCL_DEVICE=host): the C programs, perf tools and the TP/PP
 #     example with the machine's many cores;
-#  5. measurements for the next defaults: two processes' all_reduce_perf with CUDA IPC, and 2
-#     ranks' bandwidth by blocks per lane (OXCCL_CUDA_BLOCKS) and slot size.
+#  5. what is off by default until it has passed here, CUDA IPC (OXCCL_CUDA_IPC=1): cuda_ranks
+#     with 2, 3 and 4 processes, the TP/PP example, two processes' all_reduce_perf; and 2 ranks'
+#     bandwidth by blocks per lane (OXCCL_CUDA_BLOCKS) and slot size, for the next defaults.
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 pack="$root/target/gpu-check"
@@ -107,18 +108,10 @@ check "CUDA: 4 ranks as threads" 60 "$B/cuda_ranks" 4 threads
 check "CUDA: 4 ranks as threads, in place" 60 "$B/cuda_ranks" 4 threads inplace
 check "CUDA: 2 ranks as processes" 60 "$B/cuda_ranks" 2 processes
 check "CUDA: 4 ranks as processes, in place" 90 "$B/cuda_ranks" 4 processes inplace timeout=80
-# The same with CUDA IPC (OXCCL_CUDA_IPC=1: connections between the processes in device memory;
-# off by default until this passes): the connection lines must say P2P/IPC.
-with_ipc() {  # label, command...: its log in $OUT/ipc-<label>.log, kept
-  local log="$OUT/ipc-$1.log"; shift
-  env OXCCL_CUDA_IPC=1 NCCL_DEBUG=INFO "$@" >"$log" 2>&1; local rc=$?
-  grep -v ' NCCL INFO ' "$log" | tail -3
-  grep -m2 "via P2P/IPC" "$log" || { echo "no connection via P2P/IPC"; return 1; }
-  return $rc
-}
-check "CUDA IPC: 2 ranks as processes" 60 with_ipc ranks2 "$B/cuda_ranks" 2 processes
-check "CUDA IPC: 4 ranks as processes, in place" 90 with_ipc ranks4 "$B/cuda_ranks" 4 processes inplace timeout=80
-check "CUDA IPC: 3 ranks as processes" 60 with_ipc ranks3 "$B/cuda_ranks" 3 processes
+check "CUDA: 48 all-reduces in one group (the kernels' large parameter), 2 threads" 60 \
+  "$B/cuda_ranks" 2 threads grouped
+check "CUDA: 48 all-reduces in one group, 3 processes, in place" 90 \
+  "$B/cuda_ranks" 3 processes inplace grouped timeout=80
 check "CUDA: graph capture and replay, 2 ranks" 60 "$B/cuda_graph" 2
 check "CUDA: graph capture, global capture mode" 60 "$B/cuda_graph" 2 global
 
@@ -140,8 +133,6 @@ check "CUDA: tp_pp_mlp 8 ranks, float, H 512, 4 layers" 60 \
   tppp --tp 4 --pp 2 --hidden 512 --layers 4 --microbatches 8 --batch 32 --device cuda
 check "CUDA: tp_pp_mlp 8 ranks, rows-first, exact" 60 \
   tppp --tp 4 --pp 2 --exact --split rows-first --device cuda
-check "CUDA IPC: tp_pp_mlp 8 ranks --tp 4 --pp 2 --exact" 60 \
-  with_ipc tppp bash -c "$(declare -f tppp); tppp --tp 4 --pp 2 --exact --device cuda"
 check "CUDA: tp_pp_mlp 8 ranks on 2 \"hosts\" (OXCCL_HOSTID), exact" 60 \
   env TPPP_HOSTS=2 bash -c "$(declare -f tppp); tppp --tp 4 --pp 2 --exact --microbatches 8 --device cuda"
 
@@ -245,8 +236,23 @@ check "host: C, one process, InitAll + group" 60 "$B/ex_single_process"
 check "host: collective matrix, 8 ranks" 120 "$B/coll_matrix" 8 big=none
 check "host: all_reduce_perf -g 8" 60 "$B/all_reduce_perf" -b 8 -e 64M -f 8 -g 8 -n 5 -w 1
 check "host: tp_pp_mlp --tp 4 --pp 2 --exact" 60 tppp --tp 4 --pp 2 --exact
-# 5. Measurements for the next defaults (last: a run cut short by its limit has the rest).
+# 5. What is off by default until this check has passed, and measurements for the next defaults
+#    (last: a run cut short by its limit, or a hang, keeps everything above).
 unset OXCCL_DEVICE
+# Section 1's processes again with CUDA IPC (OXCCL_CUDA_IPC=1: connections between the processes
+# in device memory): the connection lines must say P2P/IPC.
+with_ipc() {  # label, command...: its log in $OUT/ipc-<label>.log, kept
+  local log="$OUT/ipc-$1.log"; shift
+  env OXCCL_CUDA_IPC=1 NCCL_DEBUG=INFO "$@" >"$log" 2>&1; local rc=$?
+  grep -v ' NCCL INFO ' "$log" | tail -3
+  grep -m2 "via P2P/IPC" "$log" || { echo "no connection via P2P/IPC"; return 1; }
+  return $rc
+}
+check "CUDA IPC: 2 ranks as processes" 60 with_ipc ranks2 "$B/cuda_ranks" 2 processes
+check "CUDA IPC: 4 ranks as processes, in place" 90 with_ipc ranks4 "$B/cuda_ranks" 4 processes inplace timeout=80
+check "CUDA IPC: 3 ranks as processes" 60 with_ipc ranks3 "$B/cuda_ranks" 3 processes
+check "CUDA IPC: tp_pp_mlp 8 ranks --tp 4 --pp 2 --exact" 60 \
+  with_ipc tppp bash -c "$(declare -f tppp); tppp --tp 4 --pp 2 --exact --device cuda"
 perf oxccl-2procs-ipc "$OXLIB" env OXCCL_CUDA_IPC=1 NCCL_DEBUG=INFO bash -c \
   "$(declare -f two_procs); two_procs same $B/all_reduce_perf -b 8 -e 64M -f 8 -n 5 -w 2 -g 1"
 grep -m2 "via P2P/IPC" "$OUT/perf-oxccl-2procs-ipc.txt" | tee -a "$log" ||

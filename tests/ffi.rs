@@ -475,6 +475,11 @@ fn cuda_programs_on_a_mock_driver() {
         &env,
         300,
     );
-    run_env("cuda_ranks.c", &["3", "threads", "inplace"], &env, 120);
-    run_env("cuda_ranks.c", &["2", "processes"], &env, 120);
+    run_env(
+        "cuda_ranks.c",
+        &["3", "threads", "inplace", "grouped"],
+        &env,
+        120,
+    );
+    run_env("cuda_ranks.c", &["2", "processes", "grouped"], &env, 120);
 }
