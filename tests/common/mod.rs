@@ -110,6 +110,26 @@ pub fn all_reduce_f32_at(send: usize, recv: usize, count: usize) -> nccl::api::C
 /// rank binds it, which callers that can should retry).
 #[allow(dead_code)]
 pub fn free_port() -> u16 {
+    // Below the kernel's ephemeral range: a port from that range, free when looked at, may be
+    // taken as the source port of another test's connection before the program under test binds
+    // it (tp_pp_example failed once so: "rank 0 cannot listen on port 36371").
+    let low = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|s| s.split_whitespace().next()?.parse::<u32>().ok())
+        .unwrap_or(32768);
+    if low > 11000 {
+        use std::hash::{BuildHasher, Hasher};
+        let span = low - 10000;
+        let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+        h.write_u32(std::process::id());
+        let start = h.finish() as u32;
+        for i in 0..200 {
+            let port = (10000 + (start.wrapping_add(i * 7919)) % span) as u16;
+            if std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
+                return port;
+            }
+        }
+    }
     std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
         .local_addr()
