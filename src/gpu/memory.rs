@@ -158,9 +158,7 @@ impl DevConn {
             Ok(c)
         })
     }
-}
 
-impl DevConn {
     /// The handle another process opens this allocation by (`IpcConn::open`).
     pub fn ipc_handle(&self) -> Result<[u8; 64]> {
         let api = driver::api()?;

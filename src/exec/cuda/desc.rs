@@ -43,6 +43,12 @@ pub struct Desc {
     transforms: bool,
 }
 
+/// The bytes of a descriptor of `conns` connections, `progs` programs, `steps` steps and
+/// `lanes` lanes.
+fn descriptor_bytes(conns: usize, progs: usize, steps: usize, lanes: usize) -> usize {
+    HEAD + CONN * conns + PROG * progs + STEP * steps + LANE * lanes
+}
+
 /// The error of a launch whose descriptor does not fit a kernel parameter (`large`: the driver
 /// takes the large-parameter kernels).
 fn too_large(size: usize, large: bool, lanes: usize, progs: usize, steps: usize) -> Result<()> {
@@ -163,16 +169,17 @@ impl Desc {
                 }
             }
         }
-        let size = HEAD + CONN * conns.len() + PROG * np + STEP * ns + LANE * nl;
-        too_large(size, large, nl, np, ns)
+        too_large(descriptor_bytes(conns.len(), np, ns, nl), large, nl, np, ns)
     }
 
     /// The descriptor's size in bytes.
     pub fn size(&self) -> usize {
-        HEAD + CONN * self.conns.len()
-            + PROG * self.progs.len()
-            + STEP * self.steps.len()
-            + LANE * self.lanes.len()
+        descriptor_bytes(
+            self.conns.len(),
+            self.progs.len(),
+            self.steps.len(),
+            self.lanes.len(),
+        )
     }
 
     /// Whether the descriptor needs the large-parameter kernels.

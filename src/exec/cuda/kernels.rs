@@ -239,20 +239,26 @@ pub fn get(ctx: usize, dev: i32) -> Result<Kernels> {
         )?;
         Ok(module)
     };
-    let use_fatbin =
-        !FATBIN.is_empty() && std::env::var("OXCCL_KERNELS").map_or(true, |v| v != "nvrtc");
-    let refused = match use_fatbin.then(|| load(FATBIN, &fatbin_what())) {
-        Some(Ok(m)) => Ok((m, fatbin_what())),
-        Some(Err(e)) => Err(Some(e)),
-        None => Err(None),
-    };
-    let (module, what) = match refused {
-        Ok(m) => m,
-        Err(refused) => {
-            // A driver older than the nvcc that made the fatbin refuses it.
-            if let Some(e) = &refused {
+    // The library's fatbin first; NVRTC where there is none, or the driver refuses it (a
+    // driver older than the nvcc that made it).
+    let mut refused = None;
+    let own = if !FATBIN.is_empty() && std::env::var("OXCCL_KERNELS").map_or(true, |v| v != "nvrtc")
+    {
+        let what = fatbin_what();
+        match load(FATBIN, &what) {
+            Ok(m) => Some((m, what)),
+            Err(e) => {
                 crate::debug::info(&format!("{}: compiling them with NVRTC instead", e.msg));
+                refused = Some(e);
+                None
             }
+        }
+    } else {
+        None
+    };
+    let (module, what) = match own {
+        Some(m) => m,
+        None => {
             nvrtc_module(arch, large, &|img| load(&img.bytes, &img.what)).map_err(|mut e| {
                 if let Some(r) = refused {
                     e.msg = format!(

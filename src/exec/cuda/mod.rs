@@ -354,8 +354,8 @@ fn launch_set(jobs: &mut [Job<'_>]) -> Result<()> {
     let has_p2p = jobs.iter().any(|j| !j.p2p.0.is_empty());
     let launches = nstages.max(has_p2p as usize);
     // Every launch's descriptor must fit before the first is launched: a group fails whole.
+    let large = jobs[0].comm.kern.large();
     for k in 0..launches {
-        let large = jobs[0].comm.kern.large();
         Desc::check_fits(
             jobs.iter().flat_map(|j| j.lanes(k)).map(Vec::as_slice),
             large,
