@@ -485,8 +485,8 @@ impl Conn {
     }
 
     fn closed(&self) -> &AtomicU32 {
-        // SAFETY: as for `counter` (a u32 at a 64-byte aligned offset of the header).
-        unsafe { &*(self.base.add(CLOSED_OFF) as *const AtomicU32) }
+        // SAFETY: the header is mapped as long as the Conn lives.
+        unsafe { closed_word(self.base) }
     }
 
     /// What this end is waiting for, for timeout messages.
@@ -712,6 +712,15 @@ impl Drop for Named {
             None => {}
         }
     }
+}
+
+/// The closed word of the connection header at `base`.
+///
+/// # Safety
+/// `base` is a connection header mapped for `'a`; the word is only accessed atomically (a u32 at a 64-byte aligned offset).
+unsafe fn closed_word<'a>(base: *const u8) -> &'a AtomicU32 {
+    // SAFETY: per the contract.
+    unsafe { &*(base.add(CLOSED_OFF) as *const AtomicU32) }
 }
 
 /// An end's bit in the closed word.

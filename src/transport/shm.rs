@@ -155,8 +155,8 @@ impl ShmRegion {
 
     /// The header's closed word (`Conn::close`).
     pub fn closed_word(&self) -> &std::sync::atomic::AtomicU32 {
-        // SAFETY: inside the mapping, 4-byte aligned, only accessed atomically.
-        unsafe { &*(self.ptr().add(super::CLOSED_OFF) as *const std::sync::atomic::AtomicU32) }
+        // SAFETY: a connection header, mapped as long as the region lives.
+        unsafe { super::closed_word(self.ptr()) }
     }
 
     pub fn abandoned(&self) -> bool {
@@ -166,9 +166,8 @@ impl ShmRegion {
     /// Whether the sending end is done with this segment's device memory: it said so in the
     /// header's closed word, or its process is gone (the driver closed its mappings).
     fn sender_done(ptr: *mut u8, peer_pid: u32) -> bool {
-        // SAFETY: the header's closed word, inside the mapping, only accessed atomically.
-        let closed =
-            unsafe { &*(ptr.add(super::CLOSED_OFF) as *const std::sync::atomic::AtomicU32) };
+        // SAFETY: the caller's mapped connection header (a region's, or a parked one's).
+        let closed = unsafe { super::closed_word(ptr) };
         closed.load(Ordering::Acquire) & super::end_bit(true) != 0
             || (peer_pid != 0
                 && nix::sys::signal::kill(nix::unistd::Pid::from_raw(peer_pid as i32), None)

@@ -147,6 +147,11 @@ impl Progress {
     }
 }
 
+/// Whether socket `j` is the driving thread's to move (not a helper thread's).
+fn ours(helpers: Option<&Helpers>, j: usize) -> bool {
+    !helpers.is_some_and(|h| h.owns(j))
+}
+
 /// `write_vectored` without SIGPIPE: writev(2) raises it when the peer has gone, which kills a C
 /// program that did not ignore it (std's `write` uses send(2) with MSG_NOSIGNAL: EPIPE only).
 fn send_vectored(s: &TcpStream, bufs: &[&[u8]]) -> std::io::Result<usize> {
@@ -235,7 +240,7 @@ impl NetEnd {
             if np > 1 && !w.helped(helpers, v.slot(w.step), data.len(), k, self)? {
                 complete = false;
             }
-            for j in (0..np).filter(|&j| !helpers.is_some_and(|h| h.owns(j))) {
+            for j in (0..np).filter(|&j| ours(helpers, j)) {
                 let part = &data[part_start(data.len(), k, j)..part_start(data.len(), k, j + 1)];
                 loop {
                     let hdr_left = if j == 0 { HDR - w.hdr_off } else { 0 };
@@ -335,7 +340,7 @@ impl NetEnd {
                 .iter_mut()
                 .enumerate()
                 .take(parts(bytes, k))
-                .filter(|(j, _)| !helpers.is_some_and(|h| h.owns(*j)))
+                .filter(|(j, _)| ours(helpers, *j))
             {
                 let (lo, hi) = (part_start(bytes, k, j), part_start(bytes, k, j + 1));
                 while lo + w.done[j] < hi {
@@ -390,7 +395,7 @@ impl NetEnd {
         let v = &self.view;
         let parts_left = |bytes: usize| {
             (0..parts(bytes, k))
-                .filter(|&j| !helpers.is_some_and(|h| h.owns(j)))
+                .filter(|&j| ours(helpers, j))
                 .filter(|&j| part_start(bytes, k, j) + w.done[j] < part_start(bytes, k, j + 1))
                 .fold(0u64, |m, j| m | 1 << j)
         };
