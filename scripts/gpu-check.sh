@@ -92,15 +92,19 @@ export LD_LIBRARY_PATH="$OXLIB${RTDIR:+:$RTDIR}${LD_LIBRARY_PATH:+:$LD_LIBRARY_P
 export NCCL_DEBUG=WARN
 check "CUDA: 1 rank, every collective" 60 env NCCL_DEBUG=INFO "$B/coll_matrix" 1 cuda big=none
 check "CUDA: 2 ranks (threads), six collectives and a send/recv ring" 60 "$B/cuda_ranks" 2 threads
-kernels_from() {  # what (a regex), env...: the kernels' INFO line says where they came from
-  local what=$1; shift
-  env NCCL_DEBUG=INFO "$@" "$B/cuda_ranks" 2 threads >"$OUT/kernels.log" 2>&1 || return 1
-  grep "CUDA kernels" "$OUT/kernels.log" | head -3
-  grep -Eq "CUDA kernels for sm_[0-9]+ on device [0-9]+: $what" "$OUT/kernels.log"
+says() {  # label, regex, command...: with NCCL_DEBUG=INFO (log in $OUT/<label>.log, kept) the
+  # command must succeed and print a line the (extended) regex matches
+  local log="$OUT/$1.log" re=$2; shift 2
+  env NCCL_DEBUG=INFO "$@" >"$log" 2>&1; local rc=$?
+  grep -v ' NCCL INFO ' "$log" | tail -3
+  grep -Em2 "$re" "$log" || { echo "no line matches: $re"; return 1; }
+  return $rc
 }
-check "CUDA: the kernels are the library's fatbin (nvcc)" 60 kernels_from "the library's own"
-check "CUDA: the kernels from NVRTC (OXCCL_KERNELS=nvrtc)" 60 kernels_from "(cached|NVRTC)" \
-  OXCCL_KERNELS=nvrtc
+kernels='CUDA kernels for sm_[0-9]+ on device [0-9]+'
+check "CUDA: the kernels are the library's fatbin (nvcc)" 60 \
+  says kernels-fatbin "$kernels: the library's own" "$B/cuda_ranks" 2 threads
+check "CUDA: the kernels from NVRTC (OXCCL_KERNELS=nvrtc)" 60 \
+  says kernels-nvrtc "$kernels: (cached|NVRTC)" env OXCCL_KERNELS=nvrtc "$B/cuda_ranks" 2 threads
 check "CUDA: 2 ranks, every collective x datatype x op" 120 "$B/coll_matrix" 2 cuda big=none
 check "CUDA: 4 ranks, every collective x datatype x op" 150 "$B/coll_matrix" 4 cuda
 check "CUDA: 3 ranks, ncclMemAlloc buffers" 90 "$B/coll_matrix" 3 cuda memalloc big=none
@@ -240,19 +244,16 @@ check "host: tp_pp_mlp --tp 4 --pp 2 --exact" 60 tppp --tp 4 --pp 2 --exact
 #    (last: a run cut short by its limit, or a hang, keeps everything above).
 unset OXCCL_DEVICE
 # Section 1's processes again with CUDA IPC (OXCCL_CUDA_IPC=1: connections between the processes
-# in device memory): the connection lines must say P2P/IPC.
-with_ipc() {  # label, command...: its log in $OUT/ipc-<label>.log, kept
-  local log="$OUT/ipc-$1.log"; shift
-  env OXCCL_CUDA_IPC=1 NCCL_DEBUG=INFO "$@" >"$log" 2>&1; local rc=$?
-  grep -v ' NCCL INFO ' "$log" | tail -3
-  grep -m2 "via P2P/IPC" "$log" || { echo "no connection via P2P/IPC"; return 1; }
-  return $rc
-}
-check "CUDA IPC: 2 ranks as processes" 60 with_ipc ranks2 "$B/cuda_ranks" 2 processes
-check "CUDA IPC: 4 ranks as processes, in place" 90 with_ipc ranks4 "$B/cuda_ranks" 4 processes inplace timeout=80
-check "CUDA IPC: 3 ranks as processes" 60 with_ipc ranks3 "$B/cuda_ranks" 3 processes
+# in device memory): the connection lines must say P2P/IPC (`says`).
+check "CUDA IPC: 2 ranks as processes" 60 \
+  says ipc-ranks2 "via P2P/IPC" env OXCCL_CUDA_IPC=1 "$B/cuda_ranks" 2 processes
+check "CUDA IPC: 4 ranks as processes, in place" 90 \
+  says ipc-ranks4 "via P2P/IPC" env OXCCL_CUDA_IPC=1 "$B/cuda_ranks" 4 processes inplace timeout=80
+check "CUDA IPC: 3 ranks as processes" 60 \
+  says ipc-ranks3 "via P2P/IPC" env OXCCL_CUDA_IPC=1 "$B/cuda_ranks" 3 processes
 check "CUDA IPC: tp_pp_mlp 8 ranks --tp 4 --pp 2 --exact" 60 \
-  with_ipc tppp bash -c "$(declare -f tppp); tppp --tp 4 --pp 2 --exact --device cuda"
+  says ipc-tppp "via P2P/IPC" env OXCCL_CUDA_IPC=1 bash -c \
+  "$(declare -f tppp); tppp --tp 4 --pp 2 --exact --device cuda"
 perf oxccl-2procs-ipc "$OXLIB" env OXCCL_CUDA_IPC=1 NCCL_DEBUG=INFO bash -c \
   "$(declare -f two_procs); two_procs same $B/all_reduce_perf -b 8 -e 64M -f 8 -n 5 -w 2 -g 1"
 grep -m2 "via P2P/IPC" "$OUT/perf-oxccl-2procs-ipc.txt" | tee -a "$log" ||
