@@ -61,7 +61,7 @@ pub const PARAMS: &[Param] = &[
     },
     Param {
         name: "OXCCL_FIFO_STREAM",
-        doc: "how ring senders fill FIFO slots: auto (measured), 0 (ordinary stores), 1 (streaming stores)",
+        doc: "how ring senders fill FIFO slots that a peer on this host reads: auto (measured), 0 (ordinary stores), 1 (streaming stores); slots sent over the network always take ordinary stores",
         default: "auto",
     },
     Param {

@@ -236,15 +236,6 @@ impl<C> Program<C> {
         })
     }
 
-    /// Bytes this program sends through FIFO slots.
-    pub fn sent_bytes(&self) -> usize {
-        self.steps
-            .iter()
-            .filter(|s| s.send.is_some())
-            .map(|s| s.len * self.esize)
-            .sum()
-    }
-
     /// Elements step `k` handles in iteration `i`, and its element offset in the segment.
     #[inline]
     pub fn slice_of(&self, k: usize, i: usize) -> (usize, usize) {

@@ -287,6 +287,14 @@ impl Conn {
         }
     }
 
+    /// Whether the other end reads the slots this end fills straight from shared memory (its
+    /// core pulls the lines over), rather than a proxy of this process sending them over the
+    /// network (the socket copies them out of this core's cache, right after they are filled):
+    /// streaming stores into the slots can only pay off for the former.
+    pub fn slots_read_by_peer(&self) -> bool {
+        self.proxy.is_none()
+    }
+
     /// Whether the counters live in device memory (the host's copy of them is unused).
     pub fn on_device(&self) -> bool {
         match &self.region {

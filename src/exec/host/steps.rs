@@ -80,6 +80,17 @@ fn policies(prog: &HostProgram) -> (bool, bool) {
     (stream_out, run_ahead)
 }
 
+/// Bytes the program sends through slots that streaming stores may fill (see
+/// `Conn::slots_read_by_peer`): what decides whether the FIFO choice is measured, and what it
+/// is measured with.
+fn streamable_bytes(prog: &HostProgram) -> usize {
+    prog.steps
+        .iter()
+        .filter(|s| s.send.as_ref().is_some_and(|c| c.slots_read_by_peer()))
+        .map(|s| s.len * prog.esize)
+        .sum()
+}
+
 /// How many slices past the head a program may run ahead, in iterations.
 const AHEAD_ITERS: usize = 4;
 
@@ -88,7 +99,7 @@ impl Cursor {
     /// (shared by all ranks, see `Estimates::pick`).
     pub(super) fn new(prog: &HostProgram, fifo: Option<(&BySize, u64)>) -> Cursor {
         let forced = crate::param::fifo_stream();
-        let sent = prog.sent_bytes();
+        let sent = streamable_bytes(prog);
         let mut exploring = false;
         let timed = fifo
             .filter(|_| forced.is_none() && sent >= FIFO_TUNE_BYTES)
@@ -121,7 +132,7 @@ impl Cursor {
     /// Records the finished program's speed with the option it used.
     pub(super) fn finish(&self, prog: &HostProgram, fifo: &BySize) {
         if let Some((option, t0)) = self.timed {
-            let bytes = prog.sent_bytes();
+            let bytes = streamable_bytes(prog);
             fifo.get(bytes).record(option, bytes, t0.elapsed());
         }
     }
@@ -252,7 +263,7 @@ fn run_step(prog: &HostProgram, cur: &mut Cursor, k: usize, off: usize, n: usize
     let out = sslot.map(|x| x.1).unwrap_or(std::ptr::null_mut());
     let red = cur.reducer.as_ref();
     let nt = cur.stream_out;
-    let st = cur.streamed;
+    let st = cur.streamed && s.send.as_ref().is_some_and(|c| c.slots_read_by_peer());
     let tmp = if st {
         stream_tmp(prog.slice * es)
     } else {
