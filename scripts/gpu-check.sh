@@ -20,8 +20,10 @@
 #  4. the host executor there (OXCCL_DEVICE=host): the C programs, perf tools and the TP/PP
 #     example with the machine's many cores;
 #  5. what is off by default until it has passed here, CUDA IPC (OXCCL_CUDA_IPC=1): cuda_ranks
-#     with 2, 3 and 4 processes, the TP/PP example, two processes' all_reduce_perf; and 2 ranks'
-#     bandwidth by blocks per lane (OXCCL_CUDA_BLOCKS) and slot size, for the next defaults.
+#     with 2, 3 and 4 processes, the TP/PP example, two processes' all_reduce_perf; the direct
+#     all-reduce of ranks on one GPU (OXCCL_CUDA_DIRECT=1): coll_matrix on 2, 3 and 4 ranks and
+#     all_reduce_perf -g 2 and -g 4 against the targets; and 2 ranks' bandwidth by blocks per
+#     lane (OXCCL_CUDA_BLOCKS) and slot size, for the next defaults.
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 pack="$root/target/gpu-check"
@@ -258,6 +260,46 @@ perf oxccl-2procs-ipc "$OXLIB" env OXCCL_CUDA_IPC=1 NCCL_DEBUG=INFO bash -c \
   "$(declare -f two_procs); two_procs same $B/all_reduce_perf -b 8 -e 64M -f 8 -n 5 -w 2 -g 1"
 grep -m2 "via P2P/IPC" "$OUT/perf-oxccl-2procs-ipc.txt" | tee -a "$log" ||
   { say "   FAILED: no connection via P2P/IPC"; fails=$((fails + 1)); }
+# The direct all-reduce (OXCCL_CUDA_DIRECT=1: one kernel reads every rank's input and writes
+# every rank's output, where one group holds every rank of a communicator on the GPU): every
+# datatype x op (PreMulSum with host and device scalars, avg) on 2, 3 and 4 ranks, the log must
+# say the direct algorithm ran; then 2 and 4 ranks' bandwidth against the same limits.
+check "CUDA direct: 2 ranks, AllReduce x datatype x op" 90 \
+  says direct-2 "Algo Direct \(one kernel" env OXCCL_CUDA_DIRECT=1 NCCL_DEBUG_SUBSYS=TUNING \
+  "$B/coll_matrix" 2 cuda coll=AllReduce
+check "CUDA direct: 3 ranks, ncclMemAlloc buffers" 90 \
+  env OXCCL_CUDA_DIRECT=1 "$B/coll_matrix" 3 cuda memalloc coll=AllReduce
+check "CUDA direct: 4 ranks, every collective x datatype x op" 150 \
+  env OXCCL_CUDA_DIRECT=1 "$B/coll_matrix" 4 cuda big=none
+perf oxccl-g2-direct "$OXLIB" env OXCCL_CUDA_DIRECT=1 "$B/all_reduce_perf" "${sweep[@]}" -g 2
+perf oxccl-g4-direct "$OXLIB" env OXCCL_CUDA_DIRECT=1 "$B/all_reduce_perf" -b 8 -e 256M -f 8 -n 10 -w 3 -g 4
+python3 - "$OUT" <<'PY' 2>&1 | tee -a "$log"
+import sys
+out = sys.argv[1]
+def rows(name):
+    r = {}
+    try:
+        for line in open(f"{out}/perf-{name}.txt", errors="replace"):
+            f = line.split()
+            if len(f) >= 8 and f[0].isdigit():
+                r[int(f[0])] = (float(f[5]), float(f[6]), float(f[7]))
+    except OSError:
+        pass
+    return r
+g1 = rows("oxccl-g1")
+print("== issue 13 targets with OXCCL_CUDA_DIRECT=1 (ring: the rows above)")
+for n, name in ((2, "oxccl-g2"), (4, "oxccl-g4")):
+    ring, d = rows(name), rows(name + "-direct")
+    if g1 and d:
+        top = max(g1)
+        lim = (n - 1) / n**2 * 2 * g1[top][1]
+        b = max(d)
+        print(f"  {n} ranks: busbw {d[b][2]:.1f} GB/s at {b} B (ring {ring.get(b, (0, 0, 0))[2]:.1f}); "
+              f"limit {lim:.1f}: {d[b][2] / lim:.0%} {'PASS' if d[b][2] >= 0.8 * lim else 'FAIL'} (target 80%)")
+    if n == 2 and d.get(8):
+        t = d[8][0]
+        print(f"  8-byte all-reduce, 2 ranks: {t:.1f} us {'PASS' if t <= 15 else 'FAIL'} (target 15 us)")
+PY
 # Blocks per lane (OXCCL_CUDA_BLOCKS, default 8) and slot size against 2 ranks' bandwidth: what
 # the next default should be.
 for v in "OXCCL_CUDA_BLOCKS=16" "OXCCL_CUDA_BLOCKS=32" "OXCCL_CUDA_BLOCKS=32 OXCCL_CHUNK_BYTES=4M" \

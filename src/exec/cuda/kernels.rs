@@ -86,6 +86,10 @@ pub struct Kernels {
     /// Their twins taking `desc::PARAM_BYTES_LARGE` (drivers of CUDA 12.1 and later).
     pub run_large: Option<usize>,
     pub local_large: Option<usize>,
+    /// The all-reduce over every rank of a communicator in one launch (`direct`), for up to 4
+    /// and up to `direct::MAX_RANKS` ranks (None: a module without them, then the ring runs).
+    pub direct4: Option<usize>,
+    pub direct16: Option<usize>,
     /// Streaming multiprocessors of the device (sizes wide launches).
     pub sms: u32,
 }
@@ -288,6 +292,8 @@ pub fn get(ctx: usize, dev: i32) -> Result<Kernels> {
         local: func(c"oxccl_local")?,
         run_large: twin(c"oxccl_run_large"),
         local_large: twin(c"oxccl_local_large"),
+        direct4: func(c"oxccl_direct4").ok(),
+        direct16: func(c"oxccl_direct16").ok(),
         sms: sms.max(1) as u32,
     };
     LOADED.lock().insert(ctx, k);

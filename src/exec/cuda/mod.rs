@@ -17,6 +17,7 @@
 
 pub mod comm;
 mod desc;
+mod direct;
 mod kernels;
 pub mod memory;
 mod nvrtc;
@@ -186,6 +187,25 @@ pub fn launch(ops: Vec<Call<'_>>) -> Result<()> {
                 ));
             }
         }
+    }
+    // All-reduces of every rank of a communicator on one device: one kernel each (`direct`).
+    let mut direct_err = None;
+    for set in direct::take(&mut per_comm) {
+        if let Err(e) = direct::launch(&set) {
+            direct_err.get_or_insert(e);
+        }
+    }
+    let rest = launch_planned(per_comm);
+    match direct_err {
+        Some(e) => Err(e),
+        None => rest,
+    }
+}
+
+/// Plans, connects and launches a group's calls (by communicator).
+fn launch_planned(per_comm: Vec<Vec<Call<'_>>>) -> Result<()> {
+    if per_comm.is_empty() {
+        return Ok(());
     }
     let caps = Caps {
         direct: false,
