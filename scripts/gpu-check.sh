@@ -156,6 +156,21 @@ perf() {  # label, lib dir, args...
   [ $rc -eq 0 ] && grep -q "Avg bus bandwidth" "$OUT/perf-$label.txt" &&
     ! grep -q "Out of bounds values : [1-9]" "$OUT/perf-$label.txt" || { say "   FAILED (rc=$rc)"; fails=$((fails + 1)); }
 }
+# The perf tables' rows, for the target summaries below: {bytes: (time us, algbw, busbw)}.
+cat >"$OUT/perfrows.py" <<'PY'
+import sys
+def rows(name):  # perf-<name>.txt in the folder the summary was given (argv[1])
+    out = sys.argv[1]
+    r = {}
+    try:
+        for line in open(f"{out}/perf-{name}.txt", errors="replace"):
+            f = line.split()
+            if len(f) >= 8 and f[0].isdigit():
+                r[int(f[0])] = (float(f[5]), float(f[6]), float(f[7]))
+    except OSError:
+        pass
+    return r
+PY
 sweep=(-b 8 -e 1G -f 4 -n 20 -w 5)
 perf oxccl-g1 "$OXLIB" "$B/all_reduce_perf" "${sweep[@]}" -g 1
 if [ -n "$NV_NCCL" ]; then
@@ -201,16 +216,8 @@ done
 python3 - "$OUT" <<'PY' 2>&1 | tee -a "$log"
 import sys
 out = sys.argv[1]
-def rows(name):
-    r = {}
-    try:
-        for line in open(f"{out}/perf-{name}.txt", errors="replace"):
-            f = line.split()
-            if len(f) >= 8 and f[0].isdigit():
-                r[int(f[0])] = (float(f[5]), float(f[6]), float(f[7]))  # time us, algbw, busbw
-    except OSError:
-        pass
-    return r
+sys.path.insert(0, out)
+from perfrows import rows
 g1, g2, g4, nv = rows("oxccl-g1"), rows("oxccl-g2"), rows("oxccl-g4"), rows("nvidia-g1")
 print("== issue 13 targets")
 if g1:
@@ -276,16 +283,8 @@ perf oxccl-g4-direct "$OXLIB" env OXCCL_CUDA_DIRECT=1 "$B/all_reduce_perf" -b 8 
 python3 - "$OUT" <<'PY' 2>&1 | tee -a "$log"
 import sys
 out = sys.argv[1]
-def rows(name):
-    r = {}
-    try:
-        for line in open(f"{out}/perf-{name}.txt", errors="replace"):
-            f = line.split()
-            if len(f) >= 8 and f[0].isdigit():
-                r[int(f[0])] = (float(f[5]), float(f[6]), float(f[7]))
-    except OSError:
-        pass
-    return r
+sys.path.insert(0, out)
+from perfrows import rows
 g1 = rows("oxccl-g1")
 print("== issue 13 targets with OXCCL_CUDA_DIRECT=1 (ring: the rows above)")
 for n, name in ((2, "oxccl-g2"), (4, "oxccl-g4")):
