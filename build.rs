@@ -154,7 +154,7 @@ fn plugin_logger() {
 /// The kernels' sources (`cuda/`) and the architectures nvcc compiles them for: a cubin for each
 /// (sm_80 also serves sm_86/87/89), and PTX for the first, which the driver compiles for any
 /// newer device (sm_120, ...).
-const KERNEL_SOURCES: [&str; 2] = ["cuda/runner.cu", "cuda/reduce.cuh"];
+const KERNEL_SOURCES: [&str; 3] = ["cuda/runner.cu", "cuda/reduce.cuh", "cuda/direct.cuh"];
 const KERNEL_ARCHS: [u32; 3] = [80, 90, 100];
 
 /// nvcc, where one is: `OXCCL_NVCC` (a path; `none`: do not use nvcc), else

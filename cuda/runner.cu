@@ -16,6 +16,7 @@
 // 0, call word 1, bytes) as u64 at 1024 + 24 * slot; slot data at `slots + slot * slot_bytes`.
 
 #include "reduce.cuh"
+#include "direct.cuh"
 
 #define OX_THREADS 512
 #define OX_PARAM_BYTES 4000
@@ -217,13 +218,6 @@ __device__ __forceinline__ void copy_bytes(uint8_t* d0, uint8_t* d1, const uint8
     if (d1) d1[i] = x;
   }
 }
-
-// 16 bytes of elements of dtype DT.
-template <int DT>
-union OxPack {
-  uint4 v;
-  typename OxDt<DT>::S e[16 / sizeof(typename OxDt<DT>::S)];
-};
 
 // One primitive's element function (PRIM fixed at compile time).
 template <int DT, int PRIM>
@@ -582,72 +576,7 @@ __device__ __forceinline__ void ox_local(const uint64_t* words) {
   }
 }
 
-// An all-reduce of every rank of one communicator on this device, all in one launch (see
-// `src/exec/cuda/direct.rs`): lane k is rank k's one program of one LOCAL_REDUCE step over its
-// own input (src) and output (dst), with its own reduction. Each element is reduced across the
-// ranks in rank order, y = finish(op(prep_{n-1}(x_{n-1}), ... op(prep_1(x_1), prep_0(x_0)))),
-// and written to every rank's output: n inputs read and n outputs written once, the least an
-// all-reduce of n ranks sharing one memory can move. One thread reads and writes each element,
-// so in-place buffers need no barrier. Every block takes a share of the elements.
-#define OX_DIRECT_MAX 16
-
-// Up to M ranks (registers for M packs per element pack; U element packs in flight per thread).
-template <int DT, int M, int U>
-__device__ __forceinline__ void direct_typed(const uint8_t* const* src, uint8_t* const* dst,
-                                             const OxRed* red, int n, uint64_t count, size_t tid,
-                                             size_t nt) {
-  typedef typename OxDt<DT>::S S;
-  const int K = 16 / sizeof(S);
-  uintptr_t al = 0;
-  for (int k = 0; k < n; k++) al |= (uintptr_t)src[k] | (uintptr_t)dst[k];
-  uint64_t head = 0;
-  // 16 bytes at a time for 4- and 8-byte types (as `reduce_typed`; not compiled for narrower
-  // ones, whose unrolled conversions cost NVRTC minutes). Loops run to constant bounds (with
-  // guards), so that the packs stay in registers; all loads of U packs are issued before their
-  // arithmetic.
-  if constexpr (sizeof(S) >= 4) {
-    if ((al & 15) == 0) {
-      const uint64_t np = count / K;
-      for (uint64_t i0 = tid; i0 < np; i0 += U * nt) {
-        OxPack<DT> x[U][M];
-#pragma unroll
-        for (int u = 0; u < U; u++) {
-          const uint64_t i = i0 + u * nt;
-#pragma unroll
-          for (int k = 0; k < M; k++)
-            if (k < n && i < np) x[u][k].v = ((const uint4*)src[k])[i];
-        }
-#pragma unroll
-        for (int u = 0; u < U; u++) {
-          const uint64_t i = i0 + u * nt;
-          if (i >= np) break;
-          OxPack<DT> acc;
-#pragma unroll
-          for (int j = 0; j < K; j++) acc.e[j] = ox_prep<DT>(x[u][0].e[j], red[0]);
-#pragma unroll
-          for (int k = 1; k < M; k++) {
-            if (k < n) {
-#pragma unroll
-              for (int j = 0; j < K; j++)
-                acc.e[j] = ox_combine<DT>(x[u][k].e[j], acc.e[j], red[k]);
-            }
-          }
-#pragma unroll
-          for (int j = 0; j < K; j++) acc.e[j] = ox_finish<DT>(acc.e[j], red[0]);
-          for (int k = 0; k < n; k++) ((uint4*)dst[k])[i] = acc.v;
-        }
-      }
-      head = np * K;
-    }
-  }
-  for (uint64_t i = head + tid; i < count; i += nt) {
-    S acc = ox_prep<DT>(((const S*)src[0])[i], red[0]);
-    for (int k = 1; k < n; k++) acc = ox_combine<DT>(((const S*)src[k])[i], acc, red[k]);
-    acc = ox_finish<DT>(acc, red[0]);
-    for (int k = 0; k < n; k++) ((S*)dst[k])[i] = acc;
-  }
-}
-
+// The direct all-reduce's kernels (the element loop: `direct.cuh`).
 template <int M, int U>
 __device__ __forceinline__ void ox_direct(const uint64_t* words) {
   OxView v = ox_view(words);

@@ -269,15 +269,25 @@ grep -m2 "via P2P/IPC" "$OUT/perf-oxccl-2procs-ipc.txt" | tee -a "$log" ||
   { say "   FAILED: no connection via P2P/IPC"; fails=$((fails + 1)); }
 # The direct all-reduce (OXCCL_CUDA_DIRECT=1: one kernel reads every rank's input and writes
 # every rank's output, where one group holds every rank of a communicator on the GPU): every
-# datatype x op (PreMulSum with host and device scalars, avg) on 2, 3 and 4 ranks, the log must
-# say the direct algorithm ran; then 2 and 4 ranks' bandwidth against the same limits.
-check "CUDA direct: 2 ranks, AllReduce x datatype x op" 90 \
-  says direct-2 "Algo Direct \(one kernel" env OXCCL_CUDA_DIRECT=1 NCCL_DEBUG_SUBSYS=TUNING \
-  "$B/coll_matrix" 2 cuda coll=AllReduce
-check "CUDA direct: 3 ranks, ncclMemAlloc buffers" 90 \
-  env OXCCL_CUDA_DIRECT=1 "$B/coll_matrix" 3 cuda memalloc coll=AllReduce
-check "CUDA direct: 4 ranks, every collective x datatype x op" 150 \
-  env OXCCL_CUDA_DIRECT=1 "$B/coll_matrix" 4 cuda big=none
+# datatype x op (PreMulSum with host and device scalars, avg) on 2, 3, 4 and 8 ranks, whose logs
+# must say the direct algorithm ran for every all-reduce; then 2 and 4 ranks' bandwidth against
+# the same limits.
+direct() {  # label, command...: with OXCCL_CUDA_DIRECT=1 the command must succeed, its
+  # all-reduces must have taken the direct kernel (NCCL_DEBUG_SUBSYS=TUNING), and none the ring
+  # or another algorithm (a silent fallback would make the rows below the ring's)
+  local label=$1; shift
+  says "$label" "Algo Direct \(one kernel" env OXCCL_CUDA_DIRECT=1 NCCL_DEBUG_SUBSYS=TUNING "$@" || return 1
+  ! grep -E "AllReduce: [1-9][0-9]* Bytes -> Algo " "$OUT/$label.log" | grep -vFm3 "Algo Direct (one kernel"
+}
+export -f says direct  # `check` runs `direct` in a child bash, which calls `says`
+# (Only all-reduces change: coll_matrix runs those alone.)
+check "CUDA direct: 2 ranks, AllReduce x datatype x op" 60 direct direct-2 "$B/coll_matrix" 2 cuda coll=AllReduce
+check "CUDA direct: 3 ranks, ncclMemAlloc buffers" 60 direct direct-3 "$B/coll_matrix" 3 cuda memalloc coll=AllReduce
+check "CUDA direct: 4 ranks" 90 direct direct-4 "$B/coll_matrix" 4 cuda coll=AllReduce
+check "CUDA direct: 8 ranks (the kernel for up to 16)" 90 \
+  direct direct-8 "$B/coll_matrix" 8 cuda coll=AllReduce big=none
+check "CUDA direct: all_reduce_perf -g 2 takes it" 30 \
+  direct direct-perf "$B/all_reduce_perf" -b 8 -e 1M -f 32 -n 1 -w 0 -g 2
 perf oxccl-g2-direct "$OXLIB" env OXCCL_CUDA_DIRECT=1 "$B/all_reduce_perf" "${sweep[@]}" -g 2
 perf oxccl-g4-direct "$OXLIB" env OXCCL_CUDA_DIRECT=1 "$B/all_reduce_perf" -b 8 -e 256M -f 8 -n 10 -w 3 -g 4
 python3 - "$OUT" <<'PY' 2>&1 | tee -a "$log"

@@ -458,6 +458,12 @@ fn header(input: &mut Vec<u8>, dt: DataType, kind: u32, premul: Option<u64>, mod
 
 /// Compiles the driver; None (after saying why) when there is no g++.
 fn build_driver() -> Option<PathBuf> {
+    build("driver")
+}
+
+/// Compiles `tests/cuda_arith/<name>.cpp` with the headers of `cuda/`; None (after saying why)
+/// when there is no g++.
+fn build(name: &str) -> Option<PathBuf> {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
     if Command::new("g++").arg("--version").output().is_err() {
         eprintln!("SKIPPED: no g++ on PATH, cuda/reduce.cuh was not checked");
@@ -465,20 +471,20 @@ fn build_driver() -> Option<PathBuf> {
     }
     let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("cuda-arith");
     std::fs::create_dir_all(&dir).unwrap();
-    let exe = dir.join("driver");
+    let exe = dir.join(name);
     let out = Command::new("g++")
         .args(["-std=c++17", "-O2", "-ffp-contract=off"])
         .args(["-Wall", "-Wextra", "-Wshadow", "-Werror"])
         .arg("-I")
         .arg(root.join("cuda"))
-        .arg(root.join("tests/cuda_arith/driver.cpp"))
+        .arg(root.join(format!("tests/cuda_arith/{name}.cpp")))
         .arg("-o")
         .arg(&exe)
         .output()
         .expect("run g++");
     assert!(
         out.status.success(),
-        "g++ failed on tests/cuda_arith/driver.cpp:\n{}",
+        "g++ failed on tests/cuda_arith/{name}.cpp:\n{}",
         String::from_utf8_lossy(&out.stderr)
     );
     Some(exe)
@@ -645,4 +651,150 @@ fn header_matches_host_reducer_bit_for_bit() {
             .collect::<Vec<_>>()
             .join("\n")
     );
+}
+
+/// The direct all-reduce's element loop (`cuda/direct.cuh`, the loop of the `oxccl_direct*`
+/// kernels) run on the host thread by thread (`tests/cuda_arith/direct.cpp`), against the host
+/// executor's reductions applied rank by rank: acc = prep_0(x_0), then acc = op(prep_k(x_k), acc)
+/// for k = 1..n with each rank's own premultiplier, then finish (the integer average's
+/// divisor). Every datatype and operator, 2 to 16 ranks (both kernels' loops), counts that leave
+/// tails after the 16-byte packs, grids of 1 to 64 threads, the last rank's buffers aligned or
+/// not, in and out of place; the bytes around every output, and the inputs out of place, must
+/// be untouched. Values are finite and never -0, so that every result is specified.
+#[test]
+fn direct_all_reduce_loop_matches_the_host_rank_by_rank() {
+    let Some(exe) = build("direct") else { return };
+    let mut rng = Rng(0xd1ec_7a11_0000_0001);
+    let ranks = [2usize, 3, 4, 5, 9, 16];
+    let counts = [1usize, 5, 16, 33, 1000, 4099];
+    let threads = [1u32, 3, 64];
+    let mut input = Vec::new();
+    let mut records = Vec::new(); // (dtype, n, count, inputs' expected output, what)
+    let mut i = 0usize;
+    for dt in DataType::ALL {
+        let value = |rng: &mut Rng| match dt {
+            DataType::Float16
+            | DataType::Bfloat16
+            | DataType::Float8e4m3
+            | DataType::Float8e5m2
+            | DataType::Float32
+            | DataType::Float64 => {
+                let v = (rng.next() % 17) as f32 * 0.25 - 2.0;
+                from_f32(dt, if v == 0.0 { 0.0 } else { v })
+            }
+            _ => rng.next() & mask(dt),
+        };
+        let float = matches!(
+            dt,
+            DataType::Float16
+                | DataType::Bfloat16
+                | DataType::Float8e4m3
+                | DataType::Float8e5m2
+                | DataType::Float32
+                | DataType::Float64
+        );
+        for kind in KINDS {
+            // (premultiply per rank, divisor): plain; for sums also PreMulSum and (integers)
+            // the average's divisor.
+            let mut variants = vec![(false, None)];
+            if kind == ReduceKind::Sum {
+                variants.push((true, None));
+                if !float {
+                    variants.push((false, Some(0)));
+                }
+            }
+            for (premul, postdiv) in variants {
+                for _ in 0..3 {
+                    let n = ranks[i % ranks.len()];
+                    let count = counts[(i / ranks.len()) % counts.len()];
+                    let nt = threads[i % threads.len()];
+                    let (mis, in_place) = (((i / 2) % 2) as u32, i % 2 == 1);
+                    i += 1;
+                    let postdiv = postdiv.map(|_| n as u64);
+                    let scalars: Vec<Option<u64>> = (0..n)
+                        .map(|_| {
+                            premul.then(|| {
+                                if float {
+                                    let c = [0.5f32, -1.5, 3.0, 0.25];
+                                    from_f32(dt, c[(rng.next() % 4) as usize])
+                                } else {
+                                    rng.next() & mask(dt)
+                                }
+                            })
+                        })
+                        .collect();
+                    let xs: Vec<Vec<u64>> = (0..n)
+                        .map(|_| (0..count).map(|_| value(&mut rng)).collect())
+                        .collect();
+                    // The host's rank-by-rank reduction.
+                    let reducer = |k: usize| {
+                        Reducer::new(Reduction {
+                            dtype: dt,
+                            kind,
+                            premul: scalars[k].map(|bits| Scalar { bits }),
+                            postdiv,
+                        })
+                    };
+                    let bytes: Vec<Vec<u8>> = xs.iter().map(|x| to_bytes(dt, x)).collect();
+                    let mut acc = vec![0u8; bytes[0].len()];
+                    let mut next = acc.clone();
+                    // SAFETY: every buffer holds `count` elements of `dt`; no two alias.
+                    unsafe {
+                        reducer(0).prep(acc.as_mut_ptr(), bytes[0].as_ptr(), count);
+                        for (k, x) in bytes.iter().enumerate().skip(1) {
+                            reducer(k).combine(next.as_mut_ptr(), x.as_ptr(), acc.as_ptr(), count);
+                            std::mem::swap(&mut acc, &mut next);
+                        }
+                        reducer(0).finish(next.as_mut_ptr(), acc.as_ptr(), count);
+                    }
+                    let want = from_bytes(dt, &next);
+                    for v in [dt as u32, kind as u32, n as u32, nt] {
+                        input.extend(v.to_le_bytes());
+                    }
+                    input.extend((count as u64).to_le_bytes());
+                    input.extend(mis.to_le_bytes());
+                    input.extend(u32::from(in_place).to_le_bytes());
+                    input.extend(postdiv.unwrap_or(0).to_le_bytes());
+                    for s in &scalars {
+                        input.extend(u64::from(s.is_some()).to_le_bytes());
+                        input.extend(s.unwrap_or(0).to_le_bytes());
+                    }
+                    for b in &bytes {
+                        input.extend_from_slice(b);
+                    }
+                    let what = format!(
+                        "{} {kind:?} premul {premul} postdiv {postdiv:?}, {n} ranks, {count} \
+                         elements, {nt} threads, misaligned {mis}, in place {in_place}",
+                        dt.name()
+                    );
+                    records.push((dt, n, count, want, what));
+                }
+            }
+        }
+    }
+    let out = run_driver(&exe, input);
+    let mut pos = 0;
+    let mut checked = 0usize;
+    for (dt, n, count, want, what) in &records {
+        for k in 0..*n {
+            let b = count * dt.size();
+            let got = from_bytes(*dt, &out[pos..pos + b]);
+            pos += b;
+            if let Some(e) = (0..*count).find(|&e| got[e] != want[e]) {
+                panic!(
+                    "{what}: rank {k}'s element {e} is {:#x}, the host says {:#x}",
+                    got[e], want[e]
+                );
+            }
+            checked += count;
+        }
+        assert_eq!(
+            out[pos..pos + 4],
+            1u32.to_le_bytes(),
+            "{what}: bytes around an output, or an input, changed"
+        );
+        pos += 4;
+    }
+    assert_eq!(pos, out.len(), "the driver wrote more than expected");
+    eprintln!("{} records, {checked} elements compared", records.len());
 }

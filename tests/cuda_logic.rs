@@ -698,12 +698,18 @@ fn cuda_executor_logic_on_a_recording_driver() {
         2,
         "each rank's last event: {ev:#?}"
     );
+    let rank1_last = after.iter().find_map(|e| match e {
+        Ev::Wait {
+            stream: 0x82,
+            event,
+        } => Some(*event),
+        _ => None,
+    });
     assert!(
-        after
-            .iter()
-            .any(|e| matches!(e, Ev::Wait { stream: 0x82, .. })),
-        "rank 1's later work after it: {ev:#?}"
+        matches!(rank1_last, Some(e) if after.contains(&&Ev::Record { event: e, stream: 0x81 })),
+        "rank 1's later work waits for an event recorded after the kernel: {ev:#?}"
     );
+    let rank1_last = rank1_last.unwrap();
     let d = LAST_DESC.lock().clone();
     assert_eq!(
         d[1],
@@ -723,7 +729,8 @@ fn cuda_executor_logic_on_a_recording_driver() {
             (src as u64, dst as u64, n as u64)
         );
     }
-    // Rank 1 again on rank 0's stream, in place: one launch, no join; one block for 4 KB.
+    // Rank 1 again on rank 0's stream, in place: one launch, no join (only a wait for rank 1's
+    // last launch, which its stream 0x82 ran after); one block for 4 KB.
     let in_place: Vec<_> = bufs.iter().map(|&(s, _)| (s, s)).collect();
     let ev = group(&in_place, 1000, [0x81, 0x81]);
     assert!(
@@ -738,8 +745,39 @@ fn cuda_executor_logic_on_a_recording_driver() {
         ),
         "{ev:#?}"
     );
-    assert!(!ev.iter().any(|e| matches!(e, Ev::Wait { .. })), "{ev:#?}");
-    // Not taken: rank 1 writes where rank 0 reads; a capturing stream; different counts.
+    let waits: Vec<_> = ev.iter().filter(|e| matches!(e, Ev::Wait { .. })).collect();
+    assert_eq!(
+        waits,
+        [&Ev::Wait {
+            stream: 0x81,
+            event: rank1_last
+        }],
+        "{ev:#?}"
+    );
+    // Five ranks: the kernel for up to 16.
+    let five = nccl::api::comm_init_all(&[0; 5]).expect("five ranks on one device");
+    take();
+    nccl::api::group_start().unwrap();
+    for c in &five {
+        let (s, d) = (buffer(4000), buffer(4000));
+        nccl::api::enqueue(c, all_reduce(s, d, 1000), cuda(0x91)).unwrap();
+    }
+    nccl::api::group_end().unwrap();
+    let ev = take();
+    assert!(
+        matches!(
+            launches(&ev).as_slice(),
+            [Ev::Launch {
+                func: DIRECT16,
+                grid: (1, 1),
+                ..
+            }]
+        ),
+        "{ev:#?}"
+    );
+    assert_eq!(LAST_DESC.lock()[1] >> 48, 5, "five lanes");
+    // Not taken: rank 1 writes where rank 0 reads; a capturing stream; different counts; a
+    // rank with a second call in the group.
     let crossed = [bufs[0], (bufs[1].0, bufs[0].0)];
     let ring = |ev: &[Ev]| {
         let l = launches(ev);
@@ -762,6 +800,14 @@ fn cuda_executor_logic_on_a_recording_driver() {
     nccl::api::group_end().unwrap();
     // (The stand-in runs no kernel: the mismatch is for the ring to report, not this test.)
     assert!(ring(&take()), "different counts");
+    nccl::api::group_start().unwrap();
+    for (r, c) in comms.iter().enumerate() {
+        for _ in 0..=r {
+            nccl::api::enqueue(c, all_reduce(bufs[r].0, bufs[r].1, n), cuda(0x81)).unwrap();
+        }
+    }
+    nccl::api::group_end().unwrap();
+    assert!(ring(&take()), "two calls of rank 1");
     std::env::remove_var("OXCCL_CUDA_DIRECT");
 
     // 9. A connection in device memory between processes (CUDA IPC): the receiving end's

@@ -25,9 +25,11 @@ use crate::types::CollKind;
 /// The most ranks one launch reduces (`OX_DIRECT_MAX`).
 pub const MAX_RANKS: usize = 16;
 
-/// `OXCCL_CUDA_DIRECT`: read at each launch (tests switch it).
+/// `OXCCL_CUDA_DIRECT` (read at each group of several communicators: tests switch it), and
+/// `NCCL_ALGO` leaves all-reduces a direct algorithm.
 fn enabled() -> bool {
     crate::param::get_u64("OXCCL_CUDA_DIRECT") != 0
+        && crate::plan::algo::direct_allowed(CollKind::AllReduce)
 }
 
 /// Takes out of `per_comm` (a group's calls, by communicator) the sets that one direct launch
@@ -153,12 +155,6 @@ pub(super) fn launch(set: &[Call<'_>]) -> Result<()> {
         let p = Program::new(vec![step], q.args.dtype, bytes.max(1), q.red)
             .bind(&mut |_| Err(Error::internal("a connection in a direct all-reduce")))?;
         d.lane(std::iter::once(&p), q.cuda().ctl.addr())?;
-        crate::plan::algo::log_choice(
-            "AllReduce",
-            bytes,
-            n,
-            "Direct (one kernel over every rank's buffers on this GPU)",
-        );
     }
     let mut params = d.params(1, false)?;
     let streams: Vec<usize> = set.iter().map(|q| stream::handle(&q.stream)).collect();
@@ -215,10 +211,25 @@ pub(super) fn launch(set: &[Call<'_>]) -> Result<()> {
             )
         },
     )?;
-    // Each rank's later work, on its stream or another, comes after.
+    if super::trace() {
+        crate::debug::info(&format!(
+            "{}: direct all-reduce of {n} ranks, {bytes} bytes each, {blocks} blocks, on \
+             stream {s0:#x}",
+            c0.describe()
+        ));
+    }
+    // Each rank's later work, on its stream or another, comes after: its last event is
+    // recorded after the kernel, and its own stream waits for it (its stream is then the one
+    // whose later launches need no wait).
     let mut result = Ok(());
     for (q, &s) in set.iter().zip(&streams) {
         let c = q.cuda();
+        crate::plan::algo::log_choice(
+            "AllReduce",
+            bytes,
+            n,
+            "Direct (one kernel over every rank's buffers on this GPU)",
+        );
         c.last_conns.lock().clear();
         let mut l = c.last.lock();
         // SAFETY: our event, on the stream just used.
@@ -228,17 +239,25 @@ pub(super) fn launch(set: &[Call<'_>]) -> Result<()> {
         .and_then(|_| {
             l.recorded = true;
             l.stream = Some(s0);
-            if s == s0 {
-                return Ok(());
+            if s != s0 {
+                // SAFETY: our event, just recorded; the rank's stream.
+                check(
+                    unsafe { (api.stream_wait_event)(s as _, l.event as _, 0) },
+                    || "cuStreamWaitEvent (joining the ranks' streams)".into(),
+                )?;
+                l.stream = Some(s);
             }
-            // SAFETY: our event, just recorded; the rank's stream.
-            check(
-                unsafe { (api.stream_wait_event)(s as _, l.event as _, 0) },
-                || "cuStreamWaitEvent (joining the ranks' streams)".into(),
-            )
+            Ok(())
         });
         if result.is_ok() {
             result = r;
+        }
+    }
+    if let Err(e) = &result {
+        // The kernel runs, but later work may not be ordered after it: the communicators
+        // are broken, as after a failed launch of a ring (`launch_set`).
+        for q in set {
+            q.cuda().health.fail_and_announce(e.clone());
         }
     }
     result

@@ -14,6 +14,7 @@ use std::sync::Arc;
 
 const RUNNER: &str = include_str!("../../../cuda/runner.cu");
 const REDUCE: &str = include_str!("../../../cuda/reduce.cuh");
+const DIRECT: &str = include_str!("../../../cuda/direct.cuh");
 /// NVRTC has no C library headers: the fixed-width types the kernels use.
 const STDINT: &str = "#pragma once\n\
 typedef signed char int8_t; typedef unsigned char uint8_t;\n\
@@ -107,8 +108,15 @@ static IMAGES: Lazy<Mutex<Images>> = Lazy::new(Default::default);
 static LOADED: Lazy<Mutex<HashMap<usize, Kernels>>> = Lazy::new(Default::default);
 
 /// The kernel sources as NVRTC compiles them: (main, headers).
-pub fn sources() -> (&'static str, [(&'static str, &'static str); 2]) {
-    (RUNNER, [("reduce.cuh", REDUCE), ("stdint.h", STDINT)])
+pub fn sources() -> (&'static str, [(&'static str, &'static str); 3]) {
+    (
+        RUNNER,
+        [
+            ("reduce.cuh", REDUCE),
+            ("direct.cuh", DIRECT),
+            ("stdint.h", STDINT),
+        ],
+    )
 }
 
 /// Where compiled kernels are kept between processes: `OXCCL_CACHE_DIR`, else

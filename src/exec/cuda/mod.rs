@@ -188,24 +188,28 @@ pub fn launch(ops: Vec<Call<'_>>) -> Result<()> {
             }
         }
     }
-    // All-reduces of every rank of a communicator on one device: one kernel each (`direct`).
-    let mut direct_err = None;
-    for set in direct::take(&mut per_comm) {
-        if let Err(e) = direct::launch(&set) {
-            direct_err.get_or_insert(e);
+    // All-reduces of every rank of a communicator on one device: one kernel each (`direct`),
+    // launched once the rest of the group is planned and connected (a group that cannot be
+    // fails before anything runs).
+    let direct_sets = direct::take(&mut per_comm);
+    let jobs = prepare(per_comm)?;
+    let mut first_err = None;
+    for set in &direct_sets {
+        if let Err(e) = direct::launch(set) {
+            first_err.get_or_insert(e);
         }
     }
-    let rest = launch_planned(per_comm);
-    match direct_err {
-        Some(e) => Err(e),
-        None => rest,
+    if let Err(e) = launch_jobs(jobs) {
+        first_err.get_or_insert(e);
     }
+    first_err.map_or(Ok(()), Err)
 }
 
-/// Plans, connects and launches a group's calls (by communicator).
-fn launch_planned(per_comm: Vec<Vec<Call<'_>>>) -> Result<()> {
+/// Plans a group's calls (by communicator), makes the connections they need and binds the
+/// programs to them.
+fn prepare<'a>(per_comm: Vec<Vec<Call<'a>>>) -> Result<Vec<Job<'a>>> {
     if per_comm.is_empty() {
-        return Ok(());
+        return Ok(Vec::new());
     }
     let caps = Caps {
         direct: false,
@@ -277,7 +281,11 @@ fn launch_planned(per_comm: Vec<Vec<Call<'_>>>) -> Result<()> {
             ),
         });
     }
-    // Launch together the jobs that share a context and a stream.
+    Ok(jobs)
+}
+
+/// Launches prepared jobs: together those that share a context and a stream.
+fn launch_jobs(mut jobs: Vec<Job<'_>>) -> Result<()> {
     let mut first_err = None;
     while !jobs.is_empty() {
         let (ctx, s) = (jobs[0].comm.ctx, jobs[0].stream);
@@ -496,7 +504,7 @@ fn launch_stage(
 const WIDE_COPY_BYTES: u64 = 512 << 10;
 
 /// `OXCCL_CUDA_TRACE=1`: every launch is logged (INFO) with its lanes, steps and connections.
-fn trace() -> bool {
+pub(super) fn trace() -> bool {
     static T: once_cell::sync::Lazy<bool> =
         once_cell::sync::Lazy::new(|| std::env::var("OXCCL_CUDA_TRACE").is_ok_and(|v| v == "1"));
     *T
