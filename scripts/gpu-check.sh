@@ -102,6 +102,7 @@ says() {  # label, regex, command...: with NCCL_DEBUG=INFO (log in $OUT/<label>.
   grep -Em2 "$re" "$log" || { echo "no line matches: $re"; return 1; }
   return $rc
 }
+export -f says  # functions that `check` runs in a child bash call it
 kernels='CUDA kernels for sm_[0-9]+ on device [0-9]+'
 check "CUDA: the kernels are the library's fatbin (nvcc)" 60 \
   says kernels-fatbin "$kernels: the library's own" "$B/cuda_ranks" 2 threads
@@ -109,7 +110,13 @@ check "CUDA: the kernels from NVRTC (OXCCL_KERNELS=nvrtc)" 60 \
   says kernels-nvrtc "$kernels: (cached|NVRTC)" env OXCCL_KERNELS=nvrtc "$B/cuda_ranks" 2 threads
 check "CUDA: 2 ranks, every collective x datatype x op" 120 "$B/coll_matrix" 2 cuda big=none
 check "CUDA: 4 ranks, every collective x datatype x op" 150 "$B/coll_matrix" 4 cuda
-check "CUDA: 3 ranks, ncclMemAlloc buffers" 90 "$B/coll_matrix" 3 cuda memalloc big=none
+# ncclMemAlloc's memory comes from cuMemCreate (NCCL_CUMEM_ENABLE), with no fallback to
+# cuMemAlloc (an INFO line would say so).
+cumem() {
+  says memalloc-3 "coll_matrix: [0-9]+ checks passed, 0 failed" "$@" || return 1
+  ! grep -m3 "cuMem allocation .* not made" "$OUT/memalloc-3.log"
+}
+check "CUDA: 3 ranks, ncclMemAlloc buffers (cuMem)" 90 cumem "$B/coll_matrix" 3 cuda memalloc big=none
 check "CUDA: 4 ranks as threads" 60 "$B/cuda_ranks" 4 threads
 check "CUDA: 4 ranks as threads, in place" 60 "$B/cuda_ranks" 4 threads inplace
 check "CUDA: 2 ranks as processes" 60 "$B/cuda_ranks" 2 processes
@@ -279,7 +286,7 @@ direct() {  # label, command...: with OXCCL_CUDA_DIRECT=1 the command must succe
   says "$label" "Algo Direct \(one kernel" env OXCCL_CUDA_DIRECT=1 NCCL_DEBUG_SUBSYS=TUNING "$@" || return 1
   ! grep -E "AllReduce: [1-9][0-9]* Bytes -> Algo " "$OUT/$label.log" | grep -vFm3 "Algo Direct (one kernel"
 }
-export -f says direct  # `check` runs `direct` in a child bash, which calls `says`
+export -f direct
 # (Only all-reduces change: coll_matrix runs those alone.)
 check "CUDA direct: 2 ranks, AllReduce x datatype x op" 60 direct direct-2 "$B/coll_matrix" 2 cuda coll=AllReduce
 check "CUDA direct: 3 ranks, ncclMemAlloc buffers" 60 direct direct-3 "$B/coll_matrix" 3 cuda memalloc coll=AllReduce

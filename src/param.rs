@@ -80,6 +80,11 @@ pub const PARAMS: &[Param] = &[
         default: "0",
     },
     Param {
+        name: "NCCL_CUMEM_ENABLE",
+        doc: "CUDA executor: ncclMemAlloc takes memory from the driver's virtual memory management (cuMemCreate, exportable as a POSIX file descriptor, mapped read-write), as NCCL does; 0: cuMemAlloc",
+        default: "1",
+    },
+    Param {
         name: "OXCCL_CUDA_DIRECT",
         doc: "1: on the CUDA executor, a group holding an all-reduce of every rank of a communicator on one GPU (ncclCommInitAll with a repeated device, all_reduce_perf -g N) runs it as one kernel that reads every rank's input and writes every rank's output once (default 0, the ring, until this is measured on a GPU)",
         default: "0",

@@ -91,6 +91,8 @@ unsafe extern "C" fn attr(v: *mut c_int, a: c_int, _: c_int) -> CUresult {
             75 => 9,
             76 => 0,
             16 => 132,
+            102 => i32::from(!NO_VMM.load(Ordering::SeqCst)),
+            103 => 1,
             _ => 0,
         }
     };
@@ -306,6 +308,121 @@ unsafe extern "C" fn error_str(_: CUresult, s: *mut *const c_char) -> CUresult {
     OK
 }
 
+/// The driver's virtual memory calls, as the stand-in saw them (`ncclMemAlloc`).
+#[derive(Clone, Debug, PartialEq)]
+enum Vmm {
+    Create {
+        size: usize,
+        handles: u32,
+        dev: i32,
+    },
+    Reserve {
+        size: usize,
+        align: usize,
+        at: u64,
+    },
+    Map {
+        at: u64,
+        size: usize,
+        handle: u64,
+    },
+    Access {
+        at: u64,
+        size: usize,
+        dev: i32,
+        flags: u32,
+    },
+    Unmap {
+        at: u64,
+        size: usize,
+    },
+    Release {
+        handle: u64,
+    },
+    Free {
+        at: u64,
+        size: usize,
+    },
+}
+static VMM: Mutex<Vec<Vmm>> = Mutex::new(Vec::new());
+/// Devices without virtual memory management (attribute 102 is 0).
+static NO_VMM: AtomicBool = AtomicBool::new(false);
+/// cuMemMap fails (the allocation falls back to cuMemAlloc).
+static MAP_FAILS: AtomicBool = AtomicBool::new(false);
+const GRANULARITY: usize = 2 << 20;
+
+unsafe extern "C" fn granularity(
+    g: *mut usize,
+    _: *const driver::CUmemAllocationProp,
+    _: c_uint,
+) -> CUresult {
+    unsafe { *g = GRANULARITY };
+    OK
+}
+unsafe extern "C" fn mem_create(
+    h: *mut u64,
+    size: usize,
+    prop: *const driver::CUmemAllocationProp,
+    _: u64,
+) -> CUresult {
+    let p = unsafe { *prop };
+    assert_eq!(
+        (p.kind, p.location.kind),
+        (1, 1),
+        "pinned memory of a device"
+    );
+    VMM.lock().push(Vmm::Create {
+        size,
+        handles: p.requested_handle_types,
+        dev: p.location.id,
+    });
+    unsafe { *h = NEXT.fetch_add(1, Ordering::SeqCst) };
+    OK
+}
+unsafe extern "C" fn mem_release(h: u64) -> CUresult {
+    VMM.lock().push(Vmm::Release { handle: h });
+    OK
+}
+unsafe extern "C" fn reserve(p: *mut u64, size: usize, align: usize, _: u64, _: u64) -> CUresult {
+    let at = buffer(size) as u64;
+    VMM.lock().push(Vmm::Reserve { size, align, at });
+    unsafe { *p = at };
+    OK
+}
+unsafe extern "C" fn address_free(at: u64, size: usize) -> CUresult {
+    VMM.lock().push(Vmm::Free { at, size });
+    OK
+}
+unsafe extern "C" fn map(at: u64, size: usize, off: usize, handle: u64, _: u64) -> CUresult {
+    assert_eq!(off, 0);
+    if MAP_FAILS.load(Ordering::SeqCst) {
+        return 2; // CUDA_ERROR_OUT_OF_MEMORY
+    }
+    VMM.lock().push(Vmm::Map { at, size, handle });
+    OK
+}
+unsafe extern "C" fn unmap(at: u64, size: usize) -> CUresult {
+    VMM.lock().push(Vmm::Unmap { at, size });
+    OK
+}
+unsafe extern "C" fn set_access(
+    at: u64,
+    size: usize,
+    d: *const driver::CUmemAccessDesc,
+    n: usize,
+) -> CUresult {
+    assert_eq!(n, 1);
+    let d = unsafe { *d };
+    assert_eq!(d.location.kind, 1, "a device");
+    VMM.lock().push(Vmm::Access {
+        at,
+        size,
+        dev: d.location.id,
+        flags: d.flags,
+    });
+    OK
+}
+
 fn stand_in() -> Api {
     let table: Vec<(&str, *const c_void)> = vec![
         ("cuInit", ok_u as *const c_void),
@@ -352,6 +469,17 @@ fn stand_in() -> Api {
         ("cuEventQuery", event_ok as *const c_void),
         ("cuEventDestroy_v2", event_ok as *const c_void),
         ("cuPointerGetAttribute", pointer_attr as *const c_void),
+        (
+            "cuMemGetAllocationGranularity",
+            granularity as *const c_void,
+        ),
+        ("cuMemCreate", mem_create as *const c_void),
+        ("cuMemRelease", mem_release as *const c_void),
+        ("cuMemAddressReserve", reserve as *const c_void),
+        ("cuMemAddressFree", address_free as *const c_void),
+        ("cuMemMap", map as *const c_void),
+        ("cuMemUnmap", unmap as *const c_void),
+        ("cuMemSetAccess", set_access as *const c_void),
         ("cuGetErrorName", error_str as *const c_void),
         ("cuGetErrorString", error_str as *const c_void),
     ];
@@ -810,7 +938,106 @@ fn cuda_executor_logic_on_a_recording_driver() {
     assert!(ring(&take()), "two calls of rank 1");
     std::env::remove_var("OXCCL_CUDA_DIRECT");
 
-    // 9. A connection in device memory between processes (CUDA IPC): the receiving end's
+    // 9. ncclMemAlloc: physical memory exportable as a POSIX file descriptor, mapped at a
+    //    reservation of the size rounded up to the granularity, read-write for the device;
+    //    ncclMemFree undoes it. Without virtual memory management, or when a step fails (undone),
+    //    cuMemAlloc; NCCL_CUMEM_ENABLE=0 asks for that.
+    VMM.lock().clear();
+    let p = nccl::api::mem_alloc(3 << 20).unwrap() as u64;
+    let v = std::mem::take(&mut *VMM.lock());
+    let [Vmm::Create {
+        size: 4194304,
+        handles: 1,
+        dev: 0,
+    }, Vmm::Reserve {
+        size: 4194304,
+        align: GRANULARITY,
+        at,
+    }, Vmm::Map {
+        at: mapped,
+        size: 4194304,
+        handle,
+    }, Vmm::Access {
+        at: a2,
+        size: 4194304,
+        dev: 0,
+        flags: 3,
+    }] = v.as_slice()
+    else {
+        panic!("{v:#?}")
+    };
+    assert_eq!((*at, *mapped, *a2), (p, p, p), "{v:#?}");
+    let handle = *handle;
+    // A driver that cannot say what the memory is (its pointer query fails): ncclMemAlloc's
+    // own is still known to be this device's, past its start too.
+    PAGEABLE.lock().extend([p, p + 64]);
+    nccl::api::enqueue(
+        &one[0],
+        all_reduce(p as usize + 64, bufs[0].1, 1 << 18),
+        cuda(0x71),
+    )
+    .unwrap();
+    let ev = take();
+    assert_eq!(launches(&ev).len(), 1, "{ev:#?}");
+    PAGEABLE.lock().retain(|&x| x != p && x != p + 64);
+    nccl::api::mem_free(p as usize).unwrap();
+    assert_eq!(
+        *VMM.lock(),
+        [
+            Vmm::Unmap {
+                at: p,
+                size: 4194304
+            },
+            Vmm::Release { handle },
+            Vmm::Free {
+                at: p,
+                size: 4194304
+            }
+        ]
+    );
+    assert!(nccl::api::mem_free(p as usize).is_err(), "freed twice");
+    let plain = |what: &str| {
+        VMM.lock().clear();
+        take();
+        let p = nccl::api::mem_alloc(1000).unwrap();
+        let v = std::mem::take(&mut *VMM.lock());
+        assert!(
+            !v.iter()
+                .any(|e| matches!(e, Vmm::Map { .. } | Vmm::Access { .. })),
+            "{what}: {v:#?}"
+        );
+        let created = v.iter().filter(|e| matches!(e, Vmm::Create { .. })).count();
+        let released = v
+            .iter()
+            .filter(|e| matches!(e, Vmm::Release { .. }))
+            .count();
+        let reserved = v
+            .iter()
+            .filter(|e| matches!(e, Vmm::Reserve { .. }))
+            .count();
+        let freed = v.iter().filter(|e| matches!(e, Vmm::Free { .. })).count();
+        assert_eq!(
+            (created, reserved),
+            (released, freed),
+            "{what}: undone: {v:#?}"
+        );
+        nccl::api::mem_free(p).unwrap();
+        assert!(
+            VMM.lock().is_empty(),
+            "{what}: cuMemFree, not the cuMem calls"
+        );
+    };
+    MAP_FAILS.store(true, Ordering::SeqCst);
+    plain("a failing cuMemMap");
+    MAP_FAILS.store(false, Ordering::SeqCst);
+    NO_VMM.store(true, Ordering::SeqCst);
+    plain("no virtual memory management");
+    NO_VMM.store(false, Ordering::SeqCst);
+    std::env::set_var("NCCL_CUMEM_ENABLE", "0");
+    plain("NCCL_CUMEM_ENABLE=0");
+    std::env::remove_var("NCCL_CUMEM_ENABLE");
+
+    // 10. A connection in device memory between processes (CUDA IPC): the receiving end's
     //    allocation, whose handle the sending end opens to the same header and slots, and
     //    closes when it goes; the device's UUID names the GPU across processes.
     use nccl::gpu::memory::{DevConn, IpcConn};
@@ -827,7 +1054,7 @@ fn cuda_executor_logic_on_a_recording_driver() {
     );
     assert_eq!(driver::device_uuid(0).unwrap(), [0xa0; 16]);
 
-    // 10. Its lifetime between processes (both ends here, the peer's process standing in by
+    // 11. Its lifetime between processes (both ends here, the peer's process standing in by
     //    this one's pid, which is alive): the receiving end's memory is freed only once the
     //    sending end has closed its handle and then said so (or its process is gone); until
     //    then it is parked, and freed when a region goes. An end whose kernels did not stop

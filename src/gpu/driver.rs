@@ -41,6 +41,46 @@ pub const CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES: c_int = 8;
 /// `cuIpcOpenMemHandle`'s flag: enable peer access to the memory's device where it is another.
 pub const CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS: c_uint = 1;
 
+pub const CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED: c_int = 102;
+pub const CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED: c_int = 103;
+pub const CU_MEM_ALLOCATION_TYPE_PINNED: c_uint = 1;
+pub const CU_MEM_HANDLE_TYPE_NONE: c_uint = 0;
+pub const CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR: c_uint = 1;
+pub const CU_MEM_LOCATION_TYPE_DEVICE: c_uint = 1;
+pub const CU_MEM_ACCESS_FLAGS_PROT_READWRITE: c_uint = 3;
+pub const CU_MEM_ALLOC_GRANULARITY_RECOMMENDED: c_uint = 1;
+
+/// `CUmemLocation` (a device: `id` its ordinal).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct CUmemLocation {
+    pub kind: c_uint,
+    pub id: c_int,
+}
+
+/// `CUmemAllocationProp` (`allocFlags`: compressionType, gpuDirectRDMACapable, usage,
+/// reserved[4], as bytes).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct CUmemAllocationProp {
+    pub kind: c_uint,
+    pub requested_handle_types: c_uint,
+    pub location: CUmemLocation,
+    pub win32_handle_meta_data: *mut c_void,
+    pub alloc_flags: [u8; 8],
+}
+
+/// `CUmemAccessDesc`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct CUmemAccessDesc {
+    pub location: CUmemLocation,
+    pub flags: c_uint,
+}
+
+const _: () = assert!(std::mem::size_of::<CUmemAllocationProp>() == 32);
+const _: () = assert!(std::mem::size_of::<CUmemAccessDesc>() == 12);
+
 /// `CUipcMemHandle`: device memory of one process, as another opens it (passed by value).
 #[repr(C)]
 #[derive(Clone, Copy)]
@@ -144,6 +184,16 @@ driver_api! {
     ipc_get_mem_handle = "cuIpcGetMemHandle": fn(*mut CUipcMemHandle, CUdeviceptr);
     ipc_open_mem_handle = "cuIpcOpenMemHandle_v2": fn(*mut CUdeviceptr, CUipcMemHandle, c_uint);
     ipc_close_mem_handle = "cuIpcCloseMemHandle": fn(CUdeviceptr);
+    mem_granularity = "cuMemGetAllocationGranularity": fn(*mut usize,
+        *const CUmemAllocationProp, c_uint);
+    mem_create = "cuMemCreate": fn(*mut u64, usize, *const CUmemAllocationProp, u64);
+    mem_release = "cuMemRelease": fn(u64);
+    mem_address_reserve = "cuMemAddressReserve": fn(*mut CUdeviceptr, usize, usize, CUdeviceptr,
+        u64);
+    mem_address_free = "cuMemAddressFree": fn(CUdeviceptr, usize);
+    mem_map = "cuMemMap": fn(CUdeviceptr, usize, usize, u64, u64);
+    mem_unmap = "cuMemUnmap": fn(CUdeviceptr, usize);
+    mem_set_access = "cuMemSetAccess": fn(CUdeviceptr, usize, *const CUmemAccessDesc, usize);
     error_name = "cuGetErrorName": fn(CUresult, *mut *const c_char);
     error_string = "cuGetErrorString": fn(CUresult, *mut *const c_char);
 }

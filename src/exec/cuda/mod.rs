@@ -120,6 +120,9 @@ fn check_buffer(comm: &CudaComm, addr: usize, what: &str, name: &str) -> Result<
         )
     };
     if r != driver::CUDA_SUCCESS {
+        if memory::device_of(addr) == Some(comm.dev) {
+            return Ok(()); // ncclMemAlloc's, on this device
+        }
         return Err(Error::invalid_argument(format!(
             "{name}: {what} {addr:#x} is not memory the GPU can reach (not from cudaMalloc, \
              ncclMemAlloc, cudaMallocManaged or cudaHostAlloc); {} runs on device {}",
