@@ -10,6 +10,9 @@
 # make -C nccl-tests-compat). Instructions, unlike times, do not depend on the machine's load.
 # LIBDIR=<folder holding another build's libnccl.so.2> measures that build with the same tools
 # (run both, alternating, to compare a change with what it replaced).
+# HOSTS=2: the two ranks on two "hosts" (OXCCL_HOSTID), so the operation goes over the network
+# transport (loopback TCP) and the general path, 1 KiB; counts ncclAllReduce and the stream
+# synchronize together (how much of the operation completes inside the call varies).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 N="${1:-50000}"
@@ -20,14 +23,24 @@ OUT="$(mktemp -d)"
 trap 'rm -rf "$OUT"' EXIT
 export LD_LIBRARY_PATH="${LIBDIR:-$ROOT/target/release/lib}" OXCCL_DEVICE=host WORLD_SIZE=2 MASTER_ADDR=127.0.0.1
 export MASTER_PORT="$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')"
-args=(-b 8 -e 8 -n "$N" -w 10 -c 0)
-RANK=1 "$TOOL" "${args[@]}" > "$OUT/rank1.txt" 2>&1 &
+if [ "${HOSTS:-1}" = 2 ]; then
+  args=(-b 1K -e 1K -n "$N" -w 10 -c 0) h0=(env OXCCL_HOSTID=lc-host0) h1=(env OXCCL_HOSTID=lc-host1)
+else
+  args=(-b 8 -e 8 -n "$N" -w 10 -c 0) h0=() h1=()
+fi
+RANK=1 "${h1[@]}" "$TOOL" "${args[@]}" > "$OUT/rank1.txt" 2>&1 &
 peer=$!
-RANK=0 valgrind --tool=callgrind --callgrind-out-file="$OUT/cg.out" "$TOOL" "${args[@]}" > "$OUT/rank0.txt" 2>&1
+RANK=0 "${h0[@]}" valgrind --tool=callgrind --callgrind-out-file="$OUT/cg.out" "$TOOL" "${args[@]}" > "$OUT/rank0.txt" 2>&1
 wait "$peer"
 # Out-of-place and in-place columns: 2N timed calls, plus warm-up and checks (negligible).
 calls=$((2 * N))
 ir=$(callgrind_annotate --inclusive=yes "$OUT/cg.out" 2>/dev/null |
   awk '/abi\/coll.rs:ncclAllReduce / && !n++ {gsub(",", "", $1); print $1}')
 [ -n "$ir" ] || { echo "launch-cost.sh: no ncclAllReduce in the profile" >&2; exit 1; }
-awk -v ir="$ir" -v c="$calls" 'BEGIN { printf "ncclAllReduce, 8 B, 2 processes: %.0f instructions per call (%d calls)\n", ir / c, c }'
+if [ "${HOSTS:-1}" = 2 ]; then
+  sync=$(callgrind_annotate --inclusive=yes "$OUT/cg.out" 2>/dev/null |
+    awk '/oxcclHostStreamSynchronize / && !n++ {gsub(",", "", $1); print $1}')
+  awk -v ir="$ir" -v s="${sync:-0}" -v c="$calls" 'BEGIN { printf "ncclAllReduce and its stream synchronize, 1 KiB, 2 hosts: %.0f instructions per call (%d calls)\n", (ir + s) / c, c }'
+else
+  awk -v ir="$ir" -v c="$calls" 'BEGIN { printf "ncclAllReduce, 8 B, 2 processes: %.0f instructions per call (%d calls)\n", ir / c, c }'
+fi
