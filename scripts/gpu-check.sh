@@ -110,10 +110,11 @@ check "CUDA: the kernels from NVRTC (OXCCL_KERNELS=nvrtc)" 60 \
   says kernels-nvrtc "$kernels: (cached|NVRTC)" env OXCCL_KERNELS=nvrtc "$B/cuda_ranks" 2 threads
 check "CUDA: 2 ranks, every collective x datatype x op" 120 "$B/coll_matrix" 2 cuda big=none
 check "CUDA: 4 ranks, every collective x datatype x op" 150 "$B/coll_matrix" 4 cuda
-# ncclMemAlloc's memory comes from cuMemCreate (NCCL_CUMEM_ENABLE), with no fallback to
-# cuMemAlloc (an INFO line would say so).
+# ncclMemAlloc's memory comes from cuMemCreate (NCCL_CUMEM_ENABLE; an INFO line per
+# allocation says so), with no fallback to cuMemAlloc (an INFO line would say why).
 cumem() {
-  says memalloc-3 "coll_matrix: [0-9]+ checks passed, 0 failed" "$@" || return 1
+  says memalloc-3 "ncclMemAlloc: [0-9]+ bytes on device [0-9]+ at 0x[0-9a-f]+: cuMem" \
+    env -u NCCL_CUMEM_ENABLE "$@" || return 1
   ! grep -m3 "cuMem allocation .* not made" "$OUT/memalloc-3.log"
 }
 check "CUDA: 3 ranks, ncclMemAlloc buffers (cuMem)" 90 cumem "$B/coll_matrix" 3 cuda memalloc big=none

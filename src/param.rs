@@ -81,7 +81,7 @@ pub const PARAMS: &[Param] = &[
     },
     Param {
         name: "NCCL_CUMEM_ENABLE",
-        doc: "CUDA executor: ncclMemAlloc takes memory from the driver's virtual memory management (cuMemCreate, exportable as a POSIX file descriptor, mapped read-write), as NCCL does; 0: cuMemAlloc",
+        doc: "CUDA executor: ncclMemAlloc takes memory from the driver's virtual memory management (cuMemCreate, exportable as a POSIX file descriptor, mapped read-write), as NCCL does where it can (NCCL's default is automatic; any value but 0, NCCL's -2 included, means on here); 0: cuMemAlloc",
         default: "1",
     },
     Param {

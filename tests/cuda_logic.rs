@@ -92,7 +92,8 @@ unsafe extern "C" fn attr(v: *mut c_int, a: c_int, _: c_int) -> CUresult {
             76 => 0,
             16 => 132,
             102 => i32::from(!NO_VMM.load(Ordering::SeqCst)),
-            103 => 1,
+            103 => i32::from(!NO_POSIX.load(Ordering::SeqCst)),
+            110 => 1,
             _ => 0,
         }
     };
@@ -315,6 +316,7 @@ enum Vmm {
         size: usize,
         handles: u32,
         dev: i32,
+        rdma: u8,
     },
     Reserve {
         size: usize,
@@ -347,10 +349,17 @@ enum Vmm {
 static VMM: Mutex<Vec<Vmm>> = Mutex::new(Vec::new());
 /// Devices without virtual memory management (attribute 102 is 0).
 static NO_VMM: AtomicBool = AtomicBool::new(false);
-/// cuMemMap fails (the allocation falls back to cuMemAlloc).
+/// cuMemMap, or cuMemSetAccess, fails (the allocation falls back to cuMemAlloc).
 static MAP_FAILS: AtomicBool = AtomicBool::new(false);
+static ACCESS_FAILS: AtomicBool = AtomicBool::new(false);
+/// The device cannot export POSIX file descriptors (attribute 103 is 0).
+static NO_POSIX: AtomicBool = AtomicBool::new(false);
 const GRANULARITY: usize = 2 << 20;
 
+unsafe extern "C" fn can_access_peer(can: *mut c_int, _: c_int, _: c_int) -> CUresult {
+    unsafe { *can = 0 };
+    OK
+}
 unsafe extern "C" fn granularity(
     g: *mut usize,
     _: *const driver::CUmemAllocationProp,
@@ -375,6 +384,7 @@ unsafe extern "C" fn mem_create(
         size,
         handles: p.requested_handle_types,
         dev: p.location.id,
+        rdma: p.alloc_flags[1],
     });
     unsafe { *h = NEXT.fetch_add(1, Ordering::SeqCst) };
     OK
@@ -411,7 +421,10 @@ unsafe extern "C" fn set_access(
     d: *const driver::CUmemAccessDesc,
     n: usize,
 ) -> CUresult {
-    assert_eq!(n, 1);
+    assert_eq!(n, 1, "one device, no peers");
+    if ACCESS_FAILS.load(Ordering::SeqCst) {
+        return 1; // CUDA_ERROR_INVALID_VALUE
+    }
     let d = unsafe { *d };
     assert_eq!(d.location.kind, 1, "a device");
     VMM.lock().push(Vmm::Access {
@@ -469,6 +482,7 @@ fn stand_in() -> Api {
         ("cuEventQuery", event_ok as *const c_void),
         ("cuEventDestroy_v2", event_ok as *const c_void),
         ("cuPointerGetAttribute", pointer_attr as *const c_void),
+        ("cuDeviceCanAccessPeer", can_access_peer as *const c_void),
         (
             "cuMemGetAllocationGranularity",
             granularity as *const c_void,
@@ -949,6 +963,7 @@ fn cuda_executor_logic_on_a_recording_driver() {
         size: 4194304,
         handles: 1,
         dev: 0,
+        rdma: 1,
     }, Vmm::Reserve {
         size: 4194304,
         align: GRANULARITY,
@@ -1002,25 +1017,21 @@ fn cuda_executor_logic_on_a_recording_driver() {
         let p = nccl::api::mem_alloc(1000).unwrap();
         let v = std::mem::take(&mut *VMM.lock());
         assert!(
-            !v.iter()
-                .any(|e| matches!(e, Vmm::Map { .. } | Vmm::Access { .. })),
+            !v.iter().any(|e| matches!(e, Vmm::Access { .. })),
             "{what}: {v:#?}"
         );
-        let created = v.iter().filter(|e| matches!(e, Vmm::Create { .. })).count();
-        let released = v
-            .iter()
-            .filter(|e| matches!(e, Vmm::Release { .. }))
-            .count();
-        let reserved = v
-            .iter()
-            .filter(|e| matches!(e, Vmm::Reserve { .. }))
-            .count();
-        let freed = v.iter().filter(|e| matches!(e, Vmm::Free { .. })).count();
-        assert_eq!(
-            (created, reserved),
-            (released, freed),
-            "{what}: undone: {v:#?}"
+        let count = |f: fn(&Vmm) -> bool| v.iter().filter(|e| f(e)).count();
+        let made = (
+            count(|e| matches!(e, Vmm::Create { .. })),
+            count(|e| matches!(e, Vmm::Reserve { .. })),
+            count(|e| matches!(e, Vmm::Map { .. })),
         );
+        let undone = (
+            count(|e| matches!(e, Vmm::Release { .. })),
+            count(|e| matches!(e, Vmm::Free { .. })),
+            count(|e| matches!(e, Vmm::Unmap { .. })),
+        );
+        assert_eq!(made, undone, "{what}: undone: {v:#?}");
         nccl::api::mem_free(p).unwrap();
         assert!(
             VMM.lock().is_empty(),
@@ -1030,12 +1041,36 @@ fn cuda_executor_logic_on_a_recording_driver() {
     MAP_FAILS.store(true, Ordering::SeqCst);
     plain("a failing cuMemMap");
     MAP_FAILS.store(false, Ordering::SeqCst);
+    ACCESS_FAILS.store(true, Ordering::SeqCst);
+    plain("a failing cuMemSetAccess");
+    ACCESS_FAILS.store(false, Ordering::SeqCst);
     NO_VMM.store(true, Ordering::SeqCst);
     plain("no virtual memory management");
     NO_VMM.store(false, Ordering::SeqCst);
     std::env::set_var("NCCL_CUMEM_ENABLE", "0");
     plain("NCCL_CUMEM_ENABLE=0");
     std::env::remove_var("NCCL_CUMEM_ENABLE");
+    // A device that cannot export POSIX file descriptors: mapped memory all the same.
+    NO_POSIX.store(true, Ordering::SeqCst);
+    let p = nccl::api::mem_alloc(1000).unwrap();
+    NO_POSIX.store(false, Ordering::SeqCst);
+    assert!(
+        matches!(VMM.lock().first(), Some(Vmm::Create { handles: 0, .. })),
+        "{:#?}",
+        VMM.lock()
+    );
+    nccl::api::mem_free(p).unwrap();
+    VMM.lock().clear();
+    // A cuMemAlloc allocation the driver no longer knows (freed behind oxccl's back) fails
+    // the buffer check, unlike mapped memory.
+    std::env::set_var("NCCL_CUMEM_ENABLE", "0");
+    let q = nccl::api::mem_alloc(4096).unwrap();
+    std::env::remove_var("NCCL_CUMEM_ENABLE");
+    PAGEABLE.lock().push(q as u64);
+    let r = nccl::api::enqueue(&one[0], all_reduce(q, bufs[0].1, 1000), cuda(0x71));
+    assert!(r.is_err(), "a stale cuMemAlloc pointer passed the check");
+    PAGEABLE.lock().retain(|&x| x != q as u64);
+    nccl::api::mem_free(q).unwrap();
 
     // 10. A connection in device memory between processes (CUDA IPC): the receiving end's
     //    allocation, whose handle the sending end opens to the same header and slots, and

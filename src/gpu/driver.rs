@@ -43,6 +43,7 @@ pub const CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS: c_uint = 1;
 
 pub const CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED: c_int = 102;
 pub const CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED: c_int = 103;
+pub const CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED: c_int = 110;
 pub const CU_MEM_ALLOCATION_TYPE_PINNED: c_uint = 1;
 pub const CU_MEM_HANDLE_TYPE_NONE: c_uint = 0;
 pub const CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR: c_uint = 1;
@@ -59,7 +60,7 @@ pub struct CUmemLocation {
 }
 
 /// `CUmemAllocationProp` (`allocFlags`: compressionType, gpuDirectRDMACapable, usage,
-/// reserved[4], as bytes).
+/// reserved[4], as bytes: `ALLOC_FLAG_GPU_DIRECT_RDMA` is the second).
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 pub struct CUmemAllocationProp {
@@ -78,6 +79,8 @@ pub struct CUmemAccessDesc {
     pub flags: c_uint,
 }
 
+/// The byte of `CUmemAllocationProp::alloc_flags` that is `gpuDirectRDMACapable`.
+pub const ALLOC_FLAG_GPU_DIRECT_RDMA: usize = 1;
 const _: () = assert!(std::mem::size_of::<CUmemAllocationProp>() == 32);
 const _: () = assert!(std::mem::size_of::<CUmemAccessDesc>() == 12);
 
@@ -184,6 +187,7 @@ driver_api! {
     ipc_get_mem_handle = "cuIpcGetMemHandle": fn(*mut CUipcMemHandle, CUdeviceptr);
     ipc_open_mem_handle = "cuIpcOpenMemHandle_v2": fn(*mut CUdeviceptr, CUipcMemHandle, c_uint);
     ipc_close_mem_handle = "cuIpcCloseMemHandle": fn(CUdeviceptr);
+    device_can_access_peer = "cuDeviceCanAccessPeer": fn(*mut c_int, CUdevice, CUdevice);
     mem_granularity = "cuMemGetAllocationGranularity": fn(*mut usize,
         *const CUmemAllocationProp, c_uint);
     mem_create = "cuMemCreate": fn(*mut u64, usize, *const CUmemAllocationProp, u64);

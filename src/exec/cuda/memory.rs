@@ -3,9 +3,10 @@
 //!
 //! As NCCL does (unless `NCCL_CUMEM_ENABLE=0`), the memory comes from the driver's virtual
 //! memory management: physical memory made with `cuMemCreate`, exportable as a POSIX file
-//! descriptor where the device supports it (the kind of handle peers on this host import),
-//! mapped at an address range reserved for it and made readable and writable by the device;
-//! the size is rounded up to the allocation granularity. A device without those calls, or a
+//! descriptor where the device supports it (the kind of handle peers on this host import) and
+//! registrable by an RDMA NIC where it allows that, mapped at an address range reserved for it
+//! and made readable and writable by the device and by every device that can reach it as a
+//! peer; the size is rounded up to the allocation granularity. A device without those calls, or a
 //! step that fails, gives plain `cuMemAlloc` memory instead (`NCCL_DEBUG=INFO` says why).
 
 use crate::error::{Error, Result};
@@ -34,7 +35,9 @@ pub fn device_of(addr: usize) -> Option<i32> {
     let a = ALLOCS.lock();
     a.as_ref()?
         .iter()
-        .find(|(&p, &(_, _, n))| p <= addr && addr < p + n)
+        // Mapped memory only: a cuMemAlloc allocation the driver no longer knows was freed
+        // behind our back (cudaFree, a reset context), and must fail the check.
+        .find(|(&p, &(_, k, n))| matches!(k, Kind::Mapped { .. }) && p <= addr && addr < p + n)
         .map(|(_, &(d, _, _))| d)
 }
 
@@ -66,7 +69,12 @@ pub fn alloc(bytes: usize) -> Result<usize> {
         None
     };
     let (p, kind) = match mapped {
-        Some((p, handle, size)) => (p, Kind::Mapped { handle, size }),
+        Some((p, handle, size)) => {
+            crate::debug::info(&format!(
+                "ncclMemAlloc: {bytes} bytes on device {dev} at {p:#x}: cuMem, {size} mapped"
+            ));
+            (p, Kind::Mapped { handle, size })
+        }
         None => {
             let mut p: CUdeviceptr = 0;
             // SAFETY: writes one device pointer.
@@ -93,12 +101,13 @@ fn map_new(api: &Api, dev: i32, bytes: usize) -> Result<(CUdeviceptr, u64, usize
     {
         return Err(Error::system("the device has no virtual memory management"));
     }
-    let posix = driver::attr(
-        dev,
-        driver::CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED,
-    )
-    .unwrap_or(0)
-        != 0;
+    let has = |a| driver::attr(dev, a).unwrap_or(0) != 0;
+    let posix = has(driver::CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED);
+    let mut alloc_flags = [0u8; 8];
+    // Memory an RDMA NIC may register (GPUDirect), where the device allows it.
+    alloc_flags[driver::ALLOC_FLAG_GPU_DIRECT_RDMA] = u8::from(has(
+        driver::CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED,
+    ));
     let location = driver::CUmemLocation {
         kind: driver::CU_MEM_LOCATION_TYPE_DEVICE,
         id: dev,
@@ -112,7 +121,7 @@ fn map_new(api: &Api, dev: i32, bytes: usize) -> Result<(CUdeviceptr, u64, usize
         },
         location,
         win32_handle_meta_data: std::ptr::null_mut(),
-        alloc_flags: [0; 8],
+        alloc_flags,
     };
     let mut gran = 0usize;
     // SAFETY: writes one size; `prop` is a valid description.
@@ -148,14 +157,12 @@ fn map_new(api: &Api, dev: i32, bytes: usize) -> Result<(CUdeviceptr, u64, usize
             "cuMemMap".into()
         })
         .and_then(|_| {
-            let access = driver::CUmemAccessDesc {
-                location,
-                flags: driver::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
-            };
-            // SAFETY: the range mapped above; one descriptor.
-            check(unsafe { (api.mem_set_access)(p, size, &access, 1) }, || {
-                "cuMemSetAccess".into()
-            })
+            let access = access_for(api, dev);
+            // SAFETY: the range mapped above; `access` holds that many descriptors.
+            check(
+                unsafe { (api.mem_set_access)(p, size, access.as_ptr(), access.len()) },
+                || "cuMemSetAccess".into(),
+            )
             .inspect_err(|_| {
                 // SAFETY: mapped above, unused.
                 unsafe { (api.mem_unmap)(p, size) };
@@ -172,6 +179,28 @@ fn map_new(api: &Api, dev: i32, bytes: usize) -> Result<(CUdeviceptr, u64, usize
         return Err(e);
     }
     Ok((p, handle, size))
+}
+
+/// Read-write access to memory of `dev`: for it, and for every device that can reach it as a
+/// peer (as NCCL grants; peer access enabled by a program does not extend to mapped memory).
+fn access_for(api: &Api, dev: i32) -> Vec<driver::CUmemAccessDesc> {
+    let desc = |id| driver::CUmemAccessDesc {
+        location: driver::CUmemLocation {
+            kind: driver::CU_MEM_LOCATION_TYPE_DEVICE,
+            id,
+        },
+        flags: driver::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+    };
+    let mut v = vec![desc(dev)];
+    for peer in (0..driver::device_count().unwrap_or(1)).filter(|&d| d != dev) {
+        let mut can = 0;
+        // SAFETY: writes one int; both are device ordinals.
+        let r = unsafe { (api.device_can_access_peer)(&mut can, peer, dev) };
+        if r == driver::CUDA_SUCCESS && can != 0 {
+            v.push(desc(peer));
+        }
+    }
+    v
 }
 
 pub fn free(ptr: usize) -> Result<()> {
