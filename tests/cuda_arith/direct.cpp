@@ -14,20 +14,7 @@
 
 #include "reduce.cuh"
 #include "direct.cuh"
-
-static std::vector<unsigned char> in_buf;
-static size_t in_pos = 0;
-static std::vector<unsigned char> out_buf;
-
-static const unsigned char* take(size_t n) {
-  if (in_pos + n > in_buf.size()) {
-    fprintf(stderr, "direct: truncated input\n");
-    exit(2);
-  }
-  const unsigned char* p = in_buf.data() + in_pos;
-  in_pos += n;
-  return p;
-}
+#include "io.h"
 
 template <class T>
 static T get() {
@@ -98,10 +85,8 @@ static void run(const OxRed* red, int n, uint64_t count, size_t nt, size_t mis, 
 }
 
 int main() {
-  unsigned char chunk[65536];
-  size_t got;
-  while ((got = fread(chunk, 1, sizeof chunk, stdin)) > 0) in_buf.insert(in_buf.end(), chunk, chunk + got);
-  while (in_pos < in_buf.size()) {
+  read_input();
+  while (more_input()) {
     const uint32_t dtype = get<uint32_t>(), kind = get<uint32_t>(), n = get<uint32_t>(),
                    nt = get<uint32_t>();
     const uint64_t count = get<uint64_t>();
@@ -131,6 +116,5 @@ int main() {
         return 2;
     }
   }
-  fwrite(out_buf.data(), 1, out_buf.size(), stdout);
-  return 0;
+  return write_output();
 }

@@ -11,20 +11,7 @@
 #include <vector>
 
 #include "reduce.cuh"
-
-static std::vector<unsigned char> in_buf;
-static size_t in_pos = 0;
-static std::vector<unsigned char> out_buf;
-
-static const unsigned char* take(size_t n) {
-  if (in_pos + n > in_buf.size()) {
-    fprintf(stderr, "driver: truncated input\n");
-    exit(2);
-  }
-  const unsigned char* p = in_buf.data() + in_pos;
-  in_pos += n;
-  return p;
-}
+#include "io.h"
 
 template <class T>
 static T get(const unsigned char* p, size_t i) {
@@ -64,10 +51,8 @@ static void convert(int mode, size_t n) {
 }
 
 int main() {
-  unsigned char chunk[1 << 16];
-  size_t got;
-  while ((got = fread(chunk, 1, sizeof chunk, stdin)) > 0) in_buf.insert(in_buf.end(), chunk, chunk + got);
-  while (in_pos < in_buf.size()) {
+  read_input();
+  while (more_input()) {
     OxRed r;
     memcpy(&r, take(sizeof r), sizeof r);
     uint64_t n = get<uint64_t>(take(8), 0);
@@ -90,6 +75,5 @@ int main() {
       }
     }
   }
-  if (fwrite(out_buf.data(), 1, out_buf.size(), stdout) != out_buf.size()) return 3;
-  return 0;
+  return write_output();
 }
