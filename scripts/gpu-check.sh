@@ -22,8 +22,9 @@
 #  5. what is off by default until it has passed here, CUDA IPC (OXCCL_CUDA_IPC=1): cuda_ranks
 #     with 2, 3 and 4 processes, the TP/PP example, two processes' all_reduce_perf; the direct
 #     all-reduce of ranks on one GPU (OXCCL_CUDA_DIRECT=1): coll_matrix on 2, 3 and 4 ranks and
-#     all_reduce_perf -g 2 and -g 4 against the targets; and 2 ranks' bandwidth by blocks per
-#     lane (OXCCL_CUDA_BLOCKS) and slot size, for the next defaults.
+#     all_reduce_perf -g 2 and -g 4 against the targets; nranks=1 with the copy kernel
+#     (OXCCL_CUDA_COPY_KERNEL=1); and 2 ranks' bandwidth by blocks per lane (OXCCL_CUDA_BLOCKS)
+#     and slot size, for the next defaults.
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 pack="$root/target/gpu-check"
@@ -316,6 +317,22 @@ for n, name in ((2, "oxccl-g2"), (4, "oxccl-g4")):
     if n == 2 and d.get(8):
         t = d[8][0]
         print(f"  8-byte all-reduce, 2 ranks: {t:.1f} us {'PASS' if t <= 15 else 'FAIL'} (target 15 us)")
+PY
+# nranks=1 with the copy kernel (OXCCL_CUDA_COPY_KERNEL=1) against the wide kernel and NVIDIA's
+# NCCL (the rows of section 2): the next default for large one-rank copies.
+perf oxccl-g1-copy "$OXLIB" env OXCCL_CUDA_COPY_KERNEL=1 "$B/all_reduce_perf" "${sweep[@]}" -g 1
+python3 - "$OUT" <<'PY' 2>&1 | tee -a "$log"
+import sys
+out = sys.argv[1]
+sys.path.insert(0, out)
+from perfrows import rows
+wide, copy, nv = rows("oxccl-g1"), rows("oxccl-g1-copy"), rows("nvidia-g1")
+print("== nranks=1 all_reduce algbw (GB/s) from 1 MiB: wide kernel, copy kernel, NVIDIA")
+for b in sorted(copy):
+    if b >= 1 << 20:
+        w, c, n = (r.get(b, (0, 0, 0))[1] for r in (wide, copy, nv))
+        print(f"  {b:>12} B  wide {w:8.1f}  copy {c:8.1f}  nvidia {n:8.1f}  copy/nvidia "
+              f"{c / n if n else float('nan'):.2f}")
 PY
 # Blocks per lane (OXCCL_CUDA_BLOCKS, default 8) and slot size against 2 ranks' bandwidth: what
 # the next default should be.

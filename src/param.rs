@@ -85,6 +85,11 @@ pub const PARAMS: &[Param] = &[
         default: "1",
     },
     Param {
+        name: "OXCCL_CUDA_COPY_KERNEL",
+        doc: "1: on the CUDA executor, large plain copies (a one-rank collective out of place) go to a kernel that only copies (few registers, eight 16-byte loads in flight per thread) rather than the general wide kernel (default 0 until the GPU check has compared the two against NVIDIA's NCCL)",
+        default: "0",
+    },
+    Param {
         name: "OXCCL_CUDA_DIRECT",
         doc: "1: on the CUDA executor, a group holding an all-reduce of every rank of a communicator on one GPU (ncclCommInitAll with a repeated device, all_reduce_perf -g N) runs it as one kernel that reads every rank's input and writes every rank's output once (default 0, the ring, until this is measured on a GPU)",
         default: "0",
@@ -370,6 +375,12 @@ pub fn cuda_ipc() -> bool {
     static B: once_cell::sync::Lazy<bool> =
         once_cell::sync::Lazy::new(|| get_u64("OXCCL_CUDA_IPC") != 0);
     *B
+}
+
+/// `OXCCL_CUDA_COPY_KERNEL=1`: large plain copies by the copy kernel (read at each such
+/// launch, a few microseconds' work: tests switch it).
+pub fn cuda_copy_kernel() -> bool {
+    get_u64("OXCCL_CUDA_COPY_KERNEL") != 0
 }
 
 /// The most blocks per lane of the CUDA runner (`OXCCL_CUDA_BLOCKS`, 1 to 64).

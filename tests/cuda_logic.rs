@@ -62,6 +62,7 @@ const RUN_LARGE: usize = 0x3003;
 const LOCAL_LARGE: usize = 0x3004;
 const DIRECT4: usize = 0x3005;
 const DIRECT16: usize = 0x3006;
+const COPY: usize = 0x3007;
 /// The descriptor of the last launch (its words, as long as its header says it is).
 static LAST_DESC: Mutex<Vec<u64>> = Mutex::new(Vec::new());
 
@@ -135,6 +136,7 @@ unsafe extern "C" fn get_function(
         "oxccl_local_large" => LOCAL_LARGE,
         "oxccl_direct4" => DIRECT4,
         "oxccl_direct16" => DIRECT16,
+        "oxccl_copy" => COPY,
         _ => return 500, // CUDA_ERROR_NOT_FOUND
     };
     unsafe { *f = f_of as *mut c_void };
@@ -785,6 +787,24 @@ fn cuda_executor_logic_on_a_recording_driver() {
         matches!(l.as_slice(), [Ev::Launch { func: LOCAL, grid: (g, 1), stream: 0x71, .. }] if *g > 1),
         "{ev:#?}"
     );
+    // OXCCL_CUDA_COPY_KERNEL=1: the copy kernel instead, with the same grid; a copy that is
+    // more than a copy (a scaling average of a float) still takes the wide kernel.
+    std::env::set_var("OXCCL_CUDA_COPY_KERNEL", "1");
+    nccl::api::enqueue(&one[0], all_reduce(s, r, n), cuda(0x71)).unwrap();
+    let ev = take();
+    assert!(
+        matches!(launches(&ev).as_slice(), [Ev::Launch { func: COPY, grid: (g, 1), stream: 0x71, .. }] if *g > 1),
+        "{ev:#?}"
+    );
+    let mut avg = all_reduce(s, r, n);
+    avg.op = nccl::types::OP_AVG;
+    nccl::api::enqueue(&one[0], avg, cuda(0x71)).unwrap();
+    let ev = take();
+    assert!(
+        matches!(launches(&ev).as_slice(), [Ev::Launch { func: LOCAL, .. }]),
+        "{ev:#?}"
+    );
+    std::env::remove_var("OXCCL_CUDA_COPY_KERNEL");
 
     // 8. OXCCL_CUDA_DIRECT=1: an all-reduce of both ranks in one group is one kernel over
     //    both ranks' buffers, on rank 0's stream, joined with rank 1's: rank 1's stream's

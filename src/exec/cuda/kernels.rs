@@ -91,6 +91,8 @@ pub struct Kernels {
     /// and up to `direct::MAX_RANKS` ranks (None: a module without them, then the ring runs).
     pub direct4: Option<usize>,
     pub direct16: Option<usize>,
+    /// Plain copies, one per lane (`OXCCL_CUDA_COPY_KERNEL=1`; None: the wide kernel copies).
+    pub copy: Option<usize>,
     /// Streaming multiprocessors of the device (sizes wide launches).
     pub sms: u32,
 }
@@ -302,6 +304,7 @@ pub fn get(ctx: usize, dev: i32) -> Result<Kernels> {
         local_large: twin(c"oxccl_local_large"),
         direct4: func(c"oxccl_direct4").ok(),
         direct16: func(c"oxccl_direct16").ok(),
+        copy: func(c"oxccl_copy").ok(),
         sms: sms.max(1) as u32,
     };
     LOADED.lock().insert(ctx, k);

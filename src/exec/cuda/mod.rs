@@ -518,7 +518,9 @@ fn run(d: &Desc, comm: &CudaComm, stream: usize, api: &driver::Api) -> Result<bo
     if d.lanes() == 0 {
         return Ok(false);
     }
-    if let Some(copies) = d.plain_copies() {
+    let plain = d.plain_copies();
+    let is_plain = plain.is_some();
+    if let Some(copies) = plain {
         let copies: Vec<_> = copies
             .into_iter()
             .filter(|&(dst, src, bytes)| dst != src && bytes > 0)
@@ -548,7 +550,12 @@ fn run(d: &Desc, comm: &CudaComm, stream: usize, api: &driver::Api) -> Result<bo
     };
     let (func, grid_x, grid_y, nb) = if d.wide() {
         let blocks = (d.max_bytes() / (512 * 64)).clamp(1, 2 * k.sms as usize);
-        let f = pick(k.local, k.local_large);
+        // Plain copies may go to the lean copy kernel instead (until the GPU check has compared
+        // the two, `OXCCL_CUDA_COPY_KERNEL=1` asks for it).
+        let f = match k.copy {
+            Some(c) if is_plain && !d.large() && crate::param::cuda_copy_kernel() => c,
+            _ => pick(k.local, k.local_large),
+        };
         (f, blocks as u32, d.lanes() as u32, 1)
     } else {
         // Every block of every lane of the ranks on this device spins for the others: all must
