@@ -340,8 +340,8 @@ impl Proxy for NetEnd {
             // bytes on those, unless the executor's thread is reading them (`DRIVEN_NS`). Then
             // the proxy looks again soon rather than at its usual pace: the executor may have
             // moved on to a step that does not drive this end, and a peer whose bytes nobody
-            // reads stops sending, which can stall both hosts until someone looks (20 ms each
-            // time, measured: 4 MiB all-reduces that took 1.5 ms at best took up to 93).
+            // reads stops sending, which stalled both hosts until the proxy's poll timed out
+            // (at 20 ms then: 4 MiB all-reduces that took 1.5 ms at best took up to 93).
             State::Connected(_)
                 if mask != 0
                     && !self.is_sender

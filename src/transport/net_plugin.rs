@@ -492,7 +492,7 @@ impl Proxy for PluginEnd {
 
     /// A plugin has no socket to sleep on: the proxy looks again soon (1 ms) while sends are
     /// pending, the end is not connected yet, or slots moved in the last 100 ms; a receiving
-    /// end that only waits for its peer is looked at every 20 ms (the executor moves it
+    /// end that only waits for its peer is looked at every `SLEEP_MS` (the executor moves it
     /// itself while it waits).
     fn wait_for(&self, out: &mut Vec<Wait>) {
         let w = self.state.lock();
