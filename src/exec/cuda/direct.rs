@@ -18,7 +18,7 @@
 use super::desc::Desc;
 use super::{stream, Call};
 use crate::error::{Error, Result};
-use crate::gpu::driver::{self, check, CtxGuard};
+use crate::gpu::driver::{self, CtxGuard};
 use crate::plan::{Addr, Prim, Program, Step};
 use crate::types::CollKind;
 
@@ -46,7 +46,7 @@ pub(super) fn take<'a>(per_comm: &mut Vec<Vec<Call<'a>>>) -> Vec<Vec<Call<'a>>> 
             .collect();
         let mut set: Vec<&Call> = members.iter().map(|&j| &per_comm[j][0]).collect();
         set.sort_by_key(|q| q.cuda().rank);
-        if serves(&per_comm[i], &members, per_comm, &set) {
+        if serves(&members, per_comm, &set) {
             // Remove from the back, so the indices stay valid.
             let mut taken: Vec<Call> = Vec::with_capacity(members.len());
             for &j in members.iter().rev() {
@@ -67,15 +67,10 @@ fn same_comm(a: &[Call<'_>], b: &[Call<'_>]) -> bool {
 }
 
 /// Whether the ranks `members` of `per_comm` (`set`: their first calls, by rank) are every
-/// rank of `first`'s communicator, each with one all-reduce, all the same call, on one
-/// context, not capturing, with buffers no other rank touches.
-fn serves(
-    first: &[Call<'_>],
-    members: &[usize],
-    per_comm: &[Vec<Call<'_>>],
-    set: &[&Call],
-) -> bool {
-    let n = first[0].conns.nranks;
+/// rank of their communicator, each with one all-reduce, all the same call, on one context,
+/// not capturing, with buffers no other rank touches.
+fn serves(members: &[usize], per_comm: &[Vec<Call<'_>>], set: &[&Call]) -> bool {
+    let n = set[0].conns.nranks;
     let q0 = set[0];
     let k0 = &q0.cuda().kern;
     let kernel = if n <= 4 { k0.direct4 } else { k0.direct16 };
@@ -159,58 +154,27 @@ pub(super) fn launch(set: &[Call<'_>]) -> Result<()> {
     let mut params = d.params(1, false)?;
     let streams: Vec<usize> = set.iter().map(|q| stream::handle(&q.stream)).collect();
     let s0 = streams[0];
-    let _g = CtxGuard::enter(c0.ctx)?;
-    // What each rank queued before, on its stream or (its last launch) on another, comes first.
-    for (q, &s) in set.iter().zip(&streams) {
-        let c = q.cuda();
-        if s != s0 {
-            // SAFETY: the communicator's join event, recorded on the rank's stream.
-            check(
-                unsafe { (api.event_record)(c.join_event as _, s as _) },
-                || "cuEventRecord (joining the ranks' streams)".into(),
-            )?;
-            // SAFETY: as above.
-            check(
-                unsafe { (api.stream_wait_event)(s0 as _, c.join_event as _, 0) },
-                || "cuStreamWaitEvent (joining the ranks' streams)".into(),
-            )?;
-        }
-        let l = c.last.lock();
-        if l.recorded && l.stream != Some(s0) {
-            // SAFETY: our event, recorded on the communicator's last stream.
-            check(
-                unsafe { (api.stream_wait_event)(s0 as _, l.event as _, 0) },
-                || "cuStreamWaitEvent (ordering a communicator's launches)".into(),
-            )?;
+    // Rank k's stream, as the launch's other stream to join (none for rank 0's).
+    fn others(s: &usize, s0: usize) -> &[usize] {
+        if *s == s0 {
+            &[]
+        } else {
+            std::slice::from_ref(s)
         }
     }
+    let _g = CtxGuard::enter(c0.ctx)?;
+    // What each rank queued before, on its stream or (its last launch) on another, comes first.
+    for (q, s) in set.iter().zip(&streams) {
+        super::join_before(api, q.cuda(), s0, others(s, s0))?;
+    }
     let blocks = (bytes / (512 * 64)).clamp(1, 2 * c0.kern.sms as usize) as u32;
-    let mut args = [params.as_mut_ptr() as *mut std::ffi::c_void];
-    // SAFETY: the kernel takes one `PARAM_BYTES` parameter, which `params` holds (a descriptor
-    // of at most 16 lanes of one step each fits it).
-    check(
-        unsafe {
-            (api.launch_kernel)(
-                func as _,
-                blocks,
-                1,
-                1,
-                512,
-                1,
-                1,
-                0,
-                s0 as _,
-                args.as_mut_ptr(),
-                std::ptr::null_mut(),
-            )
-        },
-        || {
-            format!(
-                "{}: launching the direct all-reduce of {n} ranks on stream {s0:#x}",
-                c0.describe()
-            )
-        },
-    )?;
+    // (A descriptor of at most 16 lanes of one step each fits `PARAM_BYTES`.)
+    super::launch_kernel(api, func, (blocks, 1), s0, &mut params, || {
+        format!(
+            "{}: launching the direct all-reduce of {n} ranks on stream {s0:#x}",
+            c0.describe()
+        )
+    })?;
     if super::trace() {
         crate::debug::info(&format!(
             "{}: direct all-reduce of {n} ranks, {bytes} bytes each, {blocks} blocks, on \
@@ -222,33 +186,15 @@ pub(super) fn launch(set: &[Call<'_>]) -> Result<()> {
     // recorded after the kernel, and its own stream waits for it (its stream is then the one
     // whose later launches need no wait).
     let mut result = Ok(());
-    for (q, &s) in set.iter().zip(&streams) {
-        let c = q.cuda();
+    for (q, s) in set.iter().zip(&streams) {
         crate::plan::algo::log_choice(
             "AllReduce",
             bytes,
             n,
             "Direct (one kernel over every rank's buffers on this GPU)",
         );
-        c.last_conns.lock().clear();
-        let mut l = c.last.lock();
-        // SAFETY: our event, on the stream just used.
-        let r = check(unsafe { (api.event_record)(l.event as _, s0 as _) }, || {
-            "cuEventRecord".into()
-        })
-        .and_then(|_| {
-            l.recorded = true;
-            l.stream = Some(s0);
-            if s != s0 {
-                // SAFETY: our event, just recorded; the rank's stream.
-                check(
-                    unsafe { (api.stream_wait_event)(s as _, l.event as _, 0) },
-                    || "cuStreamWaitEvent (joining the ranks' streams)".into(),
-                )?;
-                l.stream = Some(s);
-            }
-            Ok(())
-        });
+        q.cuda().last_conns.lock().clear();
+        let r = super::join_after(api, q.cuda(), s0, others(s, s0), *s);
         if result.is_ok() {
             result = r;
         }

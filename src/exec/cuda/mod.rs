@@ -359,26 +359,7 @@ fn launch_set(jobs: &mut [Job<'_>]) -> Result<()> {
     // Issue order per communicator across streams, and the group's other streams joined.
     if !capturing {
         for j in jobs.iter() {
-            for &other in &j.joins {
-                // SAFETY: the communicator's join event, recorded on the caller's stream.
-                check(
-                    unsafe { (api.event_record)(j.comm.join_event as _, other as _) },
-                    || "cuEventRecord (joining a group's streams)".into(),
-                )?;
-                // SAFETY: as above.
-                check(
-                    unsafe { (api.stream_wait_event)(stream as _, j.comm.join_event as _, 0) },
-                    || "cuStreamWaitEvent (joining a group's streams)".into(),
-                )?;
-            }
-            let l = j.comm.last.lock();
-            if l.recorded && l.stream != Some(stream) {
-                // SAFETY: our event, recorded on the communicator's last stream.
-                check(
-                    unsafe { (api.stream_wait_event)(stream as _, l.event as _, 0) },
-                    || "cuStreamWaitEvent (ordering a communicator's launches)".into(),
-                )?;
-            }
+            join_before(api, j.comm, stream, &j.joins)?;
         }
     }
     let nstages = jobs.iter().map(|j| j.stages.len()).max().unwrap_or(0);
@@ -404,26 +385,8 @@ fn launch_set(jobs: &mut [Job<'_>]) -> Result<()> {
     if !capturing && launched {
         // Also after an error: later launches and quiescence wait for what did run.
         for j in jobs.iter() {
-            let mut l = j.comm.last.lock();
-            // SAFETY: our event, on the stream just used.
-            let r = check(
-                unsafe { (api.event_record)(l.event as _, stream as _) },
-                || "cuEventRecord".into(),
-            );
-            if r.is_ok() {
-                l.recorded = true;
-                l.stream = Some(stream);
-                for &other in &j.joins {
-                    // SAFETY: our event, just recorded; the caller's stream.
-                    let w = check(
-                        unsafe { (api.stream_wait_event)(other as _, l.event as _, 0) },
-                        || "cuStreamWaitEvent (joining a group's streams)".into(),
-                    );
-                    if result.is_ok() {
-                        result = w;
-                    }
-                }
-            } else if result.is_ok() {
+            let r = join_after(api, j.comm, stream, &j.joins, stream);
+            if result.is_ok() {
                 result = r;
             }
         }
@@ -436,6 +399,101 @@ fn launch_set(jobs: &mut [Job<'_>]) -> Result<()> {
         }
     }
     result
+}
+
+/// Orders the launch on `stream` after `comm`'s earlier work: what its other streams `joins`
+/// have queued (marked by its join event) and its last launch, where that went to another
+/// stream.
+fn join_before(api: &driver::Api, comm: &CudaComm, stream: usize, joins: &[usize]) -> Result<()> {
+    for &other in joins {
+        // SAFETY: the communicator's join event, recorded on the caller's stream.
+        check(
+            unsafe { (api.event_record)(comm.join_event as _, other as _) },
+            || "cuEventRecord (joining a group's streams)".into(),
+        )?;
+        // SAFETY: as above.
+        check(
+            unsafe { (api.stream_wait_event)(stream as _, comm.join_event as _, 0) },
+            || "cuStreamWaitEvent (joining a group's streams)".into(),
+        )?;
+    }
+    let l = comm.last.lock();
+    if l.recorded && l.stream != Some(stream) {
+        // SAFETY: our event, recorded on the communicator's last stream.
+        check(
+            unsafe { (api.stream_wait_event)(stream as _, l.event as _, 0) },
+            || "cuStreamWaitEvent (ordering a communicator's launches)".into(),
+        )?;
+    }
+    Ok(())
+}
+
+/// Records `comm`'s last event after the launch on `stream` and makes `joins` wait for it (all
+/// of them, the first error returned). `own`: the stream whose later launches of `comm` need no
+/// wait (`stream`, or one of `joins` once it waits).
+fn join_after(
+    api: &driver::Api,
+    comm: &CudaComm,
+    stream: usize,
+    joins: &[usize],
+    own: usize,
+) -> Result<()> {
+    let mut l = comm.last.lock();
+    // SAFETY: our event, on the stream just used.
+    check(
+        unsafe { (api.event_record)(l.event as _, stream as _) },
+        || "cuEventRecord".into(),
+    )?;
+    l.recorded = true;
+    l.stream = Some(stream);
+    let mut result = Ok(());
+    for &other in joins {
+        // SAFETY: our event, just recorded; the caller's stream.
+        let w = check(
+            unsafe { (api.stream_wait_event)(other as _, l.event as _, 0) },
+            || "cuStreamWaitEvent (joining a group's streams)".into(),
+        );
+        if result.is_ok() {
+            result = w;
+        }
+    }
+    if result.is_ok() {
+        l.stream = Some(own);
+    }
+    result
+}
+
+/// Launches `func` (512 threads a block, `grid` blocks) on `stream` with the descriptor
+/// `params` as its one parameter; `what` names the launch in an error.
+fn launch_kernel(
+    api: &driver::Api,
+    func: usize,
+    grid: (u32, u32),
+    stream: usize,
+    params: &mut [u64],
+    what: impl FnOnce() -> String,
+) -> Result<()> {
+    let mut args = [params.as_mut_ptr() as *mut c_void];
+    // SAFETY: the kernels take one parameter, their descriptor (`PARAM_BYTES`, or
+    // `PARAM_BYTES_LARGE` for the twins), which the caller sized `params` for.
+    check(
+        unsafe {
+            (api.launch_kernel)(
+                func as _,
+                grid.0,
+                grid.1,
+                1,
+                512,
+                1,
+                1,
+                0,
+                stream as _,
+                args.as_mut_ptr(),
+                std::ptr::null_mut(),
+            )
+        },
+        what,
+    )
 }
 
 /// Launch `k` of a set: stage k of every job (and the point-to-point lanes in the first),
@@ -567,32 +625,12 @@ fn run(d: &Desc, comm: &CudaComm, stream: usize, api: &driver::Api) -> Result<bo
     };
     // (An error where the descriptor is large and the driver has no twins.)
     let mut params = d.params(nb, k.large())?;
-    let mut args = [params.as_mut_ptr() as *mut c_void];
-    // SAFETY: the kernel takes one parameter of `PARAM_BYTES` bytes (its twin
-    // `PARAM_BYTES_LARGE`), and `params` holds as many as `func` takes.
-    check(
-        unsafe {
-            (api.launch_kernel)(
-                func as _,
-                grid_x,
-                grid_y,
-                1,
-                512,
-                1,
-                1,
-                0,
-                stream as _,
-                args.as_mut_ptr(),
-                std::ptr::null_mut(),
-            )
-        },
-        || {
-            format!(
-                "{}: launching a kernel of {} lanes on stream {stream:#x}",
-                comm.describe(),
-                d.lanes()
-            )
-        },
-    )?;
+    launch_kernel(api, func, (grid_x, grid_y), stream, &mut params, || {
+        format!(
+            "{}: launching a kernel of {} lanes on stream {stream:#x}",
+            comm.describe(),
+            d.lanes()
+        )
+    })?;
     Ok(true)
 }
