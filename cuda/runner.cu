@@ -577,9 +577,8 @@ __device__ __forceinline__ void ox_local(const uint64_t* words) {
 }
 
 // Plain copies, one per lane (a one-rank collective out of place; `OXCCL_CUDA_COPY_KERNEL=1`):
-// lane `blockIdx.y`'s one step, every block of the row a share, 16 bytes at a time with eight
-// loads in flight per thread, in few registers (two blocks per SM): nothing of the general
-// runner's state.
+// lane `blockIdx.y`'s one step by `copy_bytes`, every block of the row a share, in few
+// registers (two blocks per SM): nothing of the general runner's state or dispatch.
 __device__ __forceinline__ void ox_copy(const uint64_t* words) {
   OxView v = ox_view(words);
   if (blockIdx.y >= v.h->nlanes) return;
@@ -588,29 +587,9 @@ __device__ __forceinline__ void ox_copy(const uint64_t* words) {
   const OxProgD& p = v.progs[lane.first_prog];
   if (p.nsteps == 0) return;
   const OxStepD& s = v.steps[p.first_step];
-  const uint8_t* src = (const uint8_t*)s.src.at;
-  uint8_t* dst = (uint8_t*)s.dst.at;
-  if (src == dst) return;
-  const size_t bytes = s.len * p.esize;
-  const size_t tid = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
-  const size_t nt = (size_t)gridDim.x * blockDim.x;
-  size_t head = 0;
-  if ((((uintptr_t)src | (uintptr_t)dst) & 15) == 0) {
-    const uint4* sv = (const uint4*)src;
-    uint4* dv = (uint4*)dst;
-    const size_t nv = bytes / 16;
-    size_t i = tid;
-    for (; i + 7 * nt < nv; i += 8 * nt) {
-      uint4 x[8];
-#pragma unroll
-      for (int u = 0; u < 8; u++) x[u] = sv[i + u * nt];
-#pragma unroll
-      for (int u = 0; u < 8; u++) dv[i + u * nt] = x[u];
-    }
-    for (; i < nv; i += nt) dv[i] = sv[i];
-    head = nv * 16;
-  }
-  for (size_t b = head + tid; b < bytes; b += nt) dst[b] = src[b];
+  if (s.src.at == s.dst.at) return;
+  copy_bytes((uint8_t*)s.dst.at, nullptr, (const uint8_t*)s.src.at, s.len * p.esize, false,
+             blockIdx.x * blockDim.x + threadIdx.x, gridDim.x * blockDim.x);
 }
 
 extern "C" __global__ void __launch_bounds__(OX_THREADS, 2)

@@ -86,7 +86,7 @@ pub const PARAMS: &[Param] = &[
     },
     Param {
         name: "OXCCL_CUDA_COPY_KERNEL",
-        doc: "1: on the CUDA executor, large plain copies (a one-rank collective out of place) go to a kernel that only copies (few registers, eight 16-byte loads in flight per thread) rather than the general wide kernel (default 0 until the GPU check has compared the two against NVIDIA's NCCL)",
+        doc: "1: on the CUDA executor, large plain copies (a one-rank collective out of place) go to a kernel that only copies (the runner's copy loop without its dispatch: few registers, no spills) rather than the general wide kernel (default 0 until the GPU check has compared the two against NVIDIA's NCCL)",
         default: "0",
     },
     Param {
