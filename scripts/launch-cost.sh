@@ -34,12 +34,13 @@ RANK=0 "${h0[@]}" valgrind --tool=callgrind --callgrind-out-file="$OUT/cg.out" "
 wait "$peer"
 # Out-of-place and in-place columns: 2N timed calls, plus warm-up and checks (negligible).
 calls=$((2 * N))
-ir=$(callgrind_annotate --inclusive=yes "$OUT/cg.out" 2>/dev/null |
-  awk '/abi\/coll.rs:ncclAllReduce / && !n++ {gsub(",", "", $1); print $1}')
+callgrind_annotate --inclusive=yes "$OUT/cg.out" > "$OUT/annotated.txt" 2>/dev/null || true
+# The inclusive count of the first line naming `pattern` (awk regex).
+inclusive() { awk -v re="$1" '$0 ~ re && !n++ {gsub(",", "", $1); print $1}' "$OUT/annotated.txt"; }
+ir=$(inclusive 'abi/coll.rs:ncclAllReduce ')
 [ -n "$ir" ] || { echo "launch-cost.sh: no ncclAllReduce in the profile" >&2; exit 1; }
 if [ "${HOSTS:-1}" = 2 ]; then
-  sync=$(callgrind_annotate --inclusive=yes "$OUT/cg.out" 2>/dev/null |
-    awk '/oxcclHostStreamSynchronize / && !n++ {gsub(",", "", $1); print $1}')
+  sync=$(inclusive 'oxcclHostStreamSynchronize ')
   awk -v ir="$ir" -v s="${sync:-0}" -v c="$calls" 'BEGIN { printf "ncclAllReduce and its stream synchronize, 1 KiB, 2 hosts: %.0f instructions per call (%d calls)\n", (ir + s) / c, c }'
 else
   awk -v ir="$ir" -v c="$calls" 'BEGIN { printf "ncclAllReduce, 8 B, 2 processes: %.0f instructions per call (%d calls)\n", ir / c, c }'
