@@ -24,9 +24,10 @@ BIN="$ROOT/target/bench/bin"
 mkdir -p "$OUT" "$BIN"
 log() { echo "bench-net: $*" >&2; }
 [ "$(id -u)" = 0 ] || { log "needs root (network namespaces)"; exit 1; }
-for p in iperf3:iperf3 mpirun:openmpi-bin mpicc:libopenmpi-dev; do
-  command -v "${p%%:*}" >/dev/null || apt-get install -y -q "${p#*:}" >/dev/null 2>&1 ||
-    { apt-get update -q >/dev/null && apt-get install -y -q "${p#*:}" >/dev/null; }
+# packages, not commands: some images carry openmpi-bin (mpicc) without libopenmpi-dev (mpi.h)
+for p in iperf3 openmpi-bin libopenmpi-dev; do
+  dpkg -s "$p" >/dev/null 2>&1 || apt-get install -y -q "$p" >/dev/null 2>&1 ||
+    { apt-get update -q >/dev/null && apt-get install -y -q "$p" >/dev/null; }
 done
 
 log "building"

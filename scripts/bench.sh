@@ -51,7 +51,8 @@ SUDO=""
 [ "$(id -u)" = 0 ] || SUDO="sudo"
 
 # ---- prerequisites ------------------------------------------------------------------------
-if ! command -v mpicc >/dev/null || ! command -v mpirun >/dev/null; then
+# the commands alone are not enough: some images carry openmpi-bin without mpi.h
+if ! dpkg -s openmpi-bin libopenmpi-dev >/dev/null 2>&1; then
   log "installing OpenMPI (openmpi-bin libopenmpi-dev)"
   export DEBIAN_FRONTEND=noninteractive
   $SUDO apt-get install -y -q openmpi-bin libopenmpi-dev >/dev/null 2>&1 ||
