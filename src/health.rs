@@ -319,6 +319,33 @@ impl Backoff {
     }
 }
 
+/// A point in time for the waits measured in seconds (timeouts, the watchdog, heartbeats and
+/// silent peers): CLOCK_MONOTONIC_COARSE, to the kernel's tick (1 to 10 ms). The vDSO reads it
+/// without the hardware clock, a few nanoseconds where `Instant::now` costs tens in a VM, so
+/// the paths that note progress at every slot read it (a 1 KiB operation between two hosts
+/// read the fine clock ten times).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub struct Coarse(u64);
+
+impl Coarse {
+    #[inline]
+    pub fn now() -> Coarse {
+        let mut ts = nix::libc::timespec {
+            tv_sec: 0,
+            tv_nsec: 0,
+        };
+        // SAFETY: clock_gettime writes one timespec; this clock exists since Linux 2.6.32.
+        unsafe { nix::libc::clock_gettime(nix::libc::CLOCK_MONOTONIC_COARSE, &mut ts) };
+        Coarse(ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64)
+    }
+
+    /// Time since `self` (to the tick: a wait of less than one may read as zero).
+    #[inline]
+    pub fn elapsed(self) -> Duration {
+        Duration::from_nanos(Coarse::now().0.saturating_sub(self.0))
+    }
+}
+
 /// "300 s", "1.5 s".
 pub fn fmt_secs(d: Duration) -> String {
     if d.subsec_millis() == 0 {

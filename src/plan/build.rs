@@ -161,20 +161,26 @@ pub fn build_task<T>(
                         super::algo::log_choice_with(a.kind.name(), bytes, nranks, || {
                             plan.label(l, &red, bytes)
                         });
-                        let programs = match plan {
-                            hier::Plan::Exchange => vec![vec![hier::all_reduce_exchange(
-                                l, a.send, a.recv, a.count, a.dtype, red,
-                            )?]],
-                            hier::Plan::Hierarchical => hier::all_reduce_hierarchical(
-                                l, a.send, a.recv, a.count, a.dtype, red,
-                            )?,
-                        };
-                        let mut stages = hier::stages(programs);
-                        if let Some(last) = stages.last_mut() {
-                            last.fault = fault;
-                        }
-                        for s in stages {
-                            task.stages.push_back(tagged(s));
+                        match plan {
+                            // One program (the small operations' plan between two hosts).
+                            hier::Plan::Exchange => {
+                                let p = hier::all_reduce_exchange(
+                                    l, a.send, a.recv, a.count, a.dtype, red,
+                                )?;
+                                task.stages.push_back(tagged(stage(p.into())));
+                            }
+                            hier::Plan::Hierarchical => {
+                                let programs = hier::all_reduce_hierarchical(
+                                    l, a.send, a.recv, a.count, a.dtype, red,
+                                )?;
+                                let mut stages = hier::stages(programs);
+                                if let Some(last) = stages.last_mut() {
+                                    last.fault = fault;
+                                }
+                                for s in stages {
+                                    task.stages.push_back(tagged(s));
+                                }
+                            }
                         }
                         continue;
                     }

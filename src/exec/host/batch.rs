@@ -9,7 +9,7 @@ use super::task::{Item, Outcome, Task};
 use super::tune::BySize;
 use super::HostComm;
 use crate::error::{Error, Result};
-use crate::health::Backoff;
+use crate::health::{Backoff, Coarse};
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
@@ -94,7 +94,8 @@ struct Running {
     stage_lanes: Vec<Lane>,
     p2p: Vec<Lane>,
     result: Option<Result<()>>,
-    last_progress: Instant,
+    /// For the timeout and the watchdog (seconds).
+    last_progress: Coarse,
     /// The watchdog's WARN was logged for the current wait.
     warned: bool,
 }
@@ -111,7 +112,7 @@ impl Running {
             stage_lanes: Vec::new(),
             p2p,
             result: None,
-            last_progress: Instant::now(),
+            last_progress: Coarse::now(),
             warned: false,
         }
     }
@@ -171,7 +172,7 @@ impl Running {
             return self.finish(Ok(()));
         }
         if progress {
-            self.last_progress = Instant::now();
+            self.last_progress = Coarse::now();
             self.warned = false;
             Poll::Progress
         } else {
@@ -437,6 +438,13 @@ impl Batch {
         Batch { running: vec![r] }
     }
 
+    /// A batch of one task.
+    pub fn one(task: Task) -> Batch {
+        Batch {
+            running: vec![Running::new(task)],
+        }
+    }
+
     pub fn new(tasks: Vec<Task>) -> Batch {
         Batch {
             running: tasks.into_iter().map(Running::new).collect(),
@@ -518,6 +526,11 @@ impl Batch {
         parts
     }
 
+    /// The tasks' errors, in task order (only call this when all are done).
+    pub fn errors(self) -> impl Iterator<Item = Error> {
+        self.running.into_iter().filter_map(|r| r.result?.err())
+    }
+
     /// Each task's result (Ok for tasks that did not finish: only call this when all are done).
     pub fn results(self) -> Outcome {
         self.running
@@ -525,6 +538,13 @@ impl Batch {
             .map(|r| r.result.unwrap_or(Ok(())))
             .collect()
     }
+}
+
+/// Runs one task to completion on this thread.
+pub fn run_one(task: Task) -> Result<()> {
+    let mut b = Batch::one(task);
+    b.run_until(None);
+    b.errors().next().map_or(Ok(()), Err)
 }
 
 /// Runs tasks to completion on this thread; returns each task's result.

@@ -74,9 +74,10 @@ fn on(q: &Call<'_>, s: &Arc<HostStream>) -> bool {
 #[inline(always)]
 pub fn launch_one(q: &Call<'_>) -> Result<()> {
     foreign_stream(q)?;
-    match run_lone(std::slice::from_ref(q)) {
+    let qs = std::slice::from_ref(q);
+    match run_lone(qs) {
         Some(r) => r,
-        None => launch_tasks(vec![q.clone()]),
+        None => launch_comm(qs),
     }
 }
 
@@ -238,10 +239,7 @@ fn end_on_stream(s: &HostStream, r: std::result::Result<Result<()>, Batch>) {
 fn finish_null(pending: Vec<Batch>) -> Result<()> {
     let mut b = Batch::join(pending);
     b.run_until(None);
-    b.results()
-        .into_iter()
-        .find_map(|r| r.err())
-        .map_or(Ok(()), Err)
+    b.errors().next().map_or(Ok(()), Err)
 }
 
 /// Launches a group's calls.
@@ -258,10 +256,40 @@ pub fn launch(mut ops: Vec<Call<'_>>) -> Result<()> {
     }
 }
 
+/// One communicator's calls (a group of one call, the common case): one task, planned, connected,
+/// and run or handed to its stream without the gathering `launch_tasks` does for several
+/// communicators (each allocation counts on this path: a small operation between two hosts
+/// costs a few thousand instructions in all).
+fn launch_comm(qs: &[Call<'_>]) -> Result<()> {
+    let call = |q: &Call<'_>| (q.args, q.red);
+    let (comm, conns) = (qs[0].host(), qs[0].conns);
+    let plan = crate::plan::build::build_task(conns, comm.caps(), qs, call)?;
+    let keys = conns.missing_of(|f| plan.for_each_key(&mut |k| f(k)));
+    if !keys.is_empty() {
+        if let Err(e) = crate::transport::conns::connect_all(&[(conns, keys)]) {
+            // As in `launch_tasks`.
+            comm.health.fail_unless_told(e.clone());
+            return Err(e);
+        }
+    }
+    let what = crate::plan::build::describe(qs, call);
+    let task = Task::from_plan(comm, conns, plan, what)?;
+    match &qs[0].stream {
+        Stream::Host(s) => {
+            stream::submit_one(s, task);
+            Ok(())
+        }
+        Stream::Null | Stream::Cuda(_) => batch::run_one(task),
+    }
+}
+
 /// Turns queued calls into one task per communicator and runs them.
 fn launch_tasks(ops: Vec<Call<'_>>) -> Result<()> {
     if ops.is_empty() {
         return Ok(());
+    }
+    if ops.iter().all(|q| Arc::ptr_eq(q.host(), ops[0].host())) {
+        return launch_comm(&ops);
     }
     // Group by communicator, keeping call order.
     let mut per_comm: Vec<Vec<Call>> = Vec::new();

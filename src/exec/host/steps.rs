@@ -18,7 +18,8 @@ use std::time::Instant;
 /// resolved reduction.
 pub(super) struct Cursor {
     head: usize,
-    ahead: std::collections::VecDeque<bool>,
+    /// Bit a: slice `head + a` is done (the window is at most `MAX_WINDOW` slices).
+    ahead: u128,
     reducer: Option<Reducer>,
     /// Scratch for `poll_program`: connections (by address) held by pending slices, kept to
     /// reuse its memory.
@@ -91,8 +92,10 @@ fn streamable_bytes(prog: &HostProgram) -> usize {
         .sum()
 }
 
-/// How many slices past the head a program may run ahead, in iterations.
+/// How many slices past the head a program may run ahead, in iterations, and at most in all (the
+/// bits of `Cursor::ahead`; a program of more than 32 steps runs ahead less than 4 iterations).
 const AHEAD_ITERS: usize = 4;
+const MAX_WINDOW: usize = 128;
 
 impl Cursor {
     /// `fifo`: the estimates to choose how to fill FIFO slots from, and the operation's round
@@ -112,7 +115,7 @@ impl Cursor {
         let (stream_out, run_ahead) = policies(prog);
         Cursor {
             head: 0,
-            ahead: std::collections::VecDeque::new(),
+            ahead: 0,
             reducer: prog.red.map(|r| Reducer::new(super::resolve(&r))),
             held: Vec::new(),
             streamed: forced.unwrap_or(timed.is_some_and(|(o, _)| o == STREAMED)),
@@ -167,7 +170,7 @@ pub(super) fn poll_program(prog: &HostProgram, cur: &mut Cursor) -> Result<Poll>
     let nsteps = prog.steps.len();
     let total = prog.niter * nsteps;
     let window = if cur.run_ahead {
-        AHEAD_ITERS * nsteps
+        (AHEAD_ITERS * nsteps).min(MAX_WINDOW)
     } else {
         1
     };
@@ -185,7 +188,7 @@ pub(super) fn poll_program(prog: &HostProgram, cur: &mut Cursor) -> Result<Poll>
         let end = (cur.head + window).min(total);
         for j in cur.head..end {
             let a = j - cur.head;
-            if cur.ahead.get(a).copied().unwrap_or(false) {
+            if (cur.ahead >> a) & 1 == 1 {
                 continue;
             }
             let (k, i) = (j % nsteps, j / nsteps);
@@ -199,10 +202,7 @@ pub(super) fn poll_program(prog: &HostProgram, cur: &mut Cursor) -> Result<Poll>
             let (off, n) = prog.slice_of(k, i);
             let done = !blocked_by_order && (n == 0 || run_step(prog, cur, k, off, n)?);
             if done {
-                if a >= cur.ahead.len() {
-                    cur.ahead.resize(a + 1, false);
-                }
-                cur.ahead[a] = true;
+                cur.ahead |= 1 << a;
                 ran = true;
             } else {
                 held.extend(conns.iter().flatten().map(|c| Arc::as_ptr(c) as usize));
@@ -210,10 +210,9 @@ pub(super) fn poll_program(prog: &HostProgram, cur: &mut Cursor) -> Result<Poll>
             }
         }
         cur.held = held;
-        while cur.ahead.front() == Some(&true) {
-            cur.ahead.pop_front();
-            cur.head += 1;
-        }
+        let first_pending = cur.ahead.trailing_ones();
+        cur.ahead = cur.ahead.checked_shr(first_pending).unwrap_or(0);
+        cur.head += first_pending as usize;
         if !ran {
             // Where a proxy moves the data (the network), move it now on this thread rather
             // than wait for the proxy thread to notice (it does the same where this one cannot).

@@ -3,7 +3,7 @@
 //! one batch, so several ranks of one process may share a stream without deadlock.
 
 use super::batch::{Batch, CLOCK_EVERY};
-use super::task::{Outcome, Task};
+use super::task::Task;
 use crate::error::{Error, Result};
 use parking_lot::{Condvar, Mutex};
 use std::collections::VecDeque;
@@ -137,7 +137,9 @@ impl HostStream {
                 self.give_back(work, lazy);
                 return false;
             }
-            self.record(b.results());
+            // Gathered before the lock is taken: the tasks are dropped here, not under it (no
+            // allocation without errors).
+            self.record(b.errors().collect());
         }
         true
     }
@@ -171,10 +173,8 @@ impl HostStream {
     }
 
     /// Records the results of a batch that was queued and is finished (the claim goes on).
-    fn record(&self, results: Outcome) {
-        self.state
-            .lock()
-            .keep(results.into_iter().filter_map(|r| r.err()));
+    fn record(&self, errors: Vec<Error>) {
+        self.state.lock().keep(errors);
         self.completed.fetch_add(1, Ordering::AcqRel);
     }
 
@@ -301,9 +301,9 @@ impl HostStream {
                 self.give_back(VecDeque::from([batch]), true);
                 continue;
             }
-            let results = batch.results();
+            let errors: Vec<Error> = batch.errors().collect();
             let mut s = self.state.lock();
-            s.keep(results.into_iter().filter_map(|r| r.err()));
+            s.keep(errors);
             s.busy = false;
             self.completed.fetch_add(1, Ordering::AcqRel);
             self.cv.notify_all();
@@ -362,6 +362,24 @@ pub fn submit_all(per_stream: Vec<(Arc<HostStream>, Vec<Task>)>) {
     }
     for (s, part) in streams.iter().zip(batch.split(&owner, k)) {
         s.enqueue(part, true);
+    }
+}
+
+/// `submit_all` for one task on one stream (a launch of one communicator's work, the common
+/// case), without its gathering.
+pub fn submit_one(s: &Arc<HostStream>, task: Task) {
+    let budget = crate::param::inline_budget();
+    let batch = Batch::one(task);
+    if budget.is_zero() || !s.claim() {
+        s.enqueue(batch, false);
+        return;
+    }
+    let mut batch = batch;
+    if batch.run_until(Some(Instant::now() + budget)) {
+        let errors: Vec<Error> = batch.errors().collect();
+        s.release(errors);
+    } else {
+        s.enqueue(batch, true);
     }
 }
 

@@ -14,6 +14,7 @@
 use super::helpers::Helpers;
 use super::{NetEnd, BEAT, BEAT_EVERY, HDR};
 use crate::error::Result;
+use crate::health::Coarse;
 use std::io::{ErrorKind, Read, Write};
 use std::net::TcpStream;
 use std::sync::atomic::Ordering;
@@ -52,8 +53,9 @@ pub struct Progress {
     pub done: Vec<usize>,
     /// Sending end: a heartbeat's header is on its way (in `hdr`).
     pub beat: bool,
-    /// When bytes last went out (sending end) or came in (receiving end).
-    pub last: std::time::Instant,
+    /// When bytes last went out (sending end) or came in (receiving end): heartbeats are
+    /// seconds apart, so the coarse clock tells.
+    pub last: Coarse,
     /// Receiving end: the size of the last slot that arrived.
     pub last_bytes: usize,
     /// Receiving end: bytes read from the first socket and not yet used.
@@ -101,7 +103,7 @@ impl Progress {
             hdr: [0; HDR],
             done: vec![0; k],
             beat: false,
-            last: std::time::Instant::now(),
+            last: Coarse::now(),
             last_bytes: 0,
             stage: Stage {
                 buf: Vec::new(),
@@ -141,7 +143,7 @@ impl Progress {
         let moved = h.moved();
         if moved != self.helped {
             self.helped = moved;
-            self.last = std::time::Instant::now();
+            self.last = Coarse::now();
         }
         h.finished(self.step, bytes, k).map_err(|e| end.failed(&e))
     }
@@ -295,7 +297,7 @@ impl NetEnd {
                 return Ok(moved);
             }
             w.reset();
-            w.last = std::time::Instant::now();
+            w.last = Coarse::now();
             if std::mem::take(&mut w.beat) {
                 continue;
             }
@@ -336,7 +338,7 @@ impl NetEnd {
                     Io::Blocked => return Ok(moved),
                     Io::Moved(n) => {
                         w.hdr_off += n;
-                        w.last = std::time::Instant::now();
+                        w.last = Coarse::now();
                         moved = true;
                     }
                 }
@@ -382,7 +384,7 @@ impl NetEnd {
                         }
                         Io::Moved(n) => {
                             w.done[j] += n;
-                            w.last = std::time::Instant::now();
+                            w.last = Coarse::now();
                             moved = true;
                         }
                     }
