@@ -526,9 +526,10 @@ impl Batch {
         parts
     }
 
-    /// The tasks' errors, in task order (only call this when all are done).
-    pub fn errors(self) -> impl Iterator<Item = Error> {
-        self.running.into_iter().filter_map(|r| r.result?.err())
+    /// The first of the tasks' errors, in task order (only call this when all are done): what a
+    /// stream keeps and a launch returns. The tasks are dropped before it returns.
+    pub fn first_error(self) -> Option<Error> {
+        self.running.into_iter().find_map(|r| r.result?.err())
     }
 
     /// Each task's result (Ok for tasks that did not finish: only call this when all are done).
@@ -544,7 +545,7 @@ impl Batch {
 pub fn run_one(task: Task) -> Result<()> {
     let mut b = Batch::one(task);
     b.run_until(None);
-    b.errors().next().map_or(Ok(()), Err)
+    b.first_error().map_or(Ok(()), Err)
 }
 
 /// Runs tasks to completion on this thread; returns each task's result.

@@ -239,7 +239,7 @@ fn end_on_stream(s: &HostStream, r: std::result::Result<Result<()>, Batch>) {
 fn finish_null(pending: Vec<Batch>) -> Result<()> {
     let mut b = Batch::join(pending);
     b.run_until(None);
-    b.errors().next().map_or(Ok(()), Err)
+    b.first_error().map_or(Ok(()), Err)
 }
 
 /// Launches a group's calls.

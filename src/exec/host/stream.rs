@@ -137,9 +137,8 @@ impl HostStream {
                 self.give_back(work, lazy);
                 return false;
             }
-            // Gathered before the lock is taken: the tasks are dropped here, not under it (no
-            // allocation without errors).
-            self.record(b.errors().collect());
+            // Taken before the lock is: the tasks are dropped here, not under it.
+            self.record(b.first_error());
         }
         true
     }
@@ -173,7 +172,7 @@ impl HostStream {
     }
 
     /// Records the results of a batch that was queued and is finished (the claim goes on).
-    fn record(&self, errors: Vec<Error>) {
+    fn record(&self, errors: Option<Error>) {
         self.state.lock().keep(errors);
         self.completed.fetch_add(1, Ordering::AcqRel);
     }
@@ -301,9 +300,9 @@ impl HostStream {
                 self.give_back(VecDeque::from([batch]), true);
                 continue;
             }
-            let errors: Vec<Error> = batch.errors().collect();
+            let error = batch.first_error();
             let mut s = self.state.lock();
-            s.keep(errors);
+            s.keep(error);
             s.busy = false;
             self.completed.fetch_add(1, Ordering::AcqRel);
             self.cv.notify_all();
@@ -376,8 +375,8 @@ pub fn submit_one(s: &Arc<HostStream>, task: Task) {
     }
     let mut batch = batch;
     if batch.run_until(Some(Instant::now() + budget)) {
-        let errors: Vec<Error> = batch.errors().collect();
-        s.release(errors);
+        let error = batch.first_error();
+        s.release(error);
     } else {
         s.enqueue(batch, true);
     }
