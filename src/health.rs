@@ -293,6 +293,19 @@ impl Backoff {
         self.spins = 0;
     }
 
+    /// A wait with a deadline of its own (never a sleep): spin, then yield the core at every
+    /// turn, so that what must run on it (the kernel's network processing deferred to its
+    /// ksoftirqd thread, a proxy thread) is not kept off it for a whole time slice.
+    #[inline]
+    pub fn spin_or_yield(&mut self) {
+        self.spins = self.spins.saturating_add(1);
+        if self.spins < SPINS {
+            std::hint::spin_loop();
+        } else {
+            std::thread::yield_now();
+        }
+    }
+
     /// Turns spent waiting since the last progress.
     pub fn turns(&self) -> u32 {
         self.spins

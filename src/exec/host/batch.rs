@@ -493,7 +493,7 @@ impl Batch {
                 if idle_spins.is_multiple_of(CLOCK_EVERY) && Instant::now() >= d {
                     return false;
                 }
-                std::hint::spin_loop();
+                backoff.spin_or_yield();
                 continue;
             }
             // Waiting: spin, then yield (peers on this host answer within microseconds), and
