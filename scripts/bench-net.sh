@@ -9,8 +9,9 @@
 #   (c) iperf3 between the same namespaces, each direction and both at once: the link's ceiling
 # Prints one table (busbw GB/s, oxccl/MPI) and the targets, each from runs of oxccl and MPI in
 # turn (the sweep's rows are single samples of a noisy machine): oxccl/MPI >= 1.5 at 16 MiB and
-# oxccl >= 70% of iperf3's bidirectional rate per direction (30 all-reduces, best of three runs
-# each), 1 KiB latency <= MPI's (2000 all-reduces, best of two runs each); then
+# oxccl >= 70% of iperf3's bidirectional rate per direction, the mean of the two (30
+# all-reduces, best of three runs each), 1 KiB latency <= MPI's (2000 all-reduces, best of two
+# runs each); then
 # 2 hosts x 2 ranks, the flat ring against the hierarchical all-reduce (tree/ring). Raw outputs
 # under target/bench-net/. Needs root; installs iperf3 and OpenMPI if missing. Removes its
 # namespaces and links on exit.
@@ -166,8 +167,10 @@ if all(bo) and all(bm):
     o, m = min(bo), min(bm)
     runs = " ".join(f"{t / 1e3:.1f}" for t in bo) + " / " + " ".join(f"{t / 1e3:.1f}" for t in bm)
     print(f"  oxccl/MPI >= 1.5 at 16 MiB (best)  measured {m / o:.2f} (ms: {runs})  {'PASS' if m / o >= 1.5 else 'FAIL'}")
-    link = min(up, down)
-    print(f"  oxccl >= 70% of iperf3 (per dir.)   measured {bus(M16, o):.2f} of {link:.2f} GB/s = {bus(M16, o) / link:.0%}"
+    # Both directions at once: on a CPU-bound link one may starve the other (0.4 and 3.9 GB/s
+    # on a 2-core VM); an all-reduce moves as much each way, so its share is their mean.
+    link = (up + down) / 2
+    print(f"  oxccl >= 70% of iperf3 (mean dir.)  measured {bus(M16, o):.2f} of {link:.2f} GB/s = {bus(M16, o) / link:.0%}"
           f" (MPI {bus(M16, m) / link:.0%})  {'PASS' if bus(M16, o) >= 0.7 * link else 'FAIL'}")
 lat = lambda f: [rows(f"{out}/{f.format(k)}").get(1024) for k in (1, 2)]
 lo, lm = lat("oxccl.lat{}.rank0.txt"), lat("mpi.lat{}.txt")

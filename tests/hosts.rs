@@ -361,6 +361,8 @@ fn all_reduce_plans_across_hosts() {
     let trees = &["Ring", t.as_str(), d.as_str()][..];
     let small_trees = &["Ring", t.as_str()][..];
     let small = [("OXCCL_TEST_COUNT", "1000")];
+    // From 1 MiB (300000 elements of 4 and 8 bytes) two hosts take the ring, not the exchange.
+    let large = [("OXCCL_TEST_COUNT", "300000")];
     for (place, algos, env) in [
         ("0,1", exchange, &[][..]),
         ("0,0,1,1", two, &[]),
@@ -371,6 +373,8 @@ fn all_reduce_plans_across_hosts() {
         ("0,1,2,3,4", small_trees, &small[..]),
         ("0,1", exchange, &many[..]),
         ("0,0,1,1", two, &odd[..]),
+        ("0,1", exchange, &large[..]),
+        ("0,0,1,1", two, &large[..]),
     ] {
         let n = place.split(',').count();
         let id = api::get_unique_id().unwrap();
@@ -408,6 +412,21 @@ fn all_reduce_plans_across_hosts() {
                 .filter_map(|l| l.split(" proto").next())
                 .collect();
             assert_eq!(algos, want, "hosts {place}: rank {r}'s plans");
+            // 300000 float32s (1200000 bytes): never the exchange; uint8s (300000) always.
+            let plan_of = |bytes: &str| {
+                text.lines()
+                    .filter(|l| l.contains(&format!("AllReduce: {bytes} Bytes ")))
+                    .map(|l| l.contains("exchange"))
+                    .collect::<Vec<bool>>()
+            };
+            if env == &large[..] {
+                let (big, small) = (plan_of("1200000"), plan_of("300000"));
+                assert!(
+                    !big.is_empty() && !big.iter().any(|&x| x),
+                    "{place}:\n{text}"
+                );
+                assert!(small.iter().any(|&x| x), "{place}:\n{text}");
+            }
         }
     }
     let _ = std::fs::remove_dir_all(&dir);

@@ -149,6 +149,15 @@ pub fn build_task<T>(
                     // Across hosts, an all-reduce's own plans (see `hier`).
                     let across = match (bk, red) {
                         (BoardKind::AllReduce, Some(red)) => hier::choose(l, &red, bytes)
+                            .or_else(|| {
+                                // Past its size the exchange gives way to the ring, unless the
+                                // user allows the exchange ("direct") and not the ring.
+                                let name = a.kind.name();
+                                (hier::exchange_possible(l, &red)
+                                    && super::algo::algo_allows(name, "direct")
+                                    && !super::algo::algo_allows(name, "ring"))
+                                .then_some(hier::Plan::Exchange)
+                            })
                             .filter(|p| {
                                 let among = ["ring", p.algo()];
                                 super::algo::algo_allows_among(a.kind.name(), p.algo(), &among)
