@@ -5,8 +5,9 @@
 # both ranks; "-" alone is this tree's library as it is). In each of R rounds (default 3) it runs
 # all_reduce_perf, 1 rank per host over veth, with every variant in turn and then OpenMPI's
 # MPI_Allreduce (--mca btl tcp,self; target/bench/bin/mpi_allreduce from scripts/bench-net.sh),
-# and prints the out-of-place time (us) of each. SZ (default 1K) and N (iterations, default
-# 1000) choose the size; LIMIT (default 300 s) bounds each run. Example, one socket against two with a helper thread, at 16 MiB:
+# and prints the out-of-place time (us) of each, then each one's median and best over the
+# rounds. SZ (default 1K) and N (iterations, default 1000) choose the size; LIMIT (default
+# 300 s) bounds each run. Example, one socket against two with a helper thread, at 16 MiB:
 #   SZ=16M N=30 scripts/ab-net.sh "target/release:NCCL_NSOCKS_PERTHREAD=1" \
 #     "target/release:NCCL_SOCKET_NTHREADS=2"
 set -uo pipefail
@@ -51,7 +52,9 @@ for rep in $(seq "$R"); do
         -d float -o sum >"/tmp/$T.$r" 2>&1 &
     done
     wait
-    line="$line  [$v] $(grep -E '^ +[0-9]' "/tmp/$T.0" | awk '{print $6}')"
+    t=$(grep -E '^ +[0-9]' "/tmp/$T.0" | awk '{print $6}')
+    line="$line  [$v] $t"
+    echo "$v $t" >>"/tmp/$T.all"
   done
   if [ -x "$MPI" ] && command -v mpirun >/dev/null; then
     PMIX_MCA_ptl_tcp_remote_connections=1 PMIX_MCA_ptl_tcp_if_include="${T}br" \
@@ -59,7 +62,20 @@ for rep in $(seq "$R"); do
       --mca btl_tcp_if_include 10.75.0.0/24 --mca oob_tcp_if_include "${T}br" \
       -np 1 ip netns exec "${T}0" "$MPI" -b "$SZ" -e "$SZ" -n "$N" -w 20 : \
       -np 1 ip netns exec "${T}1" "$MPI" -b "$SZ" -e "$SZ" -n "$N" -w 20 >"/tmp/$T.mpi" 2>&1
-    line="$line  [mpi] $(grep -E '^ +[0-9]' "/tmp/$T.mpi" | awk '{print $6}')"
+    t=$(grep -E '^ +[0-9]' "/tmp/$T.mpi" | awk '{print $6}')
+    line="$line  [mpi] $t"
+    echo "mpi $t" >>"/tmp/$T.all"
   fi
   echo "$line"
 done
+# Median and best of each variant (rounds that printed no time are left out).
+python3 - "/tmp/$T.all" <<'EOF2'
+import statistics, sys
+runs = {}
+for line in open(sys.argv[1]):
+    v, *t = line.split()
+    if t:
+        runs.setdefault(v, []).append(float(t[0]))
+for v, ts in runs.items():
+    print(f"[{v}] median {statistics.median(ts):.2f}  best {min(ts):.2f}  ({len(ts)} rounds)")
+EOF2
