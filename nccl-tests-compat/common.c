@@ -14,6 +14,7 @@
 #include <netdb.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
+#include <poll.h>
 #include <pthread.h>
 #include <sched.h>
 #include <stdarg.h>
@@ -273,6 +274,29 @@ static int connectTo(const char* host, int port, double deadline) {
   }
 }
 
+/* Rank 0 of the out-of-band exchange: waits until `fd` is readable, or ends the run when
+ * `deadline` passes, naming the processes that have not connected (`have` of them have). */
+static void waitReadable(int fd, double deadline, const char* what, int have) {
+  for (;;) {
+    double left = deadline - nowSec();
+    if (left <= 0) {
+      char missing[512] = "";
+      size_t at = 0;
+      for (int r = 1; r < nProcs && at + 16 < sizeof missing; r++)
+        if (!oobFds[r]) at += (size_t)snprintf(missing + at, sizeof missing - at, "%s%d", at ? " " : "", r);
+      die(EXIT_BAD_ARGS,
+          "%s: rank 0 waited %d s for %s: %d of %d processes connected (not yet: %s); "
+          "check that every process was started with the same WORLD_SIZE, MASTER_ADDR and "
+          "MASTER_PORT, and can reach this host\n",
+          hostName, optTimeout > 0 ? optTimeout : 120, what, have - 1, nProcs - 1, missing);
+    }
+    struct pollfd p = {.fd = fd, .events = POLLIN};
+    int k = poll(&p, 1, (int)(left * 1000) + 1);
+    if (k > 0) return;
+    if (k < 0 && errno != EINTR) die(EXIT_BAD_ARGS, "%s: poll failed: %s\n", hostName, strerror(errno));
+  }
+}
+
 static void oobInit(void) {
   const char* sz = getenv("OMPI_COMM_WORLD_SIZE");
   int mpi = sz != NULL;
@@ -331,11 +355,15 @@ static void oobInit(void) {
       rename(tmp, fileName);
     }
     for (int i = 1; i < nProcs; i++) {
+      /* Not forever: processes that never come (a launcher that failed, a host that cannot
+       * reach this one) end the run with the list of those missing. */
+      waitReadable(oobListen, deadline, "connections", i);
       int fd = accept(oobListen, NULL, NULL);
       if (fd < 0) die(EXIT_BAD_ARGS, "%s: accept failed: %s\n", hostName, strerror(errno));
       int one2 = 1;
       setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one2, sizeof one2);
       int32_t r;
+      waitReadable(fd, deadline, "a connected process's rank", i);
       recvAll(fd, &r, sizeof r);
       if (r <= 0 || r >= nProcs || oobFds[r]) die(EXIT_BAD_ARGS, "bad bootstrap rank %d\n", r);
       oobFds[r] = fd;

@@ -158,6 +158,37 @@ fn help_and_bad_arguments() {
     assert_eq!(o.status.code(), Some(1));
 }
 
+/// Rank 0 of the tools' own out-of-band exchange does not wait forever for processes that never
+/// come: within `-T` seconds it ends the run, naming the ranks that did not connect.
+#[test]
+fn rank_zero_alone_gives_up_naming_the_missing_ranks() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("a free port")
+        .port();
+    let started = std::time::Instant::now();
+    let o = tool("all_reduce_perf")
+        .args(["-b", "8", "-e", "8", "-T", "2"])
+        .env("RANK", "0")
+        .env("WORLD_SIZE", "3")
+        .env("MASTER_ADDR", "127.0.0.1")
+        .env("MASTER_PORT", port.to_string())
+        .output()
+        .expect("spawn perf tool");
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        err.contains("0 of 2 processes connected (not yet: 1 2)"),
+        "{}",
+        text(&o)
+    );
+    assert!(
+        started.elapsed().as_secs() < 30,
+        "took {:?}",
+        started.elapsed()
+    );
+}
+
 #[test]
 fn sweep_every_tool_one_to_four_ranks() {
     // 8, 32, ..., 128K: 8 sizes
