@@ -97,10 +97,17 @@ struct OxParamsLarge {
 
 enum { OX_ERR_NONE = 0, OX_ERR_CALL = 1, OX_ERR_ABORT = 2 };
 
+// OX_SPIN: what a read of a counter may also do. Nothing on a GPU; the host emulation of the
+// kernels (tests/cuda_emu) lets other blocks, which are threads there, have the cores.
+#ifndef OX_SPIN
+#define OX_SPIN()
+#endif
 __device__ __forceinline__ uint64_t ld_vol64(const uint64_t* p) {
+  OX_SPIN();
   return *(const volatile uint64_t*)p;
 }
 __device__ __forceinline__ uint32_t ld_vol32(const uint32_t* p) {
+  OX_SPIN();
   return *(const volatile uint32_t*)p;
 }
 __device__ __forceinline__ void st_vol64(uint64_t* p, uint64_t v) {
@@ -113,6 +120,13 @@ __device__ __forceinline__ void st_vol64(uint64_t* p, uint64_t v) {
 // was followed by a system-scope fence.
 template <typename T>
 __device__ __forceinline__ T ld_fresh(const T* p) {
+#ifndef __CUDA_ARCH__
+  // The host emulation (tests/cuda_emu): no L1 to bypass; the fence after the counter's read
+  // orders this load.
+  T t;
+  memcpy(&t, p, sizeof(T));
+  return t;
+#else
   if (sizeof(T) == 1) {
     unsigned short v;
     asm volatile("ld.global.cg.u8 %0, [%1];" : "=h"(v) : "l"(p));
@@ -136,12 +150,17 @@ __device__ __forceinline__ T ld_fresh(const T* p) {
     memcpy(&t, &v, 8);
     return t;
   }
+#endif
 }
 __device__ __forceinline__ uint4 ld_fresh(const uint4* p) {
   uint4 v;
+#ifndef __CUDA_ARCH__
+  memcpy(&v, p, sizeof v);
+#else
   asm volatile("ld.global.cg.v4.u32 {%0,%1,%2,%3}, [%4];"
                : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
                : "l"(p));
+#endif
   return v;
 }
 
@@ -607,8 +626,8 @@ __device__ __forceinline__ void ox_direct(const uint64_t* words) {
   __shared__ const uint8_t* src[OX_DIRECT_MAX];
   __shared__ uint8_t* dst[OX_DIRECT_MAX];
   __shared__ uint64_t count;
-  if (threadIdx.x < n) {
-    const int k = threadIdx.x;
+  // (A stride over the lanes, for blocks of fewer threads than lanes: the host emulation's.)
+  for (int k = threadIdx.x; k < n; k += blockDim.x) {
     const OxProgD& p = v.progs[v.lanes[k].first_prog];
     const OxStepD& s = v.steps[p.first_step];
     red[k] = ox_red(p);

@@ -7,11 +7,13 @@
 //! One process, one test function: the driver and the executor are chosen once per process.
 
 mod common;
+#[path = "cuda_stand_in/mod.rs"]
+mod stand_in;
 
 use nccl::gpu::driver::{self, Api, CUresult};
 use nccl::types::{CollArgs, CollKind, DataType};
 use parking_lot::Mutex;
-use std::ffi::{c_char, c_int, c_uint, c_void};
+use std::ffi::{c_int, c_uint, c_void};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 /// What the driver was asked to do, in order.
@@ -55,37 +57,11 @@ fn take() -> Vec<Ev> {
     std::mem::take(&mut *LOG.lock())
 }
 
-const OK: CUresult = 0;
-const RUN: usize = 0x3001;
-const LOCAL: usize = 0x3002;
-const RUN_LARGE: usize = 0x3003;
-const LOCAL_LARGE: usize = 0x3004;
-const DIRECT4: usize = 0x3005;
-const DIRECT16: usize = 0x3006;
-const COPY: usize = 0x3007;
+use stand_in::{COPY, DIRECT16, DIRECT4, LOCAL, OK, RUN, RUN_LARGE};
 /// The descriptor of the last launch (its words, as long as its header says it is).
 static LAST_DESC: Mutex<Vec<u64>> = Mutex::new(Vec::new());
 
-thread_local! {
-    static CURRENT: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
-}
-
 // The stand-in's functions (C signatures of the driver table).
-unsafe extern "C" fn ok_u(_: c_uint) -> CUresult {
-    OK
-}
-unsafe extern "C" fn version(v: *mut c_int) -> CUresult {
-    unsafe { *v = 12080 };
-    OK
-}
-unsafe extern "C" fn count(n: *mut c_int) -> CUresult {
-    unsafe { *n = 1 };
-    OK
-}
-unsafe extern "C" fn device_get(d: *mut c_int, o: c_int) -> CUresult {
-    unsafe { *d = o };
-    OK
-}
 unsafe extern "C" fn attr(v: *mut c_int, a: c_int, _: c_int) -> CUresult {
     unsafe {
         *v = match a {
@@ -98,51 +74,6 @@ unsafe extern "C" fn attr(v: *mut c_int, a: c_int, _: c_int) -> CUresult {
             _ => 0,
         }
     };
-    OK
-}
-unsafe extern "C" fn name(_: *mut c_char, _: c_int, _: c_int) -> CUresult {
-    OK
-}
-unsafe extern "C" fn retain(c: *mut *mut c_void, _: c_int) -> CUresult {
-    unsafe { *c = 0x1000 as *mut c_void };
-    OK
-}
-unsafe extern "C" fn get_current(c: *mut *mut c_void) -> CUresult {
-    unsafe { *c = CURRENT.with(|x| x.get()) as *mut c_void };
-    OK
-}
-unsafe extern "C" fn set_current(c: *mut c_void) -> CUresult {
-    CURRENT.with(|x| x.set(c as usize));
-    OK
-}
-unsafe extern "C" fn ctx_device(d: *mut c_int) -> CUresult {
-    unsafe { *d = 0 };
-    OK
-}
-unsafe extern "C" fn module_load(m: *mut *mut c_void, _: *const c_void) -> CUresult {
-    unsafe { *m = 0x2000 as *mut c_void };
-    OK
-}
-unsafe extern "C" fn get_function(
-    f: *mut *mut c_void,
-    _: *mut c_void,
-    n: *const c_char,
-) -> CUresult {
-    let n = unsafe { std::ffi::CStr::from_ptr(n) }.to_str().unwrap();
-    let f_of = match n {
-        "oxccl_run" => RUN,
-        "oxccl_local" => LOCAL,
-        "oxccl_run_large" => RUN_LARGE,
-        "oxccl_local_large" => LOCAL_LARGE,
-        "oxccl_direct4" => DIRECT4,
-        "oxccl_direct16" => DIRECT16,
-        "oxccl_copy" => COPY,
-        _ => return 500, // CUDA_ERROR_NOT_FOUND
-    };
-    unsafe { *f = f_of as *mut c_void };
-    OK
-}
-unsafe extern "C" fn set_attr(_: *mut c_void, _: c_int, _: c_int) -> CUresult {
     OK
 }
 #[allow(clippy::too_many_arguments)]
@@ -173,33 +104,10 @@ unsafe extern "C" fn launch(
     });
     OK
 }
-/// "Device" memory: host memory (the logic under test never touches it from the host but
-/// for connection headers).
-unsafe extern "C" fn alloc(p: *mut u64, n: usize) -> CUresult {
-    let v = vec![0u8; n + 256].leak();
-    unsafe { *p = ((v.as_ptr() as u64) + 255) & !255 };
-    OK
-}
 /// Device memory freed (cuMemFree), in order.
 static FREED: Mutex<Vec<u64>> = Mutex::new(Vec::new());
 unsafe extern "C" fn free(p: u64) -> CUresult {
     FREED.lock().push(p);
-    OK
-}
-unsafe extern "C" fn alloc_async(p: *mut u64, n: usize, _: *mut c_void) -> CUresult {
-    unsafe { alloc(p, n) }
-}
-unsafe extern "C" fn free_async(_: u64, _: *mut c_void) -> CUresult {
-    OK
-}
-unsafe extern "C" fn register(_: *mut c_void, _: usize, _: c_uint) -> CUresult {
-    OK
-}
-unsafe extern "C" fn unregister(_: *mut c_void) -> CUresult {
-    OK
-}
-unsafe extern "C" fn host_dptr(d: *mut u64, p: *mut c_void, _: c_uint) -> CUresult {
-    unsafe { *d = p as u64 };
     OK
 }
 unsafe extern "C" fn dtod_async(d: u64, s: u64, n: usize, st: *mut c_void) -> CUresult {
@@ -209,10 +117,6 @@ unsafe extern "C" fn dtod_async(d: u64, s: u64, n: usize, st: *mut c_void) -> CU
         bytes: n,
         stream: st as usize,
     });
-    OK
-}
-unsafe extern "C" fn dtoh(d: *mut c_void, s: u64, n: usize) -> CUresult {
-    unsafe { std::ptr::copy(s as *const u8, d as *mut u8, n) };
     OK
 }
 unsafe extern "C" fn memset_async(d: u64, v: u8, n: usize, _: *mut c_void) -> CUresult {
@@ -243,9 +147,6 @@ unsafe extern "C" fn wait_event(s: *mut c_void, e: *mut c_void, _: c_uint) -> CU
     });
     OK
 }
-unsafe extern "C" fn exchange_mode(_: *mut c_int) -> CUresult {
-    OK
-}
 unsafe extern "C" fn event_create(e: *mut *mut c_void, _: c_uint) -> CUresult {
     unsafe { *e = NEXT.fetch_add(1, Ordering::SeqCst) as *mut c_void };
     OK
@@ -270,10 +171,6 @@ unsafe extern "C" fn pointer_attr(v: *mut c_void, a: c_int, p: u64) -> CUresult 
         _ => 2,
     };
     unsafe { *(v as *mut c_uint) = value };
-    OK
-}
-unsafe extern "C" fn uuid(u: *mut [u8; 16], dev: c_int) -> CUresult {
-    unsafe { *u = [0xa0 + dev as u8; 16] };
     OK
 }
 /// A handle names the allocation's address (and a mark); opening gives it back.
@@ -304,10 +201,6 @@ unsafe extern "C" fn ipc_close(p: u64) -> CUresult {
         WATCHED.lock().push(word.load(Ordering::Acquire));
     }
     IPC_CLOSED.lock().push(p);
-    OK
-}
-unsafe extern "C" fn error_str(_: CUresult, s: *mut *const c_char) -> CUresult {
-    unsafe { *s = c"stand-in error".as_ptr() };
     OK
 }
 
@@ -358,10 +251,6 @@ static ACCESS_FAILS: AtomicBool = AtomicBool::new(false);
 static NO_POSIX: AtomicBool = AtomicBool::new(false);
 const GRANULARITY: usize = 2 << 20;
 
-unsafe extern "C" fn can_access_peer(can: *mut c_int, _: c_int, _: c_int) -> CUresult {
-    unsafe { *can = 0 };
-    OK
-}
 unsafe extern "C" fn granularity(
     g: *mut usize,
     _: *const driver::CUmemAllocationProp,
@@ -439,34 +328,14 @@ unsafe extern "C" fn set_access(
 }
 
 fn stand_in() -> Api {
-    let table: Vec<(&str, *const c_void)> = vec![
-        ("cuInit", ok_u as *const c_void),
-        ("cuDeviceGetUuid_v2", uuid as *const c_void),
+    let own: Vec<(&str, *const c_void)> = vec![
         ("cuIpcGetMemHandle", ipc_get as *const c_void),
         ("cuIpcOpenMemHandle_v2", ipc_open as *const c_void),
         ("cuIpcCloseMemHandle", ipc_close as *const c_void),
-        ("cuDriverGetVersion", version as *const c_void),
-        ("cuDeviceGetCount", count as *const c_void),
-        ("cuDeviceGet", device_get as *const c_void),
         ("cuDeviceGetAttribute", attr as *const c_void),
-        ("cuDeviceGetName", name as *const c_void),
-        ("cuDevicePrimaryCtxRetain", retain as *const c_void),
-        ("cuCtxGetCurrent", get_current as *const c_void),
-        ("cuCtxSetCurrent", set_current as *const c_void),
-        ("cuCtxGetDevice", ctx_device as *const c_void),
-        ("cuModuleLoadData", module_load as *const c_void),
-        ("cuModuleGetFunction", get_function as *const c_void),
-        ("cuFuncSetAttribute", set_attr as *const c_void),
         ("cuLaunchKernel", launch as *const c_void),
-        ("cuMemAlloc_v2", alloc as *const c_void),
         ("cuMemFree_v2", free as *const c_void),
-        ("cuMemAllocAsync", alloc_async as *const c_void),
-        ("cuMemFreeAsync", free_async as *const c_void),
-        ("cuMemHostRegister_v2", register as *const c_void),
-        ("cuMemHostUnregister", unregister as *const c_void),
-        ("cuMemHostGetDevicePointer_v2", host_dptr as *const c_void),
         ("cuMemcpyDtoDAsync_v2", dtod_async as *const c_void),
-        ("cuMemcpyDtoH_v2", dtoh as *const c_void),
         ("cuMemsetD8Async", memset_async as *const c_void),
         ("cuMemsetD32Async", memset32_async as *const c_void),
         ("cuStreamCreate", stream_create as *const c_void),
@@ -475,16 +344,11 @@ fn stand_in() -> Api {
         ("cuStreamQuery", stream_ok as *const c_void),
         ("cuStreamIsCapturing", is_capturing as *const c_void),
         ("cuStreamWaitEvent", wait_event as *const c_void),
-        (
-            "cuThreadExchangeStreamCaptureMode",
-            exchange_mode as *const c_void,
-        ),
         ("cuEventCreate", event_create as *const c_void),
         ("cuEventRecord", event_record as *const c_void),
         ("cuEventQuery", event_ok as *const c_void),
         ("cuEventDestroy_v2", event_ok as *const c_void),
         ("cuPointerGetAttribute", pointer_attr as *const c_void),
-        ("cuDeviceCanAccessPeer", can_access_peer as *const c_void),
         (
             "cuMemGetAllocationGranularity",
             granularity as *const c_void,
@@ -496,24 +360,16 @@ fn stand_in() -> Api {
         ("cuMemMap", map as *const c_void),
         ("cuMemUnmap", unmap as *const c_void),
         ("cuMemSetAccess", set_access as *const c_void),
-        ("cuGetErrorName", error_str as *const c_void),
-        ("cuGetErrorString", error_str as *const c_void),
     ];
     // SAFETY: each function above has the signature the driver table lists for its symbol.
-    unsafe {
-        Api::resolve(|sym| {
-            let sym = sym.trim_end_matches('\0');
-            table.iter().find(|(n, _)| *n == sym).map(|(_, f)| *f)
-        })
-    }
-    .unwrap_or_else(|e| panic!("{}", e.msg))
+    unsafe { stand_in::driver(&own) }
 }
 
 /// A "device" buffer of `bytes` (host memory the stand-in hands out).
 fn buffer(bytes: usize) -> usize {
     let mut p = 0u64;
     // SAFETY: writes one pointer.
-    unsafe { alloc(&mut p, bytes) };
+    unsafe { stand_in::alloc(&mut p, bytes) };
     p as usize
 }
 
@@ -528,16 +384,8 @@ fn launches(ev: &[Ev]) -> Vec<&Ev> {
 #[test]
 fn cuda_executor_logic_on_a_recording_driver() {
     // The executor and its driver, before anything else in this process looks at them.
-    std::env::set_var("OXCCL_DEVICE", "cuda");
+    let cache = stand_in::stand_in_kernels("cuda-logic");
     assert!(driver::install(stand_in()), "a driver was loaded already");
-    let cache = std::env::temp_dir().join(format!("oxccl-cuda-logic-{}", std::process::id()));
-    std::fs::create_dir_all(&cache).unwrap();
-    std::fs::write(
-        cache.join(nccl::exec::cuda::kernel_cache_name(90)),
-        b"stand-in image",
-    )
-    .unwrap();
-    std::env::set_var("OXCCL_CACHE_DIR", &cache);
     assert_eq!(nccl::gpu::kind(), nccl::gpu::Kind::Cuda);
 
     let comms = nccl::api::comm_init_all(&[0, 0]).expect("two ranks on one device");
