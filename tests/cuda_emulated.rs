@@ -93,6 +93,7 @@ fn load_emu() -> Option<Emu> {
 
 // ---- streams and events ----------------------------------------------------------------------
 
+#[derive(Clone)]
 enum Op {
     Launch {
         name: &'static CStr,
@@ -176,8 +177,33 @@ fn event(h: usize) -> Arc<Event> {
         .clone()
 }
 
-fn submit(s: usize, op: Op) {
-    let s = stream(s);
+/// Streams capturing a graph, and what they captured so far.
+static CAPTURES: Mutex<Option<HashMap<usize, Vec<Op>>>> = Mutex::new(None);
+
+/// Starts capturing stream `h`'s work into a graph (what the caller's
+/// `cudaStreamBeginCapture` does): it is kept, not run, until `end_capture`.
+fn begin_capture(h: usize) {
+    CAPTURES
+        .lock()
+        .get_or_insert_with(HashMap::new)
+        .insert(h, Vec::new());
+}
+
+/// The graph stream `h` captured.
+fn end_capture(h: usize) -> Vec<Op> {
+    CAPTURES
+        .lock()
+        .as_mut()
+        .and_then(|m| m.remove(&h))
+        .expect("a capturing stream")
+}
+
+fn submit(h: usize, op: Op) {
+    if let Some(g) = CAPTURES.lock().as_mut().and_then(|m| m.get_mut(&h)) {
+        g.push(op);
+        return;
+    }
+    let s = stream(h);
     s.submitted.fetch_add(1, Ordering::SeqCst);
     s.queue.lock().push_back(op);
     s.cv.notify_all();
@@ -344,8 +370,12 @@ unsafe extern "C" fn stream_query(s: *mut c_void) -> CUresult {
         OK
     }
 }
-unsafe extern "C" fn is_capturing(_: *mut c_void, st: *mut c_int) -> CUresult {
-    unsafe { *st = 0 };
+unsafe extern "C" fn is_capturing(s: *mut c_void, st: *mut c_int) -> CUresult {
+    let active = CAPTURES
+        .lock()
+        .as_ref()
+        .is_some_and(|m| m.contains_key(&(s as usize)));
+    unsafe { *st = c_int::from(active) };
     OK
 }
 unsafe extern "C" fn wait_event(s: *mut c_void, e: *mut c_void, _: c_uint) -> CUresult {
@@ -496,6 +526,7 @@ fn combine(op: i32, vals: impl Iterator<Item = f64>, n: usize, dt: DataType) -> 
     }
 }
 
+#[derive(Clone, Copy)]
 struct Case {
     kind: CollKind,
     dtype: DataType,
@@ -515,84 +546,80 @@ fn sizes(c: &Case, n: usize) -> (usize, usize) {
     }
 }
 
-/// Runs `c` on `comms` (rank r on `streams[r]`) and checks every rank's output.
-fn check(comms: &[Arc<nccl::comm::Comm>], streams: &[usize], c: &Case) {
-    let n = comms.len();
+/// Each rank's send and receive buffers for `c` (the same where in place).
+fn buffers(c: &Case, n: usize) -> Vec<(usize, usize)> {
     let es = c.dtype.size();
     let (ns, nr) = sizes(c, n);
-    let bufs: Vec<(usize, usize)> = (0..n)
+    (0..n)
         .map(|_| {
             let s = buffer(ns.max(nr) * es);
             let r = if c.in_place { s } else { buffer(nr * es) };
             (s, r)
         })
-        .collect();
-    // Inputs where the collective reads them (in place: inside the output, as NCCL lays out
-    // in-place all-gathers), a sentinel elsewhere in the output.
-    for (r, &(s, rb)) in bufs.iter().enumerate() {
-        if !c.in_place {
-            for i in 0..nr {
-                put(c.dtype, rb, i, 99.0);
-            }
-        }
-        let at = if c.in_place && c.kind == CollKind::AllGather {
-            r * c.count
-        } else {
-            0
-        };
-        for i in 0..ns {
-            put(c.dtype, s, at + i, input(r, i, c.op));
+        .collect()
+}
+
+/// Rank r's inputs for `c` (salted), where the collective reads them (in place: inside the
+/// output, as NCCL lays out in-place all-gathers), and a sentinel elsewhere in the output.
+fn fill(c: &Case, n: usize, r: usize, (s, rb): (usize, usize), salt: usize) {
+    let (ns, nr) = sizes(c, n);
+    if !c.in_place {
+        for i in 0..nr {
+            put(c.dtype, rb, i, 99.0);
         }
     }
-    let args = |r: usize| {
-        let (s, rb) = bufs[r];
-        let send = if c.in_place && c.kind == CollKind::AllGather {
-            s + r * c.count * es
-        } else {
-            s
-        };
-        match c.kind {
-            CollKind::Send => CollArgs {
-                kind: CollKind::Send,
-                send,
-                recv: 0,
-                count: c.count,
-                dtype: c.dtype,
-                op: 0,
-                root: ((r + 1) % n) as i32,
-            },
-            _ => CollArgs {
-                kind: c.kind,
-                send,
-                recv: rb,
-                count: c.count,
-                dtype: c.dtype,
-                op: c.op,
-                root: c.root as i32,
-            },
-        }
+    let at = if c.in_place && c.kind == CollKind::AllGather {
+        r * c.count
+    } else {
+        0
     };
-    let stream_arg = |h: usize| nccl::api::stream_from_handle(h).unwrap();
-    nccl::api::group_start().unwrap();
-    for (r, comm) in comms.iter().enumerate() {
-        nccl::api::enqueue(comm, args(r), stream_arg(streams[r])).unwrap();
-        if c.kind == CollKind::Send {
-            // The ring: each rank also receives from the one before it.
-            let recv = CollArgs {
-                kind: CollKind::Recv,
-                send: 0,
-                recv: bufs[r].1,
-                count: c.count,
-                dtype: c.dtype,
-                op: 0,
-                root: ((r + n - 1) % n) as i32,
-            };
-            nccl::api::enqueue(comm, recv, stream_arg(streams[r])).unwrap();
-        }
+    for i in 0..ns {
+        put(c.dtype, s, at + i, input(r, i + salt, c.op));
     }
-    nccl::api::group_end().unwrap();
-    let what = format!(
-        "{:?} {:?} op {} count {} {} over {n} ranks on {} stream(s)",
+}
+
+/// Rank r's calls for `c` on `stream` (Send: the ring's send to the next rank and receive from
+/// the one before).
+fn enqueue(
+    comm: &Arc<nccl::comm::Comm>,
+    c: &Case,
+    n: usize,
+    (s, rb): (usize, usize),
+    stream: usize,
+) {
+    let r = comm.rank().unwrap() as usize;
+    let send = if c.in_place && c.kind == CollKind::AllGather {
+        s + r * c.count * c.dtype.size()
+    } else {
+        s
+    };
+    let call = |kind, send, recv, op, root: usize| CollArgs {
+        kind,
+        send,
+        recv,
+        count: c.count,
+        dtype: c.dtype,
+        op,
+        root: root as i32,
+    };
+    let on = nccl::api::stream_from_handle(stream).unwrap();
+    if c.kind == CollKind::Send {
+        let next = call(CollKind::Send, send, 0, 0, (r + 1) % n);
+        let prev = call(CollKind::Recv, 0, rb, 0, (r + n - 1) % n);
+        nccl::api::enqueue(comm, next, on).unwrap();
+        nccl::api::enqueue(comm, prev, stream_arg(stream)).unwrap();
+    } else {
+        nccl::api::enqueue(comm, call(c.kind, send, rb, c.op, c.root), on).unwrap();
+    }
+}
+
+fn stream_arg(h: usize) -> nccl::api::StreamArg {
+    nccl::api::stream_from_handle(h).unwrap()
+}
+
+fn describe(c: &Case, n: usize, streams: usize) -> String {
+    format!(
+        "{:?} {:?} op {} count {} {} over {n} ranks on {streams} stream(s)",
         c.kind,
         c.dtype,
         c.op,
@@ -602,43 +629,148 @@ fn check(comms: &[Arc<nccl::comm::Comm>], streams: &[usize], c: &Case) {
         } else {
             "out of place"
         },
-        streams.iter().collect::<BTreeSet<_>>().len()
-    );
-    for &s in streams {
-        assert!(sync(s, Duration::from_secs(120)), "{what}: stuck");
-    }
-    for comm in comms {
-        assert_eq!(
-            nccl::api::comm_async_error(comm),
-            nccl::error::Code::Success,
-            "{what}"
-        );
-    }
-    let reduced = |i: usize| combine(c.op, (0..n).map(|r| input(r, i, c.op)), n, c.dtype);
+    )
+}
+
+/// Every rank's output of `c` (inputs salted with `salt`), element by element.
+fn verify(c: &Case, bufs: &[(usize, usize)], salt: usize, what: &str) {
+    let n = bufs.len();
+    let (_, nr) = sizes(c, n);
+    let x = |r: usize, i: usize| input(r, i + salt, c.op);
+    let reduced = |i: usize| combine(c.op, (0..n).map(|r| x(r, i)), n, c.dtype);
     for (q, &(_, rb)) in bufs.iter().enumerate() {
-        let expect = |i: usize| -> Option<f64> {
+        let expect = |i: usize| -> f64 {
             match c.kind {
-                CollKind::AllReduce => Some(reduced(i)),
-                CollKind::Broadcast => Some(input(c.root, i, c.op)),
-                CollKind::Reduce => Some(if q == c.root {
-                    reduced(i)
-                } else if c.in_place {
-                    input(q, i, c.op)
-                } else {
-                    99.0
-                }),
-                CollKind::AllGather => Some(input(i / c.count, i % c.count, c.op)),
-                CollKind::ReduceScatter => Some(reduced(q * c.count + i)),
-                CollKind::AlltoAll => Some(input(i / c.count, q * c.count + i % c.count, c.op)),
-                CollKind::Send => Some(input((q + n - 1) % n, i, c.op)),
-                _ => None,
+                CollKind::AllReduce => reduced(i),
+                CollKind::Broadcast => x(c.root, i),
+                CollKind::Reduce if q == c.root => reduced(i),
+                CollKind::Reduce if c.in_place => x(q, i),
+                CollKind::Reduce => 99.0,
+                CollKind::AllGather => x(i / c.count, i % c.count),
+                CollKind::ReduceScatter => reduced(q * c.count + i),
+                CollKind::AlltoAll => x(i / c.count, q * c.count + i % c.count),
+                CollKind::Send => x((q + n - 1) % n, i),
+                k => unreachable!("{k:?}"),
             }
         };
         for i in 0..nr {
-            let Some(e) = expect(i) else { continue };
-            let got = get(c.dtype, rb, i);
-            assert_eq!(got, e, "{what}: rank {q} element {i}");
+            assert_eq!(
+                get(c.dtype, rb, i),
+                expect(i),
+                "{what}: rank {q} element {i}"
+            );
         }
+    }
+}
+
+fn sync_all(streams: &[usize], what: &str) {
+    for &s in streams {
+        assert!(sync(s, Duration::from_secs(120)), "{what}: stuck");
+    }
+}
+
+fn no_async_error(comms: &[Arc<nccl::comm::Comm>], what: &str) {
+    for comm in comms {
+        let e = nccl::api::comm_async_error(comm);
+        assert_eq!(e, nccl::error::Code::Success, "{what}");
+    }
+}
+
+/// Runs `c` on `comms` (rank r on `streams[r]`, one group) and checks every rank's output.
+fn check(comms: &[Arc<nccl::comm::Comm>], streams: &[usize], c: &Case) {
+    let n = comms.len();
+    let bufs = buffers(c, n);
+    for (r, b) in bufs.iter().enumerate() {
+        fill(c, n, r, *b, 0);
+    }
+    nccl::api::group_start().unwrap();
+    for (r, comm) in comms.iter().enumerate() {
+        enqueue(comm, c, n, bufs[r], streams[r]);
+    }
+    nccl::api::group_end().unwrap();
+    let what = describe(c, n, streams.iter().collect::<BTreeSet<_>>().len());
+    sync_all(streams, &what);
+    no_async_error(comms, &what);
+    verify(c, &bufs, 0, &what);
+}
+
+fn new_stream() -> usize {
+    NEXT.fetch_add(1, Ordering::SeqCst) as usize
+}
+
+/// Graph capture and replay, as PyTorch's CUDA graphs use them: the launches made while the
+/// ranks' streams capture are kept, not run; each replay runs them again on the inputs then in
+/// the buffers, with eager operations of the same communicators in between (the connections'
+/// counters carry over from launch to launch and from replay to replay).
+fn graphs(comms: &[Arc<nccl::comm::Comm>], streams: &[usize], c: &Case) {
+    let n = comms.len();
+    let bufs = buffers(c, n);
+    for (r, b) in bufs.iter().enumerate() {
+        fill(c, n, r, *b, 0);
+    }
+    for &s in streams {
+        begin_capture(s);
+    }
+    nccl::api::group_start().unwrap();
+    for (r, comm) in comms.iter().enumerate() {
+        enqueue(comm, c, n, bufs[r], streams[r]);
+    }
+    nccl::api::group_end().unwrap();
+    let graphs: Vec<Vec<Op>> = streams.iter().map(|&s| end_capture(s)).collect();
+    assert!(graphs.iter().all(|g| !g.is_empty()), "nothing captured");
+    assert!(
+        bufs.iter().all(|&(_, rb)| get(c.dtype, rb, 0) == 99.0),
+        "a captured launch ran"
+    );
+    for replay in 1..=3 {
+        for (r, b) in bufs.iter().enumerate() {
+            fill(c, n, r, *b, replay);
+        }
+        for (&s, g) in streams.iter().zip(&graphs) {
+            for op in g {
+                submit(s, op.clone());
+            }
+        }
+        let what = format!("{}, graph replay {replay}", describe(c, n, streams.len()));
+        sync_all(streams, &what);
+        no_async_error(comms, &what);
+        verify(c, &bufs, replay, &what);
+        check(comms, streams, c);
+    }
+}
+
+/// Each rank in a thread of its own (`ncclCommInitRank`), launching and waiting on its own
+/// stream, several operations in a row.
+fn threads(n: usize, c: &Case) {
+    let id = nccl::api::get_unique_id().unwrap();
+    let bufs = buffers(c, n);
+    let ranks: Vec<_> = (0..n)
+        .map(|r| {
+            let b = bufs[r];
+            let c = *c;
+            std::thread::spawn(move || {
+                let comm = nccl::api::comm_init_rank(n as i32, &id, r as i32, Default::default())
+                    .expect("a rank in a thread");
+                let stream = new_stream();
+                for salt in 0..3 {
+                    fill(&c, n, r, b, salt);
+                    enqueue(&comm, &c, n, b, stream);
+                    sync_all(&[stream], "threads");
+                }
+                no_async_error(std::slice::from_ref(&comm), "threads");
+                comm
+            })
+        })
+        .collect();
+    let comms: Vec<_> = ranks.into_iter().map(|t| t.join().unwrap()).collect();
+    verify(
+        c,
+        &bufs,
+        2,
+        &format!("{}, a thread per rank", describe(c, n, n)),
+    );
+    for c in &comms {
+        nccl::api::comm_destroy(nccl::api::comm_handle(c)).unwrap();
     }
 }
 
@@ -667,10 +799,8 @@ fn cuda_executor_on_emulated_kernels() {
             std::env::set_var("OXCCL_CUDA_COPY_KERNEL", "1");
         }
         let comms = nccl::api::comm_init_all(&vec![0; n]).expect("ranks on one device");
-        let own: Vec<usize> = (0..n)
-            .map(|_| NEXT.fetch_add(1, Ordering::SeqCst) as usize)
-            .collect();
-        let one = vec![NEXT.fetch_add(1, Ordering::SeqCst) as usize; n];
+        let own: Vec<usize> = (0..n).map(|_| new_stream()).collect();
+        let one = vec![new_stream(); n];
         let mut cases = Vec::new();
         let counts: &[usize] = if optional {
             &[300_001]
@@ -731,6 +861,10 @@ fn cuda_executor_on_emulated_kernels() {
             if n > 1 && c.kind == CollKind::AllReduce {
                 check(&comms, &one, c);
             }
+        }
+        if n > 1 && !optional {
+            graphs(&comms, &own, &cases[0]);
+            threads(n, &cases[0]);
         }
         for c in &comms {
             nccl::api::comm_destroy(nccl::api::comm_handle(c)).unwrap();
