@@ -1,456 +1,33 @@
 //! The CUDA executor end to end without a GPU: its launches run the kernels of `cuda/runner.cu`,
-//! compiled for the host (`tests/cuda_emu/emu.cpp`), on a stand-in driver whose streams are
-//! threads that run their work in order (kernels, copies, sets, event records and waits) and
-//! whose "device memory" is host memory. Every collective over 1, 2 and 4 ranks of one device,
-//! several datatypes and operators, in and out of place, ranks on their own streams and on one,
-//! checked element by element against values computed here.
+//! compiled for the host, on an emulated device (`tests/cuda_emu/`: a stand-in driver whose
+//! streams are threads that run their work in order, whose device memory is host memory).
+//! Checked element by element against values computed here: every collective over 1, 2 and 4
+//! ranks of one device (`ncclCommInitAll`), in and out of place, ranks on their own streams and
+//! on one, several datatypes and every operator; the optional direct all-reduce and copy
+//! kernels; graphs captured and replayed between eager launches; a thread per rank; and a
+//! process per rank (2 and 3), with connections in shared host memory and, with
+//! `OXCCL_CUDA_IPC=1`, in device memory opened by IPC handles.
 //!
-//! What this shows: the executor's plans, descriptors, launches and stream order, and the
-//! kernels' logic over connections (slots, counters, slices, several blocks per lane), together.
-//! What it cannot show: the GPU's memory model, occupancy or speed; that is the GPU check's
-//! (`scripts/gpu-check.sh`).
+//! What this shows: the executor's plans, descriptors, launches, stream order and connection
+//! setup, and the kernels' logic over connections (slots, counters, slices, several blocks per
+//! lane), together. What it cannot show: the GPU's memory model, occupancy, speed, or how the
+//! real driver takes each call; that is the GPU check's (`scripts/gpu-check.sh`).
 //!
-//! One process, one test function: the driver and the executor are chosen once per process.
+//! One test function: the driver and the executor are chosen once per process (rank processes
+//! run this same function, told so by `OXEMU_RANK`).
 
 #[path = "cuda_stand_in/mod.rs"]
 mod stand_in;
 
-use nccl::gpu::driver::{self, Api, CUresult};
+use device::{begin_capture, end_capture, submit, sync, Op, IPC_OPENED, LAUNCHED, NEXT};
+use nccl::gpu::driver;
 use nccl::types::{CollArgs, CollKind, DataType};
-use parking_lot::{Condvar, Mutex};
-use std::collections::{BTreeSet, HashMap, VecDeque};
-use std::ffi::{c_char, c_int, c_uint, c_void, CStr};
+use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, OnceLock};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
-
-use stand_in::OK;
-const NOT_READY: CUresult = 600;
-
-// ---- the host-compiled kernels -------------------------------------------------------------
-
-type LaunchFn = unsafe extern "C" fn(*const c_char, c_uint, c_uint, c_uint, *const c_void) -> c_int;
-type ParamBytesFn = unsafe extern "C" fn(*const c_char) -> usize;
-
-struct Emu {
-    launch: LaunchFn,
-    param_bytes: ParamBytesFn,
-    _lib: libloading::Library,
-}
-static EMU: OnceLock<Emu> = OnceLock::new();
-
-/// Compiles `tests/cuda_emu/emu.cpp` (which includes `cuda/runner.cu`) into a shared library
-/// and loads it; None (after saying why) when there is no g++.
-fn load_emu() -> Option<Emu> {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
-    if Command::new("g++").arg("--version").output().is_err() {
-        eprintln!("SKIPPED: no g++ on PATH, the kernels were not run on the host");
-        return None;
-    }
-    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("cuda-emu");
-    std::fs::create_dir_all(&dir).unwrap();
-    let so: PathBuf = dir.join(format!("libemu-{}.so", std::process::id()));
-    let out = Command::new("g++")
-        .args([
-            "-std=c++17",
-            "-O2",
-            "-g",
-            "-fPIC",
-            "-shared",
-            "-ffp-contract=off",
-        ])
-        .args(["-Wall", "-Wextra", "-Werror", "-Wno-unknown-pragmas"])
-        .args(["-Wno-unused-parameter", "-Wno-sign-compare"])
-        .arg("-I")
-        .arg(root.join("cuda"))
-        .arg(root.join("tests/cuda_emu/emu.cpp"))
-        .arg("-o")
-        .arg(&so)
-        .arg("-lpthread")
-        .output()
-        .expect("run g++");
-    assert!(
-        out.status.success(),
-        "g++ failed on tests/cuda_emu/emu.cpp:\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    // SAFETY: the library has no initialisers beyond C++ statics; the symbols have the
-    // signatures emu.cpp gives them.
-    unsafe {
-        let lib = libloading::Library::new(&so).expect("load the emulated kernels");
-        let launch = *lib.get::<LaunchFn>(b"oxemu_launch\0").unwrap();
-        let param_bytes = *lib.get::<ParamBytesFn>(b"oxemu_param_bytes\0").unwrap();
-        let _ = std::fs::remove_file(&so);
-        Some(Emu {
-            launch,
-            param_bytes,
-            _lib: lib,
-        })
-    }
-}
-
-// ---- streams and events ----------------------------------------------------------------------
-
-#[derive(Clone)]
-enum Op {
-    Launch {
-        name: &'static CStr,
-        grid: (u32, u32),
-        block: u32,
-        params: Vec<u64>,
-    },
-    Copy {
-        dst: u64,
-        src: u64,
-        bytes: usize,
-    },
-    Set8 {
-        dst: u64,
-        v: u8,
-        n: usize,
-    },
-    Set32 {
-        dst: u64,
-        v: u32,
-        n: usize,
-    },
-    Record {
-        event: Arc<Event>,
-        generation: u64,
-    },
-    Wait {
-        event: Arc<Event>,
-        generation: u64,
-    },
-}
-
-/// A stream: a thread that runs its queue in order.
-#[derive(Default)]
-struct Stream {
-    queue: Mutex<VecDeque<Op>>,
-    cv: Condvar,
-    submitted: AtomicU64,
-    done: Mutex<u64>,
-    done_cv: Condvar,
-}
-
-/// An event: how many records were asked for, and how many of them the streams have reached.
-#[derive(Default)]
-struct Event {
-    recorded: AtomicU64,
-    reached: Mutex<u64>,
-    cv: Condvar,
-}
-
-static STREAMS: Mutex<Option<HashMap<usize, Arc<Stream>>>> = Mutex::new(None);
-static EVENTS: Mutex<Option<HashMap<usize, Arc<Event>>>> = Mutex::new(None);
-static NEXT: AtomicU64 = AtomicU64::new(0x100);
-/// The kernels launched, by name.
-static LAUNCHED: Mutex<BTreeSet<String>> = Mutex::new(BTreeSet::new());
-
-/// The stream of handle `h` (any handle the executor is given names one, NULL included),
-/// started at its first use.
-fn stream(h: usize) -> Arc<Stream> {
-    let mut m = STREAMS.lock();
-    m.get_or_insert_with(HashMap::new)
-        .entry(h)
-        .or_insert_with(|| {
-            let s = Arc::new(Stream::default());
-            let w = s.clone();
-            std::thread::Builder::new()
-                .name(format!("emu-stream-{h:#x}"))
-                .spawn(move || run_stream(&w))
-                .unwrap();
-            s
-        })
-        .clone()
-}
-
-fn event(h: usize) -> Arc<Event> {
-    EVENTS
-        .lock()
-        .get_or_insert_with(HashMap::new)
-        .entry(h)
-        .or_default()
-        .clone()
-}
-
-/// Streams capturing a graph, and what they captured so far.
-static CAPTURES: Mutex<Option<HashMap<usize, Vec<Op>>>> = Mutex::new(None);
-
-/// Starts capturing stream `h`'s work into a graph (what the caller's
-/// `cudaStreamBeginCapture` does): it is kept, not run, until `end_capture`.
-fn begin_capture(h: usize) {
-    CAPTURES
-        .lock()
-        .get_or_insert_with(HashMap::new)
-        .insert(h, Vec::new());
-}
-
-/// The graph stream `h` captured.
-fn end_capture(h: usize) -> Vec<Op> {
-    CAPTURES
-        .lock()
-        .as_mut()
-        .and_then(|m| m.remove(&h))
-        .expect("a capturing stream")
-}
-
-fn submit(h: usize, op: Op) {
-    if let Some(g) = CAPTURES.lock().as_mut().and_then(|m| m.get_mut(&h)) {
-        g.push(op);
-        return;
-    }
-    let s = stream(h);
-    s.submitted.fetch_add(1, Ordering::SeqCst);
-    s.queue.lock().push_back(op);
-    s.cv.notify_all();
-}
-
-fn run_stream(s: &Stream) {
-    loop {
-        let op = {
-            let mut q = s.queue.lock();
-            loop {
-                if let Some(op) = q.pop_front() {
-                    break op;
-                }
-                s.cv.wait(&mut q);
-            }
-        };
-        match op {
-            Op::Launch {
-                name,
-                grid,
-                block,
-                params,
-            } => {
-                let emu = EMU.get().expect("emulated kernels");
-                // SAFETY: `params` holds the kernel's whole parameter.
-                let r = unsafe {
-                    (emu.launch)(name.as_ptr(), grid.0, grid.1, block, params.as_ptr().cast())
-                };
-                assert_eq!(r, 0, "no kernel {name:?}");
-            }
-            // SAFETY (the three): the executor asked for these on memory it owns.
-            Op::Copy { dst, src, bytes } => unsafe {
-                std::ptr::copy(src as *const u8, dst as *mut u8, bytes)
-            },
-            Op::Set8 { dst, v, n } => unsafe { std::ptr::write_bytes(dst as *mut u8, v, n) },
-            Op::Set32 { dst, v, n } => {
-                for i in 0..n {
-                    unsafe { *(dst as *mut u32).add(i) = v };
-                }
-            }
-            Op::Record { event, generation } => {
-                let mut r = event.reached.lock();
-                *r = (*r).max(generation);
-                event.cv.notify_all();
-            }
-            Op::Wait { event, generation } => {
-                let mut r = event.reached.lock();
-                while *r < generation {
-                    event.cv.wait(&mut r);
-                }
-            }
-        }
-        *s.done.lock() += 1;
-        s.done_cv.notify_all();
-    }
-}
-
-/// Waits until stream `h` has run everything it was given, at most `limit`.
-fn sync(h: usize, limit: Duration) -> bool {
-    let s = stream(h);
-    let until = Instant::now() + limit;
-    let mut d = s.done.lock();
-    while *d < s.submitted.load(Ordering::SeqCst) {
-        if s.done_cv.wait_until(&mut d, until).timed_out() {
-            return false;
-        }
-    }
-    true
-}
-
-// ---- the stand-in driver (C signatures of the driver table) ---------------------------------
-
-unsafe extern "C" fn attr(v: *mut c_int, a: c_int, _: c_int) -> CUresult {
-    // sm_90, 132 SMs, no virtual memory management (ncclMemAlloc takes cuMemAlloc).
-    unsafe {
-        *v = match a {
-            75 => 9,
-            16 => 132,
-            _ => 0,
-        }
-    };
-    OK
-}
-#[allow(clippy::too_many_arguments)]
-unsafe extern "C" fn launch(
-    f: *mut c_void,
-    gx: c_uint,
-    gy: c_uint,
-    gz: c_uint,
-    bx: c_uint,
-    by: c_uint,
-    bz: c_uint,
-    _shm: c_uint,
-    s: *mut c_void,
-    params: *mut *mut c_void,
-    _extra: *mut *mut c_void,
-) -> CUresult {
-    assert_eq!(
-        (gz, by, bz),
-        (1, 1, 1),
-        "grids and blocks of one or two dimensions"
-    );
-    let Some(name) = stand_in::kernel_name(f as usize) else {
-        return 400; // CUDA_ERROR_INVALID_HANDLE
-    };
-    let emu = EMU.get().expect("emulated kernels");
-    // SAFETY: a name runner.cu has.
-    let bytes = unsafe { (emu.param_bytes)(name.as_ptr()) };
-    assert!(bytes > 0, "{name:?}");
-    // The parameter is copied at the launch, as the driver does.
-    let mut words = vec![0u64; bytes / 8];
-    // SAFETY: the kernel's one parameter, `bytes` long.
-    unsafe {
-        std::ptr::copy_nonoverlapping(*params as *const u8, words.as_mut_ptr().cast(), bytes)
-    };
-    LAUNCHED.lock().insert(name.to_str().unwrap().to_string());
-    submit(
-        s as usize,
-        Op::Launch {
-            name,
-            grid: (gx, gy),
-            block: bx,
-            params: words,
-        },
-    );
-    OK
-}
-unsafe extern "C" fn free(_: u64) -> CUresult {
-    OK
-}
-unsafe extern "C" fn dtod_async(dst: u64, src: u64, bytes: usize, s: *mut c_void) -> CUresult {
-    submit(s as usize, Op::Copy { dst, src, bytes });
-    OK
-}
-unsafe extern "C" fn memset_async(dst: u64, v: u8, n: usize, s: *mut c_void) -> CUresult {
-    submit(s as usize, Op::Set8 { dst, v, n });
-    OK
-}
-unsafe extern "C" fn memset32_async(dst: u64, v: c_uint, n: usize, s: *mut c_void) -> CUresult {
-    submit(s as usize, Op::Set32 { dst, v, n });
-    OK
-}
-unsafe extern "C" fn stream_create(s: *mut *mut c_void, _: c_uint) -> CUresult {
-    let h = NEXT.fetch_add(1, Ordering::SeqCst) as usize;
-    stream(h);
-    unsafe { *s = h as *mut c_void };
-    OK
-}
-unsafe extern "C" fn stream_destroy(_: *mut c_void) -> CUresult {
-    OK
-}
-unsafe extern "C" fn stream_sync(s: *mut c_void) -> CUresult {
-    assert!(
-        sync(s as usize, Duration::from_secs(120)),
-        "stream {s:?} stuck"
-    );
-    OK
-}
-unsafe extern "C" fn stream_query(s: *mut c_void) -> CUresult {
-    let st = stream(s as usize);
-    if *st.done.lock() < st.submitted.load(Ordering::SeqCst) {
-        NOT_READY
-    } else {
-        OK
-    }
-}
-unsafe extern "C" fn is_capturing(s: *mut c_void, st: *mut c_int) -> CUresult {
-    let active = CAPTURES
-        .lock()
-        .as_ref()
-        .is_some_and(|m| m.contains_key(&(s as usize)));
-    unsafe { *st = c_int::from(active) };
-    OK
-}
-unsafe extern "C" fn wait_event(s: *mut c_void, e: *mut c_void, _: c_uint) -> CUresult {
-    let event = event(e as usize);
-    let generation = event.recorded.load(Ordering::SeqCst);
-    submit(s as usize, Op::Wait { event, generation });
-    OK
-}
-unsafe extern "C" fn event_create(e: *mut *mut c_void, _: c_uint) -> CUresult {
-    unsafe { *e = NEXT.fetch_add(1, Ordering::SeqCst) as *mut c_void };
-    OK
-}
-unsafe extern "C" fn event_record(e: *mut c_void, s: *mut c_void) -> CUresult {
-    let event = event(e as usize);
-    let generation = event.recorded.fetch_add(1, Ordering::SeqCst) + 1;
-    submit(s as usize, Op::Record { event, generation });
-    OK
-}
-unsafe extern "C" fn event_query(e: *mut c_void) -> CUresult {
-    let ev = event(e as usize);
-    if *ev.reached.lock() < ev.recorded.load(Ordering::SeqCst) {
-        NOT_READY
-    } else {
-        OK
-    }
-}
-unsafe extern "C" fn event_destroy(_: *mut c_void) -> CUresult {
-    OK
-}
-unsafe extern "C" fn pointer_attr(v: *mut c_void, a: c_int, _: u64) -> CUresult {
-    // Device memory (2) of device 0.
-    unsafe { *(v as *mut c_uint) = if a == 9 { 0 } else { 2 } };
-    OK
-}
-unsafe extern "C" fn unsupported() -> CUresult {
-    801 // CUDA_ERROR_NOT_SUPPORTED
-}
-
-fn stand_in() -> Api {
-    let no = unsupported as *const c_void;
-    let own: Vec<(&str, *const c_void)> = vec![
-        ("cuDeviceGetAttribute", attr as *const c_void),
-        ("cuLaunchKernel", launch as *const c_void),
-        ("cuMemFree_v2", free as *const c_void),
-        ("cuMemcpyDtoDAsync_v2", dtod_async as *const c_void),
-        ("cuMemsetD8Async", memset_async as *const c_void),
-        ("cuMemsetD32Async", memset32_async as *const c_void),
-        ("cuStreamCreate", stream_create as *const c_void),
-        ("cuStreamDestroy_v2", stream_destroy as *const c_void),
-        ("cuStreamSynchronize", stream_sync as *const c_void),
-        ("cuStreamQuery", stream_query as *const c_void),
-        ("cuStreamIsCapturing", is_capturing as *const c_void),
-        ("cuStreamWaitEvent", wait_event as *const c_void),
-        ("cuEventCreate", event_create as *const c_void),
-        ("cuEventRecord", event_record as *const c_void),
-        ("cuEventQuery", event_query as *const c_void),
-        ("cuEventDestroy_v2", event_destroy as *const c_void),
-        ("cuPointerGetAttribute", pointer_attr as *const c_void),
-        // No IPC and no virtual memory management: one process, cuMemAlloc.
-        ("cuIpcGetMemHandle", no),
-        ("cuIpcOpenMemHandle_v2", no),
-        ("cuIpcCloseMemHandle", no),
-        ("cuMemGetAllocationGranularity", no),
-        ("cuMemCreate", no),
-        ("cuMemRelease", no),
-        ("cuMemAddressReserve", no),
-        ("cuMemAddressFree", no),
-        ("cuMemMap", no),
-        ("cuMemUnmap", no),
-        ("cuMemSetAccess", no),
-    ];
-    // SAFETY: each function above has the signature the driver table lists for its symbol
-    // (`unsupported` ignores its arguments, which the C calling convention allows).
-    unsafe { stand_in::driver(&own) }
-}
 
 // ---- the checks ---------------------------------------------------------------------------
 
@@ -606,8 +183,11 @@ fn enqueue(
     if c.kind == CollKind::Send {
         let next = call(CollKind::Send, send, 0, 0, (r + 1) % n);
         let prev = call(CollKind::Recv, 0, rb, 0, (r + n - 1) % n);
+        // In a group, as NCCL asks of a rank that sends to and receives from its peers.
+        nccl::api::group_start().unwrap();
         nccl::api::enqueue(comm, next, on).unwrap();
         nccl::api::enqueue(comm, prev, stream_arg(stream)).unwrap();
+        nccl::api::group_end().unwrap();
     } else {
         nccl::api::enqueue(comm, call(c.kind, send, rb, c.op, c.root), on).unwrap();
     }
@@ -634,32 +214,50 @@ fn describe(c: &Case, n: usize, streams: usize) -> String {
 
 /// Every rank's output of `c` (inputs salted with `salt`), element by element.
 fn verify(c: &Case, bufs: &[(usize, usize)], salt: usize, what: &str) {
-    let n = bufs.len();
+    for (q, &(_, rb)) in bufs.iter().enumerate() {
+        verify_rank(c, bufs.len(), q, rb, salt, what);
+    }
+}
+
+/// Rank q's output `rb` of `c` over n ranks.
+fn verify_rank(c: &Case, n: usize, q: usize, rb: usize, salt: usize, what: &str) {
     let (_, nr) = sizes(c, n);
     let x = |r: usize, i: usize| input(r, i + salt, c.op);
     let reduced = |i: usize| combine(c.op, (0..n).map(|r| x(r, i)), n, c.dtype);
-    for (q, &(_, rb)) in bufs.iter().enumerate() {
-        let expect = |i: usize| -> f64 {
-            match c.kind {
-                CollKind::AllReduce => reduced(i),
-                CollKind::Broadcast => x(c.root, i),
-                CollKind::Reduce if q == c.root => reduced(i),
-                CollKind::Reduce if c.in_place => x(q, i),
-                CollKind::Reduce => 99.0,
-                CollKind::AllGather => x(i / c.count, i % c.count),
-                CollKind::ReduceScatter => reduced(q * c.count + i),
-                CollKind::AlltoAll => x(i / c.count, q * c.count + i % c.count),
-                CollKind::Send => x((q + n - 1) % n, i),
-                k => unreachable!("{k:?}"),
-            }
-        };
-        for i in 0..nr {
-            assert_eq!(
-                get(c.dtype, rb, i),
-                expect(i),
-                "{what}: rank {q} element {i}"
-            );
+    let expect = |i: usize| -> f64 {
+        match c.kind {
+            CollKind::AllReduce => reduced(i),
+            CollKind::Broadcast => x(c.root, i),
+            CollKind::Reduce if q == c.root => reduced(i),
+            CollKind::Reduce if c.in_place => x(q, i),
+            CollKind::Reduce => 99.0,
+            CollKind::AllGather => x(i / c.count, i % c.count),
+            CollKind::ReduceScatter => reduced(q * c.count + i),
+            CollKind::AlltoAll => x(i / c.count, q * c.count + i % c.count),
+            CollKind::Send => x((q + n - 1) % n, i),
+            k => unreachable!("{k:?}"),
         }
+    };
+    // Exact, but for a float average over a count of ranks that is not a power of two: NCCL
+    // multiplies each input by 1/n (rounded) before the sum, so the result may be a few units
+    // in the last place from sum / n.
+    let slack = if c.op == nccl::types::OP_AVG && !n.is_power_of_two() {
+        let eps = match c.dtype {
+            DataType::Float16 => 2f64.powi(-10),
+            DataType::Bfloat16 => 2f64.powi(-7),
+            DataType::Float32 => 2f64.powi(-23),
+            _ => 2f64.powi(-52),
+        };
+        2.0 * n as f64 * eps
+    } else {
+        0.0
+    };
+    for i in 0..nr {
+        let (got, want) = (get(c.dtype, rb, i), expect(i));
+        assert!(
+            got == want || (got - want).abs() <= slack * want.abs().max(1.0),
+            "{what}: rank {q} element {i}: {got}, expected {want}"
+        );
     }
 }
 
@@ -774,14 +372,211 @@ fn threads(n: usize, c: &Case) {
     }
 }
 
+/// The collectives checked: every one, large enough for several slices and blocks per lane,
+/// and at an odd count (tails, unaligned shares), f32 sums in and out of place; then all-reduces
+/// of other datatypes with every operator.
+fn cases(n: usize, counts: &[usize]) -> Vec<Case> {
+    use nccl::types::{OP_AVG, OP_MAX, OP_MIN, OP_PROD, OP_SUM};
+    let mut cases = Vec::new();
+    for &count in counts {
+        for kind in [
+            CollKind::AllReduce,
+            CollKind::Broadcast,
+            CollKind::Reduce,
+            CollKind::AllGather,
+            CollKind::ReduceScatter,
+            CollKind::AlltoAll,
+            CollKind::Send,
+        ] {
+            for in_place in [false, true] {
+                if in_place && matches!(kind, CollKind::AlltoAll | CollKind::Send) {
+                    continue;
+                }
+                cases.push(Case {
+                    kind,
+                    dtype: DataType::Float32,
+                    op: OP_SUM,
+                    count,
+                    in_place,
+                    root: n - 1,
+                });
+            }
+        }
+    }
+    for dtype in [
+        DataType::Float64,
+        DataType::Int32,
+        DataType::Int8,
+        DataType::Float16,
+        DataType::Bfloat16,
+    ] {
+        for op in [OP_SUM, OP_PROD, OP_MAX, OP_MIN, OP_AVG] {
+            if op == OP_AVG && !dtype.is_float() {
+                continue;
+            }
+            cases.push(Case {
+                kind: CollKind::AllReduce,
+                dtype,
+                op,
+                count: 5000,
+                in_place: false,
+                root: 0,
+            });
+        }
+    }
+    cases
+}
+
+/// Installs the stand-in driver with the kernels at `so`; the kernel cache directory made.
+fn start(so: &Path) -> PathBuf {
+    device::load_emu(so);
+    let cache = stand_in::stand_in_kernels("cuda-emu");
+    assert!(
+        driver::install(device::stand_in()),
+        "a driver was loaded already"
+    );
+    assert_eq!(nccl::gpu::kind(), nccl::gpu::Kind::Cuda);
+    cache
+}
+
+/// A rank in a process of its own (`OXEMU_RANK`; the parent's `processes` starts it): every
+/// case on its own stream, its own output checked.
+fn rank_process(r: usize) {
+    let var = |k: &str| std::env::var(k).unwrap_or_else(|_| panic!("{k} unset"));
+    let n: usize = var("OXEMU_NRANKS").parse().unwrap();
+    let hex = var("OXEMU_ID");
+    let mut id = [0u8; nccl::api::UNIQUE_ID_BYTES];
+    for (k, b) in id.iter_mut().enumerate() {
+        *b = u8::from_str_radix(&hex[2 * k..2 * k + 2], 16).unwrap();
+    }
+    let cache = start(Path::new(&var("OXEMU_LIB")));
+    let comm = nccl::api::comm_init_rank(n as i32, &id, r as i32, Default::default())
+        .expect("a rank in a process");
+    let stream = new_stream();
+    for c in cases(n, &[300_001, 1001]) {
+        let (ns, nr) = sizes(&c, n);
+        let s = buffer(ns.max(nr) * c.dtype.size());
+        let b = (
+            s,
+            if c.in_place {
+                s
+            } else {
+                buffer(nr * c.dtype.size())
+            },
+        );
+        fill(&c, n, r, b, 0);
+        enqueue(&comm, &c, n, b, stream);
+        let what = format!("{}, a process per rank", describe(&c, n, n));
+        sync_all(&[stream], &what);
+        no_async_error(std::slice::from_ref(&comm), &what);
+        verify_rank(&c, n, r, b.1, 0, &what);
+    }
+    nccl::api::comm_destroy(nccl::api::comm_handle(&comm)).unwrap();
+    println!(
+        "rank {r}: IPC handles opened: {}",
+        IPC_OPENED.load(Ordering::SeqCst)
+    );
+    let _ = std::fs::remove_dir_all(&cache);
+}
+
+/// The library's segments in /dev/shm.
+fn shm_names() -> BTreeSet<String> {
+    std::fs::read_dir("/dev/shm")
+        .map(|d| {
+            d.filter_map(|e| e.ok()?.file_name().into_string().ok())
+                .filter(|n| n.starts_with("oxccl-"))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// n ranks in processes of their own on the one device: connections in shared host memory
+/// (pinned, mapped into the device), or with `ipc` (`OXCCL_CUDA_IPC=1`) in device memory, which
+/// the sending end opens by the receiving end's IPC handle.
+fn processes(so: &Path, n: usize, ipc: bool) {
+    let shm_before = shm_names();
+    let id = nccl::api::get_unique_id().unwrap();
+    let hex: String = id.iter().map(|b| format!("{b:02x}")).collect();
+    let kids: Vec<_> = (0..n)
+        .map(|r| {
+            Command::new(std::env::current_exe().unwrap())
+                .args([
+                    "--exact",
+                    "cuda_executor_on_emulated_kernels",
+                    "--nocapture",
+                ])
+                .env("OXEMU_RANK", r.to_string())
+                .env("OXEMU_NRANKS", n.to_string())
+                .env("OXEMU_ID", &hex)
+                .env("OXEMU_LIB", so)
+                .env("OXCCL_CUDA_IPC", if ipc { "1" } else { "0" })
+                .stdout(std::process::Stdio::piped())
+                .stderr(std::process::Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    // Killed at the deadline: a hang fails the test with what each rank printed.
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let mut kids = kids;
+    while Instant::now() < deadline && kids.iter_mut().any(|k| k.try_wait().unwrap().is_none()) {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let outs: Vec<_> = kids
+        .into_iter()
+        .map(|mut k| {
+            let _ = k.kill();
+            k.wait_with_output().unwrap()
+        })
+        .collect();
+    let report: String = outs
+        .iter()
+        .enumerate()
+        .map(|(r, o)| {
+            format!(
+                "--- rank {r}: {}\n{}{}",
+                o.status,
+                String::from_utf8_lossy(&o.stdout),
+                String::from_utf8_lossy(&o.stderr)
+            )
+        })
+        .collect();
+    if outs.iter().any(|o| !o.status.success()) {
+        // Killed ranks leave their segments behind.
+        for name in shm_names().difference(&shm_before) {
+            let _ = std::fs::remove_file(Path::new("/dev/shm").join(name));
+        }
+    }
+    let mut opened = 0;
+    for o in &outs {
+        assert!(o.status.success(), "{n} processes:\n{report}");
+        let out = String::from_utf8_lossy(&o.stdout);
+        let line = out
+            .lines()
+            .find(|l| l.contains("IPC handles opened"))
+            .unwrap_or("");
+        opened += line
+            .rsplit(' ')
+            .next()
+            .and_then(|v| v.parse::<u64>().ok())
+            .unwrap_or(0);
+    }
+    assert_eq!(
+        opened > 0,
+        ipc,
+        "{n} processes: IPC handles opened: {opened}"
+    );
+}
+
 #[test]
 fn cuda_executor_on_emulated_kernels() {
-    let Some(emu) = load_emu() else { return };
-    assert!(EMU.set(emu).is_ok());
-    let cache = stand_in::stand_in_kernels("cuda-emu");
-    assert!(driver::install(stand_in()), "a driver was loaded already");
-    assert_eq!(nccl::gpu::kind(), nccl::gpu::Kind::Cuda);
-    use nccl::types::{OP_AVG, OP_MAX, OP_MIN, OP_PROD, OP_SUM};
+    if let Ok(r) = std::env::var("OXEMU_RANK") {
+        return rank_process(r.parse().unwrap());
+    }
+    let Some(so) = device::build_emu() else {
+        return;
+    };
+    let cache = start(&so);
 
     // Then the optional kernels: the direct all-reduce (`OXCCL_CUDA_DIRECT=1`: ranks of one
     // group on one device in one launch) and the copy kernel (`OXCCL_CUDA_COPY_KERNEL=1`: a
@@ -801,61 +596,12 @@ fn cuda_executor_on_emulated_kernels() {
         let comms = nccl::api::comm_init_all(&vec![0; n]).expect("ranks on one device");
         let own: Vec<usize> = (0..n).map(|_| new_stream()).collect();
         let one = vec![new_stream(); n];
-        let mut cases = Vec::new();
         let counts: &[usize] = if optional {
             &[300_001]
         } else {
             &[300_001, 1001]
         };
-        // Every collective, large enough for several slices and blocks per lane, and an odd
-        // count (tails, unaligned shares).
-        for &count in counts {
-            for kind in [
-                CollKind::AllReduce,
-                CollKind::Broadcast,
-                CollKind::Reduce,
-                CollKind::AllGather,
-                CollKind::ReduceScatter,
-                CollKind::AlltoAll,
-                CollKind::Send,
-            ] {
-                for in_place in [false, true] {
-                    if in_place && matches!(kind, CollKind::AlltoAll | CollKind::Send) {
-                        continue;
-                    }
-                    cases.push(Case {
-                        kind,
-                        dtype: DataType::Float32,
-                        op: OP_SUM,
-                        count,
-                        in_place,
-                        root: n - 1,
-                    });
-                }
-            }
-        }
-        // Datatypes and operators.
-        for dtype in [
-            DataType::Float64,
-            DataType::Int32,
-            DataType::Int8,
-            DataType::Float16,
-            DataType::Bfloat16,
-        ] {
-            for op in [OP_SUM, OP_PROD, OP_MAX, OP_MIN, OP_AVG] {
-                if op == OP_AVG && !dtype.is_float() {
-                    continue;
-                }
-                cases.push(Case {
-                    kind: CollKind::AllReduce,
-                    dtype,
-                    op,
-                    count: 5000,
-                    in_place: false,
-                    root: 0,
-                });
-            }
-        }
+        let cases = cases(n, counts);
         for c in &cases {
             check(&comms, &own, c);
             if n > 1 && c.kind == CollKind::AllReduce {
@@ -875,5 +621,11 @@ fn cuda_executor_on_emulated_kernels() {
     for k in ["oxccl_run", "oxccl_local", "oxccl_direct4", "oxccl_copy"] {
         assert!(launched.contains(k), "{k} never ran: {launched:?}");
     }
+    std::env::remove_var("OXCCL_CUDA_DIRECT");
+    std::env::remove_var("OXCCL_CUDA_COPY_KERNEL");
+    for (n, ipc) in [(2, false), (2, true), (3, true)] {
+        processes(&so, n, ipc);
+    }
+    let _ = std::fs::remove_file(&so);
     let _ = std::fs::remove_dir_all(&cache);
 }

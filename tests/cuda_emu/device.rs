@@ -1,0 +1,540 @@
+//! The emulated device of `tests/cuda_emulated.rs`: the kernels of `cuda/runner.cu` compiled
+//! for the host (`emu.cpp` here), and a stand-in driver around them whose streams are threads
+//! that run their work in order (kernels, copies, sets, event records and waits; a capturing
+//! stream keeps its work as a graph to replay), whose device memory is host memory in memory
+//! files of its own (so that another process opens it by an IPC handle), and whose device is
+//! one sm_90 of 132 SMs without virtual memory management.
+
+use super::stand_in::{self, OK};
+use nccl::gpu::driver::{self, Api, CUresult};
+use parking_lot::{Condvar, Mutex};
+use std::collections::{BTreeSet, HashMap, VecDeque};
+use std::ffi::{c_char, c_int, c_uint, c_void, CStr};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock};
+use std::time::{Duration, Instant};
+
+const NOT_READY: CUresult = 600;
+
+// ---- the host-compiled kernels -------------------------------------------------------------
+
+type LaunchFn = unsafe extern "C" fn(*const c_char, c_uint, c_uint, c_uint, *const c_void) -> c_int;
+type ParamBytesFn = unsafe extern "C" fn(*const c_char) -> usize;
+
+struct Emu {
+    launch: LaunchFn,
+    param_bytes: ParamBytesFn,
+    _lib: libloading::Library,
+}
+static EMU: OnceLock<Emu> = OnceLock::new();
+
+/// Compiles `tests/cuda_emu/emu.cpp` (which includes `cuda/runner.cu`) into a shared library;
+/// None (after saying why) when there is no g++. The caller removes the file.
+pub fn build_emu() -> Option<PathBuf> {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    if Command::new("g++").arg("--version").output().is_err() {
+        eprintln!("SKIPPED: no g++ on PATH, the kernels were not run on the host");
+        return None;
+    }
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("cuda-emu");
+    std::fs::create_dir_all(&dir).unwrap();
+    let so: PathBuf = dir.join(format!("libemu-{}.so", std::process::id()));
+    let out = Command::new("g++")
+        .args([
+            "-std=c++17",
+            "-O2",
+            "-g",
+            "-fPIC",
+            "-shared",
+            "-ffp-contract=off",
+        ])
+        .args(["-Wall", "-Wextra", "-Werror", "-Wno-unknown-pragmas"])
+        .args(["-Wno-unused-parameter", "-Wno-sign-compare"])
+        .arg("-I")
+        .arg(root.join("cuda"))
+        .arg(root.join("tests/cuda_emu/emu.cpp"))
+        .arg("-o")
+        .arg(&so)
+        .arg("-lpthread")
+        .output()
+        .expect("run g++");
+    assert!(
+        out.status.success(),
+        "g++ failed on tests/cuda_emu/emu.cpp:\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    Some(so)
+}
+
+/// Loads the kernels built by `build_emu`.
+pub fn load_emu(so: &Path) {
+    // SAFETY: the library has no initialisers beyond C++ statics; the symbols have the
+    // signatures emu.cpp gives them.
+    let emu = unsafe {
+        let lib = libloading::Library::new(so).expect("load the emulated kernels");
+        let launch = *lib.get::<LaunchFn>(b"oxemu_launch\0").unwrap();
+        let param_bytes = *lib.get::<ParamBytesFn>(b"oxemu_param_bytes\0").unwrap();
+        Emu {
+            launch,
+            param_bytes,
+            _lib: lib,
+        }
+    };
+    assert!(EMU.set(emu).is_ok(), "loaded twice");
+}
+
+// ---- streams and events ----------------------------------------------------------------------
+
+#[derive(Clone)]
+pub enum Op {
+    Launch {
+        name: &'static CStr,
+        grid: (u32, u32),
+        block: u32,
+        params: Vec<u64>,
+    },
+    Copy {
+        dst: u64,
+        src: u64,
+        bytes: usize,
+    },
+    Set8 {
+        dst: u64,
+        v: u8,
+        n: usize,
+    },
+    Set32 {
+        dst: u64,
+        v: u32,
+        n: usize,
+    },
+    Record {
+        event: Arc<Event>,
+        generation: u64,
+    },
+    Wait {
+        event: Arc<Event>,
+        generation: u64,
+    },
+}
+
+/// A stream: a thread that runs its queue in order.
+#[derive(Default)]
+struct Stream {
+    queue: Mutex<VecDeque<Op>>,
+    cv: Condvar,
+    submitted: AtomicU64,
+    done: Mutex<u64>,
+    done_cv: Condvar,
+}
+
+/// An event: how many records were asked for, and how many of them the streams have reached.
+#[derive(Default)]
+pub struct Event {
+    recorded: AtomicU64,
+    reached: Mutex<u64>,
+    cv: Condvar,
+}
+
+static STREAMS: Mutex<Option<HashMap<usize, Arc<Stream>>>> = Mutex::new(None);
+static EVENTS: Mutex<Option<HashMap<usize, Arc<Event>>>> = Mutex::new(None);
+pub static NEXT: AtomicU64 = AtomicU64::new(0x100);
+/// The kernels launched, by name.
+pub static LAUNCHED: Mutex<BTreeSet<String>> = Mutex::new(BTreeSet::new());
+
+/// The stream of handle `h` (any handle the executor is given names one, NULL included),
+/// started at its first use.
+fn stream(h: usize) -> Arc<Stream> {
+    let mut m = STREAMS.lock();
+    m.get_or_insert_with(HashMap::new)
+        .entry(h)
+        .or_insert_with(|| {
+            let s = Arc::new(Stream::default());
+            let w = s.clone();
+            std::thread::Builder::new()
+                .name(format!("emu-stream-{h:#x}"))
+                .spawn(move || run_stream(&w))
+                .unwrap();
+            s
+        })
+        .clone()
+}
+
+fn event(h: usize) -> Arc<Event> {
+    EVENTS
+        .lock()
+        .get_or_insert_with(HashMap::new)
+        .entry(h)
+        .or_default()
+        .clone()
+}
+
+/// Streams capturing a graph, and what they captured so far.
+static CAPTURES: Mutex<Option<HashMap<usize, Vec<Op>>>> = Mutex::new(None);
+
+/// Starts capturing stream `h`'s work into a graph (what the caller's
+/// `cudaStreamBeginCapture` does): it is kept, not run, until `end_capture`.
+pub fn begin_capture(h: usize) {
+    CAPTURES
+        .lock()
+        .get_or_insert_with(HashMap::new)
+        .insert(h, Vec::new());
+}
+
+/// The graph stream `h` captured.
+pub fn end_capture(h: usize) -> Vec<Op> {
+    CAPTURES
+        .lock()
+        .as_mut()
+        .and_then(|m| m.remove(&h))
+        .expect("a capturing stream")
+}
+
+pub fn submit(h: usize, op: Op) {
+    if let Some(g) = CAPTURES.lock().as_mut().and_then(|m| m.get_mut(&h)) {
+        g.push(op);
+        return;
+    }
+    let s = stream(h);
+    s.submitted.fetch_add(1, Ordering::SeqCst);
+    s.queue.lock().push_back(op);
+    s.cv.notify_all();
+}
+
+fn run_stream(s: &Stream) {
+    loop {
+        let op = {
+            let mut q = s.queue.lock();
+            loop {
+                if let Some(op) = q.pop_front() {
+                    break op;
+                }
+                s.cv.wait(&mut q);
+            }
+        };
+        match op {
+            Op::Launch {
+                name,
+                grid,
+                block,
+                params,
+            } => {
+                let emu = EMU.get().expect("emulated kernels");
+                // SAFETY: `params` holds the kernel's whole parameter.
+                let r = unsafe {
+                    (emu.launch)(name.as_ptr(), grid.0, grid.1, block, params.as_ptr().cast())
+                };
+                assert_eq!(r, 0, "no kernel {name:?}");
+            }
+            // SAFETY (the three): the executor asked for these on memory it owns.
+            Op::Copy { dst, src, bytes } => unsafe {
+                std::ptr::copy(src as *const u8, dst as *mut u8, bytes)
+            },
+            Op::Set8 { dst, v, n } => unsafe { std::ptr::write_bytes(dst as *mut u8, v, n) },
+            Op::Set32 { dst, v, n } => {
+                for i in 0..n {
+                    unsafe { *(dst as *mut u32).add(i) = v };
+                }
+            }
+            Op::Record { event, generation } => {
+                let mut r = event.reached.lock();
+                *r = (*r).max(generation);
+                event.cv.notify_all();
+            }
+            Op::Wait { event, generation } => {
+                let mut r = event.reached.lock();
+                while *r < generation {
+                    event.cv.wait(&mut r);
+                }
+            }
+        }
+        *s.done.lock() += 1;
+        s.done_cv.notify_all();
+    }
+}
+
+/// Waits until stream `h` has run everything it was given, at most `limit`.
+pub fn sync(h: usize, limit: Duration) -> bool {
+    let s = stream(h);
+    let until = Instant::now() + limit;
+    let mut d = s.done.lock();
+    while *d < s.submitted.load(Ordering::SeqCst) {
+        if s.done_cv.wait_until(&mut d, until).timed_out() {
+            return false;
+        }
+    }
+    true
+}
+
+// ---- the stand-in driver (C signatures of the driver table) ---------------------------------
+
+unsafe extern "C" fn attr(v: *mut c_int, a: c_int, _: c_int) -> CUresult {
+    // sm_90, 132 SMs, no virtual memory management (ncclMemAlloc takes cuMemAlloc).
+    unsafe {
+        *v = match a {
+            75 => 9,
+            16 => 132,
+            _ => 0,
+        }
+    };
+    OK
+}
+#[allow(clippy::too_many_arguments)]
+unsafe extern "C" fn launch(
+    f: *mut c_void,
+    gx: c_uint,
+    gy: c_uint,
+    gz: c_uint,
+    bx: c_uint,
+    by: c_uint,
+    bz: c_uint,
+    _shm: c_uint,
+    s: *mut c_void,
+    params: *mut *mut c_void,
+    _extra: *mut *mut c_void,
+) -> CUresult {
+    assert_eq!(
+        (gz, by, bz),
+        (1, 1, 1),
+        "grids and blocks of one or two dimensions"
+    );
+    let Some(name) = stand_in::kernel_name(f as usize) else {
+        return 400; // CUDA_ERROR_INVALID_HANDLE
+    };
+    let emu = EMU.get().expect("emulated kernels");
+    // SAFETY: a name runner.cu has.
+    let bytes = unsafe { (emu.param_bytes)(name.as_ptr()) };
+    assert!(bytes > 0, "{name:?}");
+    // The parameter is copied at the launch, as the driver does.
+    let mut words = vec![0u64; bytes / 8];
+    // SAFETY: the kernel's one parameter, `bytes` long.
+    unsafe {
+        std::ptr::copy_nonoverlapping(*params as *const u8, words.as_mut_ptr().cast(), bytes)
+    };
+    LAUNCHED.lock().insert(name.to_str().unwrap().to_string());
+    submit(
+        s as usize,
+        Op::Launch {
+            name,
+            grid: (gx, gy),
+            block: bx,
+            params: words,
+        },
+    );
+    OK
+}
+unsafe extern "C" fn free(_: u64) -> CUresult {
+    OK
+}
+unsafe extern "C" fn dtod_async(dst: u64, src: u64, bytes: usize, s: *mut c_void) -> CUresult {
+    submit(s as usize, Op::Copy { dst, src, bytes });
+    OK
+}
+unsafe extern "C" fn memset_async(dst: u64, v: u8, n: usize, s: *mut c_void) -> CUresult {
+    submit(s as usize, Op::Set8 { dst, v, n });
+    OK
+}
+unsafe extern "C" fn memset32_async(dst: u64, v: c_uint, n: usize, s: *mut c_void) -> CUresult {
+    submit(s as usize, Op::Set32 { dst, v, n });
+    OK
+}
+unsafe extern "C" fn stream_create(s: *mut *mut c_void, _: c_uint) -> CUresult {
+    let h = NEXT.fetch_add(1, Ordering::SeqCst) as usize;
+    stream(h);
+    unsafe { *s = h as *mut c_void };
+    OK
+}
+unsafe extern "C" fn stream_destroy(_: *mut c_void) -> CUresult {
+    OK
+}
+unsafe extern "C" fn stream_sync(s: *mut c_void) -> CUresult {
+    assert!(
+        sync(s as usize, Duration::from_secs(120)),
+        "stream {s:?} stuck"
+    );
+    OK
+}
+unsafe extern "C" fn stream_query(s: *mut c_void) -> CUresult {
+    let st = stream(s as usize);
+    if *st.done.lock() < st.submitted.load(Ordering::SeqCst) {
+        NOT_READY
+    } else {
+        OK
+    }
+}
+unsafe extern "C" fn is_capturing(s: *mut c_void, st: *mut c_int) -> CUresult {
+    let active = CAPTURES
+        .lock()
+        .as_ref()
+        .is_some_and(|m| m.contains_key(&(s as usize)));
+    unsafe { *st = c_int::from(active) };
+    OK
+}
+unsafe extern "C" fn wait_event(s: *mut c_void, e: *mut c_void, _: c_uint) -> CUresult {
+    let event = event(e as usize);
+    let generation = event.recorded.load(Ordering::SeqCst);
+    submit(s as usize, Op::Wait { event, generation });
+    OK
+}
+unsafe extern "C" fn event_create(e: *mut *mut c_void, _: c_uint) -> CUresult {
+    unsafe { *e = NEXT.fetch_add(1, Ordering::SeqCst) as *mut c_void };
+    OK
+}
+unsafe extern "C" fn event_record(e: *mut c_void, s: *mut c_void) -> CUresult {
+    let event = event(e as usize);
+    let generation = event.recorded.fetch_add(1, Ordering::SeqCst) + 1;
+    submit(s as usize, Op::Record { event, generation });
+    OK
+}
+unsafe extern "C" fn event_query(e: *mut c_void) -> CUresult {
+    let ev = event(e as usize);
+    if *ev.reached.lock() < ev.recorded.load(Ordering::SeqCst) {
+        NOT_READY
+    } else {
+        OK
+    }
+}
+unsafe extern "C" fn event_destroy(_: *mut c_void) -> CUresult {
+    OK
+}
+unsafe extern "C" fn pointer_attr(v: *mut c_void, a: c_int, _: u64) -> CUresult {
+    // Device memory (2) of device 0.
+    unsafe { *(v as *mut c_uint) = if a == 9 { 0 } else { 2 } };
+    OK
+}
+/// Device memory (`cuMemAlloc`): a memory file of its own, mapped shared, so that another
+/// process can open it by an IPC handle (its process, file descriptor and size).
+static ALLOCS: Mutex<Option<HashMap<u64, (i32, usize)>>> = Mutex::new(None);
+/// IPC handles opened in this process.
+pub static IPC_OPENED: AtomicU64 = AtomicU64::new(0);
+const IPC_MARK: &[u8; 8] = b"oxemuipc";
+
+unsafe extern "C" fn mem_alloc(p: *mut u64, n: usize) -> CUresult {
+    use nix::libc;
+    let len = n.max(1);
+    // SAFETY: a fresh memory file, sized and mapped here; kept open for IPC.
+    unsafe {
+        let fd = libc::memfd_create(c"oxccl-emu".as_ptr(), 0);
+        assert!(fd >= 0 && libc::ftruncate(fd, len as i64) == 0, "memfd");
+        let at = libc::mmap(
+            std::ptr::null_mut(),
+            len,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_SHARED,
+            fd,
+            0,
+        );
+        assert_ne!(at, libc::MAP_FAILED, "mmap");
+        *p = at as u64;
+        ALLOCS
+            .lock()
+            .get_or_insert_with(HashMap::new)
+            .insert(at as u64, (fd, len));
+    }
+    OK
+}
+unsafe extern "C" fn ipc_get(h: *mut driver::CUipcMemHandle, p: u64) -> CUresult {
+    let Some((fd, len)) = ALLOCS.lock().as_ref().and_then(|m| m.get(&p).copied()) else {
+        return 1; // CUDA_ERROR_INVALID_VALUE: not the base of an allocation
+    };
+    let mut r = [0u8; 64];
+    r[..8].copy_from_slice(IPC_MARK);
+    r[8..12].copy_from_slice(&std::process::id().to_le_bytes());
+    r[12..16].copy_from_slice(&fd.to_le_bytes());
+    r[16..24].copy_from_slice(&(len as u64).to_le_bytes());
+    unsafe { (*h).reserved = r };
+    OK
+}
+unsafe extern "C" fn ipc_open(p: *mut u64, h: driver::CUipcMemHandle, flags: c_uint) -> CUresult {
+    use nix::libc;
+    let r = h.reserved;
+    if &r[..8] != IPC_MARK || flags != 1 {
+        return 1; // CUDA_ERROR_INVALID_VALUE
+    }
+    let pid = u32::from_le_bytes(r[8..12].try_into().unwrap());
+    let fd = i32::from_le_bytes(r[12..16].try_into().unwrap());
+    let len = u64::from_le_bytes(r[16..24].try_into().unwrap()) as usize;
+    if pid == std::process::id() {
+        return 1; // the driver refuses handles of the calling process
+    }
+    let path = std::ffi::CString::new(format!("/proc/{pid}/fd/{fd}")).unwrap();
+    // SAFETY: the other process's memory file, mapped shared; unmapped by ipc_close.
+    unsafe {
+        let f = libc::open(path.as_ptr(), libc::O_RDWR);
+        if f < 0 {
+            return 1;
+        }
+        let at = libc::mmap(
+            std::ptr::null_mut(),
+            len,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_SHARED,
+            f,
+            0,
+        );
+        libc::close(f);
+        if at == libc::MAP_FAILED {
+            return 2; // CUDA_ERROR_OUT_OF_MEMORY
+        }
+        *p = at as u64;
+        OPENED
+            .lock()
+            .get_or_insert_with(HashMap::new)
+            .insert(at as u64, len);
+    }
+    IPC_OPENED.fetch_add(1, Ordering::SeqCst);
+    OK
+}
+static OPENED: Mutex<Option<HashMap<u64, usize>>> = Mutex::new(None);
+unsafe extern "C" fn ipc_close(p: u64) -> CUresult {
+    let Some(len) = OPENED.lock().as_mut().and_then(|m| m.remove(&p)) else {
+        return 1;
+    };
+    // SAFETY: mapped by ipc_open, unmapped once.
+    unsafe { nix::libc::munmap(p as *mut c_void, len) };
+    OK
+}
+unsafe extern "C" fn unsupported() -> CUresult {
+    801 // CUDA_ERROR_NOT_SUPPORTED
+}
+
+pub fn stand_in() -> Api {
+    let no = unsupported as *const c_void;
+    let own: Vec<(&str, *const c_void)> = vec![
+        ("cuDeviceGetAttribute", attr as *const c_void),
+        ("cuLaunchKernel", launch as *const c_void),
+        ("cuMemFree_v2", free as *const c_void),
+        ("cuMemcpyDtoDAsync_v2", dtod_async as *const c_void),
+        ("cuMemsetD8Async", memset_async as *const c_void),
+        ("cuMemsetD32Async", memset32_async as *const c_void),
+        ("cuStreamCreate", stream_create as *const c_void),
+        ("cuStreamDestroy_v2", stream_destroy as *const c_void),
+        ("cuStreamSynchronize", stream_sync as *const c_void),
+        ("cuStreamQuery", stream_query as *const c_void),
+        ("cuStreamIsCapturing", is_capturing as *const c_void),
+        ("cuStreamWaitEvent", wait_event as *const c_void),
+        ("cuEventCreate", event_create as *const c_void),
+        ("cuEventRecord", event_record as *const c_void),
+        ("cuEventQuery", event_query as *const c_void),
+        ("cuEventDestroy_v2", event_destroy as *const c_void),
+        ("cuPointerGetAttribute", pointer_attr as *const c_void),
+        ("cuMemAlloc_v2", mem_alloc as *const c_void),
+        ("cuIpcGetMemHandle", ipc_get as *const c_void),
+        ("cuIpcOpenMemHandle_v2", ipc_open as *const c_void),
+        ("cuIpcCloseMemHandle", ipc_close as *const c_void),
+        // No virtual memory management: cuMemAlloc and legacy IPC handles.
+        ("cuMemGetAllocationGranularity", no),
+        ("cuMemCreate", no),
+        ("cuMemRelease", no),
+        ("cuMemAddressReserve", no),
+        ("cuMemAddressFree", no),
+        ("cuMemMap", no),
+        ("cuMemUnmap", no),
+        ("cuMemSetAccess", no),
+    ];
+    // SAFETY: each function above has the signature the driver table lists for its symbol
+    // (`unsupported` ignores its arguments, which the C calling convention allows).
+    unsafe { stand_in::driver(&own) }
+}
