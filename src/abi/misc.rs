@@ -71,10 +71,16 @@ thread_local! {
 
 #[no_mangle]
 pub unsafe extern "C" fn ncclGetLastError(comm: ncclComm_t) -> *const c_char {
-    // NCCL falls back to the process-wide message; oxccl keeps only that one.
-    let _ = comm;
+    // NCCL ignores `comm` and gives the process-wide message; oxccl gives a failed
+    // communicator's own error (which names what failed, where the process-wide message may
+    // be another communicator's), else the process-wide one.
     run_value("ncclGetLastError", std::ptr::null(), || {
-        let msg = crate::error::last_error().replace('\0', " ");
+        let own = (!comm.is_null())
+            .then(|| comm_arg(comm).ok()?.error_message())
+            .flatten();
+        let msg = own
+            .unwrap_or_else(crate::error::last_error)
+            .replace('\0', " ");
         Ok(LAST_ERROR_C.with(|c| {
             let mut c = c.borrow_mut();
             if c.as_bytes() != msg.as_bytes() {

@@ -310,6 +310,9 @@ fn watch(ctl: &Arc<Ctl>, health: &Arc<Health>, name: &str) {
                     }
                 }
                 for (h, e) in errors {
+                    // A WARN and ncclGetLastError's message, as NCCL gives its errors: the
+                    // caller sees only ncclCommGetAsyncError's code otherwise.
+                    crate::error::set_last_error(&e.msg);
                     h.fail_and_announce(e);
                 }
                 for ctl in stops {
