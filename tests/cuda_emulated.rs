@@ -16,6 +16,8 @@
 //! One test function: the driver and the executor are chosen once per process (rank processes
 //! run this same function, told so by `OXEMU_RANK`).
 
+#[path = "cuda_emu/device.rs"]
+mod device;
 #[path = "cuda_stand_in/mod.rs"]
 mod stand_in;
 
@@ -372,6 +374,79 @@ fn threads(n: usize, c: &Case) {
     }
 }
 
+/// Waits until `comm` reports an asynchronous error (at most 30 s); its code.
+fn async_error(comm: &Arc<nccl::comm::Comm>) -> nccl::error::Code {
+    let until = Instant::now() + Duration::from_secs(30);
+    loop {
+        let e = nccl::api::comm_async_error(comm);
+        if e != nccl::error::Code::Success || Instant::now() > until {
+            return e;
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+/// Failures end in errors on the device too. Ranks that make different calls: the kernel that
+/// receives the other call's data stops, and both communicators fail with ncclInvalidUsage
+/// naming both calls, their streams drained. A rank whose peer never launches: its kernel waits
+/// until `ncclCommAbort` stops it.
+fn failures() {
+    use nccl::error::Code;
+    use nccl::types::OP_SUM;
+    let comms = nccl::api::comm_init_all(&[0, 0]).expect("two ranks");
+    let streams = [new_stream(), new_stream()];
+    let calls = [CollKind::AllReduce, CollKind::Broadcast].map(|kind| Case {
+        kind,
+        dtype: DataType::Float32,
+        op: OP_SUM,
+        count: 1001,
+        in_place: false,
+        root: 0,
+    });
+    nccl::api::group_start().unwrap();
+    for r in 0..2 {
+        let b = buffers(&calls[r], 2)[r];
+        enqueue(&comms[r], &calls[r], 2, b, streams[r]);
+    }
+    nccl::api::group_end().unwrap();
+    sync_all(&streams, "mismatched calls");
+    for c in &comms {
+        assert_eq!(async_error(c), Code::InvalidUsage, "mismatched calls");
+        // ncclGetLastError(comm)'s message, and the process-wide one.
+        for msg in [
+            c.error_message().unwrap_or_default(),
+            nccl::error::last_error(),
+        ] {
+            assert!(
+                msg.contains("a peer sent data of")
+                    && msg.contains("AllReduce")
+                    && msg.contains("Broadcast"),
+                "{msg}"
+            );
+        }
+    }
+    for c in &comms {
+        let _ = nccl::api::comm_abort(nccl::api::comm_handle(c));
+    }
+
+    let comms = nccl::api::comm_init_all(&[0, 0]).expect("two ranks");
+    let alone = calls[0];
+    let b = buffers(&alone, 2)[0];
+    enqueue(&comms[0], &alone, 2, b, streams[0]);
+    assert!(
+        !sync(streams[0], Duration::from_millis(300)),
+        "done without its peer"
+    );
+    let t = Instant::now();
+    nccl::api::comm_abort(nccl::api::comm_handle(&comms[0])).expect("abort");
+    assert!(
+        sync(streams[0], Duration::from_secs(10)),
+        "the kernel went on after the abort"
+    );
+    assert!(t.elapsed() < Duration::from_secs(10));
+    nccl::api::comm_abort(nccl::api::comm_handle(&comms[1])).expect("abort");
+}
+
 /// The collectives checked: every one, large enough for several slices and blocks per lane,
 /// and at an odd count (tails, unaligned shares), f32 sums in and out of place; then all-reduces
 /// of other datatypes with every operator.
@@ -623,6 +698,7 @@ fn cuda_executor_on_emulated_kernels() {
     }
     std::env::remove_var("OXCCL_CUDA_DIRECT");
     std::env::remove_var("OXCCL_CUDA_COPY_KERNEL");
+    failures();
     for (n, ipc) in [(2, false), (2, true), (3, true)] {
         processes(&so, n, ipc);
     }
