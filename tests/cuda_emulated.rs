@@ -278,8 +278,12 @@ fn no_async_error(comms: &[Arc<nccl::comm::Comm>], what: &str) {
 
 /// Runs `c` on `comms` (rank r on `streams[r]`, one group) and checks every rank's output.
 fn check(comms: &[Arc<nccl::comm::Comm>], streams: &[usize], c: &Case) {
+    check_in(comms, streams, c, &buffers(c, comms.len()));
+}
+
+/// `check` in the buffers `bufs`.
+fn check_in(comms: &[Arc<nccl::comm::Comm>], streams: &[usize], c: &Case, bufs: &[(usize, usize)]) {
     let n = comms.len();
-    let bufs = buffers(c, n);
     for (r, b) in bufs.iter().enumerate() {
         fill(c, n, r, *b, 0);
     }
@@ -291,7 +295,7 @@ fn check(comms: &[Arc<nccl::comm::Comm>], streams: &[usize], c: &Case) {
     let what = describe(c, n, streams.iter().collect::<BTreeSet<_>>().len());
     sync_all(streams, &what);
     no_async_error(comms, &what);
-    verify(c, &bufs, 0, &what);
+    verify(c, bufs, 0, &what);
 }
 
 fn new_stream() -> usize {
@@ -372,6 +376,39 @@ fn threads(n: usize, c: &Case) {
     for c in &comms {
         nccl::api::comm_destroy(nccl::api::comm_handle(c)).unwrap();
     }
+}
+
+/// Collectives in `ncclMemAlloc` memory (cuMemCreate, reserved, mapped, made accessible), and
+/// `ncclMemFree` giving it back.
+fn mem_alloc_buffers(comms: &[Arc<nccl::comm::Comm>], streams: &[usize]) {
+    let n = comms.len();
+    let mapped = device::MAPPED.load(Ordering::SeqCst);
+    for c in cases(n, &[300_001]).iter().take(4) {
+        let (ns, nr) = sizes(c, n);
+        let es = c.dtype.size();
+        let bufs: Vec<(usize, usize)> = (0..n)
+            .map(|_| {
+                let s = nccl::api::mem_alloc(ns.max(nr) * es).expect("ncclMemAlloc");
+                let r = if c.in_place {
+                    s
+                } else {
+                    nccl::api::mem_alloc(nr * es).expect("ncclMemAlloc")
+                };
+                (s, r)
+            })
+            .collect();
+        check_in(comms, streams, c, &bufs);
+        for &(s, r) in &bufs {
+            nccl::api::mem_free(s).expect("ncclMemFree");
+            if r != s {
+                nccl::api::mem_free(r).expect("ncclMemFree");
+            }
+        }
+    }
+    assert!(
+        device::MAPPED.load(Ordering::SeqCst) > mapped,
+        "ncclMemAlloc did not take cuMemCreate memory"
+    );
 }
 
 /// Waits until `comm` reports an asynchronous error (at most 30 s); its code.
@@ -686,6 +723,7 @@ fn cuda_executor_on_emulated_kernels() {
         if n > 1 && !optional {
             graphs(&comms, &own, &cases[0]);
             threads(n, &cases[0]);
+            mem_alloc_buffers(&comms, &own);
         }
         for c in &comms {
             nccl::api::comm_destroy(nccl::api::comm_handle(c)).unwrap();

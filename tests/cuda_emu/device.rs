@@ -3,7 +3,7 @@
 //! that run their work in order (kernels, copies, sets, event records and waits; a capturing
 //! stream keeps its work as a graph to replay), whose device memory is host memory in memory
 //! files of its own (so that another process opens it by an IPC handle), and whose device is
-//! one sm_90 of 132 SMs without virtual memory management.
+//! one sm_90 of 132 SMs whose virtual memory management maps real memory files.
 
 use super::stand_in::{self, OK};
 use nccl::gpu::driver::{self, Api, CUresult};
@@ -271,11 +271,13 @@ pub fn sync(h: usize, limit: Duration) -> bool {
 // ---- the stand-in driver (C signatures of the driver table) ---------------------------------
 
 unsafe extern "C" fn attr(v: *mut c_int, a: c_int, _: c_int) -> CUresult {
-    // sm_90, 132 SMs, no virtual memory management (ncclMemAlloc takes cuMemAlloc).
+    // sm_90, 132 SMs, virtual memory management with POSIX file descriptors (ncclMemAlloc
+    // takes cuMemCreate), no GPUDirect RDMA.
     unsafe {
         *v = match a {
             75 => 9,
             16 => 132,
+            102 | 103 => 1,
             _ => 0,
         }
     };
@@ -496,12 +498,179 @@ unsafe extern "C" fn ipc_close(p: u64) -> CUresult {
     unsafe { nix::libc::munmap(p as *mut c_void, len) };
     OK
 }
-unsafe extern "C" fn unsupported() -> CUresult {
-    801 // CUDA_ERROR_NOT_SUPPORTED
+// ---- virtual memory management (ncclMemAlloc), on real mappings ----------------------------
+//
+// Physical memory is a memory file; an address range is reserved without access; cuMemMap maps
+// the file there still without access, and only cuMemSetAccess makes it readable and writable,
+// so that a step left out faults as it would on a GPU. Sizes and addresses must be multiples of
+// the granularity, and a mapping must fit its handle and its reservation.
+
+const GRANULARITY: usize = 2 << 20;
+const INVALID_VALUE: CUresult = 1;
+/// Handles (cuMemCreate): the memory file and its size.
+static HANDLES: Mutex<Option<HashMap<u64, (i32, usize)>>> = Mutex::new(None);
+/// Reservations: start and size.
+static RESERVED: Mutex<Vec<(u64, usize)>> = Mutex::new(Vec::new());
+/// cuMemMap calls that succeeded.
+pub static MAPPED: AtomicU64 = AtomicU64::new(0);
+
+fn reserved(p: u64, size: usize) -> bool {
+    RESERVED
+        .lock()
+        .iter()
+        .any(|&(at, n)| at <= p && p + size as u64 <= at + n as u64)
+}
+
+unsafe extern "C" fn granularity(
+    g: *mut usize,
+    _: *const driver::CUmemAllocationProp,
+    _: c_uint,
+) -> CUresult {
+    unsafe { *g = GRANULARITY };
+    OK
+}
+unsafe extern "C" fn mem_create(
+    h: *mut u64,
+    size: usize,
+    prop: *const driver::CUmemAllocationProp,
+    _: u64,
+) -> CUresult {
+    use nix::libc;
+    let p = unsafe { *prop };
+    if size == 0 || !size.is_multiple_of(GRANULARITY) || p.kind != 1 || p.location.kind != 1 {
+        return INVALID_VALUE;
+    }
+    // SAFETY: a fresh memory file of `size` bytes.
+    let fd = unsafe { libc::memfd_create(c"oxccl-emu-vmm".as_ptr(), 0) };
+    assert!(
+        fd >= 0 && unsafe { libc::ftruncate(fd, size as i64) } == 0,
+        "memfd"
+    );
+    let handle = 0x7000_0000 + fd as u64;
+    HANDLES
+        .lock()
+        .get_or_insert_with(HashMap::new)
+        .insert(handle, (fd, size));
+    unsafe { *h = handle };
+    OK
+}
+unsafe extern "C" fn mem_release(h: u64) -> CUresult {
+    match HANDLES.lock().as_mut().and_then(|m| m.remove(&h)) {
+        // SAFETY: the handle's file, closed once (a mapping keeps the memory).
+        Some((fd, _)) => unsafe { nix::libc::close(fd) },
+        None => return INVALID_VALUE,
+    };
+    OK
+}
+unsafe extern "C" fn address_reserve(
+    p: *mut u64,
+    size: usize,
+    align: usize,
+    _: u64,
+    _: u64,
+) -> CUresult {
+    use nix::libc;
+    let align = align.max(GRANULARITY);
+    if size == 0 || !size.is_multiple_of(GRANULARITY) || !align.is_power_of_two() {
+        return INVALID_VALUE;
+    }
+    // SAFETY: an address range without access, aligned inside a larger one (the slack at its
+    // ends stays reserved until the process ends).
+    let at = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            size + align,
+            libc::PROT_NONE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+            -1,
+            0,
+        )
+    };
+    assert_ne!(at, libc::MAP_FAILED, "reserve");
+    let at = (at as u64).next_multiple_of(align as u64);
+    RESERVED.lock().push((at, size));
+    unsafe { *p = at };
+    OK
+}
+unsafe extern "C" fn address_free(p: u64, size: usize) -> CUresult {
+    let mut r = RESERVED.lock();
+    let Some(i) = r.iter().position(|&(at, n)| at == p && n == size) else {
+        return INVALID_VALUE;
+    };
+    r.remove(i);
+    // SAFETY: the reservation's range, no longer handed out.
+    unsafe { nix::libc::munmap(p as *mut c_void, size) };
+    OK
+}
+unsafe extern "C" fn mem_map(p: u64, size: usize, off: usize, h: u64, _: u64) -> CUresult {
+    use nix::libc;
+    let Some((fd, n)) = HANDLES.lock().as_ref().and_then(|m| m.get(&h).copied()) else {
+        return INVALID_VALUE;
+    };
+    if off != 0 || size != n || !p.is_multiple_of(GRANULARITY as u64) || !reserved(p, size) {
+        return INVALID_VALUE;
+    }
+    // SAFETY: inside a reservation of ours; no access until cuMemSetAccess.
+    let at = unsafe {
+        libc::mmap(
+            p as *mut c_void,
+            size,
+            libc::PROT_NONE,
+            libc::MAP_SHARED | libc::MAP_FIXED,
+            fd,
+            0,
+        )
+    };
+    assert_eq!(at as u64, p, "map");
+    MAPPED.fetch_add(1, Ordering::SeqCst);
+    OK
+}
+unsafe extern "C" fn mem_unmap(p: u64, size: usize) -> CUresult {
+    use nix::libc;
+    if !reserved(p, size) {
+        return INVALID_VALUE;
+    }
+    // SAFETY: back to a reservation without access.
+    let at = unsafe {
+        libc::mmap(
+            p as *mut c_void,
+            size,
+            libc::PROT_NONE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE | libc::MAP_FIXED,
+            -1,
+            0,
+        )
+    };
+    assert_eq!(at as u64, p, "unmap");
+    OK
+}
+unsafe extern "C" fn set_access(
+    p: u64,
+    size: usize,
+    d: *const driver::CUmemAccessDesc,
+    n: usize,
+) -> CUresult {
+    let descs = unsafe { std::slice::from_raw_parts(d, n) };
+    let ok = n >= 1
+        && descs.iter().all(|d| d.location.kind == 1 && d.flags == 3)
+        && descs[0].location.id == 0
+        && reserved(p, size);
+    if !ok {
+        return INVALID_VALUE;
+    }
+    // SAFETY: mapped by mem_map (mprotect fails on what is not, and the test then fails).
+    let r = unsafe {
+        nix::libc::mprotect(
+            p as *mut c_void,
+            size,
+            nix::libc::PROT_READ | nix::libc::PROT_WRITE,
+        )
+    };
+    assert_eq!(r, 0, "set access");
+    OK
 }
 
 pub fn stand_in() -> Api {
-    let no = unsupported as *const c_void;
     let own: Vec<(&str, *const c_void)> = vec![
         ("cuDeviceGetAttribute", attr as *const c_void),
         ("cuLaunchKernel", launch as *const c_void),
@@ -524,17 +693,18 @@ pub fn stand_in() -> Api {
         ("cuIpcGetMemHandle", ipc_get as *const c_void),
         ("cuIpcOpenMemHandle_v2", ipc_open as *const c_void),
         ("cuIpcCloseMemHandle", ipc_close as *const c_void),
-        // No virtual memory management: cuMemAlloc and legacy IPC handles.
-        ("cuMemGetAllocationGranularity", no),
-        ("cuMemCreate", no),
-        ("cuMemRelease", no),
-        ("cuMemAddressReserve", no),
-        ("cuMemAddressFree", no),
-        ("cuMemMap", no),
-        ("cuMemUnmap", no),
-        ("cuMemSetAccess", no),
+        (
+            "cuMemGetAllocationGranularity",
+            granularity as *const c_void,
+        ),
+        ("cuMemCreate", mem_create as *const c_void),
+        ("cuMemRelease", mem_release as *const c_void),
+        ("cuMemAddressReserve", address_reserve as *const c_void),
+        ("cuMemAddressFree", address_free as *const c_void),
+        ("cuMemMap", mem_map as *const c_void),
+        ("cuMemUnmap", mem_unmap as *const c_void),
+        ("cuMemSetAccess", set_access as *const c_void),
     ];
-    // SAFETY: each function above has the signature the driver table lists for its symbol
-    // (`unsupported` ignores its arguments, which the C calling convention allows).
+    // SAFETY: each function above has the signature the driver table lists for its symbol.
     unsafe { stand_in::driver(&own) }
 }
