@@ -363,7 +363,7 @@ static void oobInit(void) {
       int one2 = 1;
       setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one2, sizeof one2);
       int32_t r;
-      waitReadable(fd, deadline, "a connected process's rank", i);
+      waitReadable(fd, deadline, "a connected process's rank", i + 1);
       recvAll(fd, &r, sizeof r);
       if (r <= 0 || r >= nProcs || oobFds[r]) die(EXIT_BAD_ARGS, "bad bootstrap rank %d\n", r);
       oobFds[r] = fd;

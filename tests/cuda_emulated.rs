@@ -35,10 +35,18 @@ use std::time::{Duration, Instant};
 
 /// A "device" buffer of `bytes`.
 fn buffer(bytes: usize) -> usize {
-    let mut p = 0u64;
-    // SAFETY: writes one pointer.
-    unsafe { stand_in::alloc(&mut p, bytes.max(1)) };
-    p as usize
+    let mut v = vec![0u8; bytes.max(1) + 256];
+    let p = (v.as_mut_ptr() as usize).next_multiple_of(256);
+    BUFFERS.lock().push(v);
+    p
+}
+
+/// The buffers `buffer` handed out, until `release_buffers`.
+static BUFFERS: parking_lot::Mutex<Vec<Vec<u8>>> = parking_lot::Mutex::new(Vec::new());
+
+/// Frees every buffer (only when no launch that uses one can still run).
+fn release_buffers() {
+    BUFFERS.lock().clear();
 }
 
 /// Rank r's input element i: a small integer (exact in every type used, in any order of
@@ -322,6 +330,7 @@ fn graphs(comms: &[Arc<nccl::comm::Comm>], streams: &[usize], c: &Case) {
     nccl::api::group_end().unwrap();
     let graphs: Vec<Vec<Op>> = streams.iter().map(|&s| end_capture(s)).collect();
     assert!(graphs.iter().all(|g| !g.is_empty()), "nothing captured");
+    sync_all(streams, "capture");
     assert!(
         bufs.iter().all(|&(_, rb)| get(c.dtype, rb, 0) == 99.0),
         "a captured launch ran"
@@ -341,6 +350,7 @@ fn graphs(comms: &[Arc<nccl::comm::Comm>], streams: &[usize], c: &Case) {
         verify(c, &bufs, replay, &what);
         check(comms, streams, c);
     }
+    release_buffers();
 }
 
 /// Each rank in a thread of its own (`ncclCommInitRank`), launching and waiting on its own
@@ -376,6 +386,7 @@ fn threads(n: usize, c: &Case) {
     for c in &comms {
         nccl::api::comm_destroy(nccl::api::comm_handle(c)).unwrap();
     }
+    release_buffers();
 }
 
 /// Collectives in `ncclMemAlloc` memory (cuMemCreate, reserved, mapped, made accessible), and
@@ -409,6 +420,73 @@ fn mem_alloc_buffers(comms: &[Arc<nccl::comm::Comm>], streams: &[usize]) {
         device::MAPPED.load(Ordering::SeqCst) > mapped,
         "ncclMemAlloc did not take cuMemCreate memory"
     );
+}
+
+/// The kernels only larger launches take: the direct all-reduce of more than 4 ranks
+/// (`oxccl_direct16`, with `OXCCL_CUDA_DIRECT=1`), and a group of 60 sends and receives
+/// between two ranks, whose descriptor is past 4000 bytes (`oxccl_run_large`).
+fn large_launches(streams: &[usize]) {
+    use nccl::types::OP_MAX;
+    std::env::set_var("OXCCL_CUDA_DIRECT", "1");
+    let comms = nccl::api::comm_init_all(&[0; 6]).expect("six ranks");
+    for (dtype, op) in [
+        (DataType::Float32, nccl::types::OP_SUM),
+        (DataType::Bfloat16, OP_MAX),
+    ] {
+        let c = Case {
+            kind: CollKind::AllReduce,
+            dtype,
+            op,
+            count: 1001,
+            in_place: false,
+            root: 0,
+        };
+        check(&comms, &[streams[0]; 6], &c);
+    }
+    for c in &comms {
+        nccl::api::comm_destroy(nccl::api::comm_handle(c)).unwrap();
+    }
+    std::env::remove_var("OXCCL_CUDA_DIRECT");
+
+    let comms = nccl::api::comm_init_all(&[0, 0]).expect("two ranks");
+    let (pairs, count) = (60, 16);
+    let send = buffer(pairs * count * 4);
+    let recv = buffer(pairs * count * 4);
+    for i in 0..pairs * count {
+        put(DataType::Float32, send, i, (i % 1000) as f64);
+        put(DataType::Float32, recv, i, -1.0);
+    }
+    nccl::api::group_start().unwrap();
+    for k in 0..pairs {
+        let call = |kind, send, recv, peer| CollArgs {
+            kind,
+            send,
+            recv,
+            count,
+            dtype: DataType::Float32,
+            op: 0,
+            root: peer,
+        };
+        let at = 4 * count * k;
+        let to = call(CollKind::Send, send + at, 0, 1);
+        let from = call(CollKind::Recv, 0, recv + at, 0);
+        nccl::api::enqueue(&comms[0], to, stream_arg(streams[0])).unwrap();
+        nccl::api::enqueue(&comms[1], from, stream_arg(streams[1])).unwrap();
+    }
+    nccl::api::group_end().unwrap();
+    sync_all(&streams[..2], "60 sends and receives");
+    no_async_error(&comms, "60 sends and receives");
+    for i in 0..pairs * count {
+        assert_eq!(
+            get(DataType::Float32, recv, i),
+            (i % 1000) as f64,
+            "element {i}"
+        );
+    }
+    for c in &comms {
+        nccl::api::comm_destroy(nccl::api::comm_handle(c)).unwrap();
+    }
+    release_buffers();
 }
 
 /// Waits until `comm` reports an asynchronous error (at most 30 s); its code.
@@ -449,19 +527,15 @@ fn failures() {
     sync_all(&streams, "mismatched calls");
     for c in &comms {
         assert_eq!(async_error(c), Code::InvalidUsage, "mismatched calls");
-        // ncclGetLastError(comm)'s message, and the process-wide one.
-        for msg in [
-            c.error_message().unwrap_or_default(),
-            nccl::error::last_error(),
-        ] {
-            assert!(
-                msg.contains("a peer sent data of")
-                    && msg.contains("AllReduce")
-                    && msg.contains("Broadcast"),
-                "{msg}"
-            );
-        }
     }
+    // ncclGetLastError's message (the watcher that found the kernel's error set it).
+    let msg = nccl::error::last_error();
+    assert!(
+        msg.contains("a peer sent data of")
+            && msg.contains("AllReduce")
+            && msg.contains("Broadcast"),
+        "{msg}"
+    );
     for c in &comms {
         let _ = nccl::api::comm_abort(nccl::api::comm_handle(c));
     }
@@ -482,6 +556,7 @@ fn failures() {
     );
     assert!(t.elapsed() < Duration::from_secs(10));
     nccl::api::comm_abort(nccl::api::comm_handle(&comms[1])).expect("abort");
+    release_buffers();
 }
 
 /// The collectives checked: every one, large enough for several slices and blocks per lane,
@@ -564,6 +639,7 @@ fn rank_process(r: usize) {
     let cache = start(Path::new(&var("OXEMU_LIB")));
     let comm = nccl::api::comm_init_rank(n as i32, &id, r as i32, Default::default())
         .expect("a rank in a process");
+    println!("comm hash {:016x}", comm.comm_hash().unwrap());
     let stream = new_stream();
     for c in cases(n, &[300_001, 1001]) {
         let (ns, nr) = sizes(&c, n);
@@ -582,6 +658,7 @@ fn rank_process(r: usize) {
         sync_all(&[stream], &what);
         no_async_error(std::slice::from_ref(&comm), &what);
         verify_rank(&c, n, r, b.1, 0, &what);
+        release_buffers();
     }
     nccl::api::comm_destroy(nccl::api::comm_handle(&comm)).unwrap();
     println!(
@@ -606,7 +683,10 @@ fn shm_names() -> BTreeSet<String> {
 /// (pinned, mapped into the device), or with `ipc` (`OXCCL_CUDA_IPC=1`) in device memory, which
 /// the sending end opens by the receiving end's IPC handle.
 fn processes(so: &Path, n: usize, ipc: bool) {
-    let shm_before = shm_names();
+    let dir =
+        Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("cuda-emu-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let log = |r: usize, what: &str| dir.join(format!("rank{r}.{what}"));
     let id = nccl::api::get_unique_id().unwrap();
     let hex: String = id.iter().map(|b| format!("{b:02x}")).collect();
     let kids: Vec<_> = (0..n)
@@ -622,47 +702,56 @@ fn processes(so: &Path, n: usize, ipc: bool) {
                 .env("OXEMU_ID", &hex)
                 .env("OXEMU_LIB", so)
                 .env("OXCCL_CUDA_IPC", if ipc { "1" } else { "0" })
-                .stdout(std::process::Stdio::piped())
-                .stderr(std::process::Stdio::piped())
+                .env_remove("NCCL_DEBUG")
+                .env_remove("NCCL_DEBUG_SUBSYS")
+                // To files: a pipe nobody reads until the end could fill and stop a rank.
+                .stdout(std::fs::File::create(log(r, "out")).unwrap())
+                .stderr(std::fs::File::create(log(r, "err")).unwrap())
                 .spawn()
                 .unwrap()
         })
         .collect();
     // Killed at the deadline: a hang fails the test with what each rank printed.
-    let deadline = Instant::now() + Duration::from_secs(120);
+    let deadline = Instant::now() + Duration::from_secs(300);
     let mut kids = kids;
     while Instant::now() < deadline && kids.iter_mut().any(|k| k.try_wait().unwrap().is_none()) {
         std::thread::sleep(Duration::from_millis(50));
     }
-    let outs: Vec<_> = kids
+    let outs: Vec<(std::process::ExitStatus, String, String)> = kids
         .into_iter()
-        .map(|mut k| {
+        .enumerate()
+        .map(|(r, mut k)| {
             let _ = k.kill();
-            k.wait_with_output().unwrap()
+            let status = k.wait().unwrap();
+            let read = |w| std::fs::read_to_string(log(r, w)).unwrap_or_default();
+            (status, read("out"), read("err"))
         })
         .collect();
+    let _ = std::fs::remove_dir_all(&dir);
     let report: String = outs
         .iter()
         .enumerate()
-        .map(|(r, o)| {
-            format!(
-                "--- rank {r}: {}\n{}{}",
-                o.status,
-                String::from_utf8_lossy(&o.stdout),
-                String::from_utf8_lossy(&o.stderr)
-            )
-        })
+        .map(|(r, (status, out, err))| format!("--- rank {r}: {status}\n{out}{err}"))
         .collect();
-    if outs.iter().any(|o| !o.status.success()) {
-        // Killed ranks leave their segments behind.
-        for name in shm_names().difference(&shm_before) {
-            let _ = std::fs::remove_file(Path::new("/dev/shm").join(name));
+    if outs.iter().any(|o| !o.0.success()) {
+        // Killed ranks leave their communicator's segments behind (named by its hash, which
+        // each rank prints first).
+        let hashes: BTreeSet<&str> = outs
+            .iter()
+            .filter_map(|o| o.1.lines().find_map(|l| l.strip_prefix("comm hash ")))
+            .collect();
+        for name in shm_names() {
+            if hashes
+                .iter()
+                .any(|h| name.starts_with(&format!("oxccl-{h}-")))
+            {
+                let _ = std::fs::remove_file(Path::new("/dev/shm").join(name));
+            }
         }
     }
     let mut opened = 0;
-    for o in &outs {
-        assert!(o.status.success(), "{n} processes:\n{report}");
-        let out = String::from_utf8_lossy(&o.stdout);
+    for (status, out, _) in &outs {
+        assert!(status.success(), "{n} processes:\n{report}");
         let line = out
             .lines()
             .find(|l| l.contains("IPC handles opened"))
@@ -719,6 +808,7 @@ fn cuda_executor_on_emulated_kernels() {
             if n > 1 && c.kind == CollKind::AllReduce {
                 check(&comms, &one, c);
             }
+            release_buffers();
         }
         if n > 1 && !optional {
             graphs(&comms, &own, &cases[0]);
@@ -729,13 +819,22 @@ fn cuda_executor_on_emulated_kernels() {
             nccl::api::comm_destroy(nccl::api::comm_handle(c)).unwrap();
         }
     }
-    let launched = LAUNCHED.lock().clone();
-    eprintln!("kernels run: {launched:?}");
-    for k in ["oxccl_run", "oxccl_local", "oxccl_direct4", "oxccl_copy"] {
-        assert!(launched.contains(k), "{k} never ran: {launched:?}");
-    }
     std::env::remove_var("OXCCL_CUDA_DIRECT");
     std::env::remove_var("OXCCL_CUDA_COPY_KERNEL");
+    large_launches(&[new_stream(), new_stream()]);
+    let launched = LAUNCHED.lock().clone();
+    eprintln!("kernels run: {launched:?}");
+    for k in stand_in::KERNELS {
+        let k = k.to_str().unwrap();
+        // (A one-rank launch's descriptor is never large.)
+        if k != "oxccl_local_large" {
+            assert!(launched.contains(k), "{k} never ran: {launched:?}");
+        }
+    }
+    assert!(
+        device::SHARED_LANES.load(Ordering::SeqCst),
+        "no lane had several blocks"
+    );
     failures();
     for (n, ipc) in [(2, false), (2, true), (3, true)] {
         processes(&so, n, ipc);

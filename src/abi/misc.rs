@@ -71,16 +71,10 @@ thread_local! {
 
 #[no_mangle]
 pub unsafe extern "C" fn ncclGetLastError(comm: ncclComm_t) -> *const c_char {
-    // NCCL ignores `comm` and gives the process-wide message; oxccl gives a failed
-    // communicator's own error (which names what failed, where the process-wide message may
-    // be another communicator's), else the process-wide one.
+    // NCCL falls back to the process-wide message; oxccl keeps only that one.
+    let _ = comm;
     run_value("ncclGetLastError", std::ptr::null(), || {
-        let own = (!comm.is_null())
-            .then(|| comm_arg(comm).ok()?.error_message())
-            .flatten();
-        let msg = own
-            .unwrap_or_else(crate::error::last_error)
-            .replace('\0', " ");
+        let msg = crate::error::last_error().replace('\0', " ");
         Ok(LAST_ERROR_C.with(|c| {
             let mut c = c.borrow_mut();
             if c.as_bytes() != msg.as_bytes() {

@@ -258,15 +258,6 @@ impl Comm {
         }
     }
 
-    /// What the communicator failed with (None while it works, or before its init ended).
-    pub fn error_message(&self) -> Option<String> {
-        let e = match self.core.get() {
-            Some(c) => c.health.error(),
-            None => self.init_error.lock().clone(),
-        };
-        e.map(|e| e.msg)
-    }
-
     pub fn async_error(&self) -> Code {
         match self.core.get() {
             Some(c) => c.health.error().map(|e| e.code).unwrap_or(Code::Success),

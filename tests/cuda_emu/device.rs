@@ -130,18 +130,28 @@ struct Stream {
     done_cv: Condvar,
 }
 
-/// An event: how many records were asked for, and how many of them the streams have reached.
+/// An event: how many records were asked for, and which of them the streams have reached. A
+/// wait is for the record that was the latest when the wait was asked for, that one exactly
+/// (a later record, on another stream, finishing first does not end it).
 #[derive(Default)]
 pub struct Event {
     recorded: AtomicU64,
-    reached: Mutex<u64>,
+    reached: Mutex<BTreeSet<u64>>,
     cv: Condvar,
+}
+
+impl Event {
+    fn reached(&self, generation: u64) -> bool {
+        generation == 0 || self.reached.lock().contains(&generation)
+    }
 }
 
 static STREAMS: Mutex<Option<HashMap<usize, Arc<Stream>>>> = Mutex::new(None);
 static EVENTS: Mutex<Option<HashMap<usize, Arc<Event>>>> = Mutex::new(None);
 pub static NEXT: AtomicU64 = AtomicU64::new(0x100);
 /// The kernels launched, by name.
+/// Whether a runner launch gave a lane several blocks.
+pub static SHARED_LANES: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 pub static LAUNCHED: Mutex<BTreeSet<String>> = Mutex::new(BTreeSet::new());
 
 /// The stream of handle `h` (any handle the executor is given names one, NULL included),
@@ -239,13 +249,12 @@ fn run_stream(s: &Stream) {
                 }
             }
             Op::Record { event, generation } => {
-                let mut r = event.reached.lock();
-                *r = (*r).max(generation);
+                event.reached.lock().insert(generation);
                 event.cv.notify_all();
             }
             Op::Wait { event, generation } => {
                 let mut r = event.reached.lock();
-                while *r < generation {
+                while generation != 0 && !r.contains(&generation) {
                     event.cv.wait(&mut r);
                 }
             }
@@ -316,6 +325,11 @@ unsafe extern "C" fn launch(
         std::ptr::copy_nonoverlapping(*params as *const u8, words.as_mut_ptr().cast(), bytes)
     };
     LAUNCHED.lock().insert(name.to_str().unwrap().to_string());
+    // The runner with several blocks per lane (its header's lane count is the top 16 bits of
+    // its second word).
+    if name.to_bytes().starts_with(b"oxccl_run") && u64::from(gx) > words[1] >> 48 {
+        SHARED_LANES.store(true, Ordering::SeqCst);
+    }
     submit(
         s as usize,
         Op::Launch {
@@ -327,7 +341,18 @@ unsafe extern "C" fn launch(
     );
     OK
 }
-unsafe extern "C" fn free(_: u64) -> CUresult {
+unsafe extern "C" fn free(p: u64) -> CUresult {
+    if !unsafe_call_allowed() {
+        return CAPTURE_UNSUPPORTED;
+    }
+    let Some((fd, len)) = ALLOCS.lock().as_mut().and_then(|m| m.remove(&p)) else {
+        return INVALID_VALUE;
+    };
+    // SAFETY: mapped and opened by mem_alloc, given back once.
+    unsafe {
+        nix::libc::munmap(p as *mut c_void, len);
+        nix::libc::close(fd);
+    }
     OK
 }
 unsafe extern "C" fn dtod_async(dst: u64, src: u64, bytes: usize, s: *mut c_void) -> CUresult {
@@ -351,7 +376,38 @@ unsafe extern "C" fn stream_create(s: *mut *mut c_void, _: c_uint) -> CUresult {
 unsafe extern "C" fn stream_destroy(_: *mut c_void) -> CUresult {
     OK
 }
+/// What the driver answers to what a capturing stream may not do
+/// (CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED; the capture is spoiled as well).
+const CAPTURE_UNSUPPORTED: CUresult = 900;
+
+fn capturing(s: usize) -> bool {
+    CAPTURES.lock().as_ref().is_some_and(|m| m.contains_key(&s))
+}
+
+fn any_capture() -> bool {
+    CAPTURES.lock().as_ref().is_some_and(|m| !m.is_empty())
+}
+
+thread_local! {
+    /// The thread's capture mode (cuThreadExchangeStreamCaptureMode): 0 global (CUDA's
+    /// default), 1 thread local, 2 relaxed.
+    static MODE: std::cell::Cell<c_int> = const { std::cell::Cell::new(0) };
+}
+unsafe extern "C" fn exchange_mode(m: *mut c_int) -> CUresult {
+    let old = MODE.with(|x| x.replace(unsafe { *m }));
+    unsafe { *m = old };
+    OK
+}
+/// Whether this thread may make a call that is unsafe while some stream captures (an
+/// allocation, say): only in relaxed mode, or while none does.
+fn unsafe_call_allowed() -> bool {
+    MODE.with(|x| x.get()) == 2 || !any_capture()
+}
+
 unsafe extern "C" fn stream_sync(s: *mut c_void) -> CUresult {
+    if capturing(s as usize) {
+        return CAPTURE_UNSUPPORTED;
+    }
     assert!(
         sync(s as usize, Duration::from_secs(120)),
         "stream {s:?} stuck"
@@ -359,6 +415,9 @@ unsafe extern "C" fn stream_sync(s: *mut c_void) -> CUresult {
     OK
 }
 unsafe extern "C" fn stream_query(s: *mut c_void) -> CUresult {
+    if capturing(s as usize) {
+        return CAPTURE_UNSUPPORTED;
+    }
     let st = stream(s as usize);
     if *st.done.lock() < st.submitted.load(Ordering::SeqCst) {
         NOT_READY
@@ -367,11 +426,7 @@ unsafe extern "C" fn stream_query(s: *mut c_void) -> CUresult {
     }
 }
 unsafe extern "C" fn is_capturing(s: *mut c_void, st: *mut c_int) -> CUresult {
-    let active = CAPTURES
-        .lock()
-        .as_ref()
-        .is_some_and(|m| m.contains_key(&(s as usize)));
-    unsafe { *st = c_int::from(active) };
+    unsafe { *st = c_int::from(capturing(s as usize)) };
     OK
 }
 unsafe extern "C" fn wait_event(s: *mut c_void, e: *mut c_void, _: c_uint) -> CUresult {
@@ -392,7 +447,7 @@ unsafe extern "C" fn event_record(e: *mut c_void, s: *mut c_void) -> CUresult {
 }
 unsafe extern "C" fn event_query(e: *mut c_void) -> CUresult {
     let ev = event(e as usize);
-    if *ev.reached.lock() < ev.recorded.load(Ordering::SeqCst) {
+    if !ev.reached(ev.recorded.load(Ordering::SeqCst)) {
         NOT_READY
     } else {
         OK
@@ -415,6 +470,9 @@ const IPC_MARK: &[u8; 8] = b"oxemuipc";
 
 unsafe extern "C" fn mem_alloc(p: *mut u64, n: usize) -> CUresult {
     use nix::libc;
+    if !unsafe_call_allowed() {
+        return CAPTURE_UNSUPPORTED;
+    }
     let len = n.max(1);
     // SAFETY: a fresh memory file, sized and mapped here; kept open for IPC.
     unsafe {
@@ -690,6 +748,10 @@ pub fn stand_in() -> Api {
         ("cuEventDestroy_v2", event_destroy as *const c_void),
         ("cuPointerGetAttribute", pointer_attr as *const c_void),
         ("cuMemAlloc_v2", mem_alloc as *const c_void),
+        (
+            "cuThreadExchangeStreamCaptureMode",
+            exchange_mode as *const c_void,
+        ),
         ("cuIpcGetMemHandle", ipc_get as *const c_void),
         ("cuIpcOpenMemHandle_v2", ipc_open as *const c_void),
         ("cuIpcCloseMemHandle", ipc_close as *const c_void),
