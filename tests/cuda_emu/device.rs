@@ -669,19 +669,28 @@ unsafe extern "C" fn mem_map(p: u64, size: usize, off: usize, h: u64, _: u64) ->
         return INVALID_VALUE;
     }
     // SAFETY: inside a reservation of ours; no access until cuMemSetAccess.
+    unsafe { map_fixed(p, size, libc::MAP_SHARED, fd) };
+    MAPPED.fetch_add(1, Ordering::SeqCst);
+    OK
+}
+
+/// Maps `fd` (or, with -1, nothing) at `p` without access, replacing what was there.
+///
+/// # Safety
+/// `p..p + size` is a reservation of ours that nothing else uses.
+unsafe fn map_fixed(p: u64, size: usize, flags: c_int, fd: c_int) {
+    use nix::libc;
     let at = unsafe {
         libc::mmap(
             p as *mut c_void,
             size,
             libc::PROT_NONE,
-            libc::MAP_SHARED | libc::MAP_FIXED,
+            flags | libc::MAP_FIXED,
             fd,
             0,
         )
     };
-    assert_eq!(at as u64, p, "map");
-    MAPPED.fetch_add(1, Ordering::SeqCst);
-    OK
+    assert_eq!(at as u64, p, "mmap at a reservation");
 }
 unsafe extern "C" fn mem_unmap(p: u64, size: usize) -> CUresult {
     use nix::libc;
@@ -689,17 +698,14 @@ unsafe extern "C" fn mem_unmap(p: u64, size: usize) -> CUresult {
         return INVALID_VALUE;
     }
     // SAFETY: back to a reservation without access.
-    let at = unsafe {
-        libc::mmap(
-            p as *mut c_void,
+    unsafe {
+        map_fixed(
+            p,
             size,
-            libc::PROT_NONE,
-            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE | libc::MAP_FIXED,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
             -1,
-            0,
         )
     };
-    assert_eq!(at as u64, p, "unmap");
     OK
 }
 unsafe extern "C" fn set_access(
