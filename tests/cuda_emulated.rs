@@ -640,6 +640,8 @@ fn rank_process(r: usize) {
     let comm = nccl::api::comm_init_rank(n as i32, &id, r as i32, Default::default())
         .expect("a rank in a process");
     println!("comm hash {:016x}", comm.comm_hash().unwrap());
+    // The hosts the communicator sees (ranks on different ones talk only over the network).
+    println!("hosts {}", nccl::api::comm_lsa(&comm).unwrap().4);
     let stream = new_stream();
     for c in cases(n, &[300_001, 1001]) {
         let (ns, nr) = sizes(&c, n);
@@ -681,8 +683,11 @@ fn shm_names() -> BTreeSet<String> {
 
 /// n ranks in processes of their own on the one device: connections in shared host memory
 /// (pinned, mapped into the device), or with `ipc` (`OXCCL_CUDA_IPC=1`) in device memory, which
-/// the sending end opens by the receiving end's IPC handle.
-fn processes(so: &Path, n: usize, ipc: bool) {
+/// the sending end opens by the receiving end's IPC handle. With `hosts` > 1 the ranks are
+/// spread over that many "hosts" of this machine (`OXCCL_HOSTID`, consecutive ranks on one):
+/// between hosts the network transport's proxy threads move the kernels' FIFO slots over
+/// loopback sockets.
+fn processes(so: &Path, n: usize, ipc: bool, hosts: usize) {
     let dir =
         Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("cuda-emu-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
@@ -702,6 +707,7 @@ fn processes(so: &Path, n: usize, ipc: bool) {
                 .env("OXEMU_ID", &hex)
                 .env("OXEMU_LIB", so)
                 .env("OXCCL_CUDA_IPC", if ipc { "1" } else { "0" })
+                .envs((hosts > 1).then(|| ("OXCCL_HOSTID", format!("emu-host-{}", r * hosts / n))))
                 .env_remove("NCCL_DEBUG")
                 .env_remove("NCCL_DEBUG_SUBSYS")
                 // To files: a pipe nobody reads until the end could fill and stop a rank.
@@ -752,6 +758,7 @@ fn processes(so: &Path, n: usize, ipc: bool) {
     let mut opened = 0;
     for (status, out, _) in &outs {
         assert!(status.success(), "{n} processes:\n{report}");
+        assert!(out.contains(&format!("hosts {hosts}\n")), "{report}");
         let line = out
             .lines()
             .find(|l| l.contains("IPC handles opened"))
@@ -762,9 +769,10 @@ fn processes(so: &Path, n: usize, ipc: bool) {
             .and_then(|v| v.parse::<u64>().ok())
             .unwrap_or(0);
     }
+    // (IPC serves ranks of one host.)
     assert_eq!(
         opened > 0,
-        ipc,
+        ipc && n > hosts,
         "{n} processes: IPC handles opened: {opened}"
     );
 }
@@ -836,8 +844,14 @@ fn cuda_executor_on_emulated_kernels() {
         "no lane had several blocks"
     );
     failures();
-    for (n, ipc) in [(2, false), (2, true), (3, true)] {
-        processes(&so, n, ipc);
+    for (n, ipc, hosts) in [
+        (2, false, 1),
+        (2, true, 1),
+        (3, true, 1),
+        (2, false, 2),
+        (4, true, 2),
+    ] {
+        processes(&so, n, ipc, hosts);
     }
     let _ = std::fs::remove_file(&so);
     let _ = std::fs::remove_dir_all(&cache);
