@@ -2,11 +2,14 @@
 // g++ under a few definitions of CUDA's built-ins, as a shared library the test's stand-in
 // driver calls from its streams.
 //
-// A block is one host thread with one CUDA thread in it (blockDim 1): the kernels read their
-// place from threadIdx/blockDim and loop over their elements in strides of blockDim, so one
-// thread does a block's whole share, its barriers have no one to wait for, and its `__shared__`
-// variables are the thread's own. The blocks of a launch run at once, each on its own thread
-// (the lanes of a launch wait for one another through their connections, as on a GPU).
+// A block is one host thread running its CUDA threads as fibers (ucontext), OXEMU_THREADS of
+// them (default 4): `__shared__` variables are the host thread's own, so the block's fibers
+// share them; `__syncthreads` hands over to the next fiber, and a pass of the scheduler takes
+// every fiber to its next barrier (alternate passes go in reverse order, so that no thread's
+// turn is always first); the kernels' element loops stride by `blockDim`, as on a GPU. Thread 0
+// alone waits on counters, yielding the core while it spins. The blocks of a launch run at
+// once, each on its own thread (the lanes of a launch wait for one another through their
+// connections, as on a GPU).
 //
 // What this shows: the runner's logic (descriptors as the executor lays them out, steps,
 // slices, counters, the FIFO protocol between lanes and launches, reductions). What it cannot
@@ -15,7 +18,9 @@
 #include <pthread.h>
 #include <sched.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
+#include <ucontext.h>
 
 #include <string>
 #include <thread>
@@ -24,7 +29,19 @@
 struct dim3 {
   unsigned x = 0, y = 0, z = 0;
 };
-static thread_local dim3 threadIdx, blockIdx, blockDim, gridDim;
+static thread_local dim3 blockIdx, blockDim, gridDim;
+
+// The block's fibers (on its host thread) and the one running.
+struct Fiber {
+  ucontext_t ctx;
+  dim3 idx;
+  bool done = false;
+  std::vector<char> stack;
+};
+static thread_local Fiber* ox_fibers;
+static thread_local unsigned ox_cur;
+static thread_local ucontext_t ox_scheduler;
+#define threadIdx (ox_fibers[ox_cur].idx)
 
 #define __global__
 #define __shared__ static thread_local
@@ -42,7 +59,9 @@ static thread_local unsigned ox_spins;
 
 static inline void __threadfence_system() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
 static inline void __threadfence() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
-static inline void __syncthreads() {}
+// To the scheduler, which runs the next fiber; back here when every fiber has reached this
+// barrier.
+static inline void __syncthreads() { swapcontext(&ox_fibers[ox_cur].ctx, &ox_scheduler); }
 static inline unsigned atomicCAS(unsigned* p, unsigned expected, unsigned v) {
   __atomic_compare_exchange_n(p, &expected, v, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);
   return expected;
@@ -78,6 +97,49 @@ static Kernel kernel_named(const char* name) {
   return nullptr;
 }
 
+// The kernel a fiber runs (set by run_block for its fibers).
+static thread_local Kernel ox_kernel;
+static thread_local const void* ox_params;
+
+static void fiber_main() {
+  ox_kernel(ox_params);
+  ox_fibers[ox_cur].done = true;
+  // Returning resumes the scheduler (uc_link).
+}
+
+// One block: `nt` fibers on this thread, run pass by pass until all have ended.
+static void run_block(Kernel k, const void* params, dim3 at, dim3 grid, unsigned nt) {
+  gridDim = grid;
+  blockIdx = at;
+  blockDim = dim3{nt, 1, 1};
+  ox_kernel = k;
+  ox_params = params;
+  std::vector<Fiber> fibers(nt);
+  ox_fibers = fibers.data();
+  for (unsigned t = 0; t < nt; t++) {
+    Fiber& f = fibers[t];
+    f.idx = dim3{t, 0, 0};
+    f.stack.resize(256 << 10);
+    getcontext(&f.ctx);
+    f.ctx.uc_stack.ss_sp = f.stack.data();
+    f.ctx.uc_stack.ss_size = f.stack.size();
+    f.ctx.uc_link = &ox_scheduler;
+    makecontext(&f.ctx, fiber_main, 0);
+  }
+  for (unsigned pass = 0;; pass++) {
+    bool any = false;
+    for (unsigned i = 0; i < nt; i++) {
+      unsigned t = pass % 2 ? nt - 1 - i : i;
+      if (fibers[t].done) continue;
+      any = true;
+      ox_cur = t;
+      swapcontext(&ox_scheduler, &fibers[t].ctx);
+    }
+    if (!any) break;
+  }
+  ox_fibers = nullptr;
+}
+
 extern "C" {
 
 // The parameter bytes kernel `name` takes; 0 for a name runner.cu has no kernel of.
@@ -88,25 +150,19 @@ size_t oxemu_param_bytes(const char* name) {
 }
 
 // Runs kernel `name` over a grid of gx x gy blocks with `params` (its parameter's bytes), each
-// block on a thread of its own; returns when every block has. 0, or -1 for an unknown name.
+// block on a thread of its own with OXEMU_THREADS fibers (at most the `block` asked for);
+// returns when every block has. 0, or -1 for an unknown name.
 int oxemu_launch(const char* name, unsigned gx, unsigned gy, unsigned block, const void* params) {
   Kernel k = kernel_named(name);
   if (!k) return -1;
+  const char* env = getenv("OXEMU_THREADS");
+  unsigned nt = env ? (unsigned)atoi(env) : 4;
+  if (nt < 1) nt = 1;
+  if (nt > block) nt = block;
   std::vector<std::thread> blocks;
   for (unsigned y = 0; y < gy; y++) {
     for (unsigned x = 0; x < gx; x++) {
-      blocks.emplace_back([=] {
-        gridDim.x = gx;
-        gridDim.y = gy;
-        gridDim.z = 1;
-        blockIdx.x = x;
-        blockIdx.y = y;
-        blockDim.x = 1;
-        blockDim.y = 1;
-        blockDim.z = 1;
-        (void)block;
-        k(params);
-      });
+      blocks.emplace_back([=] { run_block(k, params, dim3{x, y, 0}, dim3{gx, gy, 1}, nt); });
     }
   }
   for (auto& t : blocks) t.join();
