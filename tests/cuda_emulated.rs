@@ -819,6 +819,8 @@ fn cuda_executor_on_emulated_kernels() {
             release_buffers();
         }
         if n > 1 && !optional {
+            // The NULL stream (the legacy default stream) as the caller's.
+            check(&comms, &vec![0; n], &cases[0]);
             graphs(&comms, &own, &cases[0]);
             threads(n, &cases[0]);
             mem_alloc_buffers(&comms, &own);
