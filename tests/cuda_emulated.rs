@@ -556,6 +556,26 @@ fn failures() {
     );
     assert!(t.elapsed() < Duration::from_secs(10));
     nccl::api::comm_abort(nccl::api::comm_handle(&comms[1])).expect("abort");
+
+    // A launch the driver refuses: the group's call fails with ncclUnhandledCudaError naming
+    // the driver's error, and the peer, whose kernel runs and waits for it, is told and stops.
+    let comms = nccl::api::comm_init_all(&[0, 0]).expect("two ranks");
+    let bufs = buffers(&calls[0], 2);
+    device::FAIL_LAUNCH_ON.store(streams[1] as u64, Ordering::SeqCst);
+    nccl::api::group_start().unwrap();
+    for r in 0..2 {
+        enqueue(&comms[r], &calls[0], 2, bufs[r], streams[r]);
+    }
+    let e = nccl::api::group_end().expect_err("a launch the driver refused");
+    assert_eq!(e.code, Code::UnhandledCudaError, "{}", e.msg);
+    assert!(e.msg.contains("stand-in error"), "{}", e.msg);
+    sync_all(&streams, "a refused launch");
+    for c in &comms {
+        assert_ne!(async_error(c), Code::Success, "a refused launch");
+    }
+    for c in &comms {
+        let _ = nccl::api::comm_abort(nccl::api::comm_handle(c));
+    }
     release_buffers();
 }
 

@@ -150,6 +150,8 @@ static STREAMS: Mutex<Option<HashMap<usize, Arc<Stream>>>> = Mutex::new(None);
 static EVENTS: Mutex<Option<HashMap<usize, Arc<Event>>>> = Mutex::new(None);
 pub static NEXT: AtomicU64 = AtomicU64::new(0x100);
 /// The kernels launched, by name.
+/// The next launch on this stream fails (CUDA_ERROR_LAUNCH_FAILED), once.
+pub static FAIL_LAUNCH_ON: AtomicU64 = AtomicU64::new(0);
 /// Whether a runner launch gave a lane several blocks.
 pub static SHARED_LANES: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 pub static LAUNCHED: Mutex<BTreeSet<String>> = Mutex::new(BTreeSet::new());
@@ -311,6 +313,10 @@ unsafe extern "C" fn launch(
         (1, 1, 1),
         "grids and blocks of one or two dimensions"
     );
+    if s as u64 != 0 && FAIL_LAUNCH_ON.load(Ordering::SeqCst) == s as u64 {
+        FAIL_LAUNCH_ON.store(0, Ordering::SeqCst);
+        return 719; // CUDA_ERROR_LAUNCH_FAILED
+    }
     let Some(name) = stand_in::kernel_name(f as usize) else {
         return 400; // CUDA_ERROR_INVALID_HANDLE
     };

@@ -355,17 +355,11 @@ fn launch_set(jobs: &mut [Job<'_>]) -> Result<()> {
     let comm0 = jobs[0].comm;
     let stream = jobs[0].stream;
     let _g = CtxGuard::enter(comm0.ctx)?;
-    let capturing = driver::capturing(stream)?;
-    // Issue order per communicator across streams, and the group's other streams joined.
-    if !capturing {
-        for j in jobs.iter() {
-            join_before(api, j.comm, stream, &j.joins)?;
-        }
-    }
     let nstages = jobs.iter().map(|j| j.stages.len()).max().unwrap_or(0);
     let has_p2p = jobs.iter().any(|j| !j.p2p.0.is_empty());
     let launches = nstages.max(has_p2p as usize);
-    // Every launch's descriptor must fit before the first is launched: a group fails whole.
+    // Every launch's descriptor must fit before the first is launched: a group fails whole
+    // (and alike on every rank, whose groups are the same).
     let large = jobs[0].comm.kern.large();
     for k in 0..launches {
         Desc::check_fits(
@@ -373,14 +367,20 @@ fn launch_set(jobs: &mut [Job<'_>]) -> Result<()> {
             large,
         )?;
     }
+    let capturing = driver::capturing(stream)?;
     let mut launched = false;
-    let mut result = Ok(());
+    // Issue order per communicator across streams, and the group's other streams joined.
+    let mut result = match capturing {
+        true => Ok(()),
+        false => jobs
+            .iter()
+            .try_for_each(|j| join_before(api, j.comm, stream, &j.joins)),
+    };
     for k in 0..launches {
-        let r = launch_stage(jobs, k, stream, api, &mut launched);
-        if r.is_err() {
-            result = r;
+        if result.is_err() {
             break;
         }
+        result = launch_stage(jobs, k, stream, api, &mut launched);
     }
     if !capturing && launched {
         // Also after an error: later launches and quiescence wait for what did run.
@@ -391,9 +391,10 @@ fn launch_set(jobs: &mut [Job<'_>]) -> Result<()> {
             }
         }
     }
-    if let (Err(e), true) = (&result, launched) {
-        // Part of the group runs and waits for peers that will not get the rest: the
-        // communicators are broken (their kernels are told to stop, their peers told).
+    if let Err(e) = &result {
+        // The driver refused part of the group: the peers launched theirs and wait for this
+        // rank's (whatever of it did run waits for the rest), so the communicators are broken
+        // (their kernels are told to stop, their peers told) rather than left to hang.
         for j in jobs.iter() {
             j.comm.health.fail_and_announce(e.clone());
         }
