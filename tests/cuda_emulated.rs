@@ -576,6 +576,34 @@ fn failures() {
     for c in &comms {
         let _ = nccl::api::comm_abort(nccl::api::comm_handle(c));
     }
+
+    // Device memory for a connection the driver cannot give (an all-to-all's connections are
+    // made at its first launch; between ranks of one process, in device memory): an error
+    // naming it, on the group's call and on both communicators, and nothing waits.
+    let comms = nccl::api::comm_init_all(&[0, 0]).expect("two ranks");
+    let all_to_all = Case {
+        kind: CollKind::AlltoAll,
+        ..calls[0]
+    };
+    let bufs = buffers(&all_to_all, 2);
+    device::FAIL_ALLOC.store(true, Ordering::SeqCst);
+    nccl::api::group_start().unwrap();
+    for r in 0..2 {
+        enqueue(&comms[r], &all_to_all, 2, bufs[r], streams[r]);
+    }
+    let e = nccl::api::group_end().expect_err("no memory for a connection");
+    assert!(
+        !device::FAIL_ALLOC.load(Ordering::SeqCst),
+        "no allocation was made"
+    );
+    assert!(e.msg.contains("cuMemAlloc"), "{}", e.msg);
+    sync_all(&streams, "no memory for a connection");
+    for c in &comms {
+        assert_ne!(async_error(c), Code::Success, "no memory for a connection");
+    }
+    for c in &comms {
+        let _ = nccl::api::comm_abort(nccl::api::comm_handle(c));
+    }
     release_buffers();
 }
 

@@ -474,10 +474,16 @@ static ALLOCS: Mutex<Option<HashMap<u64, (i32, usize)>>> = Mutex::new(None);
 pub static IPC_OPENED: AtomicU64 = AtomicU64::new(0);
 const IPC_MARK: &[u8; 8] = b"oxemuipc";
 
+/// The next cuMemAlloc fails (CUDA_ERROR_OUT_OF_MEMORY), once.
+pub static FAIL_ALLOC: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
 unsafe extern "C" fn mem_alloc(p: *mut u64, n: usize) -> CUresult {
     use nix::libc;
     if !unsafe_call_allowed() {
         return CAPTURE_UNSUPPORTED;
+    }
+    if FAIL_ALLOC.swap(false, Ordering::SeqCst) {
+        return 2; // CUDA_ERROR_OUT_OF_MEMORY
     }
     let len = n.max(1);
     // SAFETY: a fresh memory file, sized and mapped here; kept open for IPC.
