@@ -367,3 +367,16 @@ pub fn fmt_secs(d: Duration) -> String {
         format!("{:.1} s", d.as_secs_f64())
     }
 }
+
+/// Whether process `pid` (of this PID namespace) runs: a zombie has died, its parent has not
+/// collected it yet.
+pub fn process_alive(pid: u32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Err(_) => false,
+        // "pid (comm) S ...": the state follows the last ')'.
+        Ok(stat) => stat
+            .rsplit_once(')')
+            .and_then(|(_, rest)| rest.trim_start().chars().next())
+            .is_some_and(|st| st != 'Z' && st != 'X'),
+    }
+}

@@ -691,6 +691,9 @@ fn rank_process(r: usize) {
     // The hosts the communicator sees (ranks on different ones talk only over the network).
     println!("hosts {}", nccl::api::comm_lsa(&comm).unwrap().4);
     let stream = new_stream();
+    if std::env::var("OXEMU_DEATH").is_ok() {
+        return death(comm, r, n, stream, &cache);
+    }
     for c in cases(n, &[300_001, 1001]) {
         let (ns, nr) = sizes(&c, n);
         let s = buffer(ns.max(nr) * c.dtype.size());
@@ -718,6 +721,42 @@ fn rank_process(r: usize) {
     let _ = std::fs::remove_dir_all(&cache);
 }
 
+/// A peer process that dies: every rank runs an all-reduce (the connections made), then the
+/// last rank kills itself; the others launch another, whose kernel waits for it, and must see
+/// an error on the communicator and their stream drain, within the bounds, then say so.
+fn death(comm: Arc<nccl::comm::Comm>, r: usize, n: usize, stream: usize, cache: &Path) {
+    let _ = std::fs::remove_dir_all(cache);
+    let c = cases(n, &[300_001])[0];
+    let b = buffers(&c, n)[r];
+    fill(&c, n, r, b, 0);
+    enqueue(&comm, &c, n, b, stream);
+    sync_all(&[stream], "before the death");
+    verify_rank(&c, n, r, b.1, 0, "before the death");
+    if r == n - 1 {
+        // SAFETY: ends this process.
+        unsafe { nix::libc::kill(nix::libc::getpid(), nix::libc::SIGKILL) };
+    }
+    std::thread::sleep(Duration::from_millis(200));
+    let t = Instant::now();
+    enqueue(&comm, &c, n, b, stream);
+    let code = async_error(&comm);
+    assert_ne!(
+        code,
+        nccl::error::Code::Success,
+        "rank {r}: the dead peer went unseen"
+    );
+    assert!(
+        sync(stream, Duration::from_secs(10)),
+        "rank {r}: the kernel went on"
+    );
+    println!(
+        "survived: {code:?} after {:.1} s: {}",
+        t.elapsed().as_secs_f64(),
+        nccl::error::last_error()
+    );
+    let _ = nccl::api::comm_abort(nccl::api::comm_handle(&comm));
+}
+
 /// The library's segments in /dev/shm.
 fn shm_names() -> BTreeSet<String> {
     std::fs::read_dir("/dev/shm")
@@ -736,6 +775,11 @@ fn shm_names() -> BTreeSet<String> {
 /// between hosts the network transport's proxy threads move the kernels' FIFO slots over
 /// loopback sockets.
 fn processes(so: &Path, n: usize, ipc: bool, hosts: usize) {
+    run_processes(so, n, ipc, hosts, false);
+}
+
+/// `processes`, or with `death` the last rank dies once its communicator is made (`death`).
+fn run_processes(so: &Path, n: usize, ipc: bool, hosts: usize, death: bool) {
     let dir =
         Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("cuda-emu-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
@@ -755,6 +799,7 @@ fn processes(so: &Path, n: usize, ipc: bool, hosts: usize) {
                 .env("OXEMU_ID", &hex)
                 .env("OXEMU_LIB", so)
                 .env("OXCCL_CUDA_IPC", if ipc { "1" } else { "0" })
+                .envs(death.then_some(("OXEMU_DEATH", "1")))
                 .envs((hosts > 1).then(|| ("OXCCL_HOSTID", format!("emu-host-{}", r * hosts / n))))
                 .env_remove("NCCL_DEBUG")
                 .env_remove("NCCL_DEBUG_SUBSYS")
@@ -802,6 +847,15 @@ fn processes(so: &Path, n: usize, ipc: bool, hosts: usize) {
                 let _ = std::fs::remove_file(Path::new("/dev/shm").join(name));
             }
         }
+    }
+    if death {
+        use std::os::unix::process::ExitStatusExt;
+        assert_eq!(outs[n - 1].0.signal(), Some(9), "{report}");
+        for (status, out, _) in &outs[..n - 1] {
+            assert!(status.success() && out.contains("survived: "), "{report}");
+        }
+        eprintln!("a dead peer, {n} processes:\n{report}");
+        return;
     }
     let mut opened = 0;
     for (status, out, _) in &outs {
@@ -902,6 +956,10 @@ fn cuda_executor_on_emulated_kernels() {
         (4, true, 2),
     ] {
         processes(&so, n, ipc, hosts);
+    }
+    // A peer that dies, on this host and on another.
+    for (n, hosts) in [(2, 1), (2, 2)] {
+        run_processes(&so, n, false, hosts, true);
     }
     let _ = std::fs::remove_file(&so);
     let _ = std::fs::remove_dir_all(&cache);

@@ -96,9 +96,10 @@ pub struct CudaComm {
     pub(super) health: Arc<Health>,
     pub(super) ctl: Arc<Ctl>,
     pub(super) kern: Kernels,
-    pub(super) last: Mutex<Last>,
-    /// The connections of the last launch (their counters go into timeout messages).
-    pub(super) last_conns: Mutex<Vec<Arc<crate::transport::Conn>>>,
+    pub(super) last: Arc<Mutex<Last>>,
+    /// The connections of the last launch (their counters go into timeout messages; the
+    /// watcher looks at their peers while the launch runs).
+    pub(super) last_conns: Arc<Mutex<Vec<Arc<crate::transport::Conn>>>>,
     /// Recorded on a group's other streams to join them to the launch stream.
     pub(super) join_event: usize,
     /// Ranks of this communicator on this host and device (their kernels share its SMs).
@@ -130,7 +131,35 @@ impl CudaComm {
             Some(n) => format!("comm {n} ({:#x}) rank {} of {}", s.hash, s.rank, s.nranks),
             None => format!("comm {:#x} rank {} of {}", s.hash, s.rank, s.nranks),
         };
-        watch(&ctl, &s.health, &name);
+        let last = Arc::new(Mutex::new(Last {
+            event: ev as usize,
+            stream: None,
+            recorded: false,
+        }));
+        let last_conns = Arc::new(Mutex::new(Vec::new()));
+        let me = &s.peers[s.rank];
+        watch(Watched {
+            ctl: Arc::downgrade(&ctl),
+            health: Arc::downgrade(&s.health),
+            name: name.clone(),
+            reported: false,
+            last: Arc::downgrade(&last),
+            conns: Arc::downgrade(&last_conns),
+            ctx,
+            pids: s
+                .peers
+                .iter()
+                .map(|q| (q.host == me.host && q.pid != me.pid).then(|| me.pid_seen_by(q)))
+                .map(|p| p.filter(|&pid| pid != 0))
+                .collect(),
+            names: s
+                .peers
+                .iter()
+                .enumerate()
+                .map(|(r, q)| q.describe(r))
+                .collect(),
+            suspect: None,
+        });
         crate::debug::info(&format!(
             "{name}: CUDA executor on device {dev} (driver {})",
             driver::version().unwrap_or(0)
@@ -143,12 +172,8 @@ impl CudaComm {
             health: s.health,
             ctl,
             kern,
-            last: Mutex::new(Last {
-                event: ev as usize,
-                stream: None,
-                recorded: false,
-            }),
-            last_conns: Mutex::new(Vec::new()),
+            last,
+            last_conns,
             join_event: join as usize,
             ranks_on_device: s
                 .peers
@@ -257,66 +282,127 @@ impl Drop for CudaComm {
     }
 }
 
-/// What the watcher thread looks after: a communicator's control block and health.
+/// What the watcher thread looks after: a communicator's control block and health, and, while
+/// its kernels run, its peers.
 struct Watched {
     ctl: Weak<Ctl>,
     health: Weak<Health>,
     name: String,
     reported: bool,
+    /// The communicator's last launch and its connections.
+    last: Weak<Mutex<Last>>,
+    conns: Weak<Mutex<Vec<Arc<crate::transport::Conn>>>>,
+    ctx: usize,
+    /// Each rank's process where it runs on this host in another process (as this process
+    /// sees it), and each rank in words.
+    pids: Vec<Option<u32>>,
+    names: Vec<String>,
+    /// When a peer was first seen gone while kernels ran.
+    suspect: Option<Instant>,
+}
+
+/// How often (in the watcher's 5 ms turns) it looks at the peers of communicators whose
+/// kernels run, and how long a peer may be gone before that is an error (what it wrote before
+/// it went may still let the kernels finish).
+const PEER_TURNS: u32 = 20;
+const PEER_GRACE: Duration = Duration::from_secs(1);
+
+impl Watched {
+    /// Whether the communicator's last launch still runs.
+    fn in_flight(&self) -> bool {
+        let (Some(last), Ok(api)) = (self.last.upgrade(), driver::api()) else {
+            return false;
+        };
+        let l = last.lock();
+        if !l.recorded {
+            return false;
+        }
+        let Ok(_g) = CtxGuard::enter(self.ctx) else {
+            return false;
+        };
+        // SAFETY: the communicator's event, alive while `last` is.
+        unsafe { (api.event_query)(l.event as driver::CUevent) == driver::CUDA_ERROR_NOT_READY }
+    }
+
+    /// A peer the running kernels wait for in vain: a process of this host that died, a
+    /// connection its peer closed, a peer on another host silent past the heartbeat (as the
+    /// host executor's waits check). An error once it has been so for `PEER_GRACE`.
+    fn peer_failure(&mut self) -> Option<Error> {
+        if !self.in_flight() {
+            self.suspect = None;
+            return None;
+        }
+        let dead = self.pids.iter().enumerate().find_map(|(r, p)| {
+            let pid = (*p)?;
+            (!crate::health::process_alive(pid))
+                .then(|| format!("rank {r} (process {pid} on this host) has died"))
+        });
+        let conns = self
+            .conns
+            .upgrade()
+            .map(|c| c.lock().clone())
+            .unwrap_or_default();
+        let name = |r: usize| {
+            self.names
+                .get(r)
+                .cloned()
+                .unwrap_or_else(|| format!("rank {r}"))
+        };
+        let closed = || {
+            conns.iter().find(|c| c.peer_closed()).map(|c| {
+                format!(
+                    "{} closed its connection (it ended its communicator, exited or failed)",
+                    name(c.peer)
+                )
+            })
+        };
+        let silent = || {
+            let limit = crate::param::heartbeat()?;
+            conns.iter().find_map(|c| {
+                let quiet = c.silent_for()?;
+                (quiet > limit).then(|| {
+                    format!(
+                        "{} has not been heard from for {:.1} s (OXCCL_HEARTBEAT_S): its host, \
+                         process or the link to it is down",
+                        name(c.peer),
+                        quiet.as_secs_f64()
+                    )
+                })
+            })
+        };
+        let Some(why) = dead.or_else(closed).or_else(silent) else {
+            self.suspect = None;
+            return None;
+        };
+        let since = *self.suspect.get_or_insert_with(Instant::now);
+        (since.elapsed() >= PEER_GRACE).then(|| {
+            Error::remote(format!(
+                "{}: {why} while this rank's kernels waited for it",
+                self.name
+            ))
+        })
+    }
 }
 
 static WATCHED: Mutex<Vec<Watched>> = Mutex::new(Vec::new());
 
 /// Registers a communicator with the watcher thread (started at the first one): a kernel's
-/// error becomes the communicator's error (announced to the peers), and an aborted or failed
-/// communicator's kernels are told to stop.
-fn watch(ctl: &Arc<Ctl>, health: &Arc<Health>, name: &str) {
+/// error, or a peer its running kernels wait for in vain, becomes the communicator's error
+/// (announced to the peers), and an aborted or failed communicator's kernels are told to stop.
+fn watch(x: Watched) {
     let mut w = WATCHED.lock();
     let start = w.is_empty();
-    w.push(Watched {
-        ctl: Arc::downgrade(ctl),
-        health: Arc::downgrade(health),
-        name: name.to_string(),
-        reported: false,
-    });
+    w.push(x);
     if start {
         let spawned = std::thread::Builder::new()
             .name("oxccl-cuda-watch".into())
-            .spawn(|| loop {
-                std::thread::sleep(Duration::from_millis(5));
-                // Look under the lock, act after it (announcing a failure talks to the peers).
-                let mut errors = Vec::new();
-                let mut stops = Vec::new();
-                {
-                    let mut w = WATCHED.lock();
-                    w.retain_mut(|x| {
-                        let (Some(ctl), Some(h)) = (x.ctl.upgrade(), x.health.upgrade()) else {
-                            return false;
-                        };
-                        if !x.reported {
-                            if let Some((code, info)) = ctl.error() {
-                                x.reported = true;
-                                errors.push((h.clone(), kernel_error(&x.name, code, info)));
-                            }
-                        }
-                        if x.reported || h.halted() || h.failed() {
-                            stops.push(ctl);
-                        }
-                        true
-                    });
-                    if w.is_empty() && errors.is_empty() {
+            .spawn(|| {
+                for turn in 1u32.. {
+                    std::thread::sleep(Duration::from_millis(5));
+                    if !watch_turn(turn.is_multiple_of(PEER_TURNS)) {
                         // The next communicator starts a new watcher.
                         return;
                     }
-                }
-                for (h, e) in errors {
-                    // A WARN and ncclGetLastError's message, as NCCL gives its errors: the
-                    // caller sees only ncclCommGetAsyncError's code otherwise.
-                    crate::error::set_last_error(&e.msg);
-                    h.fail_and_announce(e);
-                }
-                for ctl in stops {
-                    ctl.abort();
                 }
             });
         if let Err(e) = spawned {
@@ -327,6 +413,50 @@ fn watch(ctl: &Arc<Ctl>, health: &Arc<Health>, name: &str) {
             w.clear();
         }
     }
+}
+
+/// One turn of the watcher (`peers`: also look at running kernels' peers); false when nothing
+/// is left to watch.
+fn watch_turn(peers: bool) -> bool {
+    // Look under the lock, act after it (announcing a failure talks to the peers).
+    let mut errors = Vec::new();
+    let mut stops = Vec::new();
+    {
+        let mut w = WATCHED.lock();
+        w.retain_mut(|x| {
+            let (Some(ctl), Some(h)) = (x.ctl.upgrade(), x.health.upgrade()) else {
+                return false;
+            };
+            if !x.reported {
+                if let Some((code, info)) = ctl.error() {
+                    x.reported = true;
+                    errors.push((h.clone(), kernel_error(&x.name, code, info)));
+                } else if peers && !h.halted() && !h.failed() {
+                    if let Some(e) = x.peer_failure() {
+                        x.reported = true;
+                        errors.push((h.clone(), e));
+                    }
+                }
+            }
+            if x.reported || h.halted() || h.failed() {
+                stops.push(ctl);
+            }
+            true
+        });
+        if w.is_empty() && errors.is_empty() {
+            return false;
+        }
+    }
+    for (h, e) in errors {
+        // A WARN and ncclGetLastError's message, as NCCL gives its errors: the caller sees
+        // only ncclCommGetAsyncError's code otherwise.
+        crate::error::set_last_error(&e.msg);
+        h.fail_and_announce(e);
+    }
+    for ctl in stops {
+        ctl.abort();
+    }
+    true
 }
 
 fn kernel_error(name: &str, code: u32, info: [u64; 6]) -> Error {

@@ -194,10 +194,10 @@ impl HostComm {
     /// what a waiting operation checks now and then, so that it fails at once rather than at
     /// its timeout.
     pub fn dead_peer(&self) -> Option<(usize, u32)> {
-        self.peer_pids
-            .iter()
-            .enumerate()
-            .find_map(|(r, p)| p.filter(|&pid| !alive(pid)).map(|pid| (r, pid)))
+        self.peer_pids.iter().enumerate().find_map(|(r, p)| {
+            p.filter(|&pid| !crate::health::process_alive(pid))
+                .map(|pid| (r, pid))
+        })
     }
 
     /// "rank R (process P on host H)", for messages.
@@ -208,7 +208,11 @@ impl HostComm {
     /// Whether rank `p`'s process still runs (as far as this host can tell: ranks of this
     /// process and of other hosts count as running).
     pub fn peer_alive(&self, p: usize) -> bool {
-        self.peer_pids.get(p).copied().flatten().is_none_or(alive)
+        self.peer_pids
+            .get(p)
+            .copied()
+            .flatten()
+            .is_none_or(crate::health::process_alive)
     }
 
     /// The communicator ends here (destroyed or aborted, its work stopped): peers on this host
@@ -231,17 +235,5 @@ impl HostComm {
     pub fn board_op(&self) -> Option<(Arc<Board>, u64)> {
         let b = self.board.clone()?;
         Some((b, self.board_seq.fetch_add(1, Ordering::AcqRel) + 1))
-    }
-}
-
-/// Whether process `pid` runs (a zombie has died: its parent has not collected it yet).
-fn alive(pid: u32) -> bool {
-    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
-        Err(_) => false,
-        // "pid (comm) S ...": the state follows the last ')'.
-        Ok(stat) => stat
-            .rsplit_once(')')
-            .and_then(|(_, rest)| rest.trim_start().chars().next())
-            .is_some_and(|st| st != 'Z' && st != 'X'),
     }
 }
