@@ -691,8 +691,8 @@ fn rank_process(r: usize) {
     // The hosts the communicator sees (ranks on different ones talk only over the network).
     println!("hosts {}", nccl::api::comm_lsa(&comm).unwrap().4);
     let stream = new_stream();
-    if std::env::var("OXEMU_DEATH").is_ok() {
-        return death(comm, r, n, stream, &cache);
+    if let Ok(how) = std::env::var("OXEMU_TROUBLE") {
+        return trouble(&how, comm, r, n, stream, &cache);
     }
     for c in cases(n, &[300_001, 1001]) {
         let (ns, nr) = sizes(&c, n);
@@ -721,20 +721,35 @@ fn rank_process(r: usize) {
     let _ = std::fs::remove_dir_all(&cache);
 }
 
-/// A peer process that dies: every rank runs an all-reduce (the connections made), then the
-/// last rank kills itself; the others launch another, whose kernel waits for it, and must see
-/// an error on the communicator and their stream drain, within the bounds, then say so.
-fn death(comm: Arc<nccl::comm::Comm>, r: usize, n: usize, stream: usize, cache: &Path) {
+/// A peer process that fails the others: every rank runs an all-reduce (the connections
+/// made), then the last rank, with `how` "death", kills itself, or, with "late", stays away
+/// (for the communicators' timeout and 5 s more, then leaves); the others launch another
+/// all-reduce, whose kernel waits for it, and must see an error on the communicator and their
+/// stream drain, within the bounds, then say so.
+fn trouble(
+    how: &str,
+    comm: Arc<nccl::comm::Comm>,
+    r: usize,
+    n: usize,
+    stream: usize,
+    cache: &Path,
+) {
     let _ = std::fs::remove_dir_all(cache);
     let c = cases(n, &[300_001])[0];
     let b = buffers(&c, n)[r];
     fill(&c, n, r, b, 0);
     enqueue(&comm, &c, n, b, stream);
-    sync_all(&[stream], "before the death");
-    verify_rank(&c, n, r, b.1, 0, "before the death");
+    sync_all(&[stream], "before the trouble");
+    verify_rank(&c, n, r, b.1, 0, "before the trouble");
     if r == n - 1 {
-        // SAFETY: ends this process.
-        unsafe { nix::libc::kill(nix::libc::getpid(), nix::libc::SIGKILL) };
+        if how == "death" {
+            // SAFETY: ends this process.
+            unsafe { nix::libc::kill(nix::libc::getpid(), nix::libc::SIGKILL) };
+        }
+        std::thread::sleep(nccl::param::timeout() + Duration::from_secs(5));
+        let _ = nccl::api::comm_abort(nccl::api::comm_handle(&comm));
+        println!("stayed away");
+        return;
     }
     std::thread::sleep(Duration::from_millis(200));
     let t = Instant::now();
@@ -743,7 +758,7 @@ fn death(comm: Arc<nccl::comm::Comm>, r: usize, n: usize, stream: usize, cache: 
     assert_ne!(
         code,
         nccl::error::Code::Success,
-        "rank {r}: the dead peer went unseen"
+        "rank {r}: the failed peer went unseen"
     );
     assert!(
         sync(stream, Duration::from_secs(10)),
@@ -775,11 +790,11 @@ fn shm_names() -> BTreeSet<String> {
 /// between hosts the network transport's proxy threads move the kernels' FIFO slots over
 /// loopback sockets.
 fn processes(so: &Path, n: usize, ipc: bool, hosts: usize) {
-    run_processes(so, n, ipc, hosts, false);
+    run_processes(so, n, ipc, hosts, None);
 }
 
-/// `processes`, or with `death` the last rank dies once its communicator is made (`death`).
-fn run_processes(so: &Path, n: usize, ipc: bool, hosts: usize, death: bool) {
+/// `processes`, or with `trouble` ("death", "late") the last rank fails the others (`trouble`).
+fn run_processes(so: &Path, n: usize, ipc: bool, hosts: usize, trouble: Option<&str>) {
     let dir =
         Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("cuda-emu-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
@@ -799,7 +814,9 @@ fn run_processes(so: &Path, n: usize, ipc: bool, hosts: usize, death: bool) {
                 .env("OXEMU_ID", &hex)
                 .env("OXEMU_LIB", so)
                 .env("OXCCL_CUDA_IPC", if ipc { "1" } else { "0" })
-                .envs(death.then_some(("OXEMU_DEATH", "1")))
+                .envs(trouble.map(|t| ("OXEMU_TROUBLE", t)))
+                // A short timeout for the late peer (also the bootstrap's).
+                .envs(trouble.map(|_| ("OXCCL_TIMEOUT_S", "3")))
                 .envs((hosts > 1).then(|| ("OXCCL_HOSTID", format!("emu-host-{}", r * hosts / n))))
                 .env_remove("NCCL_DEBUG")
                 .env_remove("NCCL_DEBUG_SUBSYS")
@@ -848,13 +865,20 @@ fn run_processes(so: &Path, n: usize, ipc: bool, hosts: usize, death: bool) {
             }
         }
     }
-    if death {
+    if let Some(how) = trouble {
         use std::os::unix::process::ExitStatusExt;
-        assert_eq!(outs[n - 1].0.signal(), Some(9), "{report}");
+        let last = &outs[n - 1];
+        match how {
+            "death" => assert_eq!(last.0.signal(), Some(9), "{report}"),
+            _ => assert!(
+                last.0.success() && last.1.contains("stayed away"),
+                "{report}"
+            ),
+        }
         for (status, out, _) in &outs[..n - 1] {
             assert!(status.success() && out.contains("survived: "), "{report}");
         }
-        eprintln!("a dead peer, {n} processes:\n{report}");
+        eprintln!("a peer's {how}, {n} processes:\n{report}");
         return;
     }
     let mut opened = 0;
@@ -957,9 +981,9 @@ fn cuda_executor_on_emulated_kernels() {
     ] {
         processes(&so, n, ipc, hosts);
     }
-    // A peer that dies, on this host and on another.
-    for (n, hosts) in [(2, 1), (2, 2)] {
-        run_processes(&so, n, false, hosts, true);
+    // A peer that dies, on this host and on another; one that never comes.
+    for (n, hosts, how) in [(2, 1, "death"), (2, 2, "death"), (2, 1, "late")] {
+        run_processes(&so, n, false, hosts, Some(how));
     }
     let _ = std::fs::remove_file(&so);
     let _ = std::fs::remove_dir_all(&cache);

@@ -159,6 +159,7 @@ impl CudaComm {
                 .map(|(r, q)| q.describe(r))
                 .collect(),
             suspect: None,
+            progress: None,
         });
         crate::debug::info(&format!(
             "{name}: CUDA executor on device {dev} (driver {})",
@@ -299,6 +300,9 @@ struct Watched {
     names: Vec<String>,
     /// When a peer was first seen gone while kernels ran.
     suspect: Option<Instant>,
+    /// The counters of the running launch's connections (where the host can read them), and
+    /// since when they are so.
+    progress: Option<(u64, Instant)>,
 }
 
 /// How often (in the watcher's 5 ms turns) it looks at the peers of communicators whose
@@ -330,7 +334,11 @@ impl Watched {
     fn peer_failure(&mut self) -> Option<Error> {
         if !self.in_flight() {
             self.suspect = None;
+            self.progress = None;
             return None;
+        }
+        if let Some(e) = self.stalled() {
+            return Some(e);
         }
         let dead = self.pids.iter().enumerate().find_map(|(r, p)| {
             let pid = (*p)?;
@@ -381,6 +389,43 @@ impl Watched {
                 self.name
             ))
         })
+    }
+}
+
+impl Watched {
+    /// The running launch's connections have not moved (their counters, where the host can
+    /// read them: pinned memory) for the communicator's timeout: a peer that never comes, as
+    /// the host executor's waits time out (`OXCCL_TIMEOUT_S`).
+    fn stalled(&mut self) -> Option<Error> {
+        use std::hash::{Hash, Hasher};
+        let conns = self.conns.upgrade()?;
+        let readable: Vec<String> = conns
+            .lock()
+            .iter()
+            .filter(|c| !c.on_device())
+            .map(|c| c.counters())
+            .collect();
+        if readable.is_empty() {
+            return None;
+        }
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        readable.hash(&mut h);
+        let now = h.finish();
+        let timeout = crate::param::timeout();
+        match self.progress {
+            Some((then, since)) if then == now => (since.elapsed() > timeout).then(|| {
+                Error::timeout(format!(
+                    "{}: its kernels made no progress for {} s (OXCCL_TIMEOUT_S): waiting on {}",
+                    self.name,
+                    timeout.as_secs(),
+                    readable.join("; ")
+                ))
+            }),
+            _ => {
+                self.progress = Some((now, Instant::now()));
+                None
+            }
+        }
     }
 }
 
