@@ -340,16 +340,19 @@ impl Watched {
         if let Some(e) = self.stalled() {
             return Some(e);
         }
-        let dead = self.pids.iter().enumerate().find_map(|(r, p)| {
-            let pid = (*p)?;
-            (!crate::health::process_alive(pid))
-                .then(|| format!("rank {r} (process {pid} on this host) has died"))
-        });
         let conns = self
             .conns
             .upgrade()
             .map(|c| c.lock().clone())
             .unwrap_or_default();
+        // A dead process counts where the launch has a connection with it (or none is known):
+        // a rank that this launch does not involve is no failure of it.
+        let waits_for = |r: usize| conns.is_empty() || conns.iter().any(|c| c.peer == r);
+        let dead = self.pids.iter().enumerate().find_map(|(r, p)| {
+            let pid = (*p)?;
+            (waits_for(r) && !crate::health::process_alive(pid))
+                .then(|| format!("rank {r} (process {pid} on this host) has died"))
+        });
         let name = |r: usize| {
             self.names
                 .get(r)
