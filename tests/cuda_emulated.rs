@@ -735,6 +735,9 @@ fn trouble(
     cache: &Path,
 ) {
     let _ = std::fs::remove_dir_all(cache);
+    if how == "finish" {
+        return finish(comm, r, n, stream);
+    }
     let c = cases(n, &[300_001])[0];
     let b = buffers(&c, n)[r];
     fill(&c, n, r, b, 0);
@@ -770,6 +773,52 @@ fn trouble(
         nccl::error::last_error()
     );
     let _ = nccl::api::comm_abort(nccl::api::comm_handle(&comm));
+}
+
+/// A peer that did its part and left is no failure: the last rank sends rank 0 what fits its
+/// connection, destroys its communicator and exits; rank 0's receive waits in its stream's
+/// queue behind 2.5 s of other work (a gate), then runs and must get the data, no error.
+fn finish(comm: Arc<nccl::comm::Comm>, r: usize, n: usize, stream: usize) {
+    let count = 1001;
+    let b = buffer(4 * count);
+    let call = |kind, peer: usize| CollArgs {
+        kind,
+        send: b,
+        recv: b,
+        count,
+        dtype: DataType::Float32,
+        op: 0,
+        root: peer as i32,
+    };
+    if r == n - 1 {
+        for i in 0..count {
+            put(DataType::Float32, b, i, i as f64);
+        }
+        nccl::api::enqueue(&comm, call(CollKind::Send, 0), stream_arg(stream)).unwrap();
+        sync_all(&[stream], "the send");
+        nccl::api::comm_destroy(nccl::api::comm_handle(&comm)).unwrap();
+        println!("sent and left");
+        return;
+    }
+    if r != 0 {
+        nccl::api::comm_destroy(nccl::api::comm_handle(&comm)).unwrap();
+        println!("survived: not involved");
+        return;
+    }
+    let g = device::gate(stream);
+    nccl::api::enqueue(&comm, call(CollKind::Recv, n - 1), stream_arg(stream)).unwrap();
+    std::thread::sleep(Duration::from_millis(2500));
+    device::open_gate(&g);
+    sync_all(&[stream], "the receive behind the gate");
+    no_async_error(
+        std::slice::from_ref(&comm),
+        "a peer that did its part and left",
+    );
+    for i in 0..count {
+        assert_eq!(get(DataType::Float32, b, i), i as f64, "element {i}");
+    }
+    println!("survived: received after the peer left");
+    nccl::api::comm_destroy(nccl::api::comm_handle(&comm)).unwrap();
 }
 
 /// The library's segments in /dev/shm.
@@ -870,6 +919,10 @@ fn run_processes(so: &Path, n: usize, ipc: bool, hosts: usize, trouble: Option<&
         let last = &outs[n - 1];
         match how {
             "death" => assert_eq!(last.0.signal(), Some(9), "{report}"),
+            "finish" => assert!(
+                last.0.success() && last.1.contains("sent and left"),
+                "{report}"
+            ),
             _ => assert!(
                 last.0.success() && last.1.contains("stayed away"),
                 "{report}"
@@ -982,7 +1035,14 @@ fn cuda_executor_on_emulated_kernels() {
         processes(&so, n, ipc, hosts);
     }
     // A peer that dies, on this host and on another; one that never comes.
-    for (n, hosts, how) in [(2, 1, "death"), (2, 2, "death"), (2, 1, "late")] {
+    // (and one that did its part and left: no failure).
+    for (n, hosts, how) in [
+        (2, 1, "death"),
+        (2, 2, "death"),
+        (2, 1, "late"),
+        (2, 1, "finish"),
+        (2, 2, "finish"),
+    ] {
         run_processes(&so, n, false, hosts, Some(how));
     }
     let _ = std::fs::remove_file(&so);

@@ -146,6 +146,26 @@ impl Event {
     }
 }
 
+/// Holds stream `h` until the gate opens (what a long kernel of the caller's does to the
+/// collectives queued behind it).
+pub fn gate(h: usize) -> Arc<Event> {
+    let event = Arc::new(Event::default());
+    submit(
+        h,
+        Op::Wait {
+            event: event.clone(),
+            generation: 1,
+        },
+    );
+    event
+}
+
+/// Lets the stream held by `gate` go on.
+pub fn open_gate(g: &Event) {
+    g.reached.lock().insert(1);
+    g.cv.notify_all();
+}
+
 static STREAMS: Mutex<Option<HashMap<usize, Arc<Stream>>>> = Mutex::new(None);
 static EVENTS: Mutex<Option<HashMap<usize, Arc<Event>>>> = Mutex::new(None);
 pub static NEXT: AtomicU64 = AtomicU64::new(0x100);

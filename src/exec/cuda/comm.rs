@@ -86,6 +86,10 @@ pub(super) struct Last {
     pub stream: Option<usize>,
     /// The event was recorded (a launch happened outside graph capture).
     pub recorded: bool,
+    /// Recorded just before the last launch (outside graph capture): reached once what the
+    /// stream had queued before it is done, so the launch runs (the watcher looks at the
+    /// peers only then, not while the launch waits in the queue).
+    pub start: usize,
 }
 
 pub struct CudaComm {
@@ -126,6 +130,12 @@ impl CudaComm {
             unsafe { (api.event_create)(&mut join, driver::CU_EVENT_DISABLE_TIMING) },
             || "cuEventCreate".into(),
         )?;
+        let mut start: driver::CUevent = std::ptr::null_mut();
+        // SAFETY: writes one event handle.
+        check(
+            unsafe { (api.event_create)(&mut start, driver::CU_EVENT_DISABLE_TIMING) },
+            || "cuEventCreate".into(),
+        )?;
         let ctl = Arc::new(Ctl::new()?);
         let name = match &s.name {
             Some(n) => format!("comm {n} ({:#x}) rank {} of {}", s.hash, s.rank, s.nranks),
@@ -135,6 +145,7 @@ impl CudaComm {
             event: ev as usize,
             stream: None,
             recorded: false,
+            start: start as usize,
         }));
         let last_conns = Arc::new(Mutex::new(Vec::new()));
         let me = &s.peers[s.rank];
@@ -276,7 +287,12 @@ impl Drop for CudaComm {
         if let (Ok(api), Ok(_g)) = (driver::api(), CtxGuard::enter(self.ctx)) {
             // SAFETY: our events, destroyed once.
             unsafe {
-                (api.event_destroy)(self.last.lock().event as driver::CUevent);
+                // Under the lock, marked unrecorded first: the watcher, which may still hold
+                // `last`, must not query destroyed events.
+                let mut l = self.last.lock();
+                l.recorded = false;
+                (api.event_destroy)(l.event as driver::CUevent);
+                (api.event_destroy)(l.start as driver::CUevent);
                 (api.event_destroy)(self.join_event as driver::CUevent);
             }
         }
@@ -312,20 +328,27 @@ const PEER_TURNS: u32 = 20;
 const PEER_GRACE: Duration = Duration::from_secs(1);
 
 impl Watched {
-    /// Whether the communicator's last launch still runs.
+    /// Whether the communicator's last launch runs: begun (what the stream had queued before
+    /// it is done) and not finished. Not when `last` is held (a launching thread holds it
+    /// across driver calls that may wait for the device: this turn is skipped, never blocked).
     fn in_flight(&self) -> bool {
         let (Some(last), Ok(api)) = (self.last.upgrade(), driver::api()) else {
             return false;
         };
-        let l = last.lock();
+        let Some(l) = last.try_lock() else {
+            return false;
+        };
         if !l.recorded {
             return false;
         }
         let Ok(_g) = CtxGuard::enter(self.ctx) else {
             return false;
         };
-        // SAFETY: the communicator's event, alive while `last` is.
-        unsafe { (api.event_query)(l.event as driver::CUevent) == driver::CUDA_ERROR_NOT_READY }
+        let pending = |ev: usize| {
+            // SAFETY: the communicator's events, alive while `last` is recorded.
+            unsafe { (api.event_query)(ev as driver::CUevent) == driver::CUDA_ERROR_NOT_READY }
+        };
+        !pending(l.start) && pending(l.event)
     }
 
     /// A peer the running kernels wait for in vain: a process of this host that died, a
@@ -401,6 +424,9 @@ impl Watched {
     /// the host executor's waits time out (`OXCCL_TIMEOUT_S`).
     fn stalled(&mut self) -> Option<Error> {
         use std::hash::{Hash, Hasher};
+        // Only where the user set it: a GPU job's ranks may legitimately keep their peers
+        // waiting for minutes (a checkpoint, an evaluation on one rank), as NCCL lets them.
+        let timeout = crate::param::get_str("OXCCL_TIMEOUT_S").map(|_| crate::param::timeout())?;
         let conns = self.conns.upgrade()?;
         let readable: Vec<String> = conns
             .lock()
@@ -409,12 +435,12 @@ impl Watched {
             .map(|c| c.counters())
             .collect();
         if readable.is_empty() {
+            self.progress = None;
             return None;
         }
         let mut h = std::collections::hash_map::DefaultHasher::new();
         readable.hash(&mut h);
         let now = h.finish();
-        let timeout = crate::param::timeout();
         match self.progress {
             Some((then, since)) if then == now => (since.elapsed() > timeout).then(|| {
                 Error::timeout(format!(

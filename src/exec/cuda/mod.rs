@@ -376,6 +376,20 @@ fn launch_set(jobs: &mut [Job<'_>]) -> Result<()> {
             .iter()
             .try_for_each(|j| join_before(api, j.comm, stream, &j.joins)),
     };
+    if result.is_ok() && !capturing {
+        for j in jobs.iter() {
+            j.comm.last_conns.lock().clear();
+            let l = j.comm.last.lock();
+            // SAFETY: the communicator's start event, on the launch stream.
+            result = check(
+                unsafe { (api.event_record)(l.start as _, stream as _) },
+                || "cuEventRecord (before a launch)".into(),
+            );
+            if result.is_err() {
+                break;
+            }
+        }
+    }
     for k in 0..launches {
         if result.is_err() {
             break;
@@ -391,10 +405,11 @@ fn launch_set(jobs: &mut [Job<'_>]) -> Result<()> {
             }
         }
     }
-    if let Err(e) = &result {
+    if let (Err(e), false) = (&result, capturing) {
         // The driver refused part of the group: the peers launched theirs and wait for this
         // rank's (whatever of it did run waits for the rest), so the communicators are broken
-        // (their kernels are told to stop, their peers told) rather than left to hang.
+        // (their kernels are told to stop, their peers told) rather than left to hang. (A
+        // graph being captured runs nowhere yet: nobody waits for it.)
         for j in jobs.iter() {
             j.comm.health.fail_and_announce(e.clone());
         }
@@ -539,9 +554,9 @@ fn launch_stage(
             ));
         }
         for j in jobs.iter() {
-            // Each communicator keeps its own connections of the launch (for messages).
+            // Each communicator keeps its own connections of the launches (for messages and
+            // the watcher; `launch_set` clears them first).
             let mut lc = j.comm.last_conns.lock();
-            lc.clear();
             for s in j.lanes(k).flatten().flat_map(|p| &p.steps) {
                 for c in s.recv.iter().chain(s.send.iter()) {
                     if !lc.iter().any(|x| std::sync::Arc::ptr_eq(x, c)) {
