@@ -501,6 +501,41 @@ fn async_error(comm: &Arc<nccl::comm::Comm>) -> nccl::error::Code {
     }
 }
 
+/// Two ranks' calls in one group, rank r's `calls[r]` in `bufs[r]` on `streams[r]`: what
+/// `ncclGroupEnd` returned.
+fn pair(
+    comms: &[Arc<nccl::comm::Comm>],
+    calls: [&Case; 2],
+    bufs: &[(usize, usize)],
+    streams: &[usize],
+) -> nccl::error::Result<()> {
+    nccl::api::group_start().unwrap();
+    for r in 0..2 {
+        enqueue(&comms[r], calls[r], 2, bufs[r], streams[r]);
+    }
+    nccl::api::group_end()
+}
+
+/// After a failure: the streams drain, every communicator reports an error (`code`, where
+/// given), then they are aborted.
+fn failed(
+    comms: &[Arc<nccl::comm::Comm>],
+    streams: &[usize],
+    code: Option<nccl::error::Code>,
+    what: &str,
+) {
+    sync_all(streams, what);
+    for c in comms {
+        match code {
+            Some(code) => assert_eq!(async_error(c), code, "{what}"),
+            None => assert_ne!(async_error(c), nccl::error::Code::Success, "{what}"),
+        }
+    }
+    for c in comms {
+        let _ = nccl::api::comm_abort(nccl::api::comm_handle(c));
+    }
+}
+
 /// Failures end in errors on the device too. Ranks that make different calls: the kernel that
 /// receives the other call's data stops, and both communicators fail with ncclInvalidUsage
 /// naming both calls, their streams drained. A rank whose peer never launches: its kernel waits
@@ -518,16 +553,14 @@ fn failures() {
         in_place: false,
         root: 0,
     });
-    nccl::api::group_start().unwrap();
-    for r in 0..2 {
-        let b = buffers(&calls[r], 2)[r];
-        enqueue(&comms[r], &calls[r], 2, b, streams[r]);
-    }
-    nccl::api::group_end().unwrap();
-    sync_all(&streams, "mismatched calls");
-    for c in &comms {
-        assert_eq!(async_error(c), Code::InvalidUsage, "mismatched calls");
-    }
+    let bufs = [buffers(&calls[0], 2)[0], buffers(&calls[1], 2)[1]];
+    pair(&comms, [&calls[0], &calls[1]], &bufs, &streams).unwrap();
+    failed(
+        &comms,
+        &streams,
+        Some(Code::InvalidUsage),
+        "mismatched calls",
+    );
     // ncclGetLastError's message (the watcher that found the kernel's error set it).
     let msg = nccl::error::last_error();
     assert!(
@@ -536,9 +569,6 @@ fn failures() {
             && msg.contains("Broadcast"),
         "{msg}"
     );
-    for c in &comms {
-        let _ = nccl::api::comm_abort(nccl::api::comm_handle(c));
-    }
 
     let comms = nccl::api::comm_init_all(&[0, 0]).expect("two ranks");
     let alone = calls[0];
@@ -562,20 +592,10 @@ fn failures() {
     let comms = nccl::api::comm_init_all(&[0, 0]).expect("two ranks");
     let bufs = buffers(&calls[0], 2);
     device::FAIL_LAUNCH_ON.store(streams[1] as u64, Ordering::SeqCst);
-    nccl::api::group_start().unwrap();
-    for r in 0..2 {
-        enqueue(&comms[r], &calls[0], 2, bufs[r], streams[r]);
-    }
-    let e = nccl::api::group_end().expect_err("a launch the driver refused");
+    let e = pair(&comms, [&calls[0]; 2], &bufs, &streams).expect_err("a launch the driver refused");
     assert_eq!(e.code, Code::UnhandledCudaError, "{}", e.msg);
     assert!(e.msg.contains("stand-in error"), "{}", e.msg);
-    sync_all(&streams, "a refused launch");
-    for c in &comms {
-        assert_ne!(async_error(c), Code::Success, "a refused launch");
-    }
-    for c in &comms {
-        let _ = nccl::api::comm_abort(nccl::api::comm_handle(c));
-    }
+    failed(&comms, &streams, None, "a refused launch");
 
     // Device memory for a connection the driver cannot give (an all-to-all's connections are
     // made at its first launch; between ranks of one process, in device memory): an error
@@ -587,23 +607,14 @@ fn failures() {
     };
     let bufs = buffers(&all_to_all, 2);
     device::FAIL_ALLOC.store(true, Ordering::SeqCst);
-    nccl::api::group_start().unwrap();
-    for r in 0..2 {
-        enqueue(&comms[r], &all_to_all, 2, bufs[r], streams[r]);
-    }
-    let e = nccl::api::group_end().expect_err("no memory for a connection");
+    let e =
+        pair(&comms, [&all_to_all; 2], &bufs, &streams).expect_err("no memory for a connection");
     assert!(
         !device::FAIL_ALLOC.load(Ordering::SeqCst),
         "no allocation was made"
     );
     assert!(e.msg.contains("cuMemAlloc"), "{}", e.msg);
-    sync_all(&streams, "no memory for a connection");
-    for c in &comms {
-        assert_ne!(async_error(c), Code::Success, "no memory for a connection");
-    }
-    for c in &comms {
-        let _ = nccl::api::comm_abort(nccl::api::comm_handle(c));
-    }
+    failed(&comms, &streams, None, "no memory for a connection");
     release_buffers();
 }
 

@@ -416,9 +416,7 @@ impl Watched {
             ))
         })
     }
-}
 
-impl Watched {
     /// The running launch's connections have not moved (their counters, where the host can
     /// read them: pinned memory) for the communicator's timeout: a peer that never comes, as
     /// the host executor's waits time out (`OXCCL_TIMEOUT_S`).
