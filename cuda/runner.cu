@@ -76,17 +76,23 @@ struct OxLaneD {  // 16 bytes
   uint64_t ctl;  // the lane's communicator's control block (OxCtl)
 };
 // The communicator's control block (pinned host memory): the host sets `abort`; a kernel that
-// stops on an error says why in `err` and `info`.
+// stops on an error says why in `err` and `info`; a kernel that waits for a peer says so now
+// and then in `wait_conn` (the connection's header) and `wait_mark` (a value that changes while
+// it waits), which is how the host's watcher knows which peer a running kernel, launched
+// eagerly or replayed from a graph, waits for.
 struct OxCtl {
   uint32_t abort;
   uint32_t err;
   uint64_t info[6];
+  uint64_t wait_conn;
+  uint64_t wait_mark;
 };
 static_assert(sizeof(OxConnD) == 32, "OxConnD layout");
 static_assert(sizeof(OxStepD) == 56, "OxStepD layout");
 static_assert(sizeof(OxProgD) == 80, "OxProgD layout");
 static_assert(sizeof(OxHeadD) == 16, "OxHeadD layout");
 static_assert(sizeof(OxLaneD) == 16, "OxLaneD layout");
+static_assert(sizeof(OxCtl) == 72, "OxCtl layout");
 #define OX_PARAM_BYTES_LARGE 32760
 struct OxParams {
   uint64_t words[OX_PARAM_BYTES / 8];
@@ -180,9 +186,13 @@ struct OxShared {
   uint8_t known[OX_MAX_CONNS];
 };
 
-// Thread 0 waits until `pred` holds, checking the abort word now and then: false when aborted.
-__device__ __forceinline__ bool ox_aborted(OxCtl* ctl) {
-  return ld_vol32(&ctl->abort) != 0;
+// Thread 0, every 1024th read of a counter it waits on (connection header `hdr`): tells the
+// host which connection it waits for (a mark that changes from one call to the next: the
+// block and how long it has waited), and whether it must stop (abort).
+__device__ __forceinline__ bool ox_still_waits(OxCtl* ctl, uint64_t hdr, unsigned spins) {
+  st_vol64(&ctl->wait_conn, hdr);
+  st_vol64(&ctl->wait_mark, ((uint64_t)(blockIdx.x + 1) << 32) | spins);
+  return ld_vol32(&ctl->abort) == 0;
 }
 
 // ---- element loops (all threads of the block; `tid`/`nt` the thread's place) ----
@@ -431,7 +441,7 @@ __device__ bool ox_wait_slots(const OxView& v, const OxStepD& s, const OxProgD& 
     uint64_t* hdr = (uint64_t*)c.hdr;
     uint64_t head = ox_next(c, s.recv, false, sh);
     while (ld_vol64(hdr) <= head) {
-      if ((++spins & 1023) == 0 && ox_aborted(ctl)) return false;
+      if ((++spins & 1023) == 0 && !ox_still_waits(ctl, c.hdr, spins)) return false;
     }
     __threadfence_system();
     uint64_t idx = head % c.nsteps;
@@ -448,11 +458,11 @@ __device__ bool ox_wait_slots(const OxView& v, const OxStepD& s, const OxProgD& 
     const OxConnD& c = v.conns[s.send];
     uint64_t* hdr = (uint64_t*)c.hdr;
     while (ld_vol32((const uint32_t*)(c.hdr + 128)) < 2) {
-      if ((++spins & 1023) == 0 && ox_aborted(ctl)) return false;
+      if ((++spins & 1023) == 0 && !ox_still_waits(ctl, c.hdr, spins)) return false;
     }
     uint64_t tail = ox_next(c, s.send, true, sh);
     while (tail - ld_vol64(hdr + 8) >= c.nsteps) {
-      if ((++spins & 1023) == 0 && ox_aborted(ctl)) return false;
+      if ((++spins & 1023) == 0 && !ox_still_waits(ctl, c.hdr, spins)) return false;
     }
     sh->out = (uint8_t*)(c.slots + (tail % c.nsteps) * c.slot_bytes);
     sh->sstep = tail;

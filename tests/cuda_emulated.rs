@@ -6,7 +6,10 @@
 //! on one, several datatypes and every operator; the optional direct all-reduce and copy
 //! kernels; graphs captured and replayed between eager launches; a thread per rank; and a
 //! process per rank (2 and 3), with connections in shared host memory and, with
-//! `OXCCL_CUDA_IPC=1`, in device memory opened by IPC handles.
+//! `OXCCL_CUDA_IPC=1`, in device memory opened by IPC handles; ranks on 2 "hosts" over the
+//! network transport. And failures: a call mismatch, an abort, a refused launch or allocation,
+//! a peer process that dies during an eager launch or a graph's replay (on this host and on
+//! another), one that never comes, and one that did its part and left (no failure).
 //!
 //! What this shows: the executor's plans, descriptors, launches, stream order and connection
 //! setup, and the kernels' logic over connections (slots, counters, slices, several blocks per
@@ -736,7 +739,9 @@ fn rank_process(r: usize) {
 /// made), then the last rank, with `how` "death", kills itself, or, with "late", stays away
 /// (for the communicators' timeout and 5 s more, then leaves); the others launch another
 /// all-reduce, whose kernel waits for it, and must see an error on the communicator and their
-/// stream drain, within the bounds, then say so.
+/// stream drain, within the bounds, then say so. With "graph-" before `how`, the all-reduce is
+/// captured once and both runs are replays of the graph (which the library does not see
+/// launched: only the kernels can tell it they wait).
 fn trouble(
     how: &str,
     comm: Arc<nccl::comm::Comm>,
@@ -752,7 +757,17 @@ fn trouble(
     let c = cases(n, &[300_001])[0];
     let b = buffers(&c, n)[r];
     fill(&c, n, r, b, 0);
-    enqueue(&comm, &c, n, b, stream);
+    let graph = how.strip_prefix("graph-").map(|_| {
+        begin_capture(stream);
+        enqueue(&comm, &c, n, b, stream);
+        end_capture(stream)
+    });
+    let how = how.trim_start_matches("graph-");
+    let run = || match &graph {
+        Some(g) => g.iter().for_each(|op| submit(stream, op.clone())),
+        None => enqueue(&comm, &c, n, b, stream),
+    };
+    run();
     sync_all(&[stream], "before the trouble");
     verify_rank(&c, n, r, b.1, 0, "before the trouble");
     if r == n - 1 {
@@ -767,7 +782,7 @@ fn trouble(
     }
     std::thread::sleep(Duration::from_millis(200));
     let t = Instant::now();
-    enqueue(&comm, &c, n, b, stream);
+    run();
     let code = async_error(&comm);
     assert_ne!(
         code,
@@ -928,7 +943,7 @@ fn run_processes(so: &Path, n: usize, ipc: bool, hosts: usize, trouble: Option<&
     if let Some(how) = trouble {
         use std::os::unix::process::ExitStatusExt;
         let last = &outs[n - 1];
-        match how {
+        match how.trim_start_matches("graph-") {
             "death" => assert_eq!(last.0.signal(), Some(9), "{report}"),
             "finish" => assert!(
                 last.0.success() && last.1.contains("sent and left"),
@@ -1045,11 +1060,14 @@ fn cuda_executor_on_emulated_kernels() {
     ] {
         processes(&so, n, ipc, hosts);
     }
-    // A peer that dies, on this host and on another; one that never comes.
+    // A peer that dies, on this host and on another, during an eager launch or a graph's
+    // replay; one that never comes.
     // (and one that did its part and left: no failure).
     for (n, hosts, how) in [
         (2, 1, "death"),
         (2, 2, "death"),
+        (2, 1, "graph-death"),
+        (2, 2, "graph-death"),
         (2, 1, "late"),
         (2, 1, "finish"),
         (2, 2, "finish"),

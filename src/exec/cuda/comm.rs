@@ -1,13 +1,15 @@
 //! The CUDA executor's state of one rank: its device and context, the event that marks the end
 //! of its last launch (operations of a communicator run in issue order whatever streams they
 //! are given, as NCCL's do), and its control block: pinned host memory through which the host
-//! stops the kernels (abort) and kernels report why they stopped (a call mismatch).
+//! stops the kernels (abort) and kernels report why they stopped (a call mismatch) and which
+//! connection they wait on.
 
 use super::kernels::{self, Kernels};
 use crate::error::{Error, Result};
 use crate::exec::CommSetup;
 use crate::gpu::driver::{self, check, CtxGuard};
 use crate::health::Health;
+use crate::transport::Conn;
 use parking_lot::Mutex;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Weak};
@@ -54,6 +56,17 @@ impl Ctl {
         self.word(0).store(1, Ordering::SeqCst);
     }
 
+    /// The connection (its header's device address) a kernel last said it waits on, and the
+    /// mark that changes while kernels wait (0: none has waited yet).
+    pub fn waiting(&self) -> (u64, u64) {
+        // SAFETY: inside the page, 8-byte aligned (`wait_mark` at 64, `wait_conn` at 56).
+        unsafe {
+            let mark = std::ptr::read_volatile(self.page.add(64) as *const u64);
+            let conn = std::ptr::read_volatile(self.page.add(56) as *const u64);
+            (mark, conn)
+        }
+    }
+
     /// The kernel's error code and details, if one stopped on an error.
     pub fn error(&self) -> Option<(u32, [u64; 6])> {
         let code = self.word(1).load(Ordering::Acquire);
@@ -86,10 +99,6 @@ pub(super) struct Last {
     pub stream: Option<usize>,
     /// The event was recorded (a launch happened outside graph capture).
     pub recorded: bool,
-    /// Recorded just before the last launch (outside graph capture): reached once what the
-    /// stream had queued before it is done, so the launch runs (the watcher looks at the
-    /// peers only then, not while the launch waits in the queue).
-    pub start: usize,
 }
 
 pub struct CudaComm {
@@ -101,9 +110,11 @@ pub struct CudaComm {
     pub(super) ctl: Arc<Ctl>,
     pub(super) kern: Kernels,
     pub(super) last: Arc<Mutex<Last>>,
-    /// The connections of the last launch (their counters go into timeout messages; the
-    /// watcher looks at their peers while the launch runs).
-    pub(super) last_conns: Arc<Mutex<Vec<Arc<crate::transport::Conn>>>>,
+    /// The connections of the last launch (their counters go into timeout messages).
+    pub(super) last_conns: Arc<Mutex<Vec<Arc<Conn>>>>,
+    /// Every connection its launches used, captured ones included, by the device address of
+    /// its header (what a waiting kernel names in the control block).
+    pub(super) used: Arc<Mutex<Used>>,
     /// Recorded on a group's other streams to join them to the launch stream.
     pub(super) join_event: usize,
     /// Ranks of this communicator on this host and device (their kernels share its SMs).
@@ -130,12 +141,6 @@ impl CudaComm {
             unsafe { (api.event_create)(&mut join, driver::CU_EVENT_DISABLE_TIMING) },
             || "cuEventCreate".into(),
         )?;
-        let mut start: driver::CUevent = std::ptr::null_mut();
-        // SAFETY: writes one event handle.
-        check(
-            unsafe { (api.event_create)(&mut start, driver::CU_EVENT_DISABLE_TIMING) },
-            || "cuEventCreate".into(),
-        )?;
         let ctl = Arc::new(Ctl::new()?);
         let name = match &s.name {
             Some(n) => format!("comm {n} ({:#x}) rank {} of {}", s.hash, s.rank, s.nranks),
@@ -145,18 +150,16 @@ impl CudaComm {
             event: ev as usize,
             stream: None,
             recorded: false,
-            start: start as usize,
         }));
         let last_conns = Arc::new(Mutex::new(Vec::new()));
+        let used = Arc::new(Mutex::new(Used::default()));
         let me = &s.peers[s.rank];
         watch(Watched {
             ctl: Arc::downgrade(&ctl),
             health: Arc::downgrade(&s.health),
             name: name.clone(),
             reported: false,
-            last: Arc::downgrade(&last),
-            conns: Arc::downgrade(&last_conns),
-            ctx,
+            used: Arc::downgrade(&used),
             pids: s
                 .peers
                 .iter()
@@ -169,6 +172,8 @@ impl CudaComm {
                 .enumerate()
                 .map(|(r, q)| q.describe(r))
                 .collect(),
+            mark: 0,
+            idle: 0,
             suspect: None,
             progress: None,
         });
@@ -186,6 +191,7 @@ impl CudaComm {
             kern,
             last,
             last_conns,
+            used,
             join_event: join as usize,
             ranks_on_device: s
                 .peers
@@ -287,128 +293,119 @@ impl Drop for CudaComm {
         if let (Ok(api), Ok(_g)) = (driver::api(), CtxGuard::enter(self.ctx)) {
             // SAFETY: our events, destroyed once.
             unsafe {
-                // Under the lock, marked unrecorded first: the watcher, which may still hold
-                // `last`, must not query destroyed events.
+                // Under the lock, marked unrecorded first.
                 let mut l = self.last.lock();
                 l.recorded = false;
                 (api.event_destroy)(l.event as driver::CUevent);
-                (api.event_destroy)(l.start as driver::CUevent);
                 (api.event_destroy)(self.join_event as driver::CUevent);
             }
         }
     }
 }
 
+/// Every connection a communicator's launches used, by the device address of its header.
+#[derive(Default)]
+pub(super) struct Used(std::collections::HashMap<u64, Arc<Conn>>);
+
+impl Used {
+    pub fn add(&mut self, c: &Arc<Conn>) {
+        self.0
+            .entry(c.device_view().0 as u64)
+            .or_insert_with(|| c.clone());
+    }
+}
+
 /// What the watcher thread looks after: a communicator's control block and health, and, while
-/// its kernels run, its peers.
+/// its kernels wait, the peer they wait for.
 struct Watched {
     ctl: Weak<Ctl>,
     health: Weak<Health>,
     name: String,
     reported: bool,
-    /// The communicator's last launch and its connections.
-    last: Weak<Mutex<Last>>,
-    conns: Weak<Mutex<Vec<Arc<crate::transport::Conn>>>>,
-    ctx: usize,
+    used: Weak<Mutex<Used>>,
     /// Each rank's process where it runs on this host in another process (as this process
     /// sees it), and each rank in words.
     pids: Vec<Option<u32>>,
     names: Vec<String>,
-    /// When a peer was first seen gone while kernels ran.
-    suspect: Option<Instant>,
-    /// The counters of the running launch's connections (where the host can read them), and
-    /// since when they are so.
+    /// The control block's wait mark at the last look, and how many looks in a row it has not
+    /// changed (the kernels did not wait).
+    mark: u64,
+    idle: u32,
+    /// Since when, and on which connection, a peer has been seen gone while kernels waited.
+    suspect: Option<(Instant, u64)>,
+    /// The counters of the connections (where the host can read them), and since when they
+    /// are so.
     progress: Option<(u64, Instant)>,
 }
 
 /// How often (in the watcher's 5 ms turns) it looks at the peers of communicators whose
-/// kernels run, and how long a peer may be gone before that is an error (what it wrote before
+/// kernels wait, and how long a peer may be gone before that is an error (what it wrote before
 /// it went may still let the kernels finish).
 const PEER_TURNS: u32 = 20;
 const PEER_GRACE: Duration = Duration::from_secs(1);
+/// Looks without a wait after which the kernels count as no longer waiting (a kernel says it
+/// waits every 1024 reads of a counter: many times a look while it does).
+const IDLE_LOOKS: u32 = 3;
 
 impl Watched {
-    /// Whether the communicator's last launch runs: begun (what the stream had queued before
-    /// it is done) and not finished. Not when `last` is held (a launching thread holds it
-    /// across driver calls that may wait for the device: this turn is skipped, never blocked).
-    fn in_flight(&self) -> bool {
-        let (Some(last), Ok(api)) = (self.last.upgrade(), driver::api()) else {
-            return false;
-        };
-        let Some(l) = last.try_lock() else {
-            return false;
-        };
-        if !l.recorded {
-            return false;
-        }
-        let Ok(_g) = CtxGuard::enter(self.ctx) else {
-            return false;
-        };
-        let pending = |ev: usize| {
-            // SAFETY: the communicator's events, alive while `last` is recorded.
-            unsafe { (api.event_query)(ev as driver::CUevent) == driver::CUDA_ERROR_NOT_READY }
-        };
-        !pending(l.start) && pending(l.event)
-    }
-
-    /// A peer the running kernels wait for in vain: a process of this host that died, a
-    /// connection its peer closed, a peer on another host silent past the heartbeat (as the
-    /// host executor's waits check). An error once it has been so for `PEER_GRACE`.
-    fn peer_failure(&mut self) -> Option<Error> {
-        if !self.in_flight() {
-            self.suspect = None;
-            self.progress = None;
+    /// A peer the kernels wait for in vain: a process of this host that died, a connection
+    /// its peer closed, a peer on another host silent past the heartbeat (as the host
+    /// executor's waits check). Judged only while kernels wait (launched eagerly or replayed
+    /// from a graph), and only on the connection they wait on: a peer that did its part and
+    /// left is no failure. An error once it has been so for `PEER_GRACE`.
+    fn peer_failure(&mut self, ctl: &Ctl) -> Option<Error> {
+        let (mark, hdr) = ctl.waiting();
+        if mark == self.mark {
+            self.idle += 1;
+            if self.idle >= IDLE_LOOKS {
+                self.suspect = None;
+                self.progress = None;
+            }
             return None;
         }
-        if let Some(e) = self.stalled() {
+        self.mark = mark;
+        self.idle = 0;
+        let used = self.used.upgrade()?;
+        if let Some(e) = self.stalled(&used.lock()) {
             return Some(e);
         }
-        let conns = self
-            .conns
-            .upgrade()
-            .map(|c| c.lock().clone())
-            .unwrap_or_default();
-        // A dead process counts where the launch has a connection with it (or none is known):
-        // a rank that this launch does not involve is no failure of it.
-        let waits_for = |r: usize| conns.is_empty() || conns.iter().any(|c| c.peer == r);
-        let dead = self.pids.iter().enumerate().find_map(|(r, p)| {
-            let pid = (*p)?;
-            (waits_for(r) && !crate::health::process_alive(pid))
+        let conn = used.lock().0.get(&hdr)?.clone();
+        let r = conn.peer;
+        let name = self
+            .names
+            .get(r)
+            .cloned()
+            .unwrap_or_else(|| format!("rank {r}"));
+        let dead = || {
+            let pid = (*self.pids.get(r)?)?;
+            (!crate::health::process_alive(pid))
                 .then(|| format!("rank {r} (process {pid} on this host) has died"))
-        });
-        let name = |r: usize| {
-            self.names
-                .get(r)
-                .cloned()
-                .unwrap_or_else(|| format!("rank {r}"))
         };
         let closed = || {
-            conns.iter().find(|c| c.peer_closed()).map(|c| {
+            conn.peer_closed().then(|| {
                 format!(
-                    "{} closed its connection (it ended its communicator, exited or failed)",
-                    name(c.peer)
+                    "{name} closed its connection (it ended its communicator, exited or failed)"
                 )
             })
         };
         let silent = || {
-            let limit = crate::param::heartbeat()?;
-            conns.iter().find_map(|c| {
-                let quiet = c.silent_for()?;
-                (quiet > limit).then(|| {
-                    format!(
-                        "{} has not been heard from for {:.1} s (OXCCL_HEARTBEAT_S): its host, \
-                         process or the link to it is down",
-                        name(c.peer),
-                        quiet.as_secs_f64()
-                    )
-                })
+            let quiet = conn.silent_for()?;
+            (quiet > crate::param::heartbeat()?).then(|| {
+                format!(
+                    "{name} has not been heard from for {:.1} s (OXCCL_HEARTBEAT_S): its host, \
+                     process or the link to it is down",
+                    quiet.as_secs_f64()
+                )
             })
         };
-        let Some(why) = dead.or_else(closed).or_else(silent) else {
-            self.suspect = None;
+        let Some(why) = dead().or_else(closed).or_else(silent) else {
+            // That peer is well (it may have been silent a while).
+            if self.suspect.is_some_and(|(_, h)| h == hdr) {
+                self.suspect = None;
+            }
             return None;
         };
-        let since = *self.suspect.get_or_insert_with(Instant::now);
+        let (since, _) = *self.suspect.get_or_insert((Instant::now(), hdr));
         (since.elapsed() >= PEER_GRACE).then(|| {
             Error::remote(format!(
                 "{}: {why} while this rank's kernels waited for it",
@@ -417,18 +414,17 @@ impl Watched {
         })
     }
 
-    /// The running launch's connections have not moved (their counters, where the host can
-    /// read them: pinned memory) for the communicator's timeout: a peer that never comes, as
-    /// the host executor's waits time out (`OXCCL_TIMEOUT_S`).
-    fn stalled(&mut self) -> Option<Error> {
+    /// The kernels wait and the connections have not moved (their counters, where the host
+    /// can read them: pinned memory) for the communicator's timeout: a peer that never comes,
+    /// as the host executor's waits time out (`OXCCL_TIMEOUT_S`).
+    fn stalled(&mut self, used: &Used) -> Option<Error> {
         use std::hash::{Hash, Hasher};
         // Only where the user set it: a GPU job's ranks may legitimately keep their peers
         // waiting for minutes (a checkpoint, an evaluation on one rank), as NCCL lets them.
         let timeout = crate::param::get_str("OXCCL_TIMEOUT_S").map(|_| crate::param::timeout())?;
-        let conns = self.conns.upgrade()?;
-        let readable: Vec<String> = conns
-            .lock()
-            .iter()
+        let mut readable: Vec<String> = used
+            .0
+            .values()
             .filter(|c| !c.on_device())
             .map(|c| c.counters())
             .collect();
@@ -436,6 +432,7 @@ impl Watched {
             self.progress = None;
             return None;
         }
+        readable.sort();
         let mut h = std::collections::hash_map::DefaultHasher::new();
         readable.hash(&mut h);
         let now = h.finish();
@@ -504,7 +501,7 @@ fn watch_turn(peers: bool) -> bool {
                     x.reported = true;
                     errors.push((h.clone(), kernel_error(&x.name, code, info)));
                 } else if peers && !h.halted() && !h.failed() {
-                    if let Some(e) = x.peer_failure() {
+                    if let Some(e) = x.peer_failure(&ctl) {
                         x.reported = true;
                         errors.push((h.clone(), e));
                     }

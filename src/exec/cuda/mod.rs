@@ -376,18 +376,9 @@ fn launch_set(jobs: &mut [Job<'_>]) -> Result<()> {
             .iter()
             .try_for_each(|j| join_before(api, j.comm, stream, &j.joins)),
     };
-    if result.is_ok() && !capturing {
+    if !capturing {
         for j in jobs.iter() {
             j.comm.last_conns.lock().clear();
-            let l = j.comm.last.lock();
-            // SAFETY: the communicator's start event, on the launch stream.
-            result = check(
-                unsafe { (api.event_record)(l.start as _, stream as _) },
-                || "cuEventRecord (before a launch)".into(),
-            );
-            if result.is_err() {
-                break;
-            }
         }
     }
     for k in 0..launches {
@@ -554,13 +545,16 @@ fn launch_stage(
             ));
         }
         for j in jobs.iter() {
-            // Each communicator keeps its own connections of the launches (for messages and
-            // the watcher; `launch_set` clears them first).
+            // Each communicator keeps its own connections of the launches (for messages;
+            // `launch_set` clears them first) and of every launch (for the watcher, which
+            // learns from the kernels which one they wait on).
             let mut lc = j.comm.last_conns.lock();
+            let mut used = j.comm.used.lock();
             for s in j.lanes(k).flatten().flat_map(|p| &p.steps) {
                 for c in s.recv.iter().chain(s.send.iter()) {
                     if !lc.iter().any(|x| std::sync::Arc::ptr_eq(x, c)) {
                         lc.push(c.clone());
+                        used.add(c);
                     }
                 }
             }
