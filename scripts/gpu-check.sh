@@ -11,8 +11,9 @@
 #     NVRTC with OXCCL_KERNELS=nvrtc); every collective x datatype x op on 1, 2 and 4 ranks of
 #     the one GPU (coll_matrix cuda), ranks as threads and as processes (cuda_ranks; with
 #     `grouped`, 48 all-reduces in one group: the kernels' large parameter), CUDA graph capture
-#     and replay (cuda_graph); the TP/PP example on device buffers, 8 ranks (processes) on the
-#     one GPU;
+#     and replay (cuda_graph); a peer process killed while an eager launch or a graph's replay
+#     waits for it (cuda_peer_death: ncclRemoteError naming it, the stream drains); the TP/PP
+#     example on device buffers, 8 ranks (processes) on the one GPU;
 #  2. the perf tools on the GPU: all_reduce_perf at nranks=1 against NVIDIA's libnccl.so.2 (from
 #     the machine's Python packages) side by side, then 2 and 4 ranks on the one GPU, and the
 #     other tools at 2 ranks;
@@ -129,6 +130,8 @@ check "CUDA: 48 all-reduces in one group, 3 processes, in place" 90 \
   "$B/cuda_ranks" 3 processes inplace grouped timeout=80
 check "CUDA: graph capture and replay, 2 ranks" 60 "$B/cuda_graph" 2
 check "CUDA: graph capture, global capture mode" 60 "$B/cuda_graph" 2 global
+check "CUDA: a peer process dies while an all-reduce waits for it" 60 "$B/cuda_peer_death" eager
+check "CUDA: a peer process dies while a graph's replay waits for it" 60 "$B/cuda_peer_death" graph
 
 # The TP/PP example (issue 15) on device buffers: 8 processes on the one GPU, the MLP in the
 # example's own kernels (compiled with NVRTC at start-up), every collective on the GPU.

@@ -122,9 +122,14 @@ pub fn error_string(code: i32) -> &'static str {
 /// a comm is given; `ncclGetLastError(comm)` falls back to the global one).
 static LAST_ERROR: Mutex<String> = Mutex::new(String::new());
 
+/// Sets the message (and prints it as a WARN; not again when it is the last message once more,
+/// as the call that returns a failure its communicator already reported says it again).
 pub fn set_last_error(msg: &str) {
-    crate::debug::warn(msg);
-    *LAST_ERROR.lock() = msg.to_string();
+    let mut last = LAST_ERROR.lock();
+    if last.is_empty() || !msg.ends_with(last.as_str()) {
+        crate::debug::warn(msg);
+    }
+    *last = msg.to_string();
 }
 
 pub fn last_error() -> String {

@@ -131,13 +131,25 @@ impl Health {
         self.has_error.load(Ordering::Acquire)
     }
 
-    /// Records an error (the first one stays).
+    /// Records an error (the first one stays). The first is also a WARN and
+    /// `ncclGetLastError`'s message, as NCCL reports the failures it finds: a caller told of it
+    /// only by `ncclCommGetAsyncError`'s code then finds what happened.
     pub fn fail(&self, e: Error) {
-        let mut b = self.error.lock();
-        if b.is_none() {
-            *b = Some(e);
-            self.has_error.store(true, Ordering::Release);
+        if self.record(&e) {
+            crate::error::set_last_error(&e.msg);
         }
+    }
+
+    /// Records an error (the first one stays) without reporting it (one the caller asked for,
+    /// such as a revoke); whether it was the first.
+    pub fn record(&self, e: &Error) -> bool {
+        let mut b = self.error.lock();
+        if b.is_some() {
+            return false;
+        }
+        *b = Some(e.clone());
+        self.has_error.store(true, Ordering::Release);
+        true
     }
 
     /// Installs how a failure is announced to the peers (the communicator's bootstrap).

@@ -2,7 +2,7 @@
 //! built with gcc/g++ `-Wall -Wextra -Werror` against the freshly built `libnccl.so` and run with
 //! `OXCCL_DEVICE=host`, each under a timeout.
 //!
-//! The GPU programs (`coll_matrix cuda`, `cuda_ranks`, `cuda_graph`: the CUDA driver loaded with
+//! The GPU programs (`coll_matrix cuda`, `cuda_ranks`, `cuda_graph`, `cuda_peer_death`: the CUDA driver loaded with
 //! dlopen) are run here on a mock `libcuda.so.1` (ffi-tests/mock-cuda: "device" memory is host
 //! memory, streams are host streams) to test their own logic, and must fail cleanly (exit 3, a
 //! message) where there is no driver. The executables land in `target/<profile>/ffi-tests/bin/`,
@@ -430,6 +430,7 @@ fn cuda_programs_fail_cleanly_without_a_driver() {
         ("cuda_ranks.c", &["2", "threads"][..]),
         ("cuda_ranks.c", &["2", "processes"][..]),
         ("cuda_graph.c", &["2"][..]),
+        ("cuda_peer_death.c", &["graph"][..]),
     ] {
         let o = run_raw(src, args, &[("LD_LIBRARY_PATH", &path)], 120);
         let code = o.status.and_then(|s| s.code());
@@ -482,4 +483,6 @@ fn cuda_programs_on_a_mock_driver() {
         120,
     );
     run_env("cuda_ranks.c", &["2", "processes", "grouped"], &env, 120);
+    // A peer that dies while rank 0's all-reduce waits for it: an error naming it, no hang.
+    run_env("cuda_peer_death.c", &["eager"], &env, 120);
 }

@@ -171,7 +171,7 @@ impl Comm {
     /// destroyed or aborted (its collectives return `ncclInvalidUsage`).
     pub fn revoke(&self) -> Result<()> {
         let core = self.core()?;
-        core.health.fail(Error::invalid_usage(format!(
+        core.health.record(&Error::invalid_usage(format!(
             "rank {}: the communicator was revoked (ncclCommRevoke): only ncclCommShrink, \
              ncclCommSplit, ncclCommDestroy and ncclCommAbort can use it now",
             core.rank

@@ -517,9 +517,7 @@ fn watch_turn(peers: bool) -> bool {
         }
     }
     for (h, e) in errors {
-        // A WARN and ncclGetLastError's message, as NCCL gives its errors: the caller sees
-        // only ncclCommGetAsyncError's code otherwise.
-        crate::error::set_last_error(&e.msg);
+        // (Also a WARN and ncclGetLastError's message: `Health::fail`.)
         h.fail_and_announce(e);
     }
     for ctl in stops {
