@@ -9,6 +9,14 @@ use std::ptr::{null, null_mut};
 const INVALID_ARGUMENT: i32 = 4;
 const INVALID_USAGE: i32 = 5;
 
+/// The last error message is the process's, and the tests of this binary run on threads of
+/// one process: each test holds this while it runs, so that no other test's error comes
+/// between its call and its check.
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    LOCK.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 fn last_error() -> String {
     // SAFETY: ncclGetLastError returns a valid C string.
     unsafe { CStr::from_ptr(ncclGetLastError(null_mut())) }
@@ -18,6 +26,7 @@ fn last_error() -> String {
 
 #[test]
 fn version_and_its_twin() {
+    let _g = serial();
     let (mut a, mut b) = (0, 0);
     // SAFETY: valid out-pointers.
     unsafe {
@@ -31,6 +40,7 @@ fn version_and_its_twin() {
 
 #[test]
 fn error_strings_are_nccls() {
+    let _g = serial();
     let dir = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("abi_calls");
     let so = dir.join("nvidia/nccl/lib/libnccl.so.2");
     if !so.exists() {
@@ -64,6 +74,7 @@ fn error_strings_are_nccls() {
 
 #[test]
 fn null_and_range_checks() {
+    let _g = serial();
     let mut x = 1.0f32;
     let p = &mut x as *mut f32 as *mut c_void;
     // SAFETY: invalid arguments on purpose; nothing is dereferenced past validation.
@@ -138,6 +149,7 @@ fn null_and_range_checks() {
 
 #[test]
 fn config_magic_and_size() {
+    let _g = serial();
     let mut c: ncclComm_t = null_mut();
     let mut cfg = ncclConfig_t::undefined();
     cfg.magic = 0x1234;
@@ -196,6 +208,7 @@ fn config_magic_and_size() {
 
 #[test]
 fn later_features_say_not_yet() {
+    let _g = serial();
     let mut h: ncclParamHandle_t = null_mut();
     let key = c"NCCL_DEBUG";
     let mut info = ncclSimInfo_t {
@@ -223,6 +236,7 @@ fn later_features_say_not_yet() {
 /// library on a single node of 4 GPUs.
 #[test]
 fn team_helpers_on_a_four_rank_comm() {
+    let _g = serial();
     let mut comms: [ncclComm_t; 4] = [null_mut(); 4];
     let devs: [c_int; 4] = [0, 1, 2, 3];
     // SAFETY: valid out-array of 4 comms and device list of 4.
@@ -277,6 +291,7 @@ fn team_helpers_on_a_four_rank_comm() {
 /// with a message that names the CUDA executor.
 #[test]
 fn dev_comm_create_and_destroy_say_the_host_executor_has_none() {
+    let _g = serial();
     let mut comm: ncclComm_t = null_mut();
     let dev: c_int = 0;
     // SAFETY: one comm, one device.
