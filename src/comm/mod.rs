@@ -289,7 +289,7 @@ fn build_core(p: PendingInit) -> Result<Core> {
         // A host slot per rank of this process: 0, 1, ... in rank order.
         None => peers[..p.rank]
             .iter()
-            .filter(|q| q.host == me.host && q.pid == me.pid)
+            .filter(|q| q.same_process(&me))
             .count() as i32,
     };
     let hash = boot.comm_hash();

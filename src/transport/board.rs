@@ -56,7 +56,8 @@ struct Slot {
     eager: [EagerLine; 2],
     arrive: AtomicU64,
     done: AtomicU64,
-    pid: AtomicU64,
+    /// The rank's process key (`peer::my_process_key`).
+    key: AtomicU64,
     /// The rank's PreMulSum scalar (its bits; it may differ from rank to rank), by operation
     /// parity like the inline areas (eager operations have no done barrier).
     scalar: [AtomicU64; 2],
@@ -98,8 +99,8 @@ pub struct Board {
     region: Region,
     base: *mut u8,
     pub nranks: usize,
-    /// This process (a board is not used across fork).
-    pid: u32,
+    /// This process's key (`peer::my_process_key`; a board is not used across fork).
+    key: u64,
 }
 
 // SAFETY: all accesses to the region go through atomics; the mapping lives as long as the Board.
@@ -127,7 +128,7 @@ impl Board {
             region,
             base,
             nranks,
-            pid: std::process::id(),
+            key: super::peer::my_process_key(),
         };
         // SAFETY: the header's first word is inside the region and used only atomically.
         let attached = unsafe { &*(b.base as *const AtomicU32) };
@@ -188,7 +189,7 @@ impl Board {
         for (w, v) in s.call[(seq & 1) as usize].iter().zip(call) {
             w.store(v, Ordering::Relaxed);
         }
-        s.pid.store(self.pid as u64, Ordering::Relaxed);
+        s.key.store(self.key, Ordering::Relaxed);
         s.scalar[(seq & 1) as usize].store(scalar, Ordering::Relaxed);
         for (i, v) in [send.addr, send.alloc_id, send.fd, send.base, send.len]
             .into_iter()
@@ -368,8 +369,8 @@ impl Board {
         self.slot(rank).done.load(Ordering::Acquire) >= seq
     }
 
-    /// A peer's published (pid, send, recv); valid between its arrival and its done.
-    pub fn peer(&self, rank: usize) -> (u32, BufInfo, BufInfo) {
+    /// A peer's published (process key, send, recv); valid between its arrival and its done.
+    pub fn peer(&self, rank: usize) -> (u64, BufInfo, BufInfo) {
         let s = self.slot(rank);
         let w: Vec<u64> = s.words.iter().map(|w| w.load(Ordering::Relaxed)).collect();
         let info = |o: usize| BufInfo {
@@ -379,7 +380,7 @@ impl Board {
             base: w[o + 3],
             len: w[o + 4],
         };
-        (s.pid.load(Ordering::Relaxed) as u32, info(0), info(5))
+        (s.key.load(Ordering::Relaxed), info(0), info(5))
     }
 
     /// A peer's vote for cross-memory attach; valid as its buffers are.

@@ -78,7 +78,7 @@ impl Locality {
     pub fn of(me: &PeerInfo, peer: &PeerInfo) -> Locality {
         if me.host != peer.host {
             Locality::OtherHost
-        } else if me.pid == peer.pid {
+        } else if me.same_process(peer) {
             Locality::SameProcess
         } else {
             Locality::SameHost

@@ -67,6 +67,26 @@ fn pid_namespace() -> u64 {
     std::fs::metadata("/proc/self/ns/pid").map_or(0, |m| m.ino())
 }
 
+/// A process's key among the processes of one host: its pid, with its PID namespace in the
+/// high bits, so that processes of different namespaces (containers, where each rank may be
+/// PID 1) never share a key.
+fn process_key(pid: u32, pidns: u64) -> u64 {
+    (((pidns ^ (pidns >> 32)) & 0xffff_ffff) << 32) | u64::from(pid)
+}
+
+/// This process's key (`process_key`).
+pub fn my_process_key() -> u64 {
+    static KEY: once_cell::sync::Lazy<u64> =
+        once_cell::sync::Lazy::new(|| process_key(std::process::id(), pid_namespace()));
+    *KEY
+}
+
+/// The pid by which this process reaches the process of `key` (its /proc entry, its memory
+/// by cross-memory attach): where both are in one PID namespace.
+pub fn pid_of_key(key: u64) -> Option<u32> {
+    (key >> 32 == my_process_key() >> 32).then_some(key as u32)
+}
+
 impl PeerInfo {
     pub fn mine(dev: i32) -> PeerInfo {
         PeerInfo {
@@ -105,8 +125,14 @@ impl PeerInfo {
         if self.gpu != [0; 16] && other.gpu != [0; 16] {
             self.gpu == other.gpu
         } else {
-            self.pid == other.pid && self.dev == other.dev
+            self.same_process(other) && self.dev == other.dev
         }
+    }
+
+    /// Whether this rank and `other` run in one process: one host, one pid in one PID
+    /// namespace (ranks of two containers may both be PID 1).
+    pub fn same_process(&self, other: &PeerInfo) -> bool {
+        self.host == other.host && self.pid == other.pid && self.pidns == other.pidns
     }
 
     /// The PID by which this process can ask whether `other`'s process lives: its pid where
@@ -117,6 +143,19 @@ impl PeerInfo {
         } else {
             0
         }
+    }
+
+    /// Each of `peers`' processes that runs on this host, is not this process (`peers[me]`'s),
+    /// and can be asked whether it lives from here: its pid as this process sees it (none for
+    /// a process in another PID namespace, such as another container's, whose pid names
+    /// nothing or another process here).
+    pub fn local_pids(peers: &[PeerInfo], me: usize) -> Vec<Option<u32>> {
+        let m = &peers[me];
+        peers
+            .iter()
+            .map(|q| (q.host == m.host && !q.same_process(m)).then(|| m.pid_seen_by(q)))
+            .map(|p| p.filter(|&pid| pid != 0))
+            .collect()
     }
 
     /// Whether this rank's process takes connections in device memory by CUDA IPC.
@@ -208,5 +247,37 @@ mod tests {
         assert_eq!(a.pid_seen_by(&c), c.pid);
         c.pidns += 1;
         assert_eq!(a.pid_seen_by(&c), 0);
+    }
+
+    /// Two containers' PID 1 are two processes: one pid in two PID namespaces is neither the
+    /// same process, nor a process whose pid means anything here.
+    #[test]
+    fn a_pid_names_a_process_only_in_its_namespace() {
+        let a = PeerInfo::mine(0);
+        let mut b = a.clone();
+        assert!(a.same_process(&b));
+        b.pidns ^= 1;
+        assert!(!a.same_process(&b) && !a.same_gpu(&b));
+        assert_eq!(
+            PeerInfo::local_pids(&[a.clone(), b.clone()], 0),
+            [None, None]
+        );
+        b.pidns = a.pidns;
+        b.pid += 1;
+        assert_eq!(
+            PeerInfo::local_pids(&[a.clone(), b.clone()], 0),
+            [None, Some(b.pid)]
+        );
+        b.host ^= 1;
+        assert!(!a.same_process(&b));
+        assert_eq!(PeerInfo::local_pids(&[a.clone(), b], 0), [None, None]);
+
+        let me = my_process_key();
+        assert_eq!(me, process_key(a.pid, a.pidns));
+        assert_eq!(pid_of_key(me), Some(a.pid));
+        assert_eq!(pid_of_key(process_key(12345, a.pidns)), Some(12345));
+        let foreign = process_key(a.pid, a.pidns ^ 1);
+        assert_ne!(foreign, me);
+        assert_eq!(pid_of_key(foreign), None);
     }
 }

@@ -33,13 +33,32 @@ pub fn run_ranks(test: &str, n: usize, envs: &[(&str, &str)]) {
 /// `run_ranks` without the wait: the rank processes, in rank order (their stdout discarded).
 #[allow(dead_code)]
 pub fn spawn_ranks(test: &str, n: usize, envs: &[(&str, &str)]) -> Vec<std::process::Child> {
+    spawn_ranks_in(test, n, envs, |_| &[])
+}
+
+/// `spawn_ranks`, each rank r started through the command `wrap(r)` (empty: none), e.g.
+/// `unshare --pid --fork` to put it in a namespace of its own.
+#[allow(dead_code)]
+pub fn spawn_ranks_in<'a>(
+    test: &str,
+    n: usize,
+    envs: &[(&str, &str)],
+    wrap: impl Fn(usize) -> &'a [&'a str],
+) -> Vec<std::process::Child> {
     let id = api::get_unique_id().unwrap();
     let hex: String = id.iter().map(|b| format!("{b:02x}")).collect();
     let exe = std::env::current_exe().unwrap();
     (0..n)
         .map(|r| {
-            std::process::Command::new(&exe)
-                .args(["--exact", test, "--nocapture"])
+            let mut c = match wrap(r) {
+                [] => std::process::Command::new(&exe),
+                [cmd, args @ ..] => {
+                    let mut c = std::process::Command::new(cmd);
+                    c.args(args).arg(&exe);
+                    c
+                }
+            };
+            c.args(["--exact", test, "--nocapture"])
                 .env("OXCCL_DEVICE", "host")
                 .env("OXCCL_TEST_ID", &hex)
                 .env("OXCCL_TEST_N", n.to_string())

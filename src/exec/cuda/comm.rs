@@ -153,19 +153,13 @@ impl CudaComm {
         }));
         let last_conns = Arc::new(Mutex::new(Vec::new()));
         let used = Arc::new(Mutex::new(Used::default()));
-        let me = &s.peers[s.rank];
         watch(Watched {
             ctl: Arc::downgrade(&ctl),
             health: Arc::downgrade(&s.health),
             name: name.clone(),
             reported: false,
             used: Arc::downgrade(&used),
-            pids: s
-                .peers
-                .iter()
-                .map(|q| (q.host == me.host && q.pid != me.pid).then(|| me.pid_seen_by(q)))
-                .map(|p| p.filter(|&pid| pid != 0))
-                .collect(),
+            pids: crate::transport::peer::PeerInfo::local_pids(s.peers, s.rank),
             names: s
                 .peers
                 .iter()

@@ -553,15 +553,17 @@ fn resolve(op: &Direct) -> Result<(Option<Peers>, Option<usize>)> {
     // A rank needs what its role needs; the verdict must not depend on the role, so check the
     // union of every rank's needs: all sends, and every recv that some rank writes.
     let writes_peer_recv = matches!(op.kind, BoardKind::AllReduce | BoardKind::Reduce);
+    let one_ns = infos.iter().all(|(q, _, _)| q >> 32 == infos[0].0 >> 32);
     let reachable = |cma: bool| {
         (0..op.nranks).all(|p| {
             let want_recv = writes_peer_recv && (op.kind == BoardKind::AllReduce || p == op.root);
             let want_send = op.sends(p);
-            let (pid, s, r) = &infos[p];
+            let (key, s, r) = &infos[p];
             // Reachable from every process: same-process peers count only when all ranks share
-            // it.
+            // it, `ncclMemAlloc` buffers only when all ranks share a PID namespace (they are
+            // opened through /proc/<pid>).
             let from_all = |i: &crate::transport::board::BufInfo| {
-                cma || i.alloc_id != 0 || infos.iter().all(|(q, _, _)| q == pid)
+                cma || (i.alloc_id != 0 && one_ns) || infos.iter().all(|(q, _, _)| q == key)
             };
             (!want_send || from_all(s)) && (!want_recv || from_all(r))
         })
@@ -582,37 +584,38 @@ fn resolve(op: &Direct) -> Result<(Option<Peers>, Option<usize>)> {
     if !cma && !reachable(false) {
         return Ok((None, path));
     }
-    let locate = |pid: u32, i: &crate::transport::board::BufInfo, p: usize| -> Result<Loc> {
+    let locate = |key: u64, i: &crate::transport::board::BufInfo, p: usize| -> Result<Loc> {
         let maps = op
             .maps
             .as_ref()
             .ok_or_else(|| Error::internal("a direct operation without peer maps"))?;
-        match maps.resolve(pid, i)? {
-            Some(a) => Ok(Loc::Here(a)),
-            None if cma => Ok(Loc::Remote {
+        let remote = crate::transport::peer::pid_of_key(key).filter(|_| cma);
+        match (maps.resolve(key, i)?, remote) {
+            (Some(a), _) => Ok(Loc::Here(a)),
+            (None, Some(pid)) => Ok(Loc::Remote {
                 pid,
                 addr: i.addr as usize,
             }),
-            None => Err(Error::internal(format!(
+            (None, None) => Err(Error::internal(format!(
                 "direct operation #{}: rank {p}'s buffer is unreachable after all",
                 op.seq
             ))),
         }
     };
     let mut out = Vec::with_capacity(op.nranks);
-    for (p, &(pid, s, r)) in infos.iter().enumerate().take(op.nranks) {
+    for (p, &(key, s, r)) in infos.iter().enumerate().take(op.nranks) {
         if p == op.rank {
             out.push((Loc::Here(op.send), Loc::Here(op.recv)));
             continue;
         }
         let (ws, wr) = op.needs(p);
         let sa = if ws {
-            locate(pid, &s, p)?
+            locate(key, &s, p)?
         } else {
             Loc::Here(0)
         };
         let ra = if wr {
-            locate(pid, &r, p)?
+            locate(key, &r, p)?
         } else {
             Loc::Here(0)
         };

@@ -60,12 +60,14 @@ impl HostComm {
         // Direct algorithms need every rank on this host; with OXCCL_ALGO=ring there is no board
         // (the exchange below happens all the same, so ranks never disagree on init's steps).
         let board = if nranks > 1 && peers.iter().all(|q| q.host == me.host) {
-            let shared = peers.iter().any(|q| q.pid != me.pid);
+            let shared = peers.iter().any(|q| !q.same_process(me));
             if shared {
                 // Cross-memory attach only if every rank reaches every other process.
                 let mine = crate::param::cma_enabled()
                     && peers.iter().all(|q| {
-                        q.pid == me.pid || crate::transport::cma::can_reach(q.pid, q.probe)
+                        q.same_process(me)
+                            || (me.pid_seen_by(q) != 0
+                                && crate::transport::cma::can_reach(q.pid, q.probe))
                     });
                 let all = boot.allgather(&[mine as u8])?;
                 cma = all.iter().all(|v| v.first() == Some(&1));
@@ -78,10 +80,7 @@ impl HostComm {
         } else {
             None
         };
-        let peer_pids = peers
-            .iter()
-            .map(|q| (q.host == me.host && q.pid != me.pid).then_some(q.pid))
-            .collect();
+        let peer_pids = PeerInfo::local_pids(peers, rank);
         Ok(HostComm {
             peer_names: peers
                 .iter()

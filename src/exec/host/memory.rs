@@ -107,24 +107,26 @@ impl Drop for Mapping {
     }
 }
 
-/// Peers' `ncclMemAlloc` allocations mapped into this process, by (pid, allocation id).
+/// Peers' `ncclMemAlloc` allocations mapped into this process, by (process key, allocation id).
 #[derive(Default)]
 pub struct PeerMaps {
-    maps: Mutex<HashMap<(u32, u64), Mapping>>,
+    maps: Mutex<HashMap<(u64, u64), Mapping>>,
 }
 
 impl PeerMaps {
-    /// The local address of a peer's buffer: its own address when the peer is this process, a
-    /// mapping of its allocation when it has one; None when it cannot be reached.
-    pub fn resolve(&self, pid: u32, info: &BufInfo) -> Result<Option<usize>> {
-        if pid == std::process::id() {
+    /// The local address of a buffer of the process of `key` (`peer::my_process_key`): its own
+    /// address when that is this process, a mapping of its allocation when it has one and is
+    /// in this process's PID namespace; None when it cannot be reached.
+    pub fn resolve(&self, key: u64, info: &BufInfo) -> Result<Option<usize>> {
+        use crate::transport::peer::{my_process_key, pid_of_key};
+        if key == my_process_key() {
             return Ok(Some(info.addr as usize));
         }
-        if info.alloc_id == 0 {
+        let Some(pid) = pid_of_key(key).filter(|_| info.alloc_id != 0) else {
             return Ok(None);
-        }
+        };
         let mut maps = self.maps.lock();
-        let key = (pid, info.alloc_id);
+        let key = (key, info.alloc_id);
         if let std::collections::hash_map::Entry::Vacant(slot) = maps.entry(key) {
             let path = format!("/proc/{pid}/fd/{}", info.fd);
             let f = std::fs::OpenOptions::new()
