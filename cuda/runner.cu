@@ -187,10 +187,13 @@ struct OxShared {
 };
 
 // Thread 0, every 1024th read of a counter it waits on (connection header `hdr`): tells the
-// host which connection it waits for (a mark that changes from one call to the next: the
-// block and how long it has waited), and whether it must stop (abort).
+// host which connection it waits for, with a mark (the block and how long this wait has
+// lasted: it keeps changing while the block waits; a short wait may leave the value an
+// earlier one did, which only delays the host's look by one turn), and whether it must stop
+// (abort). The connection is visible to the host before the mark.
 __device__ __forceinline__ bool ox_still_waits(OxCtl* ctl, uint64_t hdr, unsigned spins) {
   st_vol64(&ctl->wait_conn, hdr);
+  __threadfence_system();
   st_vol64(&ctl->wait_mark, ((uint64_t)(blockIdx.x + 1) << 32) | spins);
   return ld_vol32(&ctl->abort) == 0;
 }

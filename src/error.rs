@@ -122,11 +122,12 @@ pub fn error_string(code: i32) -> &'static str {
 /// a comm is given; `ncclGetLastError(comm)` falls back to the global one).
 static LAST_ERROR: Mutex<String> = Mutex::new(String::new());
 
-/// Sets the message (and prints it as a WARN; not again when it is the last message once more,
-/// as the call that returns a failure its communicator already reported says it again).
+/// Sets the message and prints it as a WARN (not again when it is the last message with a
+/// prefix: the call that returns a failure its communicator already reported says it again,
+/// naming itself).
 pub fn set_last_error(msg: &str) {
     let mut last = LAST_ERROR.lock();
-    if last.is_empty() || !msg.ends_with(last.as_str()) {
+    if last.is_empty() || msg == last.as_str() || !msg.ends_with(last.as_str()) {
         crate::debug::warn(msg);
     }
     *last = msg.to_string();

@@ -133,9 +133,10 @@ impl Health {
 
     /// Records an error (the first one stays). The first is also a WARN and
     /// `ncclGetLastError`'s message, as NCCL reports the failures it finds: a caller told of it
-    /// only by `ncclCommGetAsyncError`'s code then finds what happened.
+    /// only by `ncclCommGetAsyncError`'s code then finds what happened. Not after this
+    /// process's own `ncclCommAbort`, which the caller asked for.
     pub fn fail(&self, e: Error) {
-        if self.record(&e) {
+        if self.record(&e) && !self.aborted_here() {
             crate::error::set_last_error(&e.msg);
         }
     }
@@ -377,18 +378,5 @@ pub fn fmt_secs(d: Duration) -> String {
         format!("{} s", d.as_secs())
     } else {
         format!("{:.1} s", d.as_secs_f64())
-    }
-}
-
-/// Whether process `pid` (of this PID namespace) runs: a zombie has died, its parent has not
-/// collected it yet.
-pub fn process_alive(pid: u32) -> bool {
-    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
-        Err(_) => false,
-        // "pid (comm) S ...": the state follows the last ')'.
-        Ok(stat) => stat
-            .rsplit_once(')')
-            .and_then(|(_, rest)| rest.trim_start().chars().next())
-            .is_some_and(|st| st != 'Z' && st != 'X'),
     }
 }

@@ -18,6 +18,7 @@ pub mod gpu;
 pub mod group;
 pub mod health;
 pub mod launch;
+pub mod liveness;
 pub mod param;
 pub mod plan;
 pub mod reduce;

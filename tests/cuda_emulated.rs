@@ -754,6 +754,9 @@ fn trouble(
     if how == "finish" {
         return finish(comm, r, n, stream);
     }
+    if how == "graph-finish" {
+        return graph_finish(comm, r, stream);
+    }
     let c = cases(n, &[300_001])[0];
     let b = buffers(&c, n)[r];
     fill(&c, n, r, b, 0);
@@ -845,6 +848,76 @@ fn finish(comm: Arc<nccl::comm::Comm>, r: usize, n: usize, stream: usize) {
     }
     println!("survived: received after the peer left");
     nccl::api::comm_destroy(nccl::api::comm_handle(&comm)).unwrap();
+}
+
+/// In graphs, with 3 ranks: a peer that did its part and left is no failure while the kernels
+/// wait for another, live one. Each rank captures its part once: rank 2 a send to rank 0,
+/// rank 1 a send to rank 0, rank 0 both receives in one group. Rank 2 replays, then destroys
+/// its communicator and exits; rank 0's replay waits in its stream behind a gate until rank 2
+/// is gone, then its kernel waits 2 s for rank 1 (which replays late): it must get both, no
+/// error (the dead rank 2 is not whom its kernel waits for).
+fn graph_finish(comm: Arc<nccl::comm::Comm>, r: usize, stream: usize) {
+    let count = 1001;
+    let value = |from: usize, i: usize| (i * (from + 1)) as f64;
+    let call = |kind, buf, peer: usize| CollArgs {
+        kind,
+        send: buf,
+        recv: buf,
+        count,
+        dtype: DataType::Float32,
+        op: 0,
+        root: peer as i32,
+    };
+    let bufs: Vec<usize> = (0..3).map(|_| buffer(4 * count)).collect();
+    begin_capture(stream);
+    if r == 0 {
+        nccl::api::group_start().unwrap();
+        for from in [2, 1] {
+            let c = call(CollKind::Recv, bufs[from], from);
+            nccl::api::enqueue(&comm, c, stream_arg(stream)).unwrap();
+        }
+        nccl::api::group_end().unwrap();
+    } else {
+        (0..count).for_each(|i| put(DataType::Float32, bufs[r], i, value(r, i)));
+        let c = call(CollKind::Send, bufs[r], 0);
+        nccl::api::enqueue(&comm, c, stream_arg(stream)).unwrap();
+    }
+    let graph = end_capture(stream);
+    let replay = || graph.iter().for_each(|op| submit(stream, op.clone()));
+    match r {
+        2 => {
+            replay();
+            sync_all(&[stream], "rank 2's send");
+            nccl::api::comm_destroy(nccl::api::comm_handle(&comm)).unwrap();
+            println!("sent and left");
+        }
+        1 => {
+            std::thread::sleep(Duration::from_millis(3000));
+            replay();
+            sync_all(&[stream], "rank 1's late send");
+            nccl::api::comm_destroy(nccl::api::comm_handle(&comm)).unwrap();
+            println!("survived: sent late");
+        }
+        _ => {
+            let g = device::gate(stream);
+            replay();
+            std::thread::sleep(Duration::from_millis(1000));
+            device::open_gate(&g);
+            sync_all(&[stream], "rank 0's receives");
+            no_async_error(
+                std::slice::from_ref(&comm),
+                "a peer that did its part and left, in a graph",
+            );
+            for from in [1, 2] {
+                for i in 0..count {
+                    let got = get(DataType::Float32, bufs[from], i);
+                    assert_eq!(got, value(from, i), "from rank {from}, element {i}");
+                }
+            }
+            println!("survived: received from both");
+            nccl::api::comm_destroy(nccl::api::comm_handle(&comm)).unwrap();
+        }
+    }
 }
 
 /// The library's segments in /dev/shm.
@@ -1071,6 +1144,7 @@ fn cuda_executor_on_emulated_kernels() {
         (2, 1, "late"),
         (2, 1, "finish"),
         (2, 2, "finish"),
+        (3, 1, "graph-finish"),
     ] {
         run_processes(&so, n, false, hosts, Some(how));
     }

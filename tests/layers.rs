@@ -18,6 +18,7 @@ const LAYERS: &[&str] = &[
     "transport",
     "bootstrap",
     "health",
+    "liveness",
     "gpu",
     "reduce",
     "types",

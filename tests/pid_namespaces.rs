@@ -11,8 +11,13 @@
 //!   same (shared memory between them, never one's pointers used by the other, never one's
 //!   /proc/1 taken for the other's). All-reduces of 2, 4096 and 1M floats on malloc'd and on
 //!   `ncclMemAlloc` buffers, and a send/recv each way, every element checked.
+//! - `killed`: each rank in a namespace of its own (the same pid in each, under a shell that is
+//!   PID 1), rank 1 kills itself after one all-reduce; rank 0's next all-reduce must fail within
+//!   seconds with `ncclRemoteError` naming rank 1 (its pid means nothing here: rank 0 sees its
+//!   lock in /dev/shm released), and no file of either is left in /dev/shm.
 //!
-//! Needs root (`unshare --pid`); skips with a message where namespaces cannot be made.
+//! Needs root (`unshare --pid`); skips with a message where namespaces cannot be made (not
+//! under CI, which is root).
 
 use nccl::api::{self, CollArgs, StreamArg};
 use nccl::types::CollKind;
@@ -24,6 +29,18 @@ use common::all_reduce_f32_at as all_reduce;
 
 const TEST: &str = "ranks_in_different_pid_namespaces_are_different_processes";
 const UNSHARE: [&str; 4] = ["unshare", "--pid", "--fork", "--mount-proc"];
+/// `UNSHARE` with the rank under a shell that is PID 1 (a namespace's PID 1 cannot be killed
+/// from inside it).
+const UNSHARE_SH: [&str; 8] = [
+    "unshare",
+    "--pid",
+    "--fork",
+    "--mount-proc",
+    "sh",
+    "-c",
+    "\"$@\"; exit $?",
+    "sh",
+];
 
 /// Runs `args` on `c` (NULL stream), panicking with what failed.
 fn run(c: &std::sync::Arc<nccl::comm::Comm>, args: CollArgs, what: &str) {
@@ -44,6 +61,9 @@ fn floats(count: usize, mem_alloc: bool) -> &'static mut [f32] {
 
 fn rank(case: &str, r: i32, id: &[u8; api::UNIQUE_ID_BYTES]) {
     let c = api::comm_init_rank(2, id, r, Default::default()).unwrap();
+    if case == "killed" {
+        return killed(c, r);
+    }
     let counts: &[usize] = if case == "one-inside" {
         &[4096; 3]
     } else {
@@ -93,6 +113,49 @@ fn rank(case: &str, r: i32, id: &[u8; api::UNIQUE_ID_BYTES]) {
     api::comm_destroy(api::comm_handle(&c)).unwrap();
 }
 
+/// `killed`: one all-reduce, then rank 1 dies and rank 0's next all-reduce must fail.
+fn killed(c: std::sync::Arc<nccl::comm::Comm>, r: i32) {
+    let count = 1 << 16;
+    let (send, recv) = (floats(count, false), floats(count, false));
+    send.fill(1.0);
+    run(
+        &c,
+        all_reduce(send.as_ptr() as usize, recv.as_mut_ptr() as usize, count),
+        "first",
+    );
+    assert!(
+        recv.iter().all(|&x| x == 2.0),
+        "rank {r}: the first all-reduce"
+    );
+    if r == 1 {
+        nix::sys::signal::kill(nix::unistd::getpid(), nix::sys::signal::Signal::SIGKILL).unwrap();
+    }
+    std::thread::sleep(Duration::from_millis(200));
+    let t = std::time::Instant::now();
+    let args = all_reduce(send.as_ptr() as usize, recv.as_mut_ptr() as usize, count);
+    let e = api::enqueue(&c, args, StreamArg::Null).expect_err("an all-reduce with a dead peer");
+    let took = t.elapsed();
+    assert_eq!(e.code, nccl::error::Code::RemoteError, "{e}");
+    assert!(e.msg.contains("rank 1"), "the error names no rank: {e}");
+    assert!(took < Duration::from_secs(5), "seen after {took:?}: {e}");
+    eprintln!("killed: seen after {took:?}: {e}");
+    api::comm_abort(api::comm_handle(&c)).unwrap();
+}
+
+/// This machine's /dev/shm files of the library.
+fn shm_files() -> Vec<String> {
+    let mut v: Vec<String> = std::fs::read_dir("/dev/shm")
+        .map(|d| {
+            d.flatten()
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .filter(|n| n.starts_with("oxccl-"))
+                .collect()
+        })
+        .unwrap_or_default();
+    v.sort();
+    v
+}
+
 #[test]
 fn ranks_in_different_pid_namespaces_are_different_processes() {
     if let Some((id, _, r)) = common::rank_env() {
@@ -105,18 +168,31 @@ fn ranks_in_different_pid_namespaces_are_different_processes() {
         .status()
         .is_ok_and(|s| s.success());
     if !can {
-        eprintln!("SKIP: cannot make a PID namespace here (unshare --pid needs root)");
+        // CI runs as root: there the test must run.
+        assert!(
+            std::env::var_os("CI").is_none(),
+            "cannot make a PID namespace (unshare --pid --fork --mount-proc)"
+        );
+        eprintln!("SKIPPED: cannot make a PID namespace here (unshare --pid needs root)");
         return;
     }
-    for case in ["one-inside", "both-pid-1"] {
+    for case in ["one-inside", "both-pid-1", "killed"] {
+        let before = shm_files();
         let env = [("OXCCL_PIDNS_CASE", case)];
         let kids = common::spawn_ranks_in(TEST, 2, &env, |r| match (case, r) {
             ("one-inside", 0) => &[],
+            ("killed", _) => &UNSHARE_SH,
             _ => &UNSHARE,
         });
         for (r, mut k) in kids.into_iter().enumerate() {
             let st = k.wait().unwrap();
-            assert!(st.success(), "{case}: rank {r} failed: {st:?}");
+            let dead = case == "killed" && r == 1;
+            assert_eq!(st.success(), !dead, "{case}: rank {r}: {st:?}");
         }
+        let left: Vec<_> = shm_files()
+            .into_iter()
+            .filter(|n| !before.contains(n))
+            .collect();
+        assert!(left.is_empty(), "{case}: left behind in /dev/shm: {left:?}");
     }
 }

@@ -35,6 +35,9 @@ pub struct Core {
     pub health: Arc<Health>,
     /// The executor's state of this rank.
     pub exec: CommExec,
+    /// This process's liveness lock, while peers of this host in other PID namespaces look
+    /// at it (`liveness`).
+    _alive: Option<crate::liveness::Hold>,
 }
 
 impl Core {
@@ -292,6 +295,20 @@ fn build_core(p: PendingInit) -> Result<Core> {
             .filter(|q| q.same_process(&me))
             .count() as i32,
     };
+    // Peers of this host in other PID namespaces cannot ask whether this process lives by its
+    // pid: it holds a lock they look at, taken by every such rank before any looks (a
+    // barrier, where some host has ranks of several namespaces: every rank knows whether).
+    let alive = match (0..peers.len()).any(|r| PeerInfo::has_foreign_neighbours(&peers, r)) {
+        true => {
+            let hold = PeerInfo::has_foreign_neighbours(&peers, p.rank)
+                .then(crate::liveness::hold)
+                .transpose();
+            // (Also when the lock failed: the peers must not wait at the barrier for good.)
+            boot.allgather(&[u8::from(matches!(hold, Ok(Some(_))))])?;
+            hold?
+        }
+        false => None,
+    };
     let hash = boot.comm_hash();
     let exec = CommExec::init(CommSetup {
         rank: p.rank,
@@ -328,6 +345,7 @@ fn build_core(p: PendingInit) -> Result<Core> {
         conns,
         health,
         exec,
+        _alive: alive,
     })
 }
 

@@ -56,7 +56,7 @@ struct Slot {
     eager: [EagerLine; 2],
     arrive: AtomicU64,
     done: AtomicU64,
-    /// The rank's process key (`peer::my_process_key`).
+    /// The rank's process key (`liveness::my_process_key`).
     key: AtomicU64,
     /// The rank's PreMulSum scalar (its bits; it may differ from rank to rank), by operation
     /// parity like the inline areas (eager operations have no done barrier).
@@ -99,7 +99,7 @@ pub struct Board {
     region: Region,
     base: *mut u8,
     pub nranks: usize,
-    /// This process's key (`peer::my_process_key`; a board is not used across fork).
+    /// This process's key (`liveness::my_process_key`; a board is not used across fork).
     key: u64,
 }
 
@@ -128,7 +128,7 @@ impl Board {
             region,
             base,
             nranks,
-            key: super::peer::my_process_key(),
+            key: crate::liveness::my_process_key(),
         };
         // SAFETY: the header's first word is inside the region and used only atomically.
         let attached = unsafe { &*(b.base as *const AtomicU32) };

@@ -1,6 +1,7 @@
 //! What ranks tell each other at init: where they run and the FIFO geometry they use.
 
 use crate::error::{Error, Result};
+use crate::liveness::{pid_namespace, process_key, Probe};
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct PeerInfo {
@@ -61,32 +62,6 @@ fn slot_bytes() -> usize {
     }
 }
 
-/// The inode of this process's PID namespace (0 where /proc does not say).
-fn pid_namespace() -> u64 {
-    use std::os::unix::fs::MetadataExt;
-    std::fs::metadata("/proc/self/ns/pid").map_or(0, |m| m.ino())
-}
-
-/// A process's key among the processes of one host: its pid, with its PID namespace in the
-/// high bits, so that processes of different namespaces (containers, where each rank may be
-/// PID 1) never share a key.
-fn process_key(pid: u32, pidns: u64) -> u64 {
-    (((pidns ^ (pidns >> 32)) & 0xffff_ffff) << 32) | u64::from(pid)
-}
-
-/// This process's key (`process_key`).
-pub fn my_process_key() -> u64 {
-    static KEY: once_cell::sync::Lazy<u64> =
-        once_cell::sync::Lazy::new(|| process_key(std::process::id(), pid_namespace()));
-    *KEY
-}
-
-/// The pid by which this process reaches the process of `key` (its /proc entry, its memory
-/// by cross-memory attach): where both are in one PID namespace.
-pub fn pid_of_key(key: u64) -> Option<u32> {
-    (key >> 32 == my_process_key() >> 32).then_some(key as u32)
-}
-
 impl PeerInfo {
     pub fn mine(dev: i32) -> PeerInfo {
         PeerInfo {
@@ -136,26 +111,37 @@ impl PeerInfo {
     }
 
     /// The PID by which this process can ask whether `other`'s process lives: its pid where
-    /// both are in one PID namespace, else 0 (unknown).
+    /// both are in one PID namespace (or neither could read which: taken as one, as
+    /// `same_process` does), else 0 (unknown).
     pub fn pid_seen_by(&self, other: &PeerInfo) -> u32 {
-        if self.pidns != 0 && self.pidns == other.pidns {
+        if self.pidns == other.pidns {
             other.pid
         } else {
             0
         }
     }
 
-    /// Each of `peers`' processes that runs on this host, is not this process (`peers[me]`'s),
-    /// and can be asked whether it lives from here: its pid as this process sees it (none for
-    /// a process in another PID namespace, such as another container's, whose pid names
-    /// nothing or another process here).
-    pub fn local_pids(peers: &[PeerInfo], me: usize) -> Vec<Option<u32>> {
+    /// How this process asks whether each of `peers`' processes lives, for those on this host
+    /// but not this process (`peers[me]`'s): by its pid where it is in this PID namespace, else
+    /// by the lock it holds (`liveness`; its pid names nothing here, or another process).
+    pub fn local_probes(peers: &[PeerInfo], me: usize) -> Vec<Option<Probe>> {
         let m = &peers[me];
         peers
             .iter()
-            .map(|q| (q.host == m.host && !q.same_process(m)).then(|| m.pid_seen_by(q)))
-            .map(|p| p.filter(|&pid| pid != 0))
+            .map(|q| {
+                (q.host == m.host && !q.same_process(m)).then(|| match m.pid_seen_by(q) {
+                    0 => Probe::Lock(process_key(q.pid, q.pidns)),
+                    pid => Probe::Pid(pid),
+                })
+            })
             .collect()
+    }
+
+    /// Whether some rank on this host is in another PID namespace than this one (it then tells
+    /// that it lives by a lock: `liveness::hold`).
+    pub fn has_foreign_neighbours(peers: &[PeerInfo], me: usize) -> bool {
+        let m = &peers[me];
+        peers.iter().any(|q| q.host == m.host && q.pidns != m.pidns)
     }
 
     /// Whether this rank's process takes connections in device memory by CUDA IPC.
@@ -213,6 +199,7 @@ impl PeerInfo {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::liveness::{my_process_key, pid_of_key};
     #[test]
     fn round_trip() {
         let mut p = PeerInfo::mine(3);
@@ -258,19 +245,25 @@ mod tests {
         assert!(a.same_process(&b));
         b.pidns ^= 1;
         assert!(!a.same_process(&b) && !a.same_gpu(&b));
+        let key = process_key(b.pid, b.pidns);
         assert_eq!(
-            PeerInfo::local_pids(&[a.clone(), b.clone()], 0),
-            [None, None]
+            PeerInfo::local_probes(&[a.clone(), b.clone()], 0),
+            [None, Some(Probe::Lock(key))]
         );
+        assert!(PeerInfo::has_foreign_neighbours(&[a.clone(), b.clone()], 0));
         b.pidns = a.pidns;
         b.pid += 1;
         assert_eq!(
-            PeerInfo::local_pids(&[a.clone(), b.clone()], 0),
-            [None, Some(b.pid)]
+            PeerInfo::local_probes(&[a.clone(), b.clone()], 0),
+            [None, Some(Probe::Pid(b.pid))]
         );
+        assert!(!PeerInfo::has_foreign_neighbours(
+            &[a.clone(), b.clone()],
+            0
+        ));
         b.host ^= 1;
         assert!(!a.same_process(&b));
-        assert_eq!(PeerInfo::local_pids(&[a.clone(), b], 0), [None, None]);
+        assert_eq!(PeerInfo::local_probes(&[a.clone(), b], 0), [None, None]);
 
         let me = my_process_key();
         assert_eq!(me, process_key(a.pid, a.pidns));

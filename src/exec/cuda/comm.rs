@@ -56,15 +56,16 @@ impl Ctl {
         self.word(0).store(1, Ordering::SeqCst);
     }
 
-    /// The connection (its header's device address) a kernel last said it waits on, and the
-    /// mark that changes while kernels wait (0: none has waited yet).
+    /// The mark that changes while kernels wait (0: none has waited yet), and the connection
+    /// (its header's device address) a kernel last said it waits on.
     pub fn waiting(&self) -> (u64, u64) {
         // SAFETY: inside the page, 8-byte aligned (`wait_mark` at 64, `wait_conn` at 56).
-        unsafe {
-            let mark = std::ptr::read_volatile(self.page.add(64) as *const u64);
-            let conn = std::ptr::read_volatile(self.page.add(56) as *const u64);
-            (mark, conn)
-        }
+        let mark = unsafe { std::ptr::read_volatile(self.page.add(64) as *const u64) };
+        // The kernel wrote the connection before the mark (with a fence between).
+        std::sync::atomic::fence(Ordering::Acquire);
+        // SAFETY: as above.
+        let conn = unsafe { std::ptr::read_volatile(self.page.add(56) as *const u64) };
+        (mark, conn)
     }
 
     /// The kernel's error code and details, if one stopped on an error.
@@ -159,7 +160,7 @@ impl CudaComm {
             name: name.clone(),
             reported: false,
             used: Arc::downgrade(&used),
-            pids: crate::transport::peer::PeerInfo::local_pids(s.peers, s.rank),
+            probes: crate::transport::peer::PeerInfo::local_probes(s.peers, s.rank),
             names: s
                 .peers
                 .iter()
@@ -168,7 +169,7 @@ impl CudaComm {
                 .collect(),
             mark: 0,
             idle: 0,
-            suspect: None,
+            suspects: Default::default(),
             progress: None,
         });
         crate::debug::info(&format!(
@@ -317,16 +318,17 @@ struct Watched {
     name: String,
     reported: bool,
     used: Weak<Mutex<Used>>,
-    /// Each rank's process where it runs on this host in another process (as this process
-    /// sees it), and each rank in words.
-    pids: Vec<Option<u32>>,
+    /// How to ask whether each rank's process lives, where it runs on this host in another
+    /// process (`PeerInfo::local_probes`), and each rank in words.
+    probes: Vec<Option<crate::liveness::Probe>>,
     names: Vec<String>,
     /// The control block's wait mark at the last look, and how many looks in a row it has not
     /// changed (the kernels did not wait).
     mark: u64,
     idle: u32,
-    /// Since when, and on which connection, a peer has been seen gone while kernels waited.
-    suspect: Option<(Instant, u64)>,
+    /// Since when the peer of each connection (by header) has been seen gone while kernels
+    /// waited on it.
+    suspects: std::collections::HashMap<u64, Instant>,
     /// The counters of the connections (where the host can read them), and since when they
     /// are so.
     progress: Option<(u64, Instant)>,
@@ -352,7 +354,7 @@ impl Watched {
         if mark == self.mark {
             self.idle += 1;
             if self.idle >= IDLE_LOOKS {
-                self.suspect = None;
+                self.suspects.clear();
                 self.progress = None;
             }
             return None;
@@ -360,7 +362,7 @@ impl Watched {
         self.mark = mark;
         self.idle = 0;
         let used = self.used.upgrade()?;
-        if let Some(e) = self.stalled(&used.lock()) {
+        if let Some(e) = self.stalled(&used.lock(), hdr) {
             return Some(e);
         }
         let conn = used.lock().0.get(&hdr)?.clone();
@@ -371,9 +373,8 @@ impl Watched {
             .cloned()
             .unwrap_or_else(|| format!("rank {r}"));
         let dead = || {
-            let pid = (*self.pids.get(r)?)?;
-            (!crate::health::process_alive(pid))
-                .then(|| format!("rank {r} (process {pid} on this host) has died"))
+            let probe = (*self.probes.get(r)?)?;
+            (!probe.alive()).then(|| format!("{name} has died"))
         };
         let closed = || {
             conn.peer_closed().then(|| {
@@ -394,12 +395,10 @@ impl Watched {
         };
         let Some(why) = dead().or_else(closed).or_else(silent) else {
             // That peer is well (it may have been silent a while).
-            if self.suspect.is_some_and(|(_, h)| h == hdr) {
-                self.suspect = None;
-            }
+            self.suspects.remove(&hdr);
             return None;
         };
-        let (since, _) = *self.suspect.get_or_insert((Instant::now(), hdr));
+        let since = *self.suspects.entry(hdr).or_insert_with(Instant::now);
         (since.elapsed() >= PEER_GRACE).then(|| {
             Error::remote(format!(
                 "{}: {why} while this rank's kernels waited for it",
@@ -408,14 +407,19 @@ impl Watched {
         })
     }
 
-    /// The kernels wait and the connections have not moved (their counters, where the host
-    /// can read them: pinned memory) for the communicator's timeout: a peer that never comes,
-    /// as the host executor's waits time out (`OXCCL_TIMEOUT_S`).
-    fn stalled(&mut self, used: &Used) -> Option<Error> {
+    /// The kernels wait on a connection whose counters the host can read (pinned memory), and
+    /// the connections have not moved for the communicator's timeout: a peer that never comes,
+    /// as the host executor's waits time out (`OXCCL_TIMEOUT_S`). Not judged while they wait
+    /// on one in device memory, whose progress the host cannot see.
+    fn stalled(&mut self, used: &Used, hdr: u64) -> Option<Error> {
         use std::hash::{Hash, Hasher};
         // Only where the user set it: a GPU job's ranks may legitimately keep their peers
         // waiting for minutes (a checkpoint, an evaluation on one rank), as NCCL lets them.
         let timeout = crate::param::get_str("OXCCL_TIMEOUT_S").map(|_| crate::param::timeout())?;
+        if used.0.get(&hdr).is_none_or(|c| c.on_device()) {
+            self.progress = None;
+            return None;
+        }
         let mut readable: Vec<String> = used
             .0
             .values()

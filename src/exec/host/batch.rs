@@ -338,25 +338,24 @@ impl Running {
             ));
             return self.stop(e, true);
         }
-        if let Some((r, pid)) = self.comm().dead_peer() {
+        // A dead peer this task waits on (any, where it waits on no connection: on the
+        // board). Not one it does not wait on: if a peer it waits on (over the network, say)
+        // waits for the dead one, that peer fails and says so to every rank.
+        let waits_on = |r: usize| {
+            let mut waited = self.waited_conns().map(|c| c.peer).peekable();
+            waited.peek().is_none() || waited.any(|p| p == r)
+        };
+        if let Some(r) = self.comm().dead_peer(waits_on) {
             // A peer that did its part and then exited is no failure: look once more, now
-            // that everything it wrote before exiting is visible. Nor is it while this task
-            // waits on other peers only (over the network, say): if one of those waits for the
-            // dead one, it fails and says so to every rank.
-            let elsewhere = {
-                let mut waited = self.waited_conns().map(|c| c.peer).peekable();
-                waited.peek().is_some() && !waited.any(|p| p == r)
-            };
-            if elsewhere {
-                return;
-            }
+            // that everything it wrote before exiting is visible.
             if self.poll() != Poll::Blocked {
                 return;
             }
             let e = Error::remote(format!(
-                "{} on rank {}: rank {r} (process {pid} on this host) has died",
+                "{} on rank {}: {} has died",
                 self.task.what,
-                self.comm().rank
+                self.comm().rank,
+                self.comm().peer_name(r)
             ));
             return self.stop(e, true);
         }

@@ -589,7 +589,7 @@ fn resolve(op: &Direct) -> Result<(Option<Peers>, Option<usize>)> {
             .maps
             .as_ref()
             .ok_or_else(|| Error::internal("a direct operation without peer maps"))?;
-        let remote = crate::transport::peer::pid_of_key(key).filter(|_| cma);
+        let remote = crate::liveness::pid_of_key(key).filter(|_| cma);
         match (maps.resolve(key, i)?, remote) {
             (Some(a), _) => Ok(Loc::Here(a)),
             (None, Some(pid)) => Ok(Loc::Remote {

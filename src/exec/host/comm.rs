@@ -35,9 +35,9 @@ pub struct HostComm {
     pub tuner: Arc<Tuner>,
     /// Every rank can read and write every other rank's process memory (`transport::cma`).
     pub cma: bool,
-    /// The pids of peers in other processes of this host, by rank (None: this process, or
-    /// another host), watched while an operation waits (`dead_peer`).
-    peer_pids: Vec<Option<u32>>,
+    /// How to ask whether peers in other processes of this host live, by rank (None: this
+    /// process, or another host), watched while an operation waits (`dead_peer`).
+    peer_probes: Vec<Option<crate::liveness::Probe>>,
     /// The last operations, when `OXCCL_FLIGHT_RECORDER` asks for them.
     pub recorder: Option<crate::flight::Recorder>,
     /// "rank R (process P on host H)" of every rank, for messages.
@@ -80,14 +80,14 @@ impl HostComm {
         } else {
             None
         };
-        let peer_pids = PeerInfo::local_pids(peers, rank);
+        let peer_probes = PeerInfo::local_probes(peers, rank);
         Ok(HostComm {
             peer_names: peers
                 .iter()
                 .enumerate()
                 .map(|(r, q)| q.describe(r))
                 .collect(),
-            peer_pids,
+            peer_probes,
             recorder: crate::flight::for_comm(hash, name.clone(), rank),
             hash,
             name,
@@ -189,14 +189,11 @@ impl HostComm {
         }
     }
 
-    /// A peer process of this host that has died (exited, killed, or a zombie), as (rank, pid):
-    /// what a waiting operation checks now and then, so that it fails at once rather than at
-    /// its timeout.
-    pub fn dead_peer(&self) -> Option<(usize, u32)> {
-        self.peer_pids.iter().enumerate().find_map(|(r, p)| {
-            p.filter(|&pid| !crate::health::process_alive(pid))
-                .map(|pid| (r, pid))
-        })
+    /// A peer process of this host that has died (exited, killed, or a zombie), among the
+    /// ranks `of` says: what a waiting operation checks now and then, so that it fails at once
+    /// rather than at its timeout.
+    pub fn dead_peer(&self, of: impl Fn(usize) -> bool) -> Option<usize> {
+        (0..self.peer_probes.len()).find(|&r| of(r) && !self.peer_alive(r))
     }
 
     /// "rank R (process P on host H)", for messages.
@@ -207,11 +204,11 @@ impl HostComm {
     /// Whether rank `p`'s process still runs (as far as this host can tell: ranks of this
     /// process and of other hosts count as running).
     pub fn peer_alive(&self, p: usize) -> bool {
-        self.peer_pids
+        self.peer_probes
             .get(p)
             .copied()
             .flatten()
-            .is_none_or(crate::health::process_alive)
+            .is_none_or(crate::liveness::Probe::alive)
     }
 
     /// The communicator ends here (destroyed or aborted, its work stopped): peers on this host

@@ -114,11 +114,11 @@ pub struct PeerMaps {
 }
 
 impl PeerMaps {
-    /// The local address of a buffer of the process of `key` (`peer::my_process_key`): its own
+    /// The local address of a buffer of the process of `key` (`liveness::my_process_key`): its own
     /// address when that is this process, a mapping of its allocation when it has one and is
     /// in this process's PID namespace; None when it cannot be reached.
     pub fn resolve(&self, key: u64, info: &BufInfo) -> Result<Option<usize>> {
-        use crate::transport::peer::{my_process_key, pid_of_key};
+        use crate::liveness::{my_process_key, pid_of_key};
         if key == my_process_key() {
             return Ok(Some(info.addr as usize));
         }
