@@ -4,14 +4,18 @@
 //! A peer in this process's PID namespace is asked by its pid (`/proc/<pid>/stat`). A peer in
 //! another PID namespace (a container that shares this host's hostname and /dev/shm but not
 //! its pids) has a pid that names nothing here, or another process: such a process instead
-//! holds an exclusive lock on a file of its own in /dev/shm (`oxccl-alive-<key>`) while it has
-//! communicators with peers of other namespaces, and the kernel releases the lock when the
-//! process ends, however it ends. A peer that finds the lock free knows the process is gone
-//! and removes its file.
+//! holds an exclusive lock on a file of its own in /dev/shm (`oxccl-alive-<token>`, a random
+//! token of the process, told to the peers at init) while it has communicators with peers of
+//! other namespaces, and the kernel releases the lock when the process ends, however it ends.
+//! A peer that finds the lock free knows the process is gone and removes its file; a normal
+//! exit removes it too (atexit), and a new lock sweeps files whose owners are gone. A forked
+//! child closes its copy of the lock (pthread_atfork): the lock says whether the process that
+//! took it lives, not its children.
 
 use crate::error::{Error, Result};
 use parking_lot::Mutex;
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsRawFd, IntoRawFd};
+use std::sync::atomic::{AtomicI32, AtomicU32, AtomicU64, Ordering};
 
 /// The PID namespace of this process (the inode of `/proc/self/ns/pid`, 0 if unknown).
 pub fn pid_namespace() -> u64 {
@@ -26,11 +30,17 @@ pub fn process_key(pid: u32, pidns: u64) -> u64 {
     (((pidns ^ (pidns >> 32)) & 0xffff_ffff) << 32) | u64::from(pid)
 }
 
-/// This process's key (`process_key`).
+/// This process's key (`process_key`); a forked child computes its own.
 pub fn my_process_key() -> u64 {
-    static KEY: once_cell::sync::Lazy<u64> =
-        once_cell::sync::Lazy::new(|| process_key(std::process::id(), pid_namespace()));
-    *KEY
+    static KEY: AtomicU64 = AtomicU64::new(0);
+    let pid = std::process::id();
+    let k = KEY.load(Ordering::Relaxed);
+    if k != 0 && k as u32 == pid {
+        return k;
+    }
+    let k = process_key(pid, pid_namespace());
+    KEY.store(k, Ordering::Relaxed);
+    k
 }
 
 /// The pid by which this process reaches the process of `key` (its /proc entry, its memory
@@ -44,7 +54,7 @@ pub fn pid_of_key(key: u64) -> Option<u32> {
 pub enum Probe {
     /// Its pid in this PID namespace.
     Pid(u32),
-    /// Its process key (`my_process_key` in that process): its lock file.
+    /// The token its process told at init: its lock file.
     Lock(u64),
 }
 
@@ -52,7 +62,7 @@ impl Probe {
     pub fn alive(self) -> bool {
         match self {
             Probe::Pid(pid) => process_alive(pid),
-            Probe::Lock(key) => lock_alive(key),
+            Probe::Lock(token) => lock_alive(token),
         }
     }
 }
@@ -61,7 +71,8 @@ impl Probe {
 /// collected it yet.
 pub fn process_alive(pid: u32) -> bool {
     match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
-        Err(_) => false,
+        // (Where this process cannot read its own /proc entry either, it cannot tell.)
+        Err(_) => !std::path::Path::new("/proc/self/stat").exists(),
         // "pid (comm) S ...": the state follows the last ')'.
         Ok(stat) => stat
             .rsplit_once(')')
@@ -70,14 +81,16 @@ pub fn process_alive(pid: u32) -> bool {
     }
 }
 
-fn lock_path(key: u64) -> String {
-    format!("/dev/shm/oxccl-alive-{key:016x}")
+const LOCK_PREFIX: &str = "oxccl-alive-";
+
+fn lock_path(token: u64) -> String {
+    format!("/dev/shm/{LOCK_PREFIX}{token:016x}")
 }
 
 /// `flock(fd, how | LOCK_NB)`: Ok(true) when taken, Ok(false) when another holds it.
-fn try_flock(f: &std::fs::File, how: i32) -> std::io::Result<bool> {
-    // SAFETY: a valid descriptor of `f`; flock takes no pointers.
-    if unsafe { nix::libc::flock(f.as_raw_fd(), how | nix::libc::LOCK_NB) } == 0 {
+fn try_flock(fd: i32, how: i32) -> std::io::Result<bool> {
+    // SAFETY: flock takes no pointers; a bad descriptor is an error.
+    if unsafe { nix::libc::flock(fd, how | nix::libc::LOCK_NB) } == 0 {
         return Ok(true);
     }
     let e = std::io::Error::last_os_error();
@@ -87,58 +100,134 @@ fn try_flock(f: &std::fs::File, how: i32) -> std::io::Result<bool> {
     }
 }
 
-/// Whether the process of `key` holds its lock. Its file gone: it ended its last communicator
-/// with peers of other namespaces, or died and a peer saw it (every peer holds the lock
-/// before any looks: `hold` is followed by a barrier at init). A file that cannot be read
-/// (another user's, say) counts as alive: no error from what this process cannot tell.
-fn lock_alive(key: u64) -> bool {
-    let path = lock_path(key);
+/// Whether the process of `token` holds its lock. Its file gone: it ended its last
+/// communicator with peers of other namespaces, exited, or died and a peer saw it (every
+/// process holds its lock before any peer looks: `hold` is followed by a barrier at init). A
+/// file that cannot be read (another user's, say) counts as alive: no error from what this
+/// process cannot tell.
+fn lock_alive(token: u64) -> bool {
+    let path = lock_path(token);
     let f = match std::fs::File::open(&path) {
         Ok(f) => f,
         Err(e) => return e.kind() != std::io::ErrorKind::NotFound,
     };
-    match try_flock(&f, nix::libc::LOCK_SH) {
+    match try_flock(f.as_raw_fd(), nix::libc::LOCK_SH) {
         Ok(false) | Err(_) => true,
         Ok(true) => {
-            // Nobody holds it: the process is gone. Its file goes too, unless a new one took
-            // its place meanwhile (a new process with the same pid renames its locked file in).
-            use std::os::unix::fs::MetadataExt;
-            let same = |m: std::fs::Metadata| f.metadata().is_ok_and(|o| o.ino() == m.ino());
-            if std::fs::metadata(&path).is_ok_and(same) {
-                let _ = std::fs::remove_file(&path);
-            }
+            // Nobody holds it: the process is gone (the token is its own: nobody else makes
+            // this name).
+            let _ = std::fs::remove_file(&path);
             false
         }
     }
 }
 
-/// This process's lock and how many communicators hold it.
-static HELD: Mutex<Option<(std::fs::File, usize)>> = Mutex::new(None);
+/// This process's lock: its descriptor (-1: none), token and owner (a forked child's copy is
+/// not its own), and how many communicators hold it.
+static LOCK_FD: AtomicI32 = AtomicI32::new(-1);
+static TOKEN: AtomicU64 = AtomicU64::new(0);
+static OWNER: AtomicU32 = AtomicU32::new(0);
+static USERS: Mutex<usize> = Mutex::new(0);
 
-/// This process's lock, held (the first one creates it) until every `Hold` has dropped; the
-/// last removes the file.
+/// In a forked child: the lock is the parent's; closing this copy of the descriptor keeps the
+/// parent's lock (the same open file) but lets it go when the parent dies.
+extern "C" fn forget_in_child() {
+    let fd = LOCK_FD.swap(-1, Ordering::SeqCst);
+    if fd >= 0 {
+        // SAFETY: our descriptor; close is async-signal-safe.
+        unsafe { nix::libc::close(fd) };
+    }
+    TOKEN.store(0, Ordering::SeqCst);
+}
+
+/// At a normal exit: the file goes with the lock.
+extern "C" fn remove_at_exit() {
+    let token = TOKEN.load(Ordering::SeqCst);
+    if token != 0 && OWNER.load(Ordering::SeqCst) == std::process::id() {
+        let _ = std::fs::remove_file(lock_path(token));
+    }
+}
+
+fn random_token() -> u64 {
+    let mut b = [0u8; 8];
+    // SAFETY: writes at most 8 bytes into `b`.
+    let n = unsafe { nix::libc::getrandom(b.as_mut_ptr().cast(), 8, 0) };
+    let t = u64::from_ne_bytes(b);
+    if n == 8 && t != 0 {
+        return t;
+    }
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(1, |d| d.as_nanos() as u64);
+    (now ^ my_process_key().rotate_left(17)) | 1
+}
+
+/// Removes lock files whose owners are gone (killed, with no peer that looked): only the
+/// final names, never one being made (those are not locked yet).
+fn sweep() {
+    let Ok(dir) = std::fs::read_dir("/dev/shm") else {
+        return;
+    };
+    for e in dir.flatten() {
+        let name = e.file_name();
+        let name = name.to_string_lossy();
+        let Some(hex) = name.strip_prefix(LOCK_PREFIX) else {
+            continue;
+        };
+        if let Ok(token) = u64::from_str_radix(hex, 16) {
+            if hex.len() == 16 && token != TOKEN.load(Ordering::SeqCst) {
+                lock_alive(token);
+            }
+        }
+    }
+}
+
+/// This process's lock, held (the first one makes it) until every `Hold` has dropped; the
+/// last removes the file. Its token, for the peers.
 pub struct Hold(());
 
+impl Hold {
+    pub fn token(&self) -> u64 {
+        TOKEN.load(Ordering::SeqCst)
+    }
+}
+
 pub fn hold() -> Result<Hold> {
-    let mut held = HELD.lock();
-    if let Some((_, users)) = held.as_mut() {
+    let mut users = USERS.lock();
+    let me = std::process::id();
+    if OWNER.load(Ordering::SeqCst) != me {
+        // None yet, or a forked child's view of its parent's (already let go: `forget_in_child`).
+        *users = 0;
+    }
+    if *users > 0 {
         *users += 1;
         return Ok(Hold(()));
     }
-    let path = lock_path(my_process_key());
-    // Locked under a name of its own, then renamed into place: a peer never finds the file
-    // unlocked while this process lives.
-    let tmp = format!("{path}.{}", std::process::id());
+    static HOOKS: std::sync::Once = std::sync::Once::new();
+    HOOKS.call_once(|| {
+        // SAFETY: plain functions that touch only atomics, the file system and close(2).
+        unsafe {
+            nix::libc::pthread_atfork(None, None, Some(forget_in_child));
+            nix::libc::atexit(remove_at_exit);
+        }
+    });
+    sweep();
+    let token = random_token();
+    let path = lock_path(token);
+    // Locked under a name of its own, then renamed into place: a peer or a sweep never finds
+    // the file unlocked while this process lives.
+    let tmp = format!("{path}.{me}");
     let made = (|| {
-        use std::os::unix::fs::OpenOptionsExt;
+        use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
         let f = std::fs::OpenOptions::new()
             .read(true)
             .write(true)
-            .create(true)
-            .truncate(true)
+            .create_new(true)
             .mode(0o644)
             .open(&tmp)?;
-        if !try_flock(&f, nix::libc::LOCK_EX)? {
+        // Readable by every user whatever the umask (containers may run as other users).
+        f.set_permissions(std::fs::Permissions::from_mode(0o644))?;
+        if !try_flock(f.as_raw_fd(), nix::libc::LOCK_EX)? {
             return Err(std::io::Error::from_raw_os_error(nix::libc::EWOULDBLOCK));
         }
         std::fs::rename(&tmp, &path)?;
@@ -146,7 +235,10 @@ pub fn hold() -> Result<Hold> {
     })();
     match made {
         Ok(f) => {
-            *held = Some((f, 1));
+            LOCK_FD.store(f.into_raw_fd(), Ordering::SeqCst);
+            TOKEN.store(token, Ordering::SeqCst);
+            OWNER.store(me, Ordering::SeqCst);
+            *users = 1;
             Ok(Hold(()))
         }
         Err(e) => {
@@ -163,15 +255,20 @@ pub fn hold() -> Result<Hold> {
 
 impl Drop for Hold {
     fn drop(&mut self) {
-        let mut held = HELD.lock();
-        let last = held.as_mut().is_some_and(|(_, users)| {
-            *users -= 1;
-            *users == 0
-        });
-        if last {
-            // The name first, then the lock (closing the file): a peer then finds no file.
-            let _ = std::fs::remove_file(lock_path(my_process_key()));
-            *held = None;
+        let mut users = USERS.lock();
+        if OWNER.load(Ordering::SeqCst) != std::process::id() || *users == 0 {
+            // A forked child's copy of its parent's hold: nothing of it is this process's.
+            return;
+        }
+        *users -= 1;
+        if *users == 0 {
+            // The name first, then the lock: a peer then finds no file.
+            let _ = std::fs::remove_file(lock_path(TOKEN.swap(0, Ordering::SeqCst)));
+            let fd = LOCK_FD.swap(-1, Ordering::SeqCst);
+            if fd >= 0 {
+                // SAFETY: our descriptor, closed once (swapped out).
+                unsafe { nix::libc::close(fd) };
+            }
         }
     }
 }
@@ -182,26 +279,38 @@ mod tests {
 
     #[test]
     fn a_held_lock_is_alive_and_a_released_one_is_not() {
-        let me = my_process_key();
-        let path = lock_path(me);
-        assert!(!lock_alive(me), "no lock yet");
         let a = hold().unwrap();
         let b = hold().unwrap();
-        assert!(std::path::Path::new(&path).exists());
+        let token = a.token();
+        assert_eq!(b.token(), token);
+        let path = lock_path(token);
+        let mode = std::fs::metadata(&path).map(|m| {
+            use std::os::unix::fs::PermissionsExt;
+            m.permissions().mode() & 0o777
+        });
+        assert_eq!(mode.unwrap(), 0o644, "readable by other users");
         // (This process's own flock on another open of the file conflicts as another's does.)
-        assert!(lock_alive(me));
+        assert!(lock_alive(token));
         drop(a);
-        assert!(lock_alive(me), "one holder left");
+        assert!(lock_alive(token), "one holder left");
         drop(b);
         assert!(
             !std::path::Path::new(&path).exists(),
             "the last holder removes it"
         );
-        assert!(!lock_alive(me));
-        // A file left by a process that died (not locked): gone, and removed by who saw it.
-        std::fs::write(&path, b"").unwrap();
-        assert!(!lock_alive(me));
-        assert!(!std::path::Path::new(&path).exists());
+        assert!(!lock_alive(token));
+        // A file left by a process that died (not locked): gone, and removed by who saw it,
+        // or by the sweep of a new lock.
+        let stale = lock_path(0x5eed_0000_0000_0001);
+        std::fs::write(&stale, b"").unwrap();
+        assert!(!lock_alive(0x5eed_0000_0000_0001));
+        assert!(!std::path::Path::new(&stale).exists());
+        std::fs::write(&stale, b"").unwrap();
+        let c = hold().unwrap();
+        assert!(!std::path::Path::new(&stale).exists(), "swept");
+        assert_ne!(c.token(), token, "a new lock, a new token");
+        drop(c);
         assert!(Probe::Pid(std::process::id()).alive());
+        assert!(!Probe::Pid(u32::MAX - 1).alive());
     }
 }

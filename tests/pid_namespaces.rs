@@ -12,9 +12,10 @@
 //!   /proc/1 taken for the other's). All-reduces of 2, 4096 and 1M floats on malloc'd and on
 //!   `ncclMemAlloc` buffers, and a send/recv each way, every element checked.
 //! - `killed`: each rank in a namespace of its own (the same pid in each, under a shell that is
-//!   PID 1), rank 1 kills itself after one all-reduce; rank 0's next all-reduce must fail within
-//!   seconds with `ncclRemoteError` naming rank 1 (its pid means nothing here: rank 0 sees its
-//!   lock in /dev/shm released), and no file of either is left in /dev/shm.
+//!   PID 1), rank 1 forks a child that sleeps on, then kills itself after one all-reduce; rank
+//!   0's next all-reduce must fail within seconds with `ncclRemoteError` naming rank 1 (its pid
+//!   means nothing here: rank 0 sees its lock in /dev/shm released, although the child lives),
+//!   and no file of either is left in /dev/shm.
 //!
 //! Needs root (`unshare --pid`); skips with a message where namespaces cannot be made (not
 //! under CI, which is root).
@@ -30,7 +31,8 @@ use common::all_reduce_f32_at as all_reduce;
 const TEST: &str = "ranks_in_different_pid_namespaces_are_different_processes";
 const UNSHARE: [&str; 4] = ["unshare", "--pid", "--fork", "--mount-proc"];
 /// `UNSHARE` with the rank under a shell that is PID 1 (a namespace's PID 1 cannot be killed
-/// from inside it).
+/// from inside it), which outlives the rank by 6 s (the namespace's processes, the rank's
+/// forked child among them, live as long as its PID 1).
 const UNSHARE_SH: [&str; 8] = [
     "unshare",
     "--pid",
@@ -38,7 +40,7 @@ const UNSHARE_SH: [&str; 8] = [
     "--mount-proc",
     "sh",
     "-c",
-    "\"$@\"; exit $?",
+    "\"$@\"; s=$?; sleep 6; exit $s",
     "sh",
 ];
 
@@ -128,6 +130,16 @@ fn killed(c: std::sync::Arc<nccl::comm::Comm>, r: i32) {
         "rank {r}: the first all-reduce"
     );
     if r == 1 {
+        // A child forked after init (a data loader's worker, say) outlives the rank: the
+        // rank's lock must go with the rank, not stay with the child's copy of it.
+        // SAFETY: the child only sleeps and exits (async-signal-safe calls).
+        if let nix::unistd::ForkResult::Child = unsafe { nix::unistd::fork() }.unwrap() {
+            // SAFETY: as above.
+            unsafe {
+                nix::libc::sleep(20);
+                nix::libc::_exit(0);
+            }
+        }
         nix::sys::signal::kill(nix::unistd::getpid(), nix::sys::signal::Signal::SIGKILL).unwrap();
     }
     std::thread::sleep(Duration::from_millis(200));
@@ -137,7 +149,7 @@ fn killed(c: std::sync::Arc<nccl::comm::Comm>, r: i32) {
     let took = t.elapsed();
     assert_eq!(e.code, nccl::error::Code::RemoteError, "{e}");
     assert!(e.msg.contains("rank 1"), "the error names no rank: {e}");
-    assert!(took < Duration::from_secs(5), "seen after {took:?}: {e}");
+    assert!(took < Duration::from_secs(3), "seen after {took:?}: {e}");
     eprintln!("killed: seen after {took:?}: {e}");
     api::comm_abort(api::comm_handle(&c)).unwrap();
 }

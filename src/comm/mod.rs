@@ -296,16 +296,28 @@ fn build_core(p: PendingInit) -> Result<Core> {
             .count() as i32,
     };
     // Peers of this host in other PID namespaces cannot ask whether this process lives by its
-    // pid: it holds a lock they look at, taken by every such rank before any looks (a
-    // barrier, where some host has ranks of several namespaces: every rank knows whether).
+    // pid: it holds a lock they look at, taken before any looks, and tells them its token (an
+    // exchange every rank makes where some host has ranks of several namespaces: every rank
+    // knows whether). A lock that cannot be made is a WARN: peers then cannot tell whether
+    // this rank died (they wait for it as NCCL's ranks do).
+    let mut peers = peers;
     let alive = match (0..peers.len()).any(|r| PeerInfo::has_foreign_neighbours(&peers, r)) {
         true => {
-            let hold = PeerInfo::has_foreign_neighbours(&peers, p.rank)
-                .then(crate::liveness::hold)
-                .transpose();
-            // (Also when the lock failed: the peers must not wait at the barrier for good.)
-            boot.allgather(&[u8::from(matches!(hold, Ok(Some(_))))])?;
-            hold?
+            let hold = match PeerInfo::has_foreign_neighbours(&peers, p.rank) {
+                true => crate::liveness::hold()
+                    .map_err(|e| crate::debug::warn(&format!("rank {}: {}", p.rank, e.msg)))
+                    .ok(),
+                false => None,
+            };
+            let token = hold.as_ref().map_or(0, |h| h.token());
+            let all = boot.allgather(&token.to_le_bytes())?;
+            for (q, t) in peers.iter_mut().zip(&all) {
+                q.alive = t
+                    .get(..8)
+                    .and_then(|b| b.try_into().ok())
+                    .map_or(0, u64::from_le_bytes);
+            }
+            hold
         }
         false => None,
     };

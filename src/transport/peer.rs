@@ -1,7 +1,7 @@
 //! What ranks tell each other at init: where they run and the FIFO geometry they use.
 
 use crate::error::{Error, Result};
-use crate::liveness::{pid_namespace, process_key, Probe};
+use crate::liveness::{pid_namespace, Probe};
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct PeerInfo {
@@ -22,6 +22,9 @@ pub struct PeerInfo {
     pub probe: u64,
     /// The host's name, for messages (at most 64 bytes of it).
     pub hostname: String,
+    /// The token of the lock by which its process tells peers of other PID namespaces that it
+    /// lives (`liveness::hold`; 0: none). Not in the bytes: exchanged at init after them.
+    pub alive: u64,
 }
 
 const BYTES: usize = 8 + 4 + 4 + 16 + 4 + 8 + 8 + 4 + 8;
@@ -91,6 +94,7 @@ impl PeerInfo {
                 .and_then(|h| h.into_string().ok())
                 .map(|h| h.chars().take(64).collect())
                 .unwrap_or_default(),
+            alive: 0,
         }
     }
 
@@ -123,16 +127,20 @@ impl PeerInfo {
 
     /// How this process asks whether each of `peers`' processes lives, for those on this host
     /// but not this process (`peers[me]`'s): by its pid where it is in this PID namespace, else
-    /// by the lock it holds (`liveness`; its pid names nothing here, or another process).
+    /// by the lock it holds (`liveness`; its pid names nothing here, or another process), if
+    /// it holds one.
     pub fn local_probes(peers: &[PeerInfo], me: usize) -> Vec<Option<Probe>> {
         let m = &peers[me];
         peers
             .iter()
             .map(|q| {
-                (q.host == m.host && !q.same_process(m)).then(|| match m.pid_seen_by(q) {
-                    0 => Probe::Lock(process_key(q.pid, q.pidns)),
-                    pid => Probe::Pid(pid),
-                })
+                if q.host != m.host || q.same_process(m) {
+                    return None;
+                }
+                match m.pid_seen_by(q) {
+                    0 => (q.alive != 0).then_some(Probe::Lock(q.alive)),
+                    pid => Some(Probe::Pid(pid)),
+                }
             })
             .collect()
     }
@@ -192,6 +200,7 @@ impl PeerInfo {
             nsteps: u32_at(52),
             probe: u64_at(56),
             hostname: String::from_utf8_lossy(&b[BYTES..]).into_owned(),
+            alive: 0,
         })
     }
 }
@@ -199,7 +208,7 @@ impl PeerInfo {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::liveness::{my_process_key, pid_of_key};
+    use crate::liveness::{my_process_key, pid_of_key, process_key};
     #[test]
     fn round_trip() {
         let mut p = PeerInfo::mine(3);
@@ -245,10 +254,15 @@ mod tests {
         assert!(a.same_process(&b));
         b.pidns ^= 1;
         assert!(!a.same_process(&b) && !a.same_gpu(&b));
-        let key = process_key(b.pid, b.pidns);
         assert_eq!(
             PeerInfo::local_probes(&[a.clone(), b.clone()], 0),
-            [None, Some(Probe::Lock(key))]
+            [None, None],
+            "no lock told: no probe"
+        );
+        b.alive = 77;
+        assert_eq!(
+            PeerInfo::local_probes(&[a.clone(), b.clone()], 0),
+            [None, Some(Probe::Lock(77))]
         );
         assert!(PeerInfo::has_foreign_neighbours(&[a.clone(), b.clone()], 0));
         b.pidns = a.pidns;

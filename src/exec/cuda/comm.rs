@@ -170,7 +170,7 @@ impl CudaComm {
             mark: 0,
             idle: 0,
             suspects: Default::default(),
-            progress: None,
+            progress: Default::default(),
         });
         crate::debug::info(&format!(
             "{name}: CUDA executor on device {dev} (driver {})",
@@ -327,11 +327,11 @@ struct Watched {
     mark: u64,
     idle: u32,
     /// Since when the peer of each connection (by header) has been seen gone while kernels
-    /// waited on it.
-    suspects: std::collections::HashMap<u64, Instant>,
-    /// The counters of the connections (where the host can read them), and since when they
-    /// are so.
-    progress: Option<(u64, Instant)>,
+    /// waited on it, and when last.
+    suspects: std::collections::HashMap<u64, (Instant, Instant)>,
+    /// The counters of each connection kernels waited on (where the host can read them),
+    /// since when they are so, and when kernels were last seen waiting on it.
+    progress: std::collections::HashMap<u64, (String, Instant, Instant)>,
 }
 
 /// How often (in the watcher's 5 ms turns) it looks at the peers of communicators whose
@@ -342,6 +342,10 @@ const PEER_GRACE: Duration = Duration::from_secs(1);
 /// Looks without a wait after which the kernels count as no longer waiting (a kernel says it
 /// waits every 1024 reads of a counter: many times a look while it does).
 const IDLE_LOOKS: u32 = 3;
+/// How long a connection may go unnamed by the waiting kernels before what was seen of it (a
+/// gone peer, counters that did not move) starts again: the kernels' blocks take turns
+/// naming the connections they wait on, a few looks apart at most.
+const LAPSE: Duration = Duration::from_millis(500);
 
 impl Watched {
     /// A peer the kernels wait for in vain: a process of this host that died, a connection
@@ -355,7 +359,7 @@ impl Watched {
             self.idle += 1;
             if self.idle >= IDLE_LOOKS {
                 self.suspects.clear();
-                self.progress = None;
+                self.progress.clear();
             }
             return None;
         }
@@ -398,8 +402,14 @@ impl Watched {
             self.suspects.remove(&hdr);
             return None;
         };
-        let since = *self.suspects.entry(hdr).or_insert_with(Instant::now);
-        (since.elapsed() >= PEER_GRACE).then(|| {
+        let now = Instant::now();
+        let s = self.suspects.entry(hdr).or_insert((now, now));
+        if s.1.elapsed() > LAPSE {
+            // Not seen waiting on it for a while: the grace starts again.
+            s.0 = now;
+        }
+        s.1 = now;
+        (s.0.elapsed() >= PEER_GRACE).then(|| {
             Error::remote(format!(
                 "{}: {why} while this rank's kernels waited for it",
                 self.name
@@ -407,47 +417,35 @@ impl Watched {
         })
     }
 
-    /// The kernels wait on a connection whose counters the host can read (pinned memory), and
-    /// the connections have not moved for the communicator's timeout: a peer that never comes,
-    /// as the host executor's waits time out (`OXCCL_TIMEOUT_S`). Not judged while they wait
-    /// on one in device memory, whose progress the host cannot see.
+    /// The kernels wait on a connection whose counters the host can read (pinned memory),
+    /// and its counters have not moved for the communicator's timeout: a peer that never
+    /// comes, as the host executor's waits time out (`OXCCL_TIMEOUT_S`). Connections in device
+    /// memory, whose progress the host cannot see, are not judged.
     fn stalled(&mut self, used: &Used, hdr: u64) -> Option<Error> {
-        use std::hash::{Hash, Hasher};
         // Only where the user set it: a GPU job's ranks may legitimately keep their peers
         // waiting for minutes (a checkpoint, an evaluation on one rank), as NCCL lets them.
         let timeout = crate::param::get_str("OXCCL_TIMEOUT_S").map(|_| crate::param::timeout())?;
-        if used.0.get(&hdr).is_none_or(|c| c.on_device()) {
-            self.progress = None;
+        let conn = used.0.get(&hdr).filter(|c| !c.on_device())?;
+        let counters = conn.counters();
+        let now = Instant::now();
+        let p = self
+            .progress
+            .entry(hdr)
+            .or_insert_with(|| (counters.clone(), now, now));
+        if p.0 != counters || p.2.elapsed() > LAPSE {
+            *p = (counters, now, now);
             return None;
         }
-        let mut readable: Vec<String> = used
-            .0
-            .values()
-            .filter(|c| !c.on_device())
-            .map(|c| c.counters())
-            .collect();
-        if readable.is_empty() {
-            self.progress = None;
-            return None;
-        }
-        readable.sort();
-        let mut h = std::collections::hash_map::DefaultHasher::new();
-        readable.hash(&mut h);
-        let now = h.finish();
-        match self.progress {
-            Some((then, since)) if then == now => (since.elapsed() > timeout).then(|| {
-                Error::timeout(format!(
-                    "{}: its kernels made no progress for {} s (OXCCL_TIMEOUT_S): waiting on {}",
-                    self.name,
-                    timeout.as_secs(),
-                    readable.join("; ")
-                ))
-            }),
-            _ => {
-                self.progress = Some((now, Instant::now()));
-                None
-            }
-        }
+        p.2 = now;
+        (p.1.elapsed() > timeout).then(|| {
+            Error::timeout(format!(
+                "{}: its kernels waited {} s on a connection that did not move \
+                 (OXCCL_TIMEOUT_S): {}",
+                self.name,
+                timeout.as_secs(),
+                p.0
+            ))
+        })
     }
 }
 
