@@ -13,9 +13,8 @@
 //! took it lives, not its children.
 
 use crate::error::{Error, Result};
-use parking_lot::Mutex;
 use std::os::fd::{AsRawFd, IntoRawFd};
-use std::sync::atomic::{AtomicI32, AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 
 /// The PID namespace of this process (the inode of `/proc/self/ns/pid`, 0 if unknown).
 pub fn pid_namespace() -> u64 {
@@ -123,14 +122,36 @@ fn lock_alive(token: u64) -> bool {
 }
 
 /// This process's lock: its descriptor (-1: none), token and owner (a forked child's copy is
-/// not its own), and how many communicators hold it.
+/// not its own), and how many communicators hold it. All atomics, and `BUSY` a spin lock
+/// rather than a mutex, so that a child forked while another thread held it starts afresh
+/// (`forget_in_child` resets them; a mutex held at fork would stay locked in the child).
 static LOCK_FD: AtomicI32 = AtomicI32::new(-1);
 static TOKEN: AtomicU64 = AtomicU64::new(0);
 static OWNER: AtomicU32 = AtomicU32::new(0);
-static USERS: Mutex<usize> = Mutex::new(0);
+static USERS: AtomicUsize = AtomicUsize::new(0);
+static BUSY: AtomicBool = AtomicBool::new(false);
+
+/// `BUSY`, held until the guard drops.
+struct Busy;
+
+impl Busy {
+    fn take() -> Busy {
+        while BUSY.swap(true, Ordering::Acquire) {
+            std::thread::yield_now();
+        }
+        Busy
+    }
+}
+
+impl Drop for Busy {
+    fn drop(&mut self) {
+        BUSY.store(false, Ordering::Release);
+    }
+}
 
 /// In a forked child: the lock is the parent's; closing this copy of the descriptor keeps the
-/// parent's lock (the same open file) but lets it go when the parent dies.
+/// parent's lock (the same open file) but lets it go when the parent dies. Only atomics and
+/// close(2): async-signal-safe.
 extern "C" fn forget_in_child() {
     let fd = LOCK_FD.swap(-1, Ordering::SeqCst);
     if fd >= 0 {
@@ -138,6 +159,9 @@ extern "C" fn forget_in_child() {
         unsafe { nix::libc::close(fd) };
     }
     TOKEN.store(0, Ordering::SeqCst);
+    OWNER.store(0, Ordering::SeqCst);
+    USERS.store(0, Ordering::SeqCst);
+    BUSY.store(false, Ordering::SeqCst);
 }
 
 /// At a normal exit: the file goes with the lock.
@@ -151,7 +175,7 @@ extern "C" fn remove_at_exit() {
 fn random_token() -> u64 {
     let mut b = [0u8; 8];
     // SAFETY: writes at most 8 bytes into `b`.
-    let n = unsafe { nix::libc::getrandom(b.as_mut_ptr().cast(), 8, 0) };
+    let n = unsafe { nix::libc::getrandom(b.as_mut_ptr().cast(), 8, nix::libc::GRND_NONBLOCK) };
     let t = u64::from_ne_bytes(b);
     if n == 8 && t != 0 {
         return t;
@@ -162,8 +186,9 @@ fn random_token() -> u64 {
     (now ^ my_process_key().rotate_left(17)) | 1
 }
 
-/// Removes lock files whose owners are gone (killed, with no peer that looked): only the
-/// final names, never one being made (those are not locked yet).
+/// Removes lock files whose owners are gone (killed, with no peer that looked), and files
+/// left half made (a process killed between making its file and renaming it in: unlocked
+/// and older than a minute; one being made is that old never).
 fn sweep() {
     let Ok(dir) = std::fs::read_dir("/dev/shm") else {
         return;
@@ -171,37 +196,56 @@ fn sweep() {
     for e in dir.flatten() {
         let name = e.file_name();
         let name = name.to_string_lossy();
-        let Some(hex) = name.strip_prefix(LOCK_PREFIX) else {
+        let Some(rest) = name.strip_prefix(LOCK_PREFIX) else {
             continue;
         };
-        if let Ok(token) = u64::from_str_radix(hex, 16) {
-            if hex.len() == 16 && token != TOKEN.load(Ordering::SeqCst) {
-                lock_alive(token);
-            }
+        let (hex, tmp) = rest
+            .split_once('.')
+            .map_or((rest, false), |(h, _)| (h, true));
+        let Ok(token) = u64::from_str_radix(hex, 16) else {
+            continue;
+        };
+        if hex.len() != 16 || token == TOKEN.load(Ordering::SeqCst) {
+            continue;
+        }
+        if !tmp {
+            lock_alive(token);
+            continue;
+        }
+        let old = e
+            .metadata()
+            .and_then(|m| m.modified())
+            .is_ok_and(|t| t.elapsed().is_ok_and(|a| a.as_secs() > 60));
+        let free = std::fs::File::open(e.path())
+            .is_ok_and(|f| try_flock(f.as_raw_fd(), nix::libc::LOCK_SH).unwrap_or(false));
+        if old && free {
+            let _ = std::fs::remove_file(e.path());
         }
     }
 }
 
-/// This process's lock, held (the first one makes it) until every `Hold` has dropped; the
-/// last removes the file. Its token, for the peers.
-pub struct Hold(());
+/// This process's lock, held (the first one makes it) until every `Hold` of it has dropped;
+/// the last removes the file. Its token, for the peers.
+pub struct Hold {
+    pid: u32,
+    token: u64,
+}
 
 impl Hold {
     pub fn token(&self) -> u64 {
-        TOKEN.load(Ordering::SeqCst)
+        self.token
     }
 }
 
 pub fn hold() -> Result<Hold> {
-    let mut users = USERS.lock();
+    let _busy = Busy::take();
     let me = std::process::id();
-    if OWNER.load(Ordering::SeqCst) != me {
-        // None yet, or a forked child's view of its parent's (already let go: `forget_in_child`).
-        *users = 0;
-    }
-    if *users > 0 {
-        *users += 1;
-        return Ok(Hold(()));
+    if OWNER.load(Ordering::SeqCst) == me && USERS.load(Ordering::SeqCst) > 0 {
+        USERS.fetch_add(1, Ordering::SeqCst);
+        return Ok(Hold {
+            pid: me,
+            token: TOKEN.load(Ordering::SeqCst),
+        });
     }
     static HOOKS: std::sync::Once = std::sync::Once::new();
     HOOKS.call_once(|| {
@@ -238,8 +282,8 @@ pub fn hold() -> Result<Hold> {
             LOCK_FD.store(f.into_raw_fd(), Ordering::SeqCst);
             TOKEN.store(token, Ordering::SeqCst);
             OWNER.store(me, Ordering::SeqCst);
-            *users = 1;
-            Ok(Hold(()))
+            USERS.store(1, Ordering::SeqCst);
+            Ok(Hold { pid: me, token })
         }
         Err(e) => {
             let _ = std::fs::remove_file(&tmp);
@@ -255,13 +299,15 @@ pub fn hold() -> Result<Hold> {
 
 impl Drop for Hold {
     fn drop(&mut self) {
-        let mut users = USERS.lock();
-        if OWNER.load(Ordering::SeqCst) != std::process::id() || *users == 0 {
+        if self.pid != std::process::id() {
             // A forked child's copy of its parent's hold: nothing of it is this process's.
             return;
         }
-        *users -= 1;
-        if *users == 0 {
+        let _busy = Busy::take();
+        if self.token != TOKEN.load(Ordering::SeqCst) || USERS.load(Ordering::SeqCst) == 0 {
+            return;
+        }
+        if USERS.fetch_sub(1, Ordering::SeqCst) == 1 {
             // The name first, then the lock: a peer then finds no file.
             let _ = std::fs::remove_file(lock_path(TOKEN.swap(0, Ordering::SeqCst)));
             let fd = LOCK_FD.swap(-1, Ordering::SeqCst);

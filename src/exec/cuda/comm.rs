@@ -326,12 +326,11 @@ struct Watched {
     /// changed (the kernels did not wait).
     mark: u64,
     idle: u32,
-    /// Since when the peer of each connection (by header) has been seen gone while kernels
-    /// waited on it, and when last.
-    suspects: std::collections::HashMap<u64, (Instant, Instant)>,
-    /// The counters of each connection kernels waited on (where the host can read them),
-    /// since when they are so, and when kernels were last seen waiting on it.
-    progress: std::collections::HashMap<u64, (String, Instant, Instant)>,
+    /// Since when each peer (by rank) has been seen gone while kernels waited on it.
+    suspects: std::collections::HashMap<usize, Instant>,
+    /// The counters of each connection (by header) kernels waited on, where the host can read
+    /// them, and since when they are so.
+    progress: std::collections::HashMap<u64, (String, Instant)>,
 }
 
 /// How often (in the watcher's 5 ms turns) it looks at the peers of communicators whose
@@ -340,12 +339,11 @@ struct Watched {
 const PEER_TURNS: u32 = 20;
 const PEER_GRACE: Duration = Duration::from_secs(1);
 /// Looks without a wait after which the kernels count as no longer waiting (a kernel says it
-/// waits every 1024 reads of a counter: many times a look while it does).
+/// waits every 1024 reads of a counter: many times a look while it does). What was seen of
+/// the peers and connections then starts again. While kernels wait, their blocks take turns
+/// naming the connection each waits on: one may go unnamed for many looks, so nothing
+/// starts again for that.
 const IDLE_LOOKS: u32 = 3;
-/// How long a connection may go unnamed by the waiting kernels before what was seen of it (a
-/// gone peer, counters that did not move) starts again: the kernels' blocks take turns
-/// naming the connections they wait on, a few looks apart at most.
-const LAPSE: Duration = Duration::from_millis(500);
 
 impl Watched {
     /// A peer the kernels wait for in vain: a process of this host that died, a connection
@@ -399,17 +397,11 @@ impl Watched {
         };
         let Some(why) = dead().or_else(closed).or_else(silent) else {
             // That peer is well (it may have been silent a while).
-            self.suspects.remove(&hdr);
+            self.suspects.remove(&r);
             return None;
         };
-        let now = Instant::now();
-        let s = self.suspects.entry(hdr).or_insert((now, now));
-        if s.1.elapsed() > LAPSE {
-            // Not seen waiting on it for a while: the grace starts again.
-            s.0 = now;
-        }
-        s.1 = now;
-        (s.0.elapsed() >= PEER_GRACE).then(|| {
+        let since = *self.suspects.entry(r).or_insert_with(Instant::now);
+        (since.elapsed() >= PEER_GRACE).then(|| {
             Error::remote(format!(
                 "{}: {why} while this rank's kernels waited for it",
                 self.name
@@ -426,17 +418,16 @@ impl Watched {
         // waiting for minutes (a checkpoint, an evaluation on one rank), as NCCL lets them.
         let timeout = crate::param::get_str("OXCCL_TIMEOUT_S").map(|_| crate::param::timeout())?;
         let conn = used.0.get(&hdr).filter(|c| !c.on_device())?;
+        // (Counters only grow: a wait on it that ended, or any progress, changes them.)
         let counters = conn.counters();
-        let now = Instant::now();
         let p = self
             .progress
             .entry(hdr)
-            .or_insert_with(|| (counters.clone(), now, now));
-        if p.0 != counters || p.2.elapsed() > LAPSE {
-            *p = (counters, now, now);
+            .or_insert_with(|| (counters.clone(), Instant::now()));
+        if p.0 != counters {
+            *p = (counters, Instant::now());
             return None;
         }
-        p.2 = now;
         (p.1.elapsed() > timeout).then(|| {
             Error::timeout(format!(
                 "{}: its kernels waited {} s on a connection that did not move \
