@@ -111,19 +111,6 @@ fn rank(case: &str, r: i32, id: &[u8; api::UNIQUE_ID_BYTES]) {
     );
 }
 
-fn shm_files() -> Vec<String> {
-    let mut v: Vec<String> = std::fs::read_dir("/dev/shm")
-        .map(|d| {
-            d.flatten()
-                .map(|e| e.file_name().to_string_lossy().into_owned())
-                .filter(|n| n.starts_with("oxccl-"))
-                .collect()
-        })
-        .unwrap_or_default();
-    v.sort();
-    v
-}
-
 /// In a rank process of `spawn_ranks`: (case, rank, unique id).
 fn child() -> Option<(String, i32, [u8; api::UNIQUE_ID_BYTES])> {
     let (id, _, r) = common::rank_env()?;
@@ -143,7 +130,7 @@ fn a_peer_killed_is_an_error_within_seconds() {
         return rank(&case, r, &id);
     }
     for (case, env) in CASES {
-        let before = shm_files();
+        let before = common::shm_files();
         let mut kids = spawn_ranks(TEST, case, env).into_iter();
         let (mut k0, mut k1) = (kids.next().unwrap(), kids.next().unwrap());
         // Rank 0 first: rank 1 stays a zombie while rank 0 waits for it (dead all the same).
@@ -151,7 +138,7 @@ fn a_peer_killed_is_an_error_within_seconds() {
         let s1 = k1.wait().unwrap();
         assert!(s0.success(), "{case}: rank 0 failed: {s0:?}");
         assert!(!s1.success(), "{case}: rank 1 should have been killed");
-        let after = shm_files();
+        let after = common::shm_files();
         let left: Vec<_> = after.iter().filter(|n| !before.contains(n)).collect();
         assert!(left.is_empty(), "{case}: left behind in /dev/shm: {left:?}");
     }

@@ -898,17 +898,6 @@ fn child_rank(id: [u8; nccl::api::UNIQUE_ID_BYTES], n: usize, r: usize) {
     api::comm_destroy(api::comm_handle(&c)).unwrap();
 }
 
-fn shm_files() -> Vec<String> {
-    std::fs::read_dir("/dev/shm")
-        .map(|d| {
-            d.filter_map(|e| e.ok())
-                .map(|e| e.file_name().to_string_lossy().into_owned())
-                .filter(|n| n.starts_with("oxccl"))
-                .collect()
-        })
-        .unwrap_or_default()
-}
-
 #[test]
 fn separate_processes_share_memory() {
     if let Some((id, n, r)) = common::rank_env() {
@@ -918,10 +907,7 @@ fn separate_processes_share_memory() {
     for n in [2usize, 3] {
         common::run_ranks("separate_processes_share_memory", n, &[]);
     }
-    let left: Vec<String> = shm_files()
-        .into_iter()
-        .filter(|f| f.contains("oxccl-"))
-        .collect();
+    let left = common::shm_files();
     assert!(left.is_empty(), "shared memory left behind: {left:?}");
 }
 

@@ -154,20 +154,6 @@ fn killed(c: std::sync::Arc<nccl::comm::Comm>, r: i32) {
     api::comm_abort(api::comm_handle(&c)).unwrap();
 }
 
-/// This machine's /dev/shm files of the library.
-fn shm_files() -> Vec<String> {
-    let mut v: Vec<String> = std::fs::read_dir("/dev/shm")
-        .map(|d| {
-            d.flatten()
-                .map(|e| e.file_name().to_string_lossy().into_owned())
-                .filter(|n| n.starts_with("oxccl-"))
-                .collect()
-        })
-        .unwrap_or_default();
-    v.sort();
-    v
-}
-
 #[test]
 fn ranks_in_different_pid_namespaces_are_different_processes() {
     if let Some((id, _, r)) = common::rank_env() {
@@ -189,7 +175,7 @@ fn ranks_in_different_pid_namespaces_are_different_processes() {
         return;
     }
     for case in ["one-inside", "both-pid-1", "killed"] {
-        let before = shm_files();
+        let before = common::shm_files();
         let env = [("OXCCL_PIDNS_CASE", case)];
         let kids = common::spawn_ranks_in(TEST, 2, &env, |r| match (case, r) {
             ("one-inside", 0) => &[],
@@ -201,7 +187,7 @@ fn ranks_in_different_pid_namespaces_are_different_processes() {
             let dead = case == "killed" && r == 1;
             assert_eq!(st.success(), !dead, "{case}: rank {r}: {st:?}");
         }
-        let left: Vec<_> = shm_files()
+        let left: Vec<_> = common::shm_files()
             .into_iter()
             .filter(|n| !before.contains(n))
             .collect();

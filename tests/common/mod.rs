@@ -211,3 +211,18 @@ pub fn mock_cuda_dir() -> &'static std::path::Path {
         dir
     })
 }
+
+/// The library's files in /dev/shm now, sorted (a test compares them before and after).
+#[allow(dead_code)]
+pub fn shm_files() -> Vec<String> {
+    let mut v: Vec<String> = std::fs::read_dir("/dev/shm")
+        .map(|d| {
+            d.flatten()
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .filter(|n| n.starts_with("oxccl-"))
+                .collect()
+        })
+        .unwrap_or_default();
+    v.sort();
+    v
+}
