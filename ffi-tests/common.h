@@ -4,6 +4,7 @@
  * - datatype tables and our OWN conversions for half, bfloat16, fp8 e4m3 and fp8 e5m2
  *   (independent of the library), element load/store through doubles.
  * - the oxccl extension declarations (host streams, executor query), in case nccl.h lacks them.
+ * - now_sec(), shared_zeroed() (memory shared with forked children).
  */
 #ifndef OXCCL_FFI_COMMON_H
 #define OXCCL_FFI_COMMON_H
@@ -15,6 +16,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <time.h>
 
 #ifdef __cplusplus
@@ -275,6 +277,14 @@ static inline double now_sec(void) {
   struct timespec ts;
   clock_gettime(CLOCK_MONOTONIC, &ts);
   return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+/* `bytes` of zeroed memory that the processes this one forks share with it. */
+static inline void* shared_zeroed(size_t bytes) {
+  void* p = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+  SYSCHECK(p != MAP_FAILED, "mmap");
+  memset(p, 0, bytes);
+  return p;
 }
 
 /* Value of element i on rank r for the simple examples: small integers, exact in every type. */

@@ -31,7 +31,6 @@
 #include <pthread.h>
 #include <signal.h>
 #include <stdarg.h>
-#include <sys/mman.h>
 #include <sys/prctl.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -543,9 +542,7 @@ int main(int argc, char** argv) {
       return 2;
     }
   }
-  sh = (Shared*)mmap(NULL, sizeof(Shared), PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
-  SYSCHECK(sh != MAP_FAILED, "mmap");
-  memset(sh, 0, sizeof *sh);
+  sh = (Shared*)shared_zeroed(sizeof *sh);
   double t0 = now_sec();
   deadline = t0 + timeout_s;
 
