@@ -8,8 +8,9 @@
 //! process per rank (2 and 3), with connections in shared host memory and, with
 //! `OXCCL_CUDA_IPC=1`, in device memory opened by IPC handles; ranks on 2 "hosts" over the
 //! network transport. And failures: a call mismatch, an abort, a refused launch or allocation,
-//! a peer process that dies during an eager launch or a graph's replay (on this host and on
-//! another), one that never comes, and one that did its part and left (no failure).
+//! a peer process that dies during an eager launch or a graph's replay (on this host, on
+//! another, and in another PID namespace of this host), one that never comes, and one that did
+//! its part and left (no failure).
 //!
 //! What this shows: the executor's plans, descriptors, launches, stream order and connection
 //! setup, and the kernels' logic over connections (slots, counters, slices, several blocks per
@@ -751,6 +752,7 @@ fn trouble(
     cache: &Path,
 ) {
     let _ = std::fs::remove_dir_all(cache);
+    let how = how.trim_start_matches("pidns-");
     if how == "finish" {
         return finish(comm, r, n, stream);
     }
@@ -792,6 +794,15 @@ fn trouble(
         nccl::error::Code::Success,
         "rank {r}: the failed peer went unseen"
     );
+    if how == "death" {
+        // Seen as a death (not only as the stall that `OXCCL_TIMEOUT_S` would also end).
+        assert_eq!(
+            code,
+            nccl::error::Code::RemoteError,
+            "rank {r}: {}",
+            nccl::error::last_error()
+        );
+    }
     assert!(
         sync(stream, Duration::from_secs(10)),
         "rank {r}: the kernel went on"
@@ -949,30 +960,46 @@ fn run_processes(so: &Path, n: usize, ipc: bool, hosts: usize, trouble: Option<&
     let log = |r: usize, what: &str| dir.join(format!("rank{r}.{what}"));
     let id = nccl::api::get_unique_id().unwrap();
     let hex: String = id.iter().map(|b| format!("{b:02x}")).collect();
+    // "pidns-...": each rank in a PID namespace of its own, under a shell that is its PID 1
+    // (containers sharing this host's /dev/shm; both ranks have the same pid).
+    let pidns = trouble.is_some_and(|t| t.starts_with("pidns-"));
     let kids: Vec<_> = (0..n)
         .map(|r| {
-            Command::new(std::env::current_exe().unwrap())
-                .args([
-                    "--exact",
-                    "cuda_executor_on_emulated_kernels",
-                    "--nocapture",
+            let exe = std::env::current_exe().unwrap();
+            let mut cmd = Command::new(if pidns { Path::new("unshare") } else { &exe });
+            if pidns {
+                cmd.args([
+                    "--pid",
+                    "--fork",
+                    "--mount-proc",
+                    "sh",
+                    "-c",
+                    "\"$@\"; exit $?",
+                    "sh",
                 ])
-                .env("OXEMU_RANK", r.to_string())
-                .env("OXEMU_NRANKS", n.to_string())
-                .env("OXEMU_ID", &hex)
-                .env("OXEMU_LIB", so)
-                .env("OXCCL_CUDA_IPC", if ipc { "1" } else { "0" })
-                .envs(trouble.map(|t| ("OXEMU_TROUBLE", t)))
-                // A short timeout for the late peer (also the bootstrap's).
-                .envs(trouble.map(|_| ("OXCCL_TIMEOUT_S", "3")))
-                .envs((hosts > 1).then(|| ("OXCCL_HOSTID", format!("emu-host-{}", r * hosts / n))))
-                .env_remove("NCCL_DEBUG")
-                .env_remove("NCCL_DEBUG_SUBSYS")
-                // To files: a pipe nobody reads until the end could fill and stop a rank.
-                .stdout(std::fs::File::create(log(r, "out")).unwrap())
-                .stderr(std::fs::File::create(log(r, "err")).unwrap())
-                .spawn()
-                .unwrap()
+                .arg(&exe);
+            }
+            cmd.args([
+                "--exact",
+                "cuda_executor_on_emulated_kernels",
+                "--nocapture",
+            ])
+            .env("OXEMU_RANK", r.to_string())
+            .env("OXEMU_NRANKS", n.to_string())
+            .env("OXEMU_ID", &hex)
+            .env("OXEMU_LIB", so)
+            .env("OXCCL_CUDA_IPC", if ipc { "1" } else { "0" })
+            .envs(trouble.map(|t| ("OXEMU_TROUBLE", t)))
+            // A short timeout for the late peer (also the bootstrap's).
+            .envs(trouble.map(|_| ("OXCCL_TIMEOUT_S", "3")))
+            .envs((hosts > 1).then(|| ("OXCCL_HOSTID", format!("emu-host-{}", r * hosts / n))))
+            .env_remove("NCCL_DEBUG")
+            .env_remove("NCCL_DEBUG_SUBSYS")
+            // To files: a pipe nobody reads until the end could fill and stop a rank.
+            .stdout(std::fs::File::create(log(r, "out")).unwrap())
+            .stderr(std::fs::File::create(log(r, "err")).unwrap())
+            .spawn()
+            .unwrap()
         })
         .collect();
     // Killed at the deadline: a hang fails the test with what each rank printed.
@@ -1016,7 +1043,12 @@ fn run_processes(so: &Path, n: usize, ipc: bool, hosts: usize, trouble: Option<&
     if let Some(how) = trouble {
         use std::os::unix::process::ExitStatusExt;
         let last = &outs[n - 1];
-        match how.trim_start_matches("graph-") {
+        match how
+            .trim_start_matches("graph-")
+            .trim_start_matches("pidns-")
+        {
+            // (Under a shell: its exit status says the rank was killed.)
+            "death" if pidns => assert_eq!(last.0.code(), Some(128 + 9), "{report}"),
             "death" => assert_eq!(last.0.signal(), Some(9), "{report}"),
             "finish" => assert!(
                 last.0.success() && last.1.contains("sent and left"),
@@ -1053,6 +1085,22 @@ fn run_processes(so: &Path, n: usize, ipc: bool, hosts: usize, trouble: Option<&
         ipc && n > hosts,
         "{n} processes: IPC handles opened: {opened}"
     );
+}
+
+/// Whether this process may make PID namespaces (root; CI is, and must).
+fn can_unshare_pid() -> bool {
+    let ok = Command::new("unshare")
+        .args(["--pid", "--fork", "--mount-proc", "true"])
+        .status()
+        .is_ok_and(|s| s.success());
+    assert!(
+        ok || std::env::var_os("CI").is_none(),
+        "cannot make a PID namespace (unshare --pid)"
+    );
+    if !ok {
+        eprintln!("SKIPPED: a peer in another PID namespace (unshare --pid needs root)");
+    }
+    ok
 }
 
 #[test]
@@ -1134,7 +1182,8 @@ fn cuda_executor_on_emulated_kernels() {
         processes(&so, n, ipc, hosts);
     }
     // A peer that dies, on this host and on another, during an eager launch or a graph's
-    // replay; one that never comes.
+    // replay, and in a PID namespace of its own on this host (told by its lock); one that
+    // never comes.
     // (and one that did its part and left: no failure).
     for (n, hosts, how) in [
         (2, 1, "death"),
@@ -1145,7 +1194,11 @@ fn cuda_executor_on_emulated_kernels() {
         (2, 1, "finish"),
         (2, 2, "finish"),
         (3, 1, "graph-finish"),
+        (2, 1, "pidns-death"),
     ] {
+        if how.starts_with("pidns-") && !can_unshare_pid() {
+            continue;
+        }
         run_processes(&so, n, false, hosts, Some(how));
     }
     let _ = std::fs::remove_file(&so);
