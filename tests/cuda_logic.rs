@@ -58,7 +58,7 @@ fn take() -> Vec<Ev> {
     std::mem::take(&mut *LOG.lock())
 }
 
-use stand_in::{COPY, DIRECT16, DIRECT4, LOCAL, OK, RUN, RUN_LARGE};
+use stand_in::{granularity, COPY, DIRECT16, DIRECT4, GRANULARITY, LOCAL, OK, RUN, RUN_LARGE};
 /// The descriptor of the last launch (its words, as long as its header says it is).
 static LAST_DESC: Mutex<Vec<u64>> = Mutex::new(Vec::new());
 
@@ -250,16 +250,7 @@ static MAP_FAILS: AtomicBool = AtomicBool::new(false);
 static ACCESS_FAILS: AtomicBool = AtomicBool::new(false);
 /// The device cannot export POSIX file descriptors (attribute 103 is 0).
 static NO_POSIX: AtomicBool = AtomicBool::new(false);
-const GRANULARITY: usize = 2 << 20;
 
-unsafe extern "C" fn granularity(
-    g: *mut usize,
-    _: *const driver::CUmemAllocationProp,
-    _: c_uint,
-) -> CUresult {
-    unsafe { *g = GRANULARITY };
-    OK
-}
 unsafe extern "C" fn mem_create(
     h: *mut u64,
     size: usize,

@@ -5,7 +5,7 @@
 //! files of its own (so that another process opens it by an IPC handle), and whose device is
 //! one sm_90 of 132 SMs whose virtual memory management maps real memory files.
 
-use super::stand_in::{self, OK};
+use super::stand_in::{self, granularity, GRANULARITY, OK};
 use nccl::gpu::driver::{self, Api, CUresult};
 use parking_lot::{Condvar, Mutex};
 use std::collections::{BTreeSet, HashMap, VecDeque};
@@ -595,7 +595,6 @@ unsafe extern "C" fn ipc_close(p: u64) -> CUresult {
 // so that a step left out faults as it would on a GPU. Sizes and addresses must be multiples of
 // the granularity, and a mapping must fit its handle and its reservation.
 
-const GRANULARITY: usize = 2 << 20;
 const INVALID_VALUE: CUresult = 1;
 /// Handles (cuMemCreate): the memory file and its size.
 static HANDLES: Mutex<Option<HashMap<u64, (i32, usize)>>> = Mutex::new(None);
@@ -611,14 +610,6 @@ fn reserved(p: u64, size: usize) -> bool {
         .any(|&(at, n)| at <= p && p + size as u64 <= at + n as u64)
 }
 
-unsafe extern "C" fn granularity(
-    g: *mut usize,
-    _: *const driver::CUmemAllocationProp,
-    _: c_uint,
-) -> CUresult {
-    unsafe { *g = GRANULARITY };
-    OK
-}
 unsafe extern "C" fn mem_create(
     h: *mut u64,
     size: usize,

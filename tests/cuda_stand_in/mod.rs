@@ -94,6 +94,18 @@ unsafe extern "C" fn get_function(
 unsafe extern "C" fn set_attr(_: *mut c_void, _: c_int, _: c_int) -> CUresult {
     OK
 }
+/// The granularity of the stand-ins' virtual memory (cuMem) allocations.
+pub const GRANULARITY: usize = 2 << 20;
+
+pub unsafe extern "C" fn granularity(
+    g: *mut usize,
+    _: *const nccl::gpu::driver::CUmemAllocationProp,
+    _: c_uint,
+) -> CUresult {
+    unsafe { *g = GRANULARITY };
+    OK
+}
+
 /// "Device" memory: host memory, 256-byte aligned, never freed (the tests are short).
 pub unsafe extern "C" fn alloc(p: *mut u64, n: usize) -> CUresult {
     let v = vec![0u8; n + 256].leak();
