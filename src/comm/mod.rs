@@ -301,7 +301,7 @@ fn build_core(p: PendingInit) -> Result<Core> {
     // knows whether). A lock that cannot be made is a WARN: peers then cannot tell whether
     // this rank died (they wait for it as NCCL's ranks do).
     let mut peers = peers;
-    let alive = match (0..peers.len()).any(|r| PeerInfo::has_foreign_neighbours(&peers, r)) {
+    let alive = match PeerInfo::namespaces_mixed(&peers) {
         true => {
             let hold = match PeerInfo::has_foreign_neighbours(&peers, p.rank) {
                 true => crate::liveness::hold()

@@ -152,6 +152,15 @@ impl PeerInfo {
         peers.iter().any(|q| q.host == m.host && q.pidns != m.pidns)
     }
 
+    /// Whether some host has ranks of several PID namespaces (every rank finds the same from
+    /// the same list).
+    pub fn namespaces_mixed(peers: &[PeerInfo]) -> bool {
+        let mut first = std::collections::HashMap::new();
+        peers
+            .iter()
+            .any(|q| *first.entry(q.host).or_insert(q.pidns) != q.pidns)
+    }
+
     /// Whether this rank's process takes connections in device memory by CUDA IPC.
     pub fn takes_ipc(&self) -> bool {
         self.flags & FLAG_IPC != 0
@@ -265,6 +274,7 @@ mod tests {
             [None, Some(Probe::Lock(77))]
         );
         assert!(PeerInfo::has_foreign_neighbours(&[a.clone(), b.clone()], 0));
+        assert!(PeerInfo::namespaces_mixed(&[a.clone(), b.clone()]));
         b.pidns = a.pidns;
         b.pid += 1;
         assert_eq!(
@@ -275,8 +285,12 @@ mod tests {
             &[a.clone(), b.clone()],
             0
         ));
+        assert!(!PeerInfo::namespaces_mixed(&[a.clone(), b.clone()]));
         b.host ^= 1;
+        b.pidns ^= 1;
         assert!(!a.same_process(&b));
+        // Other namespaces on other hosts only: nothing mixed on any one host.
+        assert!(!PeerInfo::namespaces_mixed(&[a.clone(), b.clone()]));
         assert_eq!(PeerInfo::local_probes(&[a.clone(), b], 0), [None, None]);
 
         let me = my_process_key();

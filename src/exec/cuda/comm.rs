@@ -364,10 +364,12 @@ impl Watched {
         self.mark = mark;
         self.idle = 0;
         let used = self.used.upgrade()?;
-        if let Some(e) = self.stalled(&used.lock(), hdr) {
+        let used = used.lock();
+        if let Some(e) = self.stalled(&used, hdr) {
             return Some(e);
         }
-        let conn = used.lock().0.get(&hdr)?.clone();
+        let conn = used.0.get(&hdr)?.clone();
+        drop(used);
         let r = conn.peer;
         let name = self
             .names
