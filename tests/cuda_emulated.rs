@@ -803,6 +803,15 @@ fn trouble(
             nccl::error::last_error()
         );
     }
+    if how == "late" {
+        // Not before the timeout: the stall's clock starts with this wait.
+        assert!(
+            t.elapsed() >= nccl::param::timeout(),
+            "rank {r}: timed out after {:?}: {}",
+            t.elapsed(),
+            nccl::error::last_error()
+        );
+    }
     assert!(
         sync(stream, Duration::from_secs(10)),
         "rank {r}: the kernel went on"

@@ -340,7 +340,7 @@ const PEER_TURNS: u32 = 20;
 const PEER_GRACE: Duration = Duration::from_secs(1);
 /// Looks without a wait after which the kernels count as no longer waiting (a kernel says it
 /// waits every 1024 reads of a counter: many times a look while it does). What was seen of
-/// the peers and connections then starts again. While kernels wait, their blocks take turns
+/// the peers then starts again (a stalled connection's clock, at the first such look). While kernels wait, their blocks take turns
 /// naming the connection each waits on: one may go unnamed for many looks, so nothing
 /// starts again for that.
 const IDLE_LOOKS: u32 = 3;
@@ -355,9 +355,11 @@ impl Watched {
         let (mark, hdr) = ctl.waiting();
         if mark == self.mark {
             self.idle += 1;
+            // A stall is a wait without a break: its clock starts again at once (else a wait
+            // on counters left as the last operation's wait saw them would time out early).
+            self.progress.clear();
             if self.idle >= IDLE_LOOKS {
                 self.suspects.clear();
-                self.progress.clear();
             }
             return None;
         }
