@@ -255,6 +255,14 @@ pub fn fifo_stream() -> Option<bool> {
     *F
 }
 
+/// `OXCCL_NET_ZERO_COPY=0`: the host executor copies what it sends to another host into the
+/// connection's slots, rather than let the socket take it from the caller's buffers.
+pub fn net_zero_copy() -> bool {
+    static Z: once_cell::sync::Lazy<bool> =
+        once_cell::sync::Lazy::new(|| get_str("OXCCL_NET_ZERO_COPY").as_deref() != Some("0"));
+    *Z
+}
+
 /// Whether step programs may run later slices ahead of blocked earlier ones.
 pub fn run_ahead() -> bool {
     static R: once_cell::sync::Lazy<bool> =

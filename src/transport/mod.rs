@@ -42,6 +42,10 @@ const _: () = assert!(ATTACH_OFF + 4 <= CLOSED_OFF && CLOSED_OFF + 4 <= CALL_OFF
 /// over the network moves these too, and only the bytes the slot holds.
 const CALL_OFF: usize = 1024;
 const META_BYTES: usize = 24;
+/// In a slot's byte count: the slot holds no bytes but the address of the caller's memory that
+/// holds them (`Conn::post_send_ref`); only the end that sends the slot over the network sees
+/// such a slot.
+const REF_FLAG: u64 = 1 << 63;
 const HDR_BYTES: usize = 4096;
 const _: () = assert!(CALL_OFF + 64 * META_BYTES <= HDR_BYTES); // nsteps <= 64 (param::nsteps)
 /// Per slot, the arrival counts (u32) of the blocks of a CUDA kernel's lane at the sending and
@@ -174,6 +178,14 @@ pub trait Proxy: Send + Sync {
     fn sockets(&self) -> Vec<(std::net::SocketAddr, std::net::SocketAddr)> {
         Vec::new()
     }
+    /// A sending end that sends a slot's bytes from the caller's memory where the slot says
+    /// so (`Conn::post_send_ref`), sparing the executor the copy into the slot.
+    fn by_reference(&self) -> bool {
+        false
+    }
+    /// Copies into their slots the bytes of slots posted by reference that have not left yet:
+    /// the caller's memory may be reused once this returns. Holds the end while it copies.
+    fn settle(&self) {}
 }
 
 /// What a proxy's end waits for on its socket (`Proxy::wait_for`).
@@ -374,6 +386,67 @@ impl Conn {
         self.tail().store(step + 1, Ordering::Release);
         if let Some(p) = &self.proxy {
             p.kick();
+        }
+    }
+
+    /// Whether this sending end can take slots by reference (`post_send_ref`).
+    #[inline]
+    pub fn sends_by_reference(&self) -> bool {
+        self.is_sender && self.proxy.as_ref().is_some_and(|p| p.by_reference())
+    }
+
+    /// Sender, where `sends_by_reference`: slot `step` is the `bytes` bytes at `data`, by call
+    /// `call`. They must stay there, unchanged, until the head passes `step` or `settle`
+    /// returns.
+    #[inline]
+    pub fn post_send_ref(&self, step: u64, call: [u64; 2], data: *const u8, bytes: usize) {
+        // SAFETY: a slot holds at least 8 bytes and is this end's until it posts it (the
+        // region of a network end is private to this process).
+        unsafe { (self.slot(step) as *mut usize).write_unaligned(data as usize) };
+        self.set_meta(step, [call[0], call[1], bytes as u64 | REF_FLAG]);
+        self.tail().store(step + 1, Ordering::Release);
+        if let Some(p) = &self.proxy {
+            p.kick();
+        }
+    }
+
+    /// Sender: where slot `step`'s bytes are and how many (the slot itself, or the memory it
+    /// refers to), once it is posted.
+    pub fn slot_data(&self, step: u64) -> (*const u8, usize) {
+        let bytes = self.meta(step)[2];
+        let at = self.slot(step);
+        if bytes & REF_FLAG == 0 {
+            return (at, bytes as usize);
+        }
+        // SAFETY: `post_send_ref` wrote the address there.
+        let data = unsafe { (at as *const usize).read_unaligned() };
+        (data as *const u8, (bytes & !REF_FLAG) as usize)
+    }
+
+    /// Sender: copies the bytes of every slot posted by reference and not yet sent into the
+    /// slot (under the lock of the end that sends them), so that the slot no longer refers to
+    /// anything. Call with the memory still valid.
+    pub fn settle_refs(&self) {
+        if let Some(p) = &self.proxy {
+            p.settle();
+        }
+    }
+
+    /// `settle_refs` for the end that sends the slots: the caller holds what keeps the sending
+    /// from reading them meanwhile.
+    pub fn settle_refs_held(&self) {
+        let head = self.head().load(Ordering::Acquire);
+        let tail = self.tail().load(Ordering::Acquire);
+        for step in head..tail {
+            let (data, bytes) = self.slot_data(step);
+            let at = self.slot(step);
+            if !std::ptr::eq(data, at) {
+                // SAFETY: the referred bytes are still valid (see `settle_refs`), `bytes` fits
+                // the slot, and the two do not overlap (the slot is this end's own memory).
+                unsafe { std::ptr::copy_nonoverlapping(data, at, bytes) };
+                let m = self.meta(step);
+                self.set_meta(step, [m[0], m[1], bytes as u64]);
+            }
         }
     }
 

@@ -444,6 +444,17 @@ impl Proxy for NetEnd {
         self.step(&mut self.state.lock())
     }
 
+    /// Only without helper threads: they read a slot's parts outside the end's lock, which
+    /// `settle` relies on.
+    fn by_reference(&self) -> bool {
+        self.is_sender && socket_threads() == 1 && crate::param::net_zero_copy()
+    }
+
+    fn settle(&self) {
+        let _w = self.state.lock();
+        self.view.settle_refs_held();
+    }
+
     fn sockets(&self) -> Vec<(SocketAddr, SocketAddr)> {
         match &self.state.lock().state {
             State::Connected(socks) => socks

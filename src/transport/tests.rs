@@ -371,3 +371,82 @@ fn a_blob_is_a_name_and_maybe_a_handle() {
         (name.as_bytes(), Some(&handle[..]))
     );
 }
+
+/// A network sending end takes slots by reference (`post_send_ref`): the receiver gets the
+/// bytes the caller's memory held, and slots settled before they left (`settle_refs`) keep
+/// them after the caller has overwritten and freed that memory. Rank 0 posts slots, each
+/// referring to a buffer of its own, until its FIFO stays full (rank 1 reads nothing, so the
+/// sockets fill up); it settles, overwrites and frees the buffers, then lets rank 1 read.
+#[test]
+fn slots_sent_by_reference_arrive_and_settled_ones_outlive_the_callers_memory() {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static POSTED: AtomicU64 = AtomicU64::new(0);
+    let pattern = |s: u64, i: usize| (s as u8).wrapping_mul(31) ^ (i as u8);
+    let got = ranks(2, own_host, |c| {
+        let (me, peer) = (c.rank, 1 - c.rank);
+        let (send, recv) = p2p_both_ways(&c, peer);
+        let bytes = c.slot_bytes;
+        let deadline = Instant::now() + T;
+        if me == 0 {
+            assert!(send.sends_by_reference());
+            let mut bufs = Vec::new();
+            let mut full_since = Instant::now();
+            while full_since.elapsed() < Duration::from_millis(100) && Instant::now() < deadline {
+                match send.send_slot() {
+                    Some((s, _)) => {
+                        let b: Vec<u8> = (0..bytes).map(|i| pattern(s, i)).collect();
+                        send.post_send_ref(s, [7, 9], b.as_ptr(), bytes);
+                        bufs.push(b);
+                        full_since = Instant::now();
+                    }
+                    None => send.drive(),
+                }
+            }
+            let unsent = send.tail().load(Ordering::Acquire) - send.head().load(Ordering::Acquire);
+            send.settle_refs();
+            for b in &mut bufs {
+                b.fill(0xee);
+            }
+            let n = bufs.len() as u64;
+            drop(bufs);
+            POSTED.store(n, Ordering::Release);
+            while send.head().load(Ordering::Acquire) < n && Instant::now() < deadline {
+                send.drive();
+            }
+            return (unsent, Vec::new(), n);
+        }
+        while POSTED.load(Ordering::Acquire) == 0 && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        let posted = POSTED.load(Ordering::Acquire);
+        let mut wrong = Vec::new();
+        let mut n = 0;
+        while n < posted && Instant::now() < deadline {
+            if let Some((s, slot)) = recv.recv_slot() {
+                assert_eq!(recv.call_of(s), [7, 9]);
+                // SAFETY: a filled slot of `bytes`, ours until posted.
+                let got = unsafe { std::slice::from_raw_parts(slot, bytes) };
+                if let Some(i) = (0..bytes).find(|&i| got[i] != pattern(s, i)) {
+                    wrong.push((s, i, got[i]));
+                }
+                recv.post_recv(s);
+                n += 1;
+            }
+            recv.drive();
+        }
+        (0, wrong, n)
+    });
+    assert_eq!(got[1].2, got[0].2, "slots received against slots posted");
+    assert!(
+        got[1].1.is_empty(),
+        "wrong bytes (step, index, byte): {:?}",
+        got[1].1
+    );
+    // Else the settling went untested.
+    assert!(got[0].0 > 0, "every slot left before the settling");
+    assert_eq!(
+        got[0].0,
+        crate::param::nsteps() as u64,
+        "the FIFO was not full"
+    );
+}

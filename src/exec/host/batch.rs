@@ -89,10 +89,12 @@ fn poll_lanes(lanes: &mut [Lane], fifo: (&BySize, u64), progress: &mut bool) -> 
 
 /// A task being run.
 struct Running {
-    task: Task,
-    started: bool,
+    // (The lanes go before the task: a cursor dropped with slots sent by reference copies
+    // them from the task's memory, see `Cursor::settle`.)
     stage_lanes: Vec<Lane>,
     p2p: Vec<Lane>,
+    task: Task,
+    started: bool,
     result: Option<Result<()>>,
     /// For the timeout and the watchdog (seconds).
     last_progress: Coarse,
@@ -219,6 +221,10 @@ impl Running {
                     (l.works.front(), l.cur.as_mut())
                 {
                     st.leave(op, &|p| comm.peer_alive(p));
+                }
+                // Slots that refer to the caller's buffers get copies before it has them back.
+                if let Some(Cur::Steps(c)) = l.cur.as_mut() {
+                    c.settle();
                 }
             }
         }

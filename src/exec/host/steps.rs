@@ -36,6 +36,19 @@ pub(super) struct Cursor {
     /// connection still in order): every two steps' buffer regions start at the same address or
     /// do not overlap, so slices of different iterations never touch the same memory.
     run_ahead: bool,
+    /// Bit k: step k hands its connection the caller's memory rather than a copy of it
+    /// (`by_reference`).
+    by_ref: u64,
+    /// Connections given slots by reference, and the last such step of each: the program is
+    /// done only once they have all left; if it ends otherwise, they are copied into their
+    /// slots (`Conn::settle_refs`) before the caller's memory is given back.
+    refs: Vec<(Arc<Conn>, u64)>,
+}
+
+impl Drop for Cursor {
+    fn drop(&mut self) {
+        self.settle();
+    }
 }
 
 /// The address of a host program's buffer (scratch was resolved when the task was made; None
@@ -81,6 +94,44 @@ fn policies(prog: &HostProgram) -> (bool, bool) {
     (stream_out, run_ahead)
 }
 
+/// The steps that may send by reference (bit k for step k; none past 64 steps): those whose
+/// connection takes slots by reference (the network's sending ends, `Conn::sends_by_reference`)
+/// and that send memory no step of the program writes afterwards: a `Send` of its source
+/// where no step writes into it, a `RecvReduceCopySend` of the output it has just written where
+/// no other step writes into that. Such a step saves the copy into the slot: the socket takes
+/// the bytes from the caller's buffer.
+fn by_reference(prog: &HostProgram) -> u64 {
+    let steps = &prog.steps;
+    let refs = |s: &crate::plan::Step<Arc<Conn>>| {
+        s.len > 0 && s.send.as_ref().is_some_and(|c| c.sends_by_reference())
+    };
+    if steps.len() > 64 || !steps.iter().any(refs) {
+        return 0;
+    }
+    let es = prog.esize;
+    let mut mask = 0;
+    for (k, s) in steps.iter().enumerate().filter(|(_, s)| refs(s)) {
+        let region = match s.prim {
+            Prim::Send => at(s.src),
+            Prim::RecvReduceCopySend => at(s.dst),
+            _ => continue,
+        };
+        let len = s.len * es;
+        let untouched = steps.iter().enumerate().all(|(j, o)| {
+            let (a, l) = (at(o.dst), o.len * es);
+            (j == k && s.prim == Prim::RecvReduceCopySend)
+                || !o.prim.writes_dst()
+                || l == 0
+                || a + l <= region
+                || region + len <= a
+        });
+        if region != 0 && untouched {
+            mask |= 1 << k;
+        }
+    }
+    mask
+}
+
 /// Bytes the program sends through slots that streaming stores may fill (see
 /// `Conn::slots_read_by_peer`): what decides whether the FIFO choice is measured, and what it
 /// is measured with.
@@ -123,6 +174,28 @@ impl Cursor {
             exploring,
             stream_out,
             run_ahead,
+            by_ref: by_reference(prog),
+            refs: Vec::new(),
+        }
+    }
+
+    /// Whether every slot sent by reference has left (else it drives their connections).
+    fn refs_sent(&mut self) -> bool {
+        self.refs.retain(|(c, step)| {
+            let left = c.head().load(std::sync::atomic::Ordering::Acquire) > *step;
+            if !left {
+                c.drive();
+            }
+            !left
+        });
+        self.refs.is_empty()
+    }
+
+    /// Copies the slots sent by reference that have not left into their slots: the caller's
+    /// buffers are then free to change (a program that ends with an error, or is dropped).
+    pub(super) fn settle(&mut self) {
+        for (c, _) in self.refs.drain(..) {
+            c.settle_refs();
         }
     }
 
@@ -146,7 +219,11 @@ impl Cursor {
     }
 
     /// The connection this program waits on.
-    pub(super) fn waits_on<'p>(&self, prog: &'p HostProgram) -> Option<&'p Arc<Conn>> {
+    pub(super) fn waits_on<'p>(&'p self, prog: &'p HostProgram) -> Option<&'p Arc<Conn>> {
+        if self.head >= prog.niter * prog.steps.len() {
+            // Done but for slots sent by reference.
+            return self.refs.first().map(|(c, _)| c);
+        }
         let s = prog.steps.get(self.head % prog.steps.len().max(1))?;
         s.recv
             .as_ref()
@@ -177,7 +254,12 @@ pub(super) fn poll_program(prog: &HostProgram, cur: &mut Cursor) -> Result<Poll>
     let mut progressed = false;
     loop {
         if cur.head >= total {
-            return Ok(Poll::Done);
+            // The caller's memory that slots refer to is its own again only once they left.
+            return Ok(match (cur.refs_sent(), progressed) {
+                (true, _) => Poll::Done,
+                (false, true) => Poll::Progress,
+                (false, false) => Poll::Blocked,
+            });
         }
         let mut ran = false;
         // Connections held by pending earlier slices in this pass, and the iteration of the last
@@ -268,6 +350,38 @@ fn run_step(prog: &HostProgram, cur: &mut Cursor, k: usize, off: usize, n: usize
     } else {
         std::ptr::null_mut()
     };
+    // The slot refers to the caller's memory instead (see `by_reference`): a plain send, or
+    // the output a reduction has just written.
+    let by_ref = (cur.by_ref >> k) & 1 == 1
+        && match s.prim {
+            Prim::Send => !(s.prep && red.is_some_and(|r| !r.prep_is_copy())),
+            Prim::RecvReduceCopySend => true,
+            _ => false,
+        };
+    if by_ref {
+        let c = s.send.as_ref().expect("a step that sends has a connection");
+        let step = sslot.expect("a slot to send in").0;
+        let data = if s.prim == Prim::Send {
+            src
+        } else {
+            let r = reducer(red);
+            // SAFETY: as below.
+            unsafe {
+                r.combine(dst, src, inp, n);
+                r.finish(dst, dst, n);
+            }
+            dst as *const u8
+        };
+        if let (Some(c), Some((step, _))) = (&s.recv, rslot) {
+            c.post_recv(step);
+        }
+        c.post_send_ref(step, prog.call, data, bytes);
+        match cur.refs.iter_mut().find(|(x, _)| Arc::ptr_eq(x, c)) {
+            Some(r) => r.1 = step,
+            None => cur.refs.push((c.clone(), step)),
+        }
+        return Ok(true);
+    }
     // SAFETY: src/dst lie inside the caller's buffers (validated at enqueue: `len` elements from
     // the segment start), slots hold `slot_bytes >= bytes`, and a slot is owned by this side
     // between seeing it ready and posting it.

@@ -232,7 +232,9 @@ impl NetEnd {
             // a while, a heartbeat's (a header with no bytes).
             if !w.beat && w.idle() {
                 if w.step < v.tail().load(Ordering::Acquire) {
-                    for (i, m) in v.meta(w.step).iter().enumerate() {
+                    let (_, bytes) = v.slot_data(w.step);
+                    let m = v.meta(w.step);
+                    for (i, m) in [m[0], m[1], bytes as u64].iter().enumerate() {
                         w.hdr[8 * i..8 * i + 8].copy_from_slice(&m.to_le_bytes());
                     }
                 } else if w.last.elapsed() >= BEAT_EVERY {
@@ -246,14 +248,17 @@ impl NetEnd {
             let data: &[u8] = if w.beat {
                 &[]
             } else {
-                let bytes = v.meta(w.step)[2] as usize;
+                let (at, bytes) = v.slot_data(w.step);
                 // SAFETY: the slot holds `bytes <= slot_bytes` bytes the executor filled
-                // before publishing the tail; it stays ours until the head moves.
-                unsafe { std::slice::from_raw_parts(v.slot(w.step), bytes) }
+                // before publishing the tail, or refers to the caller's memory that holds
+                // them (valid, unchanged, until the head moves or `settle` copies them into
+                // the slot under this end's lock); it stays ours until the head moves.
+                unsafe { std::slice::from_raw_parts(at, bytes) }
             };
             let np = if w.beat { 1 } else { parts(data.len(), k) };
             let mut complete = true;
-            if np > 1 && !w.helped(helpers, v.slot(w.step), data.len(), k, self)? {
+            let at = data.as_ptr() as *mut u8;
+            if np > 1 && !w.helped(helpers, at, data.len(), k, self)? {
                 complete = false;
             }
             for j in (0..np).filter(|&j| ours(helpers, j)) {
@@ -421,7 +426,7 @@ impl NetEnd {
             } else if w.beat || w.hdr_off < HDR || w.idle() {
                 1
             } else {
-                parts_left(v.meta(w.step)[2] as usize)
+                parts_left(v.slot_data(w.step).1)
             }
         } else if w.idle() && w.step - v.head().load(Ordering::Acquire) >= v.nsteps {
             0 // the FIFO is full: a freed slot kicks the proxy
