@@ -24,7 +24,7 @@
 #     with 2, 3 and 4 processes, the TP/PP example, two processes' all_reduce_perf; the direct
 #     all-reduce of ranks on one GPU (OXCCL_CUDA_DIRECT=1): coll_matrix on 2, 3 and 4 ranks and
 #     all_reduce_perf -g 2 and -g 4 against the targets; nranks=1 with the copy kernel
-#     (OXCCL_CUDA_COPY_KERNEL=1); and 2 ranks' bandwidth by blocks per lane (OXCCL_CUDA_BLOCKS)
+#     (OXCCL_CUDA_COPY_KERNEL=1) and on the copy engine (OXCCL_CUDA_CE_COPY_BYTES=2G); and 2 ranks' bandwidth by blocks per lane (OXCCL_CUDA_BLOCKS)
 #     and slot size, for the next defaults.
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -321,21 +321,24 @@ for n, name in ((2, "oxccl-g2"), (4, "oxccl-g4")):
         t = d[8][0]
         print(f"  8-byte all-reduce, 2 ranks: {t:.1f} us {'PASS' if t <= 15 else 'FAIL'} (target 15 us)")
 PY
-# nranks=1 with the copy kernel (OXCCL_CUDA_COPY_KERNEL=1) against the wide kernel and NVIDIA's
-# NCCL (the rows of section 2): the next default for large one-rank copies.
+# nranks=1 with the copy kernel (OXCCL_CUDA_COPY_KERNEL=1) and with every copy on the copy
+# engine (OXCCL_CUDA_CE_COPY_BYTES=2G, as NVIDIA's NCCL copies) against the wide kernel and
+# NVIDIA's NCCL (the rows of section 2): the next default for large one-rank copies.
 perf oxccl-g1-copy "$OXLIB" env OXCCL_CUDA_COPY_KERNEL=1 "$B/all_reduce_perf" "${sweep[@]}" -g 1
+perf oxccl-g1-ce "$OXLIB" env OXCCL_CUDA_CE_COPY_BYTES=2G "$B/all_reduce_perf" "${sweep[@]}" -g 1
 python3 - "$OUT" <<'PY' 2>&1 | tee -a "$log"
 import sys
 out = sys.argv[1]
 sys.path.insert(0, out)
 from perfrows import rows
-wide, copy, nv = rows("oxccl-g1"), rows("oxccl-g1-copy"), rows("nvidia-g1")
-print("== nranks=1 all_reduce algbw (GB/s) from 1 MiB: wide kernel, copy kernel, NVIDIA")
-for b in sorted(copy):
-    if b >= 1 << 20:
-        w, c, n = (r.get(b, (0, 0, 0))[1] for r in (wide, copy, nv))
-        print(f"  {b:>12} B  wide {w:8.1f}  copy {c:8.1f}  nvidia {n:8.1f}  copy/nvidia "
-              f"{c / n if n else float('nan'):.2f}")
+wide, copy, ce, nv = rows("oxccl-g1"), rows("oxccl-g1-copy"), rows("oxccl-g1-ce"), rows("nvidia-g1")
+print("== nranks=1 all_reduce algbw (GB/s) from 64 KiB: wide kernel, copy kernel, copy engine, NVIDIA")
+for b in sorted(set(copy) | set(ce)):
+    if b >= 1 << 16:
+        w, c, e, n = (r.get(b, (0, 0, 0))[1] for r in (wide, copy, ce, nv))
+        best = max((w, "wide"), (c, "copy"), (e, "engine"))
+        print(f"  {b:>12} B  wide {w:8.1f}  copy {c:8.1f}  engine {e:8.1f}  nvidia {n:8.1f}  "
+              f"best {best[1]} {best[0] / n if n else float('nan'):.2f}x nvidia")
 PY
 # Blocks per lane (OXCCL_CUDA_BLOCKS, default 8) and slot size against 2 ranks' bandwidth: what
 # the next default should be.

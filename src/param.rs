@@ -105,6 +105,16 @@ pub const PARAMS: &[Param] = &[
         default: "8",
     },
     Param {
+        name: "OXCCL_NET_ZERO_COPY",
+        doc: "0: the host executor copies what it sends to another host into the connection's slots; 1 (default): the socket takes it from the caller's buffer where no later step of the operation writes there (not with NCCL_SOCKET_NTHREADS > 1 or a net plugin)",
+        default: "1",
+    },
+    Param {
+        name: "OXCCL_CUDA_CE_COPY_BYTES",
+        doc: "CUDA executor: plain copies (a one-rank collective out of place) smaller than this go to the copy engine (cuMemcpyDtoDAsync, as NVIDIA's NCCL makes them), larger ones to a kernel (K/M/G suffixes; 2G: every copy to the copy engine)",
+        default: "524288",
+    },
+    Param {
         name: "OXCCL_RUN_AHEAD",
         doc: "0: step programs run strictly slice after slice (no run-ahead across iterations)",
         default: "1",
@@ -259,8 +269,14 @@ pub fn fifo_stream() -> Option<bool> {
 /// connection's slots, rather than let the socket take it from the caller's buffers.
 pub fn net_zero_copy() -> bool {
     static Z: once_cell::sync::Lazy<bool> =
-        once_cell::sync::Lazy::new(|| get_str("OXCCL_NET_ZERO_COPY").as_deref() != Some("0"));
+        once_cell::sync::Lazy::new(|| get_u64("OXCCL_NET_ZERO_COPY") != 0);
     *Z
+}
+
+/// `OXCCL_CUDA_CE_COPY_BYTES`: plain copies below this go to the copy engine, larger ones to
+/// a kernel (read at each such copy, like `cuda_copy_kernel`).
+pub fn cuda_ce_copy_bytes() -> u64 {
+    get_u64("OXCCL_CUDA_CE_COPY_BYTES")
 }
 
 /// Whether step programs may run later slices ahead of blocked earlier ones.

@@ -647,6 +647,21 @@ fn cuda_executor_logic_on_a_recording_driver() {
         "{ev:#?}"
     );
     std::env::remove_var("OXCCL_CUDA_COPY_KERNEL");
+    // OXCCL_CUDA_CE_COPY_BYTES=2G: the large copy on the copy engine too.
+    std::env::set_var("OXCCL_CUDA_CE_COPY_BYTES", "2G");
+    nccl::api::enqueue(&one[0], all_reduce(s, r, n), cuda(0x71)).unwrap();
+    let ev = take();
+    assert!(
+        launches(&ev).is_empty()
+            && ev.contains(&Ev::Copy {
+                dst: r as u64,
+                src: s as u64,
+                bytes: 4 * n,
+                stream: 0x71
+            }),
+        "{ev:#?}"
+    );
+    std::env::remove_var("OXCCL_CUDA_CE_COPY_BYTES");
 
     // 8. OXCCL_CUDA_DIRECT=1: an all-reduce of both ranks in one group is one kernel over
     //    both ranks' buffers, on rank 0's stream, joined with rank 1's: rank 1's stream's

@@ -571,9 +571,6 @@ fn launch_stage(
     r
 }
 
-/// Copies from this size on go to the wide kernel rather than the copy engine.
-const WIDE_COPY_BYTES: u64 = 512 << 10;
-
 /// `OXCCL_CUDA_TRACE=1`: every launch is logged (INFO) with its lanes, steps and connections.
 pub(super) fn trace() -> bool {
     static T: once_cell::sync::Lazy<bool> =
@@ -598,8 +595,11 @@ fn run(d: &Desc, comm: &CudaComm, stream: usize, api: &driver::Api) -> Result<bo
             return Ok(false);
         }
         // Small copies on the copy engine (cheapest to start); large ones by the wide kernel
-        // below, which moves twice what the copy engine does on an H200.
-        if copies.iter().all(|c| c.2 < WIDE_COPY_BYTES) {
+        // below, which moved twice what the copy engine did in the first H200 runs
+        // (`OXCCL_CUDA_CE_COPY_BYTES`, 512 KiB by default, moves the line: the GPU check
+        // measures every copy on the copy engine too).
+        let ce = crate::param::cuda_ce_copy_bytes();
+        if copies.iter().all(|c| c.2 < ce) {
             for (dst, src, bytes) in copies {
                 // SAFETY: validated user ranges of `bytes` each.
                 check(
