@@ -240,6 +240,7 @@ impl Endpoint for NetSetup {
             driven: Default::default(),
             passes: Default::default(),
             waker: Default::default(),
+            threads: socket_threads(),
         });
         {
             let w = &mut *end.state.lock();
@@ -310,6 +311,9 @@ pub struct NetEnd {
     /// time at every `DRIVEN_EVERY`th, since reading the clock costs more than the rest of a
     /// pass that finds nothing.
     passes: std::sync::atomic::AtomicU32,
+    /// Threads that move its sockets (`NCCL_SOCKET_NTHREADS` when it was made): more than one
+    /// means helper threads, and then no slots by reference.
+    threads: usize,
 }
 
 /// A waiting executor's pass of a few hundred nanoseconds notes the time at every 8th, well
@@ -444,10 +448,10 @@ impl Proxy for NetEnd {
         self.step(&mut self.state.lock())
     }
 
-    /// Only without helper threads: they read a slot's parts outside the end's lock, which
-    /// `settle` relies on.
+    /// Only without helper threads (decided when the end was made, as they are): they read a
+    /// slot's parts outside the end's lock, which `settle` relies on.
     fn by_reference(&self) -> bool {
-        self.is_sender && socket_threads() == 1 && crate::param::net_zero_copy()
+        self.is_sender && self.threads == 1 && crate::param::net_zero_copy()
     }
 
     fn settle(&self) {
@@ -564,7 +568,7 @@ impl NetEnd {
         );
         helpers::Helpers::start(
             socks,
-            socket_threads(),
+            self.threads,
             self.view.slot_bytes,
             self.is_sender,
             &who,

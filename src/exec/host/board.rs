@@ -87,7 +87,7 @@ impl BoardState {
     }
 
     /// The connection the operation's ring fallback waits on, if it waits on one.
-    pub(super) fn waits_on<'o>(&'o self, op: &'o Direct) -> Option<&'o Arc<Conn>> {
+    pub(super) fn waits_on<'o>(&self, op: &'o Direct) -> Option<&'o Arc<Conn>> {
         match (&self.phase, op.fallback.as_deref()) {
             (Phase::Fallback(c), Some(prog)) => c.waits_on(prog),
             _ => None,

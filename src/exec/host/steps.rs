@@ -39,9 +39,9 @@ pub(super) struct Cursor {
     /// Bit k: step k hands its connection the caller's memory rather than a copy of it
     /// (`by_reference`).
     by_ref: u64,
-    /// Connections given slots by reference, and the last such step of each: the program is
-    /// done only once they have all left; if it ends otherwise, they are copied into their
-    /// slots (`Conn::settle_refs`) before the caller's memory is given back.
+    /// Connections given slots by reference, and the last such step of each: when the program
+    /// ends, those that have not left are copied into their slots (`Conn::settle_refs`)
+    /// before the caller's memory is given back.
     refs: Vec<(Arc<Conn>, u64)>,
 }
 
@@ -179,23 +179,14 @@ impl Cursor {
         }
     }
 
-    /// Whether every slot sent by reference has left (else it drives their connections).
-    fn refs_sent(&mut self) -> bool {
-        self.refs.retain(|(c, step)| {
-            let left = c.head().load(std::sync::atomic::Ordering::Acquire) > *step;
-            if !left {
-                c.drive();
-            }
-            !left
-        });
-        self.refs.is_empty()
-    }
-
     /// Copies the slots sent by reference that have not left into their slots: the caller's
-    /// buffers are then free to change (a program that ends with an error, or is dropped).
+    /// buffers are then free to change (a program that ends, with an error or not, or is
+    /// dropped). Most have left by then: only the last few slots are copied.
     pub(super) fn settle(&mut self) {
-        for (c, _) in self.refs.drain(..) {
-            c.settle_refs();
+        for (c, step) in self.refs.drain(..) {
+            if c.head().load(std::sync::atomic::Ordering::Acquire) <= step {
+                c.settle_refs();
+            }
         }
     }
 
@@ -219,11 +210,7 @@ impl Cursor {
     }
 
     /// The connection this program waits on.
-    pub(super) fn waits_on<'p>(&'p self, prog: &'p HostProgram) -> Option<&'p Arc<Conn>> {
-        if self.head >= prog.niter * prog.steps.len() {
-            // Done but for slots sent by reference.
-            return self.refs.first().map(|(c, _)| c);
-        }
+    pub(super) fn waits_on<'p>(&self, prog: &'p HostProgram) -> Option<&'p Arc<Conn>> {
         let s = prog.steps.get(self.head % prog.steps.len().max(1))?;
         s.recv
             .as_ref()
@@ -254,12 +241,10 @@ pub(super) fn poll_program(prog: &HostProgram, cur: &mut Cursor) -> Result<Poll>
     let mut progressed = false;
     loop {
         if cur.head >= total {
-            // The caller's memory that slots refer to is its own again only once they left.
-            return Ok(match (cur.refs_sent(), progressed) {
-                (true, _) => Poll::Done,
-                (false, true) => Poll::Progress,
-                (false, false) => Poll::Blocked,
-            });
+            // The caller has its memory back once this returns: slots that refer to it and
+            // have not left get copies.
+            cur.settle();
+            return Ok(Poll::Done);
         }
         let mut ran = false;
         // Connections held by pending earlier slices in this pass, and the iteration of the last
@@ -352,7 +337,8 @@ fn run_step(prog: &HostProgram, cur: &mut Cursor, k: usize, off: usize, n: usize
     };
     // The slot refers to the caller's memory instead (see `by_reference`): a plain send, or
     // the output a reduction has just written.
-    let by_ref = (cur.by_ref >> k) & 1 == 1
+    let by_ref = k < 64
+        && (cur.by_ref >> k) & 1 == 1
         && match s.prim {
             Prim::Send => !(s.prep && red.is_some_and(|r| !r.prep_is_copy())),
             Prim::RecvReduceCopySend => true,
