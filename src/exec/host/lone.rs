@@ -42,7 +42,11 @@ impl<'a> LoneOp<'a> {
         kind: BoardKind,
     ) -> LoneOp<'a> {
         let ticket = comm.take_ticket();
-        let mut lone = LoneOp {
+        // The batch that goes on with an operation that cannot begin here fails it as it should.
+        let state = (comm.is_serving(ticket) && comm.try_begin(ticket)).then(BoardState::new);
+        // (Built as the value returned, with no local to move from: a copy of the whole
+        // operation per launch otherwise.)
+        LoneOp {
             comm,
             ticket,
             op: Some(Direct {
@@ -56,14 +60,9 @@ impl<'a> LoneOp<'a> {
                 cma: comm.cma,
                 tuner: None,
             }),
-            state: None,
+            state,
             result: None,
-        };
-        // The batch that goes on with an operation that cannot begin here fails it as it should.
-        if comm.is_serving(ticket) && comm.try_begin(ticket) {
-            lone.state = Some(BoardState::new());
         }
-        lone
     }
 
     /// Polls once; true when the operation is finished (see `result`).

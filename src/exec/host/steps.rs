@@ -46,8 +46,11 @@ pub(super) struct Cursor {
 }
 
 impl Drop for Cursor {
+    #[inline]
     fn drop(&mut self) {
-        self.settle();
+        if !self.refs.is_empty() {
+            self.settle();
+        }
     }
 }
 
@@ -100,6 +103,7 @@ fn policies(prog: &HostProgram) -> (bool, bool) {
 /// where no step writes into it, a `RecvReduceCopySend` of the output it has just written where
 /// no other step writes into that. Such a step saves the copy into the slot: the socket takes
 /// the bytes from the caller's buffer.
+#[inline(never)]
 fn by_reference(prog: &HostProgram) -> u64 {
     let steps = &prog.steps;
     let refs = |s: &crate::plan::Step<Arc<Conn>>| {
@@ -182,6 +186,8 @@ impl Cursor {
     /// Copies the slots sent by reference that have not left into their slots: the caller's
     /// buffers are then free to change (a program that ends, with an error or not, or is
     /// dropped). Most have left by then: only the last few slots are copied.
+    #[cold]
+    #[inline(never)]
     pub(super) fn settle(&mut self) {
         for (c, step) in self.refs.drain(..) {
             if c.head().load(std::sync::atomic::Ordering::Acquire) <= step {
@@ -243,7 +249,9 @@ pub(super) fn poll_program(prog: &HostProgram, cur: &mut Cursor) -> Result<Poll>
         if cur.head >= total {
             // The caller has its memory back once this returns: slots that refer to it and
             // have not left get copies.
-            cur.settle();
+            if !cur.refs.is_empty() {
+                cur.settle();
+            }
             return Ok(Poll::Done);
         }
         let mut ran = false;
@@ -345,27 +353,9 @@ fn run_step(prog: &HostProgram, cur: &mut Cursor, k: usize, off: usize, n: usize
             _ => false,
         };
     if by_ref {
-        let c = s.send.as_ref().expect("a step that sends has a connection");
-        let step = sslot.expect("a slot to send in").0;
-        let data = if s.prim == Prim::Send {
-            src
-        } else {
-            let r = reducer(red);
-            // SAFETY: as below.
-            unsafe {
-                r.combine(dst, src, inp, n);
-                r.finish(dst, dst, n);
-            }
-            dst as *const u8
-        };
-        if let (Some(c), Some((step, _))) = (&s.recv, rslot) {
-            c.post_recv(step);
-        }
-        c.post_send_ref(step, prog.call, data, bytes);
-        match cur.refs.iter_mut().find(|(x, _)| Arc::ptr_eq(x, c)) {
-            Some(r) => r.1 = step,
-            None => cur.refs.push((c.clone(), step)),
-        }
+        let sslot = sslot.expect("a slot to send in").0;
+        // SAFETY: as below.
+        unsafe { send_by_reference(prog, cur, k, (src, dst, inp), n, (rslot, sslot)) };
         return Ok(true);
     }
     // SAFETY: src/dst lie inside the caller's buffers (validated at enqueue: `len` elements from
@@ -442,6 +432,44 @@ fn run_step(prog: &HostProgram, cur: &mut Cursor, k: usize, off: usize, n: usize
         c.post_send(step, prog.call, bytes);
     }
     Ok(true)
+}
+
+/// Step `k` on `n` elements at `src`/`dst` with the received slot `inp` (`run_step`'s), its
+/// slot to send posted by reference: to `src` (a `Send`), or to `dst` once the reduction is
+/// there (a `RecvReduceCopySend`). Out of line: only network sends come here.
+///
+/// # Safety
+/// As `run_step`'s: the ranges are valid for `n` elements and the slots are this side's.
+#[inline(never)]
+unsafe fn send_by_reference(
+    prog: &HostProgram,
+    cur: &mut Cursor,
+    k: usize,
+    (src, dst, inp): (*const u8, *mut u8, *const u8),
+    n: usize,
+    (rslot, sslot): (Option<(u64, *const u8)>, u64),
+) {
+    let s = &prog.steps[k];
+    let c = s.send.as_ref().expect("a step that sends has a connection");
+    let data = if s.prim == Prim::Send {
+        src
+    } else {
+        let r = reducer(cur.reducer.as_ref());
+        // SAFETY: per the contract.
+        unsafe {
+            r.combine(dst, src, inp, n);
+            r.finish(dst, dst, n);
+        }
+        dst as *const u8
+    };
+    if let (Some(c), Some((step, _))) = (&s.recv, rslot) {
+        c.post_recv(step);
+    }
+    c.post_send_ref(sslot, prog.call, data, n * prog.esize);
+    match cur.refs.iter_mut().find(|(x, _)| Arc::ptr_eq(x, c)) {
+        Some(r) => r.1 = sslot,
+        None => cur.refs.push((c.clone(), sslot)),
+    }
 }
 
 /// The error of a program that received a slot filled by another call.
