@@ -102,7 +102,11 @@ pub fn order_free(red: &RedSpec) -> bool {
 /// 2-core VM, 3 rounds of each in turn, median: 16 KiB 16 us against the ring's 30, 256 KiB
 /// the same (121 and 119 us), 1 MiB 593 us against 560, 8 MiB 5.3 ms against 3.9, 64 MiB 66
 /// ms against 57 (MPI 92): the exchange reduces the whole input at each rank, the ring half.
-pub const EXCHANGE_BYTES: usize = 1 << 20;
+/// Since sends leave from the caller's buffer (`OXCCL_NET_ZERO_COPY`), 6 rounds of
+/// `scripts/ab-net.sh`, median: 1 MiB 422-446 us against the ring's 529-535, 1.5 MiB 701
+/// against 728, 2 MiB 1194 against 1068, 4 MiB 2555 against 2353 (single blocking calls of
+/// 1 MiB: 0.39-0.54 ms against 0.74-0.79).
+pub const EXCHANGE_BYTES: usize = 2 << 20;
 
 /// All-reduces of at most this many bytes among 3 or more hosts' leaders go up and down a
 /// binary tree (2 log2(hosts) network hops) rather than round the ring (2 (hosts - 1) hops).
@@ -425,7 +429,7 @@ mod tests {
         })
     }
 
-    /// The leaders' all-reduce by hosts and size: the exchange for two below 1 MiB (order-free
+    /// The leaders' all-reduce by hosts and size: the exchange for two below 2 MiB (order-free
     /// reductions only), one tree up to 64 KiB, two trees while they save hops (never for 3 hosts), the
     /// ring otherwise and for post-divides.
     #[test]
@@ -434,8 +438,8 @@ mod tests {
         let sum = red(DataType::Float32, ReduceKind::Sum, false);
         let max = red(DataType::Float32, ReduceKind::Max, false);
         let avg = red(DataType::Int32, ReduceKind::Sum, true);
-        assert_eq!(Leaders::choose(&sum, (1 << 20) - 4, 2), Exchange);
-        assert_eq!(Leaders::choose(&sum, 1 << 20, 2), Ring);
+        assert_eq!(Leaders::choose(&sum, (2 << 20) - 4, 2), Exchange);
+        assert_eq!(Leaders::choose(&sum, 2 << 20, 2), Ring);
         assert_eq!(Leaders::choose(&max, 8, 2), Ring);
         assert_eq!(Leaders::choose(&avg, 8, 4), Ring);
         assert_eq!(Leaders::choose(&sum, 64 << 10, 3), Tree);
