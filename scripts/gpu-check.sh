@@ -321,8 +321,8 @@ for n, name in ((2, "oxccl-g2"), (4, "oxccl-g4")):
         t = d[8][0]
         print(f"  8-byte all-reduce, 2 ranks: {t:.1f} us {'PASS' if t <= 15 else 'FAIL'} (target 15 us)")
 PY
-# nranks=1 with the copy kernel (OXCCL_CUDA_COPY_KERNEL=1) and with every copy on the copy
-# engine (OXCCL_CUDA_CE_COPY_BYTES=2G, as NVIDIA's NCCL copies) against the wide kernel and
+# nranks=1 with the copy kernel (OXCCL_CUDA_COPY_KERNEL=1) and with every copy of the sweep
+# (to 1 GiB) on the copy engine (OXCCL_CUDA_CE_COPY_BYTES=2G, as NVIDIA's NCCL copies) against the wide kernel and
 # NVIDIA's NCCL (the rows of section 2): the next default for large one-rank copies.
 perf oxccl-g1-copy "$OXLIB" env OXCCL_CUDA_COPY_KERNEL=1 "$B/all_reduce_perf" "${sweep[@]}" -g 1
 perf oxccl-g1-ce "$OXLIB" env OXCCL_CUDA_CE_COPY_BYTES=2G "$B/all_reduce_perf" "${sweep[@]}" -g 1

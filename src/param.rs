@@ -111,7 +111,7 @@ pub const PARAMS: &[Param] = &[
     },
     Param {
         name: "OXCCL_CUDA_CE_COPY_BYTES",
-        doc: "CUDA executor: plain copies (a one-rank collective out of place) smaller than this go to the copy engine (cuMemcpyDtoDAsync, as NVIDIA's NCCL makes them), larger ones to a kernel (K/M/G suffixes; 2G: every copy to the copy engine)",
+        doc: "CUDA executor: plain copies (a one-rank collective out of place) smaller than this go to the copy engine (cuMemcpyDtoDAsync, as NVIDIA's NCCL makes them), larger ones to a kernel (K/M/G suffixes; 2G: every copy below 2 GiB to the copy engine)",
         default: "524288",
     },
     Param {

@@ -804,7 +804,14 @@ fn trouble(
         );
     }
     if how == "late" {
-        // Not before the timeout: the stall's clock starts with this wait.
+        // The stall timeout, not the late rank's leaving (at the timeout and 5 s more), and
+        // not before the timeout: the stall's clock starts with this wait.
+        assert_eq!(
+            code,
+            nccl::error::Code::Timeout,
+            "rank {r}: {}",
+            nccl::error::last_error()
+        );
         assert!(
             t.elapsed() >= nccl::param::timeout(),
             "rank {r}: timed out after {:?}: {}",

@@ -105,7 +105,10 @@ pub fn order_free(red: &RedSpec) -> bool {
 /// Since sends leave from the caller's buffer (`OXCCL_NET_ZERO_COPY`), 6 rounds of
 /// `scripts/ab-net.sh`, median: 1 MiB 422-446 us against the ring's 529-535, 1.5 MiB 701
 /// against 728, 2 MiB 1194 against 1068, 4 MiB 2555 against 2353 (single blocking calls of
-/// 1 MiB: 0.39-0.54 ms against 0.74-0.79).
+/// 1 MiB: 0.39-0.54 ms against 0.74-0.79). Where the exchange copies what it sends (in place,
+/// `OXCCL_NET_ZERO_COPY=0`) it still holds its own: in place 1 MiB 531 us against 616, 1.5
+/// MiB 700 against 776; copying out of place 1 MiB 853 against 781 (best 498 against 572),
+/// 1.5 MiB 1063 against 1210.
 pub const EXCHANGE_BYTES: usize = 2 << 20;
 
 /// All-reduces of at most this many bytes among 3 or more hosts' leaders go up and down a
