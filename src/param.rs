@@ -106,7 +106,7 @@ pub const PARAMS: &[Param] = &[
     },
     Param {
         name: "OXCCL_NET_ZERO_COPY",
-        doc: "0: the host executor copies what it sends to another host into the connection's slots; 1 (default): the socket takes it from the caller's buffer where no later step of the operation writes there (not with NCCL_SOCKET_NTHREADS > 1 or a net plugin)",
+        doc: "0: the host executor copies what it sends to another host into the connection's slots; 1 (default): the socket takes it from the caller's buffer (a later step that writes where a slot not yet sent refers first copies it into the slot; not with NCCL_SOCKET_NTHREADS > 1 or a net plugin)",
         default: "1",
     },
     Param {

@@ -432,6 +432,17 @@ impl Conn {
         }
     }
 
+    /// Sender: whether a slot up to step `last` that has not left refers to memory that
+    /// overlaps the `len` bytes at `lo` (read on the thread that posts the slots).
+    pub fn refers_to(&self, lo: usize, len: usize, last: u64) -> bool {
+        let head = self.head().load(Ordering::Acquire);
+        (head..=last).any(|step| {
+            let (data, bytes) = self.slot_data(step);
+            let at = data as usize;
+            !std::ptr::eq(data, self.slot(step)) && at < lo + len && lo < at + bytes
+        })
+    }
+
     /// `settle_refs` for the end that sends the slots: the caller holds what keeps the sending
     /// from reading them meanwhile.
     pub fn settle_refs_held(&self) {

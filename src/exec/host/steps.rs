@@ -97,43 +97,41 @@ fn policies(prog: &HostProgram) -> (bool, bool) {
     (stream_out, run_ahead)
 }
 
-/// The steps that may send by reference (bit k for step k; none past 64 steps): those whose
-/// connection takes slots by reference (the network's sending ends, `Conn::sends_by_reference`)
-/// and that send memory no step of the program writes afterwards: a `Send` of its source
-/// where no step writes into it, a `RecvReduceCopySend` of the output it has just written where
-/// no other step writes into that. Such a step saves the copy into the slot: the socket takes
-/// the bytes from the caller's buffer.
+/// The steps that may send by reference (bit k for step k; none past 64 steps): a `Send` of
+/// its source, or a `RecvReduceCopySend` of the output it has just written, on a connection
+/// that takes slots by reference (the network's sending ends, `Conn::sends_by_reference`).
+/// Such a step saves the copy into the slot: the socket takes the bytes from the caller's
+/// buffer. A later step that writes where such a slot still refers first has it copied into
+/// its slot (`guard`): in place, the bytes sent are the ones the step read.
 #[inline(never)]
 fn by_reference(prog: &HostProgram) -> u64 {
     let steps = &prog.steps;
-    let refs = |s: &crate::plan::Step<Arc<Conn>>| {
-        s.len > 0 && s.send.as_ref().is_some_and(|c| c.sends_by_reference())
-    };
-    if steps.len() > 64 || !steps.iter().any(refs) {
+    if steps.len() > 64 {
         return 0;
     }
-    let es = prog.esize;
     let mut mask = 0;
-    for (k, s) in steps.iter().enumerate().filter(|(_, s)| refs(s)) {
+    for (k, s) in steps.iter().enumerate() {
         let region = match s.prim {
             Prim::Send => at(s.src),
             Prim::RecvReduceCopySend => at(s.dst),
             _ => continue,
         };
-        let len = s.len * es;
-        let untouched = steps.iter().enumerate().all(|(j, o)| {
-            let (a, l) = (at(o.dst), o.len * es);
-            (j == k && s.prim == Prim::RecvReduceCopySend)
-                || !o.prim.writes_dst()
-                || l == 0
-                || a + l <= region
-                || region + len <= a
-        });
-        if region != 0 && untouched {
+        if region != 0 && s.len > 0 && s.send.as_ref().is_some_and(|c| c.sends_by_reference()) {
             mask |= 1 << k;
         }
     }
     mask
+}
+
+/// Before a step writes `bytes` at `dst`: slots sent by reference that still refer to any of
+/// it get copies of what it holds now. (Out of line: only network programs come here.)
+#[inline(never)]
+fn guard(cur: &Cursor, dst: *mut u8, bytes: usize) {
+    for (c, last) in &cur.refs {
+        if c.refers_to(dst as usize, bytes, *last) {
+            c.settle_refs();
+        }
+    }
 }
 
 /// Bytes the program sends through slots that streaming stores may fill (see
@@ -352,6 +350,9 @@ fn run_step(prog: &HostProgram, cur: &mut Cursor, k: usize, off: usize, n: usize
             Prim::RecvReduceCopySend => true,
             _ => false,
         };
+    if !cur.refs.is_empty() && s.prim.writes_dst() {
+        guard(cur, dst, bytes);
+    }
     if by_ref {
         let sslot = sslot.expect("a slot to send in").0;
         // SAFETY: as below.
@@ -508,4 +509,90 @@ fn stream_tmp(bytes: usize) -> *mut u8 {
 
 fn reducer(r: Option<&Reducer>) -> &Reducer {
     r.expect("planner attaches a reduction to every reducing program")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::transport::{inproc, region_bytes, Proxy, Region};
+
+    /// A sending end that takes slots by reference and never sends them (its peer reads
+    /// nothing): what it holds is what a late socket would still send.
+    struct Holding(Conn);
+
+    impl Proxy for Holding {
+        fn progress(&self) -> Result<bool> {
+            Ok(false)
+        }
+        fn by_reference(&self) -> bool {
+            true
+        }
+        fn settle(&self) {
+            self.0.settle_refs_held();
+        }
+    }
+
+    fn conn(name: &str, is_sender: bool) -> (Conn, Conn) {
+        let region = inproc::open(name, region_bytes(4, 4096)).expect("a region");
+        inproc::forget(name);
+        let end = |s| Conn::new(Region::Heap(region.clone()), 4, 4096, (0, 1), s);
+        let (mine, other) = (end(is_sender), end(!is_sender));
+        mine.attach();
+        mine.attach();
+        (mine, other)
+    }
+
+    /// In place: a program sends its buffer by reference, then receives into the same buffer
+    /// while the slot has not left. The slot must still send what the buffer held before
+    /// the receive wrote it (`guard` copies it into the slot first).
+    #[test]
+    fn a_write_over_memory_a_slot_still_refers_to_copies_it_first() {
+        let n = 1000;
+        let (mut send, view) = conn("oxccl-steps-test-send", true);
+        send.proxy = Some(Arc::new(Holding(view)));
+        let send = Arc::new(send);
+        let (recv, peer) = conn("oxccl-steps-test-recv", false);
+        let recv = Arc::new(recv);
+        let call = [7, 9];
+        // The peer's slot, already there.
+        let (step, slot) = peer.send_slot().expect("a free slot");
+        // SAFETY: a free slot of 4096 bytes, ours until posted.
+        unsafe { std::ptr::write_bytes(slot, 0xbb, n) };
+        peer.post_send(step, call, n);
+        let mut buf = vec![0xaau8; n];
+        let at = Addr::User(buf.as_mut_ptr() as usize);
+        let step = |prim, recv: Option<&Arc<Conn>>, send: Option<&Arc<Conn>>| crate::plan::Step {
+            prim,
+            recv: recv.cloned(),
+            send: send.cloned(),
+            src: at,
+            dst: at,
+            len: n,
+            prep: false,
+        };
+        let prog: HostProgram = Program {
+            steps: vec![
+                step(Prim::Send, None, Some(&send)),
+                step(Prim::Recv, Some(&recv), None),
+            ],
+            esize: 1,
+            slice: 4096,
+            niter: 1,
+            red: None,
+            call,
+        };
+        let mut cur = Cursor::new(&prog, None);
+        assert_eq!(cur.by_ref, 1, "the send goes by reference");
+        assert_eq!(poll_program(&prog, &mut cur).unwrap(), Poll::Done);
+        drop(cur);
+        assert!(buf.iter().all(|&b| b == 0xbb), "the receive landed");
+        let (data, bytes) = send.slot_data(0);
+        assert_eq!(data, send.slot(0) as *const u8, "the slot holds its bytes");
+        // SAFETY: the slot's `bytes` bytes, posted and not freed (the head never moved).
+        let sent = unsafe { std::slice::from_raw_parts(data, bytes) };
+        assert!(
+            bytes == n && sent.iter().all(|&b| b == 0xaa),
+            "the slot sends what the buffer held before the receive"
+        );
+    }
 }
