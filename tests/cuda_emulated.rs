@@ -288,6 +288,23 @@ fn no_async_error(comms: &[Arc<nccl::comm::Comm>], what: &str) {
     }
 }
 
+/// Holds `stream`'s queue behind a gate while `enqueue` puts work on it, for `hold`, then lets
+/// it run: the work must finish (`waited`) and leave `comm` without an error (`healthy`).
+fn behind_a_gate(
+    comm: &Arc<nccl::comm::Comm>,
+    stream: usize,
+    hold: Duration,
+    enqueue: impl FnOnce(),
+    (waited, healthy): (&str, &str),
+) {
+    let g = device::gate(stream);
+    enqueue();
+    std::thread::sleep(hold);
+    device::open_gate(&g);
+    sync_all(&[stream], waited);
+    no_async_error(std::slice::from_ref(comm), healthy);
+}
+
 /// Runs `c` on `comms` (rank r on `streams[r]`, one group) and checks every rank's output.
 fn check(comms: &[Arc<nccl::comm::Comm>], streams: &[usize], c: &Case) {
     check_in(comms, streams, c, &buffers(c, comms.len()));
@@ -852,14 +869,17 @@ fn finish(comm: Arc<nccl::comm::Comm>, r: usize, n: usize, stream: usize) {
         println!("survived: not involved");
         return;
     }
-    let g = device::gate(stream);
-    nccl::api::enqueue(&comm, call(CollKind::Recv, n - 1), stream_arg(stream)).unwrap();
-    std::thread::sleep(Duration::from_millis(2500));
-    device::open_gate(&g);
-    sync_all(&[stream], "the receive behind the gate");
-    no_async_error(
-        std::slice::from_ref(&comm),
-        "a peer that did its part and left",
+    behind_a_gate(
+        &comm,
+        stream,
+        Duration::from_millis(2500),
+        || {
+            nccl::api::enqueue(&comm, call(CollKind::Recv, n - 1), stream_arg(stream)).unwrap();
+        },
+        (
+            "the receive behind the gate",
+            "a peer that did its part and left",
+        ),
     );
     for i in 0..count {
         assert_eq!(get(DataType::Float32, b, i), i as f64, "element {i}");
@@ -917,14 +937,15 @@ fn graph_finish(comm: Arc<nccl::comm::Comm>, r: usize, stream: usize) {
             println!("survived: sent late");
         }
         _ => {
-            let g = device::gate(stream);
-            replay();
-            std::thread::sleep(Duration::from_millis(1000));
-            device::open_gate(&g);
-            sync_all(&[stream], "rank 0's receives");
-            no_async_error(
-                std::slice::from_ref(&comm),
-                "a peer that did its part and left, in a graph",
+            behind_a_gate(
+                &comm,
+                stream,
+                Duration::from_millis(1000),
+                replay,
+                (
+                    "rank 0's receives",
+                    "a peer that did its part and left, in a graph",
+                ),
             );
             for from in [1, 2] {
                 for i in 0..count {

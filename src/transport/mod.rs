@@ -413,14 +413,20 @@ impl Conn {
     /// Sender: where slot `step`'s bytes are and how many (the slot itself, or the memory it
     /// refers to), once it is posted.
     pub fn slot_data(&self, step: u64) -> (*const u8, usize) {
+        self.referred(step)
+            .unwrap_or_else(|| (self.slot(step), self.meta(step)[2] as usize))
+    }
+
+    /// Sender: the memory posted slot `step` refers to, and how many bytes, if it was posted
+    /// by reference (and not settled since).
+    fn referred(&self, step: u64) -> Option<(*const u8, usize)> {
         let bytes = self.meta(step)[2];
-        let at = self.slot(step);
         if bytes & REF_FLAG == 0 {
-            return (at, bytes as usize);
+            return None;
         }
         // SAFETY: `post_send_ref` wrote the address there.
-        let data = unsafe { (at as *const usize).read_unaligned() };
-        (data as *const u8, (bytes & !REF_FLAG) as usize)
+        let data = unsafe { (self.slot(step) as *const usize).read_unaligned() };
+        Some((data as *const u8, (bytes & !REF_FLAG) as usize))
     }
 
     /// Sender: copies the bytes of every slot posted by reference and not yet sent into the
@@ -437,9 +443,8 @@ impl Conn {
     pub fn refers_to(&self, lo: usize, len: usize, last: u64) -> bool {
         let head = self.head().load(Ordering::Acquire);
         (head..=last).any(|step| {
-            let (data, bytes) = self.slot_data(step);
-            let at = data as usize;
-            !std::ptr::eq(data, self.slot(step)) && at < lo + len && lo < at + bytes
+            self.referred(step)
+                .is_some_and(|(at, bytes)| (at as usize) < lo + len && lo < at as usize + bytes)
         })
     }
 
@@ -449,12 +454,10 @@ impl Conn {
         let head = self.head().load(Ordering::Acquire);
         let tail = self.tail().load(Ordering::Acquire);
         for step in head..tail {
-            let (data, bytes) = self.slot_data(step);
-            let at = self.slot(step);
-            if !std::ptr::eq(data, at) {
+            if let Some((data, bytes)) = self.referred(step) {
                 // SAFETY: the referred bytes are still valid (see `settle_refs`), `bytes` fits
                 // the slot, and the two do not overlap (the slot is this end's own memory).
-                unsafe { std::ptr::copy_nonoverlapping(data, at, bytes) };
+                unsafe { std::ptr::copy_nonoverlapping(data, self.slot(step), bytes) };
                 let m = self.meta(step);
                 self.set_meta(step, [m[0], m[1], bytes as u64]);
             }

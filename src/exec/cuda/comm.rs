@@ -340,9 +340,9 @@ const PEER_TURNS: u32 = 20;
 const PEER_GRACE: Duration = Duration::from_secs(1);
 /// Looks without a wait after which the kernels count as no longer waiting (a kernel says it
 /// waits every 1024 reads of a counter: many times a look while it does). What was seen of
-/// the peers then starts again (a stalled connection's clock, at the first such look). While kernels wait, their blocks take turns
-/// naming the connection each waits on: one may go unnamed for many looks, so nothing
-/// starts again for that.
+/// the peers then starts again (a stalled connection's clock, at the first such look).
+/// While kernels wait, their blocks take turns naming the connection each waits on: one may
+/// go unnamed for many looks, so nothing starts again for that.
 const IDLE_LOOKS: u32 = 3;
 
 impl Watched {

@@ -98,13 +98,14 @@ fn policies(prog: &HostProgram) -> (bool, bool) {
 }
 
 /// The steps that may send by reference (bit k for step k; none past 64 steps): a `Send` of
-/// its source, or a `RecvReduceCopySend` of the output it has just written, on a connection
-/// that takes slots by reference (the network's sending ends, `Conn::sends_by_reference`).
-/// Such a step saves the copy into the slot: the socket takes the bytes from the caller's
-/// buffer. A later step that writes where such a slot still refers first has it copied into
-/// its slot (`guard`): in place, the bytes sent are the ones the step read.
+/// its source as it is (no pre-multiplication to apply first), or a `RecvReduceCopySend` of
+/// the output it has just written, on a connection that takes slots by reference (the
+/// network's sending ends, `Conn::sends_by_reference`). Such a step saves the copy into the
+/// slot: the socket takes the bytes from the caller's buffer. A later step that writes where
+/// such a slot still refers first has it copied into its slot (`guard`): in place, the bytes
+/// sent are the ones the step read.
 #[inline(never)]
-fn by_reference(prog: &HostProgram) -> u64 {
+fn by_reference(prog: &HostProgram, red: Option<&Reducer>) -> u64 {
     let steps = &prog.steps;
     if steps.len() > 64 {
         return 0;
@@ -112,7 +113,7 @@ fn by_reference(prog: &HostProgram) -> u64 {
     let mut mask = 0;
     for (k, s) in steps.iter().enumerate() {
         let region = match s.prim {
-            Prim::Send => at(s.src),
+            Prim::Send if !(s.prep && red.is_some_and(|r| !r.prep_is_copy())) => at(s.src),
             Prim::RecvReduceCopySend => at(s.dst),
             _ => continue,
         };
@@ -166,17 +167,18 @@ impl Cursor {
                 (option, Instant::now())
             });
         let (stream_out, run_ahead) = policies(prog);
+        let reducer = prog.red.map(|r| Reducer::new(super::resolve(&r)));
         Cursor {
             head: 0,
             ahead: 0,
-            reducer: prog.red.map(|r| Reducer::new(super::resolve(&r))),
+            by_ref: by_reference(prog, reducer.as_ref()),
+            reducer,
             held: Vec::new(),
             streamed: forced.unwrap_or(timed.is_some_and(|(o, _)| o == STREAMED)),
             timed,
             exploring,
             stream_out,
             run_ahead,
-            by_ref: by_reference(prog),
             refs: Vec::new(),
         }
     }
@@ -341,19 +343,12 @@ fn run_step(prog: &HostProgram, cur: &mut Cursor, k: usize, off: usize, n: usize
     } else {
         std::ptr::null_mut()
     };
-    // The slot refers to the caller's memory instead (see `by_reference`): a plain send, or
-    // the output a reduction has just written.
-    let by_ref = k < 64
-        && (cur.by_ref >> k) & 1 == 1
-        && match s.prim {
-            Prim::Send => !(s.prep && red.is_some_and(|r| !r.prep_is_copy())),
-            Prim::RecvReduceCopySend => true,
-            _ => false,
-        };
     if !cur.refs.is_empty() && s.prim.writes_dst() {
         guard(cur, dst, bytes);
     }
-    if by_ref {
+    // The slot refers to the caller's memory instead (see `by_reference`): a plain send, or
+    // the output a reduction has just written.
+    if k < 64 && (cur.by_ref >> k) & 1 == 1 {
         let sslot = sslot.expect("a slot to send in").0;
         // SAFETY: as below.
         unsafe { send_by_reference(prog, cur, k, (src, dst, inp), n, (rslot, sslot)) };
