@@ -141,8 +141,13 @@ impl Running {
             }
             // SAFETY: the task's turn has come: earlier work of its stream and communicator is
             // done, and its sends' ranges were validated at enqueue.
-            unsafe { self.task.p2p_stash.fill() };
-            self.load_stage();
+            let filled = unsafe {
+                let works = self.p2p.iter_mut().flat_map(|l| l.works.iter_mut());
+                self.task.p2p_stash.fill(works)
+            };
+            if let Err(e) = filled.and_then(|()| self.load_stage()) {
+                return self.finish(Err(e));
+            }
         }
         // An aborted communicator's work stops at once, at a slot boundary (one load per pass).
         if self.comm().health.halted() {
@@ -160,7 +165,9 @@ impl Running {
                 break;
             }
             self.end_stage();
-            self.load_stage();
+            if let Err(e) = self.load_stage() {
+                return self.finish(Err(e));
+            }
             progress = true;
         }
         let stage_done = self.task.stages.is_empty() && self.stage_lanes.iter().all(Lane::done);
@@ -183,25 +190,25 @@ impl Running {
     }
 
     /// Makes the front stage's lanes current (the stage stays queued until it ends).
-    fn load_stage(&mut self) {
+    fn load_stage(&mut self) -> Result<()> {
         self.stage_lanes = match self.task.stages.front_mut() {
             Some(st) => {
+                let mut lanes = std::mem::take(&mut st.lanes);
                 // SAFETY: the stages before this one are done, and the task's turn has come.
-                unsafe { st.stash.fill() };
-                std::mem::take(&mut st.lanes)
-                    .into_iter()
-                    .map(Lane::new)
-                    .collect()
+                unsafe { st.stash.fill(lanes.iter_mut().flatten())? };
+                lanes.into_iter().map(Lane::new).collect()
             }
             None => Vec::new(),
         };
+        Ok(())
     }
 
     fn end_stage(&mut self) {
+        // The lanes first: the stage's copies go back to the pool with it.
+        self.stage_lanes.clear();
         if let Some(st) = self.task.stages.pop_front() {
             spoil(st.fault);
         }
-        self.stage_lanes.clear();
     }
 
     fn finish(&mut self, r: Result<()>) -> Poll {

@@ -42,6 +42,8 @@ pub struct HostComm {
     pub recorder: Option<crate::flight::Recorder>,
     /// "rank R (process P on host H)" of every rank, for messages.
     peer_names: Vec<String>,
+    /// The buffers of in-place operations' private copies, kept between tasks.
+    pub stash_pool: Arc<super::task::StashPool>,
 }
 
 impl HostComm {
@@ -102,6 +104,7 @@ impl HostComm {
             maps: Arc::new(PeerMaps::default()),
             tuner: Default::default(),
             cma,
+            stash_pool: Default::default(),
         })
     }
 
