@@ -54,7 +54,7 @@ impl Drop for Cursor {
     }
 }
 
-/// The address of a host program's buffer (scratch was resolved when the task was made; None
+/// The address of a host program's buffer (scratch was resolved when the work started; None
 /// is never read or written).
 #[inline]
 fn at(a: Addr) -> usize {

@@ -27,7 +27,8 @@ pub(super) struct Stage {
 
 /// The scratch the host provides for a plan's `Stash`: private copies of inputs, taken from
 /// the communicator's pool and filled when the work starts (in stream order: a queued task
-/// holds no memory), then pointed at by the work's programs, and given back when it ends.
+/// holds no memory), then pointed at by the work's programs, and given back when dropped (a
+/// stage's when the stage ends, the task's point-to-point copies with the task).
 #[derive(Default)]
 pub(super) struct Scratch {
     /// (caller's range start, bytes, copy: empty until filled, then at least `bytes` long).
@@ -84,8 +85,9 @@ impl Scratch {
         let Some(pool) = &self.pool else {
             return Ok(()); // nothing planned (the common case: only in-place inputs are)
         };
-        for (src, bytes, v) in &mut self.copies {
-            *v = pool.take((*bytes).max(1));
+        let sizes: Vec<usize> = self.copies.iter().map(|c| c.1.max(1)).collect();
+        for ((src, bytes, v), buf) in self.copies.iter_mut().zip(pool.take(&sizes)) {
+            *v = buf;
             // SAFETY: per the contract; `v` holds `bytes` and is private.
             unsafe { std::ptr::copy_nonoverlapping(*src as *const u8, v.as_mut_ptr(), *bytes) };
         }
@@ -108,9 +110,7 @@ impl Drop for Scratch {
     /// sent by reference when they ended (see `steps::Cursor`), and they are dropped first.
     fn drop(&mut self) {
         if let Some(pool) = &self.pool {
-            for (_, _, v) in self.copies.drain(..).filter(|c| !c.2.is_empty()) {
-                pool.give(v);
-            }
+            pool.give(self.copies.drain(..).map(|c| c.2).filter(|v| !v.is_empty()));
         }
     }
 }
@@ -119,50 +119,70 @@ impl Drop for Scratch {
 /// the same task writes), kept from one task to the next. A fresh allocation this large costs
 /// a page fault and a cleared page per 4 KiB at every launch: a 4 MiB sendrecv in place between
 /// two processes took 3.2-3.9 ms against 0.5 ms out of place, 70% of it in the kernel clearing
-/// pages. The pool keeps the `POOL_KEEP` largest buffers it was given until the communicator
-/// goes.
+/// pages. The pool holds at most as many bytes as the largest set of copies one fill took (a
+/// grouped in-place all-to-all takes one per peer), the memory that task needed at once anyway,
+/// until the communicator goes; past that it lets go of its smallest buffers.
 #[derive(Default)]
-pub struct StashPool(parking_lot::Mutex<Vec<Vec<u8>>>);
+pub struct StashPool(parking_lot::Mutex<Kept>);
 
-/// Buffers a pool keeps: a task in place uses one per stage (its p2p sends, one collective).
-const POOL_KEEP: usize = 4;
+#[derive(Default)]
+struct Kept {
+    buffers: Vec<Vec<u8>>,
+    /// The most bytes one fill took.
+    peak: usize,
+}
 
 impl StashPool {
-    /// A buffer of at least `bytes`: the smallest kept that is large enough, or a new one.
-    fn take(&self, bytes: usize) -> Vec<u8> {
+    /// Buffers for copies of `sizes` bytes, the largest first (a small copy does not take the
+    /// buffer a large one could use): for each, the smallest kept that is large enough, or a
+    /// new one.
+    fn take(&self, sizes: &[usize]) -> Vec<Vec<u8>> {
+        let mut order: Vec<usize> = (0..sizes.len()).collect();
+        order.sort_unstable_by_key(|&i| std::cmp::Reverse(sizes[i]));
+        let mut out: Vec<Vec<u8>> = sizes.iter().map(|_| Vec::new()).collect();
         let mut kept = self.0.lock();
-        let fit = (kept.iter().enumerate())
-            .filter(|(_, v)| v.len() >= bytes)
-            .min_by_key(|(_, v)| v.len())
-            .map(|(i, _)| i);
-        match fit {
-            Some(i) => kept.swap_remove(i),
-            None => {
-                drop(kept);
-                vec![0u8; bytes]
+        for i in order {
+            let fit = (kept.buffers.iter().enumerate())
+                .filter(|(_, v)| v.len() >= sizes[i])
+                .min_by_key(|(_, v)| v.len())
+                .map(|(j, _)| j);
+            if let Some(j) = fit {
+                out[i] = kept.buffers.swap_remove(j);
             }
         }
+        let total = out.iter().zip(sizes).map(|(v, &b)| v.len().max(b)).sum();
+        kept.peak = kept.peak.max(total);
+        drop(kept);
+        // Allocated outside the lock.
+        for (v, &b) in out.iter_mut().zip(sizes) {
+            if v.is_empty() {
+                *v = vec![0u8; b];
+            }
+        }
+        out
     }
 
-    /// Keeps `v`, or lets go of the smallest buffer kept when the pool is full.
-    fn give(&self, v: Vec<u8>) {
+    /// Keeps `bufs`, then lets go of the smallest buffers while it holds more than its peak.
+    fn give(&self, bufs: impl Iterator<Item = Vec<u8>>) {
         let mut kept = self.0.lock();
-        kept.push(v);
-        let gone = (kept.len() > POOL_KEEP).then(|| {
-            let i = (kept.iter().enumerate())
-                .min_by_key(|(_, v)| v.len())
-                .map(|(i, _)| i)
-                .expect("not empty");
-            kept.swap_remove(i)
+        kept.buffers.extend(bufs);
+        kept.buffers
+            .sort_unstable_by_key(|v| std::cmp::Reverse(v.len()));
+        let mut total = 0;
+        let fits = kept.buffers.iter().take_while(|v| {
+            total += v.len();
+            total <= kept.peak
         });
+        let n = fits.count();
+        let gone = kept.buffers.split_off(n);
         drop(kept);
         drop(gone); // outside the lock: a large buffer's unmapping takes a while
     }
 
-    /// Bytes held.
+    /// The sizes of the buffers held, smallest first.
     #[cfg(test)]
     fn held(&self) -> Vec<usize> {
-        let mut l: Vec<usize> = self.0.lock().iter().map(Vec::len).collect();
+        let mut l: Vec<usize> = self.0.lock().buffers.iter().map(Vec::len).collect();
         l.sort_unstable();
         l
     }
@@ -267,7 +287,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_stash_pool_hands_back_what_it_kept_and_keeps_the_largest() {
+    fn a_stash_pool_hands_back_what_it_kept_up_to_the_most_one_fill_took() {
         let pool = Arc::new(StashPool::default());
         let src: Vec<u8> = (0..8192u32).map(|i| (i * 7 % 251) as u8).collect();
         let stash = |bytes: &[usize]| Stash {
@@ -278,6 +298,7 @@ mod tests {
             // SAFETY: `src` holds every planned range.
             unsafe { s.fill(std::iter::empty()).unwrap() };
             for (_, b, v) in &s.copies {
+                assert!(v.len() >= *b);
                 assert_eq!(v[..*b], src[..*b], "a copy holds its source");
             }
             s
@@ -288,7 +309,7 @@ mod tests {
         assert!(s.place(Addr::Scratch { idx: 0, off: 0 }).is_err());
         drop(s);
         assert_eq!(pool.held(), Vec::<usize>::new());
-        // Filled from the pool, given back when the work ends.
+        // Filled from the pool, given back when dropped.
         let s = filled(&[4096, 100]);
         let first = s.copies[0].2.as_ptr();
         drop(s);
@@ -303,13 +324,19 @@ mod tests {
         assert!(s.place(Addr::Scratch { idx: 0, off: 3001 }).is_err());
         assert!(s.place(Addr::Scratch { idx: 1, off: 0 }).is_err());
         drop(s);
-        // Full: the smallest goes.
-        drop(filled(&[10, 20, 30, 5000, 6000]));
-        assert_eq!(pool.held(), vec![100, 4096, 5000, 6000]);
-        // Nothing planned: no pool, nothing taken.
+        // The largest copy chooses first: the small one before it does not take its buffer.
+        let s = filled(&[200, 4000]);
+        assert_eq!(s.copies[1].2.as_ptr(), first);
+        drop(s);
+        // Up to the most one fill took (4296 bytes): the 100 goes.
+        assert_eq!(pool.held(), vec![200, 4096]);
+        // Past the most one fill took (11000 bytes), the smallest go.
+        drop(filled(&[5000, 6000]));
+        assert_eq!(pool.held(), vec![5000, 6000]);
+        // Nothing planned: no pool, nothing taken or given.
         let none = Scratch::new(&stash(&[]), &pool);
         assert!(none.pool.is_none());
         drop(none);
-        assert_eq!(pool.held().len(), POOL_KEEP);
+        assert_eq!(pool.held(), vec![5000, 6000]);
     }
 }
