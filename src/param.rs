@@ -121,7 +121,7 @@ pub const PARAMS: &[Param] = &[
     },
     Param {
         name: "NCCL_ALGO",
-        doc: "algorithms allowed, NCCL's syntax: Ring, Direct, Tree (a comma list, ^ to exclude, per collective as allreduce:ring;broadcast:direct); Tree is the hierarchical all-reduce across hosts, Direct also the exchange of 2 ranks on 2 hosts (chosen below 2 MiB; Direct without Ring asks for it at any size); a list naming none of a collective's candidates (NVLS, ...) leaves oxccl its choice",
+        doc: "algorithms allowed, NCCL's syntax: Ring, Direct, Tree (a comma list, ^ to exclude, per collective as allreduce:ring;broadcast:direct); Tree is the hierarchical all-reduce across hosts, Direct also the exchange of 2 ranks on 2 hosts (chosen below 8 MiB; Direct without Ring asks for it at any size); a list naming none of a collective's candidates (NVLS, ...) leaves oxccl its choice",
         default: "",
     },
     Param {

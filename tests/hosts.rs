@@ -361,8 +361,8 @@ fn all_reduce_plans_across_hosts() {
     let trees = &["Ring", t.as_str(), d.as_str()][..];
     let small_trees = &["Ring", t.as_str()][..];
     let small = [("OXCCL_TEST_COUNT", "1000")];
-    // From 2 MiB (300000 elements of 8 bytes) two hosts take the ring, not the exchange.
-    let large = [("OXCCL_TEST_COUNT", "300000")];
+    // From 8 MiB (1100000 elements of 8 bytes) two hosts take the ring, not the exchange.
+    let large = [("OXCCL_TEST_COUNT", "1100000")];
     for (place, algos, env) in [
         ("0,1", exchange, &[][..]),
         ("0,0,1,1", two, &[]),
@@ -412,8 +412,8 @@ fn all_reduce_plans_across_hosts() {
                 .filter_map(|l| l.split(" proto").next())
                 .collect();
             assert_eq!(algos, want, "hosts {place}: rank {r}'s plans");
-            // 300000 float64s (2400000 bytes): never the exchange; float32s (1200000) and
-            // uint8s (300000) by it (but for float max and min).
+            // 1100000 float64s (8800000 bytes): never the exchange; float32s (4400000) and
+            // uint8s (1100000) by it (but for float max and min).
             let plan_of = |bytes: &str| {
                 text.lines()
                     .filter(|l| l.contains(&format!("AllReduce: {bytes} Bytes ")))
@@ -421,12 +421,12 @@ fn all_reduce_plans_across_hosts() {
                     .collect::<Vec<bool>>()
             };
             if env == &large[..] {
-                let big = plan_of("2400000");
+                let big = plan_of("8800000");
                 assert!(
                     !big.is_empty() && !big.iter().any(|&x| x),
                     "{place}:\n{text}"
                 );
-                for small in ["1200000", "300000"] {
+                for small in ["4400000", "1100000"] {
                     assert!(plan_of(small).iter().any(|&x| x), "{place}:\n{text}");
                 }
             }

@@ -98,18 +98,22 @@ pub fn order_free(red: &RedSpec) -> bool {
 }
 
 /// All-reduces between two hosts (2 ranks, or 2 hosts' leaders) of fewer bytes than this take
-/// the exchange; larger ones the ring. Measured between two namespace hosts over veth on a
-/// 2-core VM, 3 rounds of each in turn, median: 16 KiB 16 us against the ring's 30, 256 KiB
-/// the same (121 and 119 us), 1 MiB 593 us against 560, 8 MiB 5.3 ms against 3.9, 64 MiB 66
-/// ms against 57 (MPI 92): the exchange reduces the whole input at each rank, the ring half.
-/// Since sends leave from the caller's buffer (`OXCCL_NET_ZERO_COPY`), 6 rounds of
-/// `scripts/ab-net.sh`, median: 1 MiB 422-446 us against the ring's 529-535, 1.5 MiB 701
-/// against 728, 2 MiB 1194 against 1068, 4 MiB 2555 against 2353 (single blocking calls of
-/// 1 MiB: 0.39-0.54 ms against 0.74-0.79). Where the exchange copies what it sends (in place,
-/// `OXCCL_NET_ZERO_COPY=0`) it still holds its own: in place 1 MiB 531 us against 616, 1.5
-/// MiB 700 against 776; copying out of place 1 MiB 853 against 781 (best 498 against 572),
-/// 1.5 MiB 1063 against 1210.
-pub const EXCHANGE_BYTES: usize = 2 << 20;
+/// the exchange; larger ones the ring. Chosen, as NCCL's tuner chooses, by the time of one
+/// operation (a blocking call, as a layer's all-reduce between two computations is): there the
+/// exchange's single network hop wins up to 6 MiB, while in a stream of back-to-back calls the
+/// ring's tail overlaps the next call's start and its half reduction per rank costs less CPU.
+/// Measured between two namespace hosts over veth on a 2-core VM, 1 rank each, in turn:
+/// - single blocking calls (60, mean ms; 2-3 runs each): 2 MiB 0.88-0.99 against the ring's
+///   1.28-1.33, 4 MiB 1.82-1.96 against 2.58-3.02 (in place 2.05-2.67 against 3.38-3.93),
+///   6 MiB 3.28-3.66 against 4.20-4.51, 8 MiB 5.0-5.5 against 4.0-4.96;
+/// - back to back (`scripts/ab-net.sh`, 5 rounds of 100, median us): 2 MiB 1068 against 947,
+///   4 MiB 2419 against 2067, 6 MiB 3165 against 2826 (best of each even: 917/901, 1984/2030,
+///   2710/2664); MPI 962, 1951, 3065.
+///
+/// Earlier (2 MiB then, chosen back to back): 16 KiB 16 us against the ring's 30, 256 KiB even,
+/// 1 MiB 422-446 us against 529-535 (blocking: 0.39-0.54 ms against 0.74-0.79), 64 MiB 66 ms
+/// against 57: the exchange reduces the whole input at each rank, the ring half.
+pub const EXCHANGE_BYTES: usize = 8 << 20;
 
 /// All-reduces of at most this many bytes among 3 or more hosts' leaders go up and down a
 /// binary tree (2 log2(hosts) network hops) rather than round the ring (2 (hosts - 1) hops).
@@ -441,8 +445,8 @@ mod tests {
         let sum = red(DataType::Float32, ReduceKind::Sum, false);
         let max = red(DataType::Float32, ReduceKind::Max, false);
         let avg = red(DataType::Int32, ReduceKind::Sum, true);
-        assert_eq!(Leaders::choose(&sum, (2 << 20) - 4, 2), Exchange);
-        assert_eq!(Leaders::choose(&sum, 2 << 20, 2), Ring);
+        assert_eq!(Leaders::choose(&sum, EXCHANGE_BYTES - 4, 2), Exchange);
+        assert_eq!(Leaders::choose(&sum, EXCHANGE_BYTES, 2), Ring);
         assert_eq!(Leaders::choose(&max, 8, 2), Ring);
         assert_eq!(Leaders::choose(&avg, 8, 4), Ring);
         assert_eq!(Leaders::choose(&sum, 64 << 10, 3), Tree);
