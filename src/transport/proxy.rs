@@ -50,7 +50,10 @@ impl Waker {
 /// between two hosts that takes 1.5-5 ms took 46-93 ms once or more in every run of 80, each
 /// stall ended by this timeout (the poll saw nothing and no kick came, yet an end could move
 /// right after); with 2 ms the worst of 80 was 9-13 ms. What leaves that work unannounced is
-/// not found yet.
+/// not found yet. Later (12-05, with sends from the caller's buffer), the same calls with a
+/// 20 ms sleep again had slow calls of 10-22 ms, but logging every poll that timed out found
+/// none during them: what is left of the stalls comes with the packet reordering and spurious
+/// fast retransmits that `nstat` shows on the namespaces' veth link (MPI's TCP has more).
 const SLEEP_MS: u16 = 2;
 
 pub struct ProxyThread {
