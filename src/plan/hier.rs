@@ -436,9 +436,9 @@ mod tests {
         })
     }
 
-    /// The leaders' all-reduce by hosts and size: the exchange for two below 2 MiB (order-free
-    /// reductions only), one tree up to 64 KiB, two trees while they save hops (never for 3 hosts), the
-    /// ring otherwise and for post-divides.
+    /// The leaders' all-reduce by hosts and size: the exchange for two below `EXCHANGE_BYTES`
+    /// (order-free reductions only), one tree up to 64 KiB, two trees while they save hops
+    /// (never for 3 hosts), the ring otherwise and for post-divides.
     #[test]
     fn leaders_choose_by_hosts_and_size() {
         use Leaders::*;
