@@ -1115,6 +1115,70 @@ fn run_processes(so: &Path, n: usize, ipc: bool, hosts: usize, trouble: Option<&
     );
 }
 
+/// A device that runs only 4 blocks at once (`OXEMU_RESIDENT`, in a process of its own so that
+/// its kernels are loaded for it): launches of 4 ranks with more lanes than that still end.
+fn few_blocks(so: &Path) {
+    let mut kid = Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            "cuda_executor_on_emulated_kernels",
+            "--nocapture",
+        ])
+        .env("OXEMU_RESIDENT", "4")
+        .env("OXEMU_LIB", so)
+        .env_remove("NCCL_DEBUG")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Killed at the deadline: a launch whose first blocks wait for ones that never start.
+    let deadline = Instant::now() + Duration::from_secs(240);
+    while Instant::now() < deadline && kid.try_wait().unwrap().is_none() {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let _ = kid.kill();
+    let out = kid.wait_with_output().unwrap();
+    let report = format!(
+        "{}\n{}{}",
+        out.status,
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        out.status.success() && report.contains("few blocks: 3 cases"),
+        "a device running 4 blocks at once:\n{report}"
+    );
+}
+
+/// `few_blocks`' process: 4 ranks on the one device, one stream, so each collective is one
+/// launch of all their lanes: an all-to-all (4 x 7 lanes, each past a FIFO's depth), a ring
+/// shift (4 x 2) and a ring all-reduce; each checked.
+fn few_blocks_process() {
+    let cache = start(Path::new(&std::env::var("OXEMU_LIB").unwrap()));
+    let comms = nccl::api::comm_init_all(&[0; 4]).expect("ranks on one device");
+    let one = vec![new_stream(); 4];
+    let cases: Vec<Case> = cases(4, &[300_001])
+        .into_iter()
+        .filter(|c| {
+            !c.in_place
+                && c.dtype == DataType::Float32
+                && matches!(
+                    c.kind,
+                    CollKind::AlltoAll | CollKind::Send | CollKind::AllReduce
+                )
+        })
+        .collect();
+    for c in &cases {
+        check(&comms, &one, c);
+        release_buffers();
+    }
+    for c in &comms {
+        nccl::api::comm_destroy(nccl::api::comm_handle(c)).unwrap();
+    }
+    let _ = std::fs::remove_dir_all(&cache);
+    println!("few blocks: {} cases", cases.len());
+}
+
 /// Whether this process may make PID namespaces (root; CI is, and must).
 fn can_unshare_pid() -> bool {
     let ok = Command::new("unshare")
@@ -1135,6 +1199,9 @@ fn can_unshare_pid() -> bool {
 fn cuda_executor_on_emulated_kernels() {
     if let Ok(r) = std::env::var("OXEMU_RANK") {
         return rank_process(r.parse().unwrap());
+    }
+    if std::env::var("OXEMU_RESIDENT").is_ok() {
+        return few_blocks_process();
     }
     let Some(so) = device::build_emu() else {
         return;
@@ -1200,6 +1267,7 @@ fn cuda_executor_on_emulated_kernels() {
         "no lane had several blocks"
     );
     failures();
+    few_blocks(&so);
     for (n, ipc, hosts) in [
         (2, false, 1),
         (2, true, 1),

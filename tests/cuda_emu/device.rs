@@ -307,7 +307,11 @@ unsafe extern "C" fn attr(v: *mut c_int, a: c_int, _: c_int) -> CUresult {
     unsafe {
         *v = match a {
             75 => 9,
-            16 => 132,
+            // OXEMU_RESIDENT: as many SMs as blocks run at once (one a SM, as the runner's do).
+            16 => std::env::var("OXEMU_RESIDENT")
+                .ok()
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(132),
             102 | 103 => 1,
             _ => 0,
         }

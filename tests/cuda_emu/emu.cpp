@@ -9,11 +9,12 @@
 // turn is always first); the kernels' element loops stride by `blockDim`, as on a GPU. Thread 0
 // alone waits on counters, yielding the core while it spins. The blocks of a launch run at
 // once, each on its own thread (the lanes of a launch wait for one another through their
-// connections, as on a GPU).
+// connections, as on a GPU), unless OXEMU_RESIDENT caps how many run at once.
 //
 // What this shows: the runner's logic (descriptors as the executor lays them out, steps,
 // slices, counters, the FIFO protocol between lanes and launches, reductions). What it cannot
-// show: the GPU's memory model (fences, caches), occupancy, or speed.
+// show: the GPU's memory model (fences, caches), occupancy (beyond OXEMU_RESIDENT's cap), or
+// speed.
 
 #include <pthread.h>
 #include <sched.h>
@@ -22,6 +23,8 @@
 #include <string.h>
 #include <ucontext.h>
 
+#include <condition_variable>
+#include <mutex>
 #include <string>
 #include <thread>
 #include <vector>
@@ -149,6 +152,11 @@ size_t oxemu_param_bytes(const char* name) {
                                                                : sizeof(OxParams);
 }
 
+// The blocks running now, of every launch (OXEMU_RESIDENT).
+static std::mutex ox_res_mu;
+static std::condition_variable ox_res_cv;
+static unsigned ox_res_running;
+
 // Runs kernel `name` over a grid of gx x gy blocks with `params` (its parameter's bytes), each
 // block on a thread of its own with OXEMU_THREADS fibers (at most the `block` asked for);
 // returns when every block has. 0, or -1 for an unknown name.
@@ -159,10 +167,27 @@ int oxemu_launch(const char* name, unsigned gx, unsigned gy, unsigned block, con
   unsigned nt = env ? (unsigned)atoi(env) : 4;
   if (nt < 1) nt = 1;
   if (nt > block) nt = block;
+  // OXEMU_RESIDENT=n: at most n blocks (of every launch together) run at once; a launch starts
+  // its blocks in the order of their index, each as soon as one has ended, as a GPU whose SMs
+  // are full does.
+  const char* res = getenv("OXEMU_RESIDENT");
+  const unsigned limit = res ? (unsigned)atoi(res) : 0;
   std::vector<std::thread> blocks;
   for (unsigned y = 0; y < gy; y++) {
     for (unsigned x = 0; x < gx; x++) {
-      blocks.emplace_back([=] { run_block(k, params, dim3{x, y, 0}, dim3{gx, gy, 1}, nt); });
+      if (limit) {
+        std::unique_lock<std::mutex> l(ox_res_mu);
+        ox_res_cv.wait(l, [&] { return ox_res_running < limit; });
+        ox_res_running++;
+      }
+      blocks.emplace_back([=] {
+        run_block(k, params, dim3{x, y, 0}, dim3{gx, gy, 1}, nt);
+        if (limit) {
+          std::lock_guard<std::mutex> l(ox_res_mu);
+          ox_res_running--;
+          ox_res_cv.notify_all();
+        }
+      });
     }
   }
   for (auto& t : blocks) t.join();

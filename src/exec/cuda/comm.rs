@@ -107,6 +107,8 @@ pub struct CudaComm {
     pub(super) ctx: usize,
     pub rank: usize,
     pub nranks: usize,
+    /// The communicator's hash (the same on all its ranks).
+    pub(super) hash: u64,
     pub(super) health: Arc<Health>,
     pub(super) ctl: Arc<Ctl>,
     pub(super) kern: Kernels,
@@ -120,6 +122,8 @@ pub struct CudaComm {
     pub(super) join_event: usize,
     /// Ranks of this communicator on this host and device (their kernels share its SMs).
     pub(super) ranks_on_device: usize,
+    /// A launch that may need more blocks at once than the device holds was warned of.
+    pub(super) room_warned: std::sync::atomic::AtomicBool,
     name: String,
 }
 
@@ -181,6 +185,7 @@ impl CudaComm {
             ctx,
             rank: s.rank,
             nranks: s.nranks,
+            hash: s.hash,
             health: s.health,
             ctl,
             kern,
@@ -194,6 +199,7 @@ impl CudaComm {
                 .filter(|q| q.host == s.peers[s.rank].host && q.same_gpu(&s.peers[s.rank]))
                 .count()
                 .max(1),
+            room_warned: Default::default(),
             name,
         })
     }

@@ -313,6 +313,46 @@ impl Desc {
     }
 }
 
+/// Where a lane goes in a launch (lanes sort by it; ties keep their order).
+///
+/// A GPU starts a launch's blocks in the order of their index, the later ones as earlier ones
+/// end when not all fit on its SMs at once, and blocks wait for one another only through
+/// connections. So first come the lanes that wait on nobody (local copies); then the two ends
+/// of each connection next to each other, connections by their distance `d` on the ring of
+/// ranks (receiver minus sender, mod n: every rank sends `d` ranks on while it receives from `d`
+/// back, as NCCL's point-to-point schedule pairs them); then lanes on several connections
+/// (rings, trees), the same lane of every rank together. The lanes first in line can then
+/// always end, whether their other ends are in this launch or in the same launch of another
+/// rank, however few blocks the device runs at once.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub struct LaneKey(u8, usize, usize, usize, u8);
+
+/// The key of a lane of rank `rank` of an `nranks`-rank communicator (`comm`: its place among
+/// the launch's communicators), lane `index` of that rank's in the launch, whose programs use
+/// connections with the ends `ends` (this end's rank, the other's, whether this end sends).
+pub fn lane_key(
+    ends: impl IntoIterator<Item = (usize, usize, bool)>,
+    nranks: usize,
+    comm: usize,
+    index: usize,
+    rank: usize,
+) -> LaneKey {
+    let mut ends = ends.into_iter();
+    let Some(first) = ends.next() else {
+        return LaneKey(0, 0, 0, 0, 0);
+    };
+    if ends.any(|e| e != first) {
+        return LaneKey(2, comm, index, rank, 0);
+    }
+    let (me, peer, sends) = first;
+    let n = nranks.max(1);
+    if sends {
+        LaneKey(1, comm, (peer + n - me) % n, me, 0)
+    } else {
+        LaneKey(1, comm, (me + n - peer) % n, peer, 1)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -503,5 +543,49 @@ mod tests {
         let e = Desc::check_fits([std::slice::from_ref(&p)], true).expect_err("too large");
         assert!(e.msg.contains("32816-byte descriptor"), "{}", e.msg);
         assert!(Desc::check_fits([std::slice::from_ref(&prog(100))], true).is_ok());
+    }
+
+    /// An all-to-all of 5 ranks in one launch, and a ring's lanes: in `lane_key`'s order the
+    /// local copies come first, each send has its receive right after it, sends go by their
+    /// distance on the ring, and the rings' lanes come last, lane by lane.
+    #[test]
+    fn lanes_go_in_pairs_by_distance() {
+        let n = 5;
+        let mut lanes = Vec::new();
+        for r in 0..n {
+            lanes.push((lane_key([], n, 0, 0, r), format!("copy {r}")));
+            for p in (0..n).filter(|&p| p != r) {
+                let i = lanes.len();
+                lanes.push((lane_key([(r, p, true)], n, 0, i, r), format!("{r}>{p}")));
+                lanes.push((
+                    lane_key([(r, p, false)], n, 0, i + 1, r),
+                    format!("{p}>{r}"),
+                ));
+            }
+            for c in 0..2 {
+                let ring = [(r, (r + 1) % n, true), (r, (r + n - 1) % n, false)];
+                lanes.push((lane_key(ring, n, 0, c, r), format!("ring {c} {r}")));
+            }
+        }
+        lanes.sort_by_key(|l| l.0);
+        let names: Vec<&str> = lanes.iter().map(|l| l.1.as_str()).collect();
+        assert!(
+            names[..n].iter().all(|l| l.starts_with("copy")),
+            "{names:?}"
+        );
+        let pairs = &names[n..n + 2 * n * (n - 1)];
+        let mut d_seen = 0;
+        for pair in pairs.chunks(2) {
+            assert_eq!(pair[0], pair[1], "{names:?}");
+            let (a, b) = pair[0].split_once('>').unwrap();
+            let (a, b): (usize, usize) = (a.parse().unwrap(), b.parse().unwrap());
+            let d = (b + n - a) % n;
+            assert!(d >= d_seen, "distance {d} after {d_seen}: {names:?}");
+            d_seen = d;
+        }
+        let rings: Vec<String> = (0..2)
+            .flat_map(|c| (0..n).map(move |r| format!("ring {c} {r}")))
+            .collect();
+        assert_eq!(names[n + 2 * n * (n - 1)..], rings, "{names:?}");
     }
 }

@@ -517,11 +517,9 @@ fn launch_stage(
     let mut filled: Vec<(usize, bool)> = Vec::new();
     let mut r = Ok(());
     for (i, j) in jobs.iter_mut().enumerate() {
-        let ctl = j.comm.ctl.addr();
         if let Some((lanes, sc)) = j.stages.get_mut(k) {
             filled.push((i, false));
-            r = fill_scratch(sc, lanes, stream, api)
-                .and_then(|_| lanes.iter().try_for_each(|lane| d.lane(lane, ctl)));
+            r = fill_scratch(sc, lanes, stream, api);
             if r.is_err() {
                 break;
             }
@@ -529,12 +527,16 @@ fn launch_stage(
         if k == 0 {
             let (lanes, sc) = &mut j.p2p;
             filled.push((i, true));
-            r = fill_scratch(sc, lanes, stream, api)
-                .and_then(|_| lanes.iter().try_for_each(|lane| d.lane(lane, ctl)));
+            r = fill_scratch(sc, lanes, stream, api);
             if r.is_err() {
                 break;
             }
         }
+    }
+    if r.is_ok() {
+        r = ordered_lanes(jobs, k)
+            .into_iter()
+            .try_for_each(|(lane, ctl)| d.lane(lane, ctl));
     }
     if r.is_ok() {
         if trace() {
@@ -559,7 +561,7 @@ fn launch_stage(
                 }
             }
         }
-        r = run(&d, comm0, stream, api).map(|l| *launched |= l);
+        r = run(&d, comm0, jobs.len(), stream, api).map(|l| *launched |= l);
     }
     // Scratch goes back in stream order after the launch that used it (or at once, in stream
     // order, when nothing was launched).
@@ -571,6 +573,34 @@ fn launch_stage(
     r
 }
 
+/// The lanes of launch `k` of `jobs`, each with its communicator's control block, in the order
+/// `desc::lane_key` gives them (so that a launch with more blocks than the device holds at once
+/// still ends).
+fn ordered_lanes<'j>(jobs: &'j [Job<'_>], k: usize) -> Vec<(&'j [DevProgram], u64)> {
+    let mut comms: Vec<u64> = Vec::new();
+    let mut v = Vec::new();
+    for j in jobs {
+        let ci = match comms.iter().position(|&h| h == j.comm.hash) {
+            Some(i) => i,
+            None => {
+                comms.push(j.comm.hash);
+                comms.len() - 1
+            }
+        };
+        for (index, lane) in j.lanes(k).enumerate() {
+            let ends = lane
+                .iter()
+                .flat_map(|p| &p.steps)
+                .flat_map(|s| s.recv.iter().chain(s.send.iter()))
+                .map(|c| (c.me, c.peer, c.is_sender));
+            let key = desc::lane_key(ends, j.comm.nranks, ci, index, j.comm.rank);
+            v.push((key, lane.as_slice(), j.comm.ctl.addr()));
+        }
+    }
+    v.sort_by_key(|e| e.0);
+    v.into_iter().map(|(_, lane, ctl)| (lane, ctl)).collect()
+}
+
 /// `OXCCL_CUDA_TRACE=1`: every launch is logged (INFO) with its lanes, steps and connections.
 pub(super) fn trace() -> bool {
     static T: once_cell::sync::Lazy<bool> =
@@ -578,8 +608,14 @@ pub(super) fn trace() -> bool {
     *T
 }
 
-/// Launches one descriptor on `stream`.
-fn run(d: &Desc, comm: &CudaComm, stream: usize, api: &driver::Api) -> Result<bool> {
+/// Launches one descriptor on `stream` (`ranks_here`: the ranks whose lanes it holds).
+fn run(
+    d: &Desc,
+    comm: &CudaComm,
+    ranks_here: usize,
+    stream: usize,
+    api: &driver::Api,
+) -> Result<bool> {
     if d.lanes() == 0 {
         return Ok(false);
     }
@@ -630,6 +666,26 @@ fn run(d: &Desc, comm: &CudaComm, stream: usize, api: &driver::Api) -> Result<bo
         // fit on the device at once (one 512-thread block per SM is assumed).
         let room = k.sms as usize / (d.lanes() * comm.ranks_on_device).max(1);
         let nb = d.blocks_per_lane().min(room.max(1) as u16);
+        // Past the device's SMs a launch still ends alone (its lanes are in `lane_key`'s
+        // order), but not when it needs the device's other ranks' launches to run beside it.
+        let others = comm.ranks_on_device.saturating_sub(ranks_here);
+        let need = d.lanes() + others * d.lanes().div_ceil(ranks_here.max(1));
+        if others > 0
+            && need > k.sms as usize
+            && !comm
+                .room_warned
+                .swap(true, std::sync::atomic::Ordering::Relaxed)
+        {
+            crate::debug::warn(&format!(
+                "{}: a launch of {} lanes while {others} more rank(s) of this communicator \
+                 use this device in launches of their own: about {need} blocks may have to run \
+                 at once where the device holds {}; if it stops, launch the device's ranks \
+                 in one group on one stream, or put fewer ranks on the GPU",
+                comm.describe(),
+                d.lanes(),
+                k.sms
+            ));
+        }
         let f = pick(k.run, k.run_large);
         (f, d.lanes() as u32 * u32::from(nb), 1, nb)
     };
