@@ -399,16 +399,21 @@ __device__ __forceinline__ OxView ox_view(const uint64_t* words) {
   return v;
 }
 
-// Stops the kernel with an error (thread 0): the host reads it from the control block.
+// Stops the kernel with an error (thread 0): the host reads it from the control block. The
+// first block to fail claims `err` (OX_ERR_CLAIMED, which the host reads as no error yet),
+// writes the details, and only then the code, so the host never sees a code with stale details.
+#define OX_ERR_CLAIMED 0xffffffffu
 __device__ void ox_fail(OxCtl* ctl, uint32_t code, uint64_t a, uint64_t b, uint64_t c, uint64_t d,
                         uint64_t e) {
-  if (atomicCAS((unsigned int*)&ctl->err, 0u, code) == 0u) {
+  if (atomicCAS((unsigned int*)&ctl->err, 0u, OX_ERR_CLAIMED) == 0u) {
     ctl->info[0] = a;
     ctl->info[1] = b;
     ctl->info[2] = c;
     ctl->info[3] = d;
     ctl->info[4] = e;
     ctl->info[5] = blockIdx.x;
+    __threadfence_system();
+    *(volatile uint32_t*)&ctl->err = code;
     __threadfence_system();
   }
 }

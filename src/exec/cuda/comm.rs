@@ -71,7 +71,9 @@ impl Ctl {
     /// The kernel's error code and details, if one stopped on an error.
     pub fn error(&self) -> Option<(u32, [u64; 6])> {
         let code = self.word(1).load(Ordering::Acquire);
-        if code == 0 {
+        // (u32::MAX: a kernel has claimed the word and is writing the details; its code
+        // follows them.)
+        if code == 0 || code == u32::MAX {
             return None;
         }
         let mut info = [0u64; 6];
