@@ -5,13 +5,56 @@
 use super::driver::{self, check, CtxGuard};
 use crate::error::{Error, Result};
 
+/// The host memory `pin_host` pinned, by address: the context it was pinned in (None where
+/// someone else had pinned it already: theirs to undo) and how many pins hold it (ranks of one
+/// process may pin the same mapping).
+#[derive(Default)]
+struct Pins(std::collections::HashMap<usize, (Option<usize>, usize)>);
+
+impl Pins {
+    /// Counts another pin of `addr`: false where it is the first (to be pinned now, then
+    /// `record`ed).
+    fn add(&mut self, addr: usize) -> bool {
+        match self.0.get_mut(&addr) {
+            Some(e) => {
+                e.1 += 1;
+                true
+            }
+            None => false,
+        }
+    }
+
+    fn record(&mut self, addr: usize, ctx: Option<usize>) {
+        self.0.insert(addr, (ctx, 1));
+    }
+
+    /// Counts an unpin of `addr`: the context to unpin it in, where this was the last pin and
+    /// the pinning was ours.
+    fn remove(&mut self, addr: usize) -> Option<usize> {
+        let e = self.0.get_mut(&addr)?;
+        e.1 -= 1;
+        if e.1 > 0 {
+            return None;
+        }
+        self.0.remove(&addr)?.0
+    }
+}
+
+static PINS: once_cell::sync::Lazy<parking_lot::Mutex<Pins>> =
+    once_cell::sync::Lazy::new(Default::default);
+
 /// Pins `len` bytes of host memory at `ptr` and maps them into every device (the device sees
 /// them at the same address: unified addressing).
 pub fn pin_host(ptr: *mut u8, len: usize) -> Result<()> {
     let api = driver::api()?;
+    let mut pins = PINS.lock();
+    if pins.add(ptr as usize) {
+        return Ok(());
+    }
     // In the current context (a communicator's, entered by whoever makes connections); device
     // 0's only where there is none. PORTABLE maps the memory into every context anyway.
-    let _g = CtxGuard::enter(current_or_device0()?)?;
+    let ctx = current_or_device0()?;
+    let _g = CtxGuard::enter(ctx)?;
     driver::relaxed(|| {
         // SAFETY: the caller's mapping of `len` bytes, unpinned before it goes (`unpin_host`).
         let r = unsafe {
@@ -22,6 +65,7 @@ pub fn pin_host(ptr: *mut u8, len: usize) -> Result<()> {
             )
         };
         if r == driver::CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED {
+            pins.record(ptr as usize, None);
             return Ok(());
         }
         check(r, || {
@@ -40,10 +84,13 @@ pub fn pin_host(ptr: *mut u8, len: usize) -> Result<()> {
                  addressing)"
             ))),
         });
-        if r.is_err() {
+        match r {
+            Ok(()) => pins.record(ptr as usize, Some(ctx)),
             // Not left registered: a later mapping at this address would be taken as pinned.
             // SAFETY: registered just above, not used.
-            unsafe { (api.host_unregister)(ptr as *mut std::ffi::c_void) };
+            Err(_) => unsafe {
+                (api.host_unregister)(ptr as *mut std::ffi::c_void);
+            },
         }
         r
     })
@@ -64,14 +111,16 @@ fn current_or_device0() -> Result<usize> {
     }
 }
 
-/// Undoes `pin_host` (before the memory is freed or unmapped).
+/// Undoes `pin_host` (before the memory is freed or unmapped): the last pin of an address is
+/// undone in the context it was made in (never one made now, whatever thread tears down).
 pub fn unpin_host(ptr: *mut u8) {
+    let Some(ctx) = PINS.lock().remove(ptr as usize) else {
+        return;
+    };
     if let Ok(api) = driver::api() {
-        if let Ok(ctx) = current_or_device0() {
-            if let Ok(_g) = CtxGuard::enter(ctx) {
-                // SAFETY: memory pinned by `pin_host`, still mapped.
-                unsafe { (api.host_unregister)(ptr as *mut std::ffi::c_void) };
-            }
+        if let Ok(_g) = CtxGuard::enter(ctx) {
+            // SAFETY: memory pinned by `pin_host`, still mapped.
+            unsafe { (api.host_unregister)(ptr as *mut std::ffi::c_void) };
         }
     }
 }
@@ -224,5 +273,29 @@ impl Drop for DevConn {
             // SAFETY: allocated in `alloc`, freed once, after both ends are gone.
             unsafe { (api.mem_free)(self.hdr) };
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Pins;
+
+    /// An address pinned twice is unpinned once, at its last unpin, in the context it was
+    /// pinned in; one someone else had pinned is never unpinned; an unknown one is left alone.
+    #[test]
+    fn pins_are_counted_and_undone_where_made() {
+        let mut p = Pins::default();
+        assert!(!p.add(0x1000));
+        p.record(0x1000, Some(7));
+        assert!(p.add(0x1000));
+        assert_eq!(p.remove(0x1000), None);
+        assert_eq!(p.remove(0x1000), Some(7));
+        assert_eq!(p.remove(0x1000), None);
+        assert!(!p.add(0x1000), "pinned anew after the last unpin");
+        assert!(!p.add(0x2000));
+        p.record(0x2000, None);
+        assert_eq!(p.remove(0x2000), None);
+        assert!(!p.add(0x2000), "forgotten after its last unpin");
+        assert_eq!(p.remove(0x3000), None);
     }
 }
