@@ -124,6 +124,8 @@ pub struct CudaComm {
     pub(super) join_event: usize,
     /// Ranks of this communicator on this host and device (their kernels share its SMs).
     pub(super) ranks_on_device: usize,
+    /// Ranks of this communicator on this device in this process.
+    pub(super) process_ranks_on_device: usize,
     /// A launch that may need more blocks at once than the device holds was warned of.
     pub(super) room_warned: std::sync::atomic::AtomicBool,
     name: String,
@@ -199,6 +201,12 @@ impl CudaComm {
                 .peers
                 .iter()
                 .filter(|q| q.host == s.peers[s.rank].host && q.same_gpu(&s.peers[s.rank]))
+                .count()
+                .max(1),
+            process_ranks_on_device: s
+                .peers
+                .iter()
+                .filter(|q| q.same_process(&s.peers[s.rank]) && q.same_gpu(&s.peers[s.rank]))
                 .count()
                 .max(1),
             room_warned: Default::default(),

@@ -152,6 +152,38 @@ fn check_buffer(comm: &CudaComm, addr: usize, what: &str, name: &str) -> Result<
     Ok(())
 }
 
+/// The legacy default stream (NULL) runs its kernels one after another, and blocking streams
+/// wait for it: so ranks of one communicator on one GPU in one process that use it must be
+/// launched together (one group: one kernel). Else one rank's kernel would wait for ever for
+/// another's, queued behind it. An error before anything is enqueued.
+fn legacy_stream_together(ops: &[Call<'_>]) -> Result<()> {
+    let legacy = |q: &Call<'_>| stream::handle(&q.stream) <= 1; // NULL, CU_STREAM_LEGACY
+    for q in ops.iter().filter(|q| legacy(q)) {
+        let c = q.cuda();
+        let mut here: Vec<usize> = ops
+            .iter()
+            .filter(|o| legacy(o) && o.cuda().hash == c.hash && o.cuda().ctx == c.ctx)
+            .map(|o| o.cuda().rank)
+            .collect();
+        here.sort_unstable();
+        here.dedup();
+        if here.len() < c.process_ranks_on_device {
+            return Err(Error::invalid_usage(format!(
+                "{}: {} on the NULL stream (CUDA's legacy default stream), while {} other \
+                 rank(s) of this communicator on this GPU in this process are launched apart \
+                 from it (other threads or groups): the legacy stream runs kernels one after \
+                 another, so theirs would wait for each other for ever. Launch this GPU's \
+                 ranks in one group, or give each rank a stream of its own, created \
+                 non-blocking",
+                c.describe(),
+                q.args.kind.name(),
+                c.process_ranks_on_device - here.len()
+            )));
+        }
+    }
+    Ok(())
+}
+
 /// Launches a group's calls (all on CUDA communicators).
 pub fn launch(ops: Vec<Call<'_>>) -> Result<()> {
     for q in &ops {
@@ -164,6 +196,7 @@ pub fn launch(ops: Vec<Call<'_>>) -> Result<()> {
             }
         }
     }
+    legacy_stream_together(&ops)?;
     // Group by communicator, keeping call order.
     let mut per_comm: Vec<Vec<Call>> = Vec::new();
     for q in ops {
