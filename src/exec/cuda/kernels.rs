@@ -213,12 +213,12 @@ fn image(arch: i32, large: bool, fresh: bool) -> Result<Arc<nvrtc::Image>> {
 }
 
 /// The kernels compiled by NVRTC for `sm_{arch}` (or taken from the disk cache), loaded by
-/// `load`, and where they came from.
-fn nvrtc_module(
+/// `load` (which loads them and looks their functions up), and where they came from.
+fn nvrtc_module<T>(
     arch: i32,
     large: bool,
-    load: &dyn Fn(&nvrtc::Image) -> Result<driver::CUmodule>,
-) -> Result<(driver::CUmodule, String)> {
+    load: &dyn Fn(&nvrtc::Image) -> Result<T>,
+) -> Result<(T, String)> {
     let img = image(arch, large, false)?;
     match load(&img) {
         Ok(m) => Ok((m, img.what.clone())),
@@ -253,14 +253,40 @@ pub fn get(ctx: usize, dev: i32) -> Result<Kernels> {
         )?;
         Ok(module)
     };
+    // A module's kernels. With lazy loading (CUDA 12.2's default) a driver may refuse an image
+    // only here, at the first lookup, rather than at the load; the two kernels every launch
+    // needs are looked up at once (which also keeps lazy loading from stopping the context
+    // while a kernel spins).
+    let resolve = |module: driver::CUmodule| -> Result<Kernels> {
+        let func = |name: &std::ffi::CStr| -> Result<usize> {
+            let mut f: driver::CUfunction = std::ptr::null_mut();
+            // SAFETY: a loaded module; a NUL-terminated name.
+            check(
+                unsafe { (api.module_get_function)(&mut f, module, name.as_ptr()) },
+                || format!("kernel {name:?} in the loaded module"),
+            )?;
+            Ok(f as usize)
+        };
+        let twin = |name: &std::ffi::CStr| large.then(|| func(name).ok()).flatten();
+        Ok(Kernels {
+            run: func(c"oxccl_run")?,
+            local: func(c"oxccl_local")?,
+            run_large: twin(c"oxccl_run_large"),
+            local_large: twin(c"oxccl_local_large"),
+            direct4: func(c"oxccl_direct4").ok(),
+            direct16: func(c"oxccl_direct16").ok(),
+            copy: func(c"oxccl_copy").ok(),
+            sms: sms.max(1) as u32,
+        })
+    };
     // The library's fatbin first; NVRTC where there is none, or the driver refuses it (a
-    // driver older than the nvcc that made it).
+    // driver older than the nvcc that made it), at the load or at the first lookup.
     let mut refused = None;
     let own = if !FATBIN.is_empty() && std::env::var("OXCCL_KERNELS").map_or(true, |v| v != "nvrtc")
     {
         let what = fatbin_what();
-        match load(FATBIN, &what) {
-            Ok(m) => Some((m, what)),
+        match load(FATBIN, &what).and_then(resolve) {
+            Ok(k) => Some((k, what)),
             Err(e) => {
                 crate::debug::info(&format!("{}: compiling them with NVRTC instead", e.msg));
                 refused = Some(e);
@@ -270,43 +296,24 @@ pub fn get(ctx: usize, dev: i32) -> Result<Kernels> {
     } else {
         None
     };
-    let (module, what) = match own {
-        Some(m) => m,
-        None => {
-            nvrtc_module(arch, large, &|img| load(&img.bytes, &img.what)).map_err(|mut e| {
-                if let Some(r) = refused {
-                    e.msg = format!(
-                        "{} (the library's own kernels were refused: {})",
-                        e.msg, r.msg
-                    );
-                }
-                e
-            })?
-        }
+    let (k, what) = match own {
+        Some(k) => k,
+        None => nvrtc_module(arch, large, &|img| {
+            load(&img.bytes, &img.what).and_then(resolve)
+        })
+        .map_err(|mut e| {
+            if let Some(r) = refused {
+                e.msg = format!(
+                    "{} (the library's own kernels were refused: {})",
+                    e.msg, r.msg
+                );
+            }
+            e
+        })?,
     };
     crate::debug::info(&format!(
         "CUDA kernels for sm_{arch} on device {dev}: {what}"
     ));
-    let func = |name: &std::ffi::CStr| -> Result<usize> {
-        let mut f: driver::CUfunction = std::ptr::null_mut();
-        // SAFETY: the module loaded above; a NUL-terminated name.
-        check(
-            unsafe { (api.module_get_function)(&mut f, module, name.as_ptr()) },
-            || format!("kernel {name:?} in the loaded module"),
-        )?;
-        Ok(f as usize)
-    };
-    let twin = |name: &std::ffi::CStr| large.then(|| func(name).ok()).flatten();
-    let k = Kernels {
-        run: func(c"oxccl_run")?,
-        local: func(c"oxccl_local")?,
-        run_large: twin(c"oxccl_run_large"),
-        local_large: twin(c"oxccl_local_large"),
-        direct4: func(c"oxccl_direct4").ok(),
-        direct16: func(c"oxccl_direct16").ok(),
-        copy: func(c"oxccl_copy").ok(),
-        sms: sms.max(1) as u32,
-    };
     LOADED.lock().insert(ctx, k);
     Ok(k)
 }
