@@ -132,6 +132,10 @@ check "CUDA: graph capture and replay, 2 ranks" 60 "$B/cuda_graph" 2
 check "CUDA: graph capture, global capture mode" 60 "$B/cuda_graph" 2 global
 check "CUDA: a peer process dies while an all-reduce waits for it" 60 "$B/cuda_peer_death" eager
 check "CUDA: a peer process dies while a graph's replay waits for it" 60 "$B/cuda_peer_death" graph
+# 9 ranks' all-to-all in one launch: 153 lanes, more than the GPU's SMs (132), each past a FIFO's
+# depth: ends only because its lanes go in desc::lane_key's order (a hang here is the limit).
+check "CUDA: alltoall of 9 ranks in one launch (more lanes than SMs)" 60 \
+  "$B/alltoall_perf" -b 64M -e 64M -n 2 -w 1 -g 9 -c 1
 
 # The TP/PP example (issue 15) on device buffers: 8 processes on the one GPU, the MLP in the
 # example's own kernels (compiled with NVRTC at start-up), every collective on the GPU.
