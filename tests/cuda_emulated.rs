@@ -375,10 +375,14 @@ fn graphs(comms: &[Arc<nccl::comm::Comm>], streams: &[usize], c: &Case) {
 }
 
 /// Each rank in a thread of its own (`ncclCommInitRank`), launching and waiting on its own
-/// stream, several operations in a row.
-fn threads(n: usize, c: &Case) {
+/// stream, several operations in a row. With `null_first`, each first tries the NULL stream:
+/// on a GPU the legacy stream would run their kernels one after the other, each waiting for
+/// ever for the next; so that launch is `ncclInvalidUsage` saying why, before anything is
+/// enqueued, and the communicators stay usable.
+fn threads(n: usize, c: &Case, null_first: bool) {
     let id = nccl::api::get_unique_id().unwrap();
     let bufs = buffers(c, n);
+    let rounds = if null_first { 1 } else { 3 };
     let ranks: Vec<_> = (0..n)
         .map(|r| {
             let b = bufs[r];
@@ -386,8 +390,22 @@ fn threads(n: usize, c: &Case) {
             std::thread::spawn(move || {
                 let comm = nccl::api::comm_init_rank(n as i32, &id, r as i32, Default::default())
                     .expect("a rank in a thread");
+                if null_first {
+                    let args = CollArgs {
+                        kind: c.kind,
+                        send: b.0,
+                        recv: b.1,
+                        count: c.count,
+                        dtype: c.dtype,
+                        op: c.op,
+                        root: c.root as i32,
+                    };
+                    let e = nccl::api::enqueue(&comm, args, stream_arg(0)).expect_err("refused");
+                    assert_eq!(e.code, nccl::error::Code::InvalidUsage, "{}", e.msg);
+                    assert!(e.msg.contains("NULL stream"), "{}", e.msg);
+                }
                 let stream = new_stream();
-                for salt in 0..3 {
+                for salt in 0..rounds {
                     fill(&c, n, r, b, salt);
                     enqueue(&comm, &c, n, b, stream);
                     sync_all(&[stream], "threads");
@@ -398,59 +416,16 @@ fn threads(n: usize, c: &Case) {
         })
         .collect();
     let comms: Vec<_> = ranks.into_iter().map(|t| t.join().unwrap()).collect();
+    let how = if null_first {
+        ", after the NULL stream"
+    } else {
+        ""
+    };
     verify(
         c,
         &bufs,
-        2,
-        &format!("{}, a thread per rank", describe(c, n, n)),
-    );
-    for c in &comms {
-        nccl::api::comm_destroy(nccl::api::comm_handle(c)).unwrap();
-    }
-    release_buffers();
-}
-
-/// Ranks of the one device in threads of their own, each on the NULL stream: on a GPU the
-/// legacy stream would run their kernels one after the other, each waiting for ever for the
-/// next; so each launch is `ncclInvalidUsage` saying why, before anything is enqueued, and the
-/// communicators stay usable (the same call on streams of their own then runs).
-fn null_stream_threads(n: usize, c: &Case) {
-    let id = nccl::api::get_unique_id().unwrap();
-    let bufs = buffers(c, n);
-    let ranks: Vec<_> = (0..n)
-        .map(|r| {
-            let b = bufs[r];
-            let c = *c;
-            std::thread::spawn(move || {
-                let comm = nccl::api::comm_init_rank(n as i32, &id, r as i32, Default::default())
-                    .expect("a rank in a thread");
-                let args = CollArgs {
-                    kind: c.kind,
-                    send: b.0,
-                    recv: b.1,
-                    count: c.count,
-                    dtype: c.dtype,
-                    op: c.op,
-                    root: c.root as i32,
-                };
-                let e = nccl::api::enqueue(&comm, args, stream_arg(0)).expect_err("refused");
-                assert_eq!(e.code, nccl::error::Code::InvalidUsage, "{}", e.msg);
-                assert!(e.msg.contains("NULL stream"), "{}", e.msg);
-                let stream = new_stream();
-                fill(&c, n, r, b, 0);
-                enqueue(&comm, &c, n, b, stream);
-                sync_all(&[stream], "null-stream threads, then streams of their own");
-                no_async_error(std::slice::from_ref(&comm), "null-stream threads");
-                comm
-            })
-        })
-        .collect();
-    let comms: Vec<_> = ranks.into_iter().map(|t| t.join().unwrap()).collect();
-    verify(
-        c,
-        &bufs,
-        0,
-        &format!("{}, after the NULL stream", describe(c, n, n)),
+        rounds - 1,
+        &format!("{}, a thread per rank{how}", describe(c, n, n)),
     );
     for c in &comms {
         nccl::api::comm_destroy(nccl::api::comm_handle(c)).unwrap();
@@ -1291,8 +1266,8 @@ fn cuda_executor_on_emulated_kernels() {
             // The NULL stream (the legacy default stream) as the caller's.
             check(&comms, &vec![0; n], &cases[0]);
             graphs(&comms, &own, &cases[0]);
-            threads(n, &cases[0]);
-            null_stream_threads(n, &cases[0]);
+            threads(n, &cases[0], false);
+            threads(n, &cases[0], true);
             mem_alloc_buffers(&comms, &own);
         }
         for c in &comms {
