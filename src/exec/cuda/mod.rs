@@ -171,9 +171,9 @@ fn legacy_stream_together(ops: &[Call<'_>]) -> Result<()> {
             return Err(Error::invalid_usage(format!(
                 "{}: {} on the NULL stream (CUDA's legacy default stream), while {} other \
                  rank(s) of this communicator on this GPU in this process are launched apart \
-                 from it (other threads or groups): the legacy stream runs kernels one after \
-                 another, so theirs would wait for each other for ever. Launch this GPU's \
-                 ranks in one group, or give each rank a stream of its own, created \
+                 from it (other threads, groups or streams): the legacy stream runs kernels \
+                 one after another, so theirs would wait for each other for ever. Launch this \
+                 GPU's ranks in one group, or give each rank a stream of its own, created \
                  non-blocking",
                 c.describe(),
                 q.args.kind.name(),
