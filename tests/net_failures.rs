@@ -1,8 +1,9 @@
 //! Failures on the wire, between "hosts" made of network namespaces (tests/common/netns.rs;
 //! needs root, skipped otherwise): a peer killed on the other host is an error naming it within
 //! seconds; a link taken down mid-collective ends in an error once the peer's heartbeats have
-//! been missing for OXCCL_HEARTBEAT_S (well before the timeout); every rank process exits
-//! either way. Through oxccl's socket transport (also with helper threads moving most of each
+//! been missing for OXCCL_HEARTBEAT_S (well before the timeout), also for a rank that only
+//! sends (what it sent goes unacknowledged for as long: TCP_USER_TIMEOUT); every rank process
+//! exits either way. Through oxccl's socket transport (also with helper threads moving most of each
 //! slot, `NCCL_SOCKET_NTHREADS`), and through its net plugin (`net-plugin/`, where the kernel's
 //! TCP keepalive and user timeout stand in for the heartbeats).
 
@@ -23,14 +24,29 @@ fn rank(case: &str, r: usize, path: &str) {
     let mut recv = vec![0f32; count];
     let mut ok = 0usize;
     let mut t_fail = None;
+    // "link-down-send": rank 0 only sends to rank 1, so once the link is down it waits on
+    // bytes the peer never acknowledges, not on heartbeats (TCP_USER_TIMEOUT says it).
+    let one_way = case == "link-down-send";
+    let args = |send: &[f32], recv: &mut [f32]| {
+        let mut a = common::all_reduce_f32(send, recv);
+        if one_way {
+            a.kind = if r == 0 {
+                nccl::types::CollKind::Send
+            } else {
+                nccl::types::CollKind::Recv
+            };
+            a.root = 1 - r as i32;
+        }
+        a
+    };
+    let expect = if one_way { 1.0 } else { 2.0 };
     let e = loop {
-        match api::enqueue(
-            &c,
-            common::all_reduce_f32(&send, &mut recv),
-            StreamArg::Null,
-        ) {
+        match api::enqueue(&c, args(&send, &mut recv), StreamArg::Null) {
             Ok(()) => {
-                assert!(recv.iter().all(|&x| x == 2.0), "rank {r}: wrong result");
+                assert!(
+                    r == 0 && one_way || recv.iter().all(|&x| x == expect),
+                    "rank {r}: wrong result"
+                );
                 ok += 1;
                 if ok == 20 {
                     // Running: the test may now break things.
@@ -108,6 +124,7 @@ fn failures_on_the_wire_end_in_errors() {
         ("link-down", "", "4"),
         ("kill", plugin.as_str(), "1"),
         ("link-down", plugin.as_str(), "1"),
+        ("link-down-send", "", "1"),
     ] {
         let path = std::env::temp_dir()
             .join(format!(
@@ -141,9 +158,12 @@ fn failures_on_the_wire_end_in_errors() {
             );
             hosts.start(r, &env, &[cmd]);
         }
-        if case == "link-down" {
+        if case.starts_with("link-down") {
             let t0 = Instant::now();
-            while !std::path::Path::new(&format!("{path}.running0")).exists() {
+            // (One way, the receiver is the one behind: its 20th receive means the sender's
+            // 20th send too.)
+            let who = if case == "link-down-send" { 1 } else { 0 };
+            while !std::path::Path::new(&format!("{path}.running{who}")).exists() {
                 assert!(
                     t0.elapsed() < Duration::from_secs(60),
                     "the ranks never ran"
@@ -198,7 +218,7 @@ fn failures_on_the_wire_end_in_errors() {
                 "{case}: not the plugin:\n{logs}"
             );
         }
-        if case == "link-down" {
+        if case.starts_with("link-down") {
             let ns = hosts.ns(1);
             let _ = std::process::Command::new("ip")
                 .args(["-n", &ns, "link", "set", "eth0", "up"])

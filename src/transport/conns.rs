@@ -293,6 +293,7 @@ impl Conns {
             same_device: self.peers[self.rank].same_gpu(&self.peers[k.peer]),
             ipc: self.peers[self.rank].takes_ipc() && self.peers[k.peer].takes_ipc(),
             peer_pid: self.peers[self.rank].pid_seen_by(&self.peers[k.peer]),
+            peer_host: self.peers[k.peer].hostname.clone(),
         }
     }
 

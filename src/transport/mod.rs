@@ -634,6 +634,8 @@ pub struct ConnSpec {
     pub ipc: bool,
     /// The process of the other end, as this process sees it (0: in another PID namespace).
     pub peer_pid: u32,
+    /// The other end's host name (for messages).
+    pub peer_host: String,
 }
 
 impl ConnSpec {

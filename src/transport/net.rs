@@ -120,6 +120,7 @@ impl Transport for Net {
                 token,
                 me: spec.me,
                 peer: spec.peer,
+                peer_host: spec.peer_host.clone(),
                 is_sender: spec.is_sender,
                 nsteps: spec.nsteps,
                 slot_bytes: spec.slot_bytes,
@@ -147,6 +148,7 @@ struct NetSetup {
     token: [u8; TOKEN],
     me: usize,
     peer: usize,
+    peer_host: String,
     is_sender: bool,
     nsteps: usize,
     slot_bytes: usize,
@@ -228,6 +230,7 @@ impl Endpoint for NetSetup {
             view: view(&n.region),
             me: n.me,
             peer: n.peer,
+            peer_host: n.peer_host,
             is_sender: n.is_sender,
             state: Mutex::new(Wire {
                 state,
@@ -265,7 +268,24 @@ fn bad_blob(n: &NetSetup, blob: &[u8]) -> Error {
 fn tune(s: &TcpStream) -> Result<()> {
     s.set_nodelay(true)
         .and_then(|_| s.set_nonblocking(true))
+        .and_then(|_| user_timeout(s))
         .map_err(|e| Error::os("setting up a network connection's socket", e))
+}
+
+/// Bytes sent but not acknowledged for longer than the heartbeat allows drop the connection
+/// (TCP_USER_TIMEOUT): so a sending end whose link went down fails within that bound too,
+/// as a receiving end does by the heartbeats it stops hearing. A peer that is alive but does
+/// not read (a rank late for minutes) still acknowledges, and its zero window's probes are
+/// answered, so it is waited for.
+fn user_timeout(s: &TcpStream) -> std::io::Result<()> {
+    use nix::sys::socket::{setsockopt, sockopt};
+    match crate::param::heartbeat() {
+        Some(limit) => {
+            let ms = u32::try_from(limit.as_millis()).unwrap_or(u32::MAX);
+            setsockopt(s, sockopt::TcpUserTimeout, &ms).map_err(std::io::Error::from)
+        }
+        None => Ok(()),
+    }
 }
 
 enum State {
@@ -291,6 +311,8 @@ pub struct NetEnd {
     view: super::Conn,
     me: usize,
     peer: usize,
+    /// The peer's host name (for messages).
+    peer_host: String,
     is_sender: bool,
     state: Mutex<Wire>,
     /// The cell where this end publishes the sockets it connects (the opener's, at once; the
@@ -607,10 +629,25 @@ impl NetEnd {
 
     fn failed(&self, what: &str) -> Error {
         Error::remote(format!(
-            "rank {}: the network connection {} rank {} failed: {what}",
+            "rank {}: the network connection {} rank {} on host {} failed: {what}",
             self.me,
             if self.is_sender { "to" } else { "from" },
-            self.peer
+            self.peer,
+            self.peer_host
+        ))
+    }
+
+    /// The connection broke under this end (reset, broken, timed out): the peer's process
+    /// ended, or what this end sent went unacknowledged past the heartbeat's limit (the kernel
+    /// then drops the connection: `user_timeout`), so its host or the link to it is down.
+    fn broke(&self, e: &std::io::Error) -> Error {
+        let unacked = match crate::param::heartbeat() {
+            Some(d) => format!(" (nothing sent was acknowledged for {} s)", d.as_secs()),
+            None => String::new(),
+        };
+        self.failed(&format!(
+            "the connection broke ({e}): the peer's process ended, or its host or the link \
+             to it is down{unacked}"
         ))
     }
 

@@ -188,6 +188,7 @@ fn each_locality_has_its_transport_and_blobs_are_checked() {
         same_device: false,
         ipc: false,
         peer_pid: 0,
+        peer_host: "elsewhere".into(),
     };
     let t = pick(&me, &me).unwrap();
     let (ep, _) = t.setup(&spec(true)).unwrap();

@@ -202,6 +202,8 @@ fn io(r: std::io::Result<usize>, end: &NetEnd) -> Result<Io> {
         {
             Ok(Io::Reset(e))
         }
+        // (TCP_USER_TIMEOUT: see `net::user_timeout`.)
+        Err(e) if e.kind() == ErrorKind::TimedOut => Err(end.broke(&e)),
         Err(e) => Err(end.failed(&e.to_string())),
     }
 }
@@ -283,7 +285,7 @@ impl NetEnd {
                             return Ok(moved);
                         }
                         Io::Closed => return Err(self.failed("the peer closed the connection")),
-                        Io::Reset(e) => return Err(self.failed(&e.to_string())),
+                        Io::Reset(e) => return Err(self.broke(&e)),
                         Io::Blocked => {
                             complete = false;
                             break;
@@ -339,7 +341,7 @@ impl NetEnd {
                     Io::Closed => {
                         return Err(self.failed("the peer closed the connection mid-slot"))
                     }
-                    Io::Reset(e) => return Err(self.failed(&e.to_string())),
+                    Io::Reset(e) => return Err(self.broke(&e)),
                     Io::Blocked => return Ok(moved),
                     Io::Moved(n) => {
                         w.hdr_off += n;
@@ -382,7 +384,7 @@ impl NetEnd {
                         Io::Closed => {
                             return Err(self.failed("the peer closed the connection mid-slot"))
                         }
-                        Io::Reset(e) => return Err(self.failed(&e.to_string())),
+                        Io::Reset(e) => return Err(self.broke(&e)),
                         Io::Blocked => {
                             complete = false;
                             break;
