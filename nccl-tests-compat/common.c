@@ -208,11 +208,25 @@ static double nowSec(void) {
 /* ------------------------------------------------------------------------------------------ */
 /* Out-of-band exchange between processes: a TCP star around process 0.                      */
 
+/* With OXCCL_TIMEOUT_S set, the exchange waits no longer than that for the other processes (a
+ * process stopped, a link down while the results are gathered): the run ends with an error
+ * instead of a wait for ever. Unset, it waits as long as they take. */
+static void oobTimeouts(int fd) {
+  const char* v = getenv("OXCCL_TIMEOUT_S");
+  int s = v ? atoi(v) : 0;
+  if (s <= 0) return;
+  struct timeval tv = {.tv_sec = s, .tv_usec = 0};
+  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+  setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
+}
+
 static void sendAll(int fd, const void* p, size_t n) {
   const char* c = p;
   while (n) {
     ssize_t k = send(fd, c, n, MSG_NOSIGNAL);
     if (k < 0 && errno == EINTR) continue;
+    if (k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK))
+      die(EXIT_BAD_ARGS, "%s: bootstrap socket send: no progress for OXCCL_TIMEOUT_S\n", hostName);
     if (k <= 0) die(EXIT_BAD_ARGS, "%s: bootstrap socket send failed: %s\n", hostName, strerror(errno));
     c += k; n -= (size_t)k;
   }
@@ -223,6 +237,8 @@ static void recvAll(int fd, void* p, size_t n) {
   while (n) {
     ssize_t k = recv(fd, c, n, 0);
     if (k < 0 && errno == EINTR) continue;
+    if (k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK))
+      die(EXIT_BAD_ARGS, "%s: bootstrap socket receive: nothing for OXCCL_TIMEOUT_S\n", hostName);
     if (k <= 0) die(EXIT_BAD_ARGS, "%s: bootstrap socket receive failed (peer gone?)\n", hostName);
     c += k; n -= (size_t)k;
   }
@@ -261,6 +277,7 @@ static int connectTo(const char* host, int port, double deadline) {
         if (connect(fd, ai->ai_addr, ai->ai_addrlen) == 0) {
           int one = 1;
           setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+          oobTimeouts(fd);
           freeaddrinfo(res);
           return fd;
         }
@@ -362,6 +379,7 @@ static void oobInit(void) {
       if (fd < 0) die(EXIT_BAD_ARGS, "%s: accept failed: %s\n", hostName, strerror(errno));
       int one2 = 1;
       setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one2, sizeof one2);
+      oobTimeouts(fd);
       int32_t r;
       waitReadable(fd, deadline, "a connected process's rank", i + 1);
       recvAll(fd, &r, sizeof r);
