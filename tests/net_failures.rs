@@ -2,10 +2,11 @@
 //! needs root, skipped otherwise): a peer killed on the other host is an error naming it within
 //! seconds; a link taken down mid-collective ends in an error once the peer's heartbeats have
 //! been missing for OXCCL_HEARTBEAT_S (well before the timeout), also for a rank that only
-//! sends (what it sent goes unacknowledged for as long: TCP_USER_TIMEOUT); every rank process
-//! exits either way. Through oxccl's socket transport (also with helper threads moving most of each
+//! sends (what it sent waits for an acknowledgement as long: TCP_INFO); every rank process
+//! exits either way. A receiver late by several times that limit, its window closed meanwhile,
+//! is no failure. Through oxccl's socket transport (also with helper threads moving most of each
 //! slot, `NCCL_SOCKET_NTHREADS`), and through its net plugin (`net-plugin/`, where the kernel's
-//! TCP keepalive and user timeout stand in for the heartbeats).
+//! TCP keepalive and the same TCP_INFO check stand in for the heartbeats).
 
 use nccl::api::{self, StreamArg};
 use nccl::error::Code;
@@ -25,8 +26,33 @@ fn rank(case: &str, r: usize, path: &str) {
     let mut ok = 0usize;
     let mut t_fail = None;
     // "link-down-send": rank 0 only sends to rank 1, so once the link is down it waits on
-    // bytes the peer never acknowledges, not on heartbeats (TCP_USER_TIMEOUT says it).
-    let one_way = case == "link-down-send";
+    // bytes the peer never acknowledges, not on heartbeats. "late-recv": the same, the link up,
+    // but rank 1 is late by 3 heartbeat limits before its 11th receive (20 MiB wait for it) (its socket's window
+    // closes meanwhile): no failure, 30 sends and receives.
+    let one_way = case == "link-down-send" || case == "late-recv";
+    if case == "late-recv" {
+        let args = |send: &[f32], recv: &mut [f32]| {
+            let mut a = common::all_reduce_f32(send, recv);
+            a.kind = [nccl::types::CollKind::Send, nccl::types::CollKind::Recv][r];
+            a.root = 1 - r as i32;
+            a
+        };
+        for i in 0..30 {
+            if i == 10 && r == 1 {
+                std::thread::sleep(Duration::from_secs(6));
+            }
+            recv.fill(0.0);
+            api::enqueue(&c, args(&send, &mut recv), StreamArg::Null)
+                .unwrap_or_else(|e| panic!("rank {r}, operation {i}: {e}"));
+            assert!(
+                r == 0 || recv.iter().all(|&x| x == 1.0),
+                "rank {r}: wrong result"
+            );
+        }
+        eprintln!("rank {r} (late-recv): 30 operations, no failure");
+        api::comm_destroy(api::comm_handle(&c)).unwrap();
+        return;
+    }
     let args = |send: &[f32], recv: &mut [f32]| {
         let mut a = common::all_reduce_f32(send, recv);
         if one_way {
@@ -125,6 +151,9 @@ fn failures_on_the_wire_end_in_errors() {
         ("kill", plugin.as_str(), "1"),
         ("link-down", plugin.as_str(), "1"),
         ("link-down-send", "", "1"),
+        ("late-recv", "", "1"),
+        ("link-down-send", plugin.as_str(), "1"),
+        ("late-recv", plugin.as_str(), "1"),
     ] {
         let path = std::env::temp_dir()
             .join(format!(

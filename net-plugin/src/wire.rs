@@ -165,6 +165,7 @@ pub unsafe fn test(r: *mut Request) -> Result<Option<usize>, Failure> {
     // SAFETY: as above.
     let q = unsafe { &mut *r };
     if q.state != State::Done {
+        unacknowledged(&c.s)?;
         return Ok(None);
     }
     q.state = State::Free;
@@ -378,7 +379,9 @@ fn silence_limit() -> Option<u32> {
 /// within the silence limit rather than a wait for ever (oxccl's own transport sends
 /// heartbeats; a plugin's messages are the caller's, so TCP does it here): keepalive probes
 /// once a second after a second of quiet, the connection dropped when as many go unanswered as
-/// the limit allows; and bytes sent but not acknowledged within the limit drop it too.
+/// the limit allows. (Bytes sent and waiting for an acknowledgement are `unacknowledged`'s.
+/// Not TCP_USER_TIMEOUT: since Linux 5.11 it also drops a live peer whose window stays closed
+/// that long, a rank late for its receive.)
 fn liveness(s: &TcpStream) -> std::io::Result<()> {
     use nix::sys::socket::{setsockopt, sockopt};
     let Some(limit) = silence_limit() else {
@@ -389,7 +392,43 @@ fn liveness(s: &TcpStream) -> std::io::Result<()> {
     setsockopt(s, sockopt::TcpKeepIdle, &1)?;
     setsockopt(s, sockopt::TcpKeepInterval, &1)?;
     setsockopt(s, sockopt::TcpKeepCount, &probes)?;
-    setsockopt(s, sockopt::TcpUserTimeout, &(limit * 1000))?;
+    Ok(())
+}
+
+/// A failure where `s` has heard nothing from its peer for longer than the silence limit while
+/// it waits on it (TCP_INFO; oxccl's transport has the same check, `wire::unacknowledged_for`):
+/// segments sent and not acknowledged, or two window probes in a row unanswered, and no
+/// acknowledgement since. A live peer that does not read acknowledges what arrived and answers
+/// every probe of its closed window, so it is waited for.
+fn unacknowledged(s: &TcpStream) -> Result<(), Failure> {
+    use std::os::fd::AsRawFd;
+    let Some(limit) = silence_limit() else {
+        return Ok(());
+    };
+    // SAFETY: a plain C struct of integers; all zeros is a valid value.
+    let mut info: nix::libc::tcp_info = unsafe { std::mem::zeroed() };
+    let mut len = std::mem::size_of::<nix::libc::tcp_info>() as nix::libc::socklen_t;
+    // SAFETY: TCP_INFO writes at most `len` bytes of a tcp_info into `info`.
+    let r = unsafe {
+        nix::libc::getsockopt(
+            s.as_raw_fd(),
+            nix::libc::IPPROTO_TCP,
+            nix::libc::TCP_INFO,
+            (&mut info as *mut nix::libc::tcp_info).cast(),
+            &mut len,
+        )
+    };
+    let waits = info.tcpi_unacked > 0 || info.tcpi_probes >= 2;
+    if r == 0 && waits && info.tcpi_last_ack_recv > limit * 1000 {
+        return Err(Failure {
+            closed: false,
+            msg: format!(
+                "nothing sent was acknowledged for {:.1} s (OXCCL_HEARTBEAT_S): the peer's host \
+                 or the link to it is down",
+                f64::from(info.tcpi_last_ack_recv) / 1000.0
+            ),
+        });
+    }
     Ok(())
 }
 

@@ -268,24 +268,7 @@ fn bad_blob(n: &NetSetup, blob: &[u8]) -> Error {
 fn tune(s: &TcpStream) -> Result<()> {
     s.set_nodelay(true)
         .and_then(|_| s.set_nonblocking(true))
-        .and_then(|_| user_timeout(s))
         .map_err(|e| Error::os("setting up a network connection's socket", e))
-}
-
-/// Bytes sent but not acknowledged for longer than the heartbeat allows drop the connection
-/// (TCP_USER_TIMEOUT): so a sending end whose link went down fails within that bound too,
-/// as a receiving end does by the heartbeats it stops hearing. A peer that is alive but does
-/// not read (a rank late for minutes) still acknowledges, and its zero window's probes are
-/// answered, so it is waited for.
-fn user_timeout(s: &TcpStream) -> std::io::Result<()> {
-    use nix::sys::socket::{setsockopt, sockopt};
-    match crate::param::heartbeat() {
-        Some(limit) => {
-            let ms = u32::try_from(limit.as_millis()).unwrap_or(u32::MAX);
-            setsockopt(s, sockopt::TcpUserTimeout, &ms).map_err(std::io::Error::from)
-        }
-        None => Ok(()),
-    }
 }
 
 enum State {
@@ -441,11 +424,18 @@ impl Proxy for NetEnd {
     }
 
     fn silent_for(&self) -> Option<Duration> {
-        if self.is_sender {
-            return None;
-        }
         let w = self.state.try_lock()?;
-        matches!(w.state, State::Connected(_)).then(|| w.p.last.elapsed())
+        let State::Connected(socks) = &w.state else {
+            return None;
+        };
+        if !self.is_sender {
+            return Some(w.p.last.elapsed());
+        }
+        // A sending end hears from its peer only in TCP's acknowledgements: silent for as long
+        // as segments it sent have waited for one. A live peer that does not read (a rank late
+        // for minutes) acknowledges what arrived and closes its window: nothing then waits
+        // unacknowledged (TCP_USER_TIMEOUT would drop it, so it is not used).
+        socks.iter().filter_map(wire::unacknowledged_for).max()
     }
 
     /// A sending end has written every slot it was handed and the peer has acknowledged every
@@ -637,17 +627,11 @@ impl NetEnd {
         ))
     }
 
-    /// The connection broke under this end (reset, broken, timed out): the peer's process
-    /// ended, or what this end sent went unacknowledged past the heartbeat's limit (the kernel
-    /// then drops the connection: `user_timeout`), so its host or the link to it is down.
+    /// The connection broke under this end (reset, broken, timed out by the kernel).
     fn broke(&self, e: &std::io::Error) -> Error {
-        let unacked = match crate::param::heartbeat() {
-            Some(d) => format!(" (nothing sent was acknowledged for {} s)", d.as_secs()),
-            None => String::new(),
-        };
         self.failed(&format!(
             "the connection broke ({e}): the peer's process ended, or its host or the link \
-             to it is down{unacked}"
+             to it is down"
         ))
     }
 

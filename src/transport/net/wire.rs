@@ -202,7 +202,6 @@ fn io(r: std::io::Result<usize>, end: &NetEnd) -> Result<Io> {
         {
             Ok(Io::Reset(e))
         }
-        // (TCP_USER_TIMEOUT: see `net::user_timeout`.)
         Err(e) if e.kind() == ErrorKind::TimedOut => Err(end.broke(&e)),
         Err(e) => Err(end.failed(&e.to_string())),
     }
@@ -216,6 +215,30 @@ pub fn acknowledged(s: &TcpStream) -> bool {
     // SAFETY: TIOCOUTQ (SIOCOUTQ) writes one int: the bytes not yet acknowledged.
     let r = unsafe { nix::libc::ioctl(s.as_raw_fd(), nix::libc::TIOCOUTQ, &mut n) };
     r != 0 || n == 0
+}
+
+/// How long `s` has heard nothing from its peer while it waits on it (TCP_INFO): segments sent
+/// and not yet acknowledged, or, with the peer's window closed, two window probes in a row
+/// unanswered (a live peer answers every one: the count starts again at each answer); then the
+/// time since the last acknowledgement. None where it waits on nothing, or the kernel does not
+/// say.
+pub fn unacknowledged_for(s: &TcpStream) -> Option<std::time::Duration> {
+    use std::os::fd::AsRawFd;
+    // SAFETY: a plain C struct of integers; all zeros is a valid value.
+    let mut info: nix::libc::tcp_info = unsafe { std::mem::zeroed() };
+    let mut len = std::mem::size_of::<nix::libc::tcp_info>() as nix::libc::socklen_t;
+    // SAFETY: TCP_INFO writes at most `len` bytes of a tcp_info into `info`.
+    let r = unsafe {
+        nix::libc::getsockopt(
+            s.as_raw_fd(),
+            nix::libc::IPPROTO_TCP,
+            nix::libc::TCP_INFO,
+            (&mut info as *mut nix::libc::tcp_info).cast(),
+            &mut len,
+        )
+    };
+    (r == 0 && (info.tcpi_unacked > 0 || info.tcpi_probes >= 2))
+        .then(|| std::time::Duration::from_millis(u64::from(info.tcpi_last_ack_recv)))
 }
 
 impl NetEnd {
