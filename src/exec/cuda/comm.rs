@@ -124,8 +124,8 @@ pub struct CudaComm {
     pub(super) join_event: usize,
     /// Ranks of this communicator on this host and device (their kernels share its SMs).
     pub(super) ranks_on_device: usize,
-    /// Ranks of this communicator on this device in this process.
-    pub(super) process_ranks_on_device: usize,
+    /// Ranks of this communicator on this device in this process (this one included).
+    pub(super) process_ranks_on_device: Vec<usize>,
     /// A launch that may need more blocks at once than the device holds was warned of.
     pub(super) room_warned: std::sync::atomic::AtomicBool,
     name: String,
@@ -203,12 +203,13 @@ impl CudaComm {
                 .filter(|q| q.host == s.peers[s.rank].host && q.same_gpu(&s.peers[s.rank]))
                 .count()
                 .max(1),
-            process_ranks_on_device: s
-                .peers
-                .iter()
-                .filter(|q| q.same_process(&s.peers[s.rank]) && q.same_gpu(&s.peers[s.rank]))
-                .count()
-                .max(1),
+            process_ranks_on_device: (0..s.peers.len())
+                .filter(|&q| {
+                    q == s.rank
+                        || (s.peers[q].same_process(&s.peers[s.rank])
+                            && s.peers[q].same_gpu(&s.peers[s.rank]))
+                })
+                .collect(),
             room_warned: Default::default(),
             name,
         })
@@ -536,7 +537,8 @@ fn watch_turn(peers: bool) -> bool {
 fn kernel_error(name: &str, code: u32, info: [u64; 6]) -> Error {
     match code {
         1 => Error::invalid_usage(format!(
-            "{name}: a peer sent data of {} into an operation of {} (connection {} of lane {}): \
+            "{name}: a peer sent data of {} into an operation of {} (the launch's connection \
+             {}, seen by block {}): \
              every rank must make the same calls in the same order; the communicator can now \
              only be destroyed or aborted",
             crate::plan::call::describe([info[1], info[2]]),

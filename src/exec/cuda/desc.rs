@@ -327,9 +327,9 @@ impl Desc {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub struct LaneKey(u8, usize, usize, usize, u8);
 
-/// The key of a lane of rank `rank` of an `nranks`-rank communicator (`comm`: its place among
-/// the launch's communicators), lane `index` of that rank's in the launch, whose programs use
-/// connections with the ends `ends` (this end's rank, the other's, whether this end sends).
+/// The key of a lane of rank `rank` of an `nranks`-rank communicator (`comm`: a number the
+/// same on all its ranks, its hash), lane `index` of that rank's in the launch, whose programs
+/// use connections with the ends `ends` (this end's rank, the other's, whether this end sends).
 pub fn lane_key(
     ends: impl IntoIterator<Item = (usize, usize, bool)>,
     nranks: usize,

@@ -153,21 +153,30 @@ fn check_buffer(comm: &CudaComm, addr: usize, what: &str, name: &str) -> Result<
 }
 
 /// The legacy default stream (NULL) runs its kernels one after another, and blocking streams
-/// wait for it: so ranks of one communicator on one GPU in one process that use it must be
-/// launched together (one group: one kernel). Else one rank's kernel would wait for ever for
+/// wait for it: so the ranks a call on it needs (a collective: all of its communicator's; a
+/// send or receive: its peer), where they are on the same GPU in this process, must be in the
+/// same launch on it (one group: one kernel). Else one rank's kernel would wait for ever for
 /// another's, queued behind it. An error before anything is enqueued.
 fn legacy_stream_together(ops: &[Call<'_>]) -> Result<()> {
     let legacy = |q: &Call<'_>| stream::handle(&q.stream) <= 1; // NULL, CU_STREAM_LEGACY
     for q in ops.iter().filter(|q| legacy(q)) {
         let c = q.cuda();
-        let mut here: Vec<usize> = ops
+        let local = &c.process_ranks_on_device;
+        let here: Vec<usize> = ops
             .iter()
             .filter(|o| legacy(o) && o.cuda().hash == c.hash && o.cuda().ctx == c.ctx)
             .map(|o| o.cuda().rank)
             .collect();
-        here.sort_unstable();
-        here.dedup();
-        if here.len() < c.process_ranks_on_device {
+        let p2p = matches!(
+            q.args.kind,
+            crate::types::CollKind::Send | crate::types::CollKind::Recv
+        );
+        let missing = local
+            .iter()
+            .filter(|&&r| !p2p || r == q.args.root as usize)
+            .filter(|r| !here.contains(r))
+            .count();
+        if missing > 0 {
             return Err(Error::invalid_usage(format!(
                 "{}: {} on the NULL stream (CUDA's legacy default stream), while {} other \
                  rank(s) of this communicator on this GPU in this process are launched apart \
@@ -177,7 +186,7 @@ fn legacy_stream_together(ops: &[Call<'_>]) -> Result<()> {
                  non-blocking",
                 c.describe(),
                 q.args.kind.name(),
-                c.process_ranks_on_device - here.len()
+                missing
             )));
         }
     }
@@ -594,7 +603,8 @@ fn launch_stage(
                 }
             }
         }
-        r = run(&d, comm0, jobs.len(), stream, api).map(|l| *launched |= l);
+        let here = jobs.iter().filter(|j| j.comm.hash == comm0.hash).count();
+        r = run(&d, comm0, here, stream, api).map(|l| *launched |= l);
     }
     // Scratch goes back in stream order after the launch that used it (or at once, in stream
     // order, when nothing was launched).
@@ -610,16 +620,11 @@ fn launch_stage(
 /// `desc::lane_key` gives them (so that a launch with more blocks than the device holds at once
 /// still ends).
 fn ordered_lanes<'j>(jobs: &'j [Job<'_>], k: usize) -> Vec<(&'j [DevProgram], u64)> {
-    let mut comms: Vec<u64> = Vec::new();
     let mut v = Vec::new();
     for j in jobs {
-        let ci = match comms.iter().position(|&h| h == j.comm.hash) {
-            Some(i) => i,
-            None => {
-                comms.push(j.comm.hash);
-                comms.len() - 1
-            }
-        };
+        // (By its hash: the same order in every process, whatever order a group's calls on
+        // several communicators came in.)
+        let ci = j.comm.hash as usize;
         for (index, lane) in j.lanes(k).enumerate() {
             let ends = lane
                 .iter()
@@ -641,7 +646,8 @@ pub(super) fn trace() -> bool {
     *T
 }
 
-/// Launches one descriptor on `stream` (`ranks_here`: the ranks whose lanes it holds).
+/// Launches one descriptor on `stream` (`ranks_here`: the ranks of `comm`'s communicator whose
+/// lanes it holds).
 fn run(
     d: &Desc,
     comm: &CudaComm,
