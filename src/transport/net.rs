@@ -432,9 +432,9 @@ impl Proxy for NetEnd {
             return Some(w.p.last.elapsed());
         }
         // A sending end hears from its peer only in TCP's acknowledgements: silent for as long
-        // as segments it sent have waited for one. A live peer that does not read (a rank late
-        // for minutes) acknowledges what arrived and closes its window: nothing then waits
-        // unacknowledged (TCP_USER_TIMEOUT would drop it, so it is not used).
+        // as it has waited for one (`wire::unacknowledged_for`). A live peer that does not read
+        // (a rank late for minutes) acknowledges what arrived and answers the probes of its
+        // closed window, so it is waited for (TCP_USER_TIMEOUT would drop it: not used).
         socks.iter().filter_map(wire::unacknowledged_for).max()
     }
 
