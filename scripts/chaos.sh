@@ -28,6 +28,8 @@ cleanup() {
     for p in $(ip netns pids "$T$i" 2>/dev/null); do kill -9 "$p" 2>/dev/null; done
     ip netns del "$T$i" 2>/dev/null
   done
+  sleep 0.5  # (a namespace goes, and its veth end with it, once its last process has)
+  for i in 0 1; do ip link del "${T}p$i" 2>/dev/null; done
   ip link del "${T}br" 2>/dev/null
 }
 trap cleanup EXIT
