@@ -131,6 +131,13 @@ pub struct Step<C = ConnKey> {
     pub prep: bool,
 }
 
+impl<C> Step<C> {
+    /// The connections the step uses: its receive's, then its send's.
+    pub fn conns(&self) -> impl Iterator<Item = &C> {
+        self.recv.iter().chain(self.send.iter())
+    }
+}
+
 /// How the reduction of a program is known: ready, or a PreMulSum whose scalar may live in the
 /// caller's (device) memory, read by the executor when the work runs, as NCCL reads it when the
 /// kernel runs.

@@ -8,7 +8,7 @@
 
 use crate::error::{Error, Result};
 use crate::plan::encode::{encode_program, FlatProgram, FlatStep, NONE};
-use crate::plan::{Prim, Program};
+use crate::plan::{Prim, Program, Step};
 use crate::transport::Conn;
 use std::sync::Arc;
 
@@ -158,11 +158,7 @@ impl Desc {
             for p in lane {
                 np += 1;
                 ns += p.steps.len();
-                for c in p
-                    .steps
-                    .iter()
-                    .flat_map(|s| s.recv.iter().chain(s.send.iter()))
-                {
+                for c in p.steps.iter().flat_map(Step::conns) {
                     if !conns.contains(&Arc::as_ptr(c)) {
                         conns.push(Arc::as_ptr(c));
                     }

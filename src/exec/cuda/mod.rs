@@ -167,10 +167,7 @@ fn legacy_stream_together(ops: &[Call<'_>]) -> Result<()> {
             .filter(|o| legacy(o) && o.cuda().hash == c.hash && o.cuda().ctx == c.ctx)
             .map(|o| o.cuda().rank)
             .collect();
-        let p2p = matches!(
-            q.args.kind,
-            crate::types::CollKind::Send | crate::types::CollKind::Recv
-        );
+        let p2p = q.args.kind.is_p2p();
         let missing = local
             .iter()
             .filter(|&&r| !p2p || r == q.args.root as usize)
@@ -595,7 +592,7 @@ fn launch_stage(
             let mut lc = j.comm.last_conns.lock();
             let mut used = j.comm.used.lock();
             for s in j.lanes(k).flatten().flat_map(|p| &p.steps) {
-                for c in s.recv.iter().chain(s.send.iter()) {
+                for c in s.conns() {
                     if !lc.iter().any(|x| std::sync::Arc::ptr_eq(x, c)) {
                         lc.push(c.clone());
                         used.add(c);
@@ -629,7 +626,7 @@ fn ordered_lanes<'j>(jobs: &'j [Job<'_>], k: usize) -> Vec<(&'j [DevProgram], u6
             let ends = lane
                 .iter()
                 .flat_map(|p| &p.steps)
-                .flat_map(|s| s.recv.iter().chain(s.send.iter()))
+                .flat_map(|s| s.conns())
                 .map(|c| (c.me, c.peer, c.is_sender));
             let key = desc::lane_key(ends, j.comm.nranks, ci, index, j.comm.rank);
             v.push((key, lane.as_slice(), j.comm.ctl.addr()));
