@@ -211,6 +211,38 @@ fn stream_arg(h: usize) -> nccl::api::StreamArg {
     nccl::api::stream_from_handle(h).unwrap()
 }
 
+/// A float32 send (`send` read) or receive (`recv` written) of `count` elements with `peer`.
+fn p2p_f32(kind: CollKind, send: usize, recv: usize, count: usize, peer: usize) -> CollArgs {
+    CollArgs {
+        kind,
+        send,
+        recv,
+        count,
+        dtype: DataType::Float32,
+        op: 0,
+        root: peer as i32,
+    }
+}
+
+/// `n` floats of a known pattern at `send`, and `recv`'s `n` set to -1 (where the pattern must
+/// arrive: `pattern_arrived`).
+fn pattern(send: usize, recv: usize, n: usize) {
+    for i in 0..n {
+        put(DataType::Float32, send, i, (i % 1000) as f64);
+        put(DataType::Float32, recv, i, -1.0);
+    }
+}
+
+fn pattern_arrived(recv: usize, n: usize) {
+    for i in 0..n {
+        assert_eq!(
+            get(DataType::Float32, recv, i),
+            (i % 1000) as f64,
+            "element {i}"
+        );
+    }
+}
+
 fn describe(c: &Case, n: usize, streams: usize) -> String {
     format!(
         "{:?} {:?} op {} count {} {} over {n} ranks on {streams} stream(s)",
@@ -439,32 +471,15 @@ fn two_of_four_on_null(comms: &[Arc<nccl::comm::Comm>]) {
     let count = 100_003;
     let send = buffer(count * 4);
     let recv = buffer(count * 4);
-    for i in 0..count {
-        put(DataType::Float32, send, i, (i % 1000) as f64);
-        put(DataType::Float32, recv, i, -1.0);
-    }
-    let p2p = |kind, root: i32| CollArgs {
-        kind,
-        send,
-        recv,
-        count,
-        dtype: DataType::Float32,
-        op: 0,
-        root,
-    };
+    pattern(send, recv, count);
+    let p2p = |kind, peer| p2p_f32(kind, send, recv, count, peer);
     nccl::api::group_start().unwrap();
     nccl::api::enqueue(&comms[1], p2p(CollKind::Send, 2), stream_arg(0)).unwrap();
     nccl::api::enqueue(&comms[2], p2p(CollKind::Recv, 1), stream_arg(0)).unwrap();
     nccl::api::group_end().expect("ranks 1 and 2 alone on the NULL stream");
     sync_all(&[0], "ranks 1 and 2 of 4 on the NULL stream");
     no_async_error(comms, "ranks 1 and 2 of 4 on the NULL stream");
-    for i in 0..count {
-        assert_eq!(
-            get(DataType::Float32, recv, i),
-            (i % 1000) as f64,
-            "element {i}"
-        );
-    }
+    pattern_arrived(recv, count);
     release_buffers();
 }
 
@@ -531,37 +546,19 @@ fn large_launches(streams: &[usize]) {
     let (pairs, count) = (60, 16);
     let send = buffer(pairs * count * 4);
     let recv = buffer(pairs * count * 4);
-    for i in 0..pairs * count {
-        put(DataType::Float32, send, i, (i % 1000) as f64);
-        put(DataType::Float32, recv, i, -1.0);
-    }
+    pattern(send, recv, pairs * count);
     nccl::api::group_start().unwrap();
     for k in 0..pairs {
-        let call = |kind, send, recv, peer| CollArgs {
-            kind,
-            send,
-            recv,
-            count,
-            dtype: DataType::Float32,
-            op: 0,
-            root: peer,
-        };
         let at = 4 * count * k;
-        let to = call(CollKind::Send, send + at, 0, 1);
-        let from = call(CollKind::Recv, 0, recv + at, 0);
+        let to = p2p_f32(CollKind::Send, send + at, 0, count, 1);
+        let from = p2p_f32(CollKind::Recv, 0, recv + at, count, 0);
         nccl::api::enqueue(&comms[0], to, stream_arg(streams[0])).unwrap();
         nccl::api::enqueue(&comms[1], from, stream_arg(streams[1])).unwrap();
     }
     nccl::api::group_end().unwrap();
     sync_all(&streams[..2], "60 sends and receives");
     no_async_error(&comms, "60 sends and receives");
-    for i in 0..pairs * count {
-        assert_eq!(
-            get(DataType::Float32, recv, i),
-            (i % 1000) as f64,
-            "element {i}"
-        );
-    }
+    pattern_arrived(recv, pairs * count);
     for c in &comms {
         nccl::api::comm_destroy(nccl::api::comm_handle(c)).unwrap();
     }
@@ -903,15 +900,7 @@ fn trouble(
 fn finish(comm: Arc<nccl::comm::Comm>, r: usize, n: usize, stream: usize) {
     let count = 1001;
     let b = buffer(4 * count);
-    let call = |kind, peer: usize| CollArgs {
-        kind,
-        send: b,
-        recv: b,
-        count,
-        dtype: DataType::Float32,
-        op: 0,
-        root: peer as i32,
-    };
+    let call = |kind, peer: usize| p2p_f32(kind, b, b, count, peer);
     if r == n - 1 {
         for i in 0..count {
             put(DataType::Float32, b, i, i as f64);
@@ -955,15 +944,7 @@ fn finish(comm: Arc<nccl::comm::Comm>, r: usize, n: usize, stream: usize) {
 fn graph_finish(comm: Arc<nccl::comm::Comm>, r: usize, stream: usize) {
     let count = 1001;
     let value = |from: usize, i: usize| (i * (from + 1)) as f64;
-    let call = |kind, buf, peer: usize| CollArgs {
-        kind,
-        send: buf,
-        recv: buf,
-        count,
-        dtype: DataType::Float32,
-        op: 0,
-        root: peer as i32,
-    };
+    let call = |kind, buf, peer: usize| p2p_f32(kind, buf, buf, count, peer);
     let bufs: Vec<usize> = (0..3).map(|_| buffer(4 * count)).collect();
     begin_capture(stream);
     if r == 0 {
