@@ -162,6 +162,9 @@ fn legacy_stream_together(ops: &[Call<'_>]) -> Result<()> {
     for q in ops.iter().filter(|q| legacy(q)) {
         let c = q.cuda();
         let local = &c.process_ranks_on_device;
+        if local.len() <= 1 {
+            continue; // (one rank of it on this GPU in this process: the usual case)
+        }
         let here: Vec<usize> = ops
             .iter()
             .filter(|o| legacy(o) && o.cuda().hash == c.hash && o.cuda().ctx == c.ctx)
