@@ -41,6 +41,7 @@ typedef struct CUstream_st* CUstream;
 typedef struct CUgraph_st* CUgraph;
 typedef struct CUgraphExec_st* CUgraphExec;
 typedef struct CUgraphNode_st* CUgraphNode;
+typedef struct CUevent_st* CUevent;
 typedef unsigned long long CUdeviceptr;
 
 #define CUDA_SUCCESS 0
@@ -73,6 +74,12 @@ typedef struct {
   CUresult (*GraphLaunch)(CUgraphExec, CUstream);
   CUresult (*GraphExecDestroy)(CUgraphExec);
   CUresult (*GraphDestroy)(CUgraph);
+  /* Optional (NULL where the driver lacks them: the mock driver of tests/ffi.rs). */
+  CUresult (*EventCreate)(CUevent*, unsigned int);
+  CUresult (*EventRecord)(CUevent, CUstream);
+  CUresult (*EventDestroy)(CUevent);
+  CUresult (*StreamWaitEvent)(CUstream, CUevent, unsigned int);
+  CUresult (*MemcpyDtoDAsync)(CUdeviceptr, CUdeviceptr, size_t, CUstream);
   CUresult (*GetErrorName)(CUresult, const char**);
   CUresult (*GetErrorString)(CUresult, const char**);
 } CudaApi;
@@ -158,6 +165,11 @@ static inline void cuda_load(const char* prog) {
   cu_sym(lib, "cuGraphLaunch", &cu.GraphLaunch, 1, prog);
   cu_sym(lib, "cuGraphExecDestroy", &cu.GraphExecDestroy, 1, prog);
   cu_sym(lib, "cuGraphDestroy", &cu.GraphDestroy, 1, prog);
+  cu_sym(lib, "cuEventCreate", &cu.EventCreate, 0, prog);
+  cu_sym(lib, "cuEventRecord", &cu.EventRecord, 0, prog);
+  cu_sym(lib, "cuEventDestroy_v2", &cu.EventDestroy, 0, prog);
+  cu_sym(lib, "cuStreamWaitEvent", &cu.StreamWaitEvent, 0, prog);
+  cu_sym(lib, "cuMemcpyDtoDAsync_v2", &cu.MemcpyDtoDAsync, 0, prog);
 
   CUresult r = cu.Init(0);
   int ndev = 0;

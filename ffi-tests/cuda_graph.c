@@ -7,7 +7,13 @@
  *      stream, outside the graph; after it the output is copied back and checked element by
  *      element, guard bytes too;
  *   3. the same with a group of two all-reduces captured together (ncclGroupStart/End inside the
- *      capture: float sum of 4096 elements and int32 max of 777), replayed 3 times.
+ *      capture: float sum of 4096 elements and int32 max of 777), replayed 3 times;
+ *   4. the same group with its two calls on two streams of one capture (the second stream forked
+ *      from the first with an event, as PyTorch's side streams are): in the graph, a copy on the
+ *      second stream makes the int32 input before the group and another copies its output after
+ *      it, so the replays are right only if the library joined the second stream to its launch
+ *      (ordered after the first copy, before the second); replayed 3 times. Then a group whose
+ *      second stream does not capture: ncclInvalidUsage (NCCL's rule), nothing captured.
  * Capture mode: THREAD_LOCAL by default. It forbids "unsafe" calls (implicitly synchronizing ones,
  * cuMemAlloc, ...) on the capturing thread, so a library doing one inside ncclAllReduce without
  * relaxing its own thread's mode fails the capture, while other ranks' threads (which may be
@@ -55,8 +61,9 @@ typedef struct {
 typedef struct {
   int rank;
   ncclComm_t comm;
-  CUstream st;
+  CUstream st, st2;
   Buf s1, r1, s2, r2;
+  Buf stage, out2; /* case 4: the int32 input before the copy into s2; r2 copied after */
   long long pass, fail;
   int printed;
 } Rank;
@@ -212,6 +219,90 @@ static void graph_case(Rank* R, int second, int replays, int it0) {
   CUCHECK(cu.GraphDestroy(g));
 }
 
+/* Case 4 (see the top): the group on two streams of one capture. */
+static void two_stream_case(Rank* R, int replays, int it0) {
+  const char* what = "graph of a group on two streams";
+  if (no_graph || !cu.EventCreate || !cu.EventRecord || !cu.StreamWaitEvent || !cu.MemcpyDtoDAsync) {
+    if (R->rank == 0) fprintf(stderr, "  [rank 0] %s: skipped (no capture or no events)\n", what);
+    return;
+  }
+  if (R->rank == 0) {
+    fprintf(stderr, "  [rank 0] %s: capture, %d replays\n", what, replays);
+    fflush(stderr);
+  }
+  CUevent fork, join;
+  CUCHECK(cu.EventCreate(&fork, 2 /* CU_EVENT_DISABLE_TIMING */));
+  CUCHECK(cu.EventCreate(&join, 2));
+  size_t bytes2 = R->s2.bytes + 2 * PAD;
+  CUgraph g = NULL;
+  CUgraphExec ge = NULL;
+  pthread_barrier_wait(&barrier);
+  CUCHECK(cu.StreamBeginCapture(R->st, capture_mode));
+  CUCHECK(cu.EventRecord(fork, R->st));
+  CUCHECK(cu.StreamWaitEvent(R->st2, fork, 0));
+  CUCHECK(cu.MemcpyDtoDAsync(R->s2.dev, R->stage.dev, bytes2, R->st2));
+  NCCLCHECK(ncclGroupStart());
+  NCCLCHECK(ncclAllReduce(buf_dptr(&R->s1), buf_dptr(&R->r1), N1, ncclFloat32, ncclSum, R->comm, R->st));
+  NCCLCHECK(ncclAllReduce(buf_dptr(&R->s2), buf_dptr(&R->r2), N2, ncclInt32, ncclMax, R->comm, R->st2));
+  NCCLCHECK(ncclGroupEnd());
+  CUCHECK(cu.MemcpyDtoDAsync(R->out2.dev, R->r2.dev, bytes2, R->st2));
+  CUCHECK(cu.EventRecord(join, R->st2));
+  CUCHECK(cu.StreamWaitEvent(R->st, join, 0));
+  CUCHECK(cu.StreamEndCapture(R->st, &g));
+  pthread_barrier_wait(&barrier);
+  if (!g) {
+    report(R, "%s: cuStreamEndCapture gave no graph", what);
+    return;
+  }
+  CUCHECK(cuda_graph_instantiate(&ge, g));
+  for (int k = 0; k < replays; k++) {
+    int it = it0 + k;
+    set_inputs(R, it, 1);
+    /* The int32 input goes to the stage; s2 holds poison until the graph's copy. */
+    memcpy(R->stage.host, R->s2.host, bytes2);
+    CUCHECK(cu.MemcpyHtoDAsync(R->stage.dev, R->stage.host, bytes2, R->st));
+    memset(R->s2.host + PAD, POISON, R->s2.bytes);
+    buf_upload(&R->s2, R->st);
+    buf_reset(&R->out2);
+    buf_upload(&R->out2, R->st);
+    CUCHECK(cu.GraphLaunch(ge, R->st));
+    char w[128];
+    snprintf(w, sizeof w, "%s, replay %d", what, k);
+    check_outputs(R, it, 1, w); /* downloads r2 into its shadow */
+    buf_download(&R->out2, R->st);
+    if (memcmp(R->out2.host, R->r2.host, bytes2) != 0)
+      report(R, "%s: the copy after the group read the int32 output before it was written", w);
+    else
+      R->pass++;
+  }
+  CUCHECK(cu.GraphExecDestroy(ge));
+  CUCHECK(cu.GraphDestroy(g));
+
+  /* The second stream not in the capture: refused before anything is captured. */
+  CUstream apart;
+  CUCHECK(cu.StreamCreate(&apart, CU_STREAM_NON_BLOCKING));
+  pthread_barrier_wait(&barrier);
+  CUCHECK(cu.StreamBeginCapture(R->st, capture_mode));
+  NCCLCHECK(ncclGroupStart());
+  NCCLCHECK(ncclAllReduce(buf_dptr(&R->s1), buf_dptr(&R->r1), N1, ncclFloat32, ncclSum, R->comm, R->st));
+  NCCLCHECK(ncclAllReduce(buf_dptr(&R->s2), buf_dptr(&R->r2), N2, ncclInt32, ncclMax, R->comm, apart));
+  ncclResult_t res = ncclGroupEnd();
+  g = NULL;
+  CUCHECK(cu.StreamEndCapture(R->st, &g));
+  pthread_barrier_wait(&barrier);
+  if (res == ncclInvalidUsage) R->pass++;
+  else report(R, "a group on a capturing and a non-capturing stream: got %s, expected ncclInvalidUsage",
+              ncclGetErrorString(res));
+  if (g) CUCHECK(cu.GraphDestroy(g));
+  CUCHECK(cu.StreamDestroy(apart));
+  CUCHECK(cu.EventDestroy ? cu.EventDestroy(fork) : CUDA_SUCCESS);
+  CUCHECK(cu.EventDestroy ? cu.EventDestroy(join) : CUDA_SUCCESS);
+  /* The communicator works on: an eager all-reduce. */
+  set_inputs(R, it0 + replays, 0);
+  enqueue(R, 0);
+  check_outputs(R, it0 + replays, 0, "eager all-reduce after the refused group");
+}
+
 static void* rank_main(void* arg) {
   Rank* R = (Rank*)arg;
   cuda_make_current(); /* before any NCCL call on this thread */
@@ -219,7 +310,10 @@ static void* rank_main(void* arg) {
   buf_alloc(&R->r1, N1 * 4);
   buf_alloc(&R->s2, N2 * 4);
   buf_alloc(&R->r2, N2 * 4);
+  buf_alloc(&R->stage, N2 * 4);
+  buf_alloc(&R->out2, N2 * 4);
   CUCHECK(cu.StreamCreate(&R->st, CU_STREAM_NON_BLOCKING));
+  CUCHECK(cu.StreamCreate(&R->st2, CU_STREAM_NON_BLOCKING));
   NCCLCHECK(ncclCommInitRank(&R->comm, nranks, uid, R->rank));
   pthread_barrier_wait(&barrier);
 
@@ -233,10 +327,14 @@ static void* rank_main(void* arg) {
   check_outputs(R, 100, 0, "eager all-reduce");
   graph_case(R, 0, REPLAYS, 0);
   graph_case(R, 1, GROUP_REPLAYS, 10);
+  two_stream_case(R, GROUP_REPLAYS, 20);
 
   pthread_barrier_wait(&barrier); /* nobody frees device memory while a peer still runs */
   NCCLCHECK(ncclCommDestroy(R->comm));
   CUCHECK(cu.StreamDestroy(R->st));
+  CUCHECK(cu.StreamDestroy(R->st2));
+  buf_free(&R->stage);
+  buf_free(&R->out2);
   buf_free(&R->s1);
   buf_free(&R->r1);
   buf_free(&R->s2);

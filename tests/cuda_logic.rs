@@ -43,7 +43,22 @@ enum Ev {
 }
 
 static LOG: Mutex<Vec<Ev>> = Mutex::new(Vec::new());
-static CAPTURING: AtomicBool = AtomicBool::new(false);
+/// Streams capturing a graph, and which graph (as CUDA's stream capture: a stream's waits may
+/// only join events recorded in its own graph).
+static CAPTURING: Mutex<Vec<(usize, u32)>> = Mutex::new(Vec::new());
+/// The graph each event was last recorded in (0: outside any capture).
+static EVENT_GRAPH: Mutex<Vec<(usize, u32)>> = Mutex::new(Vec::new());
+/// A stream that does not capture waited for an event recorded in a capture, which draws it
+/// into the graph (legal in CUDA, but never what the executor means to do).
+static DRAWN_IN: AtomicBool = AtomicBool::new(false);
+
+fn graph_of(s: usize) -> u32 {
+    let c = CAPTURING.lock();
+    c.iter().find(|x| x.0 == s).map_or(0, |x| x.1)
+}
+fn capture(streams: &[(usize, u32)]) {
+    *CAPTURING.lock() = streams.to_vec();
+}
 static NEXT: AtomicU64 = AtomicU64::new(0x100);
 /// Addresses the stand-in says are not GPU memory (pageable host memory).
 static PAGEABLE: Mutex<Vec<u64>> = Mutex::new(Vec::new());
@@ -137,11 +152,22 @@ unsafe extern "C" fn stream_create(s: *mut *mut c_void, _: c_uint) -> CUresult {
 unsafe extern "C" fn stream_ok(_: *mut c_void) -> CUresult {
     OK
 }
-unsafe extern "C" fn is_capturing(_: *mut c_void, st: *mut c_int) -> CUresult {
-    unsafe { *st = CAPTURING.load(Ordering::SeqCst) as c_int };
+unsafe extern "C" fn is_capturing(s: *mut c_void, st: *mut c_int) -> CUresult {
+    unsafe { *st = c_int::from(graph_of(s as usize) != 0) };
     OK
 }
 unsafe extern "C" fn wait_event(s: *mut c_void, e: *mut c_void, _: c_uint) -> CUresult {
+    let (waiter, recorded) = (graph_of(s as usize), {
+        let g = EVENT_GRAPH.lock();
+        g.iter().rfind(|x| x.0 == e as usize).map_or(0, |x| x.1)
+    });
+    match (waiter, recorded) {
+        (0, 0) => {}
+        (0, _) => DRAWN_IN.store(true, Ordering::SeqCst),
+        (_, 0) => return 905,           // CUDA_ERROR_STREAM_CAPTURE_ISOLATION
+        (w, r) if w != r => return 902, // CUDA_ERROR_STREAM_CAPTURE_MERGE
+        _ => {}
+    }
     log(Ev::Wait {
         stream: s as usize,
         event: e as usize,
@@ -153,6 +179,7 @@ unsafe extern "C" fn event_create(e: *mut *mut c_void, _: c_uint) -> CUresult {
     OK
 }
 unsafe extern "C" fn event_record(e: *mut c_void, s: *mut c_void) -> CUresult {
+    EVENT_GRAPH.lock().push((e as usize, graph_of(s as usize)));
     log(Ev::Record {
         event: e as usize,
         stream: s as usize,
@@ -506,18 +533,77 @@ fn cuda_executor_logic_on_a_recording_driver() {
         .all(|e| matches!(e, Ev::Launch { stream: 0x81, .. })));
 
     // 4. While the stream captures a graph: launches, but no event is recorded or waited for.
-    CAPTURING.store(true, Ordering::SeqCst);
+    capture(&[(0x61, 1), (0x62, 2)]);
     nccl::api::group_start().unwrap();
     for (r, c) in comms.iter().enumerate() {
         nccl::api::enqueue(c, all_reduce(bufs[r].0, bufs[r].1, n), cuda(0x61 + r)).unwrap();
     }
     nccl::api::group_end().unwrap();
-    CAPTURING.store(false, Ordering::SeqCst);
     let ev = take();
     assert_eq!(launches(&ev).len(), 2, "{ev:#?}");
     assert!(
         !ev.iter()
             .any(|e| matches!(e, Ev::Record { .. } | Ev::Wait { .. })),
+        "{ev:#?}"
+    );
+
+    // 4b. One communicator's calls on two streams that capture one graph: joined as in 3b,
+    //     with edges of the graph only (no wait for the last eager launch, whose stream 0x51
+    //     is another).
+    let two_streams = |a: usize, b: usize| {
+        nccl::api::group_start().unwrap();
+        for s in [a, b] {
+            nccl::api::enqueue(&comms[0], all_reduce(bufs[0].0, bufs[0].1, 1000), cuda(s)).unwrap();
+        }
+        nccl::api::group_end()
+    };
+    capture(&[(0x63, 3), (0x64, 3)]);
+    two_streams(0x63, 0x64).expect("two streams of one graph");
+    let ev = take();
+    assert!(
+        matches!(
+            ev.as_slice(),
+            [
+                Ev::Record { stream: 0x64, event: a },
+                Ev::Wait { stream: 0x63, event: b },
+                mid @ ..,
+                Ev::Record { stream: 0x63, event: c },
+                Ev::Wait { stream: 0x64, event: d },
+            ] if a == b && c == d && !mid.is_empty()
+                && mid.iter().all(|e| matches!(e, Ev::Launch { stream: 0x63, .. }))
+        ),
+        "{ev:#?}"
+    );
+    // 4c. One of the two streams captures, the other does not; 4d. they capture different
+    //     graphs: ncclInvalidUsage naming the streams, and nothing launched.
+    for (graphs, what) in [
+        ([3, 0], "captures a graph and stream"),
+        ([3, 4], "different"),
+    ] {
+        capture(&[(0x63, graphs[0]), (0x64, graphs[1])]);
+        let e = two_streams(0x63, 0x64).expect_err("streams of a group captured apart");
+        assert_eq!(e.code, nccl::error::Code::InvalidUsage, "{}", e.msg);
+        assert!(
+            e.msg.contains(what) && e.msg.contains("0x63") && e.msg.contains("0x64"),
+            "{}",
+            e.msg
+        );
+        let ev = take();
+        assert!(launches(&ev).is_empty(), "{ev:#?}");
+    }
+    capture(&[]);
+    assert!(
+        !DRAWN_IN.load(Ordering::SeqCst),
+        "a stream outside the capture waited for a captured event"
+    );
+    // The communicator works on after the refused groups.
+    two_streams(0x63, 0x64).expect("eager again");
+    let ev = take();
+    let l = launches(&ev);
+    assert!(
+        !l.is_empty()
+            && l.iter()
+                .all(|e| matches!(e, Ev::Launch { stream: 0x63, .. })),
         "{ev:#?}"
     );
 
@@ -804,9 +890,9 @@ fn cuda_executor_logic_on_a_recording_driver() {
     };
     let ev = group(&crossed, n, [0x81, 0x82]);
     assert!(ring(&ev), "overlapping ranks' buffers: {ev:#?}");
-    CAPTURING.store(true, Ordering::SeqCst);
+    capture(&[(0x81, 5), (0x82, 6)]);
     let ev = group(&bufs, n, [0x81, 0x82]);
-    CAPTURING.store(false, Ordering::SeqCst);
+    capture(&[]);
     assert!(ring(&ev), "while capturing: {ev:#?}");
     nccl::api::group_start().unwrap();
     nccl::api::enqueue(&comms[0], all_reduce(bufs[0].0, bufs[0].1, n), cuda(0x81)).unwrap();

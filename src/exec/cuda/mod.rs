@@ -9,7 +9,9 @@
 //! kernel runs all their lanes), so that ranks on one GPU never wait for a kernel queued behind
 //! their own. A communicator's launches run in issue order even on different streams (a launch
 //! on another stream than the last one waits for the last one's event), except while a stream
-//! captures a graph (a captured launch must not depend on work outside the graph).
+//! captures a graph (a captured launch must not depend on work outside the graph). A
+//! communicator's calls of one group on several streams are launched on the first, joined with
+//! the others by events before and after (edges of the graph, when they capture one).
 //!
 //! Connection memory (FIFO slots and counters) is host memory pinned and mapped into the
 //! devices (`memory::pin_host`), so that the same regions serve the shared-memory transport
@@ -193,6 +195,45 @@ fn legacy_stream_together(ops: &[Call<'_>]) -> Result<()> {
     Ok(())
 }
 
+/// The streams given to one communicator's calls in a group must all capture the same CUDA
+/// graph, or none (NCCL's rule): they are joined to the launch's stream with events, and a
+/// capturing stream cannot wait for work outside its graph, while a stream that does not
+/// capture would be drawn into the graph by waiting for a captured launch. (Streams of two
+/// different graphs are found when the join's wait is refused, `join_before`.) An error before
+/// anything is enqueued.
+fn captures_alike(per_comm: &[Vec<Call<'_>>]) -> Result<()> {
+    for qs in per_comm {
+        let mut streams: Vec<usize> = Vec::new();
+        for q in qs {
+            let h = stream::handle(&q.stream);
+            if !streams.contains(&h) {
+                streams.push(h);
+            }
+        }
+        if streams.len() < 2 {
+            continue;
+        }
+        let _g = qs[0].cuda().enter()?;
+        let first = driver::capturing(streams[0])?;
+        for &h in &streams[1..] {
+            if driver::capturing(h)? != first {
+                let (yes, no) = if first {
+                    (streams[0], h)
+                } else {
+                    (h, streams[0])
+                };
+                return Err(Error::invalid_usage(format!(
+                    "{}: the streams given to its calls in this group must all capture the \
+                     same CUDA graph, or none: stream {yes:#x} captures a graph and stream \
+                     {no:#x} does not",
+                    qs[0].cuda().describe()
+                )));
+            }
+        }
+    }
+    Ok(())
+}
+
 /// Launches a group's calls (all on CUDA communicators).
 pub fn launch(ops: Vec<Call<'_>>) -> Result<()> {
     for q in &ops {
@@ -217,6 +258,7 @@ pub fn launch(ops: Vec<Call<'_>>) -> Result<()> {
             None => per_comm.push(vec![q]),
         }
     }
+    captures_alike(&per_comm)?;
     if trace() {
         for v in &per_comm {
             for q in v {
@@ -411,13 +453,11 @@ fn launch_set(jobs: &mut [Job<'_>]) -> Result<()> {
     }
     let capturing = driver::capturing(stream)?;
     let mut launched = false;
-    // Issue order per communicator across streams, and the group's other streams joined.
-    let mut result = match capturing {
-        true => Ok(()),
-        false => jobs
-            .iter()
-            .try_for_each(|j| join_before(api, j.comm, stream, &j.joins)),
-    };
+    // Issue order per communicator across streams, and the group's other streams joined (while
+    // capturing: edges of the graph, which every one of them captures, `captures_alike`).
+    let mut result = jobs
+        .iter()
+        .try_for_each(|j| join_before(api, j.comm, stream, &j.joins, capturing));
     if !capturing {
         for j in jobs.iter() {
             j.comm.last_conns.lock().clear();
@@ -429,10 +469,13 @@ fn launch_set(jobs: &mut [Job<'_>]) -> Result<()> {
         }
         result = launch_stage(jobs, k, stream, api, &mut launched);
     }
-    if !capturing && launched {
+    if launched {
         // Also after an error: later launches and quiescence wait for what did run.
         for j in jobs.iter() {
-            let r = join_after(api, j.comm, stream, &j.joins, stream);
+            let r = match capturing {
+                true => join_captured(api, j.comm, stream, &j.joins),
+                false => join_after(api, j.comm, stream, &j.joins, stream),
+            };
             if result.is_ok() {
                 result = r;
             }
@@ -451,9 +494,15 @@ fn launch_set(jobs: &mut [Job<'_>]) -> Result<()> {
 }
 
 /// Orders the launch on `stream` after `comm`'s earlier work: what its other streams `joins`
-/// have queued (marked by its join event) and its last launch, where that went to another
-/// stream.
-fn join_before(api: &driver::Api, comm: &CudaComm, stream: usize, joins: &[usize]) -> Result<()> {
+/// have queued (marked by its join event) and, unless `stream` captures a graph (whose launches
+/// must not wait for work outside it), its last launch, where that went to another stream.
+fn join_before(
+    api: &driver::Api,
+    comm: &CudaComm,
+    stream: usize,
+    joins: &[usize],
+    capturing: bool,
+) -> Result<()> {
     for &other in joins {
         // SAFETY: the communicator's join event, recorded on the caller's stream.
         check(
@@ -461,10 +510,18 @@ fn join_before(api: &driver::Api, comm: &CudaComm, stream: usize, joins: &[usize
             || "cuEventRecord (joining a group's streams)".into(),
         )?;
         // SAFETY: as above.
-        check(
-            unsafe { (api.stream_wait_event)(stream as _, comm.join_event as _, 0) },
-            || "cuStreamWaitEvent (joining a group's streams)".into(),
-        )?;
+        let r = unsafe { (api.stream_wait_event)(stream as _, comm.join_event as _, 0) };
+        if r == driver::CUDA_ERROR_STREAM_CAPTURE_MERGE {
+            return Err(Error::invalid_usage(format!(
+                "{}: the streams given to its calls in this group ({stream:#x} and {other:#x}) \
+                 capture different CUDA graphs; they must all capture the same graph, or none",
+                comm.describe()
+            )));
+        }
+        check(r, || "cuStreamWaitEvent (joining a group's streams)".into())?;
+    }
+    if capturing {
+        return Ok(());
     }
     let l = comm.last.lock();
     if l.recorded && l.stream != Some(stream) {
@@ -475,6 +532,32 @@ fn join_before(api: &driver::Api, comm: &CudaComm, stream: usize, joins: &[usize
         )?;
     }
     Ok(())
+}
+
+/// Makes the other streams `joins` of a group captured into a graph wait for the launch on
+/// `stream` (edges of the graph: the communicator's last event, which eager launches wait for,
+/// is left as it is).
+fn join_captured(api: &driver::Api, comm: &CudaComm, stream: usize, joins: &[usize]) -> Result<()> {
+    if joins.is_empty() {
+        return Ok(());
+    }
+    // SAFETY: the communicator's join event, on the caller's stream.
+    check(
+        unsafe { (api.event_record)(comm.join_event as _, stream as _) },
+        || "cuEventRecord (joining a group's streams)".into(),
+    )?;
+    let mut result = Ok(());
+    for &other in joins {
+        // SAFETY: as above; another of the caller's streams, capturing the same graph.
+        let w = check(
+            unsafe { (api.stream_wait_event)(other as _, comm.join_event as _, 0) },
+            || "cuStreamWaitEvent (joining a group's streams)".into(),
+        );
+        if result.is_ok() {
+            result = w;
+        }
+    }
+    result
 }
 
 /// Records `comm`'s last event after the launch on `stream` and makes `joins` wait for it (all
