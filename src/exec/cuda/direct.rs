@@ -165,7 +165,7 @@ pub(super) fn launch(set: &[Call<'_>]) -> Result<()> {
     let _g = CtxGuard::enter(c0.ctx)?;
     // What each rank queued before, on its stream or (its last launch) on another, comes first.
     for (q, s) in set.iter().zip(&streams) {
-        super::join_before(api, q.cuda(), s0, others(s, s0), false)?;
+        stream::join_before(api, q.cuda(), s0, others(s, s0), false)?;
     }
     let blocks = (bytes / (512 * 64)).clamp(1, 2 * c0.kern.sms as usize) as u32;
     // (A descriptor of at most 16 lanes of one step each fits `PARAM_BYTES`.)
@@ -194,7 +194,7 @@ pub(super) fn launch(set: &[Call<'_>]) -> Result<()> {
             "Direct (one kernel over every rank's buffers on this GPU)",
         );
         q.cuda().last_conns.lock().clear();
-        let r = super::join_after(api, q.cuda(), s0, others(s, s0), *s);
+        let r = stream::join_after(api, q.cuda(), s0, others(s, s0), *s);
         if result.is_ok() {
             result = r;
         }
