@@ -198,6 +198,10 @@ if [ -n "$NV_NCCL" ]; then
     awk '{printf "%12s B  oxccl %9s GB/s  nvidia %9s GB/s  ratio %s   (nvidia %s us)\n", $1, $2, $3, ($3>0? sprintf("%.2f",$2/$3):"-"), $4}' | tee -a "$log"
 fi
 perf oxccl-g2 "$OXLIB" "$B/all_reduce_perf" "${sweep[@]}" -g 2
+# bfloat16 (what tensor parallelism all-reduces): its kernels go element by element where
+# f32 moves 16-byte packs; the gap to the f32 run above says whether packs for 2-byte types
+# (+60% kernel compile time, more registers: tried 12-05, not landed) would pay.
+perf oxccl-g2-bf16 "$OXLIB" "$B/all_reduce_perf" -b 1M -e 256M -f 4 -n 10 -w 3 -g 2 -d bfloat16
 # Up to 256 MiB: at 1 GiB the tool's own set-up and checks of 4 x 1 GiB on the host take
 # longer than the limit (a single 1 GiB size took over 50 s there, the collective 4 ms).
 perf oxccl-g4 "$OXLIB" "$B/all_reduce_perf" -b 8 -e 256M -f 8 -n 10 -w 3 -g 4
