@@ -159,11 +159,16 @@ pub(super) fn join_captured(
         unsafe { (api.event_record)(comm.join_event as _, stream as _) },
         || "cuEventRecord (joining a group's streams)".into(),
     )?;
+    wait_all(api, comm.join_event, joins)
+}
+
+/// Makes each of `streams` wait for `event` (all of them, the first error returned).
+fn wait_all(api: &driver::Api, event: usize, streams: &[usize]) -> Result<()> {
     let mut result = Ok(());
-    for &other in joins {
-        // SAFETY: as above; another of the caller's streams, capturing the same graph.
+    for &other in streams {
+        // SAFETY: one of the communicator's events, just recorded; the caller's stream.
         let w = check(
-            unsafe { (api.stream_wait_event)(other as _, comm.join_event as _, 0) },
+            unsafe { (api.stream_wait_event)(other as _, event as _, 0) },
             || "cuStreamWaitEvent (joining a group's streams)".into(),
         );
         if result.is_ok() {
@@ -191,17 +196,7 @@ pub(super) fn join_after(
     )?;
     l.recorded = true;
     l.stream = Some(stream);
-    let mut result = Ok(());
-    for &other in joins {
-        // SAFETY: our event, just recorded; the caller's stream.
-        let w = check(
-            unsafe { (api.stream_wait_event)(other as _, l.event as _, 0) },
-            || "cuStreamWaitEvent (joining a group's streams)".into(),
-        );
-        if result.is_ok() {
-            result = w;
-        }
-    }
+    let result = wait_all(api, l.event, joins);
     if result.is_ok() {
         l.stream = Some(own);
     }
