@@ -4,7 +4,8 @@
 //! Checked element by element against values computed here: every collective over 1, 2 and 4
 //! ranks of one device (`ncclCommInitAll`), in and out of place, ranks on their own streams and
 //! on one, several datatypes and every operator; the optional direct all-reduce and copy
-//! kernels; graphs captured and replayed between eager launches; a thread per rank; and a
+//! kernels; graphs captured and replayed between eager launches (and a group on two streams
+//! of one graph); a thread per rank; and a
 //! process per rank (2 and 3), with connections in shared host memory and, with
 //! `OXCCL_CUDA_IPC=1`, in device memory opened by IPC handles; ranks on 2 "hosts" over the
 //! network transport. And failures: a call mismatch, an abort, a refused launch or allocation,
@@ -25,7 +26,9 @@ mod device;
 #[path = "cuda_stand_in/mod.rs"]
 mod stand_in;
 
-use device::{begin_capture, end_capture, submit, sync, Op, IPC_OPENED, LAUNCHED, NEXT};
+use device::{
+    begin_capture, end_capture, replay, submit, sync, Op, DRAWN_IN, IPC_OPENED, LAUNCHED, NEXT,
+};
 use nccl::gpu::driver;
 use nccl::types::{CollArgs, CollKind, DataType};
 use std::collections::BTreeSet;
@@ -388,20 +391,102 @@ fn graphs(comms: &[Arc<nccl::comm::Comm>], streams: &[usize], c: &Case) {
         bufs.iter().all(|&(_, rb)| get(c.dtype, rb, 0) == 99.0),
         "a captured launch ran"
     );
-    for replay in 1..=3 {
+    for round in 1..=3 {
         for (r, b) in bufs.iter().enumerate() {
-            fill(c, n, r, *b, replay);
+            fill(c, n, r, *b, round);
         }
-        for (&s, g) in streams.iter().zip(&graphs) {
-            for op in g {
-                submit(s, op.clone());
-            }
-        }
-        let what = format!("{}, graph replay {replay}", describe(c, n, streams.len()));
+        let captured: Vec<(usize, Vec<Op>)> = streams.iter().copied().zip(graphs.clone()).collect();
+        replay(&captured);
+        let what = format!("{}, graph replay {round}", describe(c, n, streams.len()));
         sync_all(streams, &what);
         no_async_error(comms, &what);
-        verify(c, &bufs, replay, &what);
+        verify(c, &bufs, round, &what);
         check(comms, streams, c);
+    }
+    release_buffers();
+}
+
+/// A group of each rank's two all-reduces on two streams of one capture, as a side stream
+/// forked from the main one captures with it: in the graph, a copy on the second stream makes
+/// that all-reduce's input before the group, and another copies its output after it. Each
+/// replay holds the second streams at first (a gate), so a launch on the first stream that did
+/// not wait for the second's copy reads the poison left in that input; and the copy after the
+/// group must find the all-reduce's output.
+fn two_stream_graphs(comms: &[Arc<nccl::comm::Comm>]) {
+    let n = comms.len();
+    let c = Case {
+        kind: CollKind::AllReduce,
+        dtype: DataType::Float32,
+        op: nccl::types::OP_SUM,
+        count: 3001,
+        in_place: false,
+        root: 0,
+    };
+    let bytes = 4 * c.count;
+    let (first, second) = (buffers(&c, n), buffers(&c, n));
+    let stage: Vec<usize> = (0..n).map(|_| buffer(bytes)).collect();
+    let out: Vec<usize> = (0..n).map(|_| buffer(bytes)).collect();
+    let (a, b): (Vec<usize>, Vec<usize>) = (0..n).map(|_| (new_stream(), new_stream())).unzip();
+    let all: Vec<usize> = a.iter().chain(&b).copied().collect();
+    for &s in &all {
+        begin_capture(s);
+    }
+    let copy = |dst: usize, src: usize| Op::Copy {
+        dst: dst as u64,
+        src: src as u64,
+        bytes,
+    };
+    for r in 0..n {
+        submit(b[r], copy(second[r].0, stage[r]));
+    }
+    nccl::api::group_start().unwrap();
+    for r in 0..n {
+        enqueue(&comms[r], &c, n, first[r], a[r]);
+        enqueue(&comms[r], &c, n, second[r], b[r]);
+    }
+    nccl::api::group_end().unwrap();
+    for r in 0..n {
+        submit(b[r], copy(out[r], second[r].1));
+    }
+    let graphs: Vec<(usize, Vec<Op>)> = all.iter().map(|&s| (s, end_capture(s))).collect();
+    assert!(
+        !DRAWN_IN.load(Ordering::SeqCst),
+        "a stream outside the capture waited for a captured event"
+    );
+    sync_all(&all, "capture");
+    for k in 1..=3 {
+        let salt = 100 + k;
+        for r in 0..n {
+            fill(&c, n, r, first[r], k);
+            fill(&c, n, r, (stage[r], second[r].1), salt);
+            for i in 0..c.count {
+                put(DataType::Float32, second[r].0, i, 77.0);
+                put(DataType::Float32, out[r], i, 55.0);
+            }
+        }
+        let gates: Vec<_> = b.iter().map(|&s| device::gate(s)).collect();
+        replay(&graphs);
+        std::thread::sleep(Duration::from_millis(50));
+        for g in &gates {
+            device::open_gate(g);
+        }
+        let what = format!("two streams' group in one graph, replay {k}");
+        sync_all(&all, &what);
+        no_async_error(comms, &what);
+        verify(&c, &first, k, &what);
+        verify(&c, &second, salt, &what);
+        for r in 0..n {
+            for i in 0..c.count {
+                let (got, want) = (
+                    get(DataType::Float32, out[r], i),
+                    get(DataType::Float32, second[r].1, i),
+                );
+                assert_eq!(
+                    got, want,
+                    "{what}: rank {r}'s copy after the group, element {i}"
+                );
+            }
+        }
     }
     release_buffers();
 }
@@ -1288,6 +1373,7 @@ fn cuda_executor_on_emulated_kernels() {
                 two_of_four_on_null(&comms);
             }
             graphs(&comms, &own, &cases[0]);
+            two_stream_graphs(&comms);
             threads(n, &cases[0], false);
             threads(n, &cases[0], true);
             mem_alloc_buffers(&comms, &own);

@@ -138,6 +138,8 @@ pub struct Event {
     recorded: AtomicU64,
     reached: Mutex<BTreeSet<u64>>,
     cv: Condvar,
+    /// The records asked for on a capturing stream (kept in its graph, not run).
+    captured: Mutex<BTreeSet<u64>>,
 }
 
 impl Event {
@@ -213,6 +215,47 @@ pub fn begin_capture(h: usize) {
         .lock()
         .get_or_insert_with(HashMap::new)
         .insert(h, Vec::new());
+}
+
+/// A stream that does not capture waited for an event recorded in a capture: CUDA draws such a
+/// stream into the graph, which the executor never means to do.
+pub static DRAWN_IN: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Replays the graphs that streams captured together (stream, its graph): each on its stream,
+/// the events recorded in them given new records, so that a wait in one waits for this
+/// replay's record in another (as the graph's edges do), not for an earlier replay's.
+pub fn replay(graphs: &[(usize, Vec<Op>)]) {
+    let mut fresh: Vec<(Arc<Event>, u64, u64)> = Vec::new();
+    for (_, g) in graphs {
+        for op in g {
+            if let Op::Record { event, generation } = op {
+                let new = event.recorded.fetch_add(1, Ordering::SeqCst) + 1;
+                fresh.push((event.clone(), *generation, new));
+            }
+        }
+    }
+    let renamed = |event: &Arc<Event>, generation: u64| {
+        fresh
+            .iter()
+            .find(|(e, g, _)| Arc::ptr_eq(e, event) && *g == generation)
+            .map_or(generation, |f| f.2)
+    };
+    for (h, g) in graphs {
+        for op in g {
+            let op = match op {
+                Op::Record { event, generation } => Op::Record {
+                    event: event.clone(),
+                    generation: renamed(event, *generation),
+                },
+                Op::Wait { event, generation } => Op::Wait {
+                    event: event.clone(),
+                    generation: renamed(event, *generation),
+                },
+                op => op.clone(),
+            };
+            submit(*h, op);
+        }
+    }
 }
 
 /// The graph stream `h` captured.
@@ -462,6 +505,14 @@ unsafe extern "C" fn is_capturing(s: *mut c_void, st: *mut c_int) -> CUresult {
 unsafe extern "C" fn wait_event(s: *mut c_void, e: *mut c_void, _: c_uint) -> CUresult {
     let event = event(e as usize);
     let generation = event.recorded.load(Ordering::SeqCst);
+    // As CUDA's stream capture: a capturing stream waits only for records of a capture (else
+    // CUDA_ERROR_STREAM_CAPTURE_ISOLATION); one that does not capture is drawn into it.
+    let in_capture = event.captured.lock().contains(&generation);
+    match (capturing(s as usize), in_capture) {
+        (true, false) if generation != 0 => return 905,
+        (false, true) => DRAWN_IN.store(true, Ordering::SeqCst),
+        _ => {}
+    }
     submit(s as usize, Op::Wait { event, generation });
     OK
 }
@@ -472,6 +523,9 @@ unsafe extern "C" fn event_create(e: *mut *mut c_void, _: c_uint) -> CUresult {
 unsafe extern "C" fn event_record(e: *mut c_void, s: *mut c_void) -> CUresult {
     let event = event(e as usize);
     let generation = event.recorded.fetch_add(1, Ordering::SeqCst) + 1;
+    if capturing(s as usize) {
+        event.captured.lock().insert(generation);
+    }
     submit(s as usize, Op::Record { event, generation });
     OK
 }
