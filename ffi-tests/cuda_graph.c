@@ -12,8 +12,10 @@
  *      from the first with an event, as PyTorch's side streams are): in the graph, a copy on the
  *      second stream makes the int32 input before the group and another copies its output after
  *      it, so the replays are right only if the library joined the second stream to its launch
- *      (ordered after the first copy, before the second); replayed 3 times. Then a group whose
- *      second stream does not capture: ncclInvalidUsage (NCCL's rule), nothing captured.
+ *      (ordered after the first copy, before the second); replayed 3 times. Then the two
+ *      all-reduces as separate calls, the first on the forked stream: the replays must run them
+ *      in that order (they share the connections); replayed 3 times. Then a group whose second
+ *      stream does not capture: ncclInvalidUsage (NCCL's rule), nothing captured.
  * Capture mode: THREAD_LOCAL by default. It forbids "unsafe" calls (implicitly synchronizing ones,
  * cuMemAlloc, ...) on the capturing thread, so a library doing one inside ncclAllReduce without
  * relaxing its own thread's mode fails the capture, while other ranks' threads (which may be
@@ -219,23 +221,72 @@ static void graph_case(Rank* R, int second, int replays, int it0) {
   CUCHECK(cu.GraphDestroy(g));
 }
 
-/* Case 4 (see the top): the group on two streams of one capture. */
+/* Replays graph g (if any) `replays` times with new inputs, checking both all-reduces; `stage`:
+ * the int32 input goes to the stage buffer and s2 holds poison until the graph copies it in,
+ * and the graph copies r2 to out2 (case 4's first graph). */
+static void replay_two(Rank* R, CUgraph g, int replays, int it0, int stage, const char* what) {
+  if (!g) {
+    report(R, "%s: cuStreamEndCapture gave no graph", what);
+    return;
+  }
+  size_t bytes2 = R->s2.bytes + 2 * PAD;
+  CUgraphExec ge = NULL;
+  CUCHECK(cuda_graph_instantiate(&ge, g));
+  for (int k = 0; k < replays; k++) {
+    int it = it0 + k;
+    set_inputs(R, it, 1);
+    if (stage) {
+      memcpy(R->stage.host, R->s2.host, bytes2);
+      CUCHECK(cu.MemcpyHtoDAsync(R->stage.dev, R->stage.host, bytes2, R->st));
+      memset(R->s2.host + PAD, POISON, R->s2.bytes);
+      buf_upload(&R->s2, R->st);
+      buf_reset(&R->out2);
+      buf_upload(&R->out2, R->st);
+    }
+    CUCHECK(cu.GraphLaunch(ge, R->st));
+    char w[128];
+    snprintf(w, sizeof w, "%s, replay %d", what, k);
+    check_outputs(R, it, 1, w); /* downloads r2 into its shadow */
+    if (stage) {
+      buf_download(&R->out2, R->st);
+      if (memcmp(R->out2.host, R->r2.host, bytes2) != 0)
+        report(R, "%s: the copy after the group read the int32 output before it was written", w);
+      else
+        R->pass++;
+    }
+  }
+  CUCHECK(cu.GraphExecDestroy(ge));
+}
+
+/* Ends rank R's capture on its stream: the graph, or NULL after reporting why not. */
+static CUgraph end_capture(Rank* R, const char* what) {
+  CUgraph g = NULL;
+  CUresult r = cu.StreamEndCapture(R->st, &g);
+  if (r != CUDA_SUCCESS) {
+    report(R, "%s: cuStreamEndCapture: CUDA error %d %s", what, (int)r, cu_err_name(r));
+    return NULL;
+  }
+  return g;
+}
+
+/* Case 4 (see the top): calls of one communicator on two streams of one capture. */
 static void two_stream_case(Rank* R, int replays, int it0) {
   const char* what = "graph of a group on two streams";
+  const char* what2 = "graph of two calls on forked streams";
   if (no_graph || !cu.EventCreate || !cu.EventRecord || !cu.StreamWaitEvent || !cu.MemcpyDtoDAsync) {
     if (R->rank == 0) fprintf(stderr, "  [rank 0] %s: skipped (no capture or no events)\n", what);
     return;
   }
   if (R->rank == 0) {
-    fprintf(stderr, "  [rank 0] %s: capture, %d replays\n", what, replays);
+    fprintf(stderr, "  [rank 0] %s, %s, and a refused group: capture, %d replays\n", what, what2, replays);
     fflush(stderr);
   }
   CUevent fork, join;
   CUCHECK(cu.EventCreate(&fork, 2 /* CU_EVENT_DISABLE_TIMING */));
   CUCHECK(cu.EventCreate(&join, 2));
   size_t bytes2 = R->s2.bytes + 2 * PAD;
-  CUgraph g = NULL;
-  CUgraphExec ge = NULL;
+
+  /* 4a. One group, its calls on the two streams, with a copy before and after on the second. */
   pthread_barrier_wait(&barrier);
   CUCHECK(cu.StreamBeginCapture(R->st, capture_mode));
   CUCHECK(cu.EventRecord(fork, R->st));
@@ -248,59 +299,54 @@ static void two_stream_case(Rank* R, int replays, int it0) {
   CUCHECK(cu.MemcpyDtoDAsync(R->out2.dev, R->r2.dev, bytes2, R->st2));
   CUCHECK(cu.EventRecord(join, R->st2));
   CUCHECK(cu.StreamWaitEvent(R->st, join, 0));
-  CUCHECK(cu.StreamEndCapture(R->st, &g));
+  CUgraph g = end_capture(R, what);
   pthread_barrier_wait(&barrier);
-  if (!g) {
-    report(R, "%s: cuStreamEndCapture gave no graph", what);
-    return;
-  }
-  CUCHECK(cuda_graph_instantiate(&ge, g));
-  for (int k = 0; k < replays; k++) {
-    int it = it0 + k;
-    set_inputs(R, it, 1);
-    /* The int32 input goes to the stage; s2 holds poison until the graph's copy. */
-    memcpy(R->stage.host, R->s2.host, bytes2);
-    CUCHECK(cu.MemcpyHtoDAsync(R->stage.dev, R->stage.host, bytes2, R->st));
-    memset(R->s2.host + PAD, POISON, R->s2.bytes);
-    buf_upload(&R->s2, R->st);
-    buf_reset(&R->out2);
-    buf_upload(&R->out2, R->st);
-    CUCHECK(cu.GraphLaunch(ge, R->st));
-    char w[128];
-    snprintf(w, sizeof w, "%s, replay %d", what, k);
-    check_outputs(R, it, 1, w); /* downloads r2 into its shadow */
-    buf_download(&R->out2, R->st);
-    if (memcmp(R->out2.host, R->r2.host, bytes2) != 0)
-      report(R, "%s: the copy after the group read the int32 output before it was written", w);
-    else
-      R->pass++;
-  }
-  CUCHECK(cu.GraphExecDestroy(ge));
-  CUCHECK(cu.GraphDestroy(g));
+  replay_two(R, g, replays, it0, 1, what);
+  if (g) CUCHECK(cu.GraphDestroy(g));
 
-  /* The second stream not in the capture: refused before anything is captured. */
+  /* 4b. Two calls, not grouped: the first on the forked stream, the second on the first stream.
+   * They share the communicator's connections, so the replay must run them in that order (on
+   * every rank), not side by side. */
+  pthread_barrier_wait(&barrier);
+  CUCHECK(cu.StreamBeginCapture(R->st, capture_mode));
+  CUCHECK(cu.EventRecord(fork, R->st));
+  CUCHECK(cu.StreamWaitEvent(R->st2, fork, 0));
+  NCCLCHECK(ncclAllReduce(buf_dptr(&R->s1), buf_dptr(&R->r1), N1, ncclFloat32, ncclSum, R->comm, R->st2));
+  NCCLCHECK(ncclAllReduce(buf_dptr(&R->s2), buf_dptr(&R->r2), N2, ncclInt32, ncclMax, R->comm, R->st));
+  CUCHECK(cu.EventRecord(join, R->st2));
+  CUCHECK(cu.StreamWaitEvent(R->st, join, 0));
+  g = end_capture(R, what2);
+  pthread_barrier_wait(&barrier);
+  replay_two(R, g, replays, it0 + replays, 0, what2);
+  if (g) CUCHECK(cu.GraphDestroy(g));
+
+  /* 4c. The second stream not in the capture: ncclInvalidUsage, from the call (as NCCL) or from
+   * ncclGroupEnd, and nothing captured. */
   CUstream apart;
   CUCHECK(cu.StreamCreate(&apart, CU_STREAM_NON_BLOCKING));
   pthread_barrier_wait(&barrier);
   CUCHECK(cu.StreamBeginCapture(R->st, capture_mode));
   NCCLCHECK(ncclGroupStart());
   NCCLCHECK(ncclAllReduce(buf_dptr(&R->s1), buf_dptr(&R->r1), N1, ncclFloat32, ncclSum, R->comm, R->st));
-  NCCLCHECK(ncclAllReduce(buf_dptr(&R->s2), buf_dptr(&R->r2), N2, ncclInt32, ncclMax, R->comm, apart));
-  ncclResult_t res = ncclGroupEnd();
-  g = NULL;
-  CUCHECK(cu.StreamEndCapture(R->st, &g));
+  ncclResult_t call = ncclAllReduce(buf_dptr(&R->s2), buf_dptr(&R->r2), N2, ncclInt32, ncclMax, R->comm, apart);
+  ncclResult_t end = ncclGroupEnd();
+  g = end_capture(R, "a refused group's capture");
   pthread_barrier_wait(&barrier);
-  if (res == ncclInvalidUsage) R->pass++;
-  else report(R, "a group on a capturing and a non-capturing stream: got %s, expected ncclInvalidUsage",
-              ncclGetErrorString(res));
+  int refused = (call == ncclInvalidUsage || end == ncclInvalidUsage) &&
+                (call == ncclSuccess || call == ncclInvalidUsage) && (end == ncclSuccess || end == ncclInvalidUsage);
+  if (refused) R->pass++;
+  else report(R, "a group on a capturing and a non-capturing stream: the call gave %s and ncclGroupEnd %s, "
+              "expected ncclInvalidUsage", ncclGetErrorString(call), ncclGetErrorString(end));
   if (g) CUCHECK(cu.GraphDestroy(g));
   CUCHECK(cu.StreamDestroy(apart));
-  CUCHECK(cu.EventDestroy ? cu.EventDestroy(fork) : CUDA_SUCCESS);
-  CUCHECK(cu.EventDestroy ? cu.EventDestroy(join) : CUDA_SUCCESS);
+  if (cu.EventDestroy) {
+    CUCHECK(cu.EventDestroy(fork));
+    CUCHECK(cu.EventDestroy(join));
+  }
   /* The communicator works on: an eager all-reduce. */
-  set_inputs(R, it0 + replays, 0);
+  set_inputs(R, it0 + 2 * replays, 0);
   enqueue(R, 0);
-  check_outputs(R, it0 + replays, 0, "eager all-reduce after the refused group");
+  check_outputs(R, it0 + 2 * replays, 0, "eager all-reduce after the refused group");
 }
 
 static void* rank_main(void* arg) {

@@ -92,6 +92,11 @@ pub fn enqueue(comm: &Arc<Comm>, args: CollArgs, stream: Stream) -> Result<()> {
     let checked = launch::check(comm, args, stream);
     GROUP.with(|g| {
         let mut g = g.borrow_mut();
+        // The communicator's first call in the group sets what its other streams must capture.
+        let checked = checked.and_then(|q| match g.ops.iter().find(|o| o.same_comm(&q)) {
+            Some(first) => first.goes_with(&q).map(|()| q),
+            None => Ok(q),
+        });
         match checked {
             Ok(q) => {
                 g.ops.push(q);

@@ -31,6 +31,19 @@ pub fn check(comm: &Arc<Comm>, args: CollArgs, stream: Stream) -> Result<Queued>
     })
 }
 
+impl Queued {
+    /// Whether `other` is a call of the same communicator.
+    pub fn same_comm(&self, other: &Queued) -> bool {
+        Arc::ptr_eq(&self.core, &other.core)
+    }
+
+    /// `later`, a call of the same communicator queued after this one in the same group:
+    /// whether their streams may go together (`exec::streams_alike`).
+    pub fn goes_with(&self, later: &Queued) -> Result<()> {
+        exec::streams_alike(&self.core.exec, &self.stream, &later.stream)
+    }
+}
+
 /// Checks a call and runs it at once (a group of one).
 #[inline(always)]
 pub fn run_one(comm: &Arc<Comm>, args: CollArgs, stream: Stream) -> Result<()> {

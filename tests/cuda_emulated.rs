@@ -27,7 +27,8 @@ mod device;
 mod stand_in;
 
 use device::{
-    begin_capture, end_capture, replay, submit, sync, Op, DRAWN_IN, IPC_OPENED, LAUNCHED, NEXT,
+    begin_capture, begin_capture_together, end_capture, replay, submit, sync, Op, DRAWN_IN,
+    IPC_OPENED, LAUNCHED, NEXT,
 };
 use nccl::gpu::driver;
 use nccl::types::{CollArgs, CollKind, DataType};
@@ -428,8 +429,8 @@ fn two_stream_graphs(comms: &[Arc<nccl::comm::Comm>]) {
     let out: Vec<usize> = (0..n).map(|_| buffer(bytes)).collect();
     let (a, b): (Vec<usize>, Vec<usize>) = (0..n).map(|_| (new_stream(), new_stream())).unzip();
     let all: Vec<usize> = a.iter().chain(&b).copied().collect();
-    for &s in &all {
-        begin_capture(s);
+    for r in 0..n {
+        begin_capture_together(&[a[r], b[r]]);
     }
     let copy = |dst: usize, src: usize| Op::Copy {
         dst: dst as u64,
@@ -487,6 +488,58 @@ fn two_stream_graphs(comms: &[Arc<nccl::comm::Comm>]) {
                 );
             }
         }
+    }
+    release_buffers();
+}
+
+/// Two all-reduces of each rank in separate calls, the first on a second stream that captures
+/// with the first (forked from it), the second on the first: in a replay the second runs after
+/// the first, as they were issued (they share the connections), even with rank 0's second
+/// stream held at first (a gate), where its first stream would otherwise run its launch first
+/// while rank 1 runs the other.
+fn forked_calls(comms: &[Arc<nccl::comm::Comm>]) {
+    let n = comms.len();
+    let c = Case {
+        kind: CollKind::AllReduce,
+        dtype: DataType::Float32,
+        op: nccl::types::OP_SUM,
+        count: 3001,
+        in_place: false,
+        root: 0,
+    };
+    let (x, y) = (buffers(&c, n), buffers(&c, n));
+    let (a, b): (Vec<usize>, Vec<usize>) = (0..n).map(|_| (new_stream(), new_stream())).unzip();
+    let all: Vec<usize> = a.iter().chain(&b).copied().collect();
+    for r in 0..n {
+        begin_capture_together(&[a[r], b[r]]);
+    }
+    for r in 0..n {
+        enqueue(&comms[r], &c, n, x[r], b[r]);
+    }
+    for r in 0..n {
+        enqueue(&comms[r], &c, n, y[r], a[r]);
+    }
+    let graphs: Vec<(usize, Vec<Op>)> = all.iter().map(|&s| (s, end_capture(s))).collect();
+    assert!(
+        !DRAWN_IN.load(Ordering::SeqCst),
+        "a stream drawn into a capture"
+    );
+    for k in 1..=2 {
+        for r in 0..n {
+            fill(&c, n, r, x[r], k);
+            fill(&c, n, r, y[r], 50 + k);
+        }
+        // Rank 0's second stream held: without the order, rank 0 would run the second
+        // all-reduce while rank 1 runs the first, on the same connections.
+        let gate = device::gate(b[0]);
+        replay(&graphs);
+        std::thread::sleep(Duration::from_millis(50));
+        device::open_gate(&gate);
+        let what = format!("separate calls on forked streams of one graph, replay {k}");
+        sync_all(&all, &what);
+        no_async_error(comms, &what);
+        verify(&c, &x, k, &what);
+        verify(&c, &y, 50 + k, &what);
     }
     release_buffers();
 }
@@ -1374,6 +1427,7 @@ fn cuda_executor_on_emulated_kernels() {
             }
             graphs(&comms, &own, &cases[0]);
             two_stream_graphs(&comms);
+            forked_calls(&comms);
             threads(n, &cases[0], false);
             threads(n, &cases[0], true);
             mem_alloc_buffers(&comms, &own);

@@ -156,6 +156,23 @@ unsafe extern "C" fn is_capturing(s: *mut c_void, st: *mut c_int) -> CUresult {
     unsafe { *st = c_int::from(graph_of(s as usize) != 0) };
     OK
 }
+/// `cuStreamGetCaptureInfo_v2`: the status and the graph's id (the later outputs NULL).
+unsafe extern "C" fn capture_info(
+    s: *mut c_void,
+    st: *mut c_int,
+    id: *mut u64,
+    graph: *mut c_void,
+    deps: *mut c_void,
+    ndeps: *mut c_void,
+) -> CUresult {
+    assert!(graph.is_null() && deps.is_null() && ndeps.is_null());
+    let g = graph_of(s as usize);
+    unsafe {
+        *st = c_int::from(g != 0);
+        *id = u64::from(g);
+    }
+    OK
+}
 unsafe extern "C" fn wait_event(s: *mut c_void, e: *mut c_void, _: c_uint) -> CUresult {
     let (waiter, recorded) = (graph_of(s as usize), {
         let g = EVENT_GRAPH.lock();
@@ -362,6 +379,7 @@ fn stand_in() -> Api {
         ("cuStreamSynchronize", stream_ok as *const c_void),
         ("cuStreamQuery", stream_ok as *const c_void),
         ("cuStreamIsCapturing", is_capturing as *const c_void),
+        ("cuStreamGetCaptureInfo_v2", capture_info as *const c_void),
         ("cuStreamWaitEvent", wait_event as *const c_void),
         ("cuEventCreate", event_create as *const c_void),
         ("cuEventRecord", event_record as *const c_void),
@@ -532,7 +550,9 @@ fn cuda_executor_logic_on_a_recording_driver() {
         .iter()
         .all(|e| matches!(e, Ev::Launch { stream: 0x81, .. })));
 
-    // 4. While the stream captures a graph: launches, but no event is recorded or waited for.
+    // 4. While the stream captures a graph: launches, no wait for the eager launches before
+    //    (outside the graph); each launch is followed by a record of its communicator's
+    //    captured event, on its own stream.
     capture(&[(0x61, 1), (0x62, 2)]);
     nccl::api::group_start().unwrap();
     for (r, c) in comms.iter().enumerate() {
@@ -542,20 +562,40 @@ fn cuda_executor_logic_on_a_recording_driver() {
     let ev = take();
     assert_eq!(launches(&ev).len(), 2, "{ev:#?}");
     assert!(
-        !ev.iter()
-            .any(|e| matches!(e, Ev::Record { .. } | Ev::Wait { .. })),
+        matches!(
+            ev.as_slice(),
+            [
+                Ev::Launch { stream: 0x61, .. },
+                Ev::Record { stream: 0x61, .. },
+                Ev::Launch { stream: 0x62, .. },
+                Ev::Record { stream: 0x62, .. },
+            ]
+        ),
         "{ev:#?}"
     );
 
     // 4b. One communicator's calls on two streams that capture one graph: joined as in 3b,
     //     with edges of the graph only (no wait for the last eager launch, whose stream 0x51
     //     is another).
+    // (A refused call of the group fails at once, as NCCL's does, and so does the group.)
     let two_streams = |a: usize, b: usize| {
         nccl::api::group_start().unwrap();
+        let mut refused = None;
         for s in [a, b] {
-            nccl::api::enqueue(&comms[0], all_reduce(bufs[0].0, bufs[0].1, 1000), cuda(s)).unwrap();
+            let r = nccl::api::enqueue(&comms[0], all_reduce(bufs[0].0, bufs[0].1, 1000), cuda(s));
+            if let Err(e) = r {
+                assert_eq!(s, b, "the first call is refused: {}", e.msg);
+                refused = Some(e);
+            }
         }
-        nccl::api::group_end()
+        let end = nccl::api::group_end();
+        match refused {
+            Some(e) => {
+                assert!(end.is_err(), "the group of a refused call ends in an error");
+                Err(e)
+            }
+            None => end,
+        }
     };
     capture(&[(0x63, 3), (0x64, 3)]);
     two_streams(0x63, 0x64).expect("two streams of one graph");
@@ -567,9 +607,10 @@ fn cuda_executor_logic_on_a_recording_driver() {
                 Ev::Record { stream: 0x64, event: a },
                 Ev::Wait { stream: 0x63, event: b },
                 mid @ ..,
+                Ev::Record { stream: 0x63, event: cap },
                 Ev::Record { stream: 0x63, event: c },
                 Ev::Wait { stream: 0x64, event: d },
-            ] if a == b && c == d && !mid.is_empty()
+            ] if a == b && c == d && cap != c && !mid.is_empty()
                 && mid.iter().all(|e| matches!(e, Ev::Launch { stream: 0x63, .. }))
         ),
         "{ev:#?}"
@@ -577,8 +618,8 @@ fn cuda_executor_logic_on_a_recording_driver() {
     // 4c. One of the two streams captures, the other does not; 4d. they capture different
     //     graphs: ncclInvalidUsage naming the streams, and nothing launched.
     for (graphs, what) in [
-        ([3, 0], "captures a graph and stream"),
-        ([3, 4], "different"),
+        ([3, 0], "stream 0x63 captures a graph and 0x64 does not"),
+        ([3, 4], "they capture different graphs"),
     ] {
         capture(&[(0x63, graphs[0]), (0x64, graphs[1])]);
         let e = two_streams(0x63, 0x64).expect_err("streams of a group captured apart");
@@ -591,6 +632,35 @@ fn cuda_executor_logic_on_a_recording_driver() {
         let ev = take();
         assert!(launches(&ev).is_empty(), "{ev:#?}");
     }
+    // 4e. Launches of one communicator captured into one graph in separate calls on two
+    //     streams (a side stream forked from the first): the second waits for the first's
+    //     captured event (else a replay could run them side by side, on the same
+    //     connections); one captured into another graph does not.
+    capture(&[(0x63, 3), (0x64, 3), (0x65, 7)]);
+    let one = |s: usize| {
+        nccl::api::enqueue(&comms[0], all_reduce(bufs[0].0, bufs[0].1, 1000), cuda(s)).unwrap();
+        take()
+    };
+    let ev = one(0x63);
+    let Some(Ev::Record {
+        stream: 0x63,
+        event: cap,
+    }) = ev.last().cloned()
+    else {
+        panic!("no captured event after the launch: {ev:#?}")
+    };
+    assert!(!ev.iter().any(|e| matches!(e, Ev::Wait { .. })), "{ev:#?}");
+    let ev = one(0x64);
+    assert!(
+        matches!(
+            ev.as_slice(),
+            [Ev::Wait { stream: 0x64, event: w }, .., Ev::Record { stream: 0x64, event: r }]
+                if *w == cap && *r == cap
+        ),
+        "{ev:#?}"
+    );
+    let ev = one(0x65);
+    assert!(!ev.iter().any(|e| matches!(e, Ev::Wait { .. })), "{ev:#?}");
     capture(&[]);
     assert!(
         !DRAWN_IN.load(Ordering::SeqCst),

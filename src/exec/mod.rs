@@ -150,6 +150,18 @@ pub fn launch_one(call: Call<'_>) -> Result<()> {
     }
 }
 
+/// Whether a communicator's call on stream `b` may join, in one group, its calls on stream `a`
+/// (the CUDA executor's streams of one communicator in a group must all capture the same graph,
+/// or none: checked at each call, as NCCL does).
+pub fn streams_alike(comm: &CommExec, a: &Stream, b: &Stream) -> Result<()> {
+    match comm {
+        CommExec::Host(_) => Ok(()),
+        CommExec::Cuda(c) => {
+            cuda::stream::streams_alike(c, cuda::stream::handle(a), cuda::stream::handle(b))
+        }
+    }
+}
+
 /// Launches one `ncclGroupEnd`'s calls, all communicators together (ranks driven by one thread
 /// must progress together).
 pub fn launch(calls: Vec<Call<'_>>) -> Result<()> {

@@ -24,6 +24,8 @@ pub const CUDA_ERROR_NOT_READY: CUresult = 600;
 pub const CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED: CUresult = 712;
 /// A wait would merge two independent stream captures (streams capturing different graphs).
 pub const CUDA_ERROR_STREAM_CAPTURE_MERGE: CUresult = 902;
+/// The legacy stream was used while a blocking stream captures (implicitly joining it).
+pub const CUDA_ERROR_STREAM_CAPTURE_IMPLICIT: CUresult = 906;
 pub const CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR: c_int = 75;
 pub const CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR: c_int = 76;
 pub const CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT: c_int = 16;
@@ -93,12 +95,37 @@ pub struct CUipcMemHandle {
     pub reserved: [u8; 64],
 }
 
+/// `cuStreamGetCaptureInfo`, as called here: the stream, the status, the capture id, then
+/// outputs (graph, dependencies, edge data or their count) that are all passed NULL. Version 2
+/// has six parameters, version 3 seven, version 1 three; passing seven to any of them is sound
+/// in the C calling conventions of x86-64 and aarch64 (the callee ignores what it does not
+/// take).
+pub type CaptureInfoFn = unsafe extern "C" fn(
+    CUstream,
+    *mut c_int,
+    *mut u64,
+    *mut c_void,
+    *mut c_void,
+    *mut c_void,
+    *mut c_void,
+) -> CUresult;
+const CAPTURE_INFO_SYMBOLS: [&str; 3] = [
+    "cuStreamGetCaptureInfo_v2\0",
+    "cuStreamGetCaptureInfo_v3\0",
+    "cuStreamGetCaptureInfo\0",
+];
+
 macro_rules! driver_api {
     ($( $field:ident = $sym:literal : fn($($arg:ty),*) ;)*) => {
         /// The resolved driver functions.
         #[allow(non_snake_case)]
         pub struct Api {
             $( pub $field: unsafe extern "C" fn($($arg),*) -> CUresult, )*
+            /// `cuStreamGetCaptureInfo` (v2, v3 or v1: whichever the driver has; called with
+            /// the stream, the status and the id, every later output NULL, which each version
+            /// allows); None where the driver has none (then graphs are told apart by the
+            /// driver's refusals only).
+            pub capture_info: Option<CaptureInfoFn>,
             _lib: Option<libloading::Library>,
         }
 
@@ -139,6 +166,13 @@ macro_rules! driver_api {
                             ),
                         ))?
                     }, )*
+                    capture_info: CAPTURE_INFO_SYMBOLS.iter().find_map(|name| {
+                        lookup(name).filter(|p| !p.is_null()).map(|p| {
+                            // SAFETY: per the contract; every version's leading parameters
+                            // are the stream, the status and the id (see `CaptureInfoFn`).
+                            unsafe { std::mem::transmute::<*const c_void, CaptureInfoFn>(p) }
+                        })
+                    }),
                     _lib: None,
                 })
             }
@@ -425,15 +459,43 @@ impl Drop for CtxGuard {
 
 /// Whether `stream` is capturing a CUDA graph now.
 pub fn capturing(stream: usize) -> Result<bool> {
-    let stream = stream as CUstream;
+    Ok(capture(stream)? != Capture::No)
+}
+
+/// What a stream captures.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Capture {
+    No,
+    /// A graph: its capture id, where the driver tells it (`Api::capture_info`).
+    Graph(Option<u64>),
+}
+
+/// What `stream` captures now.
+pub fn capture(stream: usize) -> Result<Capture> {
+    let h = stream as CUstream;
     let api = api()?;
     let mut st = 0;
-    // SAFETY: writes one int; the stream is the caller's.
-    check(
-        unsafe { (api.stream_is_capturing)(stream, &mut st) },
-        || format!("cuStreamIsCapturing on stream {stream:p}"),
-    )?;
-    Ok(st != CU_STREAM_CAPTURE_STATUS_NONE)
+    let mut id = 0u64;
+    let null = std::ptr::null_mut();
+    let r = match api.capture_info {
+        // SAFETY: writes the status and the id; the other outputs are not asked for (NULL);
+        // the stream is the caller's.
+        Some(f) => unsafe { f(h, &mut st, &mut id, null, null, null, null) },
+        // SAFETY: writes one int; the stream is the caller's.
+        None => unsafe { (api.stream_is_capturing)(h, &mut st) },
+    };
+    if r == CUDA_ERROR_STREAM_CAPTURE_IMPLICIT {
+        return Err(Error::invalid_usage(format!(
+            "the NULL stream (CUDA's legacy default stream, {h:p}) was given while another \
+             stream of this device captures a CUDA graph: CUDA forbids the legacy stream then \
+             (give a stream of your own, or capture it)"
+        )));
+    }
+    check(r, || format!("cuStreamGetCaptureInfo on stream {h:p}"))?;
+    Ok(match st {
+        CU_STREAM_CAPTURE_STATUS_NONE => Capture::No,
+        _ => Capture::Graph(api.capture_info.map(|_| id)),
+    })
 }
 
 /// Runs `f` with this thread's capture mode relaxed: setup calls (allocations, host memory

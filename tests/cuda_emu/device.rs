@@ -205,16 +205,27 @@ fn event(h: usize) -> Arc<Event> {
         .clone()
 }
 
-/// Streams capturing a graph, and what they captured so far.
-static CAPTURES: Mutex<Option<HashMap<usize, Vec<Op>>>> = Mutex::new(None);
+/// A capturing stream: its graph's capture id, and what the stream captured so far.
+type Capturing = (u64, Vec<Op>);
+/// Streams capturing a graph.
+static CAPTURES: Mutex<Option<HashMap<usize, Capturing>>> = Mutex::new(None);
+static CAPTURE_IDS: AtomicU64 = AtomicU64::new(1);
 
-/// Starts capturing stream `h`'s work into a graph (what the caller's
+/// Starts capturing stream `h`'s work into a graph of its own (what the caller's
 /// `cudaStreamBeginCapture` does): it is kept, not run, until `end_capture`.
 pub fn begin_capture(h: usize) {
-    CAPTURES
-        .lock()
-        .get_or_insert_with(HashMap::new)
-        .insert(h, Vec::new());
+    begin_capture_together(&[h]);
+}
+
+/// Starts capturing the streams `hs` into one graph (as a stream forked from a capturing one
+/// by an event joins its capture).
+pub fn begin_capture_together(hs: &[usize]) {
+    let id = CAPTURE_IDS.fetch_add(1, Ordering::SeqCst);
+    let mut c = CAPTURES.lock();
+    for &h in hs {
+        c.get_or_insert_with(HashMap::new)
+            .insert(h, (id, Vec::new()));
+    }
 }
 
 /// A stream that does not capture waited for an event recorded in a capture: CUDA draws such a
@@ -265,10 +276,11 @@ pub fn end_capture(h: usize) -> Vec<Op> {
         .as_mut()
         .and_then(|m| m.remove(&h))
         .expect("a capturing stream")
+        .1
 }
 
 pub fn submit(h: usize, op: Op) {
-    if let Some(g) = CAPTURES.lock().as_mut().and_then(|m| m.get_mut(&h)) {
+    if let Some((_, g)) = CAPTURES.lock().as_mut().and_then(|m| m.get_mut(&h)) {
         g.push(op);
         return;
     }
@@ -500,6 +512,27 @@ unsafe extern "C" fn stream_query(s: *mut c_void) -> CUresult {
 }
 unsafe extern "C" fn is_capturing(s: *mut c_void, st: *mut c_int) -> CUresult {
     unsafe { *st = c_int::from(capturing(s as usize)) };
+    OK
+}
+/// `cuStreamGetCaptureInfo_v2`: the status and the graph's capture id (the later outputs
+/// NULL).
+unsafe extern "C" fn capture_info(
+    s: *mut c_void,
+    st: *mut c_int,
+    id: *mut u64,
+    graph: *mut c_void,
+    deps: *mut c_void,
+    ndeps: *mut c_void,
+) -> CUresult {
+    assert!(graph.is_null() && deps.is_null() && ndeps.is_null());
+    let graph = CAPTURES
+        .lock()
+        .as_ref()
+        .and_then(|m| m.get(&(s as usize)).map(|g| g.0));
+    unsafe {
+        *st = c_int::from(graph.is_some());
+        *id = graph.unwrap_or(0);
+    }
     OK
 }
 unsafe extern "C" fn wait_event(s: *mut c_void, e: *mut c_void, _: c_uint) -> CUresult {
@@ -828,6 +861,7 @@ pub fn stand_in() -> Api {
         ("cuStreamSynchronize", stream_sync as *const c_void),
         ("cuStreamQuery", stream_query as *const c_void),
         ("cuStreamIsCapturing", is_capturing as *const c_void),
+        ("cuStreamGetCaptureInfo_v2", capture_info as *const c_void),
         ("cuStreamWaitEvent", wait_event as *const c_void),
         ("cuEventCreate", event_create as *const c_void),
         ("cuEventRecord", event_record as *const c_void),

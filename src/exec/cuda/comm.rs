@@ -94,6 +94,15 @@ impl Drop for Ctl {
     }
 }
 
+/// Where the communicator's last launch captured into a graph went.
+pub(super) struct Captured {
+    /// Recorded after that launch, in its graph (never queried).
+    pub event: usize,
+    /// The graph's capture id (None: none yet, or the driver does not tell).
+    pub graph: Option<u64>,
+    pub stream: usize,
+}
+
 /// Where the communicator's last launch went.
 pub(super) struct Last {
     /// Recorded after the last launch (0: none yet).
@@ -122,6 +131,8 @@ pub struct CudaComm {
     pub(super) used: Arc<Mutex<Used>>,
     /// Recorded on a group's other streams to join them to the launch stream.
     pub(super) join_event: usize,
+    /// Its last launch captured into a graph (later ones captured into it wait for it).
+    pub(super) captured: Mutex<Captured>,
     /// Ranks of this communicator on this host and device (their kernels share its SMs).
     pub(super) ranks_on_device: usize,
     /// Ranks of this communicator on this device in this process (this one included).
@@ -148,6 +159,12 @@ impl CudaComm {
         // SAFETY: writes one event handle.
         check(
             unsafe { (api.event_create)(&mut join, driver::CU_EVENT_DISABLE_TIMING) },
+            || "cuEventCreate".into(),
+        )?;
+        let mut captured: driver::CUevent = std::ptr::null_mut();
+        // SAFETY: writes one event handle.
+        check(
+            unsafe { (api.event_create)(&mut captured, driver::CU_EVENT_DISABLE_TIMING) },
             || "cuEventCreate".into(),
         )?;
         let ctl = Arc::new(Ctl::new()?);
@@ -197,6 +214,11 @@ impl CudaComm {
             last_conns,
             used,
             join_event: join as usize,
+            captured: Mutex::new(Captured {
+                event: captured as usize,
+                graph: None,
+                stream: 0,
+            }),
             ranks_on_device: s
                 .peers
                 .iter()
@@ -310,6 +332,7 @@ impl Drop for CudaComm {
                 l.recorded = false;
                 (api.event_destroy)(l.event as driver::CUevent);
                 (api.event_destroy)(self.join_event as driver::CUevent);
+                (api.event_destroy)(self.captured.lock().event as driver::CUevent);
             }
         }
     }

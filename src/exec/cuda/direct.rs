@@ -165,7 +165,7 @@ pub(super) fn launch(set: &[Call<'_>]) -> Result<()> {
     let _g = CtxGuard::enter(c0.ctx)?;
     // What each rank queued before, on its stream or (its last launch) on another, comes first.
     for (q, s) in set.iter().zip(&streams) {
-        stream::join_before(api, q.cuda(), s0, others(s, s0), false)?;
+        stream::join_before(api, q.cuda(), s0, others(s, s0), driver::Capture::No)?;
     }
     let blocks = (bytes / (512 * 64)).clamp(1, 2 * c0.kern.sms as usize) as u32;
     // (A descriptor of at most 16 lanes of one step each fits `PARAM_BYTES`.)

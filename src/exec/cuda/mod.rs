@@ -371,13 +371,14 @@ fn launch_set(jobs: &mut [Job<'_>]) -> Result<()> {
             large,
         )?;
     }
-    let capturing = driver::capturing(stream)?;
+    let cap = driver::capture(stream)?;
+    let capturing = cap != driver::Capture::No;
     let mut launched = false;
     // Issue order per communicator across streams, and the group's other streams joined (while
     // capturing: edges of the graph, which every one of them captures, `captures_alike`).
     let mut result = jobs
         .iter()
-        .try_for_each(|j| stream::join_before(api, j.comm, stream, &j.joins, capturing));
+        .try_for_each(|j| stream::join_before(api, j.comm, stream, &j.joins, cap));
     if !capturing {
         for j in jobs.iter() {
             j.comm.last_conns.lock().clear();
@@ -392,9 +393,11 @@ fn launch_set(jobs: &mut [Job<'_>]) -> Result<()> {
     if launched {
         // Also after an error: later launches and quiescence wait for what did run.
         for j in jobs.iter() {
-            let r = match capturing {
-                true => stream::join_captured(api, j.comm, stream, &j.joins),
-                false => stream::join_after(api, j.comm, stream, &j.joins, stream),
+            let r = match cap {
+                driver::Capture::Graph(id) => {
+                    stream::join_captured(api, j.comm, stream, &j.joins, id)
+                }
+                driver::Capture::No => stream::join_after(api, j.comm, stream, &j.joins, stream),
             };
             if result.is_ok() {
                 result = r;

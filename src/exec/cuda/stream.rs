@@ -7,7 +7,7 @@
 use super::{Call, CudaComm};
 use crate::error::{Error, Result};
 use crate::exec::Stream;
-use crate::gpu::driver::{self, check};
+use crate::gpu::driver::{self, check, Capture};
 
 pub fn from_handle(h: usize) -> Result<Stream> {
     Ok(Stream::Cuda(h))
@@ -64,52 +64,65 @@ pub(super) fn legacy_stream_together(ops: &[Call<'_>]) -> Result<()> {
 
 /// The streams given to one communicator's calls in a group must all capture the same CUDA
 /// graph, or none (NCCL's rule): they are joined to the launch's stream with events, and a
-/// capturing stream cannot wait for work outside its graph, while a stream that does not
-/// capture would be drawn into the graph by waiting for a captured launch. (Streams of two
-/// different graphs are found when the join's wait is refused, `join_before`.) An error before
-/// anything is enqueued.
+/// capturing stream cannot wait for work outside its graph (nor for another graph's), while a
+/// stream that does not capture would be drawn into the graph by waiting for a captured launch.
+/// Checked at each call against the communicator's first stream in the group (`streams_alike`,
+/// as NCCL does) and again at the group's end, before anything is enqueued. (Where the driver
+/// does not tell capture ids apart, streams of two graphs are found when the join's wait is
+/// refused, `join_before`.)
 pub(super) fn captures_alike(per_comm: &[Vec<Call<'_>>]) -> Result<()> {
     for qs in per_comm {
-        let mut streams: Vec<usize> = Vec::new();
-        for q in qs {
+        let first = handle(&qs[0].stream);
+        let mut seen = vec![first];
+        for q in &qs[1..] {
             let h = handle(&q.stream);
-            if !streams.contains(&h) {
-                streams.push(h);
-            }
-        }
-        if streams.len() < 2 {
-            continue;
-        }
-        let _g = qs[0].cuda().enter()?;
-        let first = driver::capturing(streams[0])?;
-        for &h in &streams[1..] {
-            if driver::capturing(h)? != first {
-                let (yes, no) = if first {
-                    (streams[0], h)
-                } else {
-                    (h, streams[0])
-                };
-                return Err(Error::invalid_usage(format!(
-                    "{}: the streams given to its calls in this group must all capture the \
-                     same CUDA graph, or none: stream {yes:#x} captures a graph and stream \
-                     {no:#x} does not",
-                    qs[0].cuda().describe()
-                )));
+            if !seen.contains(&h) {
+                seen.push(h);
+                streams_alike(qs[0].cuda(), first, h)?;
             }
         }
     }
     Ok(())
 }
 
+/// `captures_alike` for two streams `a` (the communicator's first in the group) and `b`.
+pub fn streams_alike(comm: &CudaComm, a: usize, b: usize) -> Result<()> {
+    if a == b {
+        return Ok(());
+    }
+    let _g = comm.enter()?;
+    let (ca, cb) = (driver::capture(a)?, driver::capture(b)?);
+    let why = match (ca, cb) {
+        (Capture::No, Capture::No) => return Ok(()),
+        (Capture::Graph(x), Capture::Graph(y)) if x.is_none() || y.is_none() || x == y => {
+            return Ok(())
+        }
+        (Capture::Graph(_), Capture::Graph(_)) => "they capture different graphs".to_string(),
+        (Capture::Graph(_), Capture::No) => {
+            format!("stream {a:#x} captures a graph and {b:#x} does not")
+        }
+        (Capture::No, Capture::Graph(_)) => {
+            format!("stream {b:#x} captures a graph and {a:#x} does not")
+        }
+    };
+    Err(Error::invalid_usage(format!(
+        "{}: the streams given to its calls in one group ({a:#x} and {b:#x}) must all capture \
+         the same CUDA graph, or none: {why}",
+        comm.describe()
+    )))
+}
+
 /// Orders the launch on `stream` after `comm`'s earlier work: what its other streams `joins`
-/// have queued (marked by its join event) and, unless `stream` captures a graph (whose launches
-/// must not wait for work outside it), its last launch, where that went to another stream.
+/// have queued (marked by its join event), and its last launch where that went to another
+/// stream: outside graph capture its last launch of all; while `stream` captures `cap`, its
+/// last launch captured into the same graph (a captured launch must not wait for work outside
+/// its graph, and two launches of one communicator must not run side by side in a replay).
 pub(super) fn join_before(
     api: &driver::Api,
     comm: &CudaComm,
     stream: usize,
     joins: &[usize],
-    capturing: bool,
+    cap: Capture,
 ) -> Result<()> {
     for &other in joins {
         // SAFETY: the communicator's join event, recorded on the caller's stream.
@@ -121,36 +134,55 @@ pub(super) fn join_before(
         let r = unsafe { (api.stream_wait_event)(stream as _, comm.join_event as _, 0) };
         if r == driver::CUDA_ERROR_STREAM_CAPTURE_MERGE {
             return Err(Error::invalid_usage(format!(
-                "{}: the streams given to its calls in this group ({stream:#x} and {other:#x}) \
+                "{}: the streams given to its calls in one group ({stream:#x} and {other:#x}) \
                  capture different CUDA graphs; they must all capture the same graph, or none",
                 comm.describe()
             )));
         }
         check(r, || "cuStreamWaitEvent (joining a group's streams)".into())?;
     }
-    if capturing {
-        return Ok(());
-    }
-    let l = comm.last.lock();
-    if l.recorded && l.stream != Some(stream) {
-        // SAFETY: our event, recorded on the communicator's last stream.
+    let (event, on) = match cap {
+        Capture::No => {
+            let l = comm.last.lock();
+            (l.recorded.then_some(l.event), l.stream)
+        }
+        Capture::Graph(id) => {
+            let c = comm.captured.lock();
+            let same = id.is_some() && c.graph == id;
+            (same.then_some(c.event), Some(c.stream))
+        }
+    };
+    if let (Some(event), true) = (event, on != Some(stream)) {
+        // SAFETY: our event, recorded on the communicator's last stream (in this graph).
         check(
-            unsafe { (api.stream_wait_event)(stream as _, l.event as _, 0) },
+            unsafe { (api.stream_wait_event)(stream as _, event as _, 0) },
             || "cuStreamWaitEvent (ordering a communicator's launches)".into(),
         )?;
     }
     Ok(())
 }
 
-/// Makes the other streams `joins` of a group captured into a graph wait for the launch on
-/// `stream` (edges of the graph: the communicator's last event, which eager launches wait for,
-/// is left as it is).
+/// After a launch captured on `stream` into graph `id`: the communicator's later launches
+/// captured into the same graph wait for it (its captured event, recorded here: edges of the
+/// graph; its last event, which eager launches wait for and `wait_quiescent` queries, is left
+/// as it is), and the group's other streams `joins` wait for it too.
 pub(super) fn join_captured(
     api: &driver::Api,
     comm: &CudaComm,
     stream: usize,
     joins: &[usize],
+    id: Option<u64>,
 ) -> Result<()> {
+    {
+        let mut c = comm.captured.lock();
+        // SAFETY: our event (never queried: recorded in captures only), on the caller's stream.
+        check(
+            unsafe { (api.event_record)(c.event as _, stream as _) },
+            || "cuEventRecord (ordering a communicator's captured launches)".into(),
+        )?;
+        c.graph = id;
+        c.stream = stream;
+    }
     if joins.is_empty() {
         return Ok(());
     }
