@@ -15,7 +15,11 @@
  *      (ordered after the first copy, before the second); replayed 3 times. Then the two
  *      all-reduces as separate calls, the first on the forked stream: the replays must run them
  *      in that order (they share the connections); replayed 3 times. Then a group whose second
- *      stream does not capture: ncclInvalidUsage (NCCL's rule), nothing captured.
+ *      stream does not capture: ncclInvalidUsage (NCCL's rule), nothing captured;
+ *   5. a graph of one all-reduce replayed on the first stream and an eager all-reduce of the
+ *      same communicator on the second, one right after the other (either way round) with
+ *      nothing of the program's ordering them: both right (they run in issue order, as NCCL's
+ *      graph mixing support makes them), 3 rounds each way.
  * Capture mode: THREAD_LOCAL by default. It forbids "unsafe" calls (implicitly synchronizing ones,
  * cuMemAlloc, ...) on the capturing thread, so a library doing one inside ncclAllReduce without
  * relaxing its own thread's mode fails the capture, while other ranks' threads (which may be
@@ -349,6 +353,38 @@ static void two_stream_case(Rank* R, int replays, int it0) {
   check_outputs(R, it0 + 2 * replays, 0, "eager all-reduce after the refused group");
 }
 
+/* Case 5 (see the top): replays and eager calls one after the other on two streams. */
+static void mixing_case(Rank* R, int replays, int it0) {
+  const char* what = "a graph's replays and eager calls on another stream, unordered by the program";
+  if (no_graph) return;
+  if (R->rank == 0) {
+    fprintf(stderr, "  [rank 0] %s: %d rounds each way\n", what, replays);
+    fflush(stderr);
+  }
+  pthread_barrier_wait(&barrier);
+  CUCHECK(cu.StreamBeginCapture(R->st, capture_mode));
+  NCCLCHECK(ncclAllReduce(buf_dptr(&R->s1), buf_dptr(&R->r1), N1, ncclFloat32, ncclSum, R->comm, R->st));
+  CUgraph g = end_capture(R, what);
+  pthread_barrier_wait(&barrier);
+  if (!g) return;
+  CUgraphExec ge = NULL;
+  CUCHECK(cuda_graph_instantiate(&ge, g));
+  for (int k = 0; k < 2 * replays; k++) {
+    int it = it0 + k;
+    set_inputs(R, it, 1);
+    CUCHECK(cu.StreamSynchronize(R->st)); /* the inputs are in place for both streams */
+    if (k % 2 == 0) CUCHECK(cu.GraphLaunch(ge, R->st));
+    NCCLCHECK(ncclAllReduce(buf_dptr(&R->s2), buf_dptr(&R->r2), N2, ncclInt32, ncclMax, R->comm, R->st2));
+    if (k % 2 == 1) CUCHECK(cu.GraphLaunch(ge, R->st));
+    CUCHECK(cu.StreamSynchronize(R->st2));
+    char w[160];
+    snprintf(w, sizeof w, "%s, %s, round %d", what, k % 2 ? "eager first" : "replay first", k / 2);
+    check_outputs(R, it, 1, w);
+  }
+  CUCHECK(cu.GraphExecDestroy(ge));
+  CUCHECK(cu.GraphDestroy(g));
+}
+
 static void* rank_main(void* arg) {
   Rank* R = (Rank*)arg;
   cuda_make_current(); /* before any NCCL call on this thread */
@@ -374,6 +410,7 @@ static void* rank_main(void* arg) {
   graph_case(R, 0, REPLAYS, 0);
   graph_case(R, 1, GROUP_REPLAYS, 10);
   two_stream_case(R, GROUP_REPLAYS, 20);
+  mixing_case(R, GROUP_REPLAYS, 40);
 
   pthread_barrier_wait(&barrier); /* nobody frees device memory while a peer still runs */
   NCCLCHECK(ncclCommDestroy(R->comm));

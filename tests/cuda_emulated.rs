@@ -544,6 +544,70 @@ fn forked_calls(comms: &[Arc<nccl::comm::Comm>]) {
     release_buffers();
 }
 
+/// Graph replays and eager launches of the same communicators, issued one after the other on
+/// other streams with nothing of the caller's between them (what NCCL's graph mixing support
+/// allows): they run in issue order. Rank 0's stream of the first is held at first (a gate),
+/// so without that order rank 0 would run the second while rank 1 runs the first, on the same
+/// connections.
+fn mixed_replays(comms: &[Arc<nccl::comm::Comm>]) {
+    let n = comms.len();
+    let c = Case {
+        kind: CollKind::AllReduce,
+        dtype: DataType::Float32,
+        op: nccl::types::OP_SUM,
+        count: 3001,
+        in_place: false,
+        root: 0,
+    };
+    let (x, y) = (buffers(&c, n), buffers(&c, n));
+    let (g, e): (Vec<usize>, Vec<usize>) = (0..n).map(|_| (new_stream(), new_stream())).unzip();
+    let all: Vec<usize> = g.iter().chain(&e).copied().collect();
+    let graphs: Vec<Vec<Op>> = (0..n)
+        .map(|r| {
+            begin_capture(g[r]);
+            enqueue(&comms[r], &c, n, x[r], g[r]);
+            end_capture(g[r])
+        })
+        .collect();
+    let replays = || {
+        for r in 0..n {
+            replay(&[(g[r], graphs[r].clone())]);
+        }
+    };
+    let eager = || {
+        for r in 0..n {
+            enqueue(&comms[r], &c, n, y[r], e[r]);
+        }
+    };
+    for k in 1..=2 {
+        for (first, held) in [
+            ("a replay, then an eager call", g[0]),
+            ("an eager call, then a replay", e[0]),
+        ] {
+            for r in 0..n {
+                fill(&c, n, r, x[r], k);
+                fill(&c, n, r, y[r], 50 + k);
+            }
+            let gate = device::gate(held);
+            if held == g[0] {
+                replays();
+                eager();
+            } else {
+                eager();
+                replays();
+            }
+            std::thread::sleep(Duration::from_millis(50));
+            device::open_gate(&gate);
+            let what = format!("{first}, round {k}");
+            sync_all(&all, &what);
+            no_async_error(comms, &what);
+            verify(&c, &x, k, &what);
+            verify(&c, &y, 50 + k, &what);
+        }
+    }
+    release_buffers();
+}
+
 /// Each rank in a thread of its own (`ncclCommInitRank`), launching and waiting on its own
 /// stream, several operations in a row. With `null_first`, each first tries the NULL stream:
 /// on a GPU the legacy stream would run their kernels one after the other, each waiting for
@@ -979,7 +1043,7 @@ fn trouble(
     });
     let how = how.trim_start_matches("graph-");
     let run = || match &graph {
-        Some(g) => g.iter().for_each(|op| submit(stream, op.clone())),
+        Some(g) => replay(&[(stream, g.clone())]),
         None => enqueue(&comm, &c, n, b, stream),
     };
     run();
@@ -1097,18 +1161,18 @@ fn graph_finish(comm: Arc<nccl::comm::Comm>, r: usize, stream: usize) {
         let c = call(CollKind::Send, bufs[r], 0);
         nccl::api::enqueue(&comm, c, stream_arg(stream)).unwrap();
     }
-    let graph = end_capture(stream);
-    let replay = || graph.iter().for_each(|op| submit(stream, op.clone()));
+    let graph = [(stream, end_capture(stream))];
+    let run_graph = || replay(&graph);
     match r {
         2 => {
-            replay();
+            run_graph();
             sync_all(&[stream], "rank 2's send");
             nccl::api::comm_destroy(nccl::api::comm_handle(&comm)).unwrap();
             println!("sent and left");
         }
         1 => {
             std::thread::sleep(Duration::from_millis(3000));
-            replay();
+            run_graph();
             sync_all(&[stream], "rank 1's late send");
             nccl::api::comm_destroy(nccl::api::comm_handle(&comm)).unwrap();
             println!("survived: sent late");
@@ -1118,7 +1182,7 @@ fn graph_finish(comm: Arc<nccl::comm::Comm>, r: usize, stream: usize) {
                 &comm,
                 stream,
                 Duration::from_millis(1000),
-                replay,
+                run_graph,
                 (
                     "rank 0's receives",
                     "a peer that did its part and left, in a graph",
@@ -1428,6 +1492,7 @@ fn cuda_executor_on_emulated_kernels() {
             graphs(&comms, &own, &cases[0]);
             two_stream_graphs(&comms);
             forked_calls(&comms);
+            mixed_replays(&comms);
             threads(n, &cases[0], false);
             threads(n, &cases[0], true);
             mem_alloc_buffers(&comms, &own);

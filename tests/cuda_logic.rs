@@ -40,6 +40,16 @@ enum Ev {
         stream: usize,
         event: usize,
     },
+    /// An event record node of the graph being captured (`CU_EVENT_RECORD_EXTERNAL`).
+    RecordNode {
+        event: usize,
+        stream: usize,
+    },
+    /// An event wait node (`CU_EVENT_WAIT_EXTERNAL`).
+    WaitNode {
+        stream: usize,
+        event: usize,
+    },
 }
 
 static LOG: Mutex<Vec<Ev>> = Mutex::new(Vec::new());
@@ -173,7 +183,18 @@ unsafe extern "C" fn capture_info(
     }
     OK
 }
-unsafe extern "C" fn wait_event(s: *mut c_void, e: *mut c_void, _: c_uint) -> CUresult {
+unsafe extern "C" fn wait_event(s: *mut c_void, e: *mut c_void, flags: c_uint) -> CUresult {
+    if flags == 1 {
+        // An event wait node: only while capturing; it may wait for any record.
+        if graph_of(s as usize) == 0 {
+            return 1; // CUDA_ERROR_INVALID_VALUE
+        }
+        log(Ev::WaitNode {
+            stream: s as usize,
+            event: e as usize,
+        });
+        return OK;
+    }
     let (waiter, recorded) = (graph_of(s as usize), {
         let g = EVENT_GRAPH.lock();
         g.iter().rfind(|x| x.0 == e as usize).map_or(0, |x| x.1)
@@ -193,6 +214,20 @@ unsafe extern "C" fn wait_event(s: *mut c_void, e: *mut c_void, _: c_uint) -> CU
 }
 unsafe extern "C" fn event_create(e: *mut *mut c_void, _: c_uint) -> CUresult {
     unsafe { *e = NEXT.fetch_add(1, Ordering::SeqCst) as *mut c_void };
+    OK
+}
+unsafe extern "C" fn event_record_flags(e: *mut c_void, s: *mut c_void, flags: c_uint) -> CUresult {
+    if flags != 1 {
+        return unsafe { event_record(e, s) };
+    }
+    // An event record node: only while capturing; it records at each replay, not now.
+    if graph_of(s as usize) == 0 {
+        return 1; // CUDA_ERROR_INVALID_VALUE
+    }
+    log(Ev::RecordNode {
+        event: e as usize,
+        stream: s as usize,
+    });
     OK
 }
 unsafe extern "C" fn event_record(e: *mut c_void, s: *mut c_void) -> CUresult {
@@ -383,6 +418,10 @@ fn stand_in() -> Api {
         ("cuStreamWaitEvent", wait_event as *const c_void),
         ("cuEventCreate", event_create as *const c_void),
         ("cuEventRecord", event_record as *const c_void),
+        (
+            "cuEventRecordWithFlags",
+            event_record_flags as *const c_void,
+        ),
         ("cuEventQuery", event_ok as *const c_void),
         ("cuEventDestroy_v2", event_ok as *const c_void),
         ("cuPointerGetAttribute", pointer_attr as *const c_void),
@@ -411,6 +450,17 @@ fn buffer(bytes: usize) -> usize {
 }
 
 use common::all_reduce_f32_at as all_reduce;
+
+fn stream_of(e: &Ev) -> usize {
+    match e {
+        Ev::Launch { stream, .. }
+        | Ev::Copy { stream, .. }
+        | Ev::Record { stream, .. }
+        | Ev::Wait { stream, .. }
+        | Ev::RecordNode { stream, .. }
+        | Ev::WaitNode { stream, .. } => *stream,
+    }
+}
 
 fn launches(ev: &[Ev]) -> Vec<&Ev> {
     ev.iter()
@@ -551,8 +601,10 @@ fn cuda_executor_logic_on_a_recording_driver() {
         .all(|e| matches!(e, Ev::Launch { stream: 0x81, .. })));
 
     // 4. While the stream captures a graph: launches, no wait for the eager launches before
-    //    (outside the graph); each launch is followed by a record of its communicator's
-    //    captured event, on its own stream.
+    //    (outside the graph: only a wait node, which at each replay waits for the eager
+    //    launches issued before it); each launch is followed by a record of its
+    //    communicator's captured event (an edge for its next launch in the graph) and a
+    //    record node (for the eager launches after a replay), on its own stream.
     capture(&[(0x61, 1), (0x62, 2)]);
     nccl::api::group_start().unwrap();
     for (r, c) in comms.iter().enumerate() {
@@ -561,18 +613,26 @@ fn cuda_executor_logic_on_a_recording_driver() {
     nccl::api::group_end().unwrap();
     let ev = take();
     assert_eq!(launches(&ev).len(), 2, "{ev:#?}");
-    assert!(
-        matches!(
-            ev.as_slice(),
-            [
-                Ev::Launch { stream: 0x61, .. },
-                Ev::Record { stream: 0x61, .. },
-                Ev::Launch { stream: 0x62, .. },
-                Ev::Record { stream: 0x62, .. },
-            ]
-        ),
-        "{ev:#?}"
-    );
+    let mut replayed = [0usize; 2];
+    for (r, s) in [0x61usize, 0x62].into_iter().enumerate() {
+        let on: Vec<&Ev> = ev.iter().filter(|e| stream_of(e) == s).collect();
+        assert!(
+            matches!(
+                on.as_slice(),
+                [
+                    Ev::WaitNode { .. },
+                    Ev::Launch { .. },
+                    Ev::Record { .. },
+                    Ev::RecordNode { .. },
+                ]
+            ),
+            "{ev:#?}"
+        );
+        if let Ev::RecordNode { event, .. } = on[3] {
+            replayed[r] = *event;
+        }
+    }
+    assert!(!ev.iter().any(|e| matches!(e, Ev::Wait { .. })), "{ev:#?}");
 
     // 4b. One communicator's calls on two streams that capture one graph: joined as in 3b,
     //     with edges of the graph only (no wait for the last eager launch, whose stream 0x51
@@ -606,11 +666,14 @@ fn cuda_executor_logic_on_a_recording_driver() {
             [
                 Ev::Record { stream: 0x64, event: a },
                 Ev::Wait { stream: 0x63, event: b },
+                Ev::WaitNode { stream: 0x63, .. },
+                Ev::WaitNode { stream: 0x63, event: r },
                 mid @ ..,
                 Ev::Record { stream: 0x63, event: cap },
+                Ev::RecordNode { stream: 0x63, event: r2 },
                 Ev::Record { stream: 0x63, event: c },
                 Ev::Wait { stream: 0x64, event: d },
-            ] if a == b && c == d && cap != c && !mid.is_empty()
+            ] if a == b && c == d && cap != c && r == r2 && *r == replayed[0] && !mid.is_empty()
                 && mid.iter().all(|e| matches!(e, Ev::Launch { stream: 0x63, .. }))
         ),
         "{ev:#?}"
@@ -642,19 +705,20 @@ fn cuda_executor_logic_on_a_recording_driver() {
         take()
     };
     let ev = one(0x63);
-    let Some(Ev::Record {
+    let [.., Ev::Record {
         stream: 0x63,
         event: cap,
-    }) = ev.last().cloned()
+    }, Ev::RecordNode { .. }] = ev.as_slice()
     else {
         panic!("no captured event after the launch: {ev:#?}")
     };
+    let cap = *cap;
     assert!(!ev.iter().any(|e| matches!(e, Ev::Wait { .. })), "{ev:#?}");
     let ev = one(0x64);
     assert!(
         matches!(
             ev.as_slice(),
-            [Ev::Wait { stream: 0x64, event: w }, .., Ev::Record { stream: 0x64, event: r }]
+            [Ev::Wait { stream: 0x64, event: w }, .., Ev::Record { stream: 0x64, event: r }, Ev::RecordNode { .. }]
                 if *w == cap && *r == cap
         ),
         "{ev:#?}"
@@ -666,9 +730,23 @@ fn cuda_executor_logic_on_a_recording_driver() {
         !DRAWN_IN.load(Ordering::SeqCst),
         "a stream outside the capture waited for a captured event"
     );
-    // The communicator works on after the refused groups.
+    // The communicator works on after the refused groups; eagerly, its launch waits for the
+    // replays issued before it (the record nodes' event), and has no node.
     two_streams(0x63, 0x64).expect("eager again");
     let ev = take();
+    assert!(
+        ev.iter().any(|e| *e
+            == Ev::Wait {
+                stream: 0x63,
+                event: replayed[0]
+            }),
+        "{ev:#?}"
+    );
+    assert!(
+        !ev.iter()
+            .any(|e| matches!(e, Ev::WaitNode { .. } | Ev::RecordNode { .. })),
+        "{ev:#?}"
+    );
     let l = launches(&ev);
     assert!(
         !l.is_empty()
@@ -920,7 +998,12 @@ fn cuda_executor_logic_on_a_recording_driver() {
         ),
         "{ev:#?}"
     );
-    let waits: Vec<_> = ev.iter().filter(|e| matches!(e, Ev::Wait { .. })).collect();
+    // (Both ranks' graphs of step 4 left record nodes: an eager launch waits for the replays
+    // issued before it.)
+    let waits: Vec<_> = ev
+        .iter()
+        .filter(|e| matches!(e, Ev::Wait { event, .. } if !replayed.contains(event)))
+        .collect();
     assert_eq!(
         waits,
         [&Ev::Wait {
@@ -929,6 +1012,15 @@ fn cuda_executor_logic_on_a_recording_driver() {
         }],
         "{ev:#?}"
     );
+    for r in replayed {
+        assert!(
+            ev.contains(&Ev::Wait {
+                stream: 0x81,
+                event: r
+            }),
+            "{ev:#?}"
+        );
+    }
     // Five ranks: the kernel for up to 16.
     let five = nccl::api::comm_init_all(&[0; 5]).expect("five ranks on one device");
     take();

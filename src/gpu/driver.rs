@@ -33,6 +33,11 @@ pub const CU_MEMHOSTREGISTER_PORTABLE: c_uint = 1;
 pub const CU_MEMHOSTREGISTER_DEVICEMAP: c_uint = 2;
 pub const CU_EVENT_DISABLE_TIMING: c_uint = 2;
 pub const CU_STREAM_NON_BLOCKING: c_uint = 1;
+/// `cuEventRecordWithFlags` while capturing: an event record node (it records at each replay).
+pub const CU_EVENT_RECORD_EXTERNAL: c_uint = 1;
+/// `cuStreamWaitEvent` while capturing: an event wait node (it waits at each replay for the
+/// event's latest record then, which may be outside the graph).
+pub const CU_EVENT_WAIT_EXTERNAL: c_uint = 1;
 /// `CUstreamCaptureStatus`: not capturing, active, invalidated.
 pub const CU_STREAM_CAPTURE_STATUS_NONE: c_int = 0;
 /// `CUstreamCaptureMode`: relaxed (what a library may do while a caller's stream captures).
@@ -216,6 +221,7 @@ driver_api! {
     exchange_capture_mode = "cuThreadExchangeStreamCaptureMode": fn(*mut c_int);
     event_create = "cuEventCreate": fn(*mut CUevent, c_uint);
     event_record = "cuEventRecord": fn(CUevent, CUstream);
+    event_record_flags = "cuEventRecordWithFlags": fn(CUevent, CUstream, c_uint);
     event_query = "cuEventQuery": fn(CUevent);
     event_destroy = "cuEventDestroy_v2": fn(CUevent);
     pointer_attr = "cuPointerGetAttribute": fn(*mut c_void, c_int, CUdeviceptr);

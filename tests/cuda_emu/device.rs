@@ -118,6 +118,12 @@ pub enum Op {
         event: Arc<Event>,
         generation: u64,
     },
+    /// An event record node of a graph (`CU_EVENT_RECORD_EXTERNAL` while capturing): each
+    /// replay records the event anew (only in graphs; `replay` turns it into a `Record`).
+    RecordNode(Arc<Event>),
+    /// An event wait node (`CU_EVENT_WAIT_EXTERNAL`): each replay waits for the event's latest
+    /// record when the replay is issued (only in graphs; `replay` turns it into a `Wait`).
+    WaitNode(Arc<Event>),
 }
 
 /// A stream: a thread that runs its queue in order.
@@ -234,8 +240,19 @@ pub static DRAWN_IN: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBo
 
 /// Replays the graphs that streams captured together (stream, its graph): each on its stream,
 /// the events recorded in them given new records, so that a wait in one waits for this
-/// replay's record in another (as the graph's edges do), not for an earlier replay's.
+/// replay's record in another (as the graph's edges do), not for an earlier replay's. Event
+/// record nodes record their event anew, the latest record from now on; wait nodes wait for
+/// their event's latest record as the replay is issued (before its own record nodes).
 pub fn replay(graphs: &[(usize, Vec<Op>)]) {
+    let waits: Vec<u64> = graphs
+        .iter()
+        .flat_map(|(_, g)| g)
+        .filter_map(|op| match op {
+            Op::WaitNode(e) => Some(e.recorded.load(Ordering::SeqCst)),
+            _ => None,
+        })
+        .collect();
+    let mut waits = waits.into_iter();
     let mut fresh: Vec<(Arc<Event>, u64, u64)> = Vec::new();
     for (_, g) in graphs {
         for op in g {
@@ -261,6 +278,14 @@ pub fn replay(graphs: &[(usize, Vec<Op>)]) {
                 Op::Wait { event, generation } => Op::Wait {
                     event: event.clone(),
                     generation: renamed(event, *generation),
+                },
+                Op::RecordNode(event) => Op::Record {
+                    event: event.clone(),
+                    generation: event.recorded.fetch_add(1, Ordering::SeqCst) + 1,
+                },
+                Op::WaitNode(event) => Op::Wait {
+                    event: event.clone(),
+                    generation: waits.next().expect("a wait node's record"),
                 },
                 op => op.clone(),
             };
@@ -335,6 +360,7 @@ fn run_stream(s: &Stream) {
                     event.cv.wait(&mut r);
                 }
             }
+            Op::RecordNode(_) | Op::WaitNode(_) => unreachable!("a graph's node run as it is"),
         }
         *s.done.lock() += 1;
         s.done_cv.notify_all();
@@ -535,8 +561,16 @@ unsafe extern "C" fn capture_info(
     }
     OK
 }
-unsafe extern "C" fn wait_event(s: *mut c_void, e: *mut c_void, _: c_uint) -> CUresult {
+unsafe extern "C" fn wait_event(s: *mut c_void, e: *mut c_void, flags: c_uint) -> CUresult {
     let event = event(e as usize);
+    if flags == 1 {
+        // An event wait node: only while capturing.
+        if !capturing(s as usize) {
+            return 1; // CUDA_ERROR_INVALID_VALUE
+        }
+        submit(s as usize, Op::WaitNode(event));
+        return OK;
+    }
     let generation = event.recorded.load(Ordering::SeqCst);
     // As CUDA's stream capture: a capturing stream waits only for records of a capture (else
     // CUDA_ERROR_STREAM_CAPTURE_ISOLATION); one that does not capture is drawn into it.
@@ -551,6 +585,17 @@ unsafe extern "C" fn wait_event(s: *mut c_void, e: *mut c_void, _: c_uint) -> CU
 }
 unsafe extern "C" fn event_create(e: *mut *mut c_void, _: c_uint) -> CUresult {
     unsafe { *e = NEXT.fetch_add(1, Ordering::SeqCst) as *mut c_void };
+    OK
+}
+unsafe extern "C" fn event_record_flags(e: *mut c_void, s: *mut c_void, flags: c_uint) -> CUresult {
+    if flags != 1 {
+        return unsafe { event_record(e, s) };
+    }
+    // An event record node: only while capturing; it records at each replay, not now.
+    if !capturing(s as usize) {
+        return 1; // CUDA_ERROR_INVALID_VALUE
+    }
+    submit(s as usize, Op::RecordNode(event(e as usize)));
     OK
 }
 unsafe extern "C" fn event_record(e: *mut c_void, s: *mut c_void) -> CUresult {
@@ -865,6 +910,10 @@ pub fn stand_in() -> Api {
         ("cuStreamWaitEvent", wait_event as *const c_void),
         ("cuEventCreate", event_create as *const c_void),
         ("cuEventRecord", event_record as *const c_void),
+        (
+            "cuEventRecordWithFlags",
+            event_record_flags as *const c_void,
+        ),
         ("cuEventQuery", event_query as *const c_void),
         ("cuEventDestroy_v2", event_destroy as *const c_void),
         ("cuPointerGetAttribute", pointer_attr as *const c_void),

@@ -101,6 +101,12 @@ pub(super) struct Captured {
     /// The graph's capture id (None: none yet, or the driver does not tell).
     pub graph: Option<u64>,
     pub stream: usize,
+    /// Recorded by every captured launch as an event record node, so at each replay (never
+    /// queried): eager launches, and launches of other graphs, wait for the replays issued
+    /// before them.
+    pub replayed: usize,
+    /// A captured launch recorded `replayed` (some graph holds a record of it).
+    pub any: bool,
 }
 
 /// Where the communicator's last launch went.
@@ -161,12 +167,14 @@ impl CudaComm {
             unsafe { (api.event_create)(&mut join, driver::CU_EVENT_DISABLE_TIMING) },
             || "cuEventCreate".into(),
         )?;
-        let mut captured: driver::CUevent = std::ptr::null_mut();
-        // SAFETY: writes one event handle.
-        check(
-            unsafe { (api.event_create)(&mut captured, driver::CU_EVENT_DISABLE_TIMING) },
-            || "cuEventCreate".into(),
-        )?;
+        let [mut captured, mut replayed]: [driver::CUevent; 2] = [std::ptr::null_mut(); 2];
+        for e in [&mut captured, &mut replayed] {
+            // SAFETY: writes one event handle.
+            check(
+                unsafe { (api.event_create)(e, driver::CU_EVENT_DISABLE_TIMING) },
+                || "cuEventCreate".into(),
+            )?;
+        }
         let ctl = Arc::new(Ctl::new()?);
         let name = match &s.name {
             Some(n) => format!("comm {n} ({:#x}) rank {} of {}", s.hash, s.rank, s.nranks),
@@ -218,6 +226,8 @@ impl CudaComm {
                 event: captured as usize,
                 graph: None,
                 stream: 0,
+                replayed: replayed as usize,
+                any: false,
             }),
             ranks_on_device: s
                 .peers
@@ -332,7 +342,9 @@ impl Drop for CudaComm {
                 l.recorded = false;
                 (api.event_destroy)(l.event as driver::CUevent);
                 (api.event_destroy)(self.join_event as driver::CUevent);
-                (api.event_destroy)(self.captured.lock().event as driver::CUevent);
+                let c = self.captured.lock();
+                (api.event_destroy)(c.event as driver::CUevent);
+                (api.event_destroy)(c.replayed as driver::CUevent);
             }
         }
     }

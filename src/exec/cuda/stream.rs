@@ -141,31 +141,49 @@ pub(super) fn join_before(
         }
         check(r, || "cuStreamWaitEvent (joining a group's streams)".into())?;
     }
+    // Replays and eager launches in issue order (as NCCL's graph mixing support): an eager
+    // launch waits for the replays issued before it (their launches' record nodes); a captured
+    // one, at each replay, for the eager launch and the replays issued before that replay
+    // (wait nodes, the `EXTERNAL` flags: they are no edges of the graph).
+    let (last, last_on) = {
+        let l = comm.last.lock();
+        (l.recorded.then_some(l.event), l.stream)
+    };
+    let c = comm.captured.lock();
+    let replays = c.any.then_some(c.replayed);
     let (event, on) = match cap {
-        Capture::No => {
-            let l = comm.last.lock();
-            (l.recorded.then_some(l.event), l.stream)
-        }
+        Capture::No => (last, last_on),
         Capture::Graph(id) => {
-            let c = comm.captured.lock();
             let same = id.is_some() && c.graph == id;
             (same.then_some(c.event), Some(c.stream))
         }
     };
-    if let (Some(event), true) = (event, on != Some(stream)) {
-        // SAFETY: our event, recorded on the communicator's last stream (in this graph).
+    let wait = |event: usize, flags: std::ffi::c_uint| {
+        // SAFETY: our events; the caller's stream.
         check(
-            unsafe { (api.stream_wait_event)(stream as _, event as _, 0) },
+            unsafe { (api.stream_wait_event)(stream as _, event as _, flags) },
             || "cuStreamWaitEvent (ordering a communicator's launches)".into(),
-        )?;
+        )
+    };
+    if let (Some(event), true) = (event, on != Some(stream)) {
+        wait(event, 0)?; // its last launch (in this graph), on another stream
     }
-    Ok(())
+    match cap {
+        Capture::No => replays.map_or(Ok(()), |e| wait(e, 0)),
+        Capture::Graph(_) => {
+            for e in [last, replays].into_iter().flatten() {
+                wait(e, driver::CU_EVENT_WAIT_EXTERNAL)?;
+            }
+            Ok(())
+        }
+    }
 }
 
 /// After a launch captured on `stream` into graph `id`: the communicator's later launches
 /// captured into the same graph wait for it (its captured event, recorded here: edges of the
 /// graph; its last event, which eager launches wait for and `wait_quiescent` queries, is left
-/// as it is), and the group's other streams `joins` wait for it too.
+/// as it is); an event record node marks it for the eager launches and other graphs' replays
+/// issued after a replay (`join_before`); and the group's other streams `joins` wait for it.
 pub(super) fn join_captured(
     api: &driver::Api,
     comm: &CudaComm,
@@ -175,13 +193,25 @@ pub(super) fn join_captured(
 ) -> Result<()> {
     {
         let mut c = comm.captured.lock();
-        // SAFETY: our event (never queried: recorded in captures only), on the caller's stream.
+        // SAFETY: our events (never queried: recorded in captures only), on the caller's
+        // stream.
         check(
             unsafe { (api.event_record)(c.event as _, stream as _) },
             || "cuEventRecord (ordering a communicator's captured launches)".into(),
         )?;
+        check(
+            unsafe {
+                (api.event_record_flags)(
+                    c.replayed as _,
+                    stream as _,
+                    driver::CU_EVENT_RECORD_EXTERNAL,
+                )
+            },
+            || "cuEventRecordWithFlags (ordering replays and eager launches)".into(),
+        )?;
         c.graph = id;
         c.stream = stream;
+        c.any = true;
     }
     if joins.is_empty() {
         return Ok(());
