@@ -57,6 +57,9 @@ static int no_graph;
 static double timeout_s = 50;
 static ncclUniqueId uid;
 static pthread_barrier_t barrier;
+/* Captures that failed on some rank (then no rank replays that graph: its peers would wait for
+ * the rank that has none until the timeout, hiding the failure). */
+static int failed_captures;
 
 typedef struct {
   CUdeviceptr dev; /* PAD + bytes + PAD */
@@ -229,10 +232,7 @@ static void graph_case(Rank* R, int second, int replays, int it0) {
  * the int32 input goes to the stage buffer and s2 holds poison until the graph copies it in,
  * and the graph copies r2 to out2 (case 4's first graph). */
 static void replay_two(Rank* R, CUgraph g, int replays, int it0, int stage, const char* what) {
-  if (!g) {
-    report(R, "%s: cuStreamEndCapture gave no graph", what);
-    return;
-  }
+  if (!g) return; /* reported by end_capture (here or on another rank) */
   size_t bytes2 = R->s2.bytes + 2 * PAD;
   CUgraphExec ge = NULL;
   CUCHECK(cuda_graph_instantiate(&ge, g));
@@ -262,13 +262,22 @@ static void replay_two(Rank* R, CUgraph g, int replays, int it0, int stage, cons
   CUCHECK(cu.GraphExecDestroy(ge));
 }
 
-/* Ends rank R's capture on its stream: the graph, or NULL after reporting why not. */
+/* Ends rank R's capture on its stream, then waits for every rank to have ended theirs: the
+ * graph, or NULL (after reporting why) when this rank's or another's capture failed. */
 static CUgraph end_capture(Rank* R, const char* what) {
   CUgraph g = NULL;
   CUresult r = cu.StreamEndCapture(R->st, &g);
-  if (r != CUDA_SUCCESS) {
+  if (r != CUDA_SUCCESS || !g) {
     report(R, "%s: cuStreamEndCapture: CUDA error %d %s", what, (int)r, cu_err_name(r));
-    return NULL;
+    __atomic_add_fetch(&failed_captures, 1, __ATOMIC_SEQ_CST);
+    g = NULL;
+  }
+  pthread_barrier_wait(&barrier);
+  int failed = __atomic_load_n(&failed_captures, __ATOMIC_SEQ_CST);
+  pthread_barrier_wait(&barrier); /* all have read it before anyone can add to it again */
+  if (failed && g) {
+    CUCHECK(cu.GraphDestroy(g));
+    g = NULL;
   }
   return g;
 }
@@ -304,7 +313,6 @@ static void two_stream_case(Rank* R, int replays, int it0) {
   CUCHECK(cu.EventRecord(join, R->st2));
   CUCHECK(cu.StreamWaitEvent(R->st, join, 0));
   CUgraph g = end_capture(R, what);
-  pthread_barrier_wait(&barrier);
   replay_two(R, g, replays, it0, 1, what);
   if (g) CUCHECK(cu.GraphDestroy(g));
 
@@ -320,7 +328,6 @@ static void two_stream_case(Rank* R, int replays, int it0) {
   CUCHECK(cu.EventRecord(join, R->st2));
   CUCHECK(cu.StreamWaitEvent(R->st, join, 0));
   g = end_capture(R, what2);
-  pthread_barrier_wait(&barrier);
   replay_two(R, g, replays, it0 + replays, 0, what2);
   if (g) CUCHECK(cu.GraphDestroy(g));
 
@@ -335,7 +342,6 @@ static void two_stream_case(Rank* R, int replays, int it0) {
   ncclResult_t call = ncclAllReduce(buf_dptr(&R->s2), buf_dptr(&R->r2), N2, ncclInt32, ncclMax, R->comm, apart);
   ncclResult_t end = ncclGroupEnd();
   g = end_capture(R, "a refused group's capture");
-  pthread_barrier_wait(&barrier);
   int refused = (call == ncclInvalidUsage || end == ncclInvalidUsage) &&
                 (call == ncclSuccess || call == ncclInvalidUsage) && (end == ncclSuccess || end == ncclInvalidUsage);
   if (refused) R->pass++;
@@ -365,8 +371,7 @@ static void mixing_case(Rank* R, int replays, int it0) {
   CUCHECK(cu.StreamBeginCapture(R->st, capture_mode));
   NCCLCHECK(ncclAllReduce(buf_dptr(&R->s1), buf_dptr(&R->r1), N1, ncclFloat32, ncclSum, R->comm, R->st));
   CUgraph g = end_capture(R, what);
-  pthread_barrier_wait(&barrier);
-  if (!g) return;
+  if (!g) return; /* on every rank (end_capture) */
   CUgraphExec ge = NULL;
   CUCHECK(cuda_graph_instantiate(&ge, g));
   for (int k = 0; k < 2 * replays; k++) {

@@ -115,6 +115,11 @@ pub const PARAMS: &[Param] = &[
         default: "524288",
     },
     Param {
+        name: "NCCL_GRAPH_MIXING_SUPPORT",
+        doc: "CUDA executor: 1 (default): a communicator's CUDA graph replays and eager launches run in the order they are issued, whatever their streams (event record and wait nodes in its graphs); 0: no such nodes (graphs whose collectives sit in conditional or loop bodies, which may not hold them), and the program orders replays and eager calls itself",
+        default: "1",
+    },
+    Param {
         name: "OXCCL_RUN_AHEAD",
         doc: "0: step programs run strictly slice after slice (no run-ahead across iterations)",
         default: "1",

@@ -546,11 +546,13 @@ fn forked_calls(comms: &[Arc<nccl::comm::Comm>]) {
 
 /// Graph replays and eager launches of the same communicators, issued one after the other on
 /// other streams with nothing of the caller's between them (what NCCL's graph mixing support
-/// allows): they run in issue order. Rank 0's stream of the first is held at first (a gate),
-/// so without that order rank 0 would run the second while rank 1 runs the first, on the same
-/// connections.
-fn mixed_replays(comms: &[Arc<nccl::comm::Comm>]) {
-    let n = comms.len();
+/// allows): they run in issue order. Fresh communicators whose graphs are captured before
+/// their first eager call; each round runs an eager call then a replay, a replay then an eager
+/// call, and replays of two graphs; the first one's stream of rank 0 is held at first (a
+/// gate), so that without that order rank 0 would run the second while rank 1 runs the first,
+/// on the same connections.
+fn mixed_replays(n: usize) {
+    let comms = nccl::api::comm_init_all(&vec![0; n]).expect("ranks on one device");
     let c = Case {
         kind: CollKind::AllReduce,
         dtype: DataType::Float32,
@@ -559,19 +561,23 @@ fn mixed_replays(comms: &[Arc<nccl::comm::Comm>]) {
         in_place: false,
         root: 0,
     };
-    let (x, y) = (buffers(&c, n), buffers(&c, n));
-    let (g, e): (Vec<usize>, Vec<usize>) = (0..n).map(|_| (new_stream(), new_stream())).unzip();
-    let all: Vec<usize> = g.iter().chain(&e).copied().collect();
-    let graphs: Vec<Vec<Op>> = (0..n)
-        .map(|r| {
-            begin_capture(g[r]);
-            enqueue(&comms[r], &c, n, x[r], g[r]);
-            end_capture(g[r])
-        })
-        .collect();
-    let replays = || {
+    let (x, y, z) = (buffers(&c, n), buffers(&c, n), buffers(&c, n));
+    let streams = |_| (0..n).map(|_| new_stream()).collect::<Vec<usize>>();
+    let [g, g2, e]: [Vec<usize>; 3] = [0, 1, 2].map(streams);
+    let all: Vec<usize> = g.iter().chain(&g2).chain(&e).copied().collect();
+    let capture = |on: &[usize], bufs: &[(usize, usize)]| -> Vec<Vec<Op>> {
+        (0..n)
+            .map(|r| {
+                begin_capture(on[r]);
+                enqueue(&comms[r], &c, n, bufs[r], on[r]);
+                end_capture(on[r])
+            })
+            .collect()
+    };
+    let (first, second) = (capture(&g, &x), capture(&g2, &z));
+    let replays = |on: &[usize], graphs: &[Vec<Op>]| {
         for r in 0..n {
-            replay(&[(g[r], graphs[r].clone())]);
+            replay(&[(on[r], graphs[r].clone())]);
         }
     };
     let eager = || {
@@ -580,30 +586,46 @@ fn mixed_replays(comms: &[Arc<nccl::comm::Comm>]) {
         }
     };
     for k in 1..=2 {
-        for (first, held) in [
-            ("a replay, then an eager call", g[0]),
-            ("an eager call, then a replay", e[0]),
+        for (case, what, held) in [
+            (0, "an eager call, then a replay", e[0]),
+            (1, "a replay, then an eager call", g[0]),
+            (2, "a replay of one graph, then of another", g[0]),
         ] {
-            for r in 0..n {
-                fill(&c, n, r, x[r], k);
+            for (r, b) in x.iter().enumerate() {
+                fill(&c, n, r, *b, k);
                 fill(&c, n, r, y[r], 50 + k);
+                fill(&c, n, r, z[r], 90 + k);
             }
             let gate = device::gate(held);
-            if held == g[0] {
-                replays();
-                eager();
-            } else {
-                eager();
-                replays();
+            match case {
+                0 => {
+                    eager();
+                    replays(&g, &first);
+                }
+                1 => {
+                    replays(&g, &first);
+                    eager();
+                }
+                _ => {
+                    replays(&g, &first);
+                    replays(&g2, &second);
+                }
             }
             std::thread::sleep(Duration::from_millis(50));
             device::open_gate(&gate);
-            let what = format!("{first}, round {k}");
+            let what = format!("{what}, round {k}");
             sync_all(&all, &what);
-            no_async_error(comms, &what);
+            no_async_error(&comms, &what);
             verify(&c, &x, k, &what);
-            verify(&c, &y, 50 + k, &what);
+            if case < 2 {
+                verify(&c, &y, 50 + k, &what);
+            } else {
+                verify(&c, &z, 90 + k, &what);
+            }
         }
+    }
+    for c in &comms {
+        nccl::api::comm_destroy(nccl::api::comm_handle(c)).unwrap();
     }
     release_buffers();
 }
@@ -1492,7 +1514,7 @@ fn cuda_executor_on_emulated_kernels() {
             graphs(&comms, &own, &cases[0]);
             two_stream_graphs(&comms);
             forked_calls(&comms);
-            mixed_replays(&comms);
+            mixed_replays(n);
             threads(n, &cases[0], false);
             threads(n, &cases[0], true);
             mem_alloc_buffers(&comms, &own);

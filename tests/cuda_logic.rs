@@ -601,10 +601,10 @@ fn cuda_executor_logic_on_a_recording_driver() {
         .all(|e| matches!(e, Ev::Launch { stream: 0x81, .. })));
 
     // 4. While the stream captures a graph: launches, no wait for the eager launches before
-    //    (outside the graph: only a wait node, which at each replay waits for the eager
-    //    launches issued before it); each launch is followed by a record of its
-    //    communicator's captured event (an edge for its next launch in the graph) and a
-    //    record node (for the eager launches after a replay), on its own stream.
+    //    (outside the graph: only wait nodes, which at each replay wait for the eager launches
+    //    and replays issued before it); each launch is followed by a record node (for the
+    //    eager launches and replays after a replay) and a record of its communicator's
+    //    captured event (an edge for its next launch in the graph), on its own stream.
     capture(&[(0x61, 1), (0x62, 2)]);
     nccl::api::group_start().unwrap();
     for (r, c) in comms.iter().enumerate() {
@@ -621,14 +621,16 @@ fn cuda_executor_logic_on_a_recording_driver() {
                 on.as_slice(),
                 [
                     Ev::WaitNode { .. },
+                    Ev::WaitNode { .. },
                     Ev::Launch { .. },
-                    Ev::Record { .. },
                     Ev::RecordNode { .. },
+                    Ev::Record { .. },
                 ]
             ),
             "{ev:#?}"
         );
-        if let Ev::RecordNode { event, .. } = on[3] {
+        if let (Ev::RecordNode { event, .. }, Ev::WaitNode { event: w, .. }) = (on[3], on[1]) {
+            assert_eq!(event, w, "the wait node of the record nodes' event");
             replayed[r] = *event;
         }
     }
@@ -669,8 +671,8 @@ fn cuda_executor_logic_on_a_recording_driver() {
                 Ev::WaitNode { stream: 0x63, .. },
                 Ev::WaitNode { stream: 0x63, event: r },
                 mid @ ..,
-                Ev::Record { stream: 0x63, event: cap },
                 Ev::RecordNode { stream: 0x63, event: r2 },
+                Ev::Record { stream: 0x63, event: cap },
                 Ev::Record { stream: 0x63, event: c },
                 Ev::Wait { stream: 0x64, event: d },
             ] if a == b && c == d && cap != c && r == r2 && *r == replayed[0] && !mid.is_empty()
@@ -704,28 +706,74 @@ fn cuda_executor_logic_on_a_recording_driver() {
         nccl::api::enqueue(&comms[0], all_reduce(bufs[0].0, bufs[0].1, 1000), cuda(s)).unwrap();
         take()
     };
+    //     (The graph of 4b: the communicator's launches there already waited for what came
+    //     before, so these have no wait nodes; the one of another graph has.)
+    let nodes = |ev: &[Ev]| {
+        ev.iter()
+            .filter(|e| matches!(e, Ev::WaitNode { .. }))
+            .count()
+    };
     let ev = one(0x63);
-    let [.., Ev::Record {
+    let [.., Ev::RecordNode { .. }, Ev::Record {
         stream: 0x63,
         event: cap,
-    }, Ev::RecordNode { .. }] = ev.as_slice()
+    }] = ev.as_slice()
     else {
         panic!("no captured event after the launch: {ev:#?}")
     };
     let cap = *cap;
     assert!(!ev.iter().any(|e| matches!(e, Ev::Wait { .. })), "{ev:#?}");
+    assert_eq!(nodes(&ev), 0, "{ev:#?}");
     let ev = one(0x64);
     assert!(
         matches!(
             ev.as_slice(),
-            [Ev::Wait { stream: 0x64, event: w }, .., Ev::Record { stream: 0x64, event: r }, Ev::RecordNode { .. }]
+            [Ev::Wait { stream: 0x64, event: w }, .., Ev::RecordNode { .. }, Ev::Record { stream: 0x64, event: r }]
                 if *w == cap && *r == cap
         ),
         "{ev:#?}"
     );
+    assert_eq!(nodes(&ev), 0, "{ev:#?}");
     let ev = one(0x65);
     assert!(!ev.iter().any(|e| matches!(e, Ev::Wait { .. })), "{ev:#?}");
+    assert_eq!(nodes(&ev), 2, "{ev:#?}");
+    // 4f. NCCL_GRAPH_MIXING_SUPPORT=0 (read when a communicator is made): no nodes.
+    std::env::set_var("NCCL_GRAPH_MIXING_SUPPORT", "0");
+    let plain = nccl::api::comm_init_all(&[0]).expect("one rank");
+    std::env::remove_var("NCCL_GRAPH_MIXING_SUPPORT");
+    take();
+    nccl::api::enqueue(
+        &plain[0],
+        all_reduce(bufs[0].0, bufs[0].1, 1000),
+        cuda(0x65),
+    )
+    .unwrap();
+    let ev = take();
+    assert!(
+        ev.iter()
+            .any(|e| matches!(e, Ev::Copy { stream: 0x65, .. })),
+        "one rank's all-reduce: a copy: {ev:#?}"
+    );
+    assert!(
+        !ev.iter()
+            .any(|e| matches!(e, Ev::WaitNode { .. } | Ev::RecordNode { .. })),
+        "{ev:#?}"
+    );
     capture(&[]);
+    nccl::api::enqueue(
+        &plain[0],
+        all_reduce(bufs[0].0, bufs[0].1, 1000),
+        cuda(0x66),
+    )
+    .unwrap();
+    let ev = take();
+    assert!(
+        !ev.iter()
+            .any(|e| matches!(e, Ev::Wait { .. } | Ev::WaitNode { .. })),
+        "no wait for replays: {ev:#?}"
+    );
+    nccl::api::comm_destroy(nccl::api::comm_handle(&plain[0])).unwrap();
+    take();
     assert!(
         !DRAWN_IN.load(Ordering::SeqCst),
         "a stream outside the capture waited for a captured event"

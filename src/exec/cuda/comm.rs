@@ -107,6 +107,8 @@ pub(super) struct Captured {
     pub replayed: usize,
     /// A captured launch recorded `replayed` (some graph holds a record of it).
     pub any: bool,
+    /// `NCCL_GRAPH_MIXING_SUPPORT` (when the communicator was made): the nodes are used.
+    pub mixing: bool,
 }
 
 /// Where the communicator's last launch went.
@@ -175,6 +177,32 @@ impl CudaComm {
                 || "cuEventCreate".into(),
             )?;
         }
+        // Both events the wait nodes of captured launches name are recorded once now (on a
+        // stream of ours, done at once), so that every capture gets the same nodes, whatever
+        // ran before it: a graph captured before the first eager launch still waits, at each
+        // replay, for the eager launches issued before that replay.
+        let mixing = crate::param::get_u64("NCCL_GRAPH_MIXING_SUPPORT") != 0;
+        if mixing {
+            driver::relaxed(|| {
+                let mut st: driver::CUstream = std::ptr::null_mut();
+                // SAFETY: writes one stream handle; destroyed below.
+                check(
+                    unsafe { (api.stream_create)(&mut st, driver::CU_STREAM_NON_BLOCKING) },
+                    || "cuStreamCreate".into(),
+                )?;
+                let mut r = Ok(());
+                for e in [ev, replayed] {
+                    // SAFETY: our events, our stream.
+                    let x = check(unsafe { (api.event_record)(e, st) }, || {
+                        "cuEventRecord (a communicator's first record)".into()
+                    });
+                    r = r.and(x);
+                }
+                // SAFETY: our stream, its work enqueued (it ends on its own).
+                unsafe { (api.stream_destroy)(st) };
+                r
+            })?;
+        }
         let ctl = Arc::new(Ctl::new()?);
         let name = match &s.name {
             Some(n) => format!("comm {n} ({:#x}) rank {} of {}", s.hash, s.rank, s.nranks),
@@ -228,6 +256,7 @@ impl CudaComm {
                 stream: 0,
                 replayed: replayed as usize,
                 any: false,
+                mixing,
             }),
             ranks_on_device: s
                 .peers
@@ -280,17 +309,29 @@ impl CudaComm {
             ));
             self.ctl.abort();
         }
-        let api = driver::api()?;
+        driver::api()?;
         let _g = CtxGuard::enter(self.ctx)?;
-        let ev = {
+        // Its last eager launch, and the replays issued after it (their record nodes).
+        let events: Vec<usize> = {
             let l = self.last.lock();
-            if !l.recorded {
-                return Ok(());
-            }
-            l.event
+            let c = self.captured.lock();
+            [(l.recorded, l.event), (c.any, c.replayed)]
+                .into_iter()
+                .filter_map(|(on, e)| on.then_some(e))
+                .collect()
         };
+        for ev in events {
+            self.wait_event(ev, deadline)?;
+        }
+        Ok(())
+    }
+
+    /// `wait_quiescent` for one of its events.
+    fn wait_event(&self, ev: usize, deadline: Instant) -> Result<()> {
+        let api = driver::api()?;
         loop {
-            // SAFETY: our event.
+            // SAFETY: our event (never recorded by a capturing stream but as a record node,
+            // which takes effect when its graph is launched: a legal query).
             let r = unsafe { (api.event_query)(ev as driver::CUevent) };
             if r != driver::CUDA_ERROR_NOT_READY {
                 return check(r, || {

@@ -141,21 +141,23 @@ pub(super) fn join_before(
         }
         check(r, || "cuStreamWaitEvent (joining a group's streams)".into())?;
     }
-    // Replays and eager launches in issue order (as NCCL's graph mixing support): an eager
-    // launch waits for the replays issued before it (their launches' record nodes); a captured
-    // one, at each replay, for the eager launch and the replays issued before that replay
-    // (wait nodes, the `EXTERNAL` flags: they are no edges of the graph).
-    let (last, last_on) = {
+    // Replays and eager launches in issue order (NCCL's graph mixing support): an eager launch
+    // waits for the replays issued before it (their launches' record nodes); the first
+    // captured launch of the communicator in a graph, at each replay, for the eager launches
+    // and the replays issued before that replay (wait nodes, the `EXTERNAL` flags: no edges
+    // of the graph; both events were recorded when the communicator was made, so every
+    // capture gets them). Its later launches in the graph follow it by edges.
+    let (last, last_on, last_event) = {
         let l = comm.last.lock();
-        (l.recorded.then_some(l.event), l.stream)
+        (l.recorded.then_some(l.event), l.stream, l.event)
     };
     let c = comm.captured.lock();
-    let replays = c.any.then_some(c.replayed);
-    let (event, on) = match cap {
-        Capture::No => (last, last_on),
+    let replays = (c.mixing && c.any).then_some(c.replayed);
+    let (event, on, first_in_graph) = match cap {
+        Capture::No => (last, last_on, false),
         Capture::Graph(id) => {
             let same = id.is_some() && c.graph == id;
-            (same.then_some(c.event), Some(c.stream))
+            (same.then_some(c.event), Some(c.stream), !same)
         }
     };
     let wait = |event: usize, flags: std::ffi::c_uint| {
@@ -170,12 +172,13 @@ pub(super) fn join_before(
     }
     match cap {
         Capture::No => replays.map_or(Ok(()), |e| wait(e, 0)),
-        Capture::Graph(_) => {
-            for e in [last, replays].into_iter().flatten() {
+        Capture::Graph(_) if c.mixing && first_in_graph => {
+            for e in [last_event, c.replayed] {
                 wait(e, driver::CU_EVENT_WAIT_EXTERNAL)?;
             }
             Ok(())
         }
+        Capture::Graph(_) => Ok(()),
     }
 }
 
@@ -193,25 +196,29 @@ pub(super) fn join_captured(
 ) -> Result<()> {
     {
         let mut c = comm.captured.lock();
-        // SAFETY: our events (never queried: recorded in captures only), on the caller's
-        // stream.
+        // The record node first, so that the communicator's next launch in the graph follows
+        // it too (its record nodes form a chain: the last is the latest).
+        if c.mixing {
+            // SAFETY: our event, on the caller's stream (a node: it records at each replay).
+            check(
+                unsafe {
+                    (api.event_record_flags)(
+                        c.replayed as _,
+                        stream as _,
+                        driver::CU_EVENT_RECORD_EXTERNAL,
+                    )
+                },
+                || "cuEventRecordWithFlags (ordering replays and eager launches)".into(),
+            )?;
+            c.any = true;
+        }
+        // SAFETY: our event (recorded in captures only, never queried), the caller's stream.
         check(
             unsafe { (api.event_record)(c.event as _, stream as _) },
             || "cuEventRecord (ordering a communicator's captured launches)".into(),
         )?;
-        check(
-            unsafe {
-                (api.event_record_flags)(
-                    c.replayed as _,
-                    stream as _,
-                    driver::CU_EVENT_RECORD_EXTERNAL,
-                )
-            },
-            || "cuEventRecordWithFlags (ordering replays and eager launches)".into(),
-        )?;
         c.graph = id;
         c.stream = stream;
-        c.any = true;
     }
     if joins.is_empty() {
         return Ok(());
