@@ -407,6 +407,18 @@ fn graphs(comms: &[Arc<nccl::comm::Comm>], streams: &[usize], c: &Case) {
     release_buffers();
 }
 
+/// A float32 sum all-reduce of `count` elements, out of place.
+fn f32_sum(count: usize) -> Case {
+    Case {
+        kind: CollKind::AllReduce,
+        dtype: DataType::Float32,
+        op: nccl::types::OP_SUM,
+        count,
+        in_place: false,
+        root: 0,
+    }
+}
+
 /// A group of each rank's two all-reduces on two streams of one capture, as a side stream
 /// forked from the main one captures with it: in the graph, a copy on the second stream makes
 /// that all-reduce's input before the group, and another copies its output after it. Each
@@ -415,14 +427,7 @@ fn graphs(comms: &[Arc<nccl::comm::Comm>], streams: &[usize], c: &Case) {
 /// group must find the all-reduce's output.
 fn two_stream_graphs(comms: &[Arc<nccl::comm::Comm>]) {
     let n = comms.len();
-    let c = Case {
-        kind: CollKind::AllReduce,
-        dtype: DataType::Float32,
-        op: nccl::types::OP_SUM,
-        count: 3001,
-        in_place: false,
-        root: 0,
-    };
+    let c = f32_sum(3001);
     let bytes = 4 * c.count;
     let (first, second) = (buffers(&c, n), buffers(&c, n));
     let stage: Vec<usize> = (0..n).map(|_| buffer(bytes)).collect();
@@ -499,14 +504,7 @@ fn two_stream_graphs(comms: &[Arc<nccl::comm::Comm>]) {
 /// while rank 1 runs the other.
 fn forked_calls(comms: &[Arc<nccl::comm::Comm>]) {
     let n = comms.len();
-    let c = Case {
-        kind: CollKind::AllReduce,
-        dtype: DataType::Float32,
-        op: nccl::types::OP_SUM,
-        count: 3001,
-        in_place: false,
-        root: 0,
-    };
+    let c = f32_sum(3001);
     let (x, y) = (buffers(&c, n), buffers(&c, n));
     let (a, b): (Vec<usize>, Vec<usize>) = (0..n).map(|_| (new_stream(), new_stream())).unzip();
     let all: Vec<usize> = a.iter().chain(&b).copied().collect();
@@ -553,14 +551,7 @@ fn forked_calls(comms: &[Arc<nccl::comm::Comm>]) {
 /// on the same connections.
 fn mixed_replays(n: usize) {
     let comms = nccl::api::comm_init_all(&vec![0; n]).expect("ranks on one device");
-    let c = Case {
-        kind: CollKind::AllReduce,
-        dtype: DataType::Float32,
-        op: nccl::types::OP_SUM,
-        count: 3001,
-        in_place: false,
-        root: 0,
-    };
+    let c = f32_sum(3001);
     let (x, y, z) = (buffers(&c, n), buffers(&c, n), buffers(&c, n));
     let streams = |_| (0..n).map(|_| new_stream()).collect::<Vec<usize>>();
     let [g, g2, e]: [Vec<usize>; 3] = [0, 1, 2].map(streams);
