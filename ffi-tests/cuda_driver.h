@@ -80,6 +80,7 @@ typedef struct {
   CUresult (*EventDestroy)(CUevent);
   CUresult (*StreamWaitEvent)(CUstream, CUevent, unsigned int);
   CUresult (*MemcpyDtoDAsync)(CUdeviceptr, CUdeviceptr, size_t, CUstream);
+  CUresult (*LaunchHostFunc)(CUstream, void (*)(void*), void*);
   CUresult (*GetErrorName)(CUresult, const char**);
   CUresult (*GetErrorString)(CUresult, const char**);
 } CudaApi;
@@ -170,6 +171,7 @@ static inline void cuda_load(const char* prog) {
   cu_sym(lib, "cuEventDestroy_v2", &cu.EventDestroy, 0, prog);
   cu_sym(lib, "cuStreamWaitEvent", &cu.StreamWaitEvent, 0, prog);
   cu_sym(lib, "cuMemcpyDtoDAsync_v2", &cu.MemcpyDtoDAsync, 0, prog);
+  cu_sym(lib, "cuLaunchHostFunc", &cu.LaunchHostFunc, 0, prog);
 
   CUresult r = cu.Init(0);
   int ndev = 0;

@@ -359,6 +359,12 @@ static void two_stream_case(Rank* R, int replays, int it0) {
   check_outputs(R, it0 + 2 * replays, 0, "eager all-reduce after the refused group");
 }
 
+/* Holds a stream 20 ms (a host function in it: it calls no CUDA function). */
+static void hold_fn(void* arg) {
+  (void)arg;
+  usleep(20000);
+}
+
 /* Case 5 (see the top): replays and eager calls one after the other on two streams. */
 static void mixing_case(Rank* R, int replays, int it0) {
   const char* what = "a graph's replays and eager calls on another stream, unordered by the program";
@@ -378,6 +384,10 @@ static void mixing_case(Rank* R, int replays, int it0) {
     int it = it0 + k;
     set_inputs(R, it, 1);
     CUCHECK(cu.StreamSynchronize(R->st)); /* the inputs are in place for both streams */
+    /* Rank 0 holds the stream of the first of the two a while: without their order it would
+     * run the second while the other ranks run the first, on the same connections. */
+    if (R->rank == 0 && cu.LaunchHostFunc)
+      CUCHECK(cu.LaunchHostFunc(k % 2 == 0 ? R->st : R->st2, hold_fn, NULL));
     if (k % 2 == 0) CUCHECK(cu.GraphLaunch(ge, R->st));
     NCCLCHECK(ncclAllReduce(buf_dptr(&R->s2), buf_dptr(&R->r2), N2, ncclInt32, ncclMax, R->comm, R->st2));
     if (k % 2 == 1) CUCHECK(cu.GraphLaunch(ge, R->st));
