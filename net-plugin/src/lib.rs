@@ -15,6 +15,9 @@
 // oxccl's own interface choice, shared as a file (the plugin must not link oxccl).
 #[path = "../../src/bootstrap/ifaces.rs"]
 mod ifaces;
+// And its check of a silent peer.
+#[path = "../../src/transport/net/tcp_info.rs"]
+mod tcp_info;
 mod wire;
 
 use std::ffi::{c_char, c_int, c_ulong, c_void};

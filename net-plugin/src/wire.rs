@@ -396,40 +396,25 @@ fn liveness(s: &TcpStream) -> std::io::Result<()> {
 }
 
 /// A failure where `s` has heard nothing from its peer for longer than the silence limit while
-/// it waits on it (TCP_INFO; oxccl's transport has the same check, `wire::unacknowledged_for`):
-/// segments sent and not acknowledged, or two window probes in a row unanswered, and no
-/// acknowledgement since. A live peer that does not read acknowledges what arrived and answers
-/// every probe of its closed window, so it is waited for.
+/// it waits on it (oxccl's own check, `tcp_info::unacknowledged_for`: segments sent and not
+/// acknowledged, or two window probes in a row unanswered, and no acknowledgement since). A
+/// live peer that does not read acknowledges what arrived and answers every probe of its
+/// closed window, so it is waited for.
 fn unacknowledged(s: &TcpStream) -> Result<(), Failure> {
-    use std::os::fd::AsRawFd;
     let Some(limit) = silence_limit() else {
         return Ok(());
     };
-    // SAFETY: a plain C struct of integers; all zeros is a valid value.
-    let mut info: nix::libc::tcp_info = unsafe { std::mem::zeroed() };
-    let mut len = std::mem::size_of::<nix::libc::tcp_info>() as nix::libc::socklen_t;
-    // SAFETY: TCP_INFO writes at most `len` bytes of a tcp_info into `info`.
-    let r = unsafe {
-        nix::libc::getsockopt(
-            s.as_raw_fd(),
-            nix::libc::IPPROTO_TCP,
-            nix::libc::TCP_INFO,
-            (&mut info as *mut nix::libc::tcp_info).cast(),
-            &mut len,
-        )
-    };
-    let waits = info.tcpi_unacked > 0 || info.tcpi_probes >= 2;
-    if r == 0 && waits && info.tcpi_last_ack_recv > limit * 1000 {
-        return Err(Failure {
+    match crate::tcp_info::unacknowledged_for(s) {
+        Some(t) if t.as_millis() > u128::from(limit) * 1000 => Err(Failure {
             closed: false,
             msg: format!(
                 "nothing sent was acknowledged for {:.1} s (OXCCL_HEARTBEAT_S): the peer's host \
                  or the link to it is down",
-                f64::from(info.tcpi_last_ack_recv) / 1000.0
+                t.as_secs_f64()
             ),
-        });
+        }),
+        _ => Ok(()),
     }
-    Ok(())
 }
 
 /// A non-blocking socket connecting to `addr` (the connection completes in the background).

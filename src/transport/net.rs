@@ -20,6 +20,7 @@
 
 mod helpers;
 mod pair;
+mod tcp_info;
 mod wire;
 
 use super::inproc;
@@ -432,10 +433,10 @@ impl Proxy for NetEnd {
             return Some(w.p.last.elapsed());
         }
         // A sending end hears from its peer only in TCP's acknowledgements: silent for as long
-        // as it has waited for one (`wire::unacknowledged_for`). A live peer that does not read
+        // as it has waited for one (`tcp_info::unacknowledged_for`). A live peer that does not read
         // (a rank late for minutes) acknowledges what arrived and answers the probes of its
         // closed window, so it is waited for (TCP_USER_TIMEOUT would drop it: not used).
-        socks.iter().filter_map(wire::unacknowledged_for).max()
+        socks.iter().filter_map(tcp_info::unacknowledged_for).max()
     }
 
     /// A sending end has written every slot it was handed and the peer has acknowledged every

@@ -217,30 +217,6 @@ pub fn acknowledged(s: &TcpStream) -> bool {
     r != 0 || n == 0
 }
 
-/// How long `s` has heard nothing from its peer while it waits on it (TCP_INFO): segments sent
-/// and not yet acknowledged, or, with the peer's window closed, two window probes in a row
-/// unanswered (a live peer answers every one: the count starts again at each answer); then the
-/// time since the last acknowledgement. None where it waits on nothing, or the kernel does not
-/// say.
-pub fn unacknowledged_for(s: &TcpStream) -> Option<std::time::Duration> {
-    use std::os::fd::AsRawFd;
-    // SAFETY: a plain C struct of integers; all zeros is a valid value.
-    let mut info: nix::libc::tcp_info = unsafe { std::mem::zeroed() };
-    let mut len = std::mem::size_of::<nix::libc::tcp_info>() as nix::libc::socklen_t;
-    // SAFETY: TCP_INFO writes at most `len` bytes of a tcp_info into `info`.
-    let r = unsafe {
-        nix::libc::getsockopt(
-            s.as_raw_fd(),
-            nix::libc::IPPROTO_TCP,
-            nix::libc::TCP_INFO,
-            (&mut info as *mut nix::libc::tcp_info).cast(),
-            &mut len,
-        )
-    };
-    (r == 0 && (info.tcpi_unacked > 0 || info.tcpi_probes >= 2))
-        .then(|| std::time::Duration::from_millis(u64::from(info.tcpi_last_ack_recv)))
-}
-
 impl NetEnd {
     /// Writes filled slots to the sockets, freeing each once all of it is written.
     pub(super) fn send(
