@@ -309,7 +309,6 @@ impl CudaComm {
             ));
             self.ctl.abort();
         }
-        driver::api()?;
         let _g = CtxGuard::enter(self.ctx)?;
         // Its last eager launch, and the replays issued after it (their record nodes).
         let events: Vec<usize> = {

@@ -178,7 +178,6 @@ pub fn launch(ops: Vec<Call<'_>>) -> Result<()> {
             None => per_comm.push(vec![q]),
         }
     }
-    stream::captures_alike(&per_comm)?;
     if trace() {
         for v in &per_comm {
             for q in v {
@@ -375,7 +374,7 @@ fn launch_set(jobs: &mut [Job<'_>]) -> Result<()> {
     let capturing = cap != driver::Capture::No;
     let mut launched = false;
     // Issue order per communicator across streams, and the group's other streams joined (while
-    // capturing: edges of the graph, which every one of them captures, `captures_alike`).
+    // capturing: edges of the graph, which all of them capture, `stream::streams_alike`).
     let mut result = jobs
         .iter()
         .try_for_each(|j| stream::join_before(api, j.comm, stream, &j.joins, cap));

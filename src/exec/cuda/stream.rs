@@ -66,26 +66,10 @@ pub(super) fn legacy_stream_together(ops: &[Call<'_>]) -> Result<()> {
 /// graph, or none (NCCL's rule): they are joined to the launch's stream with events, and a
 /// capturing stream cannot wait for work outside its graph (nor for another graph's), while a
 /// stream that does not capture would be drawn into the graph by waiting for a captured launch.
-/// Checked at each call against the communicator's first stream in the group (`streams_alike`,
-/// as NCCL does) and again at the group's end, before anything is enqueued. (Where the driver
-/// does not tell capture ids apart, streams of two graphs are found when the join's wait is
-/// refused, `join_before`.)
-pub(super) fn captures_alike(per_comm: &[Vec<Call<'_>>]) -> Result<()> {
-    for qs in per_comm {
-        let first = handle(&qs[0].stream);
-        let mut seen = vec![first];
-        for q in &qs[1..] {
-            let h = handle(&q.stream);
-            if !seen.contains(&h) {
-                seen.push(h);
-                streams_alike(qs[0].cuda(), first, h)?;
-            }
-        }
-    }
-    Ok(())
-}
-
-/// `captures_alike` for two streams `a` (the communicator's first in the group) and `b`.
+/// Checked as each call joins the group, for stream `b` against the communicator's first
+/// stream in it, `a` (as NCCL does; the group layer calls it through `exec::streams_alike`), so
+/// before anything is enqueued. (Where the driver does not tell capture ids apart, streams of
+/// two graphs are found when the join's wait is refused, `join_before`.)
 pub fn streams_alike(comm: &CudaComm, a: usize, b: usize) -> Result<()> {
     if a == b {
         return Ok(());
