@@ -93,10 +93,7 @@ pub fn enqueue(comm: &Arc<Comm>, args: CollArgs, stream: Stream) -> Result<()> {
     GROUP.with(|g| {
         let mut g = g.borrow_mut();
         // The communicator's first call in the group sets what its other streams must capture.
-        let checked = checked.and_then(|q| match g.ops.iter().find(|o| o.same_comm(&q)) {
-            Some(first) => first.goes_with(&q).map(|()| q),
-            None => Ok(q),
-        });
+        let checked = checked.and_then(|q| q.fits_group(&g.ops).map(|()| q));
         match checked {
             Ok(q) => {
                 g.ops.push(q);

@@ -32,15 +32,18 @@ pub fn check(comm: &Arc<Comm>, args: CollArgs, stream: Stream) -> Result<Queued>
 }
 
 impl Queued {
-    /// Whether `other` is a call of the same communicator.
-    pub fn same_comm(&self, other: &Queued) -> bool {
-        Arc::ptr_eq(&self.core, &other.core)
-    }
-
-    /// `later`, a call of the same communicator queued after this one in the same group:
-    /// whether their streams may go together (`exec::streams_alike`).
-    pub fn goes_with(&self, later: &Queued) -> Result<()> {
-        exec::streams_alike(&self.core.exec, &self.stream, &later.stream)
+    /// Whether this call may join a group whose calls so far are `earlier`: its stream and
+    /// the stream of its communicator's first call there must go together
+    /// (`exec::streams_alike`; only the CUDA executor's streams have a rule, so a host
+    /// communicator's group is not searched).
+    pub fn fits_group(&self, earlier: &[Queued]) -> Result<()> {
+        if matches!(self.core.exec, exec::CommExec::Host(_)) {
+            return Ok(());
+        }
+        match earlier.iter().find(|o| Arc::ptr_eq(&o.core, &self.core)) {
+            Some(first) => exec::streams_alike(&self.core.exec, &first.stream, &self.stream),
+            None => Ok(()),
+        }
     }
 }
 

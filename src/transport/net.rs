@@ -433,9 +433,9 @@ impl Proxy for NetEnd {
             return Some(w.p.last.elapsed());
         }
         // A sending end hears from its peer only in TCP's acknowledgements: silent for as long
-        // as it has waited for one (`tcp_info::unacknowledged_for`). A live peer that does not read
-        // (a rank late for minutes) acknowledges what arrived and answers the probes of its
-        // closed window, so it is waited for (TCP_USER_TIMEOUT would drop it: not used).
+        // as it has waited for one (`tcp_info::unacknowledged_for`). A live peer that does not
+        // read (a rank late for minutes) acknowledges what arrived and answers the probes of
+        // its closed window, so it is waited for (TCP_USER_TIMEOUT would drop it: not used).
         socks.iter().filter_map(tcp_info::unacknowledged_for).max()
     }
 
