@@ -27,16 +27,22 @@ fn rank(case: &str, r: usize, path: &str) {
     let mut t_fail = None;
     // "link-down-send": rank 0 only sends to rank 1, so once the link is down it waits on
     // bytes the peer never acknowledges, not on heartbeats. "late-recv": the same, the link up,
-    // but rank 1 is late by 3 heartbeat limits before its 11th receive (20 MiB wait for it) (its socket's window
-    // closes meanwhile): no failure, 30 sends and receives.
+    // but rank 1 is late by 3 heartbeat limits before its 11th receive (20 MiB wait for it,
+    // its socket's window closes meanwhile): no failure, 30 sends and receives.
     let one_way = case == "link-down-send" || case == "late-recv";
-    if case == "late-recv" {
-        let args = |send: &[f32], recv: &mut [f32]| {
-            let mut a = common::all_reduce_f32(send, recv);
-            a.kind = [nccl::types::CollKind::Send, nccl::types::CollKind::Recv][r];
+    let args = |send: &[f32], recv: &mut [f32]| {
+        let mut a = common::all_reduce_f32(send, recv);
+        if one_way {
+            a.kind = if r == 0 {
+                nccl::types::CollKind::Send
+            } else {
+                nccl::types::CollKind::Recv
+            };
             a.root = 1 - r as i32;
-            a
-        };
+        }
+        a
+    };
+    if case == "late-recv" {
         for i in 0..30 {
             if i == 10 && r == 1 {
                 std::thread::sleep(Duration::from_secs(6));
@@ -53,18 +59,6 @@ fn rank(case: &str, r: usize, path: &str) {
         api::comm_destroy(api::comm_handle(&c)).unwrap();
         return;
     }
-    let args = |send: &[f32], recv: &mut [f32]| {
-        let mut a = common::all_reduce_f32(send, recv);
-        if one_way {
-            a.kind = if r == 0 {
-                nccl::types::CollKind::Send
-            } else {
-                nccl::types::CollKind::Recv
-            };
-            a.root = 1 - r as i32;
-        }
-        a
-    };
     let expect = if one_way { 1.0 } else { 2.0 };
     let e = loop {
         match api::enqueue(&c, args(&send, &mut recv), StreamArg::Null) {
