@@ -324,21 +324,24 @@ fn no_async_error(comms: &[Arc<nccl::comm::Comm>], what: &str) {
     }
 }
 
-/// Holds `stream`'s queue behind a gate while `enqueue` puts work on it, for `hold`, then lets
-/// it run: the work must finish (`waited`) and leave `comm` without an error (`healthy`).
-fn behind_a_gate(
-    comm: &Arc<nccl::comm::Comm>,
-    stream: usize,
+/// Holds the queues of the streams `held` behind a gate while `enqueue` puts work on them (and
+/// others), for `hold`, then lets them run: the work on `streams` must finish (`waited`) and
+/// leave `comms` without an error (`healthy`).
+fn behind_gates(
+    (held, streams): (&[usize], &[usize]),
+    comms: &[Arc<nccl::comm::Comm>],
     hold: Duration,
     enqueue: impl FnOnce(),
     (waited, healthy): (&str, &str),
 ) {
-    let g = device::gate(stream);
+    let gates: Vec<_> = held.iter().map(|&s| device::gate(s)).collect();
     enqueue();
     std::thread::sleep(hold);
-    device::open_gate(&g);
-    sync_all(&[stream], waited);
-    no_async_error(std::slice::from_ref(comm), healthy);
+    for g in &gates {
+        device::open_gate(g);
+    }
+    sync_all(streams, waited);
+    no_async_error(comms, healthy);
 }
 
 /// Runs `c` on `comms` (rank r on `streams[r]`, one group) and checks every rank's output.
@@ -470,15 +473,9 @@ fn two_stream_graphs(comms: &[Arc<nccl::comm::Comm>]) {
                 put(DataType::Float32, out[r], i, 55.0);
             }
         }
-        let gates: Vec<_> = b.iter().map(|&s| device::gate(s)).collect();
-        replay(&graphs);
-        std::thread::sleep(Duration::from_millis(50));
-        for g in &gates {
-            device::open_gate(g);
-        }
         let what = format!("two streams' group in one graph, replay {k}");
-        sync_all(&all, &what);
-        no_async_error(comms, &what);
+        let hold = Duration::from_millis(50);
+        behind_gates((&b, &all), comms, hold, || replay(&graphs), (&what, &what));
         verify(&c, &first, k, &what);
         verify(&c, &second, salt, &what);
         for r in 0..n {
@@ -529,13 +526,15 @@ fn forked_calls(comms: &[Arc<nccl::comm::Comm>]) {
         }
         // Rank 0's second stream held: without the order, rank 0 would run the second
         // all-reduce while rank 1 runs the first, on the same connections.
-        let gate = device::gate(b[0]);
-        replay(&graphs);
-        std::thread::sleep(Duration::from_millis(50));
-        device::open_gate(&gate);
         let what = format!("separate calls on forked streams of one graph, replay {k}");
-        sync_all(&all, &what);
-        no_async_error(comms, &what);
+        let hold = Duration::from_millis(50);
+        behind_gates(
+            (&b[..1], &all),
+            comms,
+            hold,
+            || replay(&graphs),
+            (&what, &what),
+        );
         verify(&c, &x, k, &what);
         verify(&c, &y, 50 + k, &what);
     }
@@ -587,8 +586,8 @@ fn mixed_replays(n: usize) {
                 fill(&c, n, r, y[r], 50 + k);
                 fill(&c, n, r, z[r], 90 + k);
             }
-            let gate = device::gate(held);
-            match case {
+            let what = format!("{what}, round {k}");
+            let issue = || match case {
                 0 => {
                     eager();
                     replays(&g, &first);
@@ -601,12 +600,9 @@ fn mixed_replays(n: usize) {
                     replays(&g, &first);
                     replays(&g2, &second);
                 }
-            }
-            std::thread::sleep(Duration::from_millis(50));
-            device::open_gate(&gate);
-            let what = format!("{what}, round {k}");
-            sync_all(&all, &what);
-            no_async_error(&comms, &what);
+            };
+            let hold = Duration::from_millis(50);
+            behind_gates((&[held], &all), &comms, hold, issue, (&what, &what));
             verify(&c, &x, k, &what);
             if case < 2 {
                 verify(&c, &y, 50 + k, &what);
@@ -1131,9 +1127,9 @@ fn finish(comm: Arc<nccl::comm::Comm>, r: usize, n: usize, stream: usize) {
         println!("survived: not involved");
         return;
     }
-    behind_a_gate(
-        &comm,
-        stream,
+    behind_gates(
+        (&[stream], &[stream]),
+        std::slice::from_ref(&comm),
         Duration::from_millis(2500),
         || {
             nccl::api::enqueue(&comm, call(CollKind::Recv, n - 1), stream_arg(stream)).unwrap();
@@ -1191,9 +1187,9 @@ fn graph_finish(comm: Arc<nccl::comm::Comm>, r: usize, stream: usize) {
             println!("survived: sent late");
         }
         _ => {
-            behind_a_gate(
-                &comm,
-                stream,
+            behind_gates(
+                (&[stream], &[stream]),
+                std::slice::from_ref(&comm),
                 Duration::from_millis(1000),
                 run_graph,
                 (
