@@ -182,63 +182,18 @@ static void enqueue(Rank* R, int second) {
   }
 }
 
-/* Capture (between barriers: no rank allocates or copies synchronously while another captures),
- * instantiate, replay with new inputs each time. */
-static void graph_case(Rank* R, int second, int replays, int it0) {
-  const char* what = second ? "graph of a group of two all-reduces" : "graph of one all-reduce";
-  if (R->rank == 0) {
-    fprintf(stderr, "  [rank 0] %s: %s, %d replays\n", what, no_graph ? "nograph" : "capture", replays);
-    fflush(stderr);
-  }
-  CUgraph g = NULL;
-  CUgraphExec ge = NULL;
-  if (no_graph) {
-    for (int k = 0; k < replays; k++) {
-      set_inputs(R, it0 + k, second);
-      enqueue(R, second);
-      check_outputs(R, it0 + k, second, what);
-    }
-    return;
-  }
-  pthread_barrier_wait(&barrier);
-  CUCHECK(cu.StreamBeginCapture(R->st, capture_mode));
-  enqueue(R, second);
-  CUCHECK(cu.StreamEndCapture(R->st, &g));
-  pthread_barrier_wait(&barrier);
-  if (!g) {
-    report(R, "%s: cuStreamEndCapture gave no graph", what);
-    return;
-  }
-  size_t nodes = 0;
-  if (cu.GraphGetNodes && cu.GraphGetNodes(g, NULL, &nodes) == CUDA_SUCCESS) {
-    if (nodes == 0) report(R, "%s: the captured graph is empty (the collective ran outside it?)", what);
-    else R->pass++;
-    if (R->rank == 0) fprintf(stderr, "  [rank 0] %s: %zu nodes captured\n", what, nodes);
-  }
-  CUCHECK(cuda_graph_instantiate(&ge, g));
-  for (int k = 0; k < replays; k++) {
-    int it = it0 + k;
-    set_inputs(R, it, second); /* outside the graph, on the stream */
-    CUCHECK(cu.GraphLaunch(ge, R->st));
-    char w[128];
-    snprintf(w, sizeof w, "%s, replay %d", what, k);
-    check_outputs(R, it, second, w);
-  }
-  CUCHECK(cu.GraphExecDestroy(ge));
-  CUCHECK(cu.GraphDestroy(g));
-}
-
-/* Replays graph g (if any) `replays` times with new inputs, checking both all-reduces; `stage`:
- * the int32 input goes to the stage buffer and s2 holds poison until the graph copies it in,
- * and the graph copies r2 to out2 (case 4's first graph). */
-static void replay_two(Rank* R, CUgraph g, int replays, int it0, int stage, const char* what) {
+/* Replays graph g (if any) `replays` times with new inputs, checking the float all-reduce and,
+ * with `second`, the int32 one; `stage` (with `second`): the int32 input goes to the stage
+ * buffer and s2 holds poison until the graph copies it in, and the graph copies r2 to out2
+ * (case 4's first graph). */
+static void replay(Rank* R, CUgraph g, int replays, int it0, int second, int stage, const char* what) {
   if (!g) return; /* reported by end_capture (here or on another rank) */
   size_t bytes2 = R->s2.bytes + 2 * PAD;
   CUgraphExec ge = NULL;
   CUCHECK(cuda_graph_instantiate(&ge, g));
   for (int k = 0; k < replays; k++) {
     int it = it0 + k;
-    set_inputs(R, it, 1);
+    set_inputs(R, it, second); /* outside the graph, on the stream */
     if (stage) {
       memcpy(R->stage.host, R->s2.host, bytes2);
       CUCHECK(cu.MemcpyHtoDAsync(R->stage.dev, R->stage.host, bytes2, R->st));
@@ -250,7 +205,7 @@ static void replay_two(Rank* R, CUgraph g, int replays, int it0, int stage, cons
     CUCHECK(cu.GraphLaunch(ge, R->st));
     char w[128];
     snprintf(w, sizeof w, "%s, replay %d", what, k);
-    check_outputs(R, it, 1, w); /* downloads r2 into its shadow */
+    check_outputs(R, it, second, w); /* downloads r2 into its shadow */
     if (stage) {
       buf_download(&R->out2, R->st);
       if (memcmp(R->out2.host, R->r2.host, bytes2) != 0)
@@ -280,6 +235,37 @@ static CUgraph end_capture(Rank* R, const char* what) {
     g = NULL;
   }
   return g;
+}
+
+/* Capture (between barriers: no rank allocates or copies synchronously while another captures),
+ * instantiate, replay with new inputs each time. */
+static void graph_case(Rank* R, int second, int replays, int it0) {
+  const char* what = second ? "graph of a group of two all-reduces" : "graph of one all-reduce";
+  if (R->rank == 0) {
+    fprintf(stderr, "  [rank 0] %s: %s, %d replays\n", what, no_graph ? "nograph" : "capture", replays);
+    fflush(stderr);
+  }
+  if (no_graph) {
+    for (int k = 0; k < replays; k++) {
+      set_inputs(R, it0 + k, second);
+      enqueue(R, second);
+      check_outputs(R, it0 + k, second, what);
+    }
+    return;
+  }
+  pthread_barrier_wait(&barrier);
+  CUCHECK(cu.StreamBeginCapture(R->st, capture_mode));
+  enqueue(R, second);
+  CUgraph g = end_capture(R, what);
+  if (!g) return; /* on every rank (end_capture) */
+  size_t nodes = 0;
+  if (cu.GraphGetNodes && cu.GraphGetNodes(g, NULL, &nodes) == CUDA_SUCCESS) {
+    if (nodes == 0) report(R, "%s: the captured graph is empty (the collective ran outside it?)", what);
+    else R->pass++;
+    if (R->rank == 0) fprintf(stderr, "  [rank 0] %s: %zu nodes captured\n", what, nodes);
+  }
+  replay(R, g, replays, it0, second, 0, what);
+  CUCHECK(cu.GraphDestroy(g));
 }
 
 /* Case 4 (see the top): calls of one communicator on two streams of one capture. */
@@ -313,7 +299,7 @@ static void two_stream_case(Rank* R, int replays, int it0) {
   CUCHECK(cu.EventRecord(join, R->st2));
   CUCHECK(cu.StreamWaitEvent(R->st, join, 0));
   CUgraph g = end_capture(R, what);
-  replay_two(R, g, replays, it0, 1, what);
+  replay(R, g, replays, it0, 1, 1, what);
   if (g) CUCHECK(cu.GraphDestroy(g));
 
   /* 4b. Two calls, not grouped: the first on the forked stream, the second on the first stream.
@@ -328,7 +314,7 @@ static void two_stream_case(Rank* R, int replays, int it0) {
   CUCHECK(cu.EventRecord(join, R->st2));
   CUCHECK(cu.StreamWaitEvent(R->st, join, 0));
   g = end_capture(R, what2);
-  replay_two(R, g, replays, it0 + replays, 0, what2);
+  replay(R, g, replays, it0 + replays, 1, 0, what2);
   if (g) CUCHECK(cu.GraphDestroy(g));
 
   /* 4c. The second stream not in the capture: ncclInvalidUsage, from the call (as NCCL) or from
