@@ -14,8 +14,11 @@
  *      it, so the replays are right only if the library joined the second stream to its launch
  *      (ordered after the first copy, before the second); replayed 3 times. Then the two
  *      all-reduces as separate calls, the first on the forked stream: the replays must run them
- *      in that order (they share the connections); replayed 3 times. Then a group whose second
- *      stream does not capture: ncclInvalidUsage (NCCL's rule), nothing captured;
+ *      in that order (they share the connections); replayed 3 times. Between those two calls a
+ *      third stream captures another graph of the float all-reduce, open at the same time
+ *      (interleaved captures: the order of the first graph's calls must hold across it), replayed
+ *      once after. Then a group whose second stream does not capture: ncclInvalidUsage (NCCL's
+ *      rule), nothing captured;
  *   5. a graph of one all-reduce replayed on the first stream and an eager all-reduce of the
  *      same communicator on the second, one right after the other (either way round) with
  *      nothing of the program's ordering them: both right (they run in issue order, as NCCL's
@@ -219,9 +222,9 @@ static void replay(Rank* R, CUgraph g, int replays, int it0, int second, int sta
 
 /* Ends rank R's capture on its stream, then waits for every rank to have ended theirs: the
  * graph, or NULL (after reporting why) when this rank's or another's capture failed. */
-static CUgraph end_capture(Rank* R, const char* what) {
+static CUgraph end_capture_on(Rank* R, CUstream st, const char* what) {
   CUgraph g = NULL;
-  CUresult r = cu.StreamEndCapture(R->st, &g);
+  CUresult r = cu.StreamEndCapture(st, &g);
   if (r != CUDA_SUCCESS || !g) {
     report(R, "%s: cuStreamEndCapture: CUDA error %d %s", what, (int)r, cu_err_name(r));
     __atomic_add_fetch(&failed_captures, 1, __ATOMIC_SEQ_CST);
@@ -236,6 +239,8 @@ static CUgraph end_capture(Rank* R, const char* what) {
   }
   return g;
 }
+
+static CUgraph end_capture(Rank* R, const char* what) { return end_capture_on(R, R->st, what); }
 
 /* Capture (between barriers: no rank allocates or copies synchronously while another captures),
  * instantiate, replay with new inputs each time. */
@@ -304,23 +309,29 @@ static void two_stream_case(Rank* R, int replays, int it0) {
 
   /* 4b. Two calls, not grouped: the first on the forked stream, the second on the first stream.
    * They share the communicator's connections, so the replay must run them in that order (on
-   * every rank), not side by side. */
+   * every rank), not side by side. Between them, another graph's capture (on `apart`) takes a
+   * call of the communicator, and stays open until after the second call. */
+  CUstream apart;
+  CUCHECK(cu.StreamCreate(&apart, CU_STREAM_NON_BLOCKING));
   pthread_barrier_wait(&barrier);
   CUCHECK(cu.StreamBeginCapture(R->st, capture_mode));
   CUCHECK(cu.EventRecord(fork, R->st));
   CUCHECK(cu.StreamWaitEvent(R->st2, fork, 0));
   NCCLCHECK(ncclAllReduce(buf_dptr(&R->s1), buf_dptr(&R->r1), N1, ncclFloat32, ncclSum, R->comm, R->st2));
+  CUCHECK(cu.StreamBeginCapture(apart, capture_mode));
+  NCCLCHECK(ncclAllReduce(buf_dptr(&R->s1), buf_dptr(&R->r1), N1, ncclFloat32, ncclSum, R->comm, apart));
   NCCLCHECK(ncclAllReduce(buf_dptr(&R->s2), buf_dptr(&R->r2), N2, ncclInt32, ncclMax, R->comm, R->st));
   CUCHECK(cu.EventRecord(join, R->st2));
   CUCHECK(cu.StreamWaitEvent(R->st, join, 0));
   g = end_capture(R, what2);
+  CUgraph other = end_capture_on(R, apart, "the graph captured in between");
   replay(R, g, replays, it0 + replays, 1, 0, what2);
+  replay(R, other, 1, it0 + 2 * replays, 0, 0, "the graph captured in between");
   if (g) CUCHECK(cu.GraphDestroy(g));
+  if (other) CUCHECK(cu.GraphDestroy(other));
 
   /* 4c. The second stream not in the capture: ncclInvalidUsage, from the call (as NCCL) or from
    * ncclGroupEnd, and nothing captured. */
-  CUstream apart;
-  CUCHECK(cu.StreamCreate(&apart, CU_STREAM_NON_BLOCKING));
   pthread_barrier_wait(&barrier);
   CUCHECK(cu.StreamBeginCapture(R->st, capture_mode));
   NCCLCHECK(ncclGroupStart());
@@ -340,9 +351,9 @@ static void two_stream_case(Rank* R, int replays, int it0) {
     CUCHECK(cu.EventDestroy(join));
   }
   /* The communicator works on: an eager all-reduce. */
-  set_inputs(R, it0 + 2 * replays, 0);
+  set_inputs(R, it0 + 2 * replays + 1, 0);
   enqueue(R, 0);
-  check_outputs(R, it0 + 2 * replays, 0, "eager all-reduce after the refused group");
+  check_outputs(R, it0 + 2 * replays + 1, 0, "eager all-reduce after the refused group");
 }
 
 /* Holds a stream 20 ms (a host function in it: it calls no CUDA function). */

@@ -498,12 +498,15 @@ fn two_stream_graphs(comms: &[Arc<nccl::comm::Comm>]) {
 /// with the first (forked from it), the second on the first: in a replay the second runs after
 /// the first, as they were issued (they share the connections), even with rank 0's second
 /// stream held at first (a gate), where its first stream would otherwise run its launch first
-/// while rank 1 runs the other.
-fn forked_calls(comms: &[Arc<nccl::comm::Comm>]) {
+/// while rank 1 runs the other. `interleaved`: a call captured into another graph, whose
+/// capture is open at the same time, comes between the two (the second still follows the
+/// first).
+fn forked_calls(comms: &[Arc<nccl::comm::Comm>], interleaved: bool) {
     let n = comms.len();
     let c = f32_sum(3001);
-    let (x, y) = (buffers(&c, n), buffers(&c, n));
+    let (x, y, z) = (buffers(&c, n), buffers(&c, n), buffers(&c, n));
     let (a, b): (Vec<usize>, Vec<usize>) = (0..n).map(|_| (new_stream(), new_stream())).unzip();
+    let other: Vec<usize> = (0..n).map(|_| new_stream()).collect();
     let all: Vec<usize> = a.iter().chain(&b).copied().collect();
     for r in 0..n {
         begin_capture_together(&[a[r], b[r]]);
@@ -511,10 +514,22 @@ fn forked_calls(comms: &[Arc<nccl::comm::Comm>]) {
     for r in 0..n {
         enqueue(&comms[r], &c, n, x[r], b[r]);
     }
+    // Interleaved: a call captured into another graph (its own capture, open at the same
+    // time) between the two.
+    if interleaved {
+        for r in 0..n {
+            begin_capture(other[r]);
+            enqueue(&comms[r], &c, n, z[r], other[r]);
+        }
+    }
     for r in 0..n {
         enqueue(&comms[r], &c, n, y[r], a[r]);
     }
     let graphs: Vec<(usize, Vec<Op>)> = all.iter().map(|&s| (s, end_capture(s))).collect();
+    let others: Vec<(usize, Vec<Op>)> = match interleaved {
+        true => other.iter().map(|&s| (s, end_capture(s))).collect(),
+        false => Vec::new(),
+    };
     assert!(
         !DRAWN_IN.load(Ordering::SeqCst),
         "a stream drawn into a capture"
@@ -526,7 +541,14 @@ fn forked_calls(comms: &[Arc<nccl::comm::Comm>]) {
         }
         // Rank 0's second stream held: without the order, rank 0 would run the second
         // all-reduce while rank 1 runs the first, on the same connections.
-        let what = format!("separate calls on forked streams of one graph, replay {k}");
+        let what = format!(
+            "separate calls on forked streams of one graph{}, replay {k}",
+            if interleaved {
+                ", another graph captured in between"
+            } else {
+                ""
+            }
+        );
         let hold = Duration::from_millis(50);
         behind_gates(
             (&b[..1], &all),
@@ -537,6 +559,16 @@ fn forked_calls(comms: &[Arc<nccl::comm::Comm>]) {
         );
         verify(&c, &x, k, &what);
         verify(&c, &y, 50 + k, &what);
+        if interleaved {
+            for (r, b) in z.iter().enumerate() {
+                fill(&c, n, r, *b, 90 + k);
+            }
+            for g in &others {
+                replay(std::slice::from_ref(g));
+            }
+            sync_all(&other, &what);
+            verify(&c, &z, 90 + k, &what);
+        }
     }
     release_buffers();
 }
@@ -1500,7 +1532,8 @@ fn cuda_executor_on_emulated_kernels() {
             }
             graphs(&comms, &own, &cases[0]);
             two_stream_graphs(&comms);
-            forked_calls(&comms);
+            forked_calls(&comms, false);
+            forked_calls(&comms, true);
             mixed_replays(n);
             threads(n, &cases[0], false);
             threads(n, &cases[0], true);

@@ -737,6 +737,29 @@ fn cuda_executor_logic_on_a_recording_driver() {
     let ev = one(0x65);
     assert!(!ev.iter().any(|e| matches!(e, Ev::Wait { .. })), "{ev:#?}");
     assert_eq!(nodes(&ev), 2, "{ev:#?}");
+    let [.., Ev::Record {
+        stream: 0x65,
+        event: cap7,
+    }] = ev.as_slice()
+    else {
+        panic!("no captured event after the launch: {ev:#?}")
+    };
+    assert_ne!(
+        *cap7, cap,
+        "each graph being captured has its own captured event"
+    );
+    //     Back in the first graph while the other still captures (interleaved captures): it
+    //     still follows its last launch there.
+    let ev = one(0x63);
+    assert!(
+        matches!(
+            ev.as_slice(),
+            [Ev::Wait { stream: 0x63, event: w }, .., Ev::Record { stream: 0x63, event: r }]
+                if *w == cap && *r == cap
+        ),
+        "{ev:#?}"
+    );
+    assert_eq!(nodes(&ev), 0, "{ev:#?}");
     // 4f. NCCL_GRAPH_MIXING_SUPPORT=0 (read when a communicator is made): no nodes.
     std::env::set_var("NCCL_GRAPH_MIXING_SUPPORT", "0");
     let plain = nccl::api::comm_init_all(&[0]).expect("one rank");

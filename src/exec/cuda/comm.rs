@@ -94,13 +94,28 @@ impl Drop for Ctl {
     }
 }
 
-/// Where the communicator's last launch captured into a graph went.
-pub(super) struct Captured {
+/// How many graphs being captured at once a communicator keeps its last launch in; past that,
+/// the graph it launched into least lately is forgotten (a launch back in it gets the wait
+/// nodes of a first launch there, and no edge from the launch before it).
+const OPEN_GRAPHS: usize = 8;
+
+/// The communicator's last launch in one graph being captured.
+pub(super) struct Tip {
+    /// The graph's capture id.
+    pub graph: u64,
     /// Recorded after that launch, in its graph (never queried).
     pub event: usize,
-    /// The graph's capture id (None: none yet, or the driver does not tell).
-    pub graph: Option<u64>,
     pub stream: usize,
+    /// When it was last used (`Captured::tick`).
+    used: u64,
+}
+
+/// Where the communicator's launches captured into graphs went.
+pub(super) struct Captured {
+    /// Its last launch in each graph it launched into lately, by capture id (graphs captured
+    /// at once, interleaved, each keep theirs; a graph that ended leaves its event for reuse).
+    tips: Vec<Tip>,
+    tick: u64,
     /// Recorded by every captured launch as an event record node, so at each replay (never
     /// queried): eager launches, and launches of other graphs, wait for the replays issued
     /// before them.
@@ -109,6 +124,54 @@ pub(super) struct Captured {
     pub any: bool,
     /// `NCCL_GRAPH_MIXING_SUPPORT` (when the communicator was made): the nodes are used.
     pub mixing: bool,
+}
+
+impl Captured {
+    /// Its last launch captured into graph `id`, if it is kept.
+    pub fn tip(&self, id: u64) -> Option<&Tip> {
+        self.tips.iter().find(|t| t.graph == id)
+    }
+
+    /// Where its launch now captured on `stream` into graph `id` goes: the graph's tip, or a
+    /// new one (an event created, or the one of the graph it launched into least lately).
+    pub fn tip_mut(&mut self, api: &driver::Api, id: u64, stream: usize) -> Result<&mut Tip> {
+        self.tick += 1;
+        let i = match self.tips.iter().position(|t| t.graph == id) {
+            Some(i) => i,
+            None if self.tips.len() < OPEN_GRAPHS => {
+                let mut ev: driver::CUevent = std::ptr::null_mut();
+                // SAFETY: writes one event handle (destroyed with the communicator). Relaxed:
+                // the caller's stream captures.
+                driver::relaxed(|| {
+                    check(
+                        unsafe { (api.event_create)(&mut ev, driver::CU_EVENT_DISABLE_TIMING) },
+                        || "cuEventCreate".into(),
+                    )
+                })?;
+                self.tips.push(Tip {
+                    graph: id,
+                    event: ev as usize,
+                    stream,
+                    used: 0,
+                });
+                self.tips.len() - 1
+            }
+            None => {
+                let (i, _) = self
+                    .tips
+                    .iter()
+                    .enumerate()
+                    .min_by_key(|(_, t)| t.used)
+                    .expect("OPEN_GRAPHS > 0");
+                self.tips[i].graph = id;
+                i
+            }
+        };
+        let tip = &mut self.tips[i];
+        tip.used = self.tick;
+        tip.stream = stream;
+        Ok(tip)
+    }
 }
 
 /// Where the communicator's last launch went.
@@ -139,7 +202,7 @@ pub struct CudaComm {
     pub(super) used: Arc<Mutex<Used>>,
     /// Recorded on a group's other streams to join them to the launch stream.
     pub(super) join_event: usize,
-    /// Its last launch captured into a graph (later ones captured into it wait for it).
+    /// Its last launch captured into each graph (later ones captured into it wait for it).
     pub(super) captured: Mutex<Captured>,
     /// Ranks of this communicator on this host and device (their kernels share its SMs).
     pub(super) ranks_on_device: usize,
@@ -169,14 +232,12 @@ impl CudaComm {
             unsafe { (api.event_create)(&mut join, driver::CU_EVENT_DISABLE_TIMING) },
             || "cuEventCreate".into(),
         )?;
-        let [mut captured, mut replayed]: [driver::CUevent; 2] = [std::ptr::null_mut(); 2];
-        for e in [&mut captured, &mut replayed] {
-            // SAFETY: writes one event handle.
-            check(
-                unsafe { (api.event_create)(e, driver::CU_EVENT_DISABLE_TIMING) },
-                || "cuEventCreate".into(),
-            )?;
-        }
+        let mut replayed: driver::CUevent = std::ptr::null_mut();
+        // SAFETY: writes one event handle.
+        check(
+            unsafe { (api.event_create)(&mut replayed, driver::CU_EVENT_DISABLE_TIMING) },
+            || "cuEventCreate".into(),
+        )?;
         // Both events the wait nodes of captured launches name are recorded once now (on a
         // stream of ours, done at once), so that every capture gets the same nodes, whatever
         // ran before it: a graph captured before the first eager launch still waits, at each
@@ -251,9 +312,8 @@ impl CudaComm {
             used,
             join_event: join as usize,
             captured: Mutex::new(Captured {
-                event: captured as usize,
-                graph: None,
-                stream: 0,
+                tips: Vec::new(),
+                tick: 0,
                 replayed: replayed as usize,
                 any: false,
                 mixing,
@@ -383,7 +443,9 @@ impl Drop for CudaComm {
                 (api.event_destroy)(l.event as driver::CUevent);
                 (api.event_destroy)(self.join_event as driver::CUevent);
                 let c = self.captured.lock();
-                (api.event_destroy)(c.event as driver::CUevent);
+                for t in &c.tips {
+                    (api.event_destroy)(t.event as driver::CUevent);
+                }
                 (api.event_destroy)(c.replayed as driver::CUevent);
             }
         }

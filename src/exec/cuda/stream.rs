@@ -139,10 +139,10 @@ pub(super) fn join_before(
     let replays = (c.mixing && c.any).then_some(c.replayed);
     let (event, on, first_in_graph) = match cap {
         Capture::No => (last, last_on, false),
-        Capture::Graph(id) => {
-            let same = id.is_some() && c.graph == id;
-            (same.then_some(c.event), Some(c.stream), !same)
-        }
+        Capture::Graph(id) => match id.and_then(|id| c.tip(id)) {
+            Some(t) => (Some(t.event), Some(t.stream), false),
+            None => (None, None, true),
+        },
     };
     let wait = |event: usize, flags: std::ffi::c_uint| {
         // SAFETY: our events; the caller's stream.
@@ -196,13 +196,17 @@ pub(super) fn join_captured(
             )?;
             c.any = true;
         }
-        // SAFETY: our event (recorded in captures only, never queried), the caller's stream.
-        check(
-            unsafe { (api.event_record)(c.event as _, stream as _) },
-            || "cuEventRecord (ordering a communicator's captured launches)".into(),
-        )?;
-        c.graph = id;
-        c.stream = stream;
+        // (A driver that does not tell graphs apart gets no edges: each launch is taken as the
+        // first in its graph.)
+        if let Some(id) = id {
+            let tip = c.tip_mut(api, id, stream)?;
+            // SAFETY: the graph's event (recorded in captures only, never queried), the
+            // caller's stream.
+            check(
+                unsafe { (api.event_record)(tip.event as _, stream as _) },
+                || "cuEventRecord (ordering a communicator's captured launches)".into(),
+            )?;
+        }
     }
     if joins.is_empty() {
         return Ok(());
