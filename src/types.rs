@@ -167,6 +167,34 @@ pub struct CommConfig {
     pub min_ctas: Option<i32>,
     pub max_ctas: Option<i32>,
     pub cta_policy: Option<i32>,
+    /// `graphUsageMode`: 0 (no CUDA graphs), 1 (graphs, not mixed with eager calls), 2 (mixed).
+    pub graph_usage_mode: Option<i32>,
+    /// `graphStreamOrdering` (0 or 1): checked, no effect (a communicator's launches in a
+    /// graph are always kept in issue order, which both values allow).
+    pub graph_stream_ordering: Option<bool>,
+}
+
+impl CommConfig {
+    /// The graph usage mode in effect: `NCCL_GRAPH_MIXING_SUPPORT` when set to 0 or 1 (1 is
+    /// mode 2, 0 is mode 0, as NCCL maps it), else `graphUsageMode`, else 2 (NCCL's default).
+    pub fn graph_usage(&self) -> i32 {
+        const NAME: &str = "NCCL_GRAPH_MIXING_SUPPORT";
+        let config = self.graph_usage_mode.unwrap_or(2);
+        if !crate::param::is_set(NAME) {
+            return config;
+        }
+        match crate::param::get_str(NAME).as_deref().map(str::trim) {
+            Some("1") => 2,
+            Some("0") => 0,
+            v => {
+                crate::debug::info(&format!(
+                    "{NAME} {} is not valid (0 or 1), leaving graphUsageMode at {config}",
+                    v.unwrap_or("")
+                ));
+                config
+            }
+        }
+    }
 }
 
 /// One collective or point-to-point call, as the C caller gave it (buffers are addresses).

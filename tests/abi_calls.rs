@@ -180,6 +180,39 @@ fn config_magic_and_size() {
             INVALID_ARGUMENT
         );
         assert!(last_error().contains("blocking is 7"), "{}", last_error());
+        // graphUsageMode takes 0, 1 or 2; graphStreamOrdering 0 or 1 (as NCCL checks them).
+        let mut g = ncclConfig_t::undefined();
+        g.graphUsageMode = 3;
+        assert_eq!(
+            ncclCommInitRankConfig(&mut c, 1, std::mem::zeroed(), 0, &mut g).0,
+            INVALID_ARGUMENT
+        );
+        assert!(
+            last_error().contains("graphUsageMode is 3"),
+            "{}",
+            last_error()
+        );
+        let mut o = ncclConfig_t::undefined();
+        o.graphStreamOrdering = 2;
+        assert_eq!(
+            ncclCommInitRankConfig(&mut c, 1, std::mem::zeroed(), 0, &mut o).0,
+            INVALID_ARGUMENT
+        );
+        assert!(
+            last_error().contains("graphStreamOrdering is 2"),
+            "{}",
+            last_error()
+        );
+        for m in 0..=2 {
+            let mut ok = ncclConfig_t::undefined();
+            ok.graphUsageMode = m;
+            ok.graphStreamOrdering = m % 2;
+            let mut id: ncclUniqueId = std::mem::zeroed();
+            assert_eq!(ncclGetUniqueId(&mut id).0, 0);
+            let r = ncclCommInitRankConfig(&mut c, 1, id, 0, &mut ok).0;
+            assert_eq!(r, 0, "graphUsageMode {m}: {}", last_error());
+            assert_eq!(ncclCommDestroy(c).0, 0);
+        }
         let mut cc = ncclCollConfig_t::undefined();
         cc.magic = 0;
         let mut x = 0u8;

@@ -760,42 +760,66 @@ fn cuda_executor_logic_on_a_recording_driver() {
         "{ev:#?}"
     );
     assert_eq!(nodes(&ev), 0, "{ev:#?}");
-    // 4f. NCCL_GRAPH_MIXING_SUPPORT=0 (read when a communicator is made): no nodes.
+    // 4f. Graph usage mode 0 or 1 (read when a communicator is made: NCCL_GRAPH_MIXING_SUPPORT=0,
+    //     ncclConfig_t.graphUsageMode, inherited by a split given no config): no nodes, and
+    //     no eager wait for replays. NCCL_GRAPH_MIXING_SUPPORT=1 overrides the config's 1.
+    let one_rank = |mode: Option<i32>| {
+        let id = nccl::api::get_unique_id().unwrap();
+        let config = nccl::api::CommConfig {
+            graph_usage_mode: mode,
+            ..Default::default()
+        };
+        nccl::api::comm_init_rank(1, &id, 0, config).expect("one rank")
+    };
     std::env::set_var("NCCL_GRAPH_MIXING_SUPPORT", "0");
-    let plain = nccl::api::comm_init_all(&[0]).expect("one rank");
+    let by_env = nccl::api::comm_init_all(&[0]).expect("one rank").remove(0);
+    std::env::set_var("NCCL_GRAPH_MIXING_SUPPORT", "1");
+    let overridden = one_rank(Some(1));
     std::env::remove_var("NCCL_GRAPH_MIXING_SUPPORT");
-    take();
-    nccl::api::enqueue(
-        &plain[0],
-        all_reduce(bufs[0].0, bufs[0].1, 1000),
-        cuda(0x65),
-    )
-    .unwrap();
-    let ev = take();
-    assert!(
-        ev.iter()
-            .any(|e| matches!(e, Ev::Copy { stream: 0x65, .. })),
-        "one rank's all-reduce: a copy: {ev:#?}"
-    );
-    assert!(
-        !ev.iter()
-            .any(|e| matches!(e, Ev::WaitNode { .. } | Ev::RecordNode { .. })),
-        "{ev:#?}"
-    );
-    capture(&[]);
-    nccl::api::enqueue(
-        &plain[0],
-        all_reduce(bufs[0].0, bufs[0].1, 1000),
-        cuda(0x66),
-    )
-    .unwrap();
-    let ev = take();
-    assert!(
-        !ev.iter()
-            .any(|e| matches!(e, Ev::Wait { .. } | Ev::WaitNode { .. })),
-        "no wait for replays: {ev:#?}"
-    );
-    nccl::api::comm_destroy(nccl::api::comm_handle(&plain[0])).unwrap();
+    let by_config = one_rank(Some(1));
+    let split = nccl::api::comm_split(&by_config, 0, 0, None)
+        .expect("split")
+        .expect("a color");
+    for (comm, mixing, what) in [
+        (&by_env, false, "NCCL_GRAPH_MIXING_SUPPORT=0"),
+        (&by_config, false, "graphUsageMode 1"),
+        (
+            &split,
+            false,
+            "a split of a graphUsageMode 1 communicator, given no config",
+        ),
+        (
+            &overridden,
+            true,
+            "graphUsageMode 1, NCCL_GRAPH_MIXING_SUPPORT=1",
+        ),
+    ] {
+        take();
+        capture(&[(0x65, 7)]);
+        nccl::api::enqueue(comm, all_reduce(bufs[0].0, bufs[0].1, 1000), cuda(0x65)).unwrap();
+        let ev = take();
+        assert!(
+            ev.iter()
+                .any(|e| matches!(e, Ev::Copy { stream: 0x65, .. })),
+            "{what}: one rank's all-reduce: a copy: {ev:#?}"
+        );
+        let nodes = ev
+            .iter()
+            .any(|e| matches!(e, Ev::WaitNode { .. } | Ev::RecordNode { .. }));
+        assert_eq!(nodes, mixing, "{what}: {ev:#?}");
+        capture(&[]);
+        nccl::api::enqueue(comm, all_reduce(bufs[0].0, bufs[0].1, 1000), cuda(0x66)).unwrap();
+        let ev = take();
+        let waits = ev.iter().any(|e| matches!(e, Ev::Wait { .. }));
+        assert_eq!(waits, mixing, "{what}: an eager wait for replays: {ev:#?}");
+        assert!(
+            !ev.iter().any(|e| matches!(e, Ev::WaitNode { .. })),
+            "{what}: {ev:#?}"
+        );
+    }
+    for comm in [split, by_config, overridden, by_env] {
+        nccl::api::comm_destroy(nccl::api::comm_handle(&comm)).unwrap();
+    }
     take();
     assert!(
         !DRAWN_IN.load(Ordering::SeqCst),

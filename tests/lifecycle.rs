@@ -162,19 +162,29 @@ fn nonblocking_init_completes_in_the_background() {
             s.spawn(move || sum_check(c, r as f32 + 1.0, 3.0, "non-blocking comm"));
         }
     });
-    // A split with a non-blocking config is non-blocking too.
-    let kids: Vec<_> = std::thread::scope(|s| {
-        let hs: Vec<_> = [&c0, &c1]
-            .into_iter()
-            .map(|c| s.spawn(move || api::comm_split(c, 0, 0, Some(nonblocking())).unwrap()))
-            .collect();
-        hs.into_iter().map(|h| h.join().unwrap().unwrap()).collect()
-    });
-    for k in &kids {
-        while api::comm_async_error(k) == Code::InProgress {
-            std::thread::sleep(Duration::from_millis(1));
+    // A split with a non-blocking config is non-blocking too, and so is one given no config
+    // (it inherits its parent's, as in NCCL).
+    let mut kids = Vec::new();
+    for config in [Some(nonblocking()), None] {
+        let two: Vec<_> = std::thread::scope(|s| {
+            let hs: Vec<_> = [&c0, &c1]
+                .into_iter()
+                .map(|c| {
+                    let config = config.clone();
+                    s.spawn(move || api::comm_split(c, 0, 0, config).unwrap())
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap().unwrap()).collect()
+        });
+        for k in &two {
+            while api::comm_async_error(k) == Code::InProgress {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            assert_eq!(api::comm_async_error(k), Code::Success);
+            let core = k.core().expect("initialised");
+            assert_eq!(core.config.blocking, Some(false), "{config:?}");
         }
-        assert_eq!(api::comm_async_error(k), Code::Success);
+        kids.extend(two);
     }
     for c in kids.into_iter().chain([c0, c1]) {
         api::comm_destroy(api::comm_handle(&c)).unwrap();

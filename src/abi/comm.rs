@@ -71,6 +71,14 @@ pub(crate) unsafe fn read_config(config: *const ncclConfig_t) -> Result<Option<C
             c.CTAPolicy
         )));
     }
+    let graph_usage_mode = opt(c.graphUsageMode);
+    if matches!(graph_usage_mode, Some(m) if !(0..=2).contains(&m)) {
+        return Err(Error::invalid_argument(format!(
+            "config->graphUsageMode is {}; it must be 0 (no CUDA graphs), 1 (graphs) or 2 \
+             (graphs mixed with eager calls)",
+            c.graphUsageMode
+        )));
+    }
     Ok(Some(CommConfig {
         blocking: flag(c.blocking, "blocking")?,
         comm_name: string(c.commName),
@@ -79,6 +87,8 @@ pub(crate) unsafe fn read_config(config: *const ncclConfig_t) -> Result<Option<C
         min_ctas,
         max_ctas,
         cta_policy,
+        graph_usage_mode,
+        graph_stream_ordering: flag(c.graphStreamOrdering, "graphStreamOrdering")?,
     }))
 }
 

@@ -47,7 +47,7 @@ fn make(
         members.len() as i32,
         new_rank as i32,
         vec![id],
-        config.unwrap_or_default(),
+        config.unwrap_or_else(|| core.config.clone()),
         Some(core.cuda_dev),
     )?;
     c.start_init()?;

@@ -29,6 +29,9 @@ pub struct Core {
     pub cuda_dev: i32,
     pub hash: u64,
     pub name: Option<String>,
+    /// The configuration it was made with (a split or shrink given none inherits it, as in
+    /// NCCL).
+    pub config: CommConfig,
     /// The peers, the connections made so far, and the bootstrap.
     pub conns: Conns,
     /// Abort flag, first error, remote abort: what every wait on this communicator watches.
@@ -331,6 +334,7 @@ fn build_core(p: PendingInit) -> Result<Core> {
         health: health.clone(),
         name: p.config.comm_name.clone(),
         dev: cuda_dev,
+        graph_usage: p.config.graph_usage(),
     })?;
     let local = peers.iter().filter(|q| q.host == me.host).count();
     let conns = Conns::new(boot, peers, hash, health.clone());
@@ -354,6 +358,7 @@ fn build_core(p: PendingInit) -> Result<Core> {
         cuda_dev,
         hash,
         name: p.config.comm_name.clone(),
+        config: p.config.clone(),
         conns,
         health,
         exec,

@@ -72,6 +72,8 @@ pub struct CommSetup<'a> {
     pub name: Option<String>,
     /// The device (CUDA executor) or host slot the rank is bound to.
     pub dev: i32,
+    /// `CommConfig::graph_usage` (CUDA executor): 2 orders graph replays and eager launches.
+    pub graph_usage: i32,
 }
 
 impl CommExec {

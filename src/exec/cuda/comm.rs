@@ -122,8 +122,11 @@ pub(super) struct Captured {
     pub replayed: usize,
     /// A captured launch recorded `replayed` (some graph holds a record of it).
     pub any: bool,
-    /// `NCCL_GRAPH_MIXING_SUPPORT` (when the communicator was made): the nodes are used.
+    /// Graph usage mode 2 (`ncclConfig_t.graphUsageMode`, `NCCL_GRAPH_MIXING_SUPPORT`): the
+    /// nodes are used.
     pub mixing: bool,
+    /// Mode 0 (the program said it captures none; told once when it does).
+    pub no_graphs: bool,
 }
 
 impl Captured {
@@ -242,7 +245,7 @@ impl CudaComm {
         // stream of ours, done at once), so that every capture gets the same nodes, whatever
         // ran before it: a graph captured before the first eager launch still waits, at each
         // replay, for the eager launches issued before that replay.
-        let mixing = crate::param::get_u64("NCCL_GRAPH_MIXING_SUPPORT") != 0;
+        let mixing = s.graph_usage == 2;
         if mixing {
             driver::relaxed(|| {
                 let mut st: driver::CUstream = std::ptr::null_mut();
@@ -317,6 +320,7 @@ impl CudaComm {
                 replayed: replayed as usize,
                 any: false,
                 mixing,
+                no_graphs: s.graph_usage == 0,
             }),
             ranks_on_device: s
                 .peers

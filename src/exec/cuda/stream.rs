@@ -180,6 +180,14 @@ pub(super) fn join_captured(
 ) -> Result<()> {
     {
         let mut c = comm.captured.lock();
+        if std::mem::take(&mut c.no_graphs) {
+            crate::debug::info(&format!(
+                "{}: its graphUsageMode is 0 (no CUDA graphs), yet a launch is captured into a \
+                 graph; without mode 2 (the default), the program orders its graphs' replays and \
+                 its eager calls itself",
+                comm.describe()
+            ));
+        }
         // The record node first, so that the communicator's next launch in the graph follows
         // it too (its record nodes form a chain: the last is the latest).
         if c.mixing {
