@@ -8,7 +8,8 @@
 //! of one graph); a thread per rank; and a
 //! process per rank (2 and 3), with connections in shared host memory and, with
 //! `OXCCL_CUDA_IPC=1`, in device memory opened by IPC handles; ranks on 2 "hosts" over the
-//! network transport. And failures: a call mismatch, an abort, a refused launch or allocation,
+//! network transport; ranks of one process on two devices (`cuda_emu/peers.rs`), with and
+//! without native peer atomics. And failures: a call mismatch, an abort, a refused launch or allocation,
 //! a peer process that dies during an eager launch or a graph's replay (on this host, on
 //! another, and in another PID namespace of this host), one that never comes, and one that did
 //! its part and left (no failure).
@@ -23,6 +24,8 @@
 
 #[path = "cuda_emu/device.rs"]
 mod device;
+#[path = "cuda_emu/peers.rs"]
+mod peers;
 #[path = "cuda_stand_in/mod.rs"]
 mod stand_in;
 
@@ -1400,9 +1403,23 @@ fn run_processes(so: &Path, n: usize, ipc: bool, hosts: usize, trouble: Option<&
 /// A device that runs only 4 blocks at once (`OXEMU_RESIDENT`, in a process of its own so that
 /// its kernels are loaded for it): launches of 4 ranks with more lanes than that still end.
 fn few_blocks(so: &Path) {
+    // Killed at the deadline: a launch whose first blocks wait for ones that never start.
+    let (ok, report) = child(so, ("OXEMU_RESIDENT", "4"), Duration::from_secs(240));
+    assert!(
+        ok && report.contains("few blocks: 3 cases"),
+        "a device running 4 blocks at once:\n{report}"
+    );
+}
+
+/// Runs this test in a process of its own with `var` set, killed after `limit`: whether it
+/// succeeded, and its exit status and output.
+fn child(so: &Path, var: (&str, &str), limit: Duration) -> (bool, String) {
     // To a file: a pipe nobody reads until the end could fill and stop the process.
-    let log = Path::new(env!("CARGO_TARGET_TMPDIR"))
-        .join(format!("cuda-emu-few-blocks-{}.log", std::process::id()));
+    let log = Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!(
+        "cuda-emu-{}-{}.log",
+        var.0,
+        std::process::id()
+    ));
     let out = std::fs::File::create(&log).unwrap();
     let mut kid = Command::new(std::env::current_exe().unwrap())
         .args([
@@ -1410,15 +1427,14 @@ fn few_blocks(so: &Path) {
             "cuda_executor_on_emulated_kernels",
             "--nocapture",
         ])
-        .env("OXEMU_RESIDENT", "4")
+        .env(var.0, var.1)
         .env("OXEMU_LIB", so)
         .env_remove("NCCL_DEBUG")
         .stdout(out.try_clone().unwrap())
         .stderr(out)
         .spawn()
         .unwrap();
-    // Killed at the deadline: a launch whose first blocks wait for ones that never start.
-    let deadline = Instant::now() + Duration::from_secs(240);
+    let deadline = Instant::now() + limit;
     while Instant::now() < deadline && kid.try_wait().unwrap().is_none() {
         std::thread::sleep(Duration::from_millis(50));
     }
@@ -1429,10 +1445,65 @@ fn few_blocks(so: &Path) {
         std::fs::read_to_string(&log).unwrap_or_default()
     );
     let _ = std::fs::remove_file(&log);
-    assert!(
-        status.success() && report.contains("few blocks: 3 cases"),
-        "a device running 4 blocks at once:\n{report}"
-    );
+    (status.success(), report)
+}
+
+/// Ranks of one process on two devices (`ncclCommInitAll` of devices 0, 1, 0, 1: every ring
+/// hop crosses them), each collective checked, in a process whose stand-in driver has two
+/// devices (`peers`): with native peer atomics (NVLink), their connections live in the
+/// receiving rank's device memory and the sending rank's context enables peer access to it;
+/// without (plain PCIe), they stage in host memory and nothing enables peer access.
+fn peer_devices(so: &Path) {
+    for how in ["nvlink", "pcie"] {
+        let (ok, report) = child(so, ("OXEMU_PEERS", how), Duration::from_secs(300));
+        assert!(
+            ok && report.contains(&format!("peer devices ({how}): checked")),
+            "ranks on two devices ({how}):\n{report}"
+        );
+    }
+}
+
+/// `peer_devices`' process.
+fn peer_devices_process(how: &str) {
+    device::load_emu(Path::new(&std::env::var("OXEMU_LIB").unwrap()));
+    let cache = stand_in::stand_in_kernels("cuda-emu-peers");
+    peers::NATIVE_ATOMICS.store(how == "nvlink", Ordering::SeqCst);
+    assert!(driver::install(device::stand_in_with(&peers::functions())));
+    let comms = nccl::api::comm_init_all(&[0, 1, 0, 1]).expect("ranks on two devices");
+    let own: Vec<usize> = (0..4).map(|_| new_stream()).collect();
+    let cases = cases(4, &[300_001, 1001]);
+    for c in &cases {
+        check(&comms, &own, c);
+        release_buffers();
+    }
+    let enabled = peers::ENABLED.lock().clone();
+    let allocated = peers::ALLOCATED.lock().clone();
+    let (d0, d1) = (peers::ctx_of(0), peers::ctx_of(1));
+    if how == "nvlink" {
+        for pair in [(d0, d1), (d1, d0)] {
+            assert!(
+                enabled.contains(&pair),
+                "no peer access {pair:x?}: {enabled:x?}"
+            );
+        }
+        // The ring's connections, on both devices (each in its receiving end's).
+        for d in [d0, d1] {
+            assert!(
+                allocated.iter().any(|&(c, _)| c == d),
+                "no device memory on {d:#x}: {allocated:x?}"
+            );
+        }
+    } else {
+        assert!(
+            enabled.is_empty(),
+            "peer access without native atomics: {enabled:x?}"
+        );
+    }
+    for c in &comms {
+        nccl::api::comm_destroy(nccl::api::comm_handle(c)).unwrap();
+    }
+    let _ = std::fs::remove_dir_all(&cache);
+    println!("peer devices ({how}): checked {} cases", cases.len());
 }
 
 /// `few_blocks`' process: 4 ranks on the one device, one stream, so each collective is one
@@ -1487,6 +1558,9 @@ fn cuda_executor_on_emulated_kernels() {
     }
     if std::env::var("OXEMU_RESIDENT").is_ok() {
         return few_blocks_process();
+    }
+    if let Ok(how) = std::env::var("OXEMU_PEERS") {
+        return peer_devices_process(&how);
     }
     let Some(so) = device::build_emu() else {
         return;
@@ -1561,6 +1635,7 @@ fn cuda_executor_on_emulated_kernels() {
     );
     failures();
     few_blocks(&so);
+    peer_devices(&so);
     for (n, ipc, hosts) in [
         (2, false, 1),
         (2, true, 1),

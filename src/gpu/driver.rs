@@ -22,6 +22,7 @@ pub type CUdeviceptr = u64;
 pub const CUDA_SUCCESS: CUresult = 0;
 pub const CUDA_ERROR_NOT_READY: CUresult = 600;
 pub const CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED: CUresult = 712;
+pub const CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED: CUresult = 704;
 /// A wait would merge two independent stream captures (streams capturing different graphs).
 pub const CUDA_ERROR_STREAM_CAPTURE_MERGE: CUresult = 902;
 /// The legacy stream was used while a blocking stream captures (implicitly joining it).
@@ -49,6 +50,9 @@ pub const CU_MEMORYTYPE_DEVICE: c_uint = 2;
 pub const CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES: c_int = 8;
 /// `cuIpcOpenMemHandle`'s flag: enable peer access to the memory's device where it is another.
 pub const CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS: c_uint = 1;
+/// `CU_DEVICE_P2P_ATTRIBUTE_NATIVE_ATOMIC_SUPPORTED`: atomics on the peer's memory are native
+/// (NVLink; not PCIe).
+pub const CU_DEVICE_P2P_ATTRIBUTE_NATIVE_ATOMIC_SUPPORTED: c_int = 3;
 
 pub const CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED: c_int = 102;
 pub const CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED: c_int = 103;
@@ -196,6 +200,7 @@ driver_api! {
     ctx_get_current = "cuCtxGetCurrent": fn(*mut CUcontext);
     ctx_set_current = "cuCtxSetCurrent": fn(CUcontext);
     ctx_get_device = "cuCtxGetDevice": fn(*mut CUdevice);
+    ctx_enable_peer_access = "cuCtxEnablePeerAccess": fn(CUcontext, c_uint);
     module_load_data = "cuModuleLoadData": fn(*mut CUmodule, *const c_void);
     module_get_function = "cuModuleGetFunction": fn(*mut CUfunction, CUmodule, *const c_char);
     func_set_attr = "cuFuncSetAttribute": fn(CUfunction, c_int, c_int);
@@ -230,6 +235,7 @@ driver_api! {
     ipc_open_mem_handle = "cuIpcOpenMemHandle_v2": fn(*mut CUdeviceptr, CUipcMemHandle, c_uint);
     ipc_close_mem_handle = "cuIpcCloseMemHandle": fn(CUdeviceptr);
     device_can_access_peer = "cuDeviceCanAccessPeer": fn(*mut c_int, CUdevice, CUdevice);
+    device_p2p_attr = "cuDeviceGetP2PAttribute": fn(*mut c_int, c_int, CUdevice, CUdevice);
     mem_granularity = "cuMemGetAllocationGranularity": fn(*mut usize,
         *const CUmemAllocationProp, c_uint);
     mem_create = "cuMemCreate": fn(*mut u64, usize, *const CUmemAllocationProp, u64);

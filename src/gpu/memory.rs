@@ -111,6 +111,34 @@ fn current_or_device0() -> Result<usize> {
     }
 }
 
+/// Whether kernels on devices `a` and `b` (ordinals of this process, different) can reach each
+/// other's memory, atomics included (`cuDeviceCanAccessPeer` and native peer atomics, both
+/// ways: GPUs joined by NVLink, not plain PCIe): ranks of one process on them keep their
+/// connections in device memory (the blocks of a lane count themselves in with atomics on the
+/// connection's header).
+pub fn peers_capable(a: i32, b: i32) -> bool {
+    let Ok(api) = driver::api() else {
+        return false;
+    };
+    let can = |x: i32, y: i32| {
+        let (mut c, mut atomics) = (0, 0);
+        // SAFETY: each writes one int; both are device ordinals of this process.
+        let (r, q) = unsafe {
+            (
+                (api.device_can_access_peer)(&mut c, x, y),
+                (api.device_p2p_attr)(
+                    &mut atomics,
+                    driver::CU_DEVICE_P2P_ATTRIBUTE_NATIVE_ATOMIC_SUPPORTED,
+                    x,
+                    y,
+                ),
+            )
+        };
+        r == driver::CUDA_SUCCESS && c != 0 && q == driver::CUDA_SUCCESS && atomics != 0
+    };
+    a >= 0 && b >= 0 && a != b && can(a, b) && can(b, a)
+}
+
 /// Undoes `pin_host` (before the memory is freed or unmapped): the last pin of an address is
 /// undone in the context it was made in (never one made now, whatever thread tears down).
 pub fn unpin_host(ptr: *mut u8) {
@@ -205,6 +233,28 @@ impl DevConn {
             unsafe { (api.stream_destroy)(st) };
             r?;
             Ok(c)
+        })
+    }
+
+    /// Lets the calling thread's current context (the communicator's, entered by whoever
+    /// makes connections) reach this memory where it is another device's: peer access from
+    /// that context to the one holding it (once per pair of contexts; the driver keeps it).
+    pub fn grant_current(&self) -> Result<()> {
+        let api = driver::api()?;
+        let cur = current_or_device0()?;
+        if cur == self.ctx {
+            return Ok(());
+        }
+        let _g = CtxGuard::enter(cur)?;
+        driver::relaxed(|| {
+            // SAFETY: two live contexts (the current one and the one holding the memory).
+            let r = unsafe { (api.ctx_enable_peer_access)(self.ctx as _, 0) };
+            if r == driver::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED {
+                return Ok(());
+            }
+            check(r, || {
+                "cuCtxEnablePeerAccess (a connection in another device's memory)".into()
+            })
         })
     }
 

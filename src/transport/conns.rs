@@ -140,6 +140,16 @@ impl Conns {
         Locality::of(&self.peers[self.rank], &self.peers[peer])
     }
 
+    /// `ConnSpec::peer_device`: `peer` is a rank of this process on another device that this
+    /// rank's device reaches, and the other way (the CUDA executor's; both ends decide alike).
+    fn peer_device(&self, peer: usize) -> bool {
+        let (me, q) = (&self.peers[self.rank], &self.peers[peer]);
+        crate::gpu::kind() == crate::gpu::Kind::Cuda
+            && me.same_process(q)
+            && !me.same_gpu(q)
+            && crate::gpu::memory::peers_capable(me.dev, q.dev)
+    }
+
     /// The connection of `key`, if it is made.
     pub fn get(&self, key: ConnKey) -> Option<Arc<Conn>> {
         self.map.lock().get(&key).cloned()
@@ -291,6 +301,7 @@ impl Conns {
             nsteps: self.nsteps,
             slot_bytes: self.slot_bytes,
             same_device: self.peers[self.rank].same_gpu(&self.peers[k.peer]),
+            peer_device: self.peer_device(k.peer),
             ipc: self.peers[self.rank].takes_ipc() && self.peers[k.peer].takes_ipc(),
             peer_pid: self.peers[self.rank].pid_seen_by(&self.peers[k.peer]),
             peer_host: self.peers[k.peer].hostname.clone(),

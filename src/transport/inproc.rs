@@ -41,6 +41,20 @@ impl HeapRegion {
 
     /// Puts the connection (`hdr_bytes` of header, `slot_bytes` of slots) in device memory of
     /// the current device, once for both ends.
+    /// Lets the current context reach the region's device memory (`DevConn::grant_current`):
+    /// the end on another device than the one that allocated it (`use_device_memory`).
+    pub fn reach_device_memory(&self) -> Result<()> {
+        self.dev
+            .get()
+            .ok_or_else(|| {
+                Error::internal(format!(
+                    "connection {}: its other end allocated no device memory",
+                    self.name()
+                ))
+            })?
+            .grant_current()
+    }
+
     pub fn use_device_memory(&self, hdr_bytes: usize, slot_bytes: usize) -> Result<()> {
         self.dev
             .get_or_try_init(|| crate::gpu::memory::DevConn::alloc(hdr_bytes, slot_bytes))

@@ -629,6 +629,10 @@ pub struct ConnSpec {
     pub slot_bytes: usize,
     /// Both ends run on one device (CUDA executor): their connection may live in its memory.
     pub same_device: bool,
+    /// Both ends run in this process on two devices that reach each other's memory (CUDA
+    /// executor, `gpu::memory::peers_capable`): their connection may live in the receiving
+    /// end's device memory.
+    pub peer_device: bool,
     /// Both ends' processes take connections in device memory by CUDA IPC (`OXCCL_CUDA_IPC=1`
     /// and not `NCCL_P2P_DISABLE=1` in each).
     pub ipc: bool,
@@ -664,16 +668,20 @@ pub(crate) struct Named {
     /// A sending end between processes whose connection lives in device memory: the receiving
     /// end's blob carries the IPC handle.
     opens_handle: bool,
+    /// A sending end whose connection lives in another device's memory (the receiving end's,
+    /// in this process): it enables peer access to it.
+    reaches: bool,
 }
 
 /// Whether a connection between `spec`'s ranks lives in device memory: ranks on one GPU, on
 /// the CUDA executor, unless `NCCL_P2P_DISABLE=1` asks for host-staged memory; between
 /// processes (CUDA IPC) only where both took `OXCCL_CUDA_IPC=1` (`spec.ipc`), so that both
-/// ends decide alike. (Ranks on different GPUs stay in pinned host memory: peer access is not
-/// enabled.)
+/// ends decide alike; between ranks of one process on two peer-capable devices, in the
+/// receiving end's (the sending end's kernels write to it, through peer access). Ranks of
+/// different processes on different GPUs stay in pinned host memory.
 fn in_device_memory(spec: &ConnSpec, shm: bool) -> bool {
     crate::gpu::kind() == crate::gpu::Kind::Cuda
-        && spec.same_device
+        && (spec.same_device || (!shm && spec.peer_device))
         && !crate::param::p2p_disabled()
         && (!shm || spec.ipc)
 }
@@ -696,7 +704,9 @@ impl Named {
             Region::Shm(r)
         } else {
             let h = inproc::open(&name, bytes)?;
-            if in_device_memory(spec, false) {
+            // On one device, whichever end comes first allocates; on two, the receiving end
+            // (its blob, which the sending end waits for, says it is done).
+            if in_device_memory(spec, false) && (spec.same_device || !spec.is_sender) {
                 h.use_device_memory(HDR_BYTES, slots)?;
             }
             Region::Heap(h)
@@ -716,6 +726,10 @@ impl Named {
                 peer: spec.peer,
                 is_sender: spec.is_sender,
                 opens_handle: shm && spec.is_sender && in_device_memory(spec, true),
+                reaches: !shm
+                    && spec.is_sender
+                    && !spec.same_device
+                    && in_device_memory(spec, false),
             }),
             blob,
         ))
@@ -756,6 +770,13 @@ impl Endpoint for Named {
                 )))
             }
             (None, Region::Shm(s)) if !conn.on_device() => s.pin()?,
+            (None, Region::Heap(h)) if n.reaches => h.reach_device_memory().map_err(|e| {
+                e.context(format!(
+                    "rank {}: reaching rank {}'s end of connection {} in its device's memory \
+                     (peer access; NCCL_P2P_DISABLE=1 stages it in host memory instead)",
+                    n.me, n.peer, n.name
+                ))
+            })?,
             (None, _) => {}
             (Some(h), Region::Shm(s)) if n.opens_handle => {
                 let h: &[u8; 64] = h.try_into().map_err(|_| {

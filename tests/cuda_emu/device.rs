@@ -633,7 +633,7 @@ const IPC_MARK: &[u8; 8] = b"oxemuipc";
 /// The next cuMemAlloc fails (CUDA_ERROR_OUT_OF_MEMORY), once.
 pub static FAIL_ALLOC: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
-unsafe extern "C" fn mem_alloc(p: *mut u64, n: usize) -> CUresult {
+pub unsafe extern "C" fn mem_alloc(p: *mut u64, n: usize) -> CUresult {
     use nix::libc;
     if !unsafe_call_allowed() {
         return CAPTURE_UNSUPPORTED;
@@ -894,7 +894,13 @@ unsafe extern "C" fn set_access(
 }
 
 pub fn stand_in() -> Api {
-    let own: Vec<(&str, *const c_void)> = vec![
+    stand_in_with(&[])
+}
+
+/// `stand_in` with `extra` in place of its functions for the symbols `extra` names.
+pub fn stand_in_with(extra: &[(&str, *const c_void)]) -> Api {
+    let mut own: Vec<(&str, *const c_void)> = extra.to_vec();
+    own.extend([
         ("cuDeviceGetAttribute", attr as *const c_void),
         ("cuLaunchKernel", launch as *const c_void),
         ("cuMemFree_v2", free as *const c_void),
@@ -936,7 +942,8 @@ pub fn stand_in() -> Api {
         ("cuMemMap", mem_map as *const c_void),
         ("cuMemUnmap", mem_unmap as *const c_void),
         ("cuMemSetAccess", set_access as *const c_void),
-    ];
-    // SAFETY: each function above has the signature the driver table lists for its symbol.
+    ]);
+    // SAFETY: each function above has the signature the driver table lists for its symbol
+    // (the caller's for `extra`).
     unsafe { stand_in::driver(&own) }
 }

@@ -143,6 +143,13 @@ unsafe extern "C" fn can_access_peer(can: *mut c_int, _: c_int, _: c_int) -> CUr
     unsafe { *can = 0 };
     OK
 }
+unsafe extern "C" fn p2p_attr(v: *mut c_int, _: c_int, _: c_int, _: c_int) -> CUresult {
+    unsafe { *v = 0 };
+    OK
+}
+unsafe extern "C" fn enable_peer_access(_: *mut c_void, _: c_uint) -> CUresult {
+    OK
+}
 unsafe extern "C" fn error_str(_: CUresult, s: *mut *const c_char) -> CUresult {
     unsafe { *s = c"stand-in error".as_ptr() };
     OK
@@ -180,8 +187,10 @@ pub unsafe fn driver(own: &[(&str, *const c_void)]) -> Api {
             exchange_mode as *const c_void,
         ),
     ];
-    let more: [(&str, *const c_void); 3] = [
+    let more: [(&str, *const c_void); 5] = [
         ("cuDeviceCanAccessPeer", can_access_peer as *const c_void),
+        ("cuDeviceGetP2PAttribute", p2p_attr as *const c_void),
+        ("cuCtxEnablePeerAccess", enable_peer_access as *const c_void),
         ("cuGetErrorName", error_str as *const c_void),
         ("cuGetErrorString", error_str as *const c_void),
     ];
