@@ -203,6 +203,16 @@ fn config_magic_and_size() {
             "{}",
             last_error()
         );
+        // A caller built against an older header: what lies past its fields (its struct's
+        // tail padding, say) is not read, as NCCL reads it by `version` too.
+        let mut old = ncclConfig_t::undefined();
+        old.version = 23000;
+        old.graphStreamOrdering = 9;
+        let mut id: ncclUniqueId = std::mem::zeroed();
+        assert_eq!(ncclGetUniqueId(&mut id).0, 0);
+        let r = ncclCommInitRankConfig(&mut c, 1, id, 0, &mut old).0;
+        assert_eq!(r, 0, "a 2.30.0 caller's padding: {}", last_error());
+        assert_eq!(ncclCommDestroy(c).0, 0);
         for m in 0..=2 {
             let mut ok = ncclConfig_t::undefined();
             ok.graphUsageMode = m;

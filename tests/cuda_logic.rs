@@ -760,9 +760,10 @@ fn cuda_executor_logic_on_a_recording_driver() {
         "{ev:#?}"
     );
     assert_eq!(nodes(&ev), 0, "{ev:#?}");
-    // 4f. Graph usage mode 0 or 1 (read when a communicator is made: NCCL_GRAPH_MIXING_SUPPORT=0,
-    //     ncclConfig_t.graphUsageMode, inherited by a split given no config): no nodes, and
-    //     no eager wait for replays. NCCL_GRAPH_MIXING_SUPPORT=1 overrides the config's 1.
+    // 4f. Graph usage modes (read when a communicator is made: NCCL_GRAPH_MIXING_SUPPORT,
+    //     ncclConfig_t.graphUsageMode, inherited by a split given no config): mode 0 no nodes,
+    //     mode 1 record nodes only (destroy waits for replays), neither an eager wait for
+    //     replays; NCCL_GRAPH_MIXING_SUPPORT=1 overrides the config's 1 (mode 2: all).
     let one_rank = |mode: Option<i32>| {
         let id = nccl::api::get_unique_id().unwrap();
         let config = nccl::api::CommConfig {
@@ -780,20 +781,21 @@ fn cuda_executor_logic_on_a_recording_driver() {
     let split = nccl::api::comm_split(&by_config, 0, 0, None)
         .expect("split")
         .expect("a color");
-    for (comm, mixing, what) in [
-        (&by_env, false, "NCCL_GRAPH_MIXING_SUPPORT=0"),
-        (&by_config, false, "graphUsageMode 1"),
+    for (comm, mode, what) in [
+        (&by_env, 0, "NCCL_GRAPH_MIXING_SUPPORT=0"),
+        (&by_config, 1, "graphUsageMode 1"),
         (
             &split,
-            false,
+            1,
             "a split of a graphUsageMode 1 communicator, given no config",
         ),
         (
             &overridden,
-            true,
+            2,
             "graphUsageMode 1, NCCL_GRAPH_MIXING_SUPPORT=1",
         ),
     ] {
+        let mixing = mode == 2;
         take();
         capture(&[(0x65, 7)]);
         nccl::api::enqueue(comm, all_reduce(bufs[0].0, bufs[0].1, 1000), cuda(0x65)).unwrap();
@@ -803,10 +805,9 @@ fn cuda_executor_logic_on_a_recording_driver() {
                 .any(|e| matches!(e, Ev::Copy { stream: 0x65, .. })),
             "{what}: one rank's all-reduce: a copy: {ev:#?}"
         );
-        let nodes = ev
-            .iter()
-            .any(|e| matches!(e, Ev::WaitNode { .. } | Ev::RecordNode { .. }));
-        assert_eq!(nodes, mixing, "{what}: {ev:#?}");
+        let records = ev.iter().any(|e| matches!(e, Ev::RecordNode { .. }));
+        let waits = ev.iter().any(|e| matches!(e, Ev::WaitNode { .. }));
+        assert_eq!((records, waits), (mode >= 1, mixing), "{what}: {ev:#?}");
         capture(&[]);
         nccl::api::enqueue(comm, all_reduce(bufs[0].0, bufs[0].1, 1000), cuda(0x66)).unwrap();
         let ev = take();

@@ -32,6 +32,25 @@ pub(crate) unsafe fn read_config(config: *const ncclConfig_t) -> Result<Option<C
     let n = size.min(size_of::<ncclConfig_t>());
     // SAFETY: the caller's struct has `size` bytes; `c` has size_of::<ncclConfig_t>() >= n.
     unsafe { std::ptr::copy_nonoverlapping(config as *const u8, &mut c as *mut _ as *mut u8, n) };
+    // Fields newer than the header the caller was built with (its `version`) are left
+    // undefined, as NCCL leaves them: inside `size` they may be the older struct's tail
+    // padding, which nobody initialised.
+    let undef = ncclConfig_t::undefined();
+    if c.version < 21400 {
+        c.blocking = undef.blocking;
+    }
+    if c.version < 21700 {
+        (c.minCTAs, c.maxCTAs, c.netName) = (undef.minCTAs, undef.maxCTAs, undef.netName);
+    }
+    if c.version < 22700 {
+        c.CTAPolicy = undef.CTAPolicy;
+    }
+    if c.version < 22900 {
+        c.graphUsageMode = undef.graphUsageMode;
+    }
+    if c.version < 23005 {
+        c.graphStreamOrdering = undef.graphStreamOrdering;
+    }
 
     let opt = |v: c_int| (v != UNDEF_INT).then_some(v);
     let flag = |v: c_int, what: &str| -> Result<Option<bool>> {

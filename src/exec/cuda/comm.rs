@@ -97,12 +97,12 @@ impl Drop for Ctl {
 /// How many graphs being captured at once a communicator keeps its last launch in; past that,
 /// the graph it launched into least lately is forgotten (a launch back in it gets the wait
 /// nodes of a first launch there, and no edge from the launch before it).
-const OPEN_GRAPHS: usize = 8;
+const OPEN_GRAPHS: usize = 64;
 
 /// The communicator's last launch in one graph being captured.
 pub(super) struct Tip {
-    /// The graph's capture id.
-    pub graph: u64,
+    /// The graph's capture id (None: a new tip whose event is not recorded yet).
+    pub graph: Option<u64>,
     /// Recorded after that launch, in its graph (never queried).
     pub event: usize,
     pub stream: usize,
@@ -123,8 +123,12 @@ pub(super) struct Captured {
     /// A captured launch recorded `replayed` (some graph holds a record of it).
     pub any: bool,
     /// Graph usage mode 2 (`ncclConfig_t.graphUsageMode`, `NCCL_GRAPH_MIXING_SUPPORT`): the
-    /// nodes are used.
+    /// wait nodes are used, and eager launches wait for the replays issued before them.
     pub mixing: bool,
+    /// Mode 1 or 2: captured launches leave record nodes (`replayed`), so that the
+    /// communicator's destroy waits for its replays (mode 0 leaves no node at all: graphs
+    /// whose collectives sit in conditional or loop bodies, which may not hold them).
+    pub records: bool,
     /// Mode 0 (the program said it captures none; told once when it does).
     pub no_graphs: bool,
 }
@@ -132,48 +136,56 @@ pub(super) struct Captured {
 impl Captured {
     /// Its last launch captured into graph `id`, if it is kept.
     pub fn tip(&self, id: u64) -> Option<&Tip> {
-        self.tips.iter().find(|t| t.graph == id)
+        self.tips.iter().find(|t| t.graph == Some(id))
     }
 
-    /// Where its launch now captured on `stream` into graph `id` goes: the graph's tip, or a
-    /// new one (an event created, or the one of the graph it launched into least lately).
-    pub fn tip_mut(&mut self, api: &driver::Api, id: u64, stream: usize) -> Result<&mut Tip> {
+    /// Where its launch now captured into graph `id` goes: (the index of its tip, the event
+    /// to record there): the graph's tip, or a free one (an event created), or, with
+    /// `OPEN_GRAPHS` graphs kept, that of the graph it launched into least lately. Nothing
+    /// changes until `commit`, once the event is recorded.
+    pub fn slot(&mut self, api: &driver::Api, id: u64, name: &str) -> Result<(usize, usize)> {
+        if let Some(i) = self.tips.iter().position(|t| t.graph == Some(id)) {
+            return Ok((i, self.tips[i].event));
+        }
+        if self.tips.len() < OPEN_GRAPHS {
+            let mut ev: driver::CUevent = std::ptr::null_mut();
+            // Relaxed: the caller's stream captures.
+            driver::relaxed(|| {
+                // SAFETY: writes one event handle (destroyed with the communicator).
+                check(
+                    unsafe { (api.event_create)(&mut ev, driver::CU_EVENT_DISABLE_TIMING) },
+                    || "cuEventCreate".into(),
+                )
+            })?;
+            self.tips.push(Tip {
+                graph: None,
+                event: ev as usize,
+                stream: 0,
+                used: 0,
+            });
+            return Ok((self.tips.len() - 1, ev as usize));
+        }
+        let (i, t) = self
+            .tips
+            .iter()
+            .enumerate()
+            .min_by_key(|(_, t)| t.used)
+            .expect("OPEN_GRAPHS > 0");
+        if let Some(g) = t.graph {
+            crate::debug::warn(&format!(
+                "{name}: its launches are captured into more than {OPEN_GRAPHS} CUDA graphs \
+                 at once; it forgets where its last launch into graph {g} went (a later launch \
+                 of its in that graph is not ordered after it)"
+            ));
+        }
+        Ok((i, t.event))
+    }
+
+    /// Tip `i` (from `slot`) now holds the launch captured on `stream` into graph `id`.
+    pub fn commit(&mut self, i: usize, id: u64, stream: usize) {
         self.tick += 1;
-        let i = match self.tips.iter().position(|t| t.graph == id) {
-            Some(i) => i,
-            None if self.tips.len() < OPEN_GRAPHS => {
-                let mut ev: driver::CUevent = std::ptr::null_mut();
-                // SAFETY: writes one event handle (destroyed with the communicator). Relaxed:
-                // the caller's stream captures.
-                driver::relaxed(|| {
-                    check(
-                        unsafe { (api.event_create)(&mut ev, driver::CU_EVENT_DISABLE_TIMING) },
-                        || "cuEventCreate".into(),
-                    )
-                })?;
-                self.tips.push(Tip {
-                    graph: id,
-                    event: ev as usize,
-                    stream,
-                    used: 0,
-                });
-                self.tips.len() - 1
-            }
-            None => {
-                let (i, _) = self
-                    .tips
-                    .iter()
-                    .enumerate()
-                    .min_by_key(|(_, t)| t.used)
-                    .expect("OPEN_GRAPHS > 0");
-                self.tips[i].graph = id;
-                i
-            }
-        };
         let tip = &mut self.tips[i];
-        tip.used = self.tick;
-        tip.stream = stream;
-        Ok(tip)
+        (tip.graph, tip.stream, tip.used) = (Some(id), stream, self.tick);
     }
 }
 
@@ -320,6 +332,7 @@ impl CudaComm {
                 replayed: replayed as usize,
                 any: false,
                 mixing,
+                records: s.graph_usage >= 1,
                 no_graphs: s.graph_usage == 0,
             }),
             ranks_on_device: s

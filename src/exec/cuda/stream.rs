@@ -190,7 +190,7 @@ pub(super) fn join_captured(
         }
         // The record node first, so that the communicator's next launch in the graph follows
         // it too (its record nodes form a chain: the last is the latest).
-        if c.mixing {
+        if c.records {
             // SAFETY: our event, on the caller's stream (a node: it records at each replay).
             check(
                 unsafe {
@@ -207,13 +207,14 @@ pub(super) fn join_captured(
         // (A driver that does not tell graphs apart gets no edges: each launch is taken as the
         // first in its graph.)
         if let Some(id) = id {
-            let tip = c.tip_mut(api, id, stream)?;
+            let (i, event) = c.slot(api, id, comm.describe())?;
             // SAFETY: the graph's event (recorded in captures only, never queried), the
             // caller's stream.
             check(
-                unsafe { (api.event_record)(tip.event as _, stream as _) },
+                unsafe { (api.event_record)(event as _, stream as _) },
                 || "cuEventRecord (ordering a communicator's captured launches)".into(),
             )?;
+            c.commit(i, id, stream);
         }
     }
     if joins.is_empty() {
