@@ -999,10 +999,15 @@ fn cases(n: usize, counts: &[usize]) -> Vec<Case> {
 fn start(so: &Path) -> PathBuf {
     device::load_emu(so);
     let cache = stand_in::stand_in_kernels("cuda-emu");
-    assert!(
-        driver::install(device::stand_in()),
-        "a driver was loaded already"
-    );
+    // `OXEMU_PEERS`: two devices (`peer_devices`).
+    let api = match std::env::var("OXEMU_PEERS") {
+        Ok(how) => {
+            peers::NATIVE_ATOMICS.store(how == "nvlink", Ordering::SeqCst);
+            device::stand_in_with(&peers::functions())
+        }
+        Err(_) => device::stand_in(),
+    };
+    assert!(driver::install(api), "a driver was loaded already");
     assert_eq!(nccl::gpu::kind(), nccl::gpu::Kind::Cuda);
     cache
 }
@@ -1018,6 +1023,12 @@ fn rank_process(r: usize) {
         *b = u8::from_str_radix(&hex[2 * k..2 * k + 2], 16).unwrap();
     }
     let cache = start(Path::new(&var("OXEMU_LIB")));
+    if std::env::var("OXEMU_PEERS").is_ok() {
+        // Rank r on device r % 2 (the current context's, as ncclCommInitRank takes it).
+        let api = driver::api().unwrap();
+        // SAFETY: the stand-in's context of that device.
+        unsafe { (api.ctx_set_current)(peers::ctx_of(r as i32 % 2) as _) };
+    }
     let comm = nccl::api::comm_init_rank(n as i32, &id, r as i32, Default::default())
         .expect("a rank in a process");
     println!("comm hash {:016x}", comm.comm_hash().unwrap());
@@ -1266,7 +1277,8 @@ fn processes(so: &Path, n: usize, ipc: bool, hosts: usize) {
 }
 
 /// `processes`, or with `trouble` ("death", "late") the last rank fails the others (`trouble`).
-fn run_processes(so: &Path, n: usize, ipc: bool, hosts: usize, trouble: Option<&str>) {
+/// The IPC handles the ranks opened (0 with `trouble`).
+fn run_processes(so: &Path, n: usize, ipc: bool, hosts: usize, trouble: Option<&str>) -> u64 {
     let dir =
         Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("cuda-emu-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
@@ -1376,7 +1388,7 @@ fn run_processes(so: &Path, n: usize, ipc: bool, hosts: usize, trouble: Option<&
             assert!(status.success() && out.contains("survived: "), "{report}");
         }
         eprintln!("a peer's {how}, {n} processes:\n{report}");
-        return;
+        return 0;
     }
     let mut opened = 0;
     for (status, out, _) in &outs {
@@ -1392,12 +1404,15 @@ fn run_processes(so: &Path, n: usize, ipc: bool, hosts: usize, trouble: Option<&
             .and_then(|v| v.parse::<u64>().ok())
             .unwrap_or(0);
     }
-    // (IPC serves ranks of one host.)
-    assert_eq!(
-        opened > 0,
-        ipc && n > hosts,
-        "{n} processes: IPC handles opened: {opened}"
-    );
+    // (IPC serves ranks of one host, of one GPU unless they are on two: `peer_devices`.)
+    if std::env::var_os("OXEMU_PEERS").is_none() {
+        assert_eq!(
+            opened > 0,
+            ipc && n > hosts,
+            "{n} processes: IPC handles opened: {opened}"
+        );
+    }
+    opened
 }
 
 /// A device that runs only 4 blocks at once (`OXEMU_RESIDENT`, in a process of its own so that
@@ -1448,11 +1463,13 @@ fn child(so: &Path, var: (&str, &str), limit: Duration) -> (bool, String) {
     (status.success(), report)
 }
 
-/// Ranks of one process on two devices (`ncclCommInitAll` of devices 0, 1, 0, 1: every ring
-/// hop crosses them), each collective checked, in a process whose stand-in driver has two
-/// devices (`peers`): with native peer atomics (NVLink), their connections live in the
-/// receiving rank's device memory and the sending rank's context enables peer access to it;
-/// without (plain PCIe), they stage in host memory and nothing enables peer access.
+/// Ranks on two devices, where the stand-in driver has two (`peers`): of one process
+/// (`ncclCommInitAll` of devices 0, 1, 0, 1: every ring hop crosses them), each collective
+/// checked, in a process of its own; and a process per rank, rank r on device r % 2, with
+/// `OXCCL_CUDA_IPC=1`. With native peer atomics (NVLink), their connections live in the
+/// receiving rank's device memory: in one process the sending rank's context enables peer
+/// access to it, between processes the sending rank opens it by its IPC handle. Without (plain
+/// PCIe), they stage in host memory: no peer access, no IPC handle.
 fn peer_devices(so: &Path) {
     for how in ["nvlink", "pcie"] {
         let (ok, report) = child(so, ("OXEMU_PEERS", how), Duration::from_secs(300));
@@ -1460,15 +1477,20 @@ fn peer_devices(so: &Path) {
             ok && report.contains(&format!("peer devices ({how}): checked")),
             "ranks on two devices ({how}):\n{report}"
         );
+        std::env::set_var("OXEMU_PEERS", how);
+        let opened = run_processes(so, 2, true, 1, None);
+        std::env::remove_var("OXEMU_PEERS");
+        assert_eq!(
+            opened > 0,
+            how == "nvlink",
+            "processes on two devices ({how}): IPC handles opened: {opened}"
+        );
     }
 }
 
 /// `peer_devices`' process.
 fn peer_devices_process(how: &str) {
-    device::load_emu(Path::new(&std::env::var("OXEMU_LIB").unwrap()));
-    let cache = stand_in::stand_in_kernels("cuda-emu-peers");
-    peers::NATIVE_ATOMICS.store(how == "nvlink", Ordering::SeqCst);
-    assert!(driver::install(device::stand_in_with(&peers::functions())));
+    let cache = start(Path::new(&std::env::var("OXEMU_LIB").unwrap()));
     let comms = nccl::api::comm_init_all(&[0, 1, 0, 1]).expect("ranks on two devices");
     let own: Vec<usize> = (0..4).map(|_| new_stream()).collect();
     let cases = cases(4, &[300_001, 1001]);

@@ -140,14 +140,12 @@ impl Conns {
         Locality::of(&self.peers[self.rank], &self.peers[peer])
     }
 
-    /// `ConnSpec::peer_device`: `peer` is a rank of this process on another device that this
-    /// rank's device reaches, and the other way (the CUDA executor's; both ends decide alike).
+    /// `ConnSpec::peer_device`: `peer` is a rank of this host on another GPU that this rank's
+    /// GPU reaches, and the other way (`PeerInfo::peer_gpus`: both ends decide alike).
     fn peer_device(&self, peer: usize) -> bool {
-        let (me, q) = (&self.peers[self.rank], &self.peers[peer]);
         crate::gpu::kind() == crate::gpu::Kind::Cuda
-            && me.same_process(q)
-            && !me.same_gpu(q)
-            && crate::gpu::memory::peers_capable(me.dev, q.dev)
+            && self.locality(peer) != Locality::OtherHost
+            && self.peers[self.rank].peer_gpus(&self.peers[peer])
     }
 
     /// The connection of `key`, if it is made.

@@ -39,8 +39,6 @@ impl HeapRegion {
         self.dev.get().map(|d| (d.hdr, d.slots))
     }
 
-    /// Puts the connection (`hdr_bytes` of header, `slot_bytes` of slots) in device memory of
-    /// the current device, once for both ends.
     /// Lets the current context reach the region's device memory (`DevConn::grant_current`):
     /// the end on another device than the one that allocated it (`use_device_memory`).
     pub fn reach_device_memory(&self) -> Result<()> {
@@ -55,6 +53,8 @@ impl HeapRegion {
             .grant_current()
     }
 
+    /// Puts the connection (`hdr_bytes` of header, `slot_bytes` of slots) in device memory of
+    /// the current device, once for both ends.
     pub fn use_device_memory(&self, hdr_bytes: usize, slot_bytes: usize) -> Result<()> {
         self.dev
             .get_or_try_init(|| crate::gpu::memory::DevConn::alloc(hdr_bytes, slot_bytes))

@@ -538,8 +538,7 @@ impl Conn {
     /// visible once this says yes.
     pub fn peer_closed(&self) -> bool {
         self.proxy.as_ref().is_some_and(|p| p.closed())
-            || (self.host_header()
-                && self.closed().load(Ordering::Acquire) & end_bit(!self.is_sender) != 0)
+            || self.closed().load(Ordering::Acquire) & end_bit(!self.is_sender) != 0
     }
 
     /// This end lets go of the connection: the other end's waits for it end (`peer_closed`).
@@ -553,10 +552,10 @@ impl Conn {
             }
             s.close_opened();
         }
-        if self.host_header() {
-            self.closed()
-                .fetch_or(end_bit(self.is_sender), Ordering::Release);
-        }
+        // (In the host copy of the header, which both ends share whether or not the counters
+        // live in device memory.)
+        self.closed()
+            .fetch_or(end_bit(self.is_sender), Ordering::Release);
     }
 
     /// The communicator's kernels did not stop: the connection's memory (device memory, or
@@ -571,12 +570,6 @@ impl Conn {
             Region::Shm(s) => s.abandon(),
             Region::Heap(h) => h.abandon(),
         }
-    }
-
-    /// Whether both ends share the host copy of the header's bookkeeping words: all but a
-    /// connection of one process in device memory (whose host copy nobody else reads).
-    fn host_header(&self) -> bool {
-        matches!(self.region, Region::Shm(_)) || !self.on_device()
     }
 
     fn closed(&self) -> &AtomicU32 {
@@ -629,9 +622,8 @@ pub struct ConnSpec {
     pub slot_bytes: usize,
     /// Both ends run on one device (CUDA executor): their connection may live in its memory.
     pub same_device: bool,
-    /// Both ends run in this process on two devices that reach each other's memory (CUDA
-    /// executor, `gpu::memory::peers_capable`): their connection may live in the receiving
-    /// end's device memory.
+    /// Both ends run on two GPUs of this host that reach each other's memory (CUDA executor,
+    /// `PeerInfo::peer_gpus`): their connection may live in the receiving end's device memory.
     pub peer_device: bool,
     /// Both ends' processes take connections in device memory by CUDA IPC (`OXCCL_CUDA_IPC=1`
     /// and not `NCCL_P2P_DISABLE=1` in each).
@@ -676,12 +668,12 @@ pub(crate) struct Named {
 /// Whether a connection between `spec`'s ranks lives in device memory: ranks on one GPU, on
 /// the CUDA executor, unless `NCCL_P2P_DISABLE=1` asks for host-staged memory; between
 /// processes (CUDA IPC) only where both took `OXCCL_CUDA_IPC=1` (`spec.ipc`), so that both
-/// ends decide alike; between ranks of one process on two peer-capable devices, in the
-/// receiving end's (the sending end's kernels write to it, through peer access). Ranks of
-/// different processes on different GPUs stay in pinned host memory.
+/// ends decide alike; ranks on two peer-capable GPUs likewise, in the receiving end's memory
+/// (the sending end's kernels write to it, through peer access: enabled by its context in one
+/// process, by the IPC handle's opening between processes).
 fn in_device_memory(spec: &ConnSpec, shm: bool) -> bool {
     crate::gpu::kind() == crate::gpu::Kind::Cuda
-        && (spec.same_device || (!shm && spec.peer_device))
+        && (spec.same_device || spec.peer_device)
         && !crate::param::p2p_disabled()
         && (!shm || spec.ipc)
 }

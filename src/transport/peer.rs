@@ -20,6 +20,11 @@ pub struct PeerInfo {
     pub nsteps: u32,
     /// Where this process keeps its cross-memory-attach probe word (`transport::cma`).
     pub probe: u64,
+    /// The UUIDs of the GPUs this rank's GPU reaches as a peer, and that reach it, atomics
+    /// included (`gpu::memory::peers_capable`), among those its process sees (at most
+    /// `MAX_REACHES`): two ranks of one host on different GPUs may share device memory where
+    /// each names the other's.
+    pub reaches: Vec<[u8; 16]>,
     /// The host's name, for messages (at most 64 bytes of it).
     pub hostname: String,
     /// The token of the lock by which its process tells peers of other PID namespaces that it
@@ -28,6 +33,9 @@ pub struct PeerInfo {
 }
 
 const BYTES: usize = 8 + 4 + 4 + 16 + 4 + 8 + 8 + 4 + 8;
+/// The most peer GPUs a rank names (`reaches`; after the fixed bytes, a count byte and as many
+/// UUIDs, then the host name).
+const MAX_REACHES: usize = 64;
 
 /// The process takes connections in device memory by CUDA IPC (CUDA executor,
 /// `OXCCL_CUDA_IPC=1`, not `NCCL_P2P_DISABLE=1`).
@@ -65,6 +73,16 @@ fn slot_bytes() -> usize {
     }
 }
 
+/// `PeerInfo::reaches` of a rank on device `dev`.
+fn reaches(dev: i32) -> Vec<[u8; 16]> {
+    let n = crate::gpu::driver::device_count().unwrap_or(0);
+    (0..n)
+        .filter(|&d| crate::gpu::memory::peers_capable(dev, d))
+        .filter_map(|d| crate::gpu::driver::device_uuid(d).ok())
+        .take(MAX_REACHES)
+        .collect()
+}
+
 impl PeerInfo {
     pub fn mine(dev: i32) -> PeerInfo {
         PeerInfo {
@@ -89,6 +107,10 @@ impl PeerInfo {
             slot_bytes: slot_bytes() as u64,
             nsteps: crate::param::nsteps() as u32,
             probe: crate::transport::cma::probe_addr(),
+            reaches: match crate::gpu::kind() {
+                crate::gpu::Kind::Cuda if dev >= 0 => reaches(dev),
+                _ => Vec::new(),
+            },
             hostname: nix::unistd::gethostname()
                 .ok()
                 .and_then(|h| h.into_string().ok())
@@ -166,6 +188,17 @@ impl PeerInfo {
         self.flags & FLAG_IPC != 0
     }
 
+    /// Whether this rank's GPU and `other`'s (another, of this host) reach each other's
+    /// memory: each names the other's UUID in `reaches` (so both ends decide alike).
+    pub fn peer_gpus(&self, other: &PeerInfo) -> bool {
+        self.host == other.host
+            && self.gpu != [0; 16]
+            && other.gpu != [0; 16]
+            && self.gpu != other.gpu
+            && self.reaches.contains(&other.gpu)
+            && other.reaches.contains(&self.gpu)
+    }
+
     /// "rank R (process P on host H)", for messages.
     pub fn describe(&self, rank: usize) -> String {
         format!(
@@ -185,14 +218,22 @@ impl PeerInfo {
         v.extend_from_slice(&self.slot_bytes.to_le_bytes());
         v.extend_from_slice(&self.nsteps.to_le_bytes());
         v.extend_from_slice(&self.probe.to_le_bytes());
+        let reaches = &self.reaches[..self.reaches.len().min(MAX_REACHES)];
+        v.push(reaches.len() as u8);
+        for u in reaches {
+            v.extend_from_slice(u);
+        }
         v.extend_from_slice(self.hostname.as_bytes());
         v
     }
 
     pub fn from_bytes(b: &[u8]) -> Result<PeerInfo> {
-        if b.len() < BYTES || b.len() > BYTES + 64 {
+        let n = b.get(BYTES).map_or(0, |&n| n as usize);
+        let fixed = BYTES + 1 + 16 * n;
+        if b.len() < fixed || b.len() > fixed + 64 || n > MAX_REACHES {
             return Err(Error::internal(format!(
-                "peer info of {} bytes, expected {BYTES} and a host name",
+                "peer info of {} bytes, expected {BYTES}, a count of peer GPUs, their UUIDs \
+                 and a host name",
                 b.len()
             )));
         }
@@ -208,7 +249,11 @@ impl PeerInfo {
             slot_bytes: u64_at(44),
             nsteps: u32_at(52),
             probe: u64_at(56),
-            hostname: String::from_utf8_lossy(&b[BYTES..]).into_owned(),
+            reaches: b[BYTES + 1..fixed]
+                .chunks_exact(16)
+                .map(|u| u.try_into().expect("16 bytes"))
+                .collect(),
+            hostname: String::from_utf8_lossy(&b[fixed..]).into_owned(),
             alive: 0,
         })
     }
@@ -224,6 +269,8 @@ mod tests {
         p.gpu = *b"0123456789abcdef";
         p.flags = FLAG_IPC;
         p.pidns = 0xfeed_f00d;
+        assert_eq!(PeerInfo::from_bytes(&p.to_bytes()).unwrap(), p);
+        p.reaches = vec![*b"fedcba9876543210", [7; 16]];
         assert_eq!(PeerInfo::from_bytes(&p.to_bytes()).unwrap(), p);
         assert!(PeerInfo::from_bytes(&[0u8; 3]).is_err());
     }
