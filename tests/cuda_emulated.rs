@@ -909,6 +909,26 @@ fn failures() {
     assert!(t.elapsed() < Duration::from_secs(10));
     nccl::api::comm_abort(nccl::api::comm_handle(&comms[1])).expect("abort");
 
+    // A peer rank of this process that destroys its communicator while this rank's kernel
+    // waits for it, their connections in device memory: the kernel stops, and the
+    // communicator fails, within seconds (the host copy of the header says the end closed).
+    let comms = nccl::api::comm_init_all(&[0, 0]).expect("two ranks");
+    let bufs = buffers(&alone, 2);
+    pair(&comms, [&alone; 2], &bufs, &streams).unwrap();
+    sync_all(&streams, "the connections made");
+    enqueue(&comms[0], &alone, 2, bufs[0], streams[0]);
+    nccl::api::comm_destroy(nccl::api::comm_handle(&comms[1])).expect("destroy");
+    assert!(
+        sync(streams[0], Duration::from_secs(20)),
+        "the kernel still waits for a peer that destroyed its communicator"
+    );
+    assert_ne!(
+        async_error(&comms[0]),
+        Code::Success,
+        "a peer that destroyed its communicator"
+    );
+    let _ = nccl::api::comm_abort(nccl::api::comm_handle(&comms[0]));
+
     // A launch the driver refuses: the group's call fails with ncclUnhandledCudaError naming
     // the driver's error, and the peer, whose kernel runs and waits for it, is told and stops.
     let comms = nccl::api::comm_init_all(&[0, 0]).expect("two ranks");
