@@ -116,7 +116,7 @@ pub const PARAMS: &[Param] = &[
     },
     Param {
         name: "NCCL_GRAPH_MIXING_SUPPORT",
-        doc: "CUDA executor; when set, overrides `ncclConfig_t.graphUsageMode` (whose default is 2) as NCCL does: 1 is mode 2: a communicator's CUDA graph replays and eager launches run in the order they are issued, whatever their streams (event record and wait nodes in its graphs); 0 is mode 0: no such nodes at all (for graphs whose collectives sit in conditional or loop bodies, which may not hold them; the program orders replays and eager calls itself, and synchronizes its replays before destroying the communicator; a capture logs an INFO line, since mode 0 promises none). Mode 1 (the config only) leaves the record nodes in, so that destroy waits for replays",
+        doc: "CUDA executor; when set, overrides `ncclConfig_t.graphUsageMode` (whose default is 2) as NCCL does: 1 is mode 2: a communicator's CUDA graph replays and eager launches run in the order they are issued, whatever their streams (event record and wait nodes in its graphs); 0 is mode 0: no such nodes (for graphs launched from the device or whose collectives sit in conditional or loop bodies, which may not hold them; the program orders replays and eager calls itself, and lets its replays end before destroying the communicator; a capture logs an INFO line, since mode 0 promises none; mode 1, from the config, is the same without the line)",
         default: "1",
     },
     Param {

@@ -1293,12 +1293,20 @@ fn shm_names() -> BTreeSet<String> {
 /// between hosts the network transport's proxy threads move the kernels' FIFO slots over
 /// loopback sockets.
 fn processes(so: &Path, n: usize, ipc: bool, hosts: usize) {
-    run_processes(so, n, ipc, hosts, None);
+    run_processes(so, n, ipc, hosts, None, None);
 }
 
 /// `processes`, or with `trouble` ("death", "late") the last rank fails the others (`trouble`).
-/// The IPC handles the ranks opened (0 with `trouble`).
-fn run_processes(so: &Path, n: usize, ipc: bool, hosts: usize, trouble: Option<&str>) -> u64 {
+/// The IPC handles the ranks opened (0 with `trouble`). `peers`: the ranks' driver has two
+/// devices (`OXEMU_PEERS`), rank r on device r % 2.
+fn run_processes(
+    so: &Path,
+    n: usize,
+    ipc: bool,
+    hosts: usize,
+    trouble: Option<&str>,
+    peers: Option<&str>,
+) -> u64 {
     let dir =
         Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("cuda-emu-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
@@ -1335,6 +1343,7 @@ fn run_processes(so: &Path, n: usize, ipc: bool, hosts: usize, trouble: Option<&
             .env("OXEMU_LIB", so)
             .env("OXCCL_CUDA_IPC", if ipc { "1" } else { "0" })
             .envs(trouble.map(|t| ("OXEMU_TROUBLE", t)))
+            .envs(peers.map(|p| ("OXEMU_PEERS", p)))
             // A short timeout for the late peer (also the bootstrap's).
             .envs(trouble.map(|_| ("OXCCL_TIMEOUT_S", "3")))
             .envs((hosts > 1).then(|| ("OXCCL_HOSTID", format!("emu-host-{}", r * hosts / n))))
@@ -1425,7 +1434,7 @@ fn run_processes(so: &Path, n: usize, ipc: bool, hosts: usize, trouble: Option<&
             .unwrap_or(0);
     }
     // (IPC serves ranks of one host, of one GPU unless they are on two: `peer_devices`.)
-    if std::env::var_os("OXEMU_PEERS").is_none() {
+    if peers.is_none() {
         assert_eq!(
             opened > 0,
             ipc && n > hosts,
@@ -1497,9 +1506,7 @@ fn peer_devices(so: &Path) {
             ok && report.contains(&format!("peer devices ({how}): checked")),
             "ranks on two devices ({how}):\n{report}"
         );
-        std::env::set_var("OXEMU_PEERS", how);
-        let opened = run_processes(so, 2, true, 1, None);
-        std::env::remove_var("OXEMU_PEERS");
+        let opened = run_processes(so, 2, true, 1, None, Some(how));
         assert_eq!(
             opened > 0,
             how == "nvlink",
@@ -1705,7 +1712,7 @@ fn cuda_executor_on_emulated_kernels() {
         if how.starts_with("pidns-") && !can_unshare_pid() {
             continue;
         }
-        run_processes(&so, n, false, hosts, Some(how));
+        run_processes(&so, n, false, hosts, Some(how), None);
     }
     let _ = std::fs::remove_file(&so);
     let _ = std::fs::remove_dir_all(&cache);

@@ -123,12 +123,12 @@ pub(super) struct Captured {
     /// A captured launch recorded `replayed` (some graph holds a record of it).
     pub any: bool,
     /// Graph usage mode 2 (`ncclConfig_t.graphUsageMode`, `NCCL_GRAPH_MIXING_SUPPORT`): the
-    /// wait nodes are used, and eager launches wait for the replays issued before them.
+    /// record and wait nodes are used, so that eager launches, replays and the communicator's
+    /// destroy wait for the replays issued before them. Modes 0 and 1 leave no node at all,
+    /// as NCCL's do (graphs launched from the device, or whose collectives sit in conditional
+    /// or loop bodies, may not hold them): the program orders its replays, and lets them end
+    /// before it destroys the communicator.
     pub mixing: bool,
-    /// Mode 1 or 2: captured launches leave record nodes (`replayed`), so that the
-    /// communicator's destroy waits for its replays (mode 0 leaves no node at all: graphs
-    /// whose collectives sit in conditional or loop bodies, which may not hold them).
-    pub records: bool,
     /// Mode 0 (the program said it captures none; told once when it does).
     pub no_graphs: bool,
 }
@@ -145,6 +145,10 @@ impl Captured {
     /// changes until `commit`, once the event is recorded.
     pub fn slot(&mut self, api: &driver::Api, id: u64, name: &str) -> Result<(usize, usize)> {
         if let Some(i) = self.tips.iter().position(|t| t.graph == Some(id)) {
+            return Ok((i, self.tips[i].event));
+        }
+        // (A tip whose first record failed is free.)
+        if let Some(i) = self.tips.iter().position(|t| t.graph.is_none()) {
             return Ok((i, self.tips[i].event));
         }
         if self.tips.len() < OPEN_GRAPHS {
@@ -332,7 +336,6 @@ impl CudaComm {
                 replayed: replayed as usize,
                 any: false,
                 mixing,
-                records: s.graph_usage >= 1,
                 no_graphs: s.graph_usage == 0,
             }),
             ranks_on_device: s

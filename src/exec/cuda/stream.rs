@@ -190,7 +190,7 @@ pub(super) fn join_captured(
         }
         // The record node first, so that the communicator's next launch in the graph follows
         // it too (its record nodes form a chain: the last is the latest).
-        if c.records {
+        if c.mixing {
             // SAFETY: our event, on the caller's stream (a node: it records at each replay).
             check(
                 unsafe {
