@@ -36,6 +36,8 @@ const BYTES: usize = 8 + 4 + 4 + 16 + 4 + 8 + 8 + 4 + 8;
 /// The most peer GPUs a rank names (`reaches`; after the fixed bytes, a count byte and as many
 /// UUIDs, then the host name).
 const MAX_REACHES: usize = 64;
+/// The bytes' first four: which layout follows (a rank of another oxccl version sends another).
+const FORMAT: &[u8; 4] = b"OXP\x02";
 
 /// The process takes connections in device memory by CUDA IPC (CUDA executor,
 /// `OXCCL_CUDA_IPC=1`, not `NCCL_P2P_DISABLE=1`).
@@ -208,7 +210,8 @@ impl PeerInfo {
     }
 
     pub fn to_bytes(&self) -> Vec<u8> {
-        let mut v = Vec::with_capacity(BYTES);
+        let mut v = Vec::with_capacity(FORMAT.len() + BYTES);
+        v.extend_from_slice(FORMAT);
         v.extend_from_slice(&self.host.to_le_bytes());
         v.extend_from_slice(&self.pid.to_le_bytes());
         v.extend_from_slice(&self.dev.to_le_bytes());
@@ -228,6 +231,12 @@ impl PeerInfo {
     }
 
     pub fn from_bytes(b: &[u8]) -> Result<PeerInfo> {
+        let b = b.strip_prefix(FORMAT).ok_or_else(|| {
+            Error::invalid_usage(
+                "its peer information is in another layout: it runs another version of oxccl \
+                 (every rank must load the same libnccl.so.2)",
+            )
+        })?;
         let n = b.get(BYTES).map_or(0, |&n| n as usize);
         let fixed = BYTES + 1 + 16 * n;
         if b.len() < fixed || b.len() > fixed + 64 || n > MAX_REACHES {
@@ -272,6 +281,9 @@ mod tests {
         assert_eq!(PeerInfo::from_bytes(&p.to_bytes()).unwrap(), p);
         p.reaches = vec![*b"fedcba9876543210", [7; 16]];
         assert_eq!(PeerInfo::from_bytes(&p.to_bytes()).unwrap(), p);
+        // Another layout (a rank of another version): said so, not misread.
+        let e = PeerInfo::from_bytes(&p.to_bytes()[4..]).unwrap_err();
+        assert!(e.msg.contains("another version of oxccl"), "{}", e.msg);
         assert!(PeerInfo::from_bytes(&[0u8; 3]).is_err());
     }
 
