@@ -287,6 +287,20 @@ perf oxccl-2procs-ipc "$OXLIB" env OXCCL_CUDA_IPC=1 NCCL_DEBUG=INFO bash -c \
   "$(declare -f two_procs); two_procs same $B/all_reduce_perf -b 8 -e 64M -f 8 -n 5 -w 2 -g 1"
 grep -m2 "via P2P/IPC" "$OUT/perf-oxccl-2procs-ipc.txt" | tee -a "$log" ||
   { say "   FAILED: no connection via P2P/IPC"; fails=$((fails + 1)); }
+# Two GPUs or more (every lent machine so far had one): ranks on two GPUs joined by NVLink keep
+# their connections in device memory, in one process (P2P/direct pointer) and between
+# processes with OXCCL_CUDA_IPC=1 (P2P/IPC); the perf tools put rank r on GPU r % count.
+ngpu=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
+if [ "${ngpu:-0}" -ge 2 ]; then
+  nvidia-smi topo -m >>"$log" 2>&1
+  check "CUDA, 2 GPUs: all_reduce_perf -g 2 (one process)" 60 \
+    says p2p-g2 "via P2P/direct pointer" "$B/all_reduce_perf" -b 8 -e 64M -f 8 -n 5 -w 1 -g 2 -c 1
+  check "CUDA, 2 GPUs: 2 ranks as processes, OXCCL_CUDA_IPC=1" 60 \
+    says p2p-ipc "via P2P/IPC" env OXCCL_CUDA_IPC=1 bash -c \
+    "$(declare -f two_procs); two_procs same $B/all_reduce_perf -b 8 -e 64M -f 8 -n 5 -w 1 -g 1 -c 1"
+else
+  say "(one GPU: the two-GPU checks are left out)"
+fi
 # The direct all-reduce (OXCCL_CUDA_DIRECT=1: one kernel reads every rank's input and writes
 # every rank's output, where one group holds every rank of a communicator on the GPU): every
 # datatype x op (PreMulSum with host and device scalars, avg) on 2, 3, 4 and 8 ranks, whose logs

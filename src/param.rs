@@ -76,8 +76,13 @@ pub const PARAMS: &[Param] = &[
     },
     Param {
         name: "NCCL_P2P_DISABLE",
-        doc: "1: on the CUDA executor, connections between ranks of one process stage data in pinned host memory instead of device memory",
+        doc: "1: on the CUDA executor, connections between ranks stage data in pinned host memory instead of device memory (one GPU's, or two GPUs' joined by NVLink)",
         default: "0",
+    },
+    Param {
+        name: "NCCL_P2P_LEVEL",
+        doc: "LOC (or 0): as NCCL_P2P_DISABLE=1; NVL, PIX, PXB, PHB, SYS (or 1 to 5): device memory between two GPUs where they reach each other's memory with native atomics, which is NVLink whatever the level (a PCIe path between GPUs is never used: they stage in host memory)",
+        default: "",
     },
     Param {
         name: "NCCL_CUMEM_ENABLE",
@@ -291,11 +296,24 @@ pub fn run_ahead() -> bool {
     *R
 }
 
-/// `NCCL_P2P_DISABLE=1`: no device-memory connections between ranks (host-staged instead).
+/// `NCCL_P2P_DISABLE=1`, or `NCCL_P2P_LEVEL=LOC`: no device-memory connections between ranks
+/// (host-staged instead).
 pub fn p2p_disabled() -> bool {
-    static R: once_cell::sync::Lazy<bool> =
-        once_cell::sync::Lazy::new(|| get_u64("NCCL_P2P_DISABLE") != 0);
+    static R: once_cell::sync::Lazy<bool> = once_cell::sync::Lazy::new(|| {
+        p2p_off(
+            get_u64("NCCL_P2P_DISABLE"),
+            get_str("NCCL_P2P_LEVEL").as_deref(),
+        )
+    });
     *R
+}
+
+/// `p2p_disabled` from the two variables' values: NCCL_P2P_LEVEL's LOC (or 0) is NCCL's
+/// "never"; its other levels (NVL, PIX, PXB, PHB, SYS or 1 to 5) allow at least NVLink, the
+/// only path between two GPUs used here.
+fn p2p_off(disable: u64, level: Option<&str>) -> bool {
+    disable != 0
+        || level.is_some_and(|l| matches!(l.trim().to_ascii_uppercase().as_str(), "LOC" | "0"))
 }
 
 /// Output size from which copies into the caller's buffers use streaming stores.
@@ -421,7 +439,19 @@ pub fn cuda_blocks() -> usize {
 
 #[cfg(test)]
 mod tests {
-    use super::parse_u64;
+    use super::{p2p_off, parse_u64};
+
+    #[test]
+    fn p2p_level_loc_disables_p2p() {
+        assert!(!p2p_off(0, None));
+        assert!(p2p_off(1, None));
+        for l in ["LOC", "loc", " 0"] {
+            assert!(p2p_off(0, Some(l)), "{l}");
+        }
+        for l in ["NVL", "PIX", "PXB", "PHB", "SYS", "1", "5"] {
+            assert!(!p2p_off(0, Some(l)), "{l}");
+        }
+    }
     use super::Selection;
 
     #[test]

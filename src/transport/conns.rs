@@ -221,7 +221,8 @@ impl Conns {
         }
         let plugin = super::plugin::net().map(|n| format!("NET/{}/0", n.name));
         let via = match self.locality(k.peer) {
-            Locality::SameProcess => "P2P/direct pointer",
+            Locality::SameProcess if on_device => "P2P/direct pointer",
+            Locality::SameProcess => "SHM/direct/direct",
             Locality::SameHost if on_device => "P2P/IPC",
             Locality::SameHost => "SHM/direct/direct",
             Locality::OtherHost => plugin.as_deref().unwrap_or("NET/Socket/0"),
