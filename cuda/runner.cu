@@ -86,13 +86,14 @@ struct OxCtl {
   uint64_t info[6];
   uint64_t wait_conn;
   uint64_t wait_mark;
+  uint64_t wait_step;  // the step of wait_conn a kernel waits for (~0: its peer's attach)
 };
 static_assert(sizeof(OxConnD) == 32, "OxConnD layout");
 static_assert(sizeof(OxStepD) == 56, "OxStepD layout");
 static_assert(sizeof(OxProgD) == 80, "OxProgD layout");
 static_assert(sizeof(OxHeadD) == 16, "OxHeadD layout");
 static_assert(sizeof(OxLaneD) == 16, "OxLaneD layout");
-static_assert(sizeof(OxCtl) == 72, "OxCtl layout");
+static_assert(sizeof(OxCtl) == 80, "OxCtl layout");
 #define OX_PARAM_BYTES_LARGE 32760
 struct OxParams {
   uint64_t words[OX_PARAM_BYTES / 8];
@@ -191,8 +192,10 @@ struct OxShared {
 // lasted: it keeps changing while the block waits; a short wait may leave the value an
 // earlier one did, which only delays the host's look by one turn), and whether it must stop
 // (abort). The connection is visible to the host before the mark.
-__device__ __forceinline__ bool ox_still_waits(OxCtl* ctl, uint64_t hdr, unsigned spins) {
+__device__ __forceinline__ bool ox_still_waits(OxCtl* ctl, uint64_t hdr, uint64_t step,
+                                               unsigned spins) {
   st_vol64(&ctl->wait_conn, hdr);
+  st_vol64(&ctl->wait_step, step);
   __threadfence_system();
   st_vol64(&ctl->wait_mark, ((uint64_t)(blockIdx.x + 1) << 32) | spins);
   return ld_vol32(&ctl->abort) == 0;
@@ -449,7 +452,7 @@ __device__ bool ox_wait_slots(const OxView& v, const OxStepD& s, const OxProgD& 
     uint64_t* hdr = (uint64_t*)c.hdr;
     uint64_t head = ox_next(c, s.recv, false, sh);
     while (ld_vol64(hdr) <= head) {
-      if ((++spins & 1023) == 0 && !ox_still_waits(ctl, c.hdr, spins)) return false;
+      if ((++spins & 1023) == 0 && !ox_still_waits(ctl, c.hdr, head, spins)) return false;
     }
     __threadfence_system();
     uint64_t idx = head % c.nsteps;
@@ -466,11 +469,11 @@ __device__ bool ox_wait_slots(const OxView& v, const OxStepD& s, const OxProgD& 
     const OxConnD& c = v.conns[s.send];
     uint64_t* hdr = (uint64_t*)c.hdr;
     while (ld_vol32((const uint32_t*)(c.hdr + 128)) < 2) {
-      if ((++spins & 1023) == 0 && !ox_still_waits(ctl, c.hdr, spins)) return false;
+      if ((++spins & 1023) == 0 && !ox_still_waits(ctl, c.hdr, ~0ull, spins)) return false;
     }
     uint64_t tail = ox_next(c, s.send, true, sh);
     while (tail - ld_vol64(hdr + 8) >= c.nsteps) {
-      if ((++spins & 1023) == 0 && !ox_still_waits(ctl, c.hdr, spins)) return false;
+      if ((++spins & 1023) == 0 && !ox_still_waits(ctl, c.hdr, tail, spins)) return false;
     }
     sh->out = (uint8_t*)(c.slots + (tail % c.nsteps) * c.slot_bytes);
     sh->sstep = tail;

@@ -1448,20 +1448,67 @@ fn run_processes(
 /// its kernels are loaded for it): launches of 4 ranks with more lanes than that still end.
 fn few_blocks(so: &Path) {
     // Killed at the deadline: a launch whose first blocks wait for ones that never start.
-    let (ok, report) = child(so, ("OXEMU_RESIDENT", "4"), Duration::from_secs(240));
+    let (ok, report) = child(so, &[("OXEMU_RESIDENT", "4")], Duration::from_secs(240));
     assert!(
         ok && report.contains("few blocks: 3 cases"),
         "a device running 4 blocks at once:\n{report}"
     );
 }
 
-/// Runs this test in a process of its own with `var` set, killed after `limit`: whether it
-/// succeeded, and its exit status and output.
-fn child(so: &Path, var: (&str, &str), limit: Duration) -> (bool, String) {
+/// `OXCCL_TIMEOUT_S` on connections in device memory (in a process of its own, whose
+/// environment sets it from the start): a rank of one process whose peer never launches has
+/// its kernel stopped and its communicator failed once its kernels have waited that long for
+/// the same step of a connection the host cannot read.
+fn stall(so: &Path) {
+    let (ok, report) = child(
+        so,
+        &[("OXEMU_STALL", "1"), ("OXCCL_TIMEOUT_S", "2")],
+        Duration::from_secs(120),
+    );
+    assert!(
+        ok && report.contains("stall: stopped"),
+        "a peer that never launches, OXCCL_TIMEOUT_S=2:\n{report}"
+    );
+}
+
+/// `stall`'s process.
+fn stall_process() {
+    let cache = start(Path::new(&std::env::var("OXEMU_LIB").unwrap()));
+    let comms = nccl::api::comm_init_all(&[0, 0]).expect("two ranks");
+    let c = f32_sum(1001);
+    let bufs = buffers(&c, 2);
+    let stream = new_stream();
+    let t = Instant::now();
+    enqueue(&comms[0], &c, 2, bufs[0], stream);
+    assert!(
+        sync(stream, Duration::from_secs(60)),
+        "the kernel still waits for a peer that never launched"
+    );
+    let e = async_error(&comms[0]);
+    let msg = nccl::error::last_error();
+    assert_ne!(e, nccl::error::Code::Success, "{msg}");
+    assert!(
+        msg.contains("OXCCL_TIMEOUT_S") && msg.contains("wait for step"),
+        "{msg}"
+    );
+    assert!(
+        t.elapsed() >= Duration::from_secs(2),
+        "before the timeout: {msg}"
+    );
+    for comm in &comms {
+        let _ = nccl::api::comm_abort(nccl::api::comm_handle(comm));
+    }
+    let _ = std::fs::remove_dir_all(&cache);
+    println!("stall: stopped after {:?}: {msg}", t.elapsed());
+}
+
+/// Runs this test in a process of its own with `vars` set (the first says what it runs),
+/// killed after `limit`: whether it succeeded, and its exit status and output.
+fn child(so: &Path, vars: &[(&str, &str)], limit: Duration) -> (bool, String) {
     // To a file: a pipe nobody reads until the end could fill and stop the process.
     let log = Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!(
         "cuda-emu-{}-{}.log",
-        var.0,
+        vars[0].0,
         std::process::id()
     ));
     let out = std::fs::File::create(&log).unwrap();
@@ -1471,7 +1518,7 @@ fn child(so: &Path, var: (&str, &str), limit: Duration) -> (bool, String) {
             "cuda_executor_on_emulated_kernels",
             "--nocapture",
         ])
-        .env(var.0, var.1)
+        .envs(vars.iter().copied())
         .env("OXEMU_LIB", so)
         .env_remove("NCCL_DEBUG")
         .stdout(out.try_clone().unwrap())
@@ -1501,7 +1548,7 @@ fn child(so: &Path, var: (&str, &str), limit: Duration) -> (bool, String) {
 /// PCIe), they stage in host memory: no peer access, no IPC handle.
 fn peer_devices(so: &Path) {
     for how in ["nvlink", "pcie"] {
-        let (ok, report) = child(so, ("OXEMU_PEERS", how), Duration::from_secs(300));
+        let (ok, report) = child(so, &[("OXEMU_PEERS", how)], Duration::from_secs(300));
         assert!(
             ok && report.contains(&format!("peer devices ({how}): checked")),
             "ranks on two devices ({how}):\n{report}"
@@ -1611,6 +1658,9 @@ fn cuda_executor_on_emulated_kernels() {
     if let Ok(how) = std::env::var("OXEMU_PEERS") {
         return peer_devices_process(&how);
     }
+    if std::env::var("OXEMU_STALL").is_ok() {
+        return stall_process();
+    }
     let Some(so) = device::build_emu() else {
         return;
     };
@@ -1683,6 +1733,7 @@ fn cuda_executor_on_emulated_kernels() {
         "no lane had several blocks"
     );
     failures();
+    stall(&so);
     few_blocks(&so);
     peer_devices(&so);
     for (n, ipc, hosts) in [

@@ -56,16 +56,20 @@ impl Ctl {
         self.word(0).store(1, Ordering::SeqCst);
     }
 
-    /// The mark that changes while kernels wait (0: none has waited yet), and the connection
-    /// (its header's device address) a kernel last said it waits on.
-    pub fn waiting(&self) -> (u64, u64) {
-        // SAFETY: inside the page, 8-byte aligned (`wait_mark` at 64, `wait_conn` at 56).
+    /// The mark that changes while kernels wait (0: none has waited yet), the connection (its
+    /// header's device address) a kernel last said it waits on, and the step of it it waits
+    /// for (`u64::MAX`: its peer's attach).
+    pub fn waiting(&self) -> (u64, u64, u64) {
+        // SAFETY: inside the page, 8-byte aligned (`wait_mark` at 64, `wait_conn` at 56,
+        // `wait_step` at 72).
         let mark = unsafe { std::ptr::read_volatile(self.page.add(64) as *const u64) };
-        // The kernel wrote the connection before the mark (with a fence between).
+        // The kernel wrote the connection and step before the mark (with a fence between).
         std::sync::atomic::fence(Ordering::Acquire);
         // SAFETY: as above.
         let conn = unsafe { std::ptr::read_volatile(self.page.add(56) as *const u64) };
-        (mark, conn)
+        // SAFETY: as above.
+        let step = unsafe { std::ptr::read_volatile(self.page.add(72) as *const u64) };
+        (mark, conn, step)
     }
 
     /// The kernel's error code and details, if one stopped on an error.
@@ -526,7 +530,7 @@ impl Watched {
     /// from a graph), and only on the connection they wait on: a peer that did its part and
     /// left is no failure. An error once it has been so for `PEER_GRACE`.
     fn peer_failure(&mut self, ctl: &Ctl) -> Option<Error> {
-        let (mark, hdr) = ctl.waiting();
+        let (mark, hdr, step) = ctl.waiting();
         if mark == self.mark {
             self.idle += 1;
             // A stall is a wait without a break: its clock starts again at once (else a wait
@@ -541,7 +545,7 @@ impl Watched {
         self.idle = 0;
         let used = self.used.upgrade()?;
         let used = used.lock();
-        if let Some(e) = self.stalled(&used, hdr) {
+        if let Some(e) = self.stalled(&used, hdr, step) {
             return Some(e);
         }
         let conn = used.0.get(&hdr)?.clone();
@@ -587,17 +591,26 @@ impl Watched {
         })
     }
 
-    /// The kernels wait on a connection whose counters the host can read (pinned memory),
-    /// and its counters have not moved for the communicator's timeout: a peer that never
-    /// comes, as the host executor's waits time out (`OXCCL_TIMEOUT_S`). Connections in device
-    /// memory, whose progress the host cannot see, are not judged.
-    fn stalled(&mut self, used: &Used, hdr: u64) -> Option<Error> {
+    /// The kernels wait on a connection that has not moved for the communicator's timeout: a
+    /// peer that never comes, as the host executor's waits time out (`OXCCL_TIMEOUT_S`). Where
+    /// the host can read the counters (pinned memory), they did not change; where they live in
+    /// device memory, the kernels kept waiting for the same step of it (`step`, which they
+    /// report with the connection).
+    fn stalled(&mut self, used: &Used, hdr: u64, step: u64) -> Option<Error> {
         // Only where the user set it: a GPU job's ranks may legitimately keep their peers
         // waiting for minutes (a checkpoint, an evaluation on one rank), as NCCL lets them.
         let timeout = crate::param::get_str("OXCCL_TIMEOUT_S").map(|_| crate::param::timeout())?;
-        let conn = used.0.get(&hdr).filter(|c| !c.on_device())?;
-        // (Counters only grow: a wait on it that ended, or any progress, changes them.)
-        let counters = conn.counters();
+        let conn = used.0.get(&hdr)?;
+        // (Counters only grow: a wait on it that ended, or any progress, changes them; a
+        // kernel that waits for another step of it has seen it move.)
+        let counters = match (conn.on_device(), step) {
+            (false, _) => conn.counters(),
+            (true, u64::MAX) => format!(
+                "{}, its kernels wait for the peer to attach",
+                conn.counters()
+            ),
+            (true, s) => format!("{}, its kernels wait for step {s}", conn.counters()),
+        };
         let p = self
             .progress
             .entry(hdr)
