@@ -139,6 +139,49 @@ pub fn peers_capable(a: i32, b: i32) -> bool {
     a >= 0 && b >= 0 && a != b && can(a, b) && can(b, a)
 }
 
+/// Whether the primary contexts of devices `a` and `b` (ordinals of this process) reach each
+/// other's memory, peer access enabled both ways (once per pair in the process: every later
+/// call gives the first one's answer, so both ends of a connection decide alike). A refusal
+/// (`CUDA_ERROR_TOO_MANY_PEERS` past the hardware's limit, say) is a WARN, and their ranks'
+/// connections stage in host memory rather than fail.
+pub fn peer_access(a: i32, b: i32) -> bool {
+    static PAIRS: parking_lot::Mutex<Option<std::collections::HashMap<(i32, i32), bool>>> =
+        parking_lot::Mutex::new(None);
+    let key = (a.min(b), a.max(b));
+    let mut pairs = PAIRS.lock();
+    let pairs = pairs.get_or_insert_with(std::collections::HashMap::new);
+    if let Some(&ok) = pairs.get(&key) {
+        return ok;
+    }
+    let enable = |from: i32, to: i32| -> Result<()> {
+        let api = driver::api()?;
+        let (f, t) = (driver::primary_context(from)?, driver::primary_context(to)?);
+        let _g = CtxGuard::enter(f)?;
+        driver::relaxed(|| {
+            // SAFETY: two live primary contexts (the current one and the peer's).
+            let r = unsafe { (api.ctx_enable_peer_access)(t as _, 0) };
+            if r == driver::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED {
+                return Ok(());
+            }
+            check(r, || {
+                format!("cuCtxEnablePeerAccess from device {from} to device {to}")
+            })
+        })
+    };
+    let ok = match enable(a, b).and_then(|_| enable(b, a)) {
+        Ok(()) => true,
+        Err(e) => {
+            crate::debug::warn(&format!(
+                "{}: ranks on devices {a} and {b} stage their data in host memory",
+                e.msg
+            ));
+            false
+        }
+    };
+    pairs.insert(key, ok);
+    ok
+}
+
 /// Undoes `pin_host` (before the memory is freed or unmapped): the last pin of an address is
 /// undone in the context it was made in (never one made now, whatever thread tears down).
 pub fn unpin_host(ptr: *mut u8) {

@@ -141,11 +141,15 @@ impl Conns {
     }
 
     /// `ConnSpec::peer_device`: `peer` is a rank of this host on another GPU that this rank's
-    /// GPU reaches, and the other way (`PeerInfo::peer_gpus`: both ends decide alike).
+    /// GPU reaches, and the other way (`PeerInfo::peer_gpus`: both ends decide alike); in this
+    /// process, with peer access enabled between the two (`gpu::memory::peer_access`, whose
+    /// answer is the same for both ends).
     fn peer_device(&self, peer: usize) -> bool {
+        let (me, q) = (&self.peers[self.rank], &self.peers[peer]);
         crate::gpu::kind() == crate::gpu::Kind::Cuda
             && self.locality(peer) != Locality::OtherHost
-            && self.peers[self.rank].peer_gpus(&self.peers[peer])
+            && me.peer_gpus(q)
+            && (!me.same_process(q) || crate::gpu::memory::peer_access(me.dev, q.dev))
     }
 
     /// The connection of `key`, if it is made.

@@ -20,6 +20,9 @@ pub fn ctx_of(d: c_int) -> usize {
 
 /// `CU_DEVICE_P2P_ATTRIBUTE_NATIVE_ATOMIC_SUPPORTED` between the two devices.
 pub static NATIVE_ATOMICS: AtomicBool = AtomicBool::new(true);
+/// `cuCtxEnablePeerAccess` refuses (`CUDA_ERROR_TOO_MANY_PEERS`, as past the hardware's
+/// limit of peers).
+pub static REFUSE_PEER_ACCESS: AtomicBool = AtomicBool::new(false);
 /// (context, bytes) of each `cuMemAlloc`.
 pub static ALLOCATED: Mutex<Vec<(usize, usize)>> = Mutex::new(Vec::new());
 /// (context, peer context) of each `cuCtxEnablePeerAccess` that enabled it.
@@ -58,6 +61,9 @@ unsafe extern "C" fn p2p_attr(v: *mut c_int, attr: c_int, _: c_int, _: c_int) ->
     OK
 }
 unsafe extern "C" fn enable_peer_access(peer: *mut c_void, _: c_uint) -> CUresult {
+    if REFUSE_PEER_ACCESS.load(Ordering::SeqCst) {
+        return 711;
+    }
     let pair = (current(), peer as usize);
     let mut e = ENABLED.lock();
     if e.contains(&pair) {
