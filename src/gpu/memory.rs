@@ -154,19 +154,8 @@ pub fn peer_access(a: i32, b: i32) -> bool {
         return ok;
     }
     let enable = |from: i32, to: i32| -> Result<()> {
-        let api = driver::api()?;
         let (f, t) = (driver::primary_context(from)?, driver::primary_context(to)?);
-        let _g = CtxGuard::enter(f)?;
-        driver::relaxed(|| {
-            // SAFETY: two live primary contexts (the current one and the peer's).
-            let r = unsafe { (api.ctx_enable_peer_access)(t as _, 0) };
-            if r == driver::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED {
-                return Ok(());
-            }
-            check(r, || {
-                format!("cuCtxEnablePeerAccess from device {from} to device {to}")
-            })
-        })
+        enable_peer_access(f, t, &format!("from device {from} to device {to}"))
     };
     let ok = match enable(a, b).and_then(|_| enable(b, a)) {
         Ok(()) => true,
@@ -180,6 +169,21 @@ pub fn peer_access(a: i32, b: i32) -> bool {
     };
     pairs.insert(key, ok);
     ok
+}
+
+/// Peer access from context `from` to context `to` (`cuCtxEnablePeerAccess`; one enabled
+/// before is fine). `what` says which, for the error.
+fn enable_peer_access(from: usize, to: usize, what: &str) -> Result<()> {
+    let api = driver::api()?;
+    let _g = CtxGuard::enter(from)?;
+    driver::relaxed(|| {
+        // SAFETY: two live contexts (the current one and the peer's).
+        let r = unsafe { (api.ctx_enable_peer_access)(to as _, 0) };
+        if r == driver::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED {
+            return Ok(());
+        }
+        check(r, || format!("cuCtxEnablePeerAccess {what}"))
+    })
 }
 
 /// Undoes `pin_host` (before the memory is freed or unmapped): the last pin of an address is
@@ -283,22 +287,11 @@ impl DevConn {
     /// makes connections) reach this memory where it is another device's: peer access from
     /// that context to the one holding it (once per pair of contexts; the driver keeps it).
     pub fn grant_current(&self) -> Result<()> {
-        let api = driver::api()?;
         let cur = current_or_device0()?;
         if cur == self.ctx {
             return Ok(());
         }
-        let _g = CtxGuard::enter(cur)?;
-        driver::relaxed(|| {
-            // SAFETY: two live contexts (the current one and the one holding the memory).
-            let r = unsafe { (api.ctx_enable_peer_access)(self.ctx as _, 0) };
-            if r == driver::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED {
-                return Ok(());
-            }
-            check(r, || {
-                "cuCtxEnablePeerAccess (a connection in another device's memory)".into()
-            })
-        })
+        enable_peer_access(cur, self.ctx, "to a connection in another device's memory")
     }
 
     /// The handle another process opens this allocation by (`IpcConn::open`).
