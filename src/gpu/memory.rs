@@ -153,6 +153,7 @@ pub fn peer_access(a: i32, b: i32) -> bool {
     if let Some(&ok) = pairs.get(&key) {
         return ok;
     }
+    // (A communicator's context is its device's primary context.)
     let enable = |from: i32, to: i32| -> Result<()> {
         let (f, t) = (driver::primary_context(from)?, driver::primary_context(to)?);
         enable_peer_access(f, t, &format!("from device {from} to device {to}"))
@@ -281,17 +282,6 @@ impl DevConn {
             r?;
             Ok(c)
         })
-    }
-
-    /// Lets the calling thread's current context (the communicator's, entered by whoever
-    /// makes connections) reach this memory where it is another device's: peer access from
-    /// that context to the one holding it (once per pair of contexts; the driver keeps it).
-    pub fn grant_current(&self) -> Result<()> {
-        let cur = current_or_device0()?;
-        if cur == self.ctx {
-            return Ok(());
-        }
-        enable_peer_access(cur, self.ctx, "to a connection in another device's memory")
     }
 
     /// The handle another process opens this allocation by (`IpcConn::open`).

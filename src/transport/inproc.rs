@@ -39,20 +39,6 @@ impl HeapRegion {
         self.dev.get().map(|d| (d.hdr, d.slots))
     }
 
-    /// Lets the current context reach the region's device memory (`DevConn::grant_current`):
-    /// the end on another device than the one that allocated it (`use_device_memory`).
-    pub fn reach_device_memory(&self) -> Result<()> {
-        self.dev
-            .get()
-            .ok_or_else(|| {
-                Error::internal(format!(
-                    "connection {}: its other end allocated no device memory",
-                    self.name()
-                ))
-            })?
-            .grant_current()
-    }
-
     /// Puts the connection (`hdr_bytes` of header, `slot_bytes` of slots) in device memory of
     /// the current device, once for both ends.
     pub fn use_device_memory(&self, hdr_bytes: usize, slot_bytes: usize) -> Result<()> {

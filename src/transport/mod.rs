@@ -660,17 +660,15 @@ pub(crate) struct Named {
     /// A sending end between processes whose connection lives in device memory: the receiving
     /// end's blob carries the IPC handle.
     opens_handle: bool,
-    /// A sending end whose connection lives in another device's memory (the receiving end's,
-    /// in this process): it enables peer access to it.
-    reaches: bool,
 }
 
 /// Whether a connection between `spec`'s ranks lives in device memory: ranks on one GPU, on
 /// the CUDA executor, unless `NCCL_P2P_DISABLE=1` asks for host-staged memory; between
 /// processes (CUDA IPC) only where both took `OXCCL_CUDA_IPC=1` (`spec.ipc`), so that both
 /// ends decide alike; ranks on two peer-capable GPUs likewise, in the receiving end's memory
-/// (the sending end's kernels write to it, through peer access: enabled by its context in one
-/// process, by the IPC handle's opening between processes).
+/// (the sending end's kernels write to it, through peer access: in one process enabled
+/// between the two devices' contexts when the pair was decided, `gpu::memory::peer_access`;
+/// between processes by the IPC handle's opening).
 fn in_device_memory(spec: &ConnSpec, shm: bool) -> bool {
     crate::gpu::kind() == crate::gpu::Kind::Cuda
         && (spec.same_device || spec.peer_device)
@@ -718,10 +716,6 @@ impl Named {
                 peer: spec.peer,
                 is_sender: spec.is_sender,
                 opens_handle: shm && spec.is_sender && in_device_memory(spec, true),
-                reaches: !shm
-                    && spec.is_sender
-                    && !spec.same_device
-                    && in_device_memory(spec, false),
             }),
             blob,
         ))
@@ -762,13 +756,6 @@ impl Endpoint for Named {
                 )))
             }
             (None, Region::Shm(s)) if !conn.on_device() => s.pin()?,
-            (None, Region::Heap(h)) if n.reaches => h.reach_device_memory().map_err(|e| {
-                e.context(format!(
-                    "rank {}: reaching rank {}'s end of connection {} in its device's memory \
-                     (peer access; NCCL_P2P_DISABLE=1 stages it in host memory instead)",
-                    n.me, n.peer, n.name
-                ))
-            })?,
             (None, _) => {}
             (Some(h), Region::Shm(s)) if n.opens_handle => {
                 let h: &[u8; 64] = h.try_into().map_err(|_| {
