@@ -150,6 +150,27 @@ unsafe extern "C" fn p2p_attr(v: *mut c_int, _: c_int, _: c_int, _: c_int) -> CU
 unsafe extern "C" fn enable_peer_access(_: *mut c_void, _: c_uint) -> CUresult {
     OK
 }
+/// What a stand-in's `cuStreamGetCaptureInfo_v2` reports of a stream that captures graph
+/// `graph` (None: none): its status and capture id. The executor asks for no later output.
+///
+/// # Safety
+/// `st` and `id` are writable; the others are what the executor passed.
+pub unsafe fn capture_info_of(
+    st: *mut c_int,
+    id: *mut u64,
+    later: [*mut c_void; 3],
+    graph: Option<u64>,
+) -> CUresult {
+    assert!(
+        later.iter().all(|p| p.is_null()),
+        "outputs the executor never asks for"
+    );
+    unsafe {
+        *st = c_int::from(graph.is_some());
+        *id = graph.unwrap_or(0);
+    }
+    OK
+}
 unsafe extern "C" fn error_str(_: CUresult, s: *mut *const c_char) -> CUresult {
     unsafe { *s = c"stand-in error".as_ptr() };
     OK
