@@ -439,6 +439,7 @@ pub fn cuda_blocks() -> usize {
 
 #[cfg(test)]
 mod tests {
+    use super::Selection;
     use super::{p2p_off, parse_u64};
 
     #[test]
@@ -452,7 +453,6 @@ mod tests {
             assert!(!p2p_off(0, Some(l)), "{l}");
         }
     }
-    use super::Selection;
 
     #[test]
     fn nccl_algo_syntax() {

@@ -169,9 +169,6 @@ pub struct CommConfig {
     pub cta_policy: Option<i32>,
     /// `graphUsageMode`: 0 (no CUDA graphs), 1 (graphs, not mixed with eager calls), 2 (mixed).
     pub graph_usage_mode: Option<i32>,
-    /// `graphStreamOrdering` (0 or 1): checked, no effect (a communicator's launches in a
-    /// graph are always kept in issue order, which both values allow).
-    pub graph_stream_ordering: Option<bool>,
 }
 
 impl CommConfig {

@@ -98,6 +98,9 @@ pub(crate) unsafe fn read_config(config: *const ncclConfig_t) -> Result<Option<C
             c.graphUsageMode
         )));
     }
+    // `graphStreamOrdering` (0 or 1) is checked and has no effect: a communicator's launches
+    // in a graph are always kept in issue order, which both values allow.
+    flag(c.graphStreamOrdering, "graphStreamOrdering")?;
     Ok(Some(CommConfig {
         blocking: flag(c.blocking, "blocking")?,
         comm_name: string(c.commName),
@@ -107,7 +110,6 @@ pub(crate) unsafe fn read_config(config: *const ncclConfig_t) -> Result<Option<C
         max_ctas,
         cta_policy,
         graph_usage_mode,
-        graph_stream_ordering: flag(c.graphStreamOrdering, "graphStreamOrdering")?,
     }))
 }
 

@@ -28,7 +28,6 @@ pub struct Core {
     pub nranks: usize,
     pub cuda_dev: i32,
     pub hash: u64,
-    pub name: Option<String>,
     /// The configuration it was made with (a split or shrink given none inherits it, as in
     /// NCCL).
     pub config: CommConfig,
@@ -357,7 +356,6 @@ fn build_core(p: PendingInit) -> Result<Core> {
         nranks: p.nranks,
         cuda_dev,
         hash,
-        name: p.config.comm_name.clone(),
         config: p.config.clone(),
         conns,
         health,
