@@ -70,6 +70,11 @@ struct OxHeadD {  // 16 bytes
   uint64_t reserved;
   uint16_t nconns, nprogs, nsteps, nlanes;
 };
+// The header's `reserved`: the blocks per lane (low 16 bits), and this flag for a launch captured
+// into a CUDA graph, which may be replayed after its communicator ended: its blocks look at the
+// control block before anything else and return at once where it says stop (the connections
+// may be freed by then).
+#define OX_HEAD_CAPTURED (1ull << 16)
 struct OxLaneD {  // 16 bytes
   uint16_t first_prog, nprogs;
   uint32_t pad;
@@ -558,8 +563,10 @@ __device__ __forceinline__ void ox_run(const uint64_t* words) {
   OxCtl* ctl = (OxCtl*)lane.ctl;
   __shared__ OxShared sh;
   const int tid = threadIdx.x, nt = blockDim.x;
+  if (tid == 0) sh.stop = (v.h->reserved & OX_HEAD_CAPTURED) && ld_vol32(&ctl->abort) != 0;
   for (int i = tid; i < OX_MAX_CONNS; i += nt) sh.known[i] = 0;
   __syncthreads();
+  if (sh.stop) return;
   for (int pi = 0; pi < lane.nprogs; pi++) {
     const OxProgD& p = v.progs[lane.first_prog + pi];
     OxRed r;

@@ -22,7 +22,11 @@
  *   5. a graph of one all-reduce replayed on the first stream and an eager all-reduce of the
  *      same communicator on the second, one right after the other (either way round) with
  *      nothing of the program's ordering them: both right (they run in issue order, as NCCL's
- *      graph mixing support makes them), 3 rounds each way.
+ *      graph mixing support makes them), 3 rounds each way;
+ *   6. a graph of one all-reduce, replayed once (checked), then replayed again after
+ *      ncclCommDestroy: that replay must end without a CUDA error and leave the output as it
+ *      was (oxccl's graphs keep what their launches read; a communicator that ended makes them
+ *      return at once, touching no freed connection). NCCL makes no such promise.
  * Capture mode: THREAD_LOCAL by default. It forbids "unsafe" calls (implicitly synchronizing ones,
  * cuMemAlloc, ...) on the capturing thread, so a library doing one inside ncclAllReduce without
  * relaxing its own thread's mode fails the capture, while other ranks' threads (which may be
@@ -397,6 +401,48 @@ static void mixing_case(Rank* R, int replays, int it0) {
   CUCHECK(cu.GraphDestroy(g));
 }
 
+/* Case 6 (see the top): captures a graph of one all-reduce and replays it once, checked; the
+ * caller destroys the communicator and calls destroyed_replay. NULL where nothing was captured. */
+static CUgraphExec graph_for_later(Rank* R, int it) {
+  const char* what = "graph replayed after ncclCommDestroy";
+  if (R->rank == 0) {
+    fprintf(stderr, "  [rank 0] %s\n", what);
+    fflush(stderr);
+  }
+  pthread_barrier_wait(&barrier);
+  CUCHECK(cu.StreamBeginCapture(R->st, capture_mode));
+  enqueue(R, 0);
+  CUgraph g = end_capture(R, what);
+  if (!g) return NULL;
+  CUgraphExec ge = NULL;
+  CUCHECK(cuda_graph_instantiate(&ge, g));
+  CUCHECK(cu.GraphDestroy(g)); /* the instance keeps what the graph held */
+  set_inputs(R, it, 0);
+  CUCHECK(cu.GraphLaunch(ge, R->st));
+  check_outputs(R, it, 0, what);
+  return ge;
+}
+
+static void destroyed_replay(Rank* R, CUgraphExec ge) {
+  const char* what = "graph replayed after ncclCommDestroy";
+  set_inputs(R, 61, 0); /* poison in the output */
+  char* before = (char*)malloc(R->r1.bytes + 2 * PAD);
+  SYSCHECK(before != NULL, "malloc");
+  memcpy(before, R->r1.host, R->r1.bytes + 2 * PAD);
+  CUresult r = cu.GraphLaunch(ge, R->st);
+  if (r == CUDA_SUCCESS) r = cu.StreamSynchronize(R->st);
+  if (r != CUDA_SUCCESS) {
+    report(R, "%s: CUDA error %d %s", what, (int)r, cu_err_name(r));
+  } else {
+    R->pass++;
+    buf_download(&R->r1, R->st);
+    if (memcmp(before, R->r1.host, R->r1.bytes + 2 * PAD) != 0) report(R, "%s: it wrote the output", what);
+    else R->pass++;
+  }
+  free(before);
+  CUCHECK(cu.GraphExecDestroy(ge));
+}
+
 static void* rank_main(void* arg) {
   Rank* R = (Rank*)arg;
   cuda_make_current(); /* before any NCCL call on this thread */
@@ -423,9 +469,11 @@ static void* rank_main(void* arg) {
   graph_case(R, 1, GROUP_REPLAYS, 10);
   two_stream_case(R, GROUP_REPLAYS, 20);
   mixing_case(R, GROUP_REPLAYS, 40);
+  CUgraphExec later = no_graph ? NULL : graph_for_later(R, 60);
 
   pthread_barrier_wait(&barrier); /* nobody frees device memory while a peer still runs */
   NCCLCHECK(ncclCommDestroy(R->comm));
+  if (later) destroyed_replay(R, later);
   CUCHECK(cu.StreamDestroy(R->st));
   CUCHECK(cu.StreamDestroy(R->st2));
   buf_free(&R->stage);

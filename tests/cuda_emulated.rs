@@ -413,6 +413,108 @@ fn graphs(comms: &[Arc<nccl::comm::Comm>], streams: &[usize], c: &Case) {
     release_buffers();
 }
 
+/// A graph replayed after its communicators were destroyed: the graph holds their control
+/// blocks (pinned still, saying stop), so its launches return at once and leave the buffers as
+/// they are, touching none of the connections freed with the communicators (device memory
+/// here: unmapped, a fault had a kernel touched it); the control blocks are freed once the
+/// graph is dropped too. A graph dropped before its communicators leaves nothing behind them.
+fn replay_after_destroy() {
+    let c = f32_sum(4099);
+    let control_blocks = |graphs: &[(usize, Vec<Op>)]| -> BTreeSet<u64> {
+        graphs
+            .iter()
+            .flat_map(|(_, g)| g)
+            .filter_map(|op| match op {
+                Op::Launch { name, params, .. } if name.to_bytes().starts_with(b"oxccl_run") => {
+                    Some(device::control_blocks(params))
+                }
+                _ => None,
+            })
+            .flatten()
+            .collect()
+    };
+    for graph_first in [false, true] {
+        let comms = nccl::api::comm_init_all(&[0, 0]).expect("two ranks on one device");
+        let streams = [new_stream(), new_stream()];
+        let bufs = buffers(&c, 2);
+        for (r, b) in bufs.iter().enumerate() {
+            fill(&c, 2, r, *b, 1);
+        }
+        for &s in &streams {
+            begin_capture(s);
+        }
+        // (Two launches of each communicator in the graph: it holds each communicator once.)
+        for _ in 0..2 {
+            nccl::api::group_start().unwrap();
+            for (r, comm) in comms.iter().enumerate() {
+                enqueue(comm, &c, 2, bufs[r], streams[r]);
+            }
+            nccl::api::group_end().unwrap();
+        }
+        let graphs: Vec<(usize, Vec<Op>)> = streams.iter().map(|&s| (s, end_capture(s))).collect();
+        let ctls = control_blocks(&graphs);
+        assert_eq!(ctls.len(), 2, "each rank's lanes name its control block");
+        let held: Vec<usize> = graphs
+            .iter()
+            .flat_map(|(_, g)| g)
+            .filter_map(|op| match op {
+                Op::Keep(k) => Some(Arc::strong_count(k)),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(
+            held,
+            [1, 1],
+            "the graph holds one user object of each communicator"
+        );
+        replay(&graphs);
+        sync_all(&streams, "a replay before the destroy");
+        verify(&c, &bufs, 1, "a replay before the destroy");
+        let destroy = |comms: Vec<Arc<nccl::comm::Comm>>| {
+            for comm in &comms {
+                nccl::api::comm_destroy(nccl::api::comm_handle(comm)).unwrap();
+            }
+        };
+        if graph_first {
+            drop(graphs);
+            destroy(comms);
+            assert!(
+                ctls.iter().all(|&p| !device::pinned(p)),
+                "control blocks left pinned after the graph and the communicators went"
+            );
+            release_buffers();
+            continue;
+        }
+        destroy(comms);
+        assert!(
+            ctls.iter().all(|&p| device::pinned(p)),
+            "a graph that may be replayed lost its control blocks with its communicators"
+        );
+        for (r, b) in bufs.iter().enumerate() {
+            fill(&c, 2, r, *b, 2);
+        }
+        replay(&graphs);
+        sync_all(&streams, "a replay after the destroy");
+        let illegal = std::mem::take(&mut *device::ILLEGAL.lock());
+        assert!(illegal.is_empty(), "{illegal:?}");
+        for &(_, rb) in &bufs {
+            let written = (0..c.count)
+                .filter(|&i| get(c.dtype, rb, i) != 99.0)
+                .count();
+            assert_eq!(written, 0, "a replay after the destroy wrote outputs");
+        }
+        // The graph goes: what it held goes at the next launch or communicator made.
+        drop(graphs);
+        let again = nccl::api::comm_init_all(&[0]).expect("one rank");
+        assert!(
+            ctls.iter().all(|&p| !device::pinned(p)),
+            "control blocks left pinned after the graph went"
+        );
+        destroy(again);
+        release_buffers();
+    }
+}
+
 /// A float32 sum all-reduce of `count` elements, out of place.
 fn f32_sum(count: usize) -> Case {
     Case {
@@ -1725,6 +1827,7 @@ fn cuda_executor_on_emulated_kernels() {
     std::env::remove_var("OXCCL_CUDA_DIRECT");
     std::env::remove_var("OXCCL_CUDA_COPY_KERNEL");
     large_launches(&[new_stream(), new_stream()]);
+    replay_after_destroy();
     let launched = LAUNCHED.lock().clone();
     eprintln!("kernels run: {launched:?}");
     for k in stand_in::KERNELS {

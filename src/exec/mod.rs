@@ -97,10 +97,12 @@ impl CommExec {
     }
 
     /// The communicator ends (destroyed or aborted, its work stopped): peers that wait for
-    /// this rank in shared memory stop waiting (see `HostComm::end`).
+    /// this rank in shared memory stop waiting (see `HostComm::end`); graphs that captured its
+    /// launches no longer run them (`CudaComm::end`).
     pub fn end(&self) {
-        if let CommExec::Host(h) = self {
-            h.end();
+        match self {
+            CommExec::Host(h) => h.end(),
+            CommExec::Cuda(c) => c.end(),
         }
     }
 

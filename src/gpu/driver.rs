@@ -18,6 +18,10 @@ pub type CUevent = *mut c_void;
 pub type CUmodule = *mut c_void;
 pub type CUfunction = *mut c_void;
 pub type CUdeviceptr = u64;
+pub type CUgraph = *mut c_void;
+pub type CUuserObject = *mut c_void;
+/// A host function the driver calls (here: a user object's destructor).
+pub type CUhostFn = unsafe extern "C" fn(*mut c_void);
 
 pub const CUDA_SUCCESS: CUresult = 0;
 pub const CUDA_ERROR_NOT_READY: CUresult = 600;
@@ -43,6 +47,11 @@ pub const CU_EVENT_WAIT_EXTERNAL: c_uint = 1;
 pub const CU_STREAM_CAPTURE_STATUS_NONE: c_int = 0;
 /// `CUstreamCaptureMode`: relaxed (what a library may do while a caller's stream captures).
 pub const CU_STREAM_CAPTURE_MODE_RELAXED: c_int = 2;
+/// `cuUserObjectCreate`'s one flag (required): the destructor is not ordered after any CUDA
+/// work by the driver.
+pub const CU_USER_OBJECT_NO_DESTRUCTOR_SYNC: c_uint = 1;
+/// `cuGraphRetainUserObject`: the caller's references move to the graph.
+pub const CU_GRAPH_USER_OBJECT_MOVE: c_uint = 1;
 pub const CU_POINTER_ATTRIBUTE_MEMORY_TYPE: c_int = 2;
 pub const CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL: c_int = 9;
 pub const CU_MEMORYTYPE_HOST: c_uint = 1;
@@ -118,6 +127,22 @@ pub type CaptureInfoFn = unsafe extern "C" fn(
     *mut c_void,
     *mut c_void,
 ) -> CUresult;
+/// `cuUserObjectCreate(object, pointer, destructor, references, flags)`.
+pub type UserObjectCreateFn =
+    unsafe extern "C" fn(*mut CUuserObject, *mut c_void, CUhostFn, c_uint, c_uint) -> CUresult;
+/// `cuGraphRetainUserObject(graph, object, references, flags)`.
+pub type GraphRetainFn = unsafe extern "C" fn(CUgraph, CUuserObject, c_uint, c_uint) -> CUresult;
+/// `cuUserObjectRelease(object, references)`.
+pub type UserObjectReleaseFn = unsafe extern "C" fn(CUuserObject, c_uint) -> CUresult;
+
+/// User objects (CUDA 11.3): what a graph keeps alive until it and its instances are gone.
+#[derive(Clone, Copy)]
+pub struct UserObjects {
+    pub create: UserObjectCreateFn,
+    pub retain: GraphRetainFn,
+    pub release: UserObjectReleaseFn,
+}
+
 const CAPTURE_INFO_SYMBOLS: [&str; 3] = [
     "cuStreamGetCaptureInfo_v2\0",
     "cuStreamGetCaptureInfo_v3\0",
@@ -135,6 +160,9 @@ macro_rules! driver_api {
             /// allows); None where the driver has none (then graphs are told apart by the
             /// driver's refusals only).
             pub capture_info: Option<CaptureInfoFn>,
+            /// User objects, where the driver has them (None: a graph keeps nothing of ours
+            /// alive, so a communicator whose launches were captured leaks what they name).
+            pub user_objects: Option<UserObjects>,
             _lib: Option<libloading::Library>,
         }
 
@@ -182,6 +210,33 @@ macro_rules! driver_api {
                             unsafe { std::mem::transmute::<*const c_void, CaptureInfoFn>(p) }
                         })
                     }),
+                    user_objects: {
+                        let f = |name: &str| lookup(name).filter(|p| !p.is_null());
+                        match (
+                            f("cuUserObjectCreate\0"),
+                            f("cuGraphRetainUserObject\0"),
+                            f("cuUserObjectRelease\0"),
+                        ) {
+                            // SAFETY: per the contract, each address is the function of its
+                            // symbol, whose signature `UserObjects` gives.
+                            (Some(c), Some(r), Some(l)) => Some(unsafe {
+                                UserObjects {
+                                    create: std::mem::transmute::<
+                                        *const c_void,
+                                        UserObjectCreateFn,
+                                    >(c),
+                                    retain: std::mem::transmute::<*const c_void, GraphRetainFn>(
+                                        r,
+                                    ),
+                                    release: std::mem::transmute::<
+                                        *const c_void,
+                                        UserObjectReleaseFn,
+                                    >(l),
+                                }
+                            }),
+                            _ => None,
+                        }
+                    },
                     _lib: None,
                 })
             }
@@ -508,6 +563,35 @@ pub fn capture(stream: usize) -> Result<Capture> {
         CU_STREAM_CAPTURE_STATUS_NONE => Capture::No,
         _ => Capture::Graph(api.capture_info.map(|_| id)),
     })
+}
+
+/// The graph `stream` captures into now (None: it captures none, or the driver does not say:
+/// `cuStreamGetCaptureInfo` before version 2).
+pub fn capture_graph(stream: usize) -> Result<Option<CUgraph>> {
+    let api = api()?;
+    let Some(f) = api.capture_info else {
+        return Ok(None);
+    };
+    let (mut st, mut id) = (0, 0u64);
+    let mut graph: CUgraph = std::ptr::null_mut();
+    let null = std::ptr::null_mut();
+    // SAFETY: writes the status, the id and the graph (versions 2 and 3 take the graph
+    // fourth; version 1 ignores it, leaving it NULL); the dependencies are not asked for.
+    let r = unsafe {
+        f(
+            stream as CUstream,
+            &mut st,
+            &mut id,
+            (&mut graph as *mut CUgraph).cast(),
+            null,
+            null,
+            null,
+        )
+    };
+    check(r, || {
+        format!("cuStreamGetCaptureInfo on stream {stream:#x}")
+    })?;
+    Ok((st != CU_STREAM_CAPTURE_STATUS_NONE && !graph.is_null()).then_some(graph))
 }
 
 /// Runs `f` with this thread's capture mode relaxed: setup calls (allocations, host memory

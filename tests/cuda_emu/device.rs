@@ -124,6 +124,42 @@ pub enum Op {
     /// An event wait node (`CU_EVENT_WAIT_EXTERNAL`): each replay waits for the event's latest
     /// record when the replay is issued (only in graphs; `replay` turns it into a `Wait`).
     WaitNode(Arc<Event>),
+    /// A user object the graph retains (`cuGraphRetainUserObject`; never run): its destructor
+    /// runs when the graph, and every copy of it, is dropped.
+    Keep(Arc<UserObject>),
+}
+
+/// A user object (`cuUserObjectCreate`).
+pub struct UserObject {
+    ptr: usize,
+    destroy: driver::CUhostFn,
+}
+
+impl Drop for UserObject {
+    fn drop(&mut self) {
+        // SAFETY: the destructor and pointer the executor gave, called once, the last
+        // reference gone.
+        unsafe { (self.destroy)(self.ptr as *mut c_void) }
+    }
+}
+
+/// Host memory pinned now (`cuMemHostRegister`), by address: what kernels may reach of the
+/// host's memory.
+static PINNED: Mutex<BTreeSet<u64>> = Mutex::new(BTreeSet::new());
+
+pub fn pinned(p: u64) -> bool {
+    PINNED.lock().contains(&p)
+}
+
+/// What a kernel would have faulted on (a GPU's illegal address): the launch did not run.
+pub static ILLEGAL: Mutex<Vec<String>> = Mutex::new(Vec::new());
+
+/// The control blocks the lanes of a runner launch read (`OxLaneD::ctl`; the counts of the
+/// descriptor's parts are the 16-bit fields of its second word).
+pub fn control_blocks(params: &[u64]) -> Vec<u64> {
+    let n = |i: u32| ((params[1] >> (16 * i)) & 0xffff) as usize;
+    let lanes = (16 + 32 * n(0) + 80 * n(1) + 56 * n(2)) / 8;
+    (0..n(3)).map(|l| params[lanes + 2 * l + 1]).collect()
 }
 
 /// A stream: a thread that runs its queue in order.
@@ -271,6 +307,7 @@ pub fn replay(graphs: &[(usize, Vec<Op>)]) {
     for (h, g) in graphs {
         for op in g {
             let op = match op {
+                Op::Keep(_) => continue,
                 Op::Record { event, generation } => Op::Record {
                     event: event.clone(),
                     generation: renamed(event, *generation),
@@ -333,6 +370,20 @@ fn run_stream(s: &Stream) {
                 block,
                 params,
             } => {
+                if name.to_bytes().starts_with(b"oxccl_run") {
+                    let lost: Vec<u64> = control_blocks(&params)
+                        .into_iter()
+                        .filter(|&c| !pinned(c))
+                        .collect();
+                    if !lost.is_empty() {
+                        ILLEGAL.lock().push(format!(
+                            "{name:?} reads control blocks that are not pinned: {lost:x?}"
+                        ));
+                        *s.done.lock() += 1;
+                        s.done_cv.notify_all();
+                        continue;
+                    }
+                }
                 let emu = EMU.get().expect("emulated kernels");
                 // SAFETY: `params` holds the kernel's whole parameter.
                 let r = unsafe {
@@ -360,7 +411,9 @@ fn run_stream(s: &Stream) {
                     event.cv.wait(&mut r);
                 }
             }
-            Op::RecordNode(_) | Op::WaitNode(_) => unreachable!("a graph's node run as it is"),
+            Op::RecordNode(_) | Op::WaitNode(_) | Op::Keep(_) => {
+                unreachable!("a graph's node run as it is")
+            }
         }
         *s.done.lock() += 1;
         s.done_cv.notify_all();
@@ -555,6 +608,67 @@ unsafe extern "C" fn capture_info(
         .as_ref()
         .and_then(|m| m.get(&(s as usize)).map(|g| g.0));
     unsafe { stand_in::capture_info_of(st, id, [graph, deps, ndeps], captures) }
+}
+unsafe extern "C" fn user_object_create(
+    obj: *mut *mut c_void,
+    ptr: *mut c_void,
+    destroy: driver::CUhostFn,
+    refs: c_uint,
+    flags: c_uint,
+) -> CUresult {
+    assert_eq!((refs, flags), (1, 1), "one reference, no destructor sync");
+    let o = Arc::new(UserObject {
+        ptr: ptr as usize,
+        destroy,
+    });
+    unsafe { *obj = Arc::into_raw(o) as *mut c_void };
+    OK
+}
+/// `cuGraphRetainUserObject`: the graph (its handle is its capture id) holds the object, in
+/// the work of one of the streams capturing it.
+unsafe extern "C" fn graph_retain(
+    graph: *mut c_void,
+    obj: *mut c_void,
+    refs: c_uint,
+    flags: c_uint,
+) -> CUresult {
+    assert_eq!((refs, flags), (1, 1), "the caller's one reference, moved");
+    let mut c = CAPTURES.lock();
+    let Some((_, g)) = c
+        .as_mut()
+        .and_then(|m| m.values_mut().find(|(id, _)| *id == graph as u64))
+    else {
+        return INVALID_VALUE;
+    };
+    // SAFETY: made by user_object_create; the caller's reference moves to the graph.
+    g.push(Op::Keep(unsafe { Arc::from_raw(obj as *const UserObject) }));
+    OK
+}
+unsafe extern "C" fn user_object_release(obj: *mut c_void, refs: c_uint) -> CUresult {
+    assert_eq!(refs, 1);
+    // SAFETY: made by user_object_create; the caller's reference.
+    drop(unsafe { Arc::from_raw(obj as *const UserObject) });
+    OK
+}
+unsafe extern "C" fn host_register(p: *mut c_void, _: usize, _: c_uint) -> CUresult {
+    if !unsafe_call_allowed() {
+        return CAPTURE_UNSUPPORTED;
+    }
+    if PINNED.lock().insert(p as u64) {
+        OK
+    } else {
+        712 // CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED
+    }
+}
+unsafe extern "C" fn host_unregister(p: *mut c_void) -> CUresult {
+    if !unsafe_call_allowed() {
+        return CAPTURE_UNSUPPORTED;
+    }
+    if PINNED.lock().remove(&(p as u64)) {
+        OK
+    } else {
+        INVALID_VALUE
+    }
 }
 unsafe extern "C" fn wait_event(s: *mut c_void, e: *mut c_void, flags: c_uint) -> CUresult {
     let event = event(e as usize);
@@ -937,6 +1051,11 @@ pub fn stand_in_with(extra: &[(&str, *const c_void)]) -> Api {
         ("cuMemMap", mem_map as *const c_void),
         ("cuMemUnmap", mem_unmap as *const c_void),
         ("cuMemSetAccess", set_access as *const c_void),
+        ("cuUserObjectCreate", user_object_create as *const c_void),
+        ("cuGraphRetainUserObject", graph_retain as *const c_void),
+        ("cuUserObjectRelease", user_object_release as *const c_void),
+        ("cuMemHostRegister_v2", host_register as *const c_void),
+        ("cuMemHostUnregister", host_unregister as *const c_void),
     ]);
     // SAFETY: each function above has the signature the driver table lists for its symbol
     // (the caller's for `extra`).

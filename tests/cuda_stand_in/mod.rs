@@ -151,10 +151,12 @@ unsafe extern "C" fn enable_peer_access(_: *mut c_void, _: c_uint) -> CUresult {
     OK
 }
 /// What a stand-in's `cuStreamGetCaptureInfo_v2` reports of a stream that captures graph
-/// `graph` (None: none): its status and capture id. The executor asks for no later output.
+/// `graph` (None: none): its status, capture id and, where asked, the graph (its handle is the
+/// capture id). The executor asks for no dependencies.
 ///
 /// # Safety
-/// `st` and `id` are writable; the others are what the executor passed.
+/// `st` and `id` are writable, and the first of `later` where it is not NULL; the others are
+/// what the executor passed.
 pub unsafe fn capture_info_of(
     st: *mut c_int,
     id: *mut u64,
@@ -162,12 +164,15 @@ pub unsafe fn capture_info_of(
     graph: Option<u64>,
 ) -> CUresult {
     assert!(
-        later.iter().all(|p| p.is_null()),
+        later[1..].iter().all(|p| p.is_null()),
         "outputs the executor never asks for"
     );
     unsafe {
         *st = c_int::from(graph.is_some());
         *id = graph.unwrap_or(0);
+        if !later[0].is_null() {
+            *later[0].cast::<u64>() = graph.unwrap_or(0);
+        }
     }
     OK
 }

@@ -4,6 +4,7 @@
 //! stops the kernels (abort) and kernels report why they stopped (a call mismatch) and which
 //! connection they wait on.
 
+use super::kept::{self, Events, Kept};
 use super::kernels::{self, Kernels};
 use crate::error::{Error, Result};
 use crate::exec::CommSetup;
@@ -135,6 +136,11 @@ pub(super) struct Captured {
     pub mixing: bool,
     /// Mode 0 (the program said it captures none; told once when it does).
     pub no_graphs: bool,
+    /// Every event of the communicator (tips' events join it as they are made).
+    pub events: Arc<Events>,
+    /// A captured launch went into a graph that could not be made to hold the communicator's
+    /// control block and events (`kept::keep`): they are never freed.
+    pub unkept: bool,
 }
 
 impl Captured {
@@ -159,12 +165,13 @@ impl Captured {
             let mut ev: driver::CUevent = std::ptr::null_mut();
             // Relaxed: the caller's stream captures.
             driver::relaxed(|| {
-                // SAFETY: writes one event handle (destroyed with the communicator).
+                // SAFETY: writes one event handle (destroyed with the others: `Events`).
                 check(
                     unsafe { (api.event_create)(&mut ev, driver::CU_EVENT_DISABLE_TIMING) },
                     || "cuEventCreate".into(),
                 )
             })?;
+            self.events.add(ev as usize);
             self.tips.push(Tip {
                 graph: None,
                 event: ev as usize,
@@ -241,26 +248,22 @@ impl CudaComm {
         let dev = s.dev;
         let ctx = driver::primary_context(dev)?;
         let _g = CtxGuard::enter(ctx)?;
+        // What graphs let go of since the last look is freed.
+        kept::reclaim();
         let kern = kernels::get(ctx, dev)?;
         let api = driver::api()?;
-        let mut ev: driver::CUevent = std::ptr::null_mut();
-        // SAFETY: writes one event handle.
-        check(
-            unsafe { (api.event_create)(&mut ev, driver::CU_EVENT_DISABLE_TIMING) },
-            || "cuEventCreate".into(),
-        )?;
-        let mut join: driver::CUevent = std::ptr::null_mut();
-        // SAFETY: writes one event handle.
-        check(
-            unsafe { (api.event_create)(&mut join, driver::CU_EVENT_DISABLE_TIMING) },
-            || "cuEventCreate".into(),
-        )?;
-        let mut replayed: driver::CUevent = std::ptr::null_mut();
-        // SAFETY: writes one event handle.
-        check(
-            unsafe { (api.event_create)(&mut replayed, driver::CU_EVENT_DISABLE_TIMING) },
-            || "cuEventCreate".into(),
-        )?;
+        let events = Arc::new(Events::new(ctx));
+        let event = || {
+            let mut ev: driver::CUevent = std::ptr::null_mut();
+            // SAFETY: writes one event handle (destroyed with the others: `Events`).
+            check(
+                unsafe { (api.event_create)(&mut ev, driver::CU_EVENT_DISABLE_TIMING) },
+                || "cuEventCreate".into(),
+            )?;
+            events.add(ev as usize);
+            Ok::<_, Error>(ev)
+        };
+        let (ev, join, replayed) = (event()?, event()?, event()?);
         // Both events the wait nodes of captured launches name are recorded once now (on a
         // stream of ours, done at once), so that every capture gets the same nodes, whatever
         // ran before it: a graph captured before the first eager launch still waits, at each
@@ -341,6 +344,8 @@ impl CudaComm {
                 any: false,
                 mixing,
                 no_graphs: s.graph_usage == 0,
+                events,
+                unkept: false,
             }),
             ranks_on_device: s
                 .peers
@@ -381,6 +386,12 @@ impl CudaComm {
 
     pub fn describe(&self) -> &str {
         &self.name
+    }
+
+    /// The communicator ends (destroyed, its work done or given up): its control block says
+    /// stop from now on, so that a graph replayed later returns at once (`kept`).
+    pub fn end(&self) {
+        self.ctl.abort();
     }
 
     /// Waits until the last launch is done; after an abort, tells the kernels to stop first.
@@ -456,22 +467,36 @@ impl Drop for CudaComm {
                     self.name
                 ));
                 std::mem::forget(self.ctl.clone());
+                return;
             }
         }
-        if let (Ok(api), Ok(_g)) = (driver::api(), CtxGuard::enter(self.ctx)) {
-            // SAFETY: our events, destroyed once.
-            unsafe {
-                // Under the lock, marked unrecorded first.
-                let mut l = self.last.lock();
-                l.recorded = false;
-                (api.event_destroy)(l.event as driver::CUevent);
-                (api.event_destroy)(self.join_event as driver::CUevent);
-                let c = self.captured.lock();
-                for t in &c.tips {
-                    (api.event_destroy)(t.event as driver::CUevent);
-                }
-                (api.event_destroy)(c.replayed as driver::CUevent);
-            }
+        // (Its events go when the graphs that name them do too: `Events`.)
+        self.last.lock().recorded = false;
+        self.end();
+        kept::reclaim();
+        let c = self.captured.lock();
+        let kept = Kept {
+            ctl: self.ctl.clone(),
+            events: c.events.clone(),
+        };
+        // The graphs that hold it (the watcher's reference is weak).
+        let graphs = Arc::strong_count(&self.ctl) - 2;
+        if c.unkept {
+            crate::debug::info(&format!(
+                "{}: destroyed after a launch of its was captured into a CUDA graph that this \
+                 driver could not make hold its control block and events: they stay allocated \
+                 (a replay returns at once)",
+                self.name
+            ));
+            std::mem::forget(kept);
+        } else if graphs > 0 {
+            crate::debug::info(&format!(
+                "{}: destroyed while {graphs} CUDA graph(s) that captured its launches remain: \
+                 replaying them does nothing now (their launches return at once, the buffers \
+                 left as they are); its control block and events are freed with the last of \
+                 them",
+                self.name
+            ));
         }
     }
 }

@@ -18,6 +18,10 @@ pub const PARAM_BYTES: usize = 4000;
 pub const PARAM_BYTES_LARGE: usize = 32760;
 
 const HEAD: usize = 16;
+/// The header's first word: a launch captured into a CUDA graph, whose blocks return at once
+/// where their lane's control block says stop (`OX_HEAD_CAPTURED`; the low 16 bits are the
+/// blocks per lane).
+pub const HEAD_CAPTURED: u64 = 1 << 16;
 const CONN: usize = 32;
 const PROG: usize = std::mem::size_of::<FlatProgram>();
 const STEP: usize = std::mem::size_of::<FlatStep>();

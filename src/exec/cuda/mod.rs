@@ -20,6 +20,7 @@
 pub mod comm;
 mod desc;
 mod direct;
+mod kept;
 mod kernels;
 pub mod memory;
 mod nvrtc;
@@ -372,6 +373,10 @@ fn launch_set(jobs: &mut [Job<'_>]) -> Result<()> {
     }
     let cap = driver::capture(stream)?;
     let capturing = cap != driver::Capture::No;
+    if !capturing {
+        // What graphs let go of since the last look is freed (not while capturing).
+        kept::reclaim();
+    }
     let mut launched = false;
     // Issue order per communicator across streams, and the group's other streams joined (while
     // capturing: edges of the graph, which all of them capture, `stream::streams_alike`).
@@ -387,7 +392,7 @@ fn launch_set(jobs: &mut [Job<'_>]) -> Result<()> {
         if result.is_err() {
             break;
         }
-        result = launch_stage(jobs, k, stream, api, &mut launched);
+        result = launch_stage(jobs, k, stream, capturing, api, &mut launched);
     }
     if launched {
         // Also after an error: later launches and quiescence wait for what did run.
@@ -454,6 +459,7 @@ fn launch_stage(
     jobs: &mut [Job<'_>],
     k: usize,
     stream: usize,
+    captured: bool,
     api: &driver::Api,
     launched: &mut bool,
 ) -> Result<()> {
@@ -507,7 +513,7 @@ fn launch_stage(
             }
         }
         let here = jobs.iter().filter(|j| j.comm.hash == comm0.hash).count();
-        r = run(&d, comm0, here, stream, api).map(|l| *launched |= l);
+        r = run(&d, comm0, here, stream, captured, api).map(|l| *launched |= l);
     }
     // Scratch goes back in stream order after the launch that used it (or at once, in stream
     // order, when nothing was launched).
@@ -550,12 +556,13 @@ pub(super) fn trace() -> bool {
 }
 
 /// Launches one descriptor on `stream` (`ranks_here`: the ranks of `comm`'s communicator whose
-/// lanes it holds).
+/// lanes it holds; `captured`: `stream` captures a graph).
 fn run(
     d: &Desc,
     comm: &CudaComm,
     ranks_here: usize,
     stream: usize,
+    captured: bool,
     api: &driver::Api,
 ) -> Result<bool> {
     if d.lanes() == 0 {
@@ -633,6 +640,10 @@ fn run(
     };
     // (An error where the descriptor is large and the driver has no twins.)
     let mut params = d.params(nb, k.large())?;
+    if captured {
+        // Replays look at the control blocks first: they may come after a communicator ended.
+        params[0] |= desc::HEAD_CAPTURED;
+    }
     launch_kernel(api, func, (grid_x, grid_y), stream, &mut params, || {
         format!(
             "{}: launching a kernel of {} lanes on stream {stream:#x}",

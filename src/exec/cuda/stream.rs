@@ -206,6 +206,16 @@ pub(super) fn join_captured(
         }
         // (A driver that does not tell graphs apart gets no edges: each launch is taken as the
         // first in its graph.)
+        // The graph holds the control block and events its launch names (it may be replayed
+        // after the communicator is destroyed), from its first launch there.
+        let first = id.is_none_or(|id| c.tip(id).is_none());
+        if first && !c.unkept {
+            let k = super::kept::Kept {
+                ctl: comm.ctl.clone(),
+                events: c.events.clone(),
+            };
+            c.unkept = id.is_none() || !super::kept::keep(&k, stream);
+        }
         if let Some(id) = id {
             let (i, event) = c.slot(api, id, comm.describe())?;
             // SAFETY: the graph's event (recorded in captures only, never queried), the
