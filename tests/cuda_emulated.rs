@@ -503,14 +503,16 @@ fn replay_after_destroy() {
                 .count();
             assert_eq!(written, 0, "a replay after the destroy wrote outputs");
         }
-        // The graph goes: what it held goes at the next launch or communicator made.
+        // The graph goes: what it held goes at the next launch or communicator made or
+        // destroyed (checked once this one is gone too: its control block may take the
+        // address of one freed at its making).
         drop(graphs);
         let again = nccl::api::comm_init_all(&[0]).expect("one rank");
+        destroy(again);
         assert!(
             ctls.iter().all(|&p| !device::pinned(p)),
             "control blocks left pinned after the graph went"
         );
-        destroy(again);
         release_buffers();
     }
 }
@@ -1828,6 +1830,11 @@ fn cuda_executor_on_emulated_kernels() {
     std::env::remove_var("OXCCL_CUDA_COPY_KERNEL");
     large_launches(&[new_stream(), new_stream()]);
     replay_after_destroy();
+    let illegal = device::ILLEGAL.lock().clone();
+    assert!(
+        illegal.is_empty(),
+        "what a GPU would have faulted on: {illegal:?}"
+    );
     let launched = LAUNCHED.lock().clone();
     eprintln!("kernels run: {launched:?}");
     for k in stand_in::KERNELS {

@@ -195,8 +195,12 @@ pub fn unpin_host(ptr: *mut u8) {
     };
     if let Ok(api) = driver::api() {
         if let Ok(_g) = CtxGuard::enter(ctx) {
-            // SAFETY: memory pinned by `pin_host`, still mapped.
-            unsafe { (api.host_unregister)(ptr as *mut std::ffi::c_void) };
+            // (Relaxed: a stream of another thread may capture a graph now.)
+            let _ = driver::relaxed(|| {
+                // SAFETY: memory pinned by `pin_host`, still mapped.
+                unsafe { (api.host_unregister)(ptr as *mut std::ffi::c_void) };
+                Ok(())
+            });
         }
     }
 }

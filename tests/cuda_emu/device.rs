@@ -182,6 +182,8 @@ pub struct Event {
     cv: Condvar,
     /// The records asked for on a capturing stream (kept in its graph, not run).
     captured: Mutex<BTreeSet<u64>>,
+    /// `cuEventDestroy` was called (a graph's node naming it may not run any more).
+    destroyed: std::sync::atomic::AtomicBool,
 }
 
 impl Event {
@@ -316,6 +318,17 @@ pub fn replay(graphs: &[(usize, Vec<Op>)]) {
                     event: event.clone(),
                     generation: renamed(event, *generation),
                 },
+                Op::RecordNode(event) | Op::WaitNode(event)
+                    if event.destroyed.load(Ordering::SeqCst) =>
+                {
+                    ILLEGAL
+                        .lock()
+                        .push("a graph's event node names a destroyed event".into());
+                    if matches!(op, Op::WaitNode(_)) {
+                        waits.next();
+                    }
+                    continue;
+                }
                 Op::RecordNode(event) => Op::Record {
                     event: event.clone(),
                     generation: event.recorded.fetch_add(1, Ordering::SeqCst) + 1,
@@ -693,7 +706,9 @@ unsafe extern "C" fn wait_event(s: *mut c_void, e: *mut c_void, flags: c_uint) -
     OK
 }
 unsafe extern "C" fn event_create(e: *mut *mut c_void, _: c_uint) -> CUresult {
-    unsafe { *e = NEXT.fetch_add(1, Ordering::SeqCst) as *mut c_void };
+    let h = NEXT.fetch_add(1, Ordering::SeqCst) as usize;
+    event(h);
+    unsafe { *e = h as *mut c_void };
     OK
 }
 unsafe extern "C" fn event_record_flags(e: *mut c_void, s: *mut c_void, flags: c_uint) -> CUresult {
@@ -724,8 +739,15 @@ unsafe extern "C" fn event_query(e: *mut c_void) -> CUresult {
         OK
     }
 }
-unsafe extern "C" fn event_destroy(_: *mut c_void) -> CUresult {
-    OK
+unsafe extern "C" fn event_destroy(e: *mut c_void) -> CUresult {
+    let gone = EVENTS.lock().as_mut().and_then(|m| m.remove(&(e as usize)));
+    match gone {
+        Some(ev) => {
+            ev.destroyed.store(true, Ordering::SeqCst);
+            OK
+        }
+        None => 400, // CUDA_ERROR_INVALID_HANDLE
+    }
 }
 unsafe extern "C" fn pointer_attr(v: *mut c_void, a: c_int, _: u64) -> CUresult {
     // Device memory (2) of device 0.

@@ -479,8 +479,9 @@ impl Drop for CudaComm {
             ctl: self.ctl.clone(),
             events: c.events.clone(),
         };
-        // The graphs that hold it (the watcher's reference is weak).
-        let graphs = Arc::strong_count(&self.ctl) - 2;
+        // Some graph holds it (the watcher's reference is weak, upgraded for a moment now and
+        // then: this may be wrong then, for a log line).
+        let graphs = Arc::strong_count(&self.ctl) > 2;
         if c.unkept {
             crate::debug::info(&format!(
                 "{}: destroyed after a launch of its was captured into a CUDA graph that this \
@@ -489,12 +490,11 @@ impl Drop for CudaComm {
                 self.name
             ));
             std::mem::forget(kept);
-        } else if graphs > 0 {
+        } else if graphs {
             crate::debug::info(&format!(
-                "{}: destroyed while {graphs} CUDA graph(s) that captured its launches remain: \
-                 replaying them does nothing now (their launches return at once, the buffers \
-                 left as they are); its control block and events are freed with the last of \
-                 them",
+                "{}: destroyed while CUDA graphs that captured its launches remain: replaying \
+                 them now moves no data between ranks (their kernels return at once); its \
+                 control block and events are freed once the last of them is destroyed",
                 self.name
             ));
         }

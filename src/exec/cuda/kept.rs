@@ -87,9 +87,9 @@ pub(super) fn keep(k: &Kept, stream: usize) -> bool {
     let Ok(Some(graph)) = driver::capture_graph(stream) else {
         return false;
     };
-    let raw = Box::into_raw(Box::new(k.clone()));
     // (Relaxed: the caller's stream captures.)
     driver::relaxed(|| {
+        let raw = Box::into_raw(Box::new(k.clone()));
         let mut obj: driver::CUuserObject = std::ptr::null_mut();
         // SAFETY: one reference, ours; `let_go` takes `raw` back when it goes.
         let r = unsafe {
@@ -118,8 +118,9 @@ pub(super) fn keep(k: &Kept, stream: usize) -> bool {
     .unwrap_or(false)
 }
 
-/// Frees what graphs let go of since the last call (never while the calling thread's stream
-/// captures: unpinning is not a call a capture allows).
+/// Frees what graphs let go of since the last call (unpinning in relaxed capture mode: a stream
+/// may capture a graph meanwhile). What graphs let go of after the last call of a program stays
+/// allocated until it exits.
 pub(super) fn reclaim() {
     if !PENDING.swap(false, Ordering::Acquire) {
         return;
