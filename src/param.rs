@@ -81,7 +81,7 @@ pub const PARAMS: &[Param] = &[
     },
     Param {
         name: "NCCL_P2P_LEVEL",
-        doc: "LOC (or 0): as NCCL_P2P_DISABLE=1; NVL, PIX, PXB, PHB, SYS (or 1 to 5): device memory between two GPUs where they reach each other's memory with native atomics, which is NVLink whatever the level (a PCIe path between GPUs is never used: they stage in host memory)",
+        doc: "LOC (or 0): as NCCL_P2P_DISABLE=1; NVL (or 1): device memory between two GPUs only where they reach each other's memory with native atomics (NVLink), others stage in host memory; PIX, PXB, PHB, SYS (or 2 to 5), and the default: between any two GPUs the driver lets reach each other's memory (cuDeviceCanAccessPeer: NVLink, or PCIe where the platform allows peer traffic; the kind of PCIe path is not looked at)",
         default: "",
     },
     Param {
@@ -309,11 +309,23 @@ pub fn p2p_disabled() -> bool {
 }
 
 /// `p2p_disabled` from the two variables' values: NCCL_P2P_LEVEL's LOC (or 0) is NCCL's
-/// "never"; its other levels (NVL, PIX, PXB, PHB, SYS or 1 to 5) allow at least NVLink, the
-/// only path between two GPUs used here.
+/// "never"; its other levels (NVL, PIX, PXB, PHB, SYS or 1 to 5) allow at least NVLink.
 fn p2p_off(disable: u64, level: Option<&str>) -> bool {
-    disable != 0
-        || level.is_some_and(|l| matches!(l.trim().to_ascii_uppercase().as_str(), "LOC" | "0"))
+    disable != 0 || level_is(level, &["LOC", "0"])
+}
+
+fn level_is(level: Option<&str>, names: &[&str]) -> bool {
+    level.is_some_and(|l| names.contains(&l.trim().to_ascii_uppercase().as_str()))
+}
+
+/// `NCCL_P2P_LEVEL=NVL` (or 1): two GPUs share device memory only over NVLink (told by native
+/// peer atomics, `gpu::memory::native_atomics`), not over PCIe, which its other levels allow
+/// wherever `cuDeviceCanAccessPeer` does (the kind of PCIe path is not looked at).
+pub fn p2p_nvlink_only() -> bool {
+    static R: once_cell::sync::Lazy<bool> = once_cell::sync::Lazy::new(|| {
+        level_is(get_str("NCCL_P2P_LEVEL").as_deref(), &["NVL", "1"])
+    });
+    *R
 }
 
 /// Output size from which copies into the caller's buffers use streaming stores.
@@ -440,7 +452,7 @@ pub fn cuda_blocks() -> usize {
 #[cfg(test)]
 mod tests {
     use super::Selection;
-    use super::{p2p_off, parse_u64};
+    use super::{level_is, p2p_off, parse_u64};
 
     #[test]
     fn p2p_level_loc_disables_p2p() {
@@ -452,6 +464,8 @@ mod tests {
         for l in ["NVL", "PIX", "PXB", "PHB", "SYS", "1", "5"] {
             assert!(!p2p_off(0, Some(l)), "{l}");
         }
+        assert!(level_is(Some(" nvl"), &["NVL", "1"]) && level_is(Some("1"), &["NVL", "1"]));
+        assert!(!level_is(Some("PXB"), &["NVL", "1"]) && !level_is(None, &["NVL", "1"]));
     }
 
     #[test]

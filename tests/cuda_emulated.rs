@@ -1126,7 +1126,7 @@ fn start(so: &Path) -> PathBuf {
     // `OXEMU_PEERS`: two devices (`peer_devices`).
     let api = match std::env::var("OXEMU_PEERS") {
         Ok(how) => {
-            peers::NATIVE_ATOMICS.store(how != "pcie", Ordering::SeqCst);
+            peers::NATIVE_ATOMICS.store(!how.starts_with("pcie"), Ordering::SeqCst);
             peers::REFUSE_PEER_ACCESS.store(how == "refused", Ordering::SeqCst);
             device::stand_in_with(&peers::functions())
         }
@@ -1654,20 +1654,22 @@ fn child(so: &Path, vars: &[(&str, &str)], limit: Duration) -> (bool, String) {
 /// refuses to enable peer access (too many peers), ranks of one process stage in host memory
 /// rather than fail.
 fn peer_devices(so: &Path) {
-    for how in ["nvlink", "pcie", "refused"] {
-        let (ok, report) = child(so, &[("OXEMU_PEERS", how)], Duration::from_secs(300));
+    // (pcie-nvl: PCIe, and NCCL_P2P_LEVEL=NVL, which allows NVLink only.)
+    for how in ["nvlink", "pcie", "pcie-nvl", "refused"] {
+        let level = if how == "pcie-nvl" { "NVL" } else { "" };
+        let vars = [("OXEMU_PEERS", how), ("NCCL_P2P_LEVEL", level)];
+        let (ok, report) = child(so, &vars, Duration::from_secs(300));
         assert!(
             ok && report.contains(&format!("peer devices ({how}): checked")),
             "ranks on two devices ({how}):\n{report}"
         );
-        if how == "refused" {
+        if how == "refused" || how == "pcie-nvl" {
             continue;
         }
         let opened = run_processes(so, 2, true, 1, None, Some(how));
-        assert_eq!(
+        assert!(
             opened > 0,
-            how == "nvlink",
-            "processes on two devices ({how}): IPC handles opened: {opened}"
+            "processes on two devices ({how}): no IPC handle opened"
         );
     }
 }
@@ -1685,7 +1687,9 @@ fn peer_devices_process(how: &str) {
     let enabled = peers::ENABLED.lock().clone();
     let allocated = peers::ALLOCATED.lock().clone();
     let (d0, d1) = (peers::ctx_of(0), peers::ctx_of(1));
-    if how == "nvlink" {
+    let remote = peers::REMOTE_LAUNCHES.load(Ordering::SeqCst);
+    if how == "nvlink" || how == "pcie" {
+        assert!(remote > 0, "no launch over the other device's memory");
         for pair in [(d0, d1), (d1, d0)] {
             assert!(
                 enabled.contains(&pair),
@@ -1701,8 +1705,8 @@ fn peer_devices_process(how: &str) {
         }
     } else {
         assert!(
-            enabled.is_empty(),
-            "peer access without native atomics: {enabled:x?}"
+            enabled.is_empty() && remote == 0,
+            "peer access where it is refused or not allowed: {enabled:x?}, {remote} launches"
         );
     }
     for c in &comms {

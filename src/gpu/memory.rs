@@ -112,31 +112,54 @@ fn current_or_device0() -> Result<usize> {
 }
 
 /// Whether kernels on devices `a` and `b` (ordinals of this process, different) can reach each
-/// other's memory, atomics included (`cuDeviceCanAccessPeer` and native peer atomics, both
-/// ways: GPUs joined by NVLink, not plain PCIe): ranks of one process on them keep their
-/// connections in device memory (the blocks of a lane count themselves in with atomics on the
-/// connection's header).
+/// other's memory (`cuDeviceCanAccessPeer`, both ways: GPUs joined by NVLink, or by PCIe where
+/// the platform allows peer traffic; NVLink only with `NCCL_P2P_LEVEL=NVL`): ranks on them
+/// keep their connections in the receiving end's device memory.
 pub fn peers_capable(a: i32, b: i32) -> bool {
     let Ok(api) = driver::api() else {
         return false;
     };
     let can = |x: i32, y: i32| {
-        let (mut c, mut atomics) = (0, 0);
-        // SAFETY: each writes one int; both are device ordinals of this process.
-        let (r, q) = unsafe {
-            (
-                (api.device_can_access_peer)(&mut c, x, y),
-                (api.device_p2p_attr)(
-                    &mut atomics,
-                    driver::CU_DEVICE_P2P_ATTRIBUTE_NATIVE_ATOMIC_SUPPORTED,
-                    x,
-                    y,
-                ),
+        let mut c = 0;
+        // SAFETY: writes one int; both are device ordinals of this process.
+        let r = unsafe { (api.device_can_access_peer)(&mut c, x, y) };
+        r == driver::CUDA_SUCCESS && c != 0
+    };
+    a >= 0
+        && b >= 0
+        && a != b
+        && can(a, b)
+        && can(b, a)
+        && (!crate::param::p2p_nvlink_only() || native_atomics(a, b))
+}
+
+/// Whether atomics of kernels on device `a` on device `b`'s memory are native, both ways
+/// (NVLink; not PCIe): only then do several blocks of a lane send over one connection in the
+/// other's memory (they count themselves in with atomics on its header: `Conn::shared_blocks`).
+pub fn native_atomics(a: i32, b: i32) -> bool {
+    let Ok(api) = driver::api() else {
+        return false;
+    };
+    let native = |x: i32, y: i32| {
+        let mut v = 0;
+        // SAFETY: writes one int; both are device ordinals of this process.
+        let r = unsafe {
+            (api.device_p2p_attr)(
+                &mut v,
+                driver::CU_DEVICE_P2P_ATTRIBUTE_NATIVE_ATOMIC_SUPPORTED,
+                x,
+                y,
             )
         };
-        r == driver::CUDA_SUCCESS && c != 0 && q == driver::CUDA_SUCCESS && atomics != 0
+        r == driver::CUDA_SUCCESS && v != 0
     };
-    a >= 0 && b >= 0 && a != b && can(a, b) && can(b, a)
+    a >= 0 && b >= 0 && native(a, b) && native(b, a)
+}
+
+/// The ordinal, in this process, of the GPU of `uuid` (None: it does not see it).
+pub fn device_of_uuid(uuid: &[u8; 16]) -> Option<i32> {
+    let n = driver::device_count().ok()?;
+    (0..n).find(|&d| driver::device_uuid(d).ok().as_ref() == Some(uuid))
 }
 
 /// Whether the primary contexts of devices `a` and `b` (ordinals of this process) reach each

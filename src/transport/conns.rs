@@ -152,6 +152,13 @@ impl Conns {
             && (!me.same_process(q) || crate::gpu::memory::peer_access(me.dev, q.dev))
     }
 
+    /// Whether this rank's kernels' atomics on the memory of `peer`'s GPU are native
+    /// (`gpu::memory::native_atomics`; its GPU found by UUID among those this process sees).
+    fn peer_atomics(&self, peer: usize) -> bool {
+        crate::gpu::memory::device_of_uuid(&self.peers[peer].gpu)
+            .is_some_and(|d| crate::gpu::memory::native_atomics(self.peers[self.rank].dev, d))
+    }
+
     /// The connection of `key`, if it is made.
     pub fn get(&self, key: ConnKey) -> Option<Arc<Conn>> {
         self.map.lock().get(&key).cloned()
@@ -294,6 +301,7 @@ impl Conns {
     }
 
     fn spec(&self, k: ConnKey) -> ConnSpec {
+        let peer_device = self.peer_device(k.peer);
         ConnSpec {
             local_ip: self.local_ip,
             comm_hash: self.hash,
@@ -304,7 +312,8 @@ impl Conns {
             nsteps: self.nsteps,
             slot_bytes: self.slot_bytes,
             same_device: self.peers[self.rank].same_gpu(&self.peers[k.peer]),
-            peer_device: self.peer_device(k.peer),
+            peer_device,
+            shared_blocks: !(k.is_sender && peer_device && !self.peer_atomics(k.peer)),
             ipc: self.peers[self.rank].takes_ipc() && self.peers[k.peer].takes_ipc(),
             peer_pid: self.peers[self.rank].pid_seen_by(&self.peers[k.peer]),
             peer_host: self.peers[k.peer].hostname.clone(),

@@ -252,6 +252,9 @@ pub struct Conn {
     /// Who moves the data, where a proxy thread does (network connections); None where both
     /// ends share the memory.
     pub proxy: Option<Arc<dyn Proxy>>,
+    /// Several blocks of a lane may share this end, where it lives in device memory
+    /// (`ConnSpec::shared_blocks`).
+    pub shared_blocks: bool,
 }
 
 // SAFETY: the region stays mapped while the Conn lives; the counters are atomics and the slot
@@ -283,6 +286,7 @@ impl Conn {
             is_sender,
             peer_ready: std::sync::atomic::AtomicBool::new(false),
             proxy: None,
+            shared_blocks: true,
         }
     }
 
@@ -625,6 +629,10 @@ pub struct ConnSpec {
     /// Both ends run on two GPUs of this host that reach each other's memory (CUDA executor,
     /// `PeerInfo::peer_gpus`): their connection may live in the receiving end's device memory.
     pub peer_device: bool,
+    /// Several blocks of a lane may share this end (their arrival counts are atomics on the
+    /// connection's header): false for a sending end whose connection lives in a peer GPU's
+    /// memory without native atomics to it (PCIe).
+    pub shared_blocks: bool,
     /// Both ends' processes take connections in device memory by CUDA IPC (`OXCCL_CUDA_IPC=1`
     /// and not `NCCL_P2P_DISABLE=1` in each).
     pub ipc: bool,
@@ -660,6 +668,7 @@ pub(crate) struct Named {
     /// A sending end between processes whose connection lives in device memory: the receiving
     /// end's blob carries the IPC handle.
     opens_handle: bool,
+    shared_blocks: bool,
 }
 
 /// Whether a connection between `spec`'s ranks lives in device memory: ranks on one GPU, on
@@ -716,6 +725,7 @@ impl Named {
                 peer: spec.peer,
                 is_sender: spec.is_sender,
                 opens_handle: shm && spec.is_sender && in_device_memory(spec, true),
+                shared_blocks: spec.shared_blocks,
             }),
             blob,
         ))
@@ -738,7 +748,8 @@ impl Endpoint for Named {
             .take()
             .ok_or_else(|| Error::internal("a connection end connected twice"))?;
         // Dropped on error: the region is unlinked (see `Drop for Conn`).
-        let conn = Conn::new(region, n.nsteps, n.slot_bytes, (n.me, n.peer), n.is_sender);
+        let mut conn = Conn::new(region, n.nsteps, n.slot_bytes, (n.me, n.peer), n.is_sender);
+        conn.shared_blocks = n.shared_blocks;
         let (name, handle) = split_blob(peer_blob);
         if name != n.name.as_bytes() {
             return Err(Error::internal(format!(

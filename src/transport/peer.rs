@@ -20,10 +20,10 @@ pub struct PeerInfo {
     pub nsteps: u32,
     /// Where this process keeps its cross-memory-attach probe word (`transport::cma`).
     pub probe: u64,
-    /// The UUIDs of the GPUs this rank's GPU reaches as a peer, and that reach it, atomics
-    /// included (`gpu::memory::peers_capable`), among those its process sees (at most
-    /// `MAX_REACHES`): two ranks of one host on different GPUs may share device memory where
-    /// each names the other's.
+    /// The UUIDs of the GPUs this rank's GPU reaches as a peer, and that reach it
+    /// (`gpu::memory::peers_capable`), among those its process sees (at most `MAX_REACHES`):
+    /// two ranks of one host on different GPUs may share device memory where each names the
+    /// other's.
     pub reaches: Vec<[u8; 16]>,
     /// The host's name, for messages (at most 64 bytes of it).
     pub hostname: String,

@@ -187,6 +187,7 @@ fn each_locality_has_its_transport_and_blobs_are_checked() {
         slot_bytes: 4096,
         same_device: false,
         peer_device: false,
+        shared_blocks: true,
         ipc: false,
         peer_pid: 0,
         peer_host: "elsewhere".into(),

@@ -466,7 +466,7 @@ unsafe extern "C" fn attr(v: *mut c_int, a: c_int, _: c_int) -> CUresult {
     OK
 }
 #[allow(clippy::too_many_arguments)]
-unsafe extern "C" fn launch(
+pub unsafe extern "C" fn launch(
     f: *mut c_void,
     gx: c_uint,
     gy: c_uint,
@@ -847,6 +847,14 @@ unsafe extern "C" fn ipc_open(p: *mut u64, h: driver::CUipcMemHandle, flags: c_u
     OK
 }
 static OPENED: Mutex<Option<HashMap<u64, usize>>> = Mutex::new(None);
+
+/// Whether `addr` is in device memory of another process, opened by its IPC handle.
+pub fn ipc_opened(addr: u64) -> bool {
+    OPENED
+        .lock()
+        .as_ref()
+        .is_some_and(|m| m.iter().any(|(&p, &n)| p <= addr && addr < p + n as u64))
+}
 unsafe extern "C" fn ipc_close(p: u64) -> CUresult {
     let Some(len) = OPENED.lock().as_mut().and_then(|m| m.remove(&p)) else {
         return 1;

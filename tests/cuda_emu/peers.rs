@@ -25,6 +25,11 @@ pub static NATIVE_ATOMICS: AtomicBool = AtomicBool::new(true);
 pub static REFUSE_PEER_ACCESS: AtomicBool = AtomicBool::new(false);
 /// (context, bytes) of each `cuMemAlloc`.
 pub static ALLOCATED: Mutex<Vec<(usize, usize)>> = Mutex::new(Vec::new());
+/// (address, bytes, context) of each `cuMemAlloc`.
+static RANGES: Mutex<Vec<(u64, usize, usize)>> = Mutex::new(Vec::new());
+/// Runner launches some of whose connections live in the other device's memory (allocated by
+/// its context in this process, or opened by IPC from another process).
+pub static REMOTE_LAUNCHES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 /// (context, peer context) of each `cuCtxEnablePeerAccess` that enabled it.
 pub static ENABLED: Mutex<Vec<(usize, usize)>> = Mutex::new(Vec::new());
 
@@ -74,7 +79,60 @@ unsafe extern "C" fn enable_peer_access(peer: *mut c_void, _: c_uint) -> CUresul
 }
 unsafe extern "C" fn mem_alloc(p: *mut u64, n: usize) -> CUresult {
     ALLOCATED.lock().push((current(), n));
-    unsafe { device::mem_alloc(p, n) }
+    let r = unsafe { device::mem_alloc(p, n) };
+    if r == OK {
+        RANGES.lock().push((unsafe { *p }, n, current()));
+    }
+    r
+}
+/// `cuLaunchKernel`: a runner launch whose connections are not all in the launching context's
+/// memory may give a lane several blocks (which count themselves in with atomics on each
+/// connection's header) only where the devices' atomics on each other's memory are native;
+/// otherwise it is refused (CUDA_ERROR_INVALID_VALUE, as the atomics would not be atomic).
+#[allow(clippy::too_many_arguments)]
+unsafe extern "C" fn launch(
+    f: *mut c_void,
+    gx: c_uint,
+    gy: c_uint,
+    gz: c_uint,
+    bx: c_uint,
+    by: c_uint,
+    bz: c_uint,
+    shm: c_uint,
+    s: *mut c_void,
+    params: *mut *mut c_void,
+    extra: *mut *mut c_void,
+) -> CUresult {
+    let runner = super::stand_in::kernel_name(f as usize)
+        .is_some_and(|n| n.to_bytes().starts_with(b"oxccl_run"));
+    if runner {
+        // SAFETY: the descriptor's header and connections (`OxHeadD`, `OxConnD`).
+        let words = unsafe { *params as *const u64 };
+        let (nb, nconns) = unsafe { (*words & 0xffff, (*words.add(1) & 0xffff) as usize) };
+        let here = current();
+        let ranges = RANGES.lock();
+        let remote = (0..nconns)
+            .map(|i| unsafe { *words.add(2 + 4 * i) })
+            .filter(|&hdr| {
+                device::ipc_opened(hdr)
+                    || ranges
+                        .iter()
+                        .any(|&(p, n, c)| c != here && p <= hdr && hdr < p + n as u64)
+            })
+            .count();
+        drop(ranges);
+        if remote > 0 {
+            REMOTE_LAUNCHES.fetch_add(1, Ordering::SeqCst);
+            if nb > 1 && !NATIVE_ATOMICS.load(Ordering::SeqCst) {
+                eprintln!(
+                    "a launch of {nb} blocks a lane over {remote} connection(s) in another \
+                     device's memory without native atomics"
+                );
+                return 1;
+            }
+        }
+    }
+    unsafe { device::launch(f, gx, gy, gz, bx, by, bz, shm, s, params, extra) }
 }
 /// The test's buffers are pinned host memory (`CU_MEMORYTYPE_HOST`): either device reaches
 /// them.
@@ -93,6 +151,7 @@ pub fn functions() -> Vec<(&'static str, *const c_void)> {
         ("cuDeviceGetP2PAttribute", p2p_attr as *const c_void),
         ("cuCtxEnablePeerAccess", enable_peer_access as *const c_void),
         ("cuMemAlloc_v2", mem_alloc as *const c_void),
+        ("cuLaunchKernel", launch as *const c_void),
         ("cuPointerGetAttribute", pointer_attr as *const c_void),
     ]
 }

@@ -188,12 +188,13 @@ impl Desc {
     }
 
     /// Blocks per lane for the runner: several where every connection is in device memory
-    /// (their arrival counts live in the headers) and steps are large enough to share out, one
-    /// per 256 KiB of the largest step, at most `OXCCL_CUDA_BLOCKS`.
+    /// that takes this end's atomics natively (their arrival counts live in the headers:
+    /// `Conn::shared_blocks`) and steps are large enough to share out, one per 256 KiB of the
+    /// largest step, at most `OXCCL_CUDA_BLOCKS`.
     pub fn blocks_per_lane(&self) -> u16 {
         if self.conns.is_empty()
             || self.conns.len() > MAX_CONNS_MULTI
-            || !self.conns.iter().all(|c| c.on_device())
+            || !self.conns.iter().all(|c| c.on_device() && c.shared_blocks)
         {
             return 1;
         }
