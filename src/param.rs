@@ -81,7 +81,7 @@ pub const PARAMS: &[Param] = &[
     },
     Param {
         name: "NCCL_P2P_LEVEL",
-        doc: "LOC (or 0): as NCCL_P2P_DISABLE=1; NVL (or 1): device memory between two GPUs only where they reach each other's memory with native atomics (NVLink), others stage in host memory; PIX, PXB, PHB, SYS (or 2 to 5), and the default: between any two GPUs the driver lets reach each other's memory (cuDeviceCanAccessPeer: NVLink, or PCIe where the platform allows peer traffic; the kind of PCIe path is not looked at)",
+        doc: "LOC (or 0): as NCCL_P2P_DISABLE=1; NVL or NVB: device memory between two GPUs only where they reach each other's memory with native atomics (NVLink), others stage in host memory; PIX, PXB, PHB, SYS (or 1 to 5, NCCL's old numbers), and the default: between any two GPUs the driver lets reach each other's memory (cuDeviceCanAccessPeer: NVLink, or PCIe where the platform allows peer traffic; the kind of PCIe path is not looked at, so PIX and PXB allow what NCCL's would not)",
         default: "",
     },
     Param {
@@ -318,15 +318,18 @@ fn level_is(level: Option<&str>, names: &[&str]) -> bool {
     level.is_some_and(|l| names.contains(&l.trim().to_ascii_uppercase().as_str()))
 }
 
-/// `NCCL_P2P_LEVEL=NVL` (or 1): two GPUs share device memory only over NVLink (told by native
-/// peer atomics, `gpu::memory::native_atomics`), not over PCIe, which its other levels allow
-/// wherever `cuDeviceCanAccessPeer` does (the kind of PCIe path is not looked at).
+/// `NCCL_P2P_LEVEL=NVL` (or NVB; neither has a number: NCCL's 1 is PIX): two GPUs share device
+/// memory only over NVLink (told by native peer atomics, `gpu::memory::native_atomics`), not
+/// over PCIe, which its other levels allow wherever `cuDeviceCanAccessPeer` does (the kind of
+/// PCIe path is not looked at).
 pub fn p2p_nvlink_only() -> bool {
     static R: once_cell::sync::Lazy<bool> = once_cell::sync::Lazy::new(|| {
-        level_is(get_str("NCCL_P2P_LEVEL").as_deref(), &["NVL", "1"])
+        level_is(get_str("NCCL_P2P_LEVEL").as_deref(), &NVLINK_LEVELS)
     });
     *R
 }
+
+const NVLINK_LEVELS: [&str; 2] = ["NVL", "NVB"];
 
 /// Output size from which copies into the caller's buffers use streaming stores.
 pub fn stream_bytes() -> usize {
@@ -452,7 +455,7 @@ pub fn cuda_blocks() -> usize {
 #[cfg(test)]
 mod tests {
     use super::Selection;
-    use super::{level_is, p2p_off, parse_u64};
+    use super::{level_is, p2p_off, parse_u64, NVLINK_LEVELS};
 
     #[test]
     fn p2p_level_loc_disables_p2p() {
@@ -464,8 +467,14 @@ mod tests {
         for l in ["NVL", "PIX", "PXB", "PHB", "SYS", "1", "5"] {
             assert!(!p2p_off(0, Some(l)), "{l}");
         }
-        assert!(level_is(Some(" nvl"), &["NVL", "1"]) && level_is(Some("1"), &["NVL", "1"]));
-        assert!(!level_is(Some("PXB"), &["NVL", "1"]) && !level_is(None, &["NVL", "1"]));
+        for l in [" nvl", "NVB"] {
+            assert!(level_is(Some(l), &NVLINK_LEVELS), "{l}");
+        }
+        // (NCCL's old numbers: 1 is PIX, not NVL.)
+        for l in ["PXB", "PIX", "1", "2", ""] {
+            assert!(!level_is(Some(l), &NVLINK_LEVELS), "{l}");
+        }
+        assert!(!level_is(None, &NVLINK_LEVELS));
     }
 
     #[test]
