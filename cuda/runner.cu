@@ -187,10 +187,17 @@ struct OxShared {
   OxRed red;
   // Per connection of the launch: the next step this block sends or receives on it (read
   // from the counters at the block's first use, then counted here: with several blocks per
-  // lane the counters move only when the last block of a step is done).
+  // lane the counters move only when the last block of a step is done); the other end's
+  // counter as last read (its tail for a receive, its head for a send: both only grow, so a
+  // step they already cover needs no read, which saves a trip to host or peer memory); and
+  // which of these are known (OX_KNOWN_*).
   uint64_t next[OX_MAX_CONNS];
+  uint64_t seen[OX_MAX_CONNS];
   uint8_t known[OX_MAX_CONNS];
 };
+#define OX_KNOWN_NEXT 1
+#define OX_KNOWN_SEEN 2
+#define OX_KNOWN_ATTACHED 4
 
 // Thread 0, every 1024th read of a counter it waits on (connection header `hdr`): tells the
 // host which connection it waits for, with a mark (the block and how long this wait has
@@ -437,8 +444,8 @@ __device__ void ox_fail(OxCtl* ctl, uint32_t code, uint64_t a, uint64_t b, uint6
 __device__ __forceinline__ uint64_t ox_next(const OxConnD& c, uint32_t ci, bool send,
                                             OxShared* sh) {
   if (ci < OX_MAX_CONNS) {
-    if (!sh->known[ci]) {
-      sh->known[ci] = 1;
+    if (!(sh->known[ci] & OX_KNOWN_NEXT)) {
+      sh->known[ci] |= OX_KNOWN_NEXT;
       sh->next[ci] = ld_vol64((const uint64_t*)c.hdr + (send ? 0 : 8));
     }
     return sh->next[ci];
@@ -456,8 +463,17 @@ __device__ bool ox_wait_slots(const OxView& v, const OxStepD& s, const OxProgD& 
     const OxConnD& c = v.conns[s.recv];
     uint64_t* hdr = (uint64_t*)c.hdr;
     uint64_t head = ox_next(c, s.recv, false, sh);
-    while (ld_vol64(hdr) <= head) {
-      if ((++spins & 1023) == 0 && !ox_still_waits(ctl, c.hdr, head, spins)) return false;
+    const bool cached = s.recv < OX_MAX_CONNS;
+    const bool arrived = cached && (sh->known[s.recv] & OX_KNOWN_SEEN) && sh->seen[s.recv] > head;
+    if (!arrived) {
+      uint64_t tail;
+      while ((tail = ld_vol64(hdr)) <= head) {
+        if ((++spins & 1023) == 0 && !ox_still_waits(ctl, c.hdr, head, spins)) return false;
+      }
+      if (cached) {
+        sh->seen[s.recv] = tail;
+        sh->known[s.recv] |= OX_KNOWN_SEEN;
+      }
     }
     __threadfence_system();
     uint64_t idx = head % c.nsteps;
@@ -473,12 +489,25 @@ __device__ bool ox_wait_slots(const OxView& v, const OxStepD& s, const OxProgD& 
   if (s.send != OX_NONE) {
     const OxConnD& c = v.conns[s.send];
     uint64_t* hdr = (uint64_t*)c.hdr;
-    while (ld_vol32((const uint32_t*)(c.hdr + 128)) < 2) {
-      if ((++spins & 1023) == 0 && !ox_still_waits(ctl, c.hdr, ~0ull, spins)) return false;
+    const bool cached = s.send < OX_MAX_CONNS;
+    if (!(cached && (sh->known[s.send] & OX_KNOWN_ATTACHED))) {
+      while (ld_vol32((const uint32_t*)(c.hdr + 128)) < 2) {
+        if ((++spins & 1023) == 0 && !ox_still_waits(ctl, c.hdr, ~0ull, spins)) return false;
+      }
+      if (cached) sh->known[s.send] |= OX_KNOWN_ATTACHED;
     }
     uint64_t tail = ox_next(c, s.send, true, sh);
-    while (tail - ld_vol64(hdr + 8) >= c.nsteps) {
-      if ((++spins & 1023) == 0 && !ox_still_waits(ctl, c.hdr, tail, spins)) return false;
+    const bool room =
+        cached && (sh->known[s.send] & OX_KNOWN_SEEN) && tail - sh->seen[s.send] < c.nsteps;
+    if (!room) {
+      uint64_t head;
+      while (tail - (head = ld_vol64(hdr + 8)) >= c.nsteps) {
+        if ((++spins & 1023) == 0 && !ox_still_waits(ctl, c.hdr, tail, spins)) return false;
+      }
+      if (cached) {
+        sh->seen[s.send] = head;
+        sh->known[s.send] |= OX_KNOWN_SEEN;
+      }
     }
     sh->out = (uint8_t*)(c.slots + (tail % c.nsteps) * c.slot_bytes);
     sh->sstep = tail;
