@@ -1,0 +1,380 @@
+//! CUDA graphs on the emulated device of `tests/cuda_emulated.rs`: capture and replay of the
+//! ranks' collectives, as PyTorch's CUDA graphs use them; a group on two streams of one
+//! capture; calls forked across streams and interleaved with another capture; replays mixed
+//! with eager calls; a replay after the communicators were destroyed.
+
+use super::device::{
+    self, begin_capture, begin_capture_together, end_capture, replay, submit, Op, DRAWN_IN,
+};
+use super::*;
+
+/// Graph capture and replay, as PyTorch's CUDA graphs use them: the launches made while the
+/// ranks' streams capture are kept, not run; each replay runs them again on the inputs then in
+/// the buffers, with eager operations of the same communicators in between (the connections'
+/// counters carry over from launch to launch and from replay to replay).
+pub fn graphs(comms: &[Arc<nccl::comm::Comm>], streams: &[usize], c: &Case) {
+    let n = comms.len();
+    let bufs = buffers(c, n);
+    for (r, b) in bufs.iter().enumerate() {
+        fill(c, n, r, *b, 0);
+    }
+    for &s in streams {
+        begin_capture(s);
+    }
+    nccl::api::group_start().unwrap();
+    for (r, comm) in comms.iter().enumerate() {
+        enqueue(comm, c, n, bufs[r], streams[r]);
+    }
+    nccl::api::group_end().unwrap();
+    let graphs: Vec<Vec<Op>> = streams.iter().map(|&s| end_capture(s)).collect();
+    assert!(graphs.iter().all(|g| !g.is_empty()), "nothing captured");
+    sync_all(streams, "capture");
+    assert!(
+        bufs.iter().all(|&(_, rb)| get(c.dtype, rb, 0) == 99.0),
+        "a captured launch ran"
+    );
+    for round in 1..=3 {
+        for (r, b) in bufs.iter().enumerate() {
+            fill(c, n, r, *b, round);
+        }
+        let captured: Vec<(usize, Vec<Op>)> = streams.iter().copied().zip(graphs.clone()).collect();
+        replay(&captured);
+        let what = format!("{}, graph replay {round}", describe(c, n, streams.len()));
+        sync_all(streams, &what);
+        no_async_error(comms, &what);
+        verify(c, &bufs, round, &what);
+        check(comms, streams, c);
+    }
+    release_buffers();
+}
+
+/// A graph replayed after its communicators were destroyed: the graph holds their control
+/// blocks (pinned still, saying stop), so its launches return at once and leave the buffers as
+/// they are, touching none of the connections freed with the communicators (device memory
+/// here: unmapped, a fault had a kernel touched it); the control blocks are freed once the
+/// graph is dropped too. A graph dropped before its communicators leaves nothing behind them.
+pub fn replay_after_destroy() {
+    let c = f32_sum(4099);
+    let control_blocks = |graphs: &[(usize, Vec<Op>)]| -> BTreeSet<u64> {
+        graphs
+            .iter()
+            .flat_map(|(_, g)| g)
+            .filter_map(|op| match op {
+                Op::Launch { name, params, .. } if name.to_bytes().starts_with(b"oxccl_run") => {
+                    Some(device::control_blocks(params))
+                }
+                _ => None,
+            })
+            .flatten()
+            .collect()
+    };
+    for graph_first in [false, true] {
+        let comms = nccl::api::comm_init_all(&[0, 0]).expect("two ranks on one device");
+        let streams = [new_stream(), new_stream()];
+        let bufs = buffers(&c, 2);
+        for (r, b) in bufs.iter().enumerate() {
+            fill(&c, 2, r, *b, 1);
+        }
+        for &s in &streams {
+            begin_capture(s);
+        }
+        // (Two launches of each communicator in the graph: it holds each communicator once.)
+        for _ in 0..2 {
+            nccl::api::group_start().unwrap();
+            for (r, comm) in comms.iter().enumerate() {
+                enqueue(comm, &c, 2, bufs[r], streams[r]);
+            }
+            nccl::api::group_end().unwrap();
+        }
+        let graphs: Vec<(usize, Vec<Op>)> = streams.iter().map(|&s| (s, end_capture(s))).collect();
+        let ctls = control_blocks(&graphs);
+        assert_eq!(ctls.len(), 2, "each rank's lanes name its control block");
+        let held: Vec<usize> = graphs
+            .iter()
+            .flat_map(|(_, g)| g)
+            .filter_map(|op| match op {
+                Op::Keep(k) => Some(Arc::strong_count(k)),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(
+            held,
+            [1, 1],
+            "the graph holds one user object of each communicator"
+        );
+        replay(&graphs);
+        sync_all(&streams, "a replay before the destroy");
+        verify(&c, &bufs, 1, "a replay before the destroy");
+        let destroy = |comms: Vec<Arc<nccl::comm::Comm>>| {
+            for comm in &comms {
+                nccl::api::comm_destroy(nccl::api::comm_handle(comm)).unwrap();
+            }
+        };
+        if graph_first {
+            drop(graphs);
+            destroy(comms);
+            assert!(
+                ctls.iter().all(|&p| !device::pinned(p)),
+                "control blocks left pinned after the graph and the communicators went"
+            );
+            release_buffers();
+            continue;
+        }
+        destroy(comms);
+        assert!(
+            ctls.iter().all(|&p| device::pinned(p)),
+            "a graph that may be replayed lost its control blocks with its communicators"
+        );
+        for (r, b) in bufs.iter().enumerate() {
+            fill(&c, 2, r, *b, 2);
+        }
+        replay(&graphs);
+        sync_all(&streams, "a replay after the destroy");
+        let illegal = std::mem::take(&mut *device::ILLEGAL.lock());
+        assert!(illegal.is_empty(), "{illegal:?}");
+        for &(_, rb) in &bufs {
+            let written = (0..c.count)
+                .filter(|&i| get(c.dtype, rb, i) != 99.0)
+                .count();
+            assert_eq!(written, 0, "a replay after the destroy wrote outputs");
+        }
+        // The graph goes: what it held goes at the next launch or communicator made or
+        // destroyed (checked once this one is gone too: its control block may take the
+        // address of one freed at its making).
+        drop(graphs);
+        let again = nccl::api::comm_init_all(&[0]).expect("one rank");
+        destroy(again);
+        assert!(
+            ctls.iter().all(|&p| !device::pinned(p)),
+            "control blocks left pinned after the graph went"
+        );
+        release_buffers();
+    }
+}
+
+/// A group of each rank's two all-reduces on two streams of one capture, as a side stream
+/// forked from the main one captures with it: in the graph, a copy on the second stream makes
+/// that all-reduce's input before the group, and another copies its output after it. Each
+/// replay holds the second streams at first (a gate), so a launch on the first stream that did
+/// not wait for the second's copy reads the poison left in that input; and the copy after the
+/// group must find the all-reduce's output.
+pub fn two_stream_graphs(comms: &[Arc<nccl::comm::Comm>]) {
+    let n = comms.len();
+    let c = f32_sum(3001);
+    let bytes = 4 * c.count;
+    let (first, second) = (buffers(&c, n), buffers(&c, n));
+    let stage: Vec<usize> = (0..n).map(|_| buffer(bytes)).collect();
+    let out: Vec<usize> = (0..n).map(|_| buffer(bytes)).collect();
+    let (a, b): (Vec<usize>, Vec<usize>) = (0..n).map(|_| (new_stream(), new_stream())).unzip();
+    let all: Vec<usize> = a.iter().chain(&b).copied().collect();
+    for r in 0..n {
+        begin_capture_together(&[a[r], b[r]]);
+    }
+    let copy = |dst: usize, src: usize| Op::Copy {
+        dst: dst as u64,
+        src: src as u64,
+        bytes,
+    };
+    for r in 0..n {
+        submit(b[r], copy(second[r].0, stage[r]));
+    }
+    nccl::api::group_start().unwrap();
+    for r in 0..n {
+        enqueue(&comms[r], &c, n, first[r], a[r]);
+        enqueue(&comms[r], &c, n, second[r], b[r]);
+    }
+    nccl::api::group_end().unwrap();
+    for r in 0..n {
+        submit(b[r], copy(out[r], second[r].1));
+    }
+    let graphs: Vec<(usize, Vec<Op>)> = all.iter().map(|&s| (s, end_capture(s))).collect();
+    assert!(
+        !DRAWN_IN.load(Ordering::SeqCst),
+        "a stream outside the capture waited for a captured event"
+    );
+    sync_all(&all, "capture");
+    for k in 1..=3 {
+        let salt = 100 + k;
+        for r in 0..n {
+            fill(&c, n, r, first[r], k);
+            fill(&c, n, r, (stage[r], second[r].1), salt);
+            for i in 0..c.count {
+                put(DataType::Float32, second[r].0, i, 77.0);
+                put(DataType::Float32, out[r], i, 55.0);
+            }
+        }
+        let what = format!("two streams' group in one graph, replay {k}");
+        let hold = Duration::from_millis(50);
+        behind_gates((&b, &all), comms, hold, || replay(&graphs), (&what, &what));
+        verify(&c, &first, k, &what);
+        verify(&c, &second, salt, &what);
+        for r in 0..n {
+            for i in 0..c.count {
+                let (got, want) = (
+                    get(DataType::Float32, out[r], i),
+                    get(DataType::Float32, second[r].1, i),
+                );
+                assert_eq!(
+                    got, want,
+                    "{what}: rank {r}'s copy after the group, element {i}"
+                );
+            }
+        }
+    }
+    release_buffers();
+}
+
+/// Two all-reduces of each rank in separate calls, the first on a second stream that captures
+/// with the first (forked from it), the second on the first: in a replay the second runs after
+/// the first, as they were issued (they share the connections), even with rank 0's second
+/// stream held at first (a gate), where its first stream would otherwise run its launch first
+/// while rank 1 runs the other. `interleaved`: a call captured into another graph, whose
+/// capture is open at the same time, comes between the two (the second still follows the
+/// first).
+pub fn forked_calls(comms: &[Arc<nccl::comm::Comm>], interleaved: bool) {
+    let n = comms.len();
+    let c = f32_sum(3001);
+    let (x, y, z) = (buffers(&c, n), buffers(&c, n), buffers(&c, n));
+    let (a, b): (Vec<usize>, Vec<usize>) = (0..n).map(|_| (new_stream(), new_stream())).unzip();
+    let other: Vec<usize> = (0..n).map(|_| new_stream()).collect();
+    let all: Vec<usize> = a.iter().chain(&b).copied().collect();
+    for r in 0..n {
+        begin_capture_together(&[a[r], b[r]]);
+    }
+    for r in 0..n {
+        enqueue(&comms[r], &c, n, x[r], b[r]);
+    }
+    // Interleaved: a call captured into another graph (its own capture, open at the same
+    // time) between the two.
+    if interleaved {
+        for r in 0..n {
+            begin_capture(other[r]);
+            enqueue(&comms[r], &c, n, z[r], other[r]);
+        }
+    }
+    for r in 0..n {
+        enqueue(&comms[r], &c, n, y[r], a[r]);
+    }
+    let graphs: Vec<(usize, Vec<Op>)> = all.iter().map(|&s| (s, end_capture(s))).collect();
+    let others: Vec<(usize, Vec<Op>)> = match interleaved {
+        true => other.iter().map(|&s| (s, end_capture(s))).collect(),
+        false => Vec::new(),
+    };
+    assert!(
+        !DRAWN_IN.load(Ordering::SeqCst),
+        "a stream drawn into a capture"
+    );
+    for k in 1..=2 {
+        for r in 0..n {
+            fill(&c, n, r, x[r], k);
+            fill(&c, n, r, y[r], 50 + k);
+        }
+        // Rank 0's second stream held: without the order, rank 0 would run the second
+        // all-reduce while rank 1 runs the first, on the same connections.
+        let what = format!(
+            "separate calls on forked streams of one graph{}, replay {k}",
+            if interleaved {
+                ", another graph captured in between"
+            } else {
+                ""
+            }
+        );
+        let hold = Duration::from_millis(50);
+        behind_gates(
+            (&b[..1], &all),
+            comms,
+            hold,
+            || replay(&graphs),
+            (&what, &what),
+        );
+        verify(&c, &x, k, &what);
+        verify(&c, &y, 50 + k, &what);
+        if interleaved {
+            for (r, b) in z.iter().enumerate() {
+                fill(&c, n, r, *b, 90 + k);
+            }
+            for g in &others {
+                replay(std::slice::from_ref(g));
+            }
+            sync_all(&other, &what);
+            verify(&c, &z, 90 + k, &what);
+        }
+    }
+    release_buffers();
+}
+
+/// Graph replays and eager launches of the same communicators, issued one after the other on
+/// other streams with nothing of the caller's between them (what NCCL's graph mixing support
+/// allows): they run in issue order. Fresh communicators whose graphs are captured before
+/// their first eager call; each round runs an eager call then a replay, a replay then an eager
+/// call, and replays of two graphs; the first one's stream of rank 0 is held at first (a
+/// gate), so that without that order rank 0 would run the second while rank 1 runs the first,
+/// on the same connections.
+pub fn mixed_replays(n: usize) {
+    let comms = nccl::api::comm_init_all(&vec![0; n]).expect("ranks on one device");
+    let c = f32_sum(3001);
+    let (x, y, z) = (buffers(&c, n), buffers(&c, n), buffers(&c, n));
+    let streams = |_| (0..n).map(|_| new_stream()).collect::<Vec<usize>>();
+    let [g, g2, e]: [Vec<usize>; 3] = [0, 1, 2].map(streams);
+    let all: Vec<usize> = g.iter().chain(&g2).chain(&e).copied().collect();
+    let capture = |on: &[usize], bufs: &[(usize, usize)]| -> Vec<Vec<Op>> {
+        (0..n)
+            .map(|r| {
+                begin_capture(on[r]);
+                enqueue(&comms[r], &c, n, bufs[r], on[r]);
+                end_capture(on[r])
+            })
+            .collect()
+    };
+    let (first, second) = (capture(&g, &x), capture(&g2, &z));
+    let replays = |on: &[usize], graphs: &[Vec<Op>]| {
+        for r in 0..n {
+            replay(&[(on[r], graphs[r].clone())]);
+        }
+    };
+    let eager = || {
+        for r in 0..n {
+            enqueue(&comms[r], &c, n, y[r], e[r]);
+        }
+    };
+    for k in 1..=2 {
+        for (case, what, held) in [
+            (0, "an eager call, then a replay", e[0]),
+            (1, "a replay, then an eager call", g[0]),
+            (2, "a replay of one graph, then of another", g[0]),
+        ] {
+            for (r, b) in x.iter().enumerate() {
+                fill(&c, n, r, *b, k);
+                fill(&c, n, r, y[r], 50 + k);
+                fill(&c, n, r, z[r], 90 + k);
+            }
+            let what = format!("{what}, round {k}");
+            let issue = || match case {
+                0 => {
+                    eager();
+                    replays(&g, &first);
+                }
+                1 => {
+                    replays(&g, &first);
+                    eager();
+                }
+                _ => {
+                    replays(&g, &first);
+                    replays(&g2, &second);
+                }
+            };
+            let hold = Duration::from_millis(50);
+            behind_gates((&[held], &all), &comms, hold, issue, (&what, &what));
+            verify(&c, &x, k, &what);
+            if case < 2 {
+                verify(&c, &y, 50 + k, &what);
+            } else {
+                verify(&c, &z, 90 + k, &what);
+            }
+        }
+    }
+    for c in &comms {
+        nccl::api::comm_destroy(nccl::api::comm_handle(c)).unwrap();
+    }
+    release_buffers();
+}

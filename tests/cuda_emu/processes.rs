@@ -1,0 +1,418 @@
+//! Ranks in processes of their own on the emulated device of `tests/cuda_emulated.rs` (each
+//! runs the test function again, told so by `OXEMU_RANK`): on one device or two, on one
+//! "host" or several, over shared host memory, CUDA IPC or the network; and peers that fail
+//! the others (a death, a late peer) or leave once done.
+
+use super::*;
+
+/// A rank in a process of its own (`OXEMU_RANK`; the parent's `processes` starts it): every
+/// case on its own stream, its own output checked.
+pub fn rank_process(r: usize) {
+    let var = |k: &str| std::env::var(k).unwrap_or_else(|_| panic!("{k} unset"));
+    let n: usize = var("OXEMU_NRANKS").parse().unwrap();
+    let hex = var("OXEMU_ID");
+    let mut id = [0u8; nccl::api::UNIQUE_ID_BYTES];
+    for (k, b) in id.iter_mut().enumerate() {
+        *b = u8::from_str_radix(&hex[2 * k..2 * k + 2], 16).unwrap();
+    }
+    let cache = start(Path::new(&var("OXEMU_LIB")));
+    if std::env::var("OXEMU_PEERS").is_ok() {
+        // Rank r on device r % 2 (the current context's, as ncclCommInitRank takes it).
+        let api = driver::api().unwrap();
+        // SAFETY: the stand-in's context of that device.
+        unsafe { (api.ctx_set_current)(peers::ctx_of(r as i32 % 2) as _) };
+    }
+    let comm = nccl::api::comm_init_rank(n as i32, &id, r as i32, Default::default())
+        .expect("a rank in a process");
+    println!("comm hash {:016x}", comm.comm_hash().unwrap());
+    // The hosts the communicator sees (ranks on different ones talk only over the network).
+    println!("hosts {}", nccl::api::comm_lsa(&comm).unwrap().4);
+    let stream = new_stream();
+    if let Ok(how) = std::env::var("OXEMU_TROUBLE") {
+        return trouble(&how, comm, r, n, stream, &cache);
+    }
+    for c in cases(n, &[300_001, 1001]) {
+        let (ns, nr) = sizes(&c, n);
+        let s = buffer(ns.max(nr) * c.dtype.size());
+        let b = (
+            s,
+            if c.in_place {
+                s
+            } else {
+                buffer(nr * c.dtype.size())
+            },
+        );
+        fill(&c, n, r, b, 0);
+        enqueue(&comm, &c, n, b, stream);
+        let what = format!("{}, a process per rank", describe(&c, n, n));
+        sync_all(&[stream], &what);
+        no_async_error(std::slice::from_ref(&comm), &what);
+        verify_rank(&c, n, r, b.1, 0, &what);
+        release_buffers();
+    }
+    nccl::api::comm_destroy(nccl::api::comm_handle(&comm)).unwrap();
+    println!(
+        "rank {r}: IPC handles opened: {}",
+        IPC_OPENED.load(Ordering::SeqCst)
+    );
+    let _ = std::fs::remove_dir_all(&cache);
+}
+
+/// A peer process that fails the others: every rank runs an all-reduce (the connections
+/// made), then the last rank, with `how` "death", kills itself, or, with "late", stays away
+/// (for the communicators' timeout and 5 s more, then leaves); the others launch another
+/// all-reduce, whose kernel waits for it, and must see an error on the communicator and their
+/// stream drain, within the bounds, then say so. With "graph-" before `how`, the all-reduce is
+/// captured once and both runs are replays of the graph (which the library does not see
+/// launched: only the kernels can tell it they wait).
+pub fn trouble(
+    how: &str,
+    comm: Arc<nccl::comm::Comm>,
+    r: usize,
+    n: usize,
+    stream: usize,
+    cache: &Path,
+) {
+    let _ = std::fs::remove_dir_all(cache);
+    let how = how.trim_start_matches("pidns-");
+    if how == "finish" {
+        return finish(comm, r, n, stream);
+    }
+    if how == "graph-finish" {
+        return graph_finish(comm, r, stream);
+    }
+    let c = cases(n, &[300_001])[0];
+    let b = buffers(&c, n)[r];
+    fill(&c, n, r, b, 0);
+    let graph = how.strip_prefix("graph-").map(|_| {
+        begin_capture(stream);
+        enqueue(&comm, &c, n, b, stream);
+        end_capture(stream)
+    });
+    let how = how.trim_start_matches("graph-");
+    let run = || match &graph {
+        Some(g) => replay(&[(stream, g.clone())]),
+        None => enqueue(&comm, &c, n, b, stream),
+    };
+    run();
+    sync_all(&[stream], "before the trouble");
+    verify_rank(&c, n, r, b.1, 0, "before the trouble");
+    if r == n - 1 {
+        if how == "death" {
+            // SAFETY: ends this process.
+            unsafe { nix::libc::kill(nix::libc::getpid(), nix::libc::SIGKILL) };
+        }
+        std::thread::sleep(nccl::param::timeout() + Duration::from_secs(5));
+        let _ = nccl::api::comm_abort(nccl::api::comm_handle(&comm));
+        println!("stayed away");
+        return;
+    }
+    std::thread::sleep(Duration::from_millis(200));
+    let t = Instant::now();
+    run();
+    let code = async_error(&comm);
+    assert_ne!(
+        code,
+        nccl::error::Code::Success,
+        "rank {r}: the failed peer went unseen"
+    );
+    // A death is seen as one (not only as the stall that `OXCCL_TIMEOUT_S` would also end);
+    // a late peer by the stall timeout, not by its leaving (at the timeout and 5 s more).
+    let want = match how {
+        "death" => nccl::error::Code::RemoteError,
+        _ => nccl::error::Code::Timeout,
+    };
+    assert_eq!(code, want, "rank {r}: {}", nccl::error::last_error());
+    if how == "late" {
+        // Not before the timeout: the stall's clock starts with this wait.
+        assert!(
+            t.elapsed() >= nccl::param::timeout(),
+            "rank {r}: timed out after {:?}: {}",
+            t.elapsed(),
+            nccl::error::last_error()
+        );
+    }
+    assert!(
+        sync(stream, Duration::from_secs(10)),
+        "rank {r}: the kernel went on"
+    );
+    println!(
+        "survived: {code:?} after {:.1} s: {}",
+        t.elapsed().as_secs_f64(),
+        nccl::error::last_error()
+    );
+    let _ = nccl::api::comm_abort(nccl::api::comm_handle(&comm));
+}
+
+/// A peer that did its part and left is no failure: the last rank sends rank 0 what fits its
+/// connection, destroys its communicator and exits; rank 0's receive waits in its stream's
+/// queue behind 2.5 s of other work (a gate), then runs and must get the data, no error.
+pub fn finish(comm: Arc<nccl::comm::Comm>, r: usize, n: usize, stream: usize) {
+    let count = 1001;
+    let b = buffer(4 * count);
+    let call = |kind, peer: usize| p2p_f32(kind, b, b, count, peer);
+    if r == n - 1 {
+        for i in 0..count {
+            put(DataType::Float32, b, i, i as f64);
+        }
+        nccl::api::enqueue(&comm, call(CollKind::Send, 0), stream_arg(stream)).unwrap();
+        sync_all(&[stream], "the send");
+        nccl::api::comm_destroy(nccl::api::comm_handle(&comm)).unwrap();
+        println!("sent and left");
+        return;
+    }
+    if r != 0 {
+        nccl::api::comm_destroy(nccl::api::comm_handle(&comm)).unwrap();
+        println!("survived: not involved");
+        return;
+    }
+    behind_gates(
+        (&[stream], &[stream]),
+        std::slice::from_ref(&comm),
+        Duration::from_millis(2500),
+        || {
+            nccl::api::enqueue(&comm, call(CollKind::Recv, n - 1), stream_arg(stream)).unwrap();
+        },
+        (
+            "the receive behind the gate",
+            "a peer that did its part and left",
+        ),
+    );
+    for i in 0..count {
+        assert_eq!(get(DataType::Float32, b, i), i as f64, "element {i}");
+    }
+    println!("survived: received after the peer left");
+    nccl::api::comm_destroy(nccl::api::comm_handle(&comm)).unwrap();
+}
+
+/// In graphs, with 3 ranks: a peer that did its part and left is no failure while the kernels
+/// wait for another, live one. Each rank captures its part once: rank 2 a send to rank 0,
+/// rank 1 a send to rank 0, rank 0 both receives in one group. Rank 2 replays, then destroys
+/// its communicator and exits; rank 0's replay waits in its stream behind a gate until rank 2
+/// is gone, then its kernel waits 2 s for rank 1 (which replays late): it must get both, no
+/// error (the dead rank 2 is not whom its kernel waits for).
+pub fn graph_finish(comm: Arc<nccl::comm::Comm>, r: usize, stream: usize) {
+    let count = 1001;
+    let value = |from: usize, i: usize| (i * (from + 1)) as f64;
+    let call = |kind, buf, peer: usize| p2p_f32(kind, buf, buf, count, peer);
+    let bufs: Vec<usize> = (0..3).map(|_| buffer(4 * count)).collect();
+    begin_capture(stream);
+    if r == 0 {
+        nccl::api::group_start().unwrap();
+        for from in [2, 1] {
+            let c = call(CollKind::Recv, bufs[from], from);
+            nccl::api::enqueue(&comm, c, stream_arg(stream)).unwrap();
+        }
+        nccl::api::group_end().unwrap();
+    } else {
+        (0..count).for_each(|i| put(DataType::Float32, bufs[r], i, value(r, i)));
+        let c = call(CollKind::Send, bufs[r], 0);
+        nccl::api::enqueue(&comm, c, stream_arg(stream)).unwrap();
+    }
+    let graph = [(stream, end_capture(stream))];
+    let run_graph = || replay(&graph);
+    match r {
+        2 => {
+            run_graph();
+            sync_all(&[stream], "rank 2's send");
+            nccl::api::comm_destroy(nccl::api::comm_handle(&comm)).unwrap();
+            println!("sent and left");
+        }
+        1 => {
+            std::thread::sleep(Duration::from_millis(3000));
+            run_graph();
+            sync_all(&[stream], "rank 1's late send");
+            nccl::api::comm_destroy(nccl::api::comm_handle(&comm)).unwrap();
+            println!("survived: sent late");
+        }
+        _ => {
+            behind_gates(
+                (&[stream], &[stream]),
+                std::slice::from_ref(&comm),
+                Duration::from_millis(1000),
+                run_graph,
+                (
+                    "rank 0's receives",
+                    "a peer that did its part and left, in a graph",
+                ),
+            );
+            for from in [1, 2] {
+                for i in 0..count {
+                    let got = get(DataType::Float32, bufs[from], i);
+                    assert_eq!(got, value(from, i), "from rank {from}, element {i}");
+                }
+            }
+            println!("survived: received from both");
+            nccl::api::comm_destroy(nccl::api::comm_handle(&comm)).unwrap();
+        }
+    }
+}
+
+/// The library's segments in /dev/shm.
+pub fn shm_names() -> BTreeSet<String> {
+    std::fs::read_dir("/dev/shm")
+        .map(|d| {
+            d.filter_map(|e| e.ok()?.file_name().into_string().ok())
+                .filter(|n| n.starts_with("oxccl-"))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// n ranks in processes of their own on the one device: connections in shared host memory
+/// (pinned, mapped into the device), or with `ipc` (`OXCCL_CUDA_IPC=1`) in device memory, which
+/// the sending end opens by the receiving end's IPC handle. With `hosts` > 1 the ranks are
+/// spread over that many "hosts" of this machine (`OXCCL_HOSTID`, consecutive ranks on one):
+/// between hosts the network transport's proxy threads move the kernels' FIFO slots over
+/// loopback sockets.
+pub fn processes(so: &Path, n: usize, ipc: bool, hosts: usize) {
+    run_processes(so, n, ipc, hosts, None, None);
+}
+
+/// `processes`, or with `trouble` ("death", "late") the last rank fails the others (`trouble`).
+/// The IPC handles the ranks opened (0 with `trouble`). `peers`: the ranks' driver has two
+/// devices (`OXEMU_PEERS`), rank r on device r % 2.
+pub fn run_processes(
+    so: &Path,
+    n: usize,
+    ipc: bool,
+    hosts: usize,
+    trouble: Option<&str>,
+    peers: Option<&str>,
+) -> u64 {
+    let dir =
+        Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("cuda-emu-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let log = |r: usize, what: &str| dir.join(format!("rank{r}.{what}"));
+    let id = nccl::api::get_unique_id().unwrap();
+    let hex: String = id.iter().map(|b| format!("{b:02x}")).collect();
+    // "pidns-...": each rank in a PID namespace of its own, under a shell that is its PID 1
+    // (containers sharing this host's /dev/shm; both ranks have the same pid).
+    let pidns = trouble.is_some_and(|t| t.starts_with("pidns-"));
+    let kids: Vec<_> = (0..n)
+        .map(|r| {
+            let exe = std::env::current_exe().unwrap();
+            let mut cmd = Command::new(if pidns { Path::new("unshare") } else { &exe });
+            if pidns {
+                cmd.args([
+                    "--pid",
+                    "--fork",
+                    "--mount-proc",
+                    "sh",
+                    "-c",
+                    "\"$@\"; exit $?",
+                    "sh",
+                ])
+                .arg(&exe);
+            }
+            cmd.args([
+                "--exact",
+                "cuda_executor_on_emulated_kernels",
+                "--nocapture",
+            ])
+            .env("OXEMU_RANK", r.to_string())
+            .env("OXEMU_NRANKS", n.to_string())
+            .env("OXEMU_ID", &hex)
+            .env("OXEMU_LIB", so)
+            .env("OXCCL_CUDA_IPC", if ipc { "1" } else { "0" })
+            .envs(trouble.map(|t| ("OXEMU_TROUBLE", t)))
+            .envs(peers.map(|p| ("OXEMU_PEERS", p)))
+            // A short timeout for the late peer (also the bootstrap's).
+            .envs(trouble.map(|_| ("OXCCL_TIMEOUT_S", "3")))
+            .envs((hosts > 1).then(|| ("OXCCL_HOSTID", format!("emu-host-{}", r * hosts / n))))
+            .env_remove("NCCL_DEBUG")
+            .env_remove("NCCL_DEBUG_SUBSYS")
+            // To files: a pipe nobody reads until the end could fill and stop a rank.
+            .stdout(std::fs::File::create(log(r, "out")).unwrap())
+            .stderr(std::fs::File::create(log(r, "err")).unwrap())
+            .spawn()
+            .unwrap()
+        })
+        .collect();
+    // Killed at the deadline: a hang fails the test with what each rank printed.
+    let deadline = Instant::now() + Duration::from_secs(300);
+    let mut kids = kids;
+    while Instant::now() < deadline && kids.iter_mut().any(|k| k.try_wait().unwrap().is_none()) {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let outs: Vec<(std::process::ExitStatus, String, String)> = kids
+        .into_iter()
+        .enumerate()
+        .map(|(r, mut k)| {
+            let _ = k.kill();
+            let status = k.wait().unwrap();
+            let read = |w| std::fs::read_to_string(log(r, w)).unwrap_or_default();
+            (status, read("out"), read("err"))
+        })
+        .collect();
+    let _ = std::fs::remove_dir_all(&dir);
+    let report: String = outs
+        .iter()
+        .enumerate()
+        .map(|(r, (status, out, err))| format!("--- rank {r}: {status}\n{out}{err}"))
+        .collect();
+    if outs.iter().any(|o| !o.0.success()) {
+        // Killed ranks leave their communicator's segments behind (named by its hash, which
+        // each rank prints first).
+        let hashes: BTreeSet<&str> = outs
+            .iter()
+            .filter_map(|o| o.1.lines().find_map(|l| l.strip_prefix("comm hash ")))
+            .collect();
+        for name in shm_names() {
+            if hashes
+                .iter()
+                .any(|h| name.starts_with(&format!("oxccl-{h}-")))
+            {
+                let _ = std::fs::remove_file(Path::new("/dev/shm").join(name));
+            }
+        }
+    }
+    if let Some(how) = trouble {
+        use std::os::unix::process::ExitStatusExt;
+        let last = &outs[n - 1];
+        match how
+            .trim_start_matches("graph-")
+            .trim_start_matches("pidns-")
+        {
+            // (Under a shell: its exit status says the rank was killed.)
+            "death" if pidns => assert_eq!(last.0.code(), Some(128 + 9), "{report}"),
+            "death" => assert_eq!(last.0.signal(), Some(9), "{report}"),
+            "finish" => assert!(
+                last.0.success() && last.1.contains("sent and left"),
+                "{report}"
+            ),
+            _ => assert!(
+                last.0.success() && last.1.contains("stayed away"),
+                "{report}"
+            ),
+        }
+        for (status, out, _) in &outs[..n - 1] {
+            assert!(status.success() && out.contains("survived: "), "{report}");
+        }
+        eprintln!("a peer's {how}, {n} processes:\n{report}");
+        return 0;
+    }
+    let mut opened = 0;
+    for (status, out, _) in &outs {
+        assert!(status.success(), "{n} processes:\n{report}");
+        assert!(out.contains(&format!("hosts {hosts}\n")), "{report}");
+        let line = out
+            .lines()
+            .find(|l| l.contains("IPC handles opened"))
+            .unwrap_or("");
+        opened += line
+            .rsplit(' ')
+            .next()
+            .and_then(|v| v.parse::<u64>().ok())
+            .unwrap_or(0);
+    }
+    // (IPC serves ranks of one host, of one GPU unless they are on two: `peer_devices`.)
+    if peers.is_none() {
+        assert_eq!(
+            opened > 0,
+            ipc && n > hosts,
+            "{n} processes: IPC handles opened: {opened}"
+        );
+    }
+    opened
+}
