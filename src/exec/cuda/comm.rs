@@ -690,6 +690,9 @@ fn watch(x: Watched) {
 /// One turn of the watcher (`peers`: also look at running kernels' peers); false when nothing
 /// is left to watch.
 fn watch_turn(peers: bool) -> bool {
+    // What graphs let go of is freed here too, while communicators live (their launches and
+    // destroys free it as well).
+    kept::reclaim();
     // Look under the lock, act after it (announcing a failure talks to the peers).
     let mut errors = Vec::new();
     let mut stops = Vec::new();

@@ -8,8 +8,9 @@
 //! the buffers as they are, instead of reading and writing connections freed by then.
 //!
 //! The driver calls a user object's destructor where no CUDA call is allowed, so it only queues
-//! the `Kept`; what that held is freed at the next launch outside graph capture, or the next
-//! communicator made or destroyed (`reclaim`).
+//! the `Kept`; what that held is freed by the watcher thread within a few milliseconds while
+//! communicators live, and at the next launch outside graph capture, or the next communicator
+//! made or destroyed (`reclaim`).
 
 use super::comm::Ctl;
 use crate::gpu::driver::{self, CtxGuard};
@@ -119,8 +120,8 @@ pub(super) fn keep(k: &Kept, stream: usize) -> bool {
 }
 
 /// Frees what graphs let go of since the last call (unpinning in relaxed capture mode: a stream
-/// may capture a graph meanwhile). What graphs let go of after the last call of a program stays
-/// allocated until it exits.
+/// may capture a graph meanwhile). What graphs let go of once no communicator is left, and no
+/// call of the program follows, stays allocated until it exits.
 pub(super) fn reclaim() {
     if !PENDING.swap(false, Ordering::Acquire) {
         return;
