@@ -81,7 +81,7 @@ pub const PARAMS: &[Param] = &[
     },
     Param {
         name: "NCCL_P2P_LEVEL",
-        doc: "LOC (or 0): as NCCL_P2P_DISABLE=1; NVL or NVB: device memory between two GPUs only where they reach each other's memory with native atomics (NVLink), others stage in host memory; PIX, PXB, PHB, SYS (or 1 to 5, NCCL's old numbers), and the default: between any two GPUs the driver lets reach each other's memory (cuDeviceCanAccessPeer: NVLink, or PCIe where the platform allows peer traffic; the kind of PCIe path is not looked at, so PIX and PXB allow what NCCL's would not)",
+        doc: "CUDA executor: the farthest two GPUs that reach each other's memory (cuDeviceCanAccessPeer) may be apart to keep their connections in device memory, as in NCCL: LOC (or 0) never (as NCCL_P2P_DISABLE=1); NVL or NVB over NVLink only (native peer atomics); PIX (1) one PCIe switch between them, PXB (2) several, PHB (3) through the CPU's host bridges on one NUMA node, SYS (4, 5) across NUMA nodes; NVLink always qualifies. The PCIe distance is read from sysfs (OXCCL_SYSFS_ROOT); unknown counts as SYS. Farther pairs stage in pinned host memory. Default PXB (NCCL's on most machines)",
         default: "",
     },
     Param {
@@ -98,6 +98,11 @@ pub const PARAMS: &[Param] = &[
         name: "OXCCL_CUDA_DIRECT",
         doc: "1: on the CUDA executor, a group holding an all-reduce of every rank of a communicator on one GPU (ncclCommInitAll with a repeated device, all_reduce_perf -g N) runs it as one kernel that reads every rank's input and writes every rank's output once (default 0, the ring, until this is measured on a GPU)",
         default: "0",
+    },
+    Param {
+        name: "OXCCL_SYSFS_ROOT",
+        doc: "where the CUDA executor reads the PCIe tree (bus/pci/devices/<GPU's bus id>, a link into devices/pci...) to tell how far apart two GPUs are (NCCL_P2P_LEVEL): for containers that mount sysfs elsewhere, and tests",
+        default: "/sys",
     },
     Param {
         name: "OXCCL_CUDA_IPC",
@@ -318,18 +323,30 @@ fn level_is(level: Option<&str>, names: &[&str]) -> bool {
     level.is_some_and(|l| names.contains(&l.trim().to_ascii_uppercase().as_str()))
 }
 
-/// `NCCL_P2P_LEVEL=NVL` (or NVB; neither has a number: NCCL's 1 is PIX): two GPUs share device
-/// memory only over NVLink (told by native peer atomics, `gpu::memory::native_atomics`), not
-/// over PCIe, which its other levels allow wherever `cuDeviceCanAccessPeer` does (the kind of
-/// PCIe path is not looked at).
-pub fn p2p_nvlink_only() -> bool {
-    static R: once_cell::sync::Lazy<bool> = once_cell::sync::Lazy::new(|| {
-        level_is(get_str("NCCL_P2P_LEVEL").as_deref(), &NVLINK_LEVELS)
-    });
+/// The farthest PCIe distance (`gpu::topo::Level` as a number: 1 PIX, 2 PXB, 3 PHB, 4 SYS)
+/// over which two GPUs share device memory, from `NCCL_P2P_LEVEL`: 0 for NVL or NVB (NVLink
+/// only, told by native peer atomics); PXB where unset, as NCCL's default on most machines
+/// (not through the CPU's host bridges). LOC is `p2p_disabled`.
+pub fn p2p_max_pcie() -> u8 {
+    static R: once_cell::sync::Lazy<u8> =
+        once_cell::sync::Lazy::new(|| max_pcie(get_str("NCCL_P2P_LEVEL").as_deref()));
     *R
 }
 
-const NVLINK_LEVELS: [&str; 2] = ["NVL", "NVB"];
+/// `p2p_max_pcie` from the variable's value (NCCL's old numbers: 1 PIX .. 4 and 5 SYS).
+fn max_pcie(level: Option<&str>) -> u8 {
+    const NAMES: [(&[&str], u8); 5] = [
+        (&["NVL", "NVB", "LOC", "0"], 0),
+        (&["PIX", "1"], 1),
+        (&["PXB", "2"], 2),
+        (&["PHB", "3"], 3),
+        (&["SYS", "4", "5"], 4),
+    ];
+    NAMES
+        .iter()
+        .find(|(names, _)| level_is(level, names))
+        .map_or(2, |&(_, n)| n)
+}
 
 /// Output size from which copies into the caller's buffers use streaming stores.
 pub fn stream_bytes() -> usize {
@@ -455,7 +472,7 @@ pub fn cuda_blocks() -> usize {
 #[cfg(test)]
 mod tests {
     use super::Selection;
-    use super::{level_is, p2p_off, parse_u64, NVLINK_LEVELS};
+    use super::{max_pcie, p2p_off, parse_u64};
 
     #[test]
     fn p2p_level_loc_disables_p2p() {
@@ -467,14 +484,28 @@ mod tests {
         for l in ["NVL", "PIX", "PXB", "PHB", "SYS", "1", "5"] {
             assert!(!p2p_off(0, Some(l)), "{l}");
         }
-        for l in [" nvl", "NVB"] {
-            assert!(level_is(Some(l), &NVLINK_LEVELS), "{l}");
+        // NCCL's names and old numbers (1 is PIX, not NVL); PXB when unset or unknown.
+        for (l, n) in [
+            (" nvl", 0),
+            ("NVB", 0),
+            ("pix", 1),
+            ("1", 1),
+            ("PXB", 2),
+            ("2", 2),
+        ] {
+            assert_eq!(max_pcie(Some(l)), n, "{l}");
         }
-        // (NCCL's old numbers: 1 is PIX, not NVL.)
-        for l in ["PXB", "PIX", "1", "2", ""] {
-            assert!(!level_is(Some(l), &NVLINK_LEVELS), "{l}");
+        for (l, n) in [
+            ("PHB", 3),
+            ("3", 3),
+            ("SYS", 4),
+            ("4", 4),
+            ("5", 4),
+            ("", 2),
+        ] {
+            assert_eq!(max_pcie(Some(l)), n, "{l}");
         }
-        assert!(!level_is(None, &NVLINK_LEVELS));
+        assert_eq!(max_pcie(None), 2);
     }
 
     #[test]

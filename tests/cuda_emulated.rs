@@ -870,28 +870,68 @@ fn child(so: &Path, vars: &[(&str, &str)], limit: Duration) -> (bool, String) {
 /// `OXCCL_CUDA_IPC=1`. Their connections live in the receiving rank's device memory: in one
 /// process the two devices' contexts enable peer access to each other, between processes the
 /// sending rank opens it by its IPC handle; without native peer atomics (plain PCIe) a sending
-/// lane runs one block (the stand-in refuses more, `peers::launch`). With
-/// `NCCL_P2P_LEVEL=NVL` PCIe pairs stage in host memory, and so, rather than fail, do ranks of
-/// one process where the driver refuses to enable peer access (too many peers).
+/// lane runs one block (the stand-in refuses more, `peers::launch`). PCIe pairs must be near
+/// enough for `NCCL_P2P_LEVEL` on a sysfs tree made here (`OXCCL_SYSFS_ROOT`): under one
+/// switch by default, through the host bridge with `PHB`, never with `NVL`; farther pairs
+/// stage in host memory, and so, rather than fail, do ranks of one process where the driver
+/// refuses to enable peer access (too many peers).
 fn peer_devices(so: &Path) {
-    // (pcie-nvl: PCIe, and NCCL_P2P_LEVEL=NVL, which allows NVLink only.)
-    for how in ["nvlink", "pcie", "pcie-nvl", "refused"] {
-        let level = if how == "pcie-nvl" { "NVL" } else { "" };
-        let vars = [("OXEMU_PEERS", how), ("NCCL_P2P_LEVEL", level)];
+    // The two devices' places on a PCIe tree of sysfs's form: under one switch (PIX), or on
+    // two root ports (PHB).
+    let trees =
+        Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("sysfs-{}", std::process::id()));
+    for (tree, second) in [
+        ("pix", "0000:00:01.0/0000:01:00.0/0000:02:01.0"),
+        ("phb", "0000:00:02.0"),
+    ] {
+        let root = trees.join(tree);
+        for (id, under) in [
+            ("0000:03:00.0", "0000:00:01.0/0000:01:00.0/0000:02:00.0"),
+            ("0000:04:00.0", second),
+        ] {
+            let dev = root.join("devices/pci0000:00").join(under).join(id);
+            std::fs::create_dir_all(&dev).unwrap();
+            std::fs::write(dev.join("numa_node"), "0\n").unwrap();
+            let link = root.join("bus/pci/devices");
+            std::fs::create_dir_all(&link).unwrap();
+            std::os::unix::fs::symlink(&dev, link.join(id)).unwrap();
+        }
+    }
+    // (how, tree, NCCL_P2P_LEVEL): PCIe under one switch takes device memory by default,
+    // through the CPU only where the level allows it; NVL allows NVLink only.
+    for (how, tree, level) in [
+        ("nvlink", "phb", ""),
+        ("pcie", "pix", ""),
+        ("pcie-phb", "phb", ""),
+        ("pcie-phb-level", "phb", "PHB"),
+        ("pcie-nvl", "pix", "NVL"),
+        ("refused", "pix", ""),
+    ] {
+        let root = trees.join(tree);
+        let root = root.to_str().unwrap();
+        let vars = [
+            ("OXEMU_PEERS", how),
+            ("NCCL_P2P_LEVEL", level),
+            ("OXCCL_SYSFS_ROOT", root),
+        ];
         let (ok, report) = child(so, &vars, Duration::from_secs(300));
         assert!(
             ok && report.contains(&format!("peer devices ({how}): checked")),
             "ranks on two devices ({how}):\n{report}"
         );
-        if how == "refused" || how == "pcie-nvl" {
+        if how != "nvlink" && how != "pcie" {
             continue;
         }
+        // (The rank processes inherit it.)
+        std::env::set_var("OXCCL_SYSFS_ROOT", root);
         let opened = run_processes(so, 2, true, 1, None, Some(how));
+        std::env::remove_var("OXCCL_SYSFS_ROOT");
         assert!(
             opened > 0,
             "processes on two devices ({how}): no IPC handle opened"
         );
     }
+    let _ = std::fs::remove_dir_all(&trees);
 }
 
 /// `peer_devices`' process.
@@ -908,7 +948,7 @@ fn peer_devices_process(how: &str) {
     let allocated = peers::ALLOCATED.lock().clone();
     let (d0, d1) = (peers::ctx_of(0), peers::ctx_of(1));
     let remote = peers::REMOTE_LAUNCHES.load(Ordering::SeqCst);
-    if how == "nvlink" || how == "pcie" {
+    if matches!(how, "nvlink" | "pcie" | "pcie-phb-level") {
         assert!(remote > 0, "no launch over the other device's memory");
         for pair in [(d0, d1), (d1, d0)] {
             assert!(

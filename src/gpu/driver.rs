@@ -135,6 +135,9 @@ pub type GraphRetainFn = unsafe extern "C" fn(CUgraph, CUuserObject, c_uint, c_u
 /// `cuUserObjectRelease(object, references)`.
 pub type UserObjectReleaseFn = unsafe extern "C" fn(CUuserObject, c_uint) -> CUresult;
 
+/// `cuDeviceGetPCIBusId(text, length, device)`.
+pub type PciBusIdFn = unsafe extern "C" fn(*mut c_char, c_int, CUdevice) -> CUresult;
+
 /// User objects (CUDA 11.3): what a graph keeps alive until it and its instances are gone.
 #[derive(Clone, Copy)]
 pub struct UserObjects {
@@ -163,6 +166,9 @@ macro_rules! driver_api {
             /// User objects, where the driver has them (None: a graph keeps nothing of ours
             /// alive, so a communicator whose launches were captured leaks what they name).
             pub user_objects: Option<UserObjects>,
+            /// `cuDeviceGetPCIBusId`, where the driver has it (None: two GPUs' PCIe distance
+            /// is unknown).
+            pub pci_bus_id: Option<PciBusIdFn>,
             _lib: Option<libloading::Library>,
         }
 
@@ -237,6 +243,10 @@ macro_rules! driver_api {
                             _ => None,
                         }
                     },
+                    pci_bus_id: lookup("cuDeviceGetPCIBusId\0").filter(|p| !p.is_null()).map(
+                        // SAFETY: per the contract, the function of that symbol.
+                        |p| unsafe { std::mem::transmute::<*const c_void, PciBusIdFn>(p) },
+                    ),
                     _lib: None,
                 })
             }
@@ -404,6 +414,28 @@ pub fn device_uuid(ordinal: c_int) -> Result<[u8; 16]> {
         format!("cuDeviceGetUuid of device {ordinal}")
     })?;
     Ok(u)
+}
+
+/// Device `ordinal`'s PCI bus id as the driver spells it (None: the driver does not say).
+pub fn pci_bus_id(ordinal: c_int) -> Result<Option<String>> {
+    let api = api()?;
+    let Some(f) = api.pci_bus_id else {
+        return Ok(None);
+    };
+    let mut dev: CUdevice = 0;
+    // SAFETY: writes one device handle.
+    check(unsafe { (api.device_get)(&mut dev, ordinal) }, || {
+        format!("cuDeviceGet({ordinal})")
+    })?;
+    let mut text = [0 as c_char; 32];
+    // SAFETY: writes at most 32 bytes, NUL-terminated.
+    check(unsafe { f(text.as_mut_ptr(), 32, dev) }, || {
+        format!("cuDeviceGetPCIBusId of device {ordinal}")
+    })?;
+    text[31] = 0;
+    // SAFETY: NUL-terminated above.
+    let s = unsafe { CStr::from_ptr(text.as_ptr()) };
+    Ok(Some(s.to_string_lossy().into_owned()))
 }
 
 pub fn device_count() -> Result<i32> {

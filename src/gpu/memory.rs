@@ -112,10 +112,21 @@ fn current_or_device0() -> Result<usize> {
 }
 
 /// Whether kernels on devices `a` and `b` (ordinals of this process, different) can reach each
-/// other's memory (`cuDeviceCanAccessPeer`, both ways: GPUs joined by NVLink, or by PCIe where
-/// the platform allows peer traffic; NVLink only with `NCCL_P2P_LEVEL=NVL`): ranks on them
-/// keep their connections in the receiving end's device memory.
+/// other's memory (`cuDeviceCanAccessPeer`, both ways) and are near enough for
+/// `NCCL_P2P_LEVEL` (NVLink, told by native peer atomics, always is; over PCIe, at most
+/// `param::p2p_max_pcie` apart, by `topo::level`, unknown counting as SYS): ranks on them keep
+/// their connections in the receiving end's device memory. Decided once per pair (an INFO line
+/// says how).
 pub fn peers_capable(a: i32, b: i32) -> bool {
+    static PAIRS: parking_lot::Mutex<Option<std::collections::HashMap<(i32, i32), bool>>> =
+        parking_lot::Mutex::new(None);
+    if a < 0 || b < 0 || a == b {
+        return false;
+    }
+    let key = (a.min(b), a.max(b));
+    if let Some(&ok) = PAIRS.lock().as_ref().and_then(|m| m.get(&key)) {
+        return ok;
+    }
     let Ok(api) = driver::api() else {
         return false;
     };
@@ -125,12 +136,40 @@ pub fn peers_capable(a: i32, b: i32) -> bool {
         let r = unsafe { (api.device_can_access_peer)(&mut c, x, y) };
         r == driver::CUDA_SUCCESS && c != 0
     };
-    a >= 0
-        && b >= 0
-        && a != b
-        && can(a, b)
-        && can(b, a)
-        && (!crate::param::p2p_nvlink_only() || native_atomics(a, b))
+    let max = crate::param::p2p_max_pcie();
+    let (ok, how) = if !(can(a, b) && can(b, a)) {
+        (false, "do not reach each other's memory".to_string())
+    } else if native_atomics(a, b) {
+        (true, "reach each other's memory over NVLink".to_string())
+    } else {
+        let level = super::topo::level(a, b);
+        let ok = level.map_or(max >= 4, |l| l as u8 <= max);
+        let apart = match level {
+            Some(l) => format!("{} apart", format!("{l:?}").to_uppercase()),
+            None => "at a distance sysfs does not tell (taken as SYS)".to_string(),
+        };
+        let allowed = ["NVL", "PIX", "PXB", "PHB", "SYS"][usize::from(max.min(4))];
+        (
+            ok,
+            format!(
+                "reach each other's memory over PCIe, {apart} (NCCL_P2P_LEVEL allows up to \
+                 {allowed})"
+            ),
+        )
+    };
+    crate::debug::info(&format!(
+        "devices {a} and {b} {how}: connections between their ranks {}",
+        if ok {
+            "live in device memory"
+        } else {
+            "stage in host memory"
+        }
+    ));
+    PAIRS
+        .lock()
+        .get_or_insert_with(std::collections::HashMap::new)
+        .insert(key, ok);
+    ok
 }
 
 /// Whether atomics of kernels on device `a` on device `b`'s memory are native, both ways

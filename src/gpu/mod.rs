@@ -8,6 +8,7 @@
 
 pub mod driver;
 pub mod memory;
+pub mod topo;
 
 pub use crate::device::DeviceKind as Kind;
 use once_cell::sync::Lazy;

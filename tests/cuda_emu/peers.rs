@@ -9,7 +9,7 @@
 use super::device;
 use nccl::gpu::driver::{self, CUresult};
 use parking_lot::Mutex;
-use std::ffi::{c_int, c_uint, c_void};
+use std::ffi::{c_char, c_int, c_uint, c_void};
 use std::sync::atomic::{AtomicBool, Ordering};
 
 const OK: CUresult = 0;
@@ -75,6 +75,14 @@ unsafe extern "C" fn enable_peer_access(peer: *mut c_void, _: c_uint) -> CUresul
         return driver::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED;
     }
     e.push(pair);
+    OK
+}
+/// `cuDeviceGetPCIBusId`: device d is at bus 3 + d, in the driver's spelling (an 8-digit
+/// domain, capitals); the test's sysfs tree places them (`OXCCL_SYSFS_ROOT`).
+unsafe extern "C" fn pci_bus_id(text: *mut c_char, len: c_int, d: c_int) -> CUresult {
+    let id = format!("00000000:{:02X}:00.0\0", 3 + d);
+    assert!(id.len() <= len as usize);
+    unsafe { std::ptr::copy_nonoverlapping(id.as_ptr().cast(), text, id.len()) };
     OK
 }
 unsafe extern "C" fn mem_alloc(p: *mut u64, n: usize) -> CUresult {
@@ -152,6 +160,7 @@ pub fn functions() -> Vec<(&'static str, *const c_void)> {
         ("cuCtxEnablePeerAccess", enable_peer_access as *const c_void),
         ("cuMemAlloc_v2", mem_alloc as *const c_void),
         ("cuLaunchKernel", launch as *const c_void),
+        ("cuDeviceGetPCIBusId", pci_bus_id as *const c_void),
         ("cuPointerGetAttribute", pointer_attr as *const c_void),
     ]
 }
