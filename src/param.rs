@@ -333,8 +333,11 @@ pub fn p2p_max_pcie() -> u8 {
     *R
 }
 
-/// `p2p_max_pcie` from the variable's value (NCCL's old numbers: 1 PIX .. 4 and 5 SYS).
+/// `p2p_max_pcie` from the variable's value (NCCL's old numbers: 1 PIX .. 4 and up SYS).
 fn max_pcie(level: Option<&str>) -> u8 {
+    if let Some(n) = level.and_then(|l| l.trim().parse::<i64>().ok()) {
+        return n.clamp(0, 4) as u8;
+    }
     const NAMES: [(&[&str], u8); 5] = [
         (&["NVL", "NVB", "LOC", "0"], 0),
         (&["PIX", "1"], 1),
@@ -500,7 +503,7 @@ mod tests {
             ("3", 3),
             ("SYS", 4),
             ("4", 4),
-            ("5", 4),
+            ("7", 4),
             ("", 2),
         ] {
             assert_eq!(max_pcie(Some(l)), n, "{l}");

@@ -120,7 +120,7 @@ fn current_or_device0() -> Result<usize> {
 pub fn peers_capable(a: i32, b: i32) -> bool {
     static PAIRS: parking_lot::Mutex<Option<std::collections::HashMap<(i32, i32), bool>>> =
         parking_lot::Mutex::new(None);
-    if a < 0 || b < 0 || a == b {
+    if a < 0 || b < 0 || a == b || crate::param::p2p_disabled() {
         return false;
     }
     let key = (a.min(b), a.max(b));

@@ -19,12 +19,12 @@ pub enum Level {
 }
 
 /// The distance between two devices from their paths (host bridge first, the device last)
-/// and NUMA nodes (-1: unknown).
+/// and NUMA nodes (-1: unknown, taken as node 0, as NCCL does).
 pub fn level_of(a: &[String], b: &[String], numa: (i32, i32)) -> Level {
     let common = a.iter().zip(b).take_while(|(x, y)| x == y).count();
     match common {
         // Different host bridges: through the CPU, or across its sockets.
-        0 if numa.0 == numa.1 || numa.0 < 0 || numa.1 < 0 => Level::Phb,
+        0 if numa.0.max(0) == numa.1.max(0) => Level::Phb,
         0 => Level::Sys,
         // One host bridge, different root ports.
         1 => Level::Phb,
@@ -41,23 +41,37 @@ fn sysfs() -> PathBuf {
 
 /// Device `ordinal`'s bus id as sysfs spells it (`0000:3b:00.0`).
 fn bus_id(ordinal: i32) -> Option<String> {
-    let raw = driver::pci_bus_id(ordinal).ok()??;
-    // (The driver may spell the domain with 8 digits and in capitals.)
+    sysfs_bus_id(&driver::pci_bus_id(ordinal).ok()??)
+}
+
+/// A bus id as sysfs spells it, from the driver's spelling (its domain may have 8 digits, its
+/// letters be capitals).
+fn sysfs_bus_id(raw: &str) -> Option<String> {
     let mut parts = raw.trim().split([':', '.']);
     let mut hex = || u32::from_str_radix(parts.next()?, 16).ok();
     let (domain, bus, dev, func) = (hex()?, hex()?, hex()?, hex()?);
     Some(format!("{domain:04x}:{bus:02x}:{dev:02x}.{func:x}"))
 }
 
-/// Device `ordinal`'s path from its host bridge, and its NUMA node.
-fn place(root: &Path, ordinal: i32) -> Option<(Vec<String>, i32)> {
-    let dev = root.join("bus/pci/devices").join(bus_id(ordinal)?);
-    let real = std::fs::canonicalize(&dev).ok()?;
+/// A device's path from its host bridge, from the canonical path of its sysfs entry: from the
+/// last component naming a host bridge (`pciDDDD:BB`; bus addresses never start so), which
+/// leaves out whatever the sysfs root's own path holds, and a bridge behind another (Intel's
+/// VMD domains, `pci10000:e0` under a device of `pci0000:00`), as NCCL does.
+fn from_host_bridge(real: &Path) -> Vec<String> {
     let parts: Vec<String> = real
         .components()
         .filter_map(|c| c.as_os_str().to_str().map(str::to_string))
-        .skip_while(|c| !c.starts_with("pci"))
         .collect();
+    match parts.iter().rposition(|c| c.starts_with("pci")) {
+        Some(i) => parts[i..].to_vec(),
+        None => Vec::new(),
+    }
+}
+
+/// Device `ordinal`'s path from its host bridge, and its NUMA node.
+fn place(root: &Path, ordinal: i32) -> Option<(Vec<String>, i32)> {
+    let dev = root.join("bus/pci/devices").join(bus_id(ordinal)?);
+    let parts = from_host_bridge(&std::fs::canonicalize(&dev).ok()?);
     let numa = std::fs::read_to_string(dev.join("numa_node"))
         .ok()
         .and_then(|s| s.trim().parse().ok())
@@ -76,7 +90,8 @@ pub fn level(a: i32, b: i32) -> Option<Level> {
 
 #[cfg(test)]
 mod tests {
-    use super::{level_of, Level};
+    use super::{from_host_bridge, level_of, sysfs_bus_id, Level};
+    use std::path::Path;
 
     fn path(s: &str) -> Vec<String> {
         s.split('/').map(str::to_string).collect()
@@ -100,6 +115,32 @@ mod tests {
         let e = path("pci0000:80/0000:80:01.0/0000:81:00.0");
         assert_eq!(level_of(&a, &e, (0, 0)), Level::Phb);
         assert_eq!(level_of(&a, &e, (-1, -1)), Level::Phb);
+        assert_eq!(level_of(&a, &e, (-1, 0)), Level::Phb);
         assert_eq!(level_of(&a, &e, (0, 1)), Level::Sys);
+        assert_eq!(level_of(&a, &e, (-1, 1)), Level::Sys);
+    }
+
+    #[test]
+    fn paths_start_at_the_last_host_bridge() {
+        // A sysfs root whose own path names "pci...", and an Intel VMD domain: two root ports
+        // behind the VMD bridge are PHB apart.
+        let vmd = "/home/pci-lab/sys/devices/pci0000:00/0000:00:0e.0/pci10000:e0";
+        let a = from_host_bridge(Path::new(&format!("{vmd}/10000:e0:1a.0/10000:e1:00.0")));
+        let b = from_host_bridge(Path::new(&format!("{vmd}/10000:e0:1b.0/10000:e2:00.0")));
+        assert_eq!(a[0], "pci10000:e0");
+        assert_eq!(level_of(&a, &b, (0, 0)), Level::Phb);
+        assert!(from_host_bridge(Path::new("/sys/devices/platform/x")).is_empty());
+    }
+
+    #[test]
+    fn bus_ids_in_sysfs_spelling() {
+        for raw in ["00000000:3B:00.0", "0000:3b:00.0", " 0000:3B:00.0\n"] {
+            assert_eq!(sysfs_bus_id(raw).as_deref(), Some("0000:3b:00.0"), "{raw}");
+        }
+        assert_eq!(
+            sysfs_bus_id("0001:0a:1f.1").as_deref(),
+            Some("0001:0a:1f.1")
+        );
+        assert_eq!(sysfs_bus_id("3b:00"), None);
     }
 }
