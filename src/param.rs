@@ -76,7 +76,7 @@ pub const PARAMS: &[Param] = &[
     },
     Param {
         name: "NCCL_P2P_DISABLE",
-        doc: "1: on the CUDA executor, connections between ranks stage data in pinned host memory instead of device memory (one GPU's, or two GPUs' joined by NVLink)",
+        doc: "1: on the CUDA executor, connections between ranks stage data in pinned host memory instead of device memory (one GPU's, or that of two GPUs NCCL_P2P_LEVEL lets share it)",
         default: "0",
     },
     Param {
@@ -338,12 +338,13 @@ fn max_pcie(level: Option<&str>) -> u8 {
     if let Some(n) = level.and_then(|l| l.trim().parse::<i64>().ok()) {
         return n.clamp(0, 4) as u8;
     }
+    // (Numbers were taken above.)
     const NAMES: [(&[&str], u8); 5] = [
-        (&["NVL", "NVB", "LOC", "0"], 0),
-        (&["PIX", "1"], 1),
-        (&["PXB", "2"], 2),
-        (&["PHB", "3"], 3),
-        (&["SYS", "4", "5"], 4),
+        (&["NVL", "NVB", "LOC"], 0),
+        (&["PIX"], 1),
+        (&["PXB"], 2),
+        (&["PHB"], 3),
+        (&["SYS"], 4),
     ];
     NAMES
         .iter()

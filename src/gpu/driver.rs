@@ -571,15 +571,35 @@ pub enum Capture {
 
 /// What `stream` captures now.
 pub fn capture(stream: usize) -> Result<Capture> {
+    capture_of(stream, false).map(|(cap, _)| cap)
+}
+
+/// The graph `stream` captures into now (None: it captures none, or the driver does not say:
+/// `cuStreamGetCaptureInfo` before version 2).
+pub fn capture_graph(stream: usize) -> Result<Option<CUgraph>> {
+    let (cap, graph) = capture_of(stream, true)?;
+    Ok((cap != Capture::No && !graph.is_null()).then_some(graph))
+}
+
+/// What `stream` captures now, and, where `graph` asks for it, the graph it captures into
+/// (NULL where the driver does not say).
+fn capture_of(stream: usize, graph: bool) -> Result<(Capture, CUgraph)> {
     let h = stream as CUstream;
     let api = api()?;
     let mut st = 0;
     let mut id = 0u64;
+    let mut g: CUgraph = std::ptr::null_mut();
     let null = std::ptr::null_mut();
+    let g_out = if graph {
+        (&mut g as *mut CUgraph).cast()
+    } else {
+        null
+    };
     let r = match api.capture_info {
-        // SAFETY: writes the status and the id; the other outputs are not asked for (NULL);
-        // the stream is the caller's.
-        Some(f) => unsafe { f(h, &mut st, &mut id, null, null, null, null) },
+        // SAFETY: writes the status, the id and, where asked, the graph (versions 2 and 3
+        // take it fourth; version 1 ignores it, leaving it NULL); the dependencies are not
+        // asked for (NULL); the stream is the caller's.
+        Some(f) => unsafe { f(h, &mut st, &mut id, g_out, null, null, null) },
         // SAFETY: writes one int; the stream is the caller's.
         None => unsafe { (api.stream_is_capturing)(h, &mut st) },
     };
@@ -591,39 +611,11 @@ pub fn capture(stream: usize) -> Result<Capture> {
         )));
     }
     check(r, || format!("cuStreamGetCaptureInfo on stream {h:p}"))?;
-    Ok(match st {
+    let cap = match st {
         CU_STREAM_CAPTURE_STATUS_NONE => Capture::No,
         _ => Capture::Graph(api.capture_info.map(|_| id)),
-    })
-}
-
-/// The graph `stream` captures into now (None: it captures none, or the driver does not say:
-/// `cuStreamGetCaptureInfo` before version 2).
-pub fn capture_graph(stream: usize) -> Result<Option<CUgraph>> {
-    let api = api()?;
-    let Some(f) = api.capture_info else {
-        return Ok(None);
     };
-    let (mut st, mut id) = (0, 0u64);
-    let mut graph: CUgraph = std::ptr::null_mut();
-    let null = std::ptr::null_mut();
-    // SAFETY: writes the status, the id and the graph (versions 2 and 3 take the graph
-    // fourth; version 1 ignores it, leaving it NULL); the dependencies are not asked for.
-    let r = unsafe {
-        f(
-            stream as CUstream,
-            &mut st,
-            &mut id,
-            (&mut graph as *mut CUgraph).cast(),
-            null,
-            null,
-            null,
-        )
-    };
-    check(r, || {
-        format!("cuStreamGetCaptureInfo on stream {stream:#x}")
-    })?;
-    Ok((st != CU_STREAM_CAPTURE_STATUS_NONE && !graph.is_null()).then_some(graph))
+    Ok((cap, g))
 }
 
 /// Runs `f` with this thread's capture mode relaxed: setup calls (allocations, host memory

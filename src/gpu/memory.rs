@@ -118,15 +118,15 @@ fn current_or_device0() -> Result<usize> {
 /// their connections in the receiving end's device memory. Decided once per pair (an INFO line
 /// says how).
 pub fn peers_capable(a: i32, b: i32) -> bool {
-    static PAIRS: parking_lot::Mutex<Option<std::collections::HashMap<(i32, i32), bool>>> =
-        parking_lot::Mutex::new(None);
+    static PAIRS: Pairs = parking_lot::Mutex::new(None);
     if a < 0 || b < 0 || a == b || crate::param::p2p_disabled() {
         return false;
     }
-    let key = (a.min(b), a.max(b));
-    if let Some(&ok) = PAIRS.lock().as_ref().and_then(|m| m.get(&key)) {
-        return ok;
-    }
+    once_per_pair(&PAIRS, a, b, || decide_peers(a, b))
+}
+
+/// `peers_capable`'s decision, told in an INFO line.
+fn decide_peers(a: i32, b: i32) -> bool {
     let Ok(api) = driver::api() else {
         return false;
     };
@@ -165,11 +165,19 @@ pub fn peers_capable(a: i32, b: i32) -> bool {
             "stage in host memory"
         }
     ));
-    PAIRS
-        .lock()
-        .get_or_insert_with(std::collections::HashMap::new)
-        .insert(key, ok);
     ok
+}
+
+/// Answers by unordered pair of devices.
+type Pairs = parking_lot::Mutex<Option<std::collections::HashMap<(i32, i32), bool>>>;
+
+/// The answer `table` keeps for devices `a` and `b` in either order, `decide` made the first
+/// time (under the table's lock: every caller gets the first answer).
+fn once_per_pair(table: &Pairs, a: i32, b: i32, decide: impl FnOnce() -> bool) -> bool {
+    let mut t = table.lock();
+    *t.get_or_insert_with(std::collections::HashMap::new)
+        .entry((a.min(b), a.max(b)))
+        .or_insert_with(decide)
 }
 
 /// Whether atomics of kernels on device `a` on device `b`'s memory are native, both ways
@@ -207,20 +215,18 @@ pub fn device_of_uuid(uuid: &[u8; 16]) -> Option<i32> {
 /// (`CUDA_ERROR_TOO_MANY_PEERS` past the hardware's limit, say) is a WARN, and their ranks'
 /// connections stage in host memory rather than fail.
 pub fn peer_access(a: i32, b: i32) -> bool {
-    static PAIRS: parking_lot::Mutex<Option<std::collections::HashMap<(i32, i32), bool>>> =
-        parking_lot::Mutex::new(None);
-    let key = (a.min(b), a.max(b));
-    let mut pairs = PAIRS.lock();
-    let pairs = pairs.get_or_insert_with(std::collections::HashMap::new);
-    if let Some(&ok) = pairs.get(&key) {
-        return ok;
-    }
+    static PAIRS: Pairs = parking_lot::Mutex::new(None);
+    once_per_pair(&PAIRS, a, b, || enable_both(a, b))
+}
+
+/// `peer_access`'s decision.
+fn enable_both(a: i32, b: i32) -> bool {
     // (A communicator's context is its device's primary context.)
     let enable = |from: i32, to: i32| -> Result<()> {
         let (f, t) = (driver::primary_context(from)?, driver::primary_context(to)?);
         enable_peer_access(f, t, &format!("from device {from} to device {to}"))
     };
-    let ok = match enable(a, b).and_then(|_| enable(b, a)) {
+    match enable(a, b).and_then(|_| enable(b, a)) {
         Ok(()) => true,
         Err(e) => {
             crate::debug::warn(&format!(
@@ -229,9 +235,7 @@ pub fn peer_access(a: i32, b: i32) -> bool {
             ));
             false
         }
-    };
-    pairs.insert(key, ok);
-    ok
+    }
 }
 
 /// Peer access from context `from` to context `to` (`cuCtxEnablePeerAccess`; one enabled
