@@ -44,7 +44,8 @@ const CALL_OFF: usize = 1024;
 const META_BYTES: usize = 24;
 /// In a slot's byte count: the slot holds no bytes but the address of the caller's memory that
 /// holds them (`Conn::post_send_ref`); only the end that sends the slot over the network sees
-/// such a slot.
+/// such a slot. At a network receiving end: the bytes were read into the caller's memory that
+/// the executor named for the slot (`Conn::post_recv_ref`), not into the slot.
 const REF_FLAG: u64 = 1 << 63;
 const HDR_BYTES: usize = 4096;
 const _: () = assert!(CALL_OFF + 64 * META_BYTES <= HDR_BYTES); // nsteps <= 64 (param::nsteps)
@@ -186,6 +187,20 @@ pub trait Proxy: Send + Sync {
     /// Copies into their slots the bytes of slots posted by reference that have not left yet:
     /// the caller's memory may be reused once this returns. Holds the end while it copies.
     fn settle(&self) {}
+    /// A receiving end that reads a slot's bytes straight into the caller's memory where the
+    /// executor named it for the slot beforehand (`Conn::post_recv_ref`), sparing it the copy
+    /// out of the slot.
+    fn recv_by_reference(&self) -> bool {
+        false
+    }
+    /// Receiving end: slot `step`, if it comes from call `call` and holds `bytes` bytes, is to
+    /// be read into the `bytes` bytes at `dst` (valid until the slot is taken or
+    /// `revoke_recv_refs` returns).
+    fn post_recv_ref(&self, _step: u64, _call: [u64; 2], _dst: *mut u8, _bytes: usize) {}
+    /// Receiving end: forgets every destination posted; what was already read into one (slots
+    /// published and not yet taken, and the slot being read) is copied into its slot. The
+    /// caller's memory may be reused once this returns. Holds the end while it copies.
+    fn revoke_recv_refs(&self) {}
 }
 
 /// What a proxy's end waits for on its socket (`Proxy::wait_for`).
@@ -465,6 +480,39 @@ impl Conn {
                 let m = self.meta(step);
                 self.set_meta(step, [m[0], m[1], bytes as u64]);
             }
+        }
+    }
+
+    /// Whether this receiving end can read slots into the caller's memory (`post_recv_ref`).
+    #[inline]
+    pub fn receives_by_reference(&self) -> bool {
+        !self.is_sender && self.proxy.as_ref().is_some_and(|p| p.recv_by_reference())
+    }
+
+    /// Receiver, where `receives_by_reference`: slot `step`, if it comes from call `call` with
+    /// `bytes` bytes, is to be read into the `bytes` bytes at `dst` instead of the slot
+    /// (`delivered` then says so). That memory must stay valid until the slot is taken or
+    /// `revoke_recv_refs` returns, and nothing else may read or write it meanwhile. Posted
+    /// for a slot the end is already reading, or before the slot `nsteps` earlier was taken,
+    /// it is not used.
+    #[inline]
+    pub fn post_recv_ref(&self, step: u64, call: [u64; 2], dst: *mut u8, bytes: usize) {
+        if let Some(p) = &self.proxy {
+            p.post_recv_ref(step, call, dst, bytes);
+        }
+    }
+
+    /// Receiver: whether filled slot `step` was read into the memory posted for it
+    /// (`post_recv_ref`) rather than into the slot.
+    #[inline]
+    pub fn delivered(&self, step: u64) -> bool {
+        !self.is_sender && self.meta(step)[2] & REF_FLAG != 0
+    }
+
+    /// Receiver: see `Proxy::revoke_recv_refs`. Call with the posted memory still valid.
+    pub fn revoke_recv_refs(&self) {
+        if let Some(p) = &self.proxy {
+            p.revoke_recv_refs();
         }
     }
 

@@ -21,6 +21,8 @@
 mod helpers;
 mod pair;
 mod tcp_info;
+#[cfg(test)]
+mod tests;
 mod wire;
 
 use super::inproc;
@@ -245,6 +247,7 @@ impl Endpoint for NetSetup {
             passes: Default::default(),
             waker: Default::default(),
             threads: socket_threads(),
+            dests: (0..n.nsteps).map(|_| Dest::default()).collect(),
         });
         {
             let w = &mut *end.state.lock();
@@ -320,6 +323,21 @@ pub struct NetEnd {
     /// Threads that move its sockets (`NCCL_SOCKET_NTHREADS` when it was made): more than one
     /// means helper threads, and then no slots by reference.
     threads: usize,
+    /// A receiving end's destinations in the caller's memory, by slot (`post_recv_ref`).
+    dests: Box<[Dest]>,
+}
+
+/// Where the executor wants a slot read (`Proxy::post_recv_ref`). It writes the fields, then
+/// the tag; the end reads the tag, then the fields. The executor writes a slot's cell again
+/// only for the slot `nsteps` later, which the end cannot start before the executor has taken
+/// this one, so a tag that matches comes with its own fields.
+#[derive(Default)]
+struct Dest {
+    /// The slot's step plus one (0: none).
+    tag: std::sync::atomic::AtomicU64,
+    call: [std::sync::atomic::AtomicU64; 2],
+    addr: std::sync::atomic::AtomicUsize,
+    bytes: std::sync::atomic::AtomicUsize,
 }
 
 /// A waiting executor's pass of a few hundred nanoseconds notes the time at every 8th, well
@@ -470,6 +488,68 @@ impl Proxy for NetEnd {
     fn settle(&self) {
         let _w = self.state.lock();
         self.view.settle_refs_held();
+    }
+
+    /// Like `by_reference`, for receiving ends.
+    fn recv_by_reference(&self) -> bool {
+        !self.is_sender && self.threads == 1 && crate::param::net_zero_copy()
+    }
+
+    #[inline]
+    fn post_recv_ref(&self, step: u64, call: [u64; 2], dst: *mut u8, bytes: usize) {
+        let d = &self.dests[(step % self.view.nsteps) as usize];
+        d.call[0].store(call[0], Ordering::Relaxed);
+        d.call[1].store(call[1], Ordering::Relaxed);
+        d.addr.store(dst as usize, Ordering::Relaxed);
+        d.bytes.store(bytes, Ordering::Relaxed);
+        d.tag.store(step + 1, Ordering::Release);
+    }
+
+    fn revoke_recv_refs(&self) {
+        let mut w = self.state.lock();
+        let v = &self.view;
+        // Slots read into the caller's memory, published, not taken yet.
+        let (head, tail) = (
+            v.head().load(Ordering::Acquire),
+            v.tail().load(Ordering::Acquire),
+        );
+        for step in head..tail {
+            if v.delivered(step) {
+                let m = v.meta(step);
+                let bytes = (m[2] & !super::REF_FLAG) as usize;
+                let at = self.dests[(step % v.nsteps) as usize]
+                    .addr
+                    .load(Ordering::Relaxed);
+                // SAFETY: the executor's memory for this slot is still valid (the contract of
+                // `revoke_recv_refs`), holds the slot's `bytes <= slot_bytes` bytes, and is not
+                // the slot (this end's own memory).
+                unsafe { std::ptr::copy_nonoverlapping(at as *const u8, v.slot(step), bytes) };
+                v.set_meta(step, [m[0], m[1], bytes as u64]);
+            }
+        }
+        // The slot being read: what has arrived of it moves into the slot, the rest follows.
+        let w = &mut *w;
+        if let (State::Connected(socks), Some(at)) = (&w.state, w.p.target) {
+            if at != 0 {
+                let bytes = self.bytes_of(&w.p.hdr).unwrap_or(0);
+                let k = socks.len();
+                for j in 0..wire::parts(bytes, k) {
+                    let lo = wire::part_start(bytes, k, j);
+                    // SAFETY: as above; part j's first `done[j]` bytes were read there.
+                    unsafe {
+                        std::ptr::copy_nonoverlapping(
+                            (at + lo) as *const u8,
+                            v.slot(w.p.step).add(lo),
+                            w.p.done[j],
+                        )
+                    };
+                }
+                w.p.target = Some(0);
+            }
+        }
+        for d in self.dests.iter() {
+            d.tag.store(0, Ordering::Release);
+        }
     }
 
     fn sockets(&self) -> Vec<(SocketAddr, SocketAddr)> {
@@ -634,6 +714,24 @@ impl NetEnd {
             "the connection broke ({e}): the peer's process ended, or its host or the link \
              to it is down"
         ))
+    }
+
+    /// Where slot `step` with header `hdr` of `bytes` bytes is to be read: the caller's memory
+    /// the executor posted for it, if the call and the byte count match (else 0: the slot).
+    fn take_dest(&self, step: u64, hdr: &[u8; HDR], bytes: usize) -> usize {
+        let d = &self.dests[(step % self.view.nsteps) as usize];
+        if d.tag.load(Ordering::Acquire) != step + 1 {
+            return 0;
+        }
+        let word = |i: usize| u64::from_le_bytes(hdr[8 * i..8 * i + 8].try_into().unwrap());
+        let call = [
+            d.call[0].load(Ordering::Relaxed),
+            d.call[1].load(Ordering::Relaxed),
+        ];
+        if call != [word(0), word(1)] || d.bytes.load(Ordering::Relaxed) != bytes {
+            return 0;
+        }
+        d.addr.load(Ordering::Relaxed)
     }
 
     /// The byte count of a slot header, checked against the slot's size.

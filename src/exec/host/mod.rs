@@ -12,6 +12,7 @@ mod comm;
 mod copy;
 mod lone;
 pub mod memory;
+mod recv_ref;
 mod steps;
 pub mod stream;
 mod task;

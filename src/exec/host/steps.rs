@@ -10,6 +10,7 @@ use std::sync::Arc;
 
 /// A program bound to this rank's connections.
 pub(super) type HostProgram = Program<Arc<Conn>>;
+use super::recv_ref::RecvRefs;
 use crate::reduce::Reducer;
 use std::time::Instant;
 
@@ -43,12 +44,14 @@ pub(super) struct Cursor {
     /// ends, those that have not left are copied into their slots (`Conn::settle_refs`)
     /// before the caller's memory is given back.
     refs: Vec<(Arc<Conn>, u64)>,
+    /// Connections whose slots the proxy reads into the caller's memory (`recv_ref`).
+    recv_refs: RecvRefs,
 }
 
 impl Drop for Cursor {
     #[inline]
     fn drop(&mut self) {
-        if !self.refs.is_empty() {
+        if !self.refs.is_empty() || !self.recv_refs.is_empty() {
             self.settle();
         }
     }
@@ -57,7 +60,7 @@ impl Drop for Cursor {
 /// The address of a host program's buffer (scratch was resolved when the work started; None
 /// is never read or written).
 #[inline]
-fn at(a: Addr) -> usize {
+pub(super) fn at(a: Addr) -> usize {
     match a {
         Addr::User(x) => x,
         Addr::None | Addr::Scratch { .. } => 0,
@@ -180,12 +183,14 @@ impl Cursor {
             stream_out,
             run_ahead,
             refs: Vec::new(),
+            recv_refs: RecvRefs::new(prog),
         }
     }
 
-    /// Copies the slots sent by reference that have not left into their slots: the caller's
-    /// buffers are then free to change (a program that ends, with an error or not, or is
-    /// dropped). Most have left by then: only the last few slots are copied.
+    /// Copies the slots sent by reference that have not left into their slots, and revokes
+    /// the places named for slots not received yet: the caller's buffers are then free to
+    /// change (a program that ends, with an error or not, or is dropped). Most have left by
+    /// then: only the last few slots are copied.
     #[cold]
     #[inline(never)]
     pub(super) fn settle(&mut self) {
@@ -194,6 +199,7 @@ impl Cursor {
                 c.settle_refs();
             }
         }
+        self.recv_refs.revoke();
     }
 
     /// Whether the program tries the FIFO option that looks worse: its speed then says little
@@ -249,7 +255,7 @@ pub(super) fn poll_program(prog: &HostProgram, cur: &mut Cursor) -> Result<Poll>
         if cur.head >= total {
             // The caller has its memory back once this returns: slots that refer to it and
             // have not left get copies.
-            if !cur.refs.is_empty() {
+            if !cur.refs.is_empty() || !cur.recv_refs.is_empty() {
                 cur.settle();
             }
             return Ok(Poll::Done);
@@ -333,6 +339,15 @@ fn run_step(prog: &HostProgram, cur: &mut Cursor, k: usize, off: usize, n: usize
     };
     let src = (at(s.src) + off * es) as *const u8;
     let dst = (at(s.dst) + off * es) as *mut u8;
+    if !cur.recv_refs.is_empty() {
+        if let (Some(c), Some((step, _))) = (&s.recv, rslot) {
+            if cur.recv_refs.taking(prog, c, step, k) {
+                // SAFETY: as below.
+                unsafe { delivered(prog, k, dst, bytes, (step, sslot)) };
+                return Ok(true);
+            }
+        }
+    }
     let inp = rslot.map(|x| x.1).unwrap_or(std::ptr::null());
     let out = sslot.map(|x| x.1).unwrap_or(std::ptr::null_mut());
     let red = cur.reducer.as_ref();
@@ -428,6 +443,31 @@ fn run_step(prog: &HostProgram, cur: &mut Cursor, k: usize, off: usize, n: usize
         c.post_send(step, prog.call, bytes);
     }
     Ok(true)
+}
+
+/// Step `k` (a `Recv` or `RecvCopySend`) whose received slot `rstep` the proxy read straight
+/// into `dst` (`recv_ref`): only the copy to send is left. Out of line: only network receives
+/// come here.
+///
+/// # Safety
+/// As `run_step`'s: `dst` is valid for `bytes` bytes and the slots are this side's.
+#[inline(never)]
+unsafe fn delivered(
+    prog: &HostProgram,
+    k: usize,
+    dst: *mut u8,
+    bytes: usize,
+    (rstep, sslot): (u64, Option<(u64, *mut u8)>),
+) {
+    let s = &prog.steps[k];
+    if let (Some(c), Some((step, out))) = (&s.send, sslot) {
+        // SAFETY: per the contract (a slot holds `slot_bytes >= bytes`).
+        unsafe { copy_out(out, dst, bytes, false) };
+        c.post_send(step, prog.call, bytes);
+    }
+    if let Some(c) = &s.recv {
+        c.post_recv(rstep);
+    }
 }
 
 /// Step `k` on `n` elements at `src`/`dst` with the received slot `inp` (`run_step`'s), its

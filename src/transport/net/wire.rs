@@ -58,6 +58,9 @@ pub struct Progress {
     pub last: Coarse,
     /// Receiving end: the size of the last slot that arrived.
     pub last_bytes: usize,
+    /// Receiving end: where the current slot's bytes go, once its header is in: the caller's
+    /// memory (`NetEnd::take_dest`), or 0 for the slot.
+    pub target: Option<usize>,
     /// Receiving end: bytes read from the first socket and not yet used.
     stage: Stage,
     /// The step last handed to the helper threads, plus one (0: none).
@@ -105,6 +108,7 @@ impl Progress {
             beat: false,
             last: Coarse::now(),
             last_bytes: 0,
+            target: None,
             stage: Stage {
                 buf: Vec::new(),
                 lo: 0,
@@ -123,6 +127,7 @@ impl Progress {
     fn reset(&mut self) {
         self.hdr_off = 0;
         self.done.iter_mut().for_each(|d| *d = 0);
+        self.target = None;
     }
 
     /// With helper threads: hands them the current slot (once), then whether they are done
@@ -354,8 +359,19 @@ impl NetEnd {
                 continue;
             }
             let bytes = self.bytes_of(&w.hdr)?;
+            // Decided once, before the first byte: the executor may have named a place for it.
+            let target = match w.target {
+                Some(t) => t,
+                None if helpers.is_some() => *w.target.insert(0),
+                None => *w.target.insert(self.take_dest(w.step, &w.hdr, bytes)),
+            };
+            let base = if target == 0 {
+                v.slot(w.step)
+            } else {
+                target as *mut u8
+            };
             let mut complete = true;
-            if parts(bytes, k) > 1 && !w.helped(helpers, v.slot(w.step), bytes, k, self)? {
+            if parts(bytes, k) > 1 && !w.helped(helpers, base, bytes, k, self)? {
                 complete = false;
             }
             for (j, sock) in socks
@@ -367,10 +383,13 @@ impl NetEnd {
                 let (lo, hi) = (part_start(bytes, k, j), part_start(bytes, k, j + 1));
                 while lo + w.done[j] < hi {
                     // SAFETY: slot `step` is free (the head is within nsteps) and holds
-                    // slot_bytes >= bytes; the executor reads it only once the tail moves.
+                    // slot_bytes >= bytes; the executor reads it only once the tail moves. Or
+                    // the executor posted `bytes` bytes of its memory for the slot, which stay
+                    // valid and untouched until it takes the slot or revokes them (under this
+                    // end's lock, which the caller holds).
                     let slot = unsafe {
                         std::slice::from_raw_parts_mut(
-                            v.slot(w.step).add(lo + w.done[j]),
+                            base.add(lo + w.done[j]),
                             hi - lo - w.done[j],
                         )
                     };
@@ -400,7 +419,12 @@ impl NetEnd {
                 return Ok(moved);
             }
             let word = |i: usize| u64::from_le_bytes(w.hdr[8 * i..8 * i + 8].try_into().unwrap());
-            v.set_meta(w.step, [word(0), word(1), word(2)]);
+            let flag = if target == 0 {
+                0
+            } else {
+                super::super::REF_FLAG
+            };
+            v.set_meta(w.step, [word(0), word(1), word(2) | flag]);
             v.tail().store(w.step + 1, Ordering::Release);
             moved = true;
             w.last_bytes = bytes;

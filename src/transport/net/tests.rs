@@ -1,0 +1,138 @@
+//! A receiving end's slots read into the caller's memory (`Proxy::post_recv_ref`), byte by
+//! byte as they arrive on a socket this test writes to.
+
+use super::{inproc, wire, Dest, NetEnd, State, Wire};
+use crate::transport::{Conn, Proxy, Region};
+use parking_lot::Mutex;
+use std::io::Write;
+use std::net::{TcpListener, TcpStream};
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+const NSTEPS: usize = 2;
+const BYTES: usize = 8192;
+const GONE: u8 = 0xa5;
+
+/// A receiving end reading from a socket, and the socket's other end to write slots to.
+fn receiving_end() -> (NetEnd, TcpStream) {
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let tx = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+    let rx = l.accept().unwrap().0;
+    rx.set_nonblocking(true).unwrap();
+    let name = format!("net-tests-{}-{:?}", std::process::id(), Instant::now());
+    let region = inproc::open(&name, crate::transport::region_bytes(NSTEPS, BYTES)).unwrap();
+    inproc::forget(&name);
+    let view = Conn::new(Region::Heap(region), NSTEPS, BYTES, (1, 0), false);
+    view.attach();
+    view.attach();
+    let end = NetEnd {
+        view,
+        me: 1,
+        peer: 0,
+        peer_host: "test".into(),
+        is_sender: false,
+        state: Mutex::new(Wire {
+            state: State::Connected(vec![rx]),
+            p: wire::Progress::new(1),
+            helpers: None,
+        }),
+        publish: None,
+        closed: Default::default(),
+        polled: Default::default(),
+        waker: Default::default(),
+        driven: Default::default(),
+        passes: Default::default(),
+        threads: 1,
+        dests: (0..NSTEPS).map(|_| Dest::default()).collect(),
+    };
+    (end, tx)
+}
+
+fn header(call: [u64; 2], bytes: usize) -> Vec<u8> {
+    [call[0], call[1], bytes as u64]
+        .iter()
+        .flat_map(|w| w.to_le_bytes())
+        .collect()
+}
+
+fn pattern(step: u64) -> Vec<u8> {
+    (0..BYTES)
+        .map(|i| (i as u8).wrapping_mul(7) ^ step as u8)
+        .collect()
+}
+
+/// Drives the end until `done` holds (5 s at most).
+fn until(end: &NetEnd, done: impl Fn(&NetEnd) -> bool) {
+    let t = Instant::now();
+    while !done(end) {
+        end.progress().unwrap();
+        assert!(
+            t.elapsed() < Duration::from_secs(5),
+            "the end never got there"
+        );
+        std::thread::yield_now();
+    }
+}
+
+fn slot(end: &NetEnd, step: u64) -> Vec<u8> {
+    // SAFETY: a published slot of BYTES bytes that nothing writes meanwhile.
+    unsafe { std::slice::from_raw_parts(end.view.slot(step), BYTES) }.to_vec()
+}
+
+/// A slot named for memory arrives there; a revoke then copies it into the slot.
+#[test]
+fn a_named_slot_arrives_in_its_memory_and_a_revoke_moves_it_to_the_slot() {
+    let (end, mut tx) = receiving_end();
+    let mut mem = vec![0u8; BYTES];
+    end.post_recv_ref(0, [1, 2], mem.as_mut_ptr(), BYTES);
+    tx.write_all(&header([1, 2], BYTES)).unwrap();
+    tx.write_all(&pattern(0)).unwrap();
+    until(&end, |e| e.view.tail().load(Ordering::Acquire) == 1);
+    assert!(end.view.delivered(0));
+    assert_eq!(end.view.call_of(0), [1, 2]);
+    assert!(mem == pattern(0));
+    end.revoke_recv_refs();
+    mem.fill(GONE);
+    assert!(!end.view.delivered(0));
+    assert!(slot(&end, 0) == pattern(0));
+}
+
+/// A slot from another call, or of another size, than named goes into the slot.
+#[test]
+fn a_slot_unlike_the_one_named_goes_into_the_slot() {
+    let (end, mut tx) = receiving_end();
+    let mut mem = vec![GONE; BYTES];
+    end.post_recv_ref(0, [1, 2], mem.as_mut_ptr(), BYTES);
+    end.post_recv_ref(1, [1, 3], mem.as_mut_ptr(), BYTES - 8);
+    for s in 0..2 {
+        tx.write_all(&header([1, 3], BYTES)).unwrap();
+        tx.write_all(&pattern(s)).unwrap();
+    }
+    until(&end, |e| e.view.tail().load(Ordering::Acquire) == 2);
+    for s in 0..2 {
+        assert!(!end.view.delivered(s));
+        assert!(slot(&end, s) == pattern(s));
+    }
+    assert!(mem.iter().all(|&b| b == GONE));
+}
+
+/// A revoke while a named slot is half read: the half read moves into the slot, the rest
+/// follows it there, and the named memory is not written again.
+#[test]
+fn a_revoke_mid_slot_moves_what_arrived_and_the_rest_follows() {
+    let (end, mut tx) = receiving_end();
+    let mut mem = vec![0u8; BYTES];
+    end.post_recv_ref(0, [1, 2], mem.as_mut_ptr(), BYTES);
+    let data = pattern(0);
+    tx.write_all(&header([1, 2], BYTES)).unwrap();
+    tx.write_all(&data[..BYTES / 2 + 3]).unwrap();
+    until(&end, |e| e.state.lock().p.done[0] == BYTES / 2 + 3);
+    assert_eq!(mem[..BYTES / 2 + 3], data[..BYTES / 2 + 3]);
+    end.revoke_recv_refs();
+    mem.fill(GONE);
+    tx.write_all(&data[BYTES / 2 + 3..]).unwrap();
+    until(&end, |e| e.view.tail().load(Ordering::Acquire) == 1);
+    assert!(!end.view.delivered(0));
+    assert!(slot(&end, 0) == data);
+    assert!(mem.iter().all(|&b| b == GONE));
+}
