@@ -509,6 +509,14 @@ impl Conn {
         !self.is_sender && self.meta(step)[2] & REF_FLAG != 0
     }
 
+    /// A proxy's receiving end: slot `step` from call `call` with `bytes` bytes is there, in
+    /// the slot or (`delivered`) in the memory named for it; the executor may take it.
+    pub fn arrived(&self, step: u64, call: [u64; 2], bytes: usize, delivered: bool) {
+        let flag = if delivered { REF_FLAG } else { 0 };
+        self.set_meta(step, [call[0], call[1], bytes as u64 | flag]);
+        self.tail().store(step + 1, Ordering::Release);
+    }
+
     /// Receiver: see `Proxy::revoke_recv_refs`. Call with the posted memory still valid.
     pub fn revoke_recv_refs(&self) {
         if let Some(p) = &self.proxy {

@@ -430,8 +430,7 @@ impl PluginEnd {
                         word(2)
                     ))));
                 }
-                v.set_meta(step, [word(0), word(1), word(2)]);
-                v.tail().store(step + 1, Ordering::Release);
+                v.arrived(step, [word(0), word(1)], size, false);
             }
             w.done += 1;
             moved = true;

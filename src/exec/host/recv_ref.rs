@@ -2,8 +2,10 @@
 //! time, where the bytes of each slot it will take from a network connection are to go
 //! (`Conn::post_recv_ref`), and the proxy reads them there instead of into the slot, which
 //! spares the executor the copy out of it. Only for steps that copy what they receive to the
-//! output as it is (`Recv`, `RecvCopySend`), and only where no other step of the program reads
-//! or writes that output: the bytes may land at any time after the name is posted.
+//! output as it is (`Recv`, `RecvCopySend`), and only where no other step of the program writes
+//! that output or reads it, since the bytes may land at any time after the name is posted,
+//! with one exception: in place, a reduction's earlier steps read the same part of the buffer
+//! as their input (`reads_first`).
 //!
 //! The slots a program takes from a connection are its steps on it, iteration after
 //! iteration, in order; the first it takes says which slot number that order starts at. When
@@ -47,12 +49,17 @@ impl RecvRefs {
             return RecvRefs::default();
         }
         let es = prog.esize;
-        // Every buffer region of the program, by step.
+        // Every buffer region of the program: (step, start, bytes, written).
         let regions: Vec<_> = steps
             .iter()
             .enumerate()
-            .flat_map(|(k, s)| [(k, at(s.src), s.len * es), (k, at(s.dst), s.len * es)])
-            .filter(|&(_, a, n)| a != 0 && n > 0)
+            .flat_map(|(k, s)| {
+                [
+                    (k, at(s.src), s.len * es, false),
+                    (k, at(s.dst), s.len * es, s.prim.writes_dst()),
+                ]
+            })
+            .filter(|&(_, a, n, _)| a != 0 && n > 0)
             .collect();
         let alone = |k: usize| {
             let (a, n) = (at(steps[k].dst), steps[k].len * es);
@@ -60,8 +67,10 @@ impl RecvRefs {
                 && n > 0
                 && regions
                     .iter()
-                    .filter(|&&(j, b, _)| !(j == k && b == a))
-                    .all(|&(_, b, m)| a + n <= b || b + m <= a)
+                    .filter(|&&(j, b, _, w)| !(j == k && b == a && w))
+                    .all(|&(j, b, m, w)| {
+                        a + n <= b || b + m <= a || reads_first(prog, (j, b, w), (k, a))
+                    })
         };
         let mut plans: Vec<Plan> = Vec::new();
         for (k, s) in steps.iter().enumerate() {
@@ -139,6 +148,22 @@ impl RecvRefs {
     }
 }
 
+/// Whether step `j`'s region at `b` (written by it: `w`) may overlap step `k`'s output at `a`,
+/// which the proxy writes as the bytes arrive: where step `j` only reads its part of the region
+/// before step `k` in each iteration (`j < k`, both regions at the same address, so slice i of
+/// one is slice i of the other), and what arrives for step `k` is a reduction of that part.
+/// A reduction's result cannot arrive before every rank's input to it was read, this rank's
+/// included: when the bytes land, step `j` read the slice (into a slot, or into the socket
+/// for a slot sent by reference). That is in-place all-reduce: the ring's or tree's steps that
+/// send this rank's input come before those that receive the result into the same buffer.
+fn reads_first(
+    prog: &HostProgram,
+    (j, b, w): (usize, usize, bool),
+    (k, a): (usize, usize),
+) -> bool {
+    prog.red.is_some() && !w && j < k && b == a
+}
+
 /// The next slice of `steps` from `next` (iteration, index in `steps`) that takes a slot, in
 /// program order: (step, element offset, elements).
 fn advance(
@@ -161,5 +186,229 @@ fn advance(
         if n > 0 {
             return Some((k, off, n));
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::steps::{poll_program, Cursor, Poll};
+    use super::*;
+    use crate::error::Result;
+    use crate::plan::{Addr, Program, RedSpec, Step};
+    use crate::transport::{inproc, region_bytes, Proxy, Region};
+    use crate::types::{DataType, ReduceKind, Reduction};
+    use parking_lot::Mutex;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    const NSTEPS: usize = 4;
+    const SLICE: usize = 1024;
+
+    /// A place named: slot, call words, address, bytes.
+    type Named = (u64, [u64; 2], usize, usize);
+
+    /// A receiving end whose wire is the test: it records the places named and the revokes.
+    #[derive(Default)]
+    struct Naming {
+        named: Mutex<Vec<Named>>,
+        revokes: AtomicUsize,
+    }
+
+    impl Proxy for Naming {
+        fn progress(&self) -> Result<bool> {
+            Ok(false)
+        }
+        fn recv_by_reference(&self) -> bool {
+            true
+        }
+        fn post_recv_ref(&self, step: u64, call: [u64; 2], dst: *mut u8, bytes: usize) {
+            self.named.lock().push((step, call, dst as usize, bytes));
+        }
+        fn revoke_recv_refs(&self) {
+            self.revokes.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// A receiving end (and its proxy) or a sending end, in a region of its own.
+    fn conn(name: &str, is_sender: bool) -> (Arc<Conn>, Arc<Naming>) {
+        let region = inproc::open(name, region_bytes(NSTEPS, 4096)).expect("a region");
+        inproc::forget(name);
+        let mut c = Conn::new(Region::Heap(region), NSTEPS, 4096, (0, 1), is_sender);
+        c.attach();
+        c.attach();
+        let naming = Arc::new(Naming::default());
+        if !is_sender {
+            c.proxy = Some(naming.clone());
+        }
+        (Arc::new(c), naming)
+    }
+
+    fn step(prim: Prim, src: usize, dst: usize, len: usize) -> Step<Arc<Conn>> {
+        Step {
+            prim,
+            recv: None,
+            send: None,
+            src: if src == 0 {
+                Addr::None
+            } else {
+                Addr::User(src)
+            },
+            dst: if dst == 0 {
+                Addr::None
+            } else {
+                Addr::User(dst)
+            },
+            len,
+            prep: false,
+        }
+    }
+
+    fn program(steps: Vec<Step<Arc<Conn>>>, red: bool) -> HostProgram {
+        let len = steps.iter().map(|s| s.len).max().unwrap_or(0);
+        Program {
+            steps,
+            esize: 1,
+            slice: SLICE,
+            niter: len.div_ceil(SLICE),
+            red: red.then_some(RedSpec::Ready(Reduction {
+                dtype: DataType::Uint8,
+                kind: ReduceKind::Sum,
+                premul: None,
+                postdiv: None,
+            })),
+            call: [3, 4],
+        }
+    }
+
+    fn pattern(s: u64, i: usize) -> u8 {
+        (s as u8).wrapping_mul(29) ^ i as u8
+    }
+
+    /// A receive of 10.3 slices: from its second slot on, each slot is named `NSTEPS` slots
+    /// ahead, once, for its place in the output; the slots the test then delivers there are
+    /// taken without a copy, the others copied; the output is right either way. With `stop`,
+    /// the program is dropped after that many slots and revokes what it named.
+    fn receive(stop: Option<u64>) -> (Vec<(u64, usize, usize)>, usize, bool) {
+        let n = 10 * SLICE + 300;
+        let (recv, naming) = conn(&format!("oxccl-recv-ref-{stop:?}"), false);
+        let mut buf = vec![0u8; n];
+        let base = buf.as_mut_ptr() as usize;
+        let mut s = step(Prim::Recv, 0, base, n);
+        s.recv = Some(recv.clone());
+        let prog = program(vec![s], false);
+        let mut cur = Cursor::new(&prog, None);
+        let total = n.div_ceil(SLICE) as u64;
+        let mut sent = 0u64;
+        loop {
+            if stop.is_some_and(|k| recv.head().load(Ordering::Acquire) >= k) {
+                drop(cur);
+                break;
+            }
+            if poll_program(&prog, &mut cur).unwrap() == Poll::Done {
+                drop(cur);
+                break;
+            }
+            // The peer: the next slot, where it was named or into the slot.
+            if sent < total && sent < recv.head().load(Ordering::Acquire) + NSTEPS as u64 {
+                let bytes = (n - sent as usize * SLICE).min(SLICE);
+                let named = naming.named.lock().iter().find(|x| x.0 == sent).copied();
+                let at = match named {
+                    Some((_, call, dst, b)) => {
+                        assert_eq!((call, b), ([3, 4], bytes), "slot {sent}");
+                        dst as *mut u8
+                    }
+                    None => recv.slot(sent),
+                };
+                for i in 0..bytes {
+                    // SAFETY: the named place or the free slot holds `bytes` bytes.
+                    unsafe { at.add(i).write(pattern(sent, i)) };
+                }
+                recv.arrived(sent, [3, 4], bytes, named.is_some());
+                sent += 1;
+            }
+        }
+        let right =
+            stop.is_some() || (0..n).all(|i| buf[i] == pattern((i / SLICE) as u64, i % SLICE));
+        let named = naming
+            .named
+            .lock()
+            .iter()
+            .map(|&(s, _, dst, b)| (s, dst - base, b))
+            .collect();
+        (named, naming.revokes.load(Ordering::Relaxed), right)
+    }
+
+    #[test]
+    fn slots_are_named_ahead_and_taken_without_a_copy() {
+        let (named, revokes, right) = receive(None);
+        assert!(right, "the output is wrong");
+        assert_eq!(revokes, 0, "a program that took every slot revokes nothing");
+        let want: Vec<_> = (1..11u64)
+            .map(|s| (s, s as usize * SLICE, if s == 10 { 300 } else { SLICE }))
+            .collect();
+        assert_eq!(named, want);
+    }
+
+    #[test]
+    fn a_program_that_ends_early_revokes_what_it_named() {
+        let (named, revokes, _) = receive(Some(3));
+        assert_eq!(revokes, 1);
+        assert_eq!(named.last().map(|x| x.0), Some(2 + NSTEPS as u64));
+    }
+
+    /// Which steps' slots may land in the output: not where another step writes it, nor where
+    /// another reads it, except a reduction's earlier steps reading their input in place.
+    #[test]
+    fn only_outputs_nothing_else_touches_are_named() {
+        let (recv, _) = conn("oxccl-recv-ref-eligible-r", false);
+        let (send, _) = conn("oxccl-recv-ref-eligible-s", true);
+        let (a, b) = (0x10_0000usize, 0x20_0000usize);
+        let on = |mut s: Step<Arc<Conn>>, r: bool, t: bool| {
+            s.recv = r.then(|| recv.clone());
+            s.send = t.then(|| send.clone());
+            s
+        };
+        let bits = |steps: Vec<Step<Arc<Conn>>>, red: bool| {
+            RecvRefs::new(&program(steps, red))
+                .0
+                .first()
+                .map_or(0, |p| p.eligible)
+        };
+        let n = 4 * SLICE;
+        // Two ranks' ring all-reduce out of place, then in place.
+        let ring = |src: usize| {
+            vec![
+                on(step(Prim::Send, src + n, 0, n), false, true),
+                on(step(Prim::RecvReduceCopySend, src, b, n), true, true),
+                on(step(Prim::Recv, 0, b + n, n), true, false),
+            ]
+        };
+        assert_eq!(bits(ring(a), true), 0b100);
+        assert_eq!(bits(ring(b), true), 0b100);
+        // In place without a reduction: the send's input is not read before the bytes land.
+        assert_eq!(bits(ring(b), false), 0);
+        // Written by an earlier step, or read by a later one: not named.
+        let copy_first = vec![
+            step(Prim::LocalCopy, a, b, n),
+            on(step(Prim::Recv, 0, b, n), true, false),
+        ];
+        assert_eq!(bits(copy_first, true), 0);
+        let read_after = vec![
+            on(step(Prim::Recv, 0, b, n), true, false),
+            on(step(Prim::Send, b, 0, n), false, true),
+        ];
+        assert_eq!(bits(read_after, true), 0);
+        // Overlapping another step's region only in part: not named.
+        let shifted = vec![
+            on(step(Prim::Send, b + 64, 0, n), false, true),
+            on(step(Prim::Recv, 0, b, n), true, false),
+        ];
+        assert_eq!(bits(shifted, true), 0);
+        // A receive and forward into its own place, a point-to-point receive: named.
+        assert_eq!(
+            bits(vec![on(step(Prim::Recv, 0, b, n), true, false)], false),
+            1
+        );
+        let forward = vec![on(step(Prim::RecvCopySend, 0, b, n), true, true)];
+        assert_eq!(bits(forward, false), 1);
     }
 }

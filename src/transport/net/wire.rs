@@ -419,13 +419,7 @@ impl NetEnd {
                 return Ok(moved);
             }
             let word = |i: usize| u64::from_le_bytes(w.hdr[8 * i..8 * i + 8].try_into().unwrap());
-            let flag = if target == 0 {
-                0
-            } else {
-                super::super::REF_FLAG
-            };
-            v.set_meta(w.step, [word(0), word(1), word(2) | flag]);
-            v.tail().store(w.step + 1, Ordering::Release);
+            v.arrived(w.step, [word(0), word(1)], bytes, target != 0);
             moved = true;
             w.last_bytes = bytes;
             w.step += 1;
