@@ -8,10 +8,13 @@
 //! as their input (`reads_first`).
 //!
 //! The slots a program takes from a connection are its steps on it, iteration after
-//! iteration, in order; the first it takes says which slot number that order starts at. When
-//! it takes slot s it names the place for slot s + nsteps, which the end cannot start reading
-//! before slot s is free again. A program that ends before it took every slot it named (an
-//! error) has the names revoked: what was read into its memory moves into the slots.
+//! iteration, in order, from the connection's head when the program starts (the programs
+//! before it that used the connection are done then). It names the places of its first
+//! `nsteps` slots at once, and when it takes slot s the place for slot s + nsteps, which the
+//! end cannot start reading before slot s is free again. A slot taken that is not the one the
+//! order says (someone else took slots meanwhile) has everything named revoked, and the order
+//! starts again from it. A program that ends before it took every slot it named (an error)
+//! has the names revoked too: what was read into its memory moves into the slots.
 
 use super::steps::{at, HostProgram};
 use crate::plan::Prim;
@@ -29,13 +32,14 @@ struct Plan {
     steps: Vec<usize>,
     /// Bit k: step k's slots may go to the caller's memory.
     eligible: u64,
-    /// The slot number of the program's first slot on the connection, once taken.
-    base: Option<u64>,
+    /// The slot number of the program's first slot on the connection.
+    base: u64,
     /// Slots taken so far, and named (or passed over) so far.
     taken: u64,
     named: u64,
-    /// The next slice to name: iteration and index in `steps`.
-    next: (usize, usize),
+    /// The next slice to name, the `named`th: iteration and index in `steps` (None: found
+    /// again from the start, after a revoke).
+    next: Option<(usize, usize)>,
 }
 
 impl RecvRefs {
@@ -84,10 +88,10 @@ impl RecvRefs {
                         conn: c.clone(),
                         steps: Vec::new(),
                         eligible: 0,
-                        base: None,
+                        base: c.head().load(std::sync::atomic::Ordering::Acquire),
                         taken: 0,
                         named: 0,
-                        next: (0, 0),
+                        next: Some((0, 0)),
                     });
                     plans.len() - 1
                 }
@@ -98,6 +102,9 @@ impl RecvRefs {
             }
         }
         plans.retain(|p| p.eligible != 0);
+        for p in &mut plans {
+            p.name_ahead(prog);
+        }
         RecvRefs(plans)
     }
 
@@ -119,31 +126,60 @@ impl RecvRefs {
         let Some(p) = self.0.iter_mut().find(|p| Arc::ptr_eq(&p.conn, conn)) else {
             return false;
         };
-        let base = *p.base.get_or_insert(step - p.taken);
-        p.taken += 1;
-        let c = &p.conn;
-        while p.named < p.taken + c.nsteps {
-            let Some((j, off, n)) = advance(&mut p.next, &p.steps, prog) else {
-                break;
-            };
-            // The slot just taken was read already: named from the next one on.
-            if p.named >= p.taken && (p.eligible >> j) & 1 == 1 {
-                let es = prog.esize;
-                let dst = (at(prog.steps[j].dst) + off * es) as *mut u8;
-                c.post_recv_ref(base + p.named, prog.call, dst, n * es);
-            }
-            p.named += 1;
+        if p.base + p.taken != step {
+            p.unname();
+            p.base = step - p.taken;
         }
-        (p.eligible >> k) & 1 == 1 && c.delivered(step)
+        p.taken += 1;
+        p.name_ahead(prog);
+        (p.eligible >> k) & 1 == 1 && p.conn.delivered(step)
     }
 
     /// Revokes what was named and not taken (a program that ends early).
     pub(super) fn revoke(&mut self) {
         for p in &mut self.0 {
-            if p.named > p.taken {
-                p.conn.revoke_recv_refs();
-                p.named = p.taken;
+            p.unname();
+        }
+    }
+}
+
+impl Plan {
+    /// Names the places of the slots up to `nsteps` past the last one taken.
+    fn name_ahead(&mut self, prog: &HostProgram) {
+        if self.named < self.taken {
+            // After a revoke: from the slot after the one being taken.
+            self.named = self.taken;
+            self.next = None;
+        }
+        let c = &self.conn;
+        let (steps, named) = (&self.steps, self.named);
+        let next = self.next.get_or_insert_with(|| {
+            let mut next = (0, 0);
+            for _ in 0..named {
+                advance(&mut next, steps, prog);
             }
+            next
+        });
+        while self.named < self.taken + c.nsteps {
+            let Some((j, off, n)) = advance(next, steps, prog) else {
+                break;
+            };
+            if (self.eligible >> j) & 1 == 1 {
+                let es = prog.esize;
+                let dst = (at(prog.steps[j].dst) + off * es) as *mut u8;
+                c.post_recv_ref(self.base + self.named, prog.call, dst, n * es);
+            }
+            self.named += 1;
+        }
+    }
+
+    /// Revokes what was named and not taken; naming goes on from the next slot to take.
+    #[cold]
+    fn unname(&mut self) {
+        if self.named > self.taken {
+            self.conn.revoke_recv_refs();
+            self.next = None;
+            self.named = self.taken;
         }
     }
 }
@@ -206,10 +242,14 @@ mod tests {
     /// A place named: slot, call words, address, bytes.
     type Named = (u64, [u64; 2], usize, usize);
 
-    /// A receiving end whose wire is the test: it records the places named and the revokes.
-    #[derive(Default)]
+    /// A receiving end whose wire is the test: it records the places named (the test delivers
+    /// slots there) and the revokes, which move what was delivered and not taken into the
+    /// slots (`view`: the same connection) and forget the names.
     struct Naming {
+        view: Conn,
         named: Mutex<Vec<Named>>,
+        /// Every place ever named.
+        all: Mutex<Vec<Named>>,
         revokes: AtomicUsize,
     }
 
@@ -221,10 +261,27 @@ mod tests {
             true
         }
         fn post_recv_ref(&self, step: u64, call: [u64; 2], dst: *mut u8, bytes: usize) {
-            self.named.lock().push((step, call, dst as usize, bytes));
+            let named = (step, call, dst as usize, bytes);
+            self.named.lock().retain(|x| x.0 != step);
+            self.named.lock().push(named);
+            self.all.lock().push(named);
         }
         fn revoke_recv_refs(&self) {
             self.revokes.fetch_add(1, Ordering::Relaxed);
+            let v = &self.view;
+            let mut named = self.named.lock();
+            for s in v.head().load(Ordering::Acquire)..v.tail().load(Ordering::Acquire) {
+                if let Some(&(_, call, dst, bytes)) = named.iter().find(|x| x.0 == s) {
+                    if v.delivered(s) {
+                        // SAFETY: the named place holds the slot's bytes; the slot is free.
+                        unsafe {
+                            std::ptr::copy_nonoverlapping(dst as *const u8, v.slot(s), bytes)
+                        };
+                        v.arrived(s, call, bytes, false);
+                    }
+                }
+            }
+            named.clear();
         }
     }
 
@@ -232,10 +289,24 @@ mod tests {
     fn conn(name: &str, is_sender: bool) -> (Arc<Conn>, Arc<Naming>) {
         let region = inproc::open(name, region_bytes(NSTEPS, 4096)).expect("a region");
         inproc::forget(name);
-        let mut c = Conn::new(Region::Heap(region), NSTEPS, 4096, (0, 1), is_sender);
+        let end = || {
+            Conn::new(
+                Region::Heap(region.clone()),
+                NSTEPS,
+                4096,
+                (0, 1),
+                is_sender,
+            )
+        };
+        let mut c = end();
         c.attach();
         c.attach();
-        let naming = Arc::new(Naming::default());
+        let naming = Arc::new(Naming {
+            view: end(),
+            named: Mutex::default(),
+            all: Mutex::default(),
+            revokes: AtomicUsize::new(0),
+        });
         if !is_sender {
             c.proxy = Some(naming.clone());
         }
@@ -283,37 +354,46 @@ mod tests {
         (s as u8).wrapping_mul(29) ^ i as u8
     }
 
-    /// A receive of 10.3 slices: from its second slot on, each slot is named `NSTEPS` slots
-    /// ahead, once, for its place in the output; the slots the test then delivers there are
-    /// taken without a copy, the others copied; the output is right either way. With `stop`,
-    /// the program is dropped after that many slots and revokes what it named.
-    fn receive(stop: Option<u64>) -> (Vec<(u64, usize, usize)>, usize, bool) {
+    /// A receive of 10.3 slices: each slot is named, once, `NSTEPS` slots ahead (the first
+    /// ones when the program starts), for its place in the output; the slots the test then
+    /// delivers there are taken without a copy, the others copied; the output is right either
+    /// way. With `stop`, the program is dropped after that many slots and revokes what it
+    /// named. With `stolen`, the test takes the first slot itself (as if another program had),
+    /// so the program's first slot is the second: it revokes and names again from there.
+    /// Returns every place named (slot, offset in the output, bytes), the revokes, whether the
+    /// output is right, and how many slots were delivered.
+    fn receive(stop: Option<u64>, stolen: bool) -> (Vec<(u64, usize, usize)>, usize, bool, u64) {
         let n = 10 * SLICE + 300;
-        let (recv, naming) = conn(&format!("oxccl-recv-ref-{stop:?}"), false);
+        let (recv, naming) = conn(&format!("oxccl-recv-ref-{stop:?}-{stolen}"), false);
         let mut buf = vec![0u8; n];
         let base = buf.as_mut_ptr() as usize;
         let mut s = step(Prim::Recv, 0, base, n);
         s.recv = Some(recv.clone());
         let prog = program(vec![s], false);
         let mut cur = Cursor::new(&prog, None);
-        let total = n.div_ceil(SLICE) as u64;
-        let mut sent = 0u64;
+        let shift = u64::from(stolen);
+        let total = n.div_ceil(SLICE) as u64 + shift;
+        let (mut sent, mut delivered) = (0u64, 0);
         loop {
             if stop.is_some_and(|k| recv.head().load(Ordering::Acquire) >= k) {
                 drop(cur);
                 break;
             }
-            if poll_program(&prog, &mut cur).unwrap() == Poll::Done {
+            if stolen && sent == 1 && recv.head().load(Ordering::Acquire) == 0 {
+                recv.post_recv(recv.recv_slot().expect("slot 0").0);
+            } else if poll_program(&prog, &mut cur).unwrap() == Poll::Done {
                 drop(cur);
                 break;
             }
             // The peer: the next slot, where it was named or into the slot.
             if sent < total && sent < recv.head().load(Ordering::Acquire) + NSTEPS as u64 {
-                let bytes = (n - sent as usize * SLICE).min(SLICE);
+                let e = sent.saturating_sub(shift) as usize;
+                let bytes = (n - e * SLICE).min(SLICE);
                 let named = naming.named.lock().iter().find(|x| x.0 == sent).copied();
                 let at = match named {
                     Some((_, call, dst, b)) => {
                         assert_eq!((call, b), ([3, 4], bytes), "slot {sent}");
+                        delivered += 1;
                         dst as *mut u8
                     }
                     None => recv.slot(sent),
@@ -326,33 +406,62 @@ mod tests {
                 sent += 1;
             }
         }
-        let right =
-            stop.is_some() || (0..n).all(|i| buf[i] == pattern((i / SLICE) as u64, i % SLICE));
+        let right = stop.is_some()
+            || (0..n).all(|i| buf[i] == pattern((i / SLICE) as u64 + shift, i % SLICE));
         let named = naming
-            .named
+            .all
             .lock()
             .iter()
             .map(|&(s, _, dst, b)| (s, dst - base, b))
             .collect();
-        (named, naming.revokes.load(Ordering::Relaxed), right)
+        (
+            named,
+            naming.revokes.load(Ordering::Relaxed),
+            right,
+            delivered,
+        )
+    }
+
+    /// The place of slot `s` of the receive above: (slot, offset, bytes).
+    fn place(s: u64, shift: u64) -> (u64, usize, usize) {
+        let e = (s - shift) as usize;
+        (s, e * SLICE, if e == 10 { 300 } else { SLICE })
     }
 
     #[test]
     fn slots_are_named_ahead_and_taken_without_a_copy() {
-        let (named, revokes, right) = receive(None);
+        let (named, revokes, right, delivered) = receive(None, false);
         assert!(right, "the output is wrong");
         assert_eq!(revokes, 0, "a program that took every slot revokes nothing");
-        let want: Vec<_> = (1..11u64)
-            .map(|s| (s, s as usize * SLICE, if s == 10 { 300 } else { SLICE }))
-            .collect();
-        assert_eq!(named, want);
+        assert_eq!(named, (0..11).map(|s| place(s, 0)).collect::<Vec<_>>());
+        assert_eq!(delivered, 11);
     }
 
     #[test]
     fn a_program_that_ends_early_revokes_what_it_named() {
-        let (named, revokes, _) = receive(Some(3));
+        let (named, revokes, ..) = receive(Some(3), false);
         assert_eq!(revokes, 1);
         assert_eq!(named.last().map(|x| x.0), Some(2 + NSTEPS as u64));
+    }
+
+    /// Slot 0, named for the program's first slice, goes elsewhere; slot 1, delivered to the
+    /// place of the second, comes back into its slot at the revoke and is copied into the first;
+    /// from slot 2 on, places are named for the new order.
+    #[test]
+    fn a_slot_taken_out_of_order_revokes_and_names_again() {
+        let (named, revokes, right, delivered) = receive(None, true);
+        assert!(right, "the output is wrong");
+        assert_eq!(revokes, 1);
+        let first: Vec<_> = (0..NSTEPS as u64).map(|s| place(s, 0)).collect();
+        assert_eq!(named[..NSTEPS], first);
+        assert_eq!(
+            named[NSTEPS..],
+            (2..12).map(|s| place(s, 1)).collect::<Vec<_>>()
+        );
+        assert_eq!(
+            delivered, 12,
+            "slots 0 and 1 to the first places, 2 to 11 to the new"
+        );
     }
 
     /// Which steps' slots may land in the output: not where another step writes it, nor where
