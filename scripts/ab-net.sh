@@ -5,13 +5,14 @@
 # both ranks; "-" alone is this tree's library as it is). In each of R rounds (default 3) it runs
 # all_reduce_perf, 1 rank per host over veth, with every variant in turn and then OpenMPI's
 # MPI_Allreduce (--mca btl tcp,self; target/bench/bin/mpi_allreduce from scripts/bench-net.sh),
-# and prints the out-of-place time (us) of each (INPLACE=1: oxccl's in-place time; MPI's is
-# its only one), then each one's median and best over the rounds. SZ (default 1K) and N
-# (iterations, default 1000) choose the size; LIMIT (default 300 s) bounds each run. Example, one socket against two with a helper thread, at 16 MiB:
+# and prints the out-of-place time (us) of each (INPLACE=1: oxccl's in-place time; MPI's
+# is its only one), then each one's median and best over the rounds. SZ (default 1K) and
+# N (iterations, default 1000) choose the size; LIMIT (default 300 s) bounds each run.
+# Example, one socket against two with a helper thread, at 16 MiB:
 #   SZ=16M N=30 scripts/ab-net.sh "target/release:NCCL_NSOCKS_PERTHREAD=1" \
 #     "target/release:NCCL_SOCKET_NTHREADS=2"
 set -uo pipefail
-[ $# -ge 1 ] || { sed -n '2,11p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
+[ $# -ge 1 ] || { sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 TOOL=$ROOT/target/release/all_reduce_perf
 MPI=$ROOT/target/bench/bin/mpi_allreduce

@@ -53,6 +53,11 @@ impl Prim {
         !matches!(self, Prim::Send | Prim::RecvReduceSend)
     }
 
+    /// Whether the step reads the caller's input (`src`).
+    pub fn reads_src(self) -> bool {
+        !matches!(self, Prim::Recv | Prim::RecvCopySend)
+    }
+
     pub fn recvs(self) -> bool {
         matches!(
             self,

@@ -492,9 +492,9 @@ impl Conn {
     /// Receiver, where `receives_by_reference`: slot `step`, if it comes from call `call` with
     /// `bytes` bytes, is to be read into the `bytes` bytes at `dst` instead of the slot
     /// (`delivered` then says so). That memory must stay valid until the slot is taken or
-    /// `revoke_recv_refs` returns, and nothing else may read or write it meanwhile. Posted
-    /// for a slot the end is already reading, or before the slot `nsteps` earlier was taken,
-    /// it is not used.
+    /// `revoke_recv_refs` returns, and nothing else may read or write it meanwhile. It must
+    /// not be posted before the slot `nsteps` earlier was taken (or the names revoked): they
+    /// share a cell. Posted for a slot the end has started reading, it is not used.
     #[inline]
     pub fn post_recv_ref(&self, step: u64, call: [u64; 2], dst: *mut u8, bytes: usize) {
         if let Some(p) = &self.proxy {

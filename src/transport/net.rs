@@ -328,9 +328,12 @@ pub struct NetEnd {
 }
 
 /// Where the executor wants a slot read (`Proxy::post_recv_ref`). It writes the fields, then
-/// the tag; the end reads the tag, then the fields. The executor writes a slot's cell again
-/// only for the slot `nsteps` later, which the end cannot start before the executor has taken
-/// this one, so a tag that matches comes with its own fields.
+/// the tag; the end reads the tag, then the fields, under the end's lock, once per slot when
+/// it starts reading it. The executor writes a slot's cell again only for the slot `nsteps`
+/// later, which the end cannot start before the executor has taken this one, or after a
+/// revoke (which takes the lock and clears every tag), so a tag that matches comes with its
+/// own fields. Where a delivered slot went is kept apart, under the lock (`Progress::landed`):
+/// the cell may already name the slot `nsteps` later.
 #[derive(Default)]
 struct Dest {
     /// The slot's step plus one (0: none).
@@ -495,7 +498,6 @@ impl Proxy for NetEnd {
         !self.is_sender && self.threads == 1 && crate::param::net_zero_copy()
     }
 
-    #[inline]
     fn post_recv_ref(&self, step: u64, call: [u64; 2], dst: *mut u8, bytes: usize) {
         let d = &self.dests[(step % self.view.nsteps) as usize];
         d.call[0].store(call[0], Ordering::Relaxed);
@@ -507,6 +509,7 @@ impl Proxy for NetEnd {
 
     fn revoke_recv_refs(&self) {
         let mut w = self.state.lock();
+        let w = &mut *w;
         let v = &self.view;
         // Slots read into the caller's memory, published, not taken yet.
         let (head, tail) = (
@@ -517,9 +520,7 @@ impl Proxy for NetEnd {
             if v.delivered(step) {
                 let m = v.meta(step);
                 let bytes = (m[2] & !super::REF_FLAG) as usize;
-                let at = self.dests[(step % v.nsteps) as usize]
-                    .addr
-                    .load(Ordering::Relaxed);
+                let at = w.p.landed[(step % v.nsteps) as usize];
                 // SAFETY: the executor's memory for this slot is still valid (the contract of
                 // `revoke_recv_refs`), holds the slot's `bytes <= slot_bytes` bytes, and is not
                 // the slot (this end's own memory).
@@ -528,24 +529,21 @@ impl Proxy for NetEnd {
             }
         }
         // The slot being read: what has arrived of it moves into the slot, the rest follows.
-        let w = &mut *w;
-        if let (State::Connected(socks), Some(at)) = (&w.state, w.p.target) {
-            if at != 0 {
-                let bytes = self.bytes_of(&w.p.hdr).unwrap_or(0);
-                let k = socks.len();
-                for j in 0..wire::parts(bytes, k) {
-                    let lo = wire::part_start(bytes, k, j);
-                    // SAFETY: as above; part j's first `done[j]` bytes were read there.
-                    unsafe {
-                        std::ptr::copy_nonoverlapping(
-                            (at + lo) as *const u8,
-                            v.slot(w.p.step).add(lo),
-                            w.p.done[j],
-                        )
-                    };
-                }
-                w.p.target = Some(0);
+        if let (State::Connected(socks), wire::Target::Caller(at)) = (&w.state, w.p.target) {
+            let bytes = self.bytes_of(&w.p.hdr).unwrap_or(0);
+            let k = socks.len();
+            for j in 0..wire::parts(bytes, k) {
+                let lo = wire::part_start(bytes, k, j);
+                // SAFETY: as above; part j's first `done[j]` bytes were read there.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(
+                        (at + lo) as *const u8,
+                        v.slot(w.p.step).add(lo),
+                        w.p.done[j],
+                    )
+                };
             }
+            w.p.target = wire::Target::Slot;
         }
         for d in self.dests.iter() {
             d.tag.store(0, Ordering::Release);
@@ -717,21 +715,20 @@ impl NetEnd {
     }
 
     /// Where slot `step` with header `hdr` of `bytes` bytes is to be read: the caller's memory
-    /// the executor posted for it, if the call and the byte count match (else 0: the slot).
-    fn take_dest(&self, step: u64, hdr: &[u8; HDR], bytes: usize) -> usize {
+    /// the executor posted for it, if the call and the byte count match (else None: the slot).
+    fn take_dest(&self, step: u64, hdr: &[u8; HDR], bytes: usize) -> Option<usize> {
         let d = &self.dests[(step % self.view.nsteps) as usize];
         if d.tag.load(Ordering::Acquire) != step + 1 {
-            return 0;
+            return None;
         }
         let word = |i: usize| u64::from_le_bytes(hdr[8 * i..8 * i + 8].try_into().unwrap());
         let call = [
             d.call[0].load(Ordering::Relaxed),
             d.call[1].load(Ordering::Relaxed),
         ];
-        if call != [word(0), word(1)] || d.bytes.load(Ordering::Relaxed) != bytes {
-            return 0;
-        }
-        d.addr.load(Ordering::Relaxed)
+        let addr = d.addr.load(Ordering::Relaxed);
+        (call == [word(0), word(1)] && d.bytes.load(Ordering::Relaxed) == bytes && addr != 0)
+            .then_some(addr)
     }
 
     /// The byte count of a slot header, checked against the slot's size.

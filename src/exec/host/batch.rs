@@ -90,7 +90,8 @@ fn poll_lanes(lanes: &mut [Lane], fifo: (&BySize, u64), progress: &mut bool) -> 
 /// A task being run.
 struct Running {
     // (The lanes go before the task: a cursor dropped with slots sent by reference copies
-    // them from the task's memory, see `Cursor::settle`.)
+    // them from the task's memory, and one with places named for slots to receive revokes
+    // them, see `Cursor::settle`.)
     stage_lanes: Vec<Lane>,
     p2p: Vec<Lane>,
     task: Task,

@@ -12,12 +12,13 @@
 //! before it that used the connection are done then). It names the places of its first
 //! `nsteps` slots at once, and when it takes slot s the place for slot s + nsteps, which the
 //! end cannot start reading before slot s is free again. A slot taken that is not the one the
-//! order says (someone else took slots meanwhile) has everything named revoked, and the order
-//! starts again from it. A program that ends before it took every slot it named (an error)
-//! has the names revoked too: what was read into its memory moves into the slots.
+//! order says (someone else took slots meanwhile, which no plan does) has everything named
+//! revoked, and nothing more is named on that connection for the program. A program that ends
+//! before it took every slot it named (an error) has the names revoked too: what was read
+//! into its memory moves into the slots.
 
 use super::steps::{at, HostProgram};
-use crate::plan::Prim;
+use crate::plan::{Prim, Program, Step};
 use crate::transport::Conn;
 use std::sync::Arc;
 
@@ -37,47 +38,19 @@ struct Plan {
     /// Slots taken so far, and named (or passed over) so far.
     taken: u64,
     named: u64,
-    /// The next slice to name, the `named`th: iteration and index in `steps` (None: found
-    /// again from the start, after a revoke).
+    /// The next slice to name, the `named`th: iteration and index in `steps` (None: no more
+    /// naming, after a slot out of order).
     next: Option<(usize, usize)>,
 }
 
 impl RecvRefs {
     pub(super) fn new(prog: &HostProgram) -> RecvRefs {
-        let steps = &prog.steps;
-        if steps.len() > 64
-            || !steps
-                .iter()
-                .any(|s| s.recv.as_ref().is_some_and(|c| c.receives_by_reference()))
-        {
+        let eligible = eligible(prog, |c| c.receives_by_reference());
+        if eligible == 0 {
             return RecvRefs::default();
         }
-        let es = prog.esize;
-        // Every buffer region of the program: (step, start, bytes, written).
-        let regions: Vec<_> = steps
-            .iter()
-            .enumerate()
-            .flat_map(|(k, s)| {
-                [
-                    (k, at(s.src), s.len * es, false),
-                    (k, at(s.dst), s.len * es, s.prim.writes_dst()),
-                ]
-            })
-            .filter(|&(_, a, n, _)| a != 0 && n > 0)
-            .collect();
-        let alone = |k: usize| {
-            let (a, n) = (at(steps[k].dst), steps[k].len * es);
-            a != 0
-                && n > 0
-                && regions
-                    .iter()
-                    .filter(|&&(j, b, _, w)| !(j == k && b == a && w))
-                    .all(|&(j, b, m, w)| {
-                        a + n <= b || b + m <= a || reads_first(prog, (j, b, w), (k, a))
-                    })
-        };
         let mut plans: Vec<Plan> = Vec::new();
-        for (k, s) in steps.iter().enumerate() {
+        for (k, s) in prog.steps.iter().enumerate() {
             let Some(c) = s.recv.as_ref().filter(|c| c.receives_by_reference()) else {
                 continue;
             };
@@ -97,9 +70,7 @@ impl RecvRefs {
                 }
             };
             plans[i].steps.push(k);
-            if matches!(s.prim, Prim::Recv | Prim::RecvCopySend) && alone(k) {
-                plans[i].eligible |= 1 << k;
-            }
+            plans[i].eligible |= eligible & (1 << k);
         }
         plans.retain(|p| p.eligible != 0);
         for p in &mut plans {
@@ -127,8 +98,10 @@ impl RecvRefs {
             return false;
         };
         if p.base + p.taken != step {
+            // Not the slot named for this step (bytes of another may have landed in its
+            // place): what was named goes back into the slots, and nothing more is named.
             p.unname();
-            p.base = step - p.taken;
+            p.next = None;
         }
         p.taken += 1;
         p.name_ahead(prog);
@@ -146,20 +119,11 @@ impl RecvRefs {
 impl Plan {
     /// Names the places of the slots up to `nsteps` past the last one taken.
     fn name_ahead(&mut self, prog: &HostProgram) {
-        if self.named < self.taken {
-            // After a revoke: from the slot after the one being taken.
-            self.named = self.taken;
-            self.next = None;
-        }
         let c = &self.conn;
-        let (steps, named) = (&self.steps, self.named);
-        let next = self.next.get_or_insert_with(|| {
-            let mut next = (0, 0);
-            for _ in 0..named {
-                advance(&mut next, steps, prog);
-            }
-            next
-        });
+        let Some(next) = self.next.as_mut() else {
+            return;
+        };
+        let steps = &self.steps;
         while self.named < self.taken + c.nsteps {
             let Some((j, off, n)) = advance(next, steps, prog) else {
                 break;
@@ -173,31 +137,81 @@ impl Plan {
         }
     }
 
-    /// Revokes what was named and not taken; naming goes on from the next slot to take.
+    /// Revokes what was named and not taken.
     #[cold]
     fn unname(&mut self) {
         if self.named > self.taken {
             self.conn.revoke_recv_refs();
-            self.next = None;
             self.named = self.taken;
         }
     }
 }
 
+/// The steps whose slots may land in the caller's memory (bit k: step k; none past 64
+/// steps): a `Recv` or `RecvCopySend` on a connection that takes that (`receives`), whose
+/// output no other step of the program touches, but for `reads_first`.
+pub(super) fn eligible<C>(prog: &Program<C>, receives: impl Fn(&C) -> bool) -> u64 {
+    let steps = &prog.steps;
+    let candidate = |s: &Step<C>| {
+        matches!(s.prim, Prim::Recv | Prim::RecvCopySend) && s.recv.as_ref().is_some_and(&receives)
+    };
+    if steps.len() > 64 || !steps.iter().any(candidate) {
+        return 0;
+    }
+    let es = prog.esize;
+    // Every buffer region the program reads or writes: (step, start, bytes, written).
+    let regions: Vec<_> = steps
+        .iter()
+        .enumerate()
+        .flat_map(|(k, s)| {
+            let len = s.len * es;
+            [
+                (
+                    k,
+                    if s.prim.reads_src() { at(s.src) } else { 0 },
+                    len,
+                    false,
+                ),
+                (k, at(s.dst), len, s.prim.writes_dst()),
+            ]
+        })
+        .filter(|&(_, a, n, _)| a != 0 && n > 0)
+        .collect();
+    let alone = |k: usize| {
+        let (a, n) = (at(steps[k].dst), steps[k].len * es);
+        a != 0
+            && n > 0
+            && regions
+                .iter()
+                .filter(|&&(j, b, _, w)| !(j == k && b == a && w))
+                .all(|&(j, b, m, w)| {
+                    a + n <= b || b + m <= a || reads_first(prog, (j, b, w), (k, a))
+                })
+    };
+    (0..steps.len())
+        .filter(|&k| candidate(&steps[k]) && alone(k))
+        .fold(0, |m, k| m | 1 << k)
+}
+
 /// Whether step `j`'s region at `b` (written by it: `w`) may overlap step `k`'s output at `a`,
-/// which the proxy writes as the bytes arrive: where step `j` only reads its part of the region
-/// before step `k` in each iteration (`j < k`, both regions at the same address, so slice i of
-/// one is slice i of the other), and what arrives for step `k` is a reduction of that part.
-/// A reduction's result cannot arrive before every rank's input to it was read, this rank's
-/// included: when the bytes land, step `j` read the slice (into a slot, or into the socket
-/// for a slot sent by reference). That is in-place all-reduce: the ring's or tree's steps that
-/// send this rank's input come before those that receive the result into the same buffer.
-fn reads_first(
-    prog: &HostProgram,
+/// which the proxy writes as the bytes arrive: where step `j` sends this rank's share of a
+/// reduction from its part of the region (a `Send` or `RecvReduceSend` of its input) before
+/// step `k` in each iteration (`j < k`, both regions at the same address, so slice i of one is
+/// slice i of the other), and what arrives for step `k` is the reduction of that part. The
+/// result cannot arrive before every rank's share went, this rank's included: when the bytes
+/// land, step `j` has read the slice (into a slot, or into the socket for a slot sent by
+/// reference). That is in-place all-reduce: the ring's or tree's steps that send this rank's
+/// input come before those that receive the result into the same buffer.
+fn reads_first<C>(
+    prog: &Program<C>,
     (j, b, w): (usize, usize, bool),
     (k, a): (usize, usize),
 ) -> bool {
-    prog.red.is_some() && !w && j < k && b == a
+    prog.red.is_some()
+        && matches!(prog.steps[j].prim, Prim::Send | Prim::RecvReduceSend)
+        && !w
+        && j < k
+        && b == a
 }
 
 /// The next slice of `steps` from `next` (iteration, index in `steps`) that takes a slot, in
@@ -359,7 +373,7 @@ mod tests {
     /// delivers there are taken without a copy, the others copied; the output is right either
     /// way. With `stop`, the program is dropped after that many slots and revokes what it
     /// named. With `stolen`, the test takes the first slot itself (as if another program had),
-    /// so the program's first slot is the second: it revokes and names again from there.
+    /// so the program's first slot is the second: it revokes and names nothing more.
     /// Returns every place named (slot, offset in the output, bytes), the revokes, whether the
     /// output is right, and how many slots were delivered.
     fn receive(stop: Option<u64>, stolen: bool) -> (Vec<(u64, usize, usize)>, usize, bool, u64) {
@@ -423,8 +437,8 @@ mod tests {
     }
 
     /// The place of slot `s` of the receive above: (slot, offset, bytes).
-    fn place(s: u64, shift: u64) -> (u64, usize, usize) {
-        let e = (s - shift) as usize;
+    fn place(s: u64) -> (u64, usize, usize) {
+        let e = s as usize;
         (s, e * SLICE, if e == 10 { 300 } else { SLICE })
     }
 
@@ -433,7 +447,7 @@ mod tests {
         let (named, revokes, right, delivered) = receive(None, false);
         assert!(right, "the output is wrong");
         assert_eq!(revokes, 0, "a program that took every slot revokes nothing");
-        assert_eq!(named, (0..11).map(|s| place(s, 0)).collect::<Vec<_>>());
+        assert_eq!(named, (0..11).map(place).collect::<Vec<_>>());
         assert_eq!(delivered, 11);
     }
 
@@ -445,23 +459,16 @@ mod tests {
     }
 
     /// Slot 0, named for the program's first slice, goes elsewhere; slot 1, delivered to the
-    /// place of the second, comes back into its slot at the revoke and is copied into the first;
-    /// from slot 2 on, places are named for the new order.
+    /// place of the second, comes back into its slot at the revoke and is copied into the
+    /// first; nothing is named after that.
     #[test]
-    fn a_slot_taken_out_of_order_revokes_and_names_again() {
+    fn a_slot_taken_out_of_order_revokes_and_names_no_more() {
         let (named, revokes, right, delivered) = receive(None, true);
         assert!(right, "the output is wrong");
         assert_eq!(revokes, 1);
-        let first: Vec<_> = (0..NSTEPS as u64).map(|s| place(s, 0)).collect();
-        assert_eq!(named[..NSTEPS], first);
-        assert_eq!(
-            named[NSTEPS..],
-            (2..12).map(|s| place(s, 1)).collect::<Vec<_>>()
-        );
-        assert_eq!(
-            delivered, 12,
-            "slots 0 and 1 to the first places, 2 to 11 to the new"
-        );
+        let first: Vec<_> = (0..NSTEPS as u64).map(place).collect();
+        assert_eq!(named, first);
+        assert_eq!(delivered, 2, "slots 0 and 1, to the first places");
     }
 
     /// Which steps' slots may land in the output: not where another step writes it, nor where
@@ -506,6 +513,12 @@ mod tests {
             on(step(Prim::Send, b, 0, n), false, true),
         ];
         assert_eq!(bits(read_after, true), 0);
+        // In place, read first by a step that does not send this rank's share: not named.
+        let copied_first = vec![
+            step(Prim::LocalCopy, b, a, n),
+            on(step(Prim::Recv, 0, b, n), true, false),
+        ];
+        assert_eq!(bits(copied_first, true), 0);
         // Overlapping another step's region only in part: not named.
         let shifted = vec![
             on(step(Prim::Send, b + 64, 0, n), false, true),
@@ -519,5 +532,70 @@ mod tests {
         );
         let forward = vec![on(step(Prim::RecvCopySend, 0, b, n), true, true)];
         assert_eq!(bits(forward, false), 1);
+    }
+
+    /// The planner's all-reduces, as it builds them for every rank, with every receiving
+    /// connection taking slots by reference: the flat ring (2 to 5 ranks, in and out of place)
+    /// names its all-gather's steps, the last n - 1, and no other; in the hierarchical plan (4
+    /// hosts x 2 ranks) the leaders' tree names the leaves' receive from their parent and
+    /// nothing at the root or the inner node (which reduce into the buffer first), and the
+    /// leaders' ring names its all-gather's steps.
+    #[test]
+    fn the_planners_all_reduces_name_what_only_the_result_writes() {
+        use crate::plan::{hier, ring};
+        use crate::transport::ConnKey;
+        struct L(usize, usize, usize);
+        impl ring::Links for L {
+            fn rank(&self) -> usize {
+                self.0
+            }
+            fn nranks(&self) -> usize {
+                self.1
+            }
+            fn slot_bytes(&self) -> usize {
+                4096
+            }
+            fn host(&self, r: usize) -> u64 {
+                (r / self.2) as u64
+            }
+        }
+        let red = RedSpec::Ready(Reduction {
+            dtype: DataType::Float32,
+            kind: ReduceKind::Sum,
+            premul: None,
+            postdiv: None,
+        });
+        let receives = |k: &ConnKey| !k.is_sender;
+        let f32s = DataType::Float32;
+        let (a, b) = (0x100_0000usize, 0x800_0000usize);
+        for n in 2..=5 {
+            let gather = ((1u64 << (2 * n - 1)) - 1) & !((1u64 << n) - 1);
+            for r in 0..n {
+                for (send, recv) in [(a, b), (b, b)] {
+                    let p = ring::all_reduce(&L(r, n, 1), send, recv, 10_000, f32s, red).unwrap();
+                    assert_eq!(p.steps.len(), 2 * n - 1);
+                    let got = eligible(&p, receives);
+                    assert_eq!(
+                        got,
+                        gather,
+                        "ring of {n}, rank {r}, in place {}",
+                        send == recv
+                    );
+                }
+            }
+        }
+        for (count, tree) in [(256, true), (8 << 20, false)] {
+            for r in (0..8).step_by(2) {
+                let stages =
+                    hier::all_reduce_hierarchical(&L(r, 8, 2), a, b, count, f32s, red).unwrap();
+                let got: Vec<u64> = stages[1].iter().map(|p| eligible(p, receives)).collect();
+                let want = match (tree, r / 2) {
+                    (true, 0 | 1) => 0,
+                    (true, _) => 0b10,
+                    (false, _) => 0b111_0000,
+                };
+                assert_eq!(got, [want], "leader {r}, tree {tree}");
+            }
+        }
     }
 }

@@ -8,11 +8,12 @@ use crate::plan::{Addr, Prim, Program};
 use crate::transport::Conn;
 use std::sync::Arc;
 
-/// A program bound to this rank's connections.
-pub(super) type HostProgram = Program<Arc<Conn>>;
 use super::recv_ref::RecvRefs;
 use crate::reduce::Reducer;
 use std::time::Instant;
+
+/// A program bound to this rank's connections.
+pub(super) type HostProgram = Program<Arc<Conn>>;
 
 /// Where a program is: the first slice not done (`head`, counting step by step through the
 /// iterations), which of the following slices are done already (run ahead), and the program's
@@ -202,6 +203,15 @@ impl Cursor {
         self.recv_refs.revoke();
     }
 
+    /// Slot `step` of `c` was posted by reference: settled when the program ends, if it has
+    /// not left by then.
+    fn sent_by_reference(&mut self, c: &Arc<Conn>, step: u64) {
+        match self.refs.iter_mut().find(|(x, _)| Arc::ptr_eq(x, c)) {
+            Some(r) => r.1 = step,
+            None => self.refs.push((c.clone(), step)),
+        }
+    }
+
     /// Whether the program tries the FIFO option that looks worse: its speed then says little
     /// about the ring's.
     pub(super) fn exploring(&self) -> bool {
@@ -343,7 +353,7 @@ fn run_step(prog: &HostProgram, cur: &mut Cursor, k: usize, off: usize, n: usize
         if let (Some(c), Some((step, _))) = (&s.recv, rslot) {
             if cur.recv_refs.taking(prog, c, step, k) {
                 // SAFETY: as below.
-                unsafe { delivered(prog, k, dst, bytes, (step, sslot)) };
+                unsafe { delivered(prog, cur, k, dst, bytes, (step, sslot)) };
                 return Ok(true);
             }
         }
@@ -446,14 +456,16 @@ fn run_step(prog: &HostProgram, cur: &mut Cursor, k: usize, off: usize, n: usize
 }
 
 /// Step `k` (a `Recv` or `RecvCopySend`) whose received slot `rstep` the proxy read straight
-/// into `dst` (`recv_ref`): only the copy to send is left. Out of line: only network receives
-/// come here.
+/// into `dst` (`recv_ref`): only the send is left, from `dst`, by reference where the
+/// connection takes that (no other step writes `dst`: nothing to `guard`). Out of line: only
+/// network receives come here.
 ///
 /// # Safety
 /// As `run_step`'s: `dst` is valid for `bytes` bytes and the slots are this side's.
 #[inline(never)]
 unsafe fn delivered(
     prog: &HostProgram,
+    cur: &mut Cursor,
     k: usize,
     dst: *mut u8,
     bytes: usize,
@@ -461,9 +473,15 @@ unsafe fn delivered(
 ) {
     let s = &prog.steps[k];
     if let (Some(c), Some((step, out))) = (&s.send, sslot) {
-        // SAFETY: per the contract (a slot holds `slot_bytes >= bytes`).
-        unsafe { copy_out(out, dst, bytes, false) };
-        c.post_send(step, prog.call, bytes);
+        if c.sends_by_reference() {
+            c.post_send_ref(step, prog.call, dst, bytes);
+            cur.sent_by_reference(c, step);
+        } else {
+            let st = cur.streamed && c.slots_read_by_peer();
+            // SAFETY: per the contract (a slot holds `slot_bytes >= bytes`).
+            unsafe { copy_out(out, dst, bytes, st) };
+            c.post_send(step, prog.call, bytes);
+        }
     }
     if let Some(c) = &s.recv {
         c.post_recv(rstep);
@@ -502,10 +520,7 @@ unsafe fn send_by_reference(
         c.post_recv(step);
     }
     c.post_send_ref(sslot, prog.call, data, n * prog.esize);
-    match cur.refs.iter_mut().find(|(x, _)| Arc::ptr_eq(x, c)) {
-        Some(r) => r.1 = sslot,
-        None => cur.refs.push((c.clone(), sslot)),
-    }
+    cur.sent_by_reference(c, sslot);
 }
 
 /// The error of a program that received a slot filled by another call.

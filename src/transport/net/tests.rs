@@ -8,6 +8,7 @@ use std::io::Write;
 use std::net::{TcpListener, TcpStream};
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
+use wire::Target;
 
 const NSTEPS: usize = 2;
 const BYTES: usize = 8192;
@@ -15,14 +16,25 @@ const GONE: u8 = 0xa5;
 
 /// A receiving end reading from a socket, and the socket's other end to write slots to.
 fn receiving_end() -> (NetEnd, TcpStream) {
+    let (end, mut tx) = receiving_end_of(1, BYTES);
+    (end, tx.remove(0))
+}
+
+/// A receiving end of slots of `bytes` reading from `k` sockets, and their other ends.
+fn receiving_end_of(k: usize, bytes: usize) -> (NetEnd, Vec<TcpStream>) {
     let l = TcpListener::bind("127.0.0.1:0").unwrap();
-    let tx = TcpStream::connect(l.local_addr().unwrap()).unwrap();
-    let rx = l.accept().unwrap().0;
-    rx.set_nonblocking(true).unwrap();
+    let mut txs = Vec::new();
+    let mut rxs = Vec::new();
+    for _ in 0..k {
+        txs.push(TcpStream::connect(l.local_addr().unwrap()).unwrap());
+        let rx = l.accept().unwrap().0;
+        rx.set_nonblocking(true).unwrap();
+        rxs.push(rx);
+    }
     let name = format!("net-tests-{}-{:?}", std::process::id(), Instant::now());
-    let region = inproc::open(&name, crate::transport::region_bytes(NSTEPS, BYTES)).unwrap();
+    let region = inproc::open(&name, crate::transport::region_bytes(NSTEPS, bytes)).unwrap();
     inproc::forget(&name);
-    let view = Conn::new(Region::Heap(region), NSTEPS, BYTES, (1, 0), false);
+    let view = Conn::new(Region::Heap(region), NSTEPS, bytes, (1, 0), false);
     view.attach();
     view.attach();
     let end = NetEnd {
@@ -32,8 +44,8 @@ fn receiving_end() -> (NetEnd, TcpStream) {
         peer_host: "test".into(),
         is_sender: false,
         state: Mutex::new(Wire {
-            state: State::Connected(vec![rx]),
-            p: wire::Progress::new(1),
+            state: State::Connected(rxs),
+            p: wire::Progress::new(k),
             helpers: None,
         }),
         publish: None,
@@ -45,7 +57,7 @@ fn receiving_end() -> (NetEnd, TcpStream) {
         threads: 1,
         dests: (0..NSTEPS).map(|_| Dest::default()).collect(),
     };
-    (end, tx)
+    (end, txs)
 }
 
 fn header(call: [u64; 2], bytes: usize) -> Vec<u8> {
@@ -56,7 +68,11 @@ fn header(call: [u64; 2], bytes: usize) -> Vec<u8> {
 }
 
 fn pattern(step: u64) -> Vec<u8> {
-    (0..BYTES)
+    pattern_of(step, BYTES)
+}
+
+fn pattern_of(step: u64, bytes: usize) -> Vec<u8> {
+    (0..bytes)
         .map(|i| (i as u8).wrapping_mul(7) ^ step as u8)
         .collect()
 }
@@ -75,8 +91,8 @@ fn until(end: &NetEnd, done: impl Fn(&NetEnd) -> bool) {
 }
 
 fn slot(end: &NetEnd, step: u64) -> Vec<u8> {
-    // SAFETY: a published slot of BYTES bytes that nothing writes meanwhile.
-    unsafe { std::slice::from_raw_parts(end.view.slot(step), BYTES) }.to_vec()
+    // SAFETY: a published slot that nothing writes meanwhile.
+    unsafe { std::slice::from_raw_parts(end.view.slot(step), end.view.slot_bytes) }.to_vec()
 }
 
 /// A slot named for memory arrives there; a revoke then copies it into the slot.
@@ -131,6 +147,50 @@ fn a_revoke_mid_slot_moves_what_arrived_and_the_rest_follows() {
     end.revoke_recv_refs();
     mem.fill(GONE);
     tx.write_all(&data[BYTES / 2 + 3..]).unwrap();
+    until(&end, |e| e.view.tail().load(Ordering::Acquire) == 1);
+    assert!(!end.view.delivered(0));
+    assert!(slot(&end, 0) == data);
+    assert!(mem.iter().all(|&b| b == GONE));
+}
+
+/// A revoke once the header is in and nothing else: every byte goes into the slot.
+#[test]
+fn a_revoke_after_the_header_sends_the_whole_slot_to_the_slot() {
+    let (end, mut tx) = receiving_end();
+    let mut mem = vec![0u8; BYTES];
+    end.post_recv_ref(0, [1, 2], mem.as_mut_ptr(), BYTES);
+    tx.write_all(&header([1, 2], BYTES)).unwrap();
+    until(&end, |e| {
+        matches!(e.state.lock().p.target, Target::Caller(_))
+    });
+    end.revoke_recv_refs();
+    mem.fill(GONE);
+    tx.write_all(&pattern(0)).unwrap();
+    until(&end, |e| e.view.tail().load(Ordering::Acquire) == 1);
+    assert!(!end.view.delivered(0));
+    assert!(slot(&end, 0) == pattern(0));
+    assert!(mem.iter().all(|&b| b == GONE));
+}
+
+/// A slot cut into parts over two sockets, both half read at the revoke: each part's bytes
+/// so far move into the slot, the rest follows there.
+#[test]
+fn a_revoke_mid_slot_over_two_sockets_moves_each_part() {
+    let bytes = 256 << 10;
+    let (end, mut tx) = receiving_end_of(2, bytes);
+    assert_eq!(wire::parts(bytes, 2), 2);
+    let mid = wire::part_start(bytes, 2, 1);
+    let mut mem = vec![0u8; bytes];
+    end.post_recv_ref(0, [1, 2], mem.as_mut_ptr(), bytes);
+    let data = pattern_of(0, bytes);
+    tx[0].write_all(&header([1, 2], bytes)).unwrap();
+    tx[0].write_all(&data[..1000]).unwrap();
+    tx[1].write_all(&data[mid..mid + 3000]).unwrap();
+    until(&end, |e| e.state.lock().p.done == [1000, 3000]);
+    end.revoke_recv_refs();
+    mem.fill(GONE);
+    tx[0].write_all(&data[1000..mid]).unwrap();
+    tx[1].write_all(&data[mid + 3000..]).unwrap();
     until(&end, |e| e.view.tail().load(Ordering::Acquire) == 1);
     assert!(!end.view.delivered(0));
     assert!(slot(&end, 0) == data);

@@ -58,15 +58,26 @@ pub struct Progress {
     pub last: Coarse,
     /// Receiving end: the size of the last slot that arrived.
     pub last_bytes: usize,
-    /// Receiving end: where the current slot's bytes go, once its header is in: the caller's
-    /// memory (`NetEnd::take_dest`), or 0 for the slot.
-    pub target: Option<usize>,
+    /// Receiving end: where the current slot's bytes go.
+    pub target: Target,
+    /// Receiving end, by slot: where a slot published as delivered (`Conn::delivered`) went.
+    pub landed: Vec<usize>,
     /// Receiving end: bytes read from the first socket and not yet used.
     stage: Stage,
     /// The step last handed to the helper threads, plus one (0: none).
     posted: u64,
     /// The helper threads' byte count when last seen (their progress counts as traffic).
     helped: u64,
+}
+
+/// Where a receiving end reads the current slot's bytes, decided once its header is in.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum Target {
+    Undecided,
+    /// The FIFO slot.
+    Slot,
+    /// The caller's memory the executor named for the slot (`NetEnd::take_dest`).
+    Caller(usize),
 }
 
 /// Bytes read ahead from a socket (`buf[lo..hi]`), handed out before the socket is read again.
@@ -108,7 +119,8 @@ impl Progress {
             beat: false,
             last: Coarse::now(),
             last_bytes: 0,
-            target: None,
+            target: Target::Undecided,
+            landed: Vec::new(),
             stage: Stage {
                 buf: Vec::new(),
                 lo: 0,
@@ -127,7 +139,7 @@ impl Progress {
     fn reset(&mut self) {
         self.hdr_off = 0;
         self.done.iter_mut().for_each(|d| *d = 0);
-        self.target = None;
+        self.target = Target::Undecided;
     }
 
     /// With helper threads: hands them the current slot (once), then whether they are done
@@ -360,15 +372,15 @@ impl NetEnd {
             }
             let bytes = self.bytes_of(&w.hdr)?;
             // Decided once, before the first byte: the executor may have named a place for it.
-            let target = match w.target {
-                Some(t) => t,
-                None if helpers.is_some() => *w.target.insert(0),
-                None => *w.target.insert(self.take_dest(w.step, &w.hdr, bytes)),
-            };
-            let base = if target == 0 {
-                v.slot(w.step)
-            } else {
-                target as *mut u8
+            if w.target == Target::Undecided {
+                w.target = match self.take_dest(w.step, &w.hdr, bytes) {
+                    Some(at) if helpers.is_none() => Target::Caller(at),
+                    _ => Target::Slot,
+                };
+            }
+            let base = match w.target {
+                Target::Caller(at) => at as *mut u8,
+                _ => v.slot(w.step),
             };
             let mut complete = true;
             if parts(bytes, k) > 1 && !w.helped(helpers, base, bytes, k, self)? {
@@ -419,7 +431,12 @@ impl NetEnd {
                 return Ok(moved);
             }
             let word = |i: usize| u64::from_le_bytes(w.hdr[8 * i..8 * i + 8].try_into().unwrap());
-            v.arrived(w.step, [word(0), word(1)], bytes, target != 0);
+            if let Target::Caller(at) = w.target {
+                // Where `revoke_recv_refs` finds the bytes, should the slot not be taken.
+                w.landed.resize(v.nsteps as usize, 0);
+                w.landed[(w.step % v.nsteps) as usize] = at;
+            }
+            v.arrived(w.step, [word(0), word(1)], bytes, w.target != Target::Slot);
             moved = true;
             w.last_bytes = bytes;
             w.step += 1;
