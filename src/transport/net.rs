@@ -520,7 +520,10 @@ impl Proxy for NetEnd {
             if v.delivered(step) {
                 let m = v.meta(step);
                 let bytes = (m[2] & !super::REF_FLAG) as usize;
-                let at = w.p.landed[(step % v.nsteps) as usize];
+                // (Always there: a slot is published as delivered only once recorded.)
+                let Some(&at) = w.p.landed.get((step % v.nsteps) as usize) else {
+                    continue;
+                };
                 // SAFETY: the executor's memory for this slot is still valid (the contract of
                 // `revoke_recv_refs`), holds the slot's `bytes <= slot_bytes` bytes, and is not
                 // the slot (this end's own memory).

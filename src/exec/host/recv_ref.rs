@@ -97,7 +97,7 @@ impl RecvRefs {
         let Some(p) = self.0.iter_mut().find(|p| Arc::ptr_eq(&p.conn, conn)) else {
             return false;
         };
-        if p.base + p.taken != step {
+        if p.next.is_some() && p.base + p.taken != step {
             // Not the slot named for this step (bytes of another may have landed in its
             // place): what was named goes back into the slots, and nothing more is named.
             p.unname();
@@ -597,5 +597,80 @@ mod tests {
                 assert_eq!(got, [want], "leader {r}, tree {tree}");
             }
         }
+    }
+
+    /// A sending end that takes slots by reference and never sends them; it counts settles.
+    struct Sending {
+        view: Conn,
+        settles: AtomicUsize,
+    }
+
+    impl Proxy for Sending {
+        fn progress(&self) -> Result<bool> {
+            Ok(false)
+        }
+        fn by_reference(&self) -> bool {
+            true
+        }
+        fn settle(&self) {
+            self.settles.fetch_add(1, Ordering::Relaxed);
+            self.view.settle_refs_held();
+        }
+    }
+
+    /// A delivered `RecvCopySend` forwards from the output, by reference where the sending end
+    /// takes that; the program's end settles the slot, which then holds the bytes itself.
+    #[test]
+    fn a_delivered_forward_goes_by_reference_and_is_settled() {
+        let (recv, naming) = conn("oxccl-recv-ref-fwd-r", false);
+        let name = "oxccl-recv-ref-fwd-s";
+        let region = inproc::open(name, region_bytes(NSTEPS, 4096)).expect("a region");
+        inproc::forget(name);
+        let end = || Conn::new(Region::Heap(region.clone()), NSTEPS, 4096, (0, 1), true);
+        let sending = Arc::new(Sending {
+            view: end(),
+            settles: AtomicUsize::new(0),
+        });
+        let mut send = end();
+        send.attach();
+        send.attach();
+        send.proxy = Some(sending.clone());
+        let send = Arc::new(send);
+        let n = 700;
+        let mut buf = vec![0u8; n];
+        let at = buf.as_mut_ptr() as usize;
+        let mut s = step(Prim::RecvCopySend, 0, at, n);
+        s.recv = Some(recv.clone());
+        s.send = Some(send.clone());
+        let prog = program(vec![s], false);
+        let mut cur = Cursor::new(&prog, None);
+        // The peer: slot 0, where it was named.
+        let named = naming.named.lock()[0];
+        assert_eq!(named, (0, [3, 4], at, n));
+        for i in 0..n {
+            // SAFETY: the named place holds `n` bytes.
+            unsafe { (at as *mut u8).add(i).write(pattern(0, i)) };
+        }
+        recv.arrived(0, [3, 4], n, true);
+        assert_eq!(poll_program(&prog, &mut cur).unwrap(), Poll::Done);
+        assert_eq!(
+            sending.settles.load(Ordering::Relaxed),
+            1,
+            "sent by reference, settled"
+        );
+        let (data, bytes) = send.slot_data(0);
+        assert_eq!(
+            (data, bytes),
+            (send.slot(0) as *const u8, n),
+            "the slot holds its bytes"
+        );
+        // SAFETY: the posted slot's `n` bytes.
+        let sent = unsafe { std::slice::from_raw_parts(data, n) };
+        assert!((0..n).all(|i| sent[i] == pattern(0, i) && buf[i] == pattern(0, i)));
+        assert_eq!(
+            recv.head().load(Ordering::Acquire),
+            1,
+            "the received slot is free"
+        );
     }
 }

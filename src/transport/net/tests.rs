@@ -196,3 +196,23 @@ fn a_revoke_mid_slot_over_two_sockets_moves_each_part() {
     assert!(slot(&end, 0) == data);
     assert!(mem.iter().all(|&b| b == GONE));
 }
+
+/// A revoke finds a delivered slot's bytes where they went, not where its cell names now: the
+/// cell is shared with the slot `nsteps` later, named here (against `post_recv_ref`'s rule,
+/// to show the revoke does not depend on it) before slot 0 is taken.
+#[test]
+fn a_revoke_copies_from_where_the_slot_went_not_from_its_cell() {
+    let (end, mut tx) = receiving_end();
+    let mut first = vec![0u8; BYTES];
+    let later = vec![GONE; BYTES];
+    end.post_recv_ref(0, [1, 2], first.as_mut_ptr(), BYTES);
+    tx.write_all(&header([1, 2], BYTES)).unwrap();
+    tx.write_all(&pattern(0)).unwrap();
+    until(&end, |e| e.view.tail().load(Ordering::Acquire) == 1);
+    assert!(end.view.delivered(0));
+    end.post_recv_ref(NSTEPS as u64, [1, 2], later.as_ptr() as *mut u8, BYTES);
+    end.revoke_recv_refs();
+    assert!(!end.view.delivered(0));
+    assert!(slot(&end, 0) == pattern(0));
+    assert!(later.iter().all(|&b| b == GONE));
+}

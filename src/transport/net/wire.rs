@@ -373,9 +373,11 @@ impl NetEnd {
             let bytes = self.bytes_of(&w.hdr)?;
             // Decided once, before the first byte: the executor may have named a place for it.
             if w.target == Target::Undecided {
-                w.target = match self.take_dest(w.step, &w.hdr, bytes) {
-                    Some(at) if helpers.is_none() => Target::Caller(at),
-                    _ => Target::Slot,
+                w.target = match helpers {
+                    None => self
+                        .take_dest(w.step, &w.hdr, bytes)
+                        .map_or(Target::Slot, Target::Caller),
+                    Some(_) => Target::Slot,
                 };
             }
             let base = match w.target {
@@ -436,7 +438,8 @@ impl NetEnd {
                 w.landed.resize(v.nsteps as usize, 0);
                 w.landed[(w.step % v.nsteps) as usize] = at;
             }
-            v.arrived(w.step, [word(0), word(1)], bytes, w.target != Target::Slot);
+            let delivered = matches!(w.target, Target::Caller(_));
+            v.arrived(w.step, [word(0), word(1)], bytes, delivered);
             moved = true;
             w.last_bytes = bytes;
             w.step += 1;
