@@ -43,9 +43,9 @@ const _: () = assert!(ATTACH_OFF + 4 <= CLOSED_OFF && CLOSED_OFF + 4 <= CALL_OFF
 const CALL_OFF: usize = 1024;
 const META_BYTES: usize = 24;
 /// In a slot's byte count: the slot holds no bytes but the address of the caller's memory that
-/// holds them (`Conn::post_send_ref`); only the end that sends the slot over the network sees
-/// such a slot. At a network receiving end: the bytes were read into the caller's memory that
-/// the executor named for the slot (`Conn::post_recv_ref`), not into the slot.
+/// holds them. At the end that sends the slot over the network: posted so
+/// (`Conn::post_send_ref`); at a network receiving end: read there, into the memory the
+/// executor named for the slot (`Conn::post_recv_ref`). No other end sees such a slot.
 const REF_FLAG: u64 = 1 << 63;
 const HDR_BYTES: usize = 4096;
 const _: () = assert!(CALL_OFF + 64 * META_BYTES <= HDR_BYTES); // nsteps <= 64 (param::nsteps)
@@ -436,14 +436,14 @@ impl Conn {
             .unwrap_or_else(|| (self.slot(step), self.meta(step)[2] as usize))
     }
 
-    /// Sender: the memory posted slot `step` refers to, and how many bytes, if it was posted
-    /// by reference (and not settled since).
+    /// The memory slot `step` refers to, and how many bytes, if it was posted by reference
+    /// (sender) or read into the caller's memory (receiver), and not settled since.
     fn referred(&self, step: u64) -> Option<(*const u8, usize)> {
         let bytes = self.meta(step)[2];
         if bytes & REF_FLAG == 0 {
             return None;
         }
-        // SAFETY: `post_send_ref` wrote the address there.
+        // SAFETY: `post_send_ref` or `arrived` wrote the address there.
         let data = unsafe { (self.slot(step) as *const usize).read_unaligned() };
         Some((data as *const u8, (bytes & !REF_FLAG) as usize))
     }
@@ -468,7 +468,8 @@ impl Conn {
     }
 
     /// `settle_refs` for the end that sends the slots: the caller holds what keeps the sending
-    /// from reading them meanwhile.
+    /// from reading them meanwhile. At a receiving end, the same for its published slots that
+    /// refer to the caller's memory (`Proxy::revoke_recv_refs`).
     pub fn settle_refs_held(&self) {
         let head = self.head().load(Ordering::Acquire);
         let tail = self.tail().load(Ordering::Acquire);
@@ -510,9 +511,18 @@ impl Conn {
     }
 
     /// A proxy's receiving end: slot `step` from call `call` with `bytes` bytes is there, in
-    /// the slot or (`delivered`) in the memory named for it; the executor may take it.
-    pub fn arrived(&self, step: u64, call: [u64; 2], bytes: usize, delivered: bool) {
-        let flag = if delivered { REF_FLAG } else { 0 };
+    /// the slot, or at `at`, the memory named for it (`delivered` then says so, and the slot
+    /// holds the address, as a slot posted by reference does); the executor may take it.
+    pub fn arrived(&self, step: u64, call: [u64; 2], bytes: usize, at: Option<*const u8>) {
+        let flag = match at {
+            Some(at) => {
+                // SAFETY: a slot holds at least 8 bytes and is this end's until published;
+                // its bytes went elsewhere.
+                unsafe { (self.slot(step) as *mut usize).write_unaligned(at as usize) };
+                REF_FLAG
+            }
+            None => 0,
+        };
         self.set_meta(step, [call[0], call[1], bytes as u64 | flag]);
         self.tail().store(step + 1, Ordering::Release);
     }

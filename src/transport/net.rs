@@ -332,8 +332,8 @@ pub struct NetEnd {
 /// it starts reading it. The executor writes a slot's cell again only for the slot `nsteps`
 /// later, which the end cannot start before the executor has taken this one, or after a
 /// revoke (which takes the lock and clears every tag), so a tag that matches comes with its
-/// own fields. Where a delivered slot went is kept apart, under the lock (`Progress::landed`):
-/// the cell may already name the slot `nsteps` later.
+/// own fields. Where a delivered slot went is kept in the slot itself (`Conn::arrived`): the
+/// cell may already name the slot `nsteps` later.
 #[derive(Default)]
 struct Dest {
     /// The slot's step plus one (0: none).
@@ -511,33 +511,17 @@ impl Proxy for NetEnd {
         let mut w = self.state.lock();
         let w = &mut *w;
         let v = &self.view;
-        // Slots read into the caller's memory, published, not taken yet.
-        let (head, tail) = (
-            v.head().load(Ordering::Acquire),
-            v.tail().load(Ordering::Acquire),
-        );
-        for step in head..tail {
-            if v.delivered(step) {
-                let m = v.meta(step);
-                let bytes = (m[2] & !super::REF_FLAG) as usize;
-                // (Always there: a slot is published as delivered only once recorded.)
-                let Some(&at) = w.p.landed.get((step % v.nsteps) as usize) else {
-                    continue;
-                };
-                // SAFETY: the executor's memory for this slot is still valid (the contract of
-                // `revoke_recv_refs`), holds the slot's `bytes <= slot_bytes` bytes, and is not
-                // the slot (this end's own memory).
-                unsafe { std::ptr::copy_nonoverlapping(at as *const u8, v.slot(step), bytes) };
-                v.set_meta(step, [m[0], m[1], bytes as u64]);
-            }
-        }
+        // Slots read into the caller's memory, published, not taken yet: each holds where.
+        v.settle_refs_held();
         // The slot being read: what has arrived of it moves into the slot, the rest follows.
         if let (State::Connected(socks), wire::Target::Caller(at)) = (&w.state, w.p.target) {
             let bytes = self.bytes_of(&w.p.hdr).unwrap_or(0);
             let k = socks.len();
             for j in 0..wire::parts(bytes, k) {
                 let lo = wire::part_start(bytes, k, j);
-                // SAFETY: as above; part j's first `done[j]` bytes were read there.
+                // SAFETY: the executor's memory for this slot is still valid (the contract of
+                // `revoke_recv_refs`) and part j's first `done[j]` bytes were read there; the
+                // slot holds `bytes <= slot_bytes` and is not that memory.
                 unsafe {
                     std::ptr::copy_nonoverlapping(
                         (at + lo) as *const u8,

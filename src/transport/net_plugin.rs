@@ -430,7 +430,7 @@ impl PluginEnd {
                         word(2)
                     ))));
                 }
-                v.arrived(step, [word(0), word(1)], size, false);
+                v.arrived(step, [word(0), word(1)], size, None);
             }
             w.done += 1;
             moved = true;

@@ -282,20 +282,8 @@ mod tests {
         }
         fn revoke_recv_refs(&self) {
             self.revokes.fetch_add(1, Ordering::Relaxed);
-            let v = &self.view;
-            let mut named = self.named.lock();
-            for s in v.head().load(Ordering::Acquire)..v.tail().load(Ordering::Acquire) {
-                if let Some(&(_, call, dst, bytes)) = named.iter().find(|x| x.0 == s) {
-                    if v.delivered(s) {
-                        // SAFETY: the named place holds the slot's bytes; the slot is free.
-                        unsafe {
-                            std::ptr::copy_nonoverlapping(dst as *const u8, v.slot(s), bytes)
-                        };
-                        v.arrived(s, call, bytes, false);
-                    }
-                }
-            }
-            named.clear();
+            self.view.settle_refs_held();
+            self.named.lock().clear();
         }
     }
 
@@ -416,7 +404,7 @@ mod tests {
                     // SAFETY: the named place or the free slot holds `bytes` bytes.
                     unsafe { at.add(i).write(pattern(sent, i)) };
                 }
-                recv.arrived(sent, [3, 4], bytes, named.is_some());
+                recv.arrived(sent, [3, 4], bytes, named.map(|x| x.2 as *const u8));
                 sent += 1;
             }
         }
@@ -651,7 +639,7 @@ mod tests {
             // SAFETY: the named place holds `n` bytes.
             unsafe { (at as *mut u8).add(i).write(pattern(0, i)) };
         }
-        recv.arrived(0, [3, 4], n, true);
+        recv.arrived(0, [3, 4], n, Some(at as *const u8));
         assert_eq!(poll_program(&prog, &mut cur).unwrap(), Poll::Done);
         assert_eq!(
             sending.settles.load(Ordering::Relaxed),

@@ -60,8 +60,6 @@ pub struct Progress {
     pub last_bytes: usize,
     /// Receiving end: where the current slot's bytes go.
     pub target: Target,
-    /// Receiving end, by slot: where a slot published as delivered (`Conn::delivered`) went.
-    pub landed: Vec<usize>,
     /// Receiving end: bytes read from the first socket and not yet used.
     stage: Stage,
     /// The step last handed to the helper threads, plus one (0: none).
@@ -120,7 +118,6 @@ impl Progress {
             last: Coarse::now(),
             last_bytes: 0,
             target: Target::Undecided,
-            landed: Vec::new(),
             stage: Stage {
                 buf: Vec::new(),
                 lo: 0,
@@ -433,13 +430,12 @@ impl NetEnd {
                 return Ok(moved);
             }
             let word = |i: usize| u64::from_le_bytes(w.hdr[8 * i..8 * i + 8].try_into().unwrap());
-            if let Target::Caller(at) = w.target {
-                // Where `revoke_recv_refs` finds the bytes, should the slot not be taken.
-                w.landed.resize(v.nsteps as usize, 0);
-                w.landed[(w.step % v.nsteps) as usize] = at;
-            }
-            let delivered = matches!(w.target, Target::Caller(_));
-            v.arrived(w.step, [word(0), word(1)], bytes, delivered);
+            // (A slot delivered holds where its bytes went: a revoke copies them from there.)
+            let at = match w.target {
+                Target::Caller(at) => Some(at as *const u8),
+                _ => None,
+            };
+            v.arrived(w.step, [word(0), word(1)], bytes, at);
             moved = true;
             w.last_bytes = bytes;
             w.step += 1;
