@@ -333,20 +333,27 @@ pub fn p2p_max_pcie() -> u8 {
     *R
 }
 
+/// `NCCL_P2P_LEVEL`'s names by `p2p_max_pcie` number (the first of each is what messages say).
+const P2P_LEVELS: [(&[&str], u8); 5] = [
+    (&["NVL", "NVB", "LOC"], 0),
+    (&["PIX"], 1),
+    (&["PXB"], 2),
+    (&["PHB"], 3),
+    (&["SYS"], 4),
+];
+
+/// The name of `p2p_max_pcie`'s number `n` (4 and up: SYS).
+pub fn p2p_level_name(n: u8) -> &'static str {
+    P2P_LEVELS[usize::from(n.min(4))].0[0]
+}
+
 /// `p2p_max_pcie` from the variable's value (NCCL's old numbers: 1 PIX .. 4 and up SYS).
 fn max_pcie(level: Option<&str>) -> u8 {
     if let Some(n) = level.and_then(|l| l.trim().parse::<i64>().ok()) {
         return n.clamp(0, 4) as u8;
     }
     // (Numbers were taken above.)
-    const NAMES: [(&[&str], u8); 5] = [
-        (&["NVL", "NVB", "LOC"], 0),
-        (&["PIX"], 1),
-        (&["PXB"], 2),
-        (&["PHB"], 3),
-        (&["SYS"], 4),
-    ];
-    NAMES
+    P2P_LEVELS
         .iter()
         .find(|(names, _)| level_is(level, names))
         .map_or(2, |&(_, n)| n)

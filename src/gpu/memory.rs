@@ -145,10 +145,10 @@ fn decide_peers(a: i32, b: i32) -> bool {
         let level = super::topo::level(a, b);
         let ok = level.map_or(max >= 4, |l| l as u8 <= max);
         let apart = match level {
-            Some(l) => format!("{} apart", format!("{l:?}").to_uppercase()),
+            Some(l) => format!("{} apart", crate::param::p2p_level_name(l as u8)),
             None => "at a distance sysfs does not tell (taken as SYS)".to_string(),
         };
-        let allowed = ["NVL", "PIX", "PXB", "PHB", "SYS"][usize::from(max.min(4))];
+        let allowed = crate::param::p2p_level_name(max);
         (
             ok,
             format!(
