@@ -41,7 +41,7 @@ pub const PARAMS: &[Param] = &[
     },
     Param {
         name: "OXCCL_CHUNK_BYTES",
-        doc: "bytes per FIFO slot of a connection",
+        doc: "bytes per FIFO slot of a connection (unset: 128 KiB, 512 KiB for a communicator across hosts, 1 MiB on the CUDA executor; rank 0's value counts)",
         default: "131072",
     },
     Param {

@@ -84,7 +84,7 @@ impl Conns {
             rank: boot.rank(),
             nranks: boot.nranks(),
             hash,
-            slot_bytes: peers[0].slot_bytes as usize,
+            slot_bytes: PeerInfo::comm_slot_bytes(&peers),
             nsteps: peers[0].nsteps as usize,
             peers,
             map: Mutex::new(HashMap::default()),

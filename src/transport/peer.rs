@@ -42,6 +42,14 @@ const FORMAT: &[u8; 4] = b"OXP\x02";
 /// The process takes connections in device memory by CUDA IPC (CUDA executor,
 /// `OXCCL_CUDA_IPC=1`, not `NCCL_P2P_DISABLE=1`).
 const FLAG_IPC: u32 = 1;
+/// The process left the slot size to oxccl (`OXCCL_CHUNK_BYTES` unset): see `comm_slot_bytes`.
+const FLAG_DEFAULT_SLOTS: u32 = 2;
+
+/// The slot size a communicator across hosts takes where rank 0 left it to oxccl (as NCCL's
+/// Simple protocol moves 512 KiB per step over the network): each slot costs a header, a
+/// counter handshake and a pass of the executor, and over TCP 128 KiB slots spent about a
+/// tenth of a 16 MiB all-reduce between two hosts on that (scripts/ab-net.sh, see the README).
+const ACROSS_HOSTS_SLOT_BYTES: usize = 512 << 10;
 
 /// This host's identity: hostname, boot id, and which /dev/shm the process sees
 /// (`OXCCL_HOSTID` overrides, for tests). Processes of one machine that do not share /dev/shm
@@ -104,6 +112,10 @@ impl PeerInfo {
                 FLAG_IPC
             } else {
                 0
+            } | if crate::param::is_set("OXCCL_CHUNK_BYTES") {
+                0
+            } else {
+                FLAG_DEFAULT_SLOTS
             },
             pidns: pid_namespace(),
             slot_bytes: slot_bytes() as u64,
@@ -183,6 +195,22 @@ impl PeerInfo {
         peers
             .iter()
             .any(|q| *first.entry(q.host).or_insert(q.pidns) != q.pidns)
+    }
+
+    /// A communicator's FIFO slot size: rank 0's, or at least `ACROSS_HOSTS_SLOT_BYTES` where
+    /// its ranks are on several hosts and rank 0 left the size to oxccl (every rank decides
+    /// alike, from the same list).
+    pub fn comm_slot_bytes(peers: &[PeerInfo]) -> usize {
+        let Some(first) = peers.first() else {
+            return crate::param::chunk_bytes();
+        };
+        let own = first.slot_bytes as usize;
+        let across = peers.iter().any(|p| p.host != first.host);
+        if across && first.flags & FLAG_DEFAULT_SLOTS != 0 {
+            own.max(ACROSS_HOSTS_SLOT_BYTES)
+        } else {
+            own
+        }
     }
 
     /// Whether this rank's process takes connections in device memory by CUDA IPC.
@@ -285,6 +313,43 @@ mod tests {
         let e = PeerInfo::from_bytes(&p.to_bytes()[4..]).unwrap_err();
         assert!(e.msg.contains("another version of oxccl"), "{}", e.msg);
         assert!(PeerInfo::from_bytes(&[0u8; 3]).is_err());
+    }
+
+    /// Across hosts a communicator takes larger slots, unless its rank 0 chose the size; one
+    /// host keeps rank 0's, and every rank reads the same answer from the same list.
+    #[test]
+    fn slots_across_hosts_are_larger_unless_rank_0_chose() {
+        let mut a = PeerInfo::mine(0);
+        a.slot_bytes = 128 << 10;
+        a.flags = FLAG_DEFAULT_SLOTS;
+        let mut b = a.clone();
+        b.pid += 1;
+        assert_eq!(
+            PeerInfo::comm_slot_bytes(&[a.clone(), b.clone()]),
+            128 << 10
+        );
+        b.host ^= 1;
+        assert_eq!(
+            PeerInfo::comm_slot_bytes(&[a.clone(), b.clone()]),
+            ACROSS_HOSTS_SLOT_BYTES
+        );
+        assert_eq!(
+            PeerInfo::comm_slot_bytes(&[b.clone(), a.clone()]),
+            ACROSS_HOSTS_SLOT_BYTES
+        );
+        // Larger already (the CUDA executor's default): kept.
+        a.slot_bytes = 1 << 20;
+        assert_eq!(PeerInfo::comm_slot_bytes(&[a.clone(), b.clone()]), 1 << 20);
+        // Rank 0 set OXCCL_CHUNK_BYTES: its size, whatever the others left.
+        a.slot_bytes = 64 << 10;
+        a.flags = 0;
+        assert_eq!(PeerInfo::comm_slot_bytes(&[a.clone(), b.clone()]), 64 << 10);
+        let e = PeerInfo::from_bytes(&b.to_bytes()).unwrap();
+        assert_eq!(
+            e.flags & FLAG_DEFAULT_SLOTS,
+            FLAG_DEFAULT_SLOTS,
+            "sent with the bytes"
+        );
     }
 
     #[test]
