@@ -82,6 +82,16 @@ impl Error {
         self.msg = format!("{what}: {}", self.msg);
         self
     }
+
+    /// `context` with "`what` on rank `rank`", where the message need no longer begin with
+    /// that rank ("AllReduce ... on rank 1: the network connection ...", not "... on rank 1:
+    /// rank 1: the network connection ...").
+    pub fn context_on_rank(mut self, what: impl fmt::Display, rank: usize) -> Error {
+        if let Some(rest) = self.msg.strip_prefix(&format!("rank {rank}: ")) {
+            self.msg = rest.to_string();
+        }
+        self.context(format_args!("{what} on rank {rank}"))
+    }
 }
 
 impl fmt::Display for Error {

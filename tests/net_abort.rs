@@ -56,6 +56,7 @@ fn rank(case: &str, r: usize, path: &str) {
         eprintln!("rank 1: {e} after {:?}", t0.elapsed());
         assert!(t0.elapsed() < Duration::from_secs(20), "{:?}", t0.elapsed());
         assert!(e.msg.contains("rank 0"), "{e}");
+        assert!(!e.msg.contains("on rank 1: rank 1"), "said twice: {e}");
     }
     let t1 = Instant::now();
     let _ = api::comm_abort(api::comm_handle(&c));

@@ -293,7 +293,7 @@ impl Running {
         // Stopped by a failure elsewhere (a network connection): that failure says why.
         if !h.aborted_here() && !h.revoked() {
             if let Some(e) = h.error() {
-                return e.context(format!("{} on rank {}", self.task.what, self.comm().rank));
+                return e.context_on_rank(self.task.what, self.comm().rank);
             }
         }
         Error::remote(format!(
