@@ -88,13 +88,12 @@ fn rank(case: &str, r: usize, path: &str) {
 #[test]
 fn abort_across_hosts_leaves_the_buffers_alone() {
     if let Ok(path) = std::env::var("OXCCL_TEST_ID_FILE") {
-        let r: usize = std::env::var("OXCCL_TEST_RANK").unwrap().parse().unwrap();
+        let r = common::netns::test_rank();
         return rank(&std::env::var("OXCCL_TEST_CASE").unwrap(), r, &path);
     }
     let Some(mut hosts) = common::netns::Hosts::new(2) else {
         return;
     };
-    let exe = std::env::current_exe().unwrap().display().to_string();
     for case in ["inplace-4", "outofplace-12", "inplace-30", "outofplace-45"] {
         let path = std::env::temp_dir()
             .join(format!("oxccl-netabort-{}-{case}", std::process::id()))
@@ -113,18 +112,9 @@ fn abort_across_hosts_leaves_the_buffers_alone() {
         .into_iter()
         .map(|(a, b)| (a.to_string(), b.to_string()))
         .collect();
-        for r in 0..2 {
-            let cmd = format!(
-                "OXCCL_TEST_RANK={r} {exe} --exact {TEST} --nocapture > {path}.rank{r}.log 2>&1"
-            );
-            hosts.start(r, &env, &[cmd]);
-        }
+        hosts.start_ranks(TEST, &path, 2, |r| r, &env);
         let ok = hosts.wait_for(Duration::from_secs(60));
-        let logs: String = common::netns::take_logs(&path, 2)
-            .iter()
-            .enumerate()
-            .map(|(r, t)| format!("--- rank {r}:\n{t}"))
-            .collect();
+        let logs = common::netns::joined_logs(&path, 2);
         let _ = std::fs::remove_file(&path);
         eprintln!("{case}:\n{logs}");
         assert_eq!(ok, Some(vec![true, true]), "{case}:\n{logs}");

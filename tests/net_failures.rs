@@ -118,13 +118,12 @@ fn rank(case: &str, r: usize, path: &str) {
 #[test]
 fn failures_on_the_wire_end_in_errors() {
     if let Ok(path) = std::env::var("OXCCL_TEST_ID_FILE") {
-        let r: usize = std::env::var("OXCCL_TEST_RANK").unwrap().parse().unwrap();
+        let r = common::netns::test_rank();
         return rank(&std::env::var("OXCCL_TEST_CASE").unwrap(), r, &path);
     }
     let Some(mut hosts) = common::netns::Hosts::new(2) else {
         return;
     };
-    let exe = std::env::current_exe().unwrap().display().to_string();
     let plugin = std::env::current_exe()
         .unwrap()
         .parent()
@@ -175,12 +174,7 @@ fn failures_on_the_wire_end_in_errors() {
         )
         .map(|(a, b)| (a.to_string(), b.to_string()))
         .collect();
-        for r in 0..2 {
-            let cmd = format!(
-                "OXCCL_TEST_RANK={r} {exe} --exact {TEST} --nocapture > {path}.rank{r}.log 2>&1"
-            );
-            hosts.start(r, &env, &[cmd]);
-        }
+        hosts.start_ranks(TEST, &path, 2, |r| r, &env);
         if case.starts_with("link-down") {
             let t0 = Instant::now();
             // (One way, the receiver is the one behind: its 20th receive means the sender's
@@ -202,11 +196,7 @@ fn failures_on_the_wire_end_in_errors() {
         }
         let t0 = Instant::now();
         let ok = hosts.wait_for(Duration::from_secs(30));
-        let logs: String = common::netns::take_logs(&path, 2)
-            .iter()
-            .enumerate()
-            .map(|(r, t)| format!("--- rank {r}:\n{t}"))
-            .collect();
+        let logs = common::netns::joined_logs(&path, 2);
         for f in [
             path.clone(),
             format!("{path}.running0"),

@@ -386,7 +386,7 @@ fn random_sequences_on_namespace_hosts() {
     let (seed, batches) = params();
     if let Ok(path) = std::env::var("OXCCL_TEST_ID_FILE") {
         let n: usize = env_or("OXCCL_TEST_N", 0);
-        let r: usize = env_or("OXCCL_TEST_RANK", 0);
+        let r = common::netns::test_rank();
         let id = common::netns::id_via_file(&path, r);
         let seq = draw(seed.wrapping_add(400 + n as u64), n, batches / 2);
         return run_rank(n, r, &id, &seq);
@@ -394,7 +394,6 @@ fn random_sequences_on_namespace_hosts() {
     let Some(mut hosts) = common::netns::Hosts::new(4) else {
         return;
     };
-    let exe = std::env::current_exe().unwrap().display().to_string();
     for (n, k) in [(4usize, 2usize), (4, 4), (6, 2)] {
         let path =
             std::env::temp_dir().join(format!("oxccl-netns-id-{}-{n}-{k}", std::process::id()));
@@ -411,24 +410,15 @@ fn random_sequences_on_namespace_hosts() {
         .map(|(a, b)| (a.to_string(), b))
         .collect();
         let before: Vec<u64> = (0..k).map(|i| hosts.bytes(i)).collect();
-        for i in 0..k {
-            let cmds: Vec<String> = (0..n)
-                .filter(|r| r % k == i)
-                .map(|r| {
-                    format!(
-                        "OXCCL_TEST_RANK={r} {exe} --exact random_sequences_on_namespace_hosts \
-                         --nocapture > {path}.rank{r}.log 2>&1"
-                    )
-                })
-                .collect();
-            hosts.start(i, &env, &cmds);
-        }
+        hosts.start_ranks(
+            "random_sequences_on_namespace_hosts",
+            &path,
+            n,
+            |r| r % k,
+            &env,
+        );
         let ok = hosts.wait();
-        let logs: String = common::netns::take_logs(&path, n)
-            .iter()
-            .enumerate()
-            .map(|(r, t)| format!("--- rank {r}:\n{t}"))
-            .collect();
+        let logs = common::netns::joined_logs(&path, n);
         assert!(ok, "{n} ranks on {k} hosts: a rank failed\n{logs}");
         hosts.assert_moved(&before, 1 << 20, &format!("{n} ranks on {k} hosts"));
         let _ = std::fs::remove_file(&path);

@@ -108,6 +108,33 @@ impl Hosts {
         self.kids.push(kid);
     }
 
+    /// Starts ranks 0..n of test `test` of this test binary, rank r on host `host_of(r)`
+    /// with `OXCCL_TEST_RANK=r` and `env`, its output in `{path}.rank{r}.log` (`joined_logs`).
+    pub fn start_ranks(
+        &mut self,
+        test: &str,
+        path: &str,
+        n: usize,
+        host_of: impl Fn(usize) -> usize,
+        env: &[(String, String)],
+    ) {
+        let exe = std::env::current_exe().unwrap().display().to_string();
+        for i in 0..self.n {
+            let cmds: Vec<String> = (0..n)
+                .filter(|&r| host_of(r) == i)
+                .map(|r| {
+                    format!(
+                        "OXCCL_TEST_RANK={r} {exe} --exact {test} --nocapture \
+                         > {path}.rank{r}.log 2>&1"
+                    )
+                })
+                .collect();
+            if !cmds.is_empty() {
+                self.start(i, env, &cmds);
+            }
+        }
+    }
+
     /// Waits for every host's ranks; true when all succeeded.
     pub fn wait(&mut self) -> bool {
         let mut ok = true;
@@ -222,6 +249,20 @@ pub fn id_via_file(path: &str, r: usize) -> [u8; nccl::api::UNIQUE_ID_BYTES] {
         );
         std::thread::sleep(std::time::Duration::from_millis(5));
     }
+}
+
+/// In a rank process that `Hosts::start_ranks` started: its rank.
+pub fn test_rank() -> usize {
+    std::env::var("OXCCL_TEST_RANK").unwrap().parse().unwrap()
+}
+
+/// The logs of ranks 0..n (`take_logs`), each under a line "--- rank r:".
+pub fn joined_logs(prefix: &str, n: usize) -> String {
+    take_logs(prefix, n)
+        .iter()
+        .enumerate()
+        .map(|(r, t)| format!("--- rank {r}:\n{t}"))
+        .collect()
 }
 
 /// The logs `{prefix}.rank{r}.log` of ranks 0..n, removed once read.
