@@ -40,6 +40,43 @@ unsafe impl Send for ShmRegion {}
 // SAFETY: as above.
 unsafe impl Sync for ShmRegion {}
 
+/// Reserves the segment's memory now (posix_fallocate; the second end finds it reserved): a
+/// /dev/shm too small for it is then an error that says so, where a sparse segment would
+/// crash the process with SIGBUS when a slot is first written (as a container's default
+/// 64 MiB /dev/shm does to NCCL users). A segment that does not fit is removed.
+fn reserve(fd: &std::os::fd::OwnedFd, path: &str, len: usize) -> Result<()> {
+    use nix::errno::Errno;
+    use std::os::fd::AsRawFd;
+    loop {
+        match nix::fcntl::posix_fallocate(fd.as_raw_fd(), 0, len as i64) {
+            Ok(()) => return Ok(()),
+            Err(Errno::EINTR) => continue,
+            // Where the filesystem cannot reserve, the memory comes as it is touched.
+            Err(Errno::EOPNOTSUPP) | Err(Errno::ENODEV) => return Ok(()),
+            Err(e) => {
+                let _ = shm_unlink(path);
+                let free = nix::sys::statvfs::statvfs("/dev/shm")
+                    .map(|v| {
+                        // (The counts' types differ between targets.)
+                        #[allow(clippy::unnecessary_cast)]
+                        let kib = |blocks| (blocks as u64 * v.fragment_size() as u64) >> 10;
+                        format!(
+                            " ({} KiB free of {} KiB)",
+                            kib(v.blocks_available()),
+                            kib(v.blocks())
+                        )
+                    })
+                    .unwrap_or_default();
+                return Err(Error::system(format!(
+                    "/dev/shm{free} has no room for a shared-memory segment of {len} bytes \
+                     ({path}: {e}): give it more (docker run --shm-size=1g, or a larger \
+                     tmpfs), or fewer bytes per connection (OXCCL_CHUNK_BYTES, OXCCL_NSTEPS)"
+                )));
+            }
+        }
+    }
+}
+
 impl ShmRegion {
     /// Creates or opens the segment `name` of `len` bytes; `peer_pid`: the process of the
     /// other end, if another process maps it (0: none in particular).
@@ -55,6 +92,7 @@ impl ShmRegion {
         // Both ends truncate to the same size: the second call changes nothing.
         nix::unistd::ftruncate(&fd, len as i64)
             .map_err(|e| Error::os(format!("ftruncate {path} to {len} bytes"), e))?;
+        reserve(&fd, &path, len)?;
         // SAFETY: a fresh shared mapping of a file we own, length checked non-zero.
         let ptr = unsafe {
             mmap(
