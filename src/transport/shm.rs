@@ -40,6 +40,26 @@ unsafe impl Send for ShmRegion {}
 // SAFETY: as above.
 unsafe impl Sync for ShmRegion {}
 
+/// A shared read-write mapping of the first `len` bytes of `fd` (a file of at least that size).
+pub(crate) fn map_shared(
+    fd: impl std::os::fd::AsFd,
+    len: usize,
+) -> nix::Result<NonNull<std::ffi::c_void>> {
+    let len = NonZeroUsize::new(len).ok_or(nix::errno::Errno::EINVAL)?;
+    // SAFETY: a fresh mapping of a file the caller owns, which it sized; nothing else is at
+    // the address the kernel picks.
+    unsafe {
+        mmap(
+            None,
+            len,
+            ProtFlags::PROT_READ | ProtFlags::PROT_WRITE,
+            MapFlags::MAP_SHARED,
+            fd,
+            0,
+        )
+    }
+}
+
 /// Reserves the segment's memory now (posix_fallocate; the second end finds it reserved): a
 /// /dev/shm too small for it is then an error that says so, where a sparse segment would
 /// crash the process with SIGBUS when a slot is first written (as a container's default
@@ -93,18 +113,8 @@ impl ShmRegion {
         nix::unistd::ftruncate(&fd, len as i64)
             .map_err(|e| Error::os(format!("ftruncate {path} to {len} bytes"), e))?;
         reserve(&fd, &path, len)?;
-        // SAFETY: a fresh shared mapping of a file we own, length checked non-zero.
-        let ptr = unsafe {
-            mmap(
-                None,
-                NonZeroUsize::new(len).expect("non-zero"),
-                ProtFlags::PROT_READ | ProtFlags::PROT_WRITE,
-                MapFlags::MAP_SHARED,
-                &fd,
-                0,
-            )
-        }
-        .map_err(|e| Error::os(format!("mmap {path} ({len} bytes)"), e))?;
+        let ptr =
+            map_shared(&fd, len).map_err(|e| Error::os(format!("mmap {path} ({len} bytes)"), e))?;
         Ok(ShmRegion {
             ptr,
             len,

@@ -3,10 +3,9 @@
 
 use crate::error::{Error, Result};
 use crate::transport::board::BufInfo;
-use nix::sys::mman::{mmap, munmap, MapFlags, ProtFlags};
+use nix::sys::mman::munmap;
 use parking_lot::Mutex;
 use std::collections::{BTreeMap, HashMap};
-use std::num::NonZeroUsize;
 use std::os::fd::AsRawFd;
 use std::os::fd::OwnedFd;
 use std::ptr::NonNull;
@@ -36,18 +35,8 @@ pub fn alloc(size: usize) -> Result<usize> {
             .map_err(|e| Error::os("ncclMemAlloc: memfd_create", e))?;
     nix::unistd::ftruncate(&fd, len as i64)
         .map_err(|e| Error::os(format!("ncclMemAlloc: cannot allocate {size} bytes"), e))?;
-    // SAFETY: a fresh shared mapping of our own memfd, non-zero length.
-    let p = unsafe {
-        mmap(
-            None,
-            NonZeroUsize::new(len).expect("non-zero"),
-            ProtFlags::PROT_READ | ProtFlags::PROT_WRITE,
-            MapFlags::MAP_SHARED,
-            &fd,
-            0,
-        )
-    }
-    .map_err(|e| Error::os(format!("ncclMemAlloc: mmap of {size} bytes"), e))?;
+    let p = crate::transport::shm::map_shared(&fd, len)
+        .map_err(|e| Error::os(format!("ncclMemAlloc: mmap of {size} bytes"), e))?;
     let addr = p.as_ptr() as usize;
     let id = NEXT_ID.fetch_add(1, Ordering::Relaxed);
     ALLOCS.lock().insert(addr, Alloc { len, id, fd });
@@ -142,18 +131,9 @@ impl PeerMaps {
                     "{path} is not the peer's allocation of {len} bytes"
                 )));
             }
-            // SAFETY: a fresh shared mapping of the peer's memfd, of its full length.
-            let ptr = unsafe {
-                mmap(
-                    None,
-                    NonZeroUsize::new(len).ok_or_else(|| Error::internal("empty allocation"))?,
-                    ProtFlags::PROT_READ | ProtFlags::PROT_WRITE,
-                    MapFlags::MAP_SHARED,
-                    &f,
-                    0,
-                )
-            }
-            .map_err(|e| Error::os(format!("mmap of {path}"), e))?;
+            // The peer's memfd, of its full length.
+            let ptr = crate::transport::shm::map_shared(&f, len)
+                .map_err(|e| Error::os(format!("mmap of {path}"), e))?;
             slot.insert(Mapping { ptr, len });
         }
         let m = &maps[&key];
