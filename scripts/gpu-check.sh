@@ -46,6 +46,11 @@ if [ "${1:-}" = "--prepare" ]; then
   # The kernels compiled here (NVRTC from PyPI) for sm_80/90/100, as the library's kernel cache
   # there (OXCCL_CACHE_DIR): the GPU machine needs no NVRTC of its own.
   OXCCL_KERNEL_EXPORT="$pack/kcache" cargo test --release --lib kernels_compile_with_nvrtc >/dev/null
+  ls "$pack/kcache" >/dev/null 2>&1 || {
+    echo "gpu-check --prepare: no kernel cache: NVRTC was not found here (on a fresh machine," \
+      "run scripts/setup.sh first: it installs nvidia-cuda-nvrtc from PyPI)" >&2
+    exit 1
+  }
   ls "$pack/kcache"
   make -s -C examples BUILD="$pack/bin" LIBDIR="$root/target/release"
   du -sh "$pack"
