@@ -46,8 +46,8 @@ pub(crate) fn map_shared(
     len: usize,
 ) -> nix::Result<NonNull<std::ffi::c_void>> {
     let len = NonZeroUsize::new(len).ok_or(nix::errno::Errno::EINVAL)?;
-    // SAFETY: a fresh mapping of a file the caller owns, which it sized; nothing else is at
-    // the address the kernel picks.
+    // SAFETY: a fresh mapping of a file the caller holds open and that has `len` bytes (it
+    // sized it, or checked its size); nothing else is at the address the kernel picks.
     unsafe {
         mmap(
             None,
