@@ -1,6 +1,7 @@
 //! A /dev/shm too small for the shared-memory connections (a container's default is 64 MiB):
 //! every rank gets an error, the failing one naming /dev/shm and what to do, instead of a
-//! process killed by SIGBUS when a slot is first written; and nothing stays in /dev/shm.
+//! process killed by SIGBUS when a slot is first written; and nothing stays in /dev/shm. A
+//! read-only /dev/shm likewise: an error that says /dev/shm must be a writable tmpfs.
 //! Needs root (a mount namespace with a small tmpfs on /dev/shm); skipped otherwise.
 
 use nccl::api;
@@ -25,11 +26,15 @@ fn rank(id: [u8; api::UNIQUE_ID_BYTES], n: usize, r: usize) {
         let _ = api::comm_abort(api::comm_handle(&c));
         res
     });
-    let e = e.expect_err("an all-reduce over a /dev/shm of 256 KiB");
+    let e = e.expect_err("an all-reduce over a /dev/shm of 256 KiB, or a read-only one");
     eprintln!("rank {r}: {e}");
     if e.msg.contains("/dev/shm") {
         assert_eq!(e.code, nccl::error::Code::SystemError, "{e}");
-        assert!(e.msg.contains("--shm-size"), "{e}");
+        // What to do: give it room, or make it writable.
+        assert!(
+            e.msg.contains("--shm-size") || e.msg.contains("writable tmpfs"),
+            "{e}"
+        );
     }
     std::fs::write(
         format!("{}.rank{r}", std::env::var("OXCCL_TEST_OUT").unwrap()),
@@ -55,6 +60,12 @@ fn a_dev_shm_too_small_is_an_error_not_a_crash() {
             errors.iter().any(|e| e.contains("/dev/shm")),
             "no rank named /dev/shm: {errors:?}"
         );
+        if std::env::var("OXCCL_TEST_CASE").unwrap() == "ro" {
+            assert!(
+                errors.iter().any(|e| e.contains("writable tmpfs")),
+                "{errors:?}"
+            );
+        }
         let left = std::fs::read_dir("/dev/shm").unwrap().count();
         assert_eq!(left, 0, "segments left in /dev/shm");
         return;
@@ -73,22 +84,28 @@ fn a_dev_shm_too_small_is_an_error_not_a_crash() {
         .display()
         .to_string();
     let exe = std::env::current_exe().unwrap();
-    let run = Command::new("unshare")
-        .args(["--mount", "--propagation", "private", "sh", "-c"])
-        .arg("mount -t tmpfs -o size=256k tmpfs /dev/shm && exec \"$@\"")
-        .arg("sh")
-        .arg(&exe)
-        .args(["--exact", TEST, "--nocapture", "--test-threads=1"])
-        .env("OXCCL_TEST_CHILD", "1")
-        .env("OXCCL_DEVICE", "host")
-        .env("OXCCL_TEST_OUT", &out)
-        .output()
-        .unwrap();
-    let text =
-        String::from_utf8_lossy(&run.stdout).to_string() + &String::from_utf8_lossy(&run.stderr);
-    for r in 0..2 {
-        let _ = std::fs::remove_file(format!("{out}.rank{r}"));
+    // Too small, then read-only (a container whose /dev/shm cannot be written).
+    for (case, opts) in [("small", "size=256k"), ("ro", "ro,size=256k")] {
+        let run = Command::new("unshare")
+            .args(["--mount", "--propagation", "private", "sh", "-c"])
+            .arg(format!(
+                "mount -t tmpfs -o {opts} tmpfs /dev/shm && exec \"$@\""
+            ))
+            .arg("sh")
+            .arg(&exe)
+            .args(["--exact", TEST, "--nocapture", "--test-threads=1"])
+            .env("OXCCL_TEST_CHILD", "1")
+            .env("OXCCL_DEVICE", "host")
+            .env("OXCCL_TEST_OUT", &out)
+            .env("OXCCL_TEST_CASE", case)
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&run.stdout).to_string()
+            + &String::from_utf8_lossy(&run.stderr);
+        for r in 0..2 {
+            let _ = std::fs::remove_file(format!("{out}.rank{r}"));
+        }
+        assert!(run.status.success(), "{case}:\n{text}");
+        assert!(text.contains("1 passed"), "{case}: ran nothing:\n{text}");
     }
-    assert!(run.status.success(), "{text}");
-    assert!(text.contains("1 passed"), "ran nothing:\n{text}");
 }

@@ -108,7 +108,17 @@ impl ShmRegion {
             OFlag::O_CREAT | OFlag::O_RDWR,
             Mode::S_IRUSR | Mode::S_IWUSR,
         )
-        .map_err(|e| Error::os(format!("shm_open {path}"), e))?;
+        .map_err(|e| match e {
+            nix::errno::Errno::ENOENT
+            | nix::errno::Errno::EACCES
+            | nix::errno::Errno::EPERM
+            | nix::errno::Errno::EROFS => Error::system(format!(
+                "shm_open {path}: {e}: processes of one host share memory through /dev/shm, \
+                 which must be a writable tmpfs (a container may need its own /dev/shm mount, \
+                 or --ipc=host)"
+            )),
+            e => Error::os(format!("shm_open {path}"), e),
+        })?;
         // Both ends truncate to the same size: the second call changes nothing.
         nix::unistd::ftruncate(&fd, len as i64)
             .map_err(|e| Error::os(format!("ftruncate {path} to {len} bytes"), e))?;
