@@ -155,14 +155,11 @@ fn failures_on_the_wire_end_in_errors() {
             ))
             .display()
             .to_string();
-        let env: Vec<(String, String)> = [
-            ("OXCCL_DEVICE", "host"),
-            ("OXCCL_TEST_ID_FILE", path.as_str()),
+        let env: Vec<(&str, &str)> = [
             ("OXCCL_TEST_CASE", case),
-            ("NCCL_SOCKET_IFNAME", "eth0"),
-            ("OXCCL_TIMEOUT_S", "60"),
             ("OXCCL_HEARTBEAT_S", "2"),
-            // 4 sockets; a slot of 128 KiB is cut into 2 parts, the second moved by a helper.
+            // 4 sockets; a slot of 512 KiB (across hosts) is cut into 4 parts, three of them
+            // moved by helpers.
             ("NCCL_SOCKET_NTHREADS", threads),
             ("NCCL_DEBUG", "INFO"),
         ]
@@ -172,7 +169,6 @@ fn failures_on_the_wire_end_in_errors() {
                 .into_iter()
                 .filter(|_| !net_plugin.is_empty()),
         )
-        .map(|(a, b)| (a.to_string(), b.to_string()))
         .collect();
         hosts.start_ranks(TEST, &path, 2, |r| r, &env);
         if case.starts_with("link-down") {

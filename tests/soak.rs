@@ -399,23 +399,14 @@ fn random_sequences_on_namespace_hosts() {
             std::env::temp_dir().join(format!("oxccl-netns-id-{}-{n}-{k}", std::process::id()));
         let path = path.display().to_string();
         let _ = std::fs::remove_file(&path);
-        let env: Vec<(String, String)> = [
-            ("OXCCL_DEVICE", "host".to_string()),
-            ("OXCCL_TEST_N", n.to_string()),
-            ("OXCCL_TEST_ID_FILE", path.clone()),
-            ("NCCL_SOCKET_IFNAME", "eth0".to_string()),
-            ("OXCCL_TIMEOUT_S", "60".to_string()),
-        ]
-        .into_iter()
-        .map(|(a, b)| (a.to_string(), b))
-        .collect();
+        let ranks = n.to_string();
         let before: Vec<u64> = (0..k).map(|i| hosts.bytes(i)).collect();
         hosts.start_ranks(
             "random_sequences_on_namespace_hosts",
             &path,
             n,
             |r| r % k,
-            &env,
+            &[("OXCCL_TEST_N", &ranks)],
         );
         let ok = hosts.wait();
         let logs = common::netns::joined_logs(&path, n);

@@ -109,15 +109,28 @@ impl Hosts {
     }
 
     /// Starts ranks 0..n of test `test` of this test binary, rank r on host `host_of(r)`
-    /// with `OXCCL_TEST_RANK=r` and `env`, its output in `{path}.rank{r}.log` (`joined_logs`).
+    /// with `OXCCL_TEST_RANK=r`, its output in `{path}.rank{r}.log` (`joined_logs`). Each rank
+    /// runs on the host executor, finds the unique id in `path` (`id_via_file`), uses the
+    /// hosts' `eth0` and waits 60 s at most (as `spawn_ranks`' ranks do); `env` adds to that,
+    /// or overrides it.
     pub fn start_ranks(
         &mut self,
         test: &str,
         path: &str,
         n: usize,
         host_of: impl Fn(usize) -> usize,
-        env: &[(String, String)],
+        env: &[(&str, &str)],
     ) {
+        let env: Vec<(String, String)> = [
+            ("OXCCL_DEVICE", "host"),
+            ("OXCCL_TEST_ID_FILE", path),
+            ("NCCL_SOCKET_IFNAME", "eth0"),
+            ("OXCCL_TIMEOUT_S", "60"),
+        ]
+        .iter()
+        .chain(env)
+        .map(|&(k, v)| (k.to_string(), v.to_string()))
+        .collect();
         let exe = std::env::current_exe().unwrap().display().to_string();
         for i in 0..self.n {
             let cmds: Vec<String> = (0..n)
@@ -130,7 +143,7 @@ impl Hosts {
                 })
                 .collect();
             if !cmds.is_empty() {
-                self.start(i, env, &cmds);
+                self.start(i, &env, &cmds);
             }
         }
     }
