@@ -176,7 +176,7 @@ pub fn build_task<T>(
                                 let p = hier::all_reduce_exchange(
                                     l, a.send, a.recv, a.count, a.dtype, red,
                                 )?;
-                                task.stages.push_back(tagged(stage(p.into())));
+                                task.stages.push(tagged(stage(p.into())));
                             }
                             hier::Plan::Hierarchical => {
                                 let programs = hier::all_reduce_hierarchical(
@@ -187,7 +187,7 @@ pub fn build_task<T>(
                                     last.fault = fault;
                                 }
                                 for s in stages {
-                                    task.stages.push_back(tagged(s));
+                                    task.stages.push(tagged(s));
                                 }
                             }
                         }
@@ -219,24 +219,24 @@ pub fn build_task<T>(
                         super::algo::log_choice(a.kind.name(), bytes, nranks, "Ring");
                         ring_program()?.into()
                     };
-                    task.stages.push_back(stage(work));
+                    task.stages.push(stage(work));
                 }
                 CollKind::AlltoAll => {
                     let bytes = a.count * a.dtype.size() * nranks;
                     super::algo::log_choice(a.kind.name(), bytes, nranks, "Direct");
                     let mut s = tagged(direct::all_to_all(l, a.send, a.recv, a.count, a.dtype)?);
                     s.fault = fault;
-                    task.stages.push_back(s);
+                    task.stages.push(s);
                 }
                 CollKind::Gather => {
                     let mut s = tagged(direct::gather(l, a.send, a.recv, a.count, a.dtype, root)?);
                     s.fault = fault;
-                    task.stages.push_back(s);
+                    task.stages.push(s);
                 }
                 CollKind::Scatter => {
                     let mut s = tagged(direct::scatter(l, a.send, a.recv, a.count, a.dtype, root)?);
                     s.fault = fault;
-                    task.stages.push_back(s);
+                    task.stages.push(s);
                 }
                 CollKind::Send | CollKind::Recv => {
                     let is_send = a.kind == CollKind::Send;

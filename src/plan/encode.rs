@@ -562,7 +562,7 @@ pub fn decode(f: &Flat) -> Result<Task> {
         .iter()
         .map(|s| {
             Ok(Stage {
-                lanes: dec_lanes(f, s.first_lane, s.nlanes)?,
+                lanes: dec_lanes(f, s.first_lane, s.nlanes)?.into(),
                 fault: if s.has_fault != 0 {
                     Some((
                         DataType::from_raw(s.fault_dtype)?,

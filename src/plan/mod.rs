@@ -19,11 +19,12 @@ pub mod task;
 #[cfg(test)]
 mod tests;
 
-pub use task::{Task, What};
+pub use task::{Stages, Task, What};
 
 use crate::error::Result;
 use crate::transport::ConnKey;
 use crate::types::{CollKind, DataType, ReduceKind, Reduction, Scalar, ScalarArg};
+use smallvec::SmallVec;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Prim {
@@ -287,10 +288,14 @@ impl Work {
     }
 }
 
+/// A stage's lanes, which run concurrently (the work of each in order). Most stages have one,
+/// held in place: a small operation's launch makes no allocation for it.
+pub type Lanes<W = Work> = SmallVec<[Vec<W>; 1]>;
+
 /// Lanes run concurrently; the work of a lane in order.
 #[derive(Default)]
 pub struct Stage {
-    pub lanes: Vec<Vec<Work>>,
+    pub lanes: Lanes,
     /// Output to spoil on purpose after the stage (OXCCL_FAULT=corrupt): (dtype, address, count).
     pub fault: Option<(DataType, usize, usize)>,
     /// Private copies of inputs the stage's programs read instead of the caller's buffers,

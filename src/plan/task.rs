@@ -6,9 +6,12 @@
 use super::{Stage, Stash, Work};
 use crate::transport::ConnKey;
 
+/// A task's stages, in order. Most tasks have one, held in place (see `Lanes`).
+pub type Stages<S = Stage> = smallvec::SmallVec<[S; 1]>;
+
 #[derive(Default)]
 pub struct Task {
-    pub stages: std::collections::VecDeque<Stage>,
+    pub stages: Stages,
     pub p2p: Vec<Vec<Work>>,
     /// Copies of send buffers that receives of the same task overwrite (see `Stash`).
     pub p2p_stash: Stash,

@@ -84,7 +84,7 @@ impl Job<'_> {
 }
 
 fn bind_lanes(
-    lanes: Vec<Vec<Work>>,
+    lanes: impl IntoIterator<Item = Vec<Work>>,
     conns: &crate::transport::conns::Conns,
 ) -> Result<Vec<Vec<DevProgram>>> {
     lanes

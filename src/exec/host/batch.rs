@@ -13,7 +13,9 @@ use crate::health::{Backoff, Coarse};
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
-/// Where the current work of a lane is.
+/// Where the current work of a lane is. (In place, though a board's state is smaller: a boxed
+/// cursor would be an allocation at every program's start.)
+#[allow(clippy::large_enum_variant)]
 enum Cur {
     Steps(Cursor),
     Board(BoardState),
@@ -192,7 +194,7 @@ impl Running {
 
     /// Makes the front stage's lanes current (the stage stays queued until it ends).
     fn load_stage(&mut self) -> Result<()> {
-        self.stage_lanes = match self.task.stages.front_mut() {
+        self.stage_lanes = match self.task.stages.first_mut() {
             Some(st) => {
                 let mut lanes = std::mem::take(&mut st.lanes);
                 // SAFETY: the stages before this one are done, and the task's turn has come.
@@ -207,8 +209,8 @@ impl Running {
     fn end_stage(&mut self) {
         // The lanes first: the stage's copies go back to the pool with it.
         self.stage_lanes.clear();
-        if let Some(st) = self.task.stages.pop_front() {
-            spoil(st.fault);
+        if !self.task.stages.is_empty() {
+            spoil(self.task.stages.remove(0).fault);
         }
     }
 
@@ -441,7 +443,7 @@ impl Batch {
     /// A batch of one task whose only work, a board operation, was begun by the caller (see
     /// `exec::lone`): it goes on from `state`.
     pub(super) fn resume_board(mut task: Task, op: Box<Direct>, state: BoardState) -> Batch {
-        let _ = task.stages.front_mut().map(|s| s.lanes.clear());
+        let _ = task.stages.first_mut().map(|s| s.lanes.clear());
         let mut r = Running::new(task);
         r.started = true;
         r.stage_lanes = vec![Lane {

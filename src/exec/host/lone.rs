@@ -107,11 +107,12 @@ impl<'a> LoneOp<'a> {
         };
         Err(match self.state.take() {
             Some(state) => {
-                t.stages.push_back(stage(Vec::new()));
+                t.stages.push(stage(Default::default()));
                 Batch::resume_board(t, op, state)
             }
             None => {
-                t.stages.push_back(stage(vec![vec![Item::Board(op)]]));
+                t.stages
+                    .push(stage(smallvec::smallvec![vec![Item::Board(op)]]));
                 Batch::new(vec![t])
             }
         })

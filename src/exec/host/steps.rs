@@ -6,6 +6,7 @@ use super::tune::{BySize, FIFO_TUNE_BYTES, STREAMED};
 use crate::error::{Error, Result};
 use crate::plan::{Addr, Prim, Program};
 use crate::transport::Conn;
+use smallvec::SmallVec;
 use std::sync::Arc;
 
 use super::recv_ref::RecvRefs;
@@ -25,7 +26,7 @@ pub(super) struct Cursor {
     reducer: Option<Reducer>,
     /// Scratch for `poll_program`: connections (by address) held by pending slices, kept to
     /// reuse its memory.
-    held: Vec<usize>,
+    held: SmallVec<[usize; 4]>,
     /// FIFO slots are filled with streaming stores (see `plan::tune`).
     streamed: bool,
     /// Where the program's speed is recorded when it ends, the option measured, and its start.
@@ -44,7 +45,7 @@ pub(super) struct Cursor {
     /// Connections given slots by reference, and the last such step of each: when the program
     /// ends, those that have not left are copied into their slots (`Conn::settle_refs`)
     /// before the caller's memory is given back.
-    refs: Vec<(Arc<Conn>, u64)>,
+    refs: SmallVec<[(Arc<Conn>, u64); 2]>,
     /// Connections whose slots the proxy reads into the caller's memory (`recv_ref`).
     recv_refs: RecvRefs,
 }
@@ -177,13 +178,13 @@ impl Cursor {
             ahead: 0,
             by_ref: by_reference(prog, reducer.as_ref()),
             reducer,
-            held: Vec::new(),
+            held: SmallVec::new(),
             streamed: forced.unwrap_or(timed.is_some_and(|(o, _)| o == STREAMED)),
             timed,
             exploring,
             stream_out,
             run_ahead,
-            refs: Vec::new(),
+            refs: SmallVec::new(),
             recv_refs: RecvRefs::new(prog),
         }
     }

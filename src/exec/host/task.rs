@@ -8,7 +8,6 @@ use crate::error::{Error, Result};
 use crate::plan::{self, Addr, Program, Stash, What, Work};
 use crate::transport::conns::Conns;
 use crate::transport::{Conn, ConnKey};
-use std::collections::VecDeque;
 use std::sync::Arc;
 
 /// One unit of a lane's work.
@@ -20,7 +19,7 @@ pub(super) enum Item {
 /// Stages run one after another (see `plan::Stage`).
 #[derive(Default)]
 pub(super) struct Stage {
-    pub lanes: Vec<Vec<Item>>,
+    pub lanes: plan::Lanes<Item>,
     pub fault: Option<(crate::types::DataType, usize, usize)>,
     pub stash: Scratch,
 }
@@ -191,7 +190,7 @@ impl StashPool {
 pub struct Task {
     pub comm: Arc<HostComm>,
     pub ticket: u64,
-    pub(super) stages: VecDeque<Stage>,
+    pub(super) stages: plan::Stages<Stage>,
     pub(super) p2p: Vec<Vec<Item>>,
     pub(super) p2p_stash: Scratch,
     /// What the task does, for log and timeout messages.
@@ -204,7 +203,7 @@ impl Task {
         Task {
             comm,
             ticket: u64::MAX,
-            stages: VecDeque::new(),
+            stages: plan::Stages::new(),
             p2p: Vec::new(),
             p2p_stash: Scratch::default(),
             what,
@@ -221,28 +220,31 @@ impl Task {
         what: What,
     ) -> Result<Task> {
         let mut task = Task::new(comm.clone(), what);
-        let lanes = |lanes: Vec<Vec<Work>>| -> Result<Vec<Vec<Item>>> {
-            // Collected in place (an Item is the size of the Work it replaces): no allocation.
+        // Each lane collected in place (an Item is the size of the Work it replaces), and a
+        // task's one stage and a stage's one lane held in place: no allocation.
+        fn lanes<L: FromIterator<Vec<Item>>>(
+            lanes: impl IntoIterator<Item = Vec<Work>>,
+            comm: &HostComm,
+            conns: &Conns,
+        ) -> Result<L> {
             lanes
                 .into_iter()
                 .map(|l| l.into_iter().map(|w| item(comm, conns, w)).collect())
                 .collect()
-        };
-        // Converted in place (a host stage is the size of a planned one): no allocation.
-        let stages: Vec<plan::Stage> = t.stages.into();
-        task.stages = stages
+        }
+        task.stages = t
+            .stages
             .into_iter()
             .map(|s| {
                 Ok(Stage {
-                    lanes: lanes(s.lanes)?,
+                    lanes: lanes(s.lanes, comm, conns)?,
                     fault: s.fault,
                     stash: Scratch::new(&s.stash, &comm.stash_pool),
                 })
             })
-            .collect::<Result<Vec<Stage>>>()?
-            .into();
+            .collect::<Result<_>>()?;
         task.p2p_stash = Scratch::new(&t.p2p_stash, &comm.stash_pool);
-        task.p2p = lanes(t.p2p)?;
+        task.p2p = lanes(t.p2p, comm, conns)?;
         // The ticket is taken only once planning succeeded, so a failed plan never blocks the comm.
         task.ticket = comm.take_ticket();
         if let Some(r) = &comm.recorder {
