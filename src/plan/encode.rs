@@ -300,7 +300,7 @@ struct Encoder {
 fn key_index(conns: &mut Vec<FlatConn>, c: &Option<ConnKey>) -> Result<u32> {
     let Some(k) = c else { return Ok(NONE) };
     let r = FlatConn {
-        peer: idx(k.peer)?,
+        peer: idx(k.peer())?,
         is_sender: k.is_sender as u32,
         class: k.class as u32,
         _pad: 0,
@@ -476,11 +476,11 @@ fn dec_program(f: &Flat, i: u32) -> Result<Program> {
             return Ok(None);
         }
         let k = at(&f.conns, c, "connection")?;
-        Ok(Some(ConnKey {
-            peer: k.peer as usize,
-            is_sender: k.is_sender != 0,
-            class: pick(&CLASSES, k.class, "connection class")?,
-        }))
+        Ok(Some(ConnKey::new(
+            k.peer as usize,
+            k.is_sender != 0,
+            pick(&CLASSES, k.class, "connection class")?,
+        )))
     };
     let steps = f.steps[range(&f.steps, p.first_step, p.nsteps, "steps")?]
         .iter()

@@ -16,11 +16,7 @@ pub trait Links {
     /// This rank's end of the connection with `peer` (`is_sender`: we send to it), by key: the
     /// executor binds it to the connection made at launch.
     fn conn(&self, peer: usize, is_sender: bool, class: Class) -> Result<ConnKey> {
-        Ok(ConnKey {
-            peer,
-            is_sender,
-            class,
-        })
+        Ok(ConnKey::new(peer, is_sender, class))
     }
     /// The ranks in ring order, when it is not rank order (ranks of a host are contiguous in
     /// the ring, so that it crosses each host boundary once).

@@ -215,11 +215,7 @@ impl Conns {
         let keys = [(next, true), (prev, false)]
             .into_iter()
             .filter(|&(p, _)| self.locality(p) != Locality::OtherHost)
-            .map(|(peer, is_sender)| ConnKey {
-                peer,
-                is_sender,
-                class: super::Class::Ring,
-            });
+            .map(|(peer, is_sender)| ConnKey::new(peer, is_sender, super::Class::Ring));
         let keys = self.missing(keys);
         connect_all(&[(self, keys)])
     }
@@ -231,7 +227,7 @@ impl Conns {
             return;
         }
         let plugin = super::plugin::net().map(|n| format!("NET/{}/0", n.name));
-        let via = match self.locality(k.peer) {
+        let via = match self.locality(k.peer()) {
             Locality::SameProcess if on_device => "P2P/direct pointer",
             Locality::SameProcess => "SHM/direct/direct",
             Locality::SameHost if on_device => "P2P/IPC",
@@ -244,8 +240,8 @@ impl Conns {
             k.class as u32,
             self.rank,
             dev(self.rank),
-            k.peer,
-            dev(k.peer),
+            k.peer(),
+            dev(k.peer()),
             self.hash
         ));
     }
@@ -301,29 +297,29 @@ impl Conns {
     }
 
     fn spec(&self, k: ConnKey) -> ConnSpec {
-        let peer_device = self.peer_device(k.peer);
+        let peer_device = self.peer_device(k.peer());
         ConnSpec {
             local_ip: self.local_ip,
             comm_hash: self.hash,
             me: self.rank,
-            peer: k.peer,
+            peer: k.peer(),
             is_sender: k.is_sender,
             class: k.class,
             nsteps: self.nsteps,
             slot_bytes: self.slot_bytes,
-            same_device: self.peers[self.rank].same_gpu(&self.peers[k.peer]),
+            same_device: self.peers[self.rank].same_gpu(&self.peers[k.peer()]),
             peer_device,
-            shared_blocks: !(k.is_sender && peer_device && !self.peer_atomics(k.peer)),
-            ipc: self.peers[self.rank].takes_ipc() && self.peers[k.peer].takes_ipc(),
-            peer_pid: self.peers[self.rank].pid_seen_by(&self.peers[k.peer]),
-            peer_host: self.peers[k.peer].hostname.clone(),
+            shared_blocks: !(k.is_sender && peer_device && !self.peer_atomics(k.peer())),
+            ipc: self.peers[self.rank].takes_ipc() && self.peers[k.peer()].takes_ipc(),
+            peer_pid: self.peers[self.rank].pid_seen_by(&self.peers[k.peer()]),
+            peer_host: self.peers[k.peer()].hostname.clone(),
         }
     }
 
     /// Sets up this end of `k`: the end to finish, or why it failed.
     fn setup(&self, k: ConnKey) -> (Result<Box<dyn Endpoint>>, Vec<u8>) {
-        let r =
-            pick(&self.peers[self.rank], &self.peers[k.peer]).and_then(|t| t.setup(&self.spec(k)));
+        let r = pick(&self.peers[self.rank], &self.peers[k.peer()])
+            .and_then(|t| t.setup(&self.spec(k)));
         match r {
             Ok((ep, blob)) => {
                 let mut b = vec![READY];
@@ -365,7 +361,8 @@ pub fn connect_all(needs: &[(&Conns, Vec<ConnKey>)]) -> Result<()> {
                 Ok(_) => c.setup(k),
                 Err(e) => c.failed_setup(e.clone()),
             };
-            let sent = c.with_bootstrap(|b| b.send_setup(k.peer, blob_tag(k, k.is_sender), &blob));
+            let sent =
+                c.with_bootstrap(|b| b.send_setup(k.peer(), blob_tag(k, k.is_sender), &blob));
             if let Err(e) = ep.as_ref().err().cloned().map_or(sent, Err) {
                 first_err.get_or_insert(e);
             }
@@ -373,7 +370,7 @@ pub fn connect_all(needs: &[(&Conns, Vec<ConnKey>)]) -> Result<()> {
         }
     }
     for (c, k, ep) in pending {
-        let blob = c.with_bootstrap(|b| b.recv_setup(k.peer, blob_tag(k, !k.is_sender)));
+        let blob = c.with_bootstrap(|b| b.recv_setup(k.peer(), blob_tag(k, !k.is_sender)));
         let r = blob.and_then(|blob| {
             let ep = ep?;
             let _g = c.enter_device()?;
@@ -381,7 +378,7 @@ pub fn connect_all(needs: &[(&Conns, Vec<ConnKey>)]) -> Result<()> {
                 Some((&READY, rest)) => ep.connect(rest),
                 Some((_, msg)) => Err(Error::remote(format!(
                     "rank {} could not set up its end of the connection with rank {}: {}",
-                    k.peer,
+                    k.peer(),
                     c.rank,
                     String::from_utf8_lossy(msg)
                 ))),

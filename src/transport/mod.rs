@@ -95,10 +95,28 @@ impl Locality {
 /// Hashes as one word (see `KeyHasher`): launches look keys up on every task.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub struct ConnKey {
-    pub peer: usize,
+    /// The peer's rank, in 32 bits: a planned step (two keys) is then the size of a step bound
+    /// to connections, so binding a program reuses its memory (see `Program::bind`).
+    peer: u32,
     /// This rank sends on the connection (else it receives).
     pub is_sender: bool,
     pub class: Class,
+}
+
+impl ConnKey {
+    pub fn new(peer: usize, is_sender: bool, class: Class) -> ConnKey {
+        ConnKey {
+            peer: peer as u32,
+            is_sender,
+            class,
+        }
+    }
+
+    /// The peer's rank.
+    #[inline]
+    pub fn peer(&self) -> usize {
+        self.peer as usize
+    }
 }
 
 impl std::hash::Hash for ConnKey {

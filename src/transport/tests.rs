@@ -60,11 +60,7 @@ fn p2p_both_ways(c: &Conns, peer: usize) -> (Arc<super::Conn>, Arc<super::Conn>)
 }
 
 fn key(peer: usize, is_sender: bool, class: Class) -> ConnKey {
-    ConnKey {
-        peer,
-        is_sender,
-        class,
-    }
+    ConnKey::new(peer, is_sender, class)
 }
 
 /// Three ranks connect a ring (to the next, from the previous) and a point-to-point pair in one

@@ -16,6 +16,13 @@ use std::time::Instant;
 /// A program bound to this rank's connections.
 pub(super) type HostProgram = Program<Arc<Conn>>;
 
+// Binding a planned program reuses its steps' memory only where a bound step is the size of a
+// planned one (`Program::bind`).
+const _: () = assert!(
+    std::mem::size_of::<crate::plan::Step<Arc<Conn>>>()
+        == std::mem::size_of::<crate::plan::Step<crate::transport::ConnKey>>()
+);
+
 /// Where a program is: the first slice not done (`head`, counting step by step through the
 /// iterations), which of the following slices are done already (run ahead), and the program's
 /// resolved reduction.
