@@ -210,6 +210,32 @@ fn logger() -> Logger {
     oxccl_plugin_logger as *const c_void
 }
 
+/// The profiler callback v10+ plugins get (`ncclProfilerCallback_t`): oxccl records no plugin
+/// events, so it hands back no event. NCCL always passes one, and a plugin may call it without
+/// checking for null.
+unsafe extern "C" fn no_profiler(
+    event: *mut P,
+    _type: c_int,
+    _parent: P,
+    _plugin: i64,
+    _ext: P,
+) -> R {
+    if !event.is_null() {
+        // SAFETY: the plugin passes where the event handle goes.
+        unsafe { *event = std::ptr::null_mut() };
+    }
+    0
+}
+
+/// A request's size for ABIs before v9, which take an int.
+fn int_bytes(bytes: usize, name: &str, what: &str) -> Result<c_int> {
+    c_int::try_from(bytes).map_err(|_| {
+        Error::internal(format!(
+            "net plugin '{name}': a {what} of {bytes} bytes does not fit its ABI's int size"
+        ))
+    })
+}
+
 fn must<T>(f: Option<T>, name: &str, what: &str) -> Result<T> {
     f.ok_or_else(|| Error::system(format!("net plugin '{name}' has no {what} function")))
 }
@@ -275,17 +301,12 @@ impl Net {
                 Table::V7(t) => must(t.init, &n, "init")?(lg),
                 Table::V8(t) => must(t.init, &n, "init")?(lg),
                 Table::V9(t) => must(t.init, &n, "init")?(lg),
-                Table::V10(t) => must(t.init, &n, "init")?(lg, std::ptr::null_mut()),
+                Table::V10(t) => must(t.init, &n, "init")?(lg, no_profiler as P),
                 Table::V11(t) => {
                     let mut config: c_int = -1; // NCCL_NET_TRAFFIC_CLASS_UNDEF
                     let mut ctx = std::ptr::null_mut();
-                    let r = must(t.init, &n, "init")?(
-                        &mut ctx,
-                        0,
-                        &mut config,
-                        lg,
-                        std::ptr::null_mut(),
-                    );
+                    let r =
+                        must(t.init, &n, "init")?(&mut ctx, 0, &mut config, lg, no_profiler as P);
                     self.ctx = ctx;
                     r
                 }
@@ -416,7 +437,10 @@ impl Net {
         let mut req = std::ptr::null_mut();
         let d = data as P;
         let n = &self.name;
-        let b = bytes as c_int;
+        let b = match self.table {
+            Table::V6(_) | Table::V7(_) | Table::V8(_) => int_bytes(bytes, n, "send")?,
+            _ => 0,
+        };
         let none = std::ptr::null_mut();
         // SAFETY: as in `init`; the memory stays registered and unchanged until the request
         // completes.
@@ -440,7 +464,10 @@ impl Net {
         let mut d = data as P;
         let mut mh = mh;
         let mut tag: c_int = 0;
-        let mut b = bytes as c_int;
+        let mut b = match self.table {
+            Table::V6(_) | Table::V7(_) | Table::V8(_) => int_bytes(bytes, &self.name, "receive")?,
+            _ => 0,
+        };
         let mut bz = bytes;
         let mut ph: P = std::ptr::null_mut();
         let n = &self.name;
@@ -496,5 +523,42 @@ impl Net {
     }
     pub fn close_listen(&self, comm: P) {
         self.close_with(same!(self.table, close_listen), comm)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_plugin_calling_the_profiler_gets_no_event_and_success() {
+        let mut event: P = 8 as P;
+        // SAFETY: called as a plugin would, with a place for the event handle.
+        assert_eq!(
+            unsafe { no_profiler(&mut event, 1, 16 as P, 7, 32 as P) },
+            0
+        );
+        assert!(event.is_null());
+        // SAFETY: a null place is ignored.
+        assert_eq!(
+            unsafe { no_profiler(std::ptr::null_mut(), 1, 16 as P, 7, 32 as P) },
+            0
+        );
+    }
+
+    #[test]
+    fn sizes_past_an_int_are_an_error_for_abis_before_v9() {
+        assert_eq!(int_bytes(1 << 20, "p", "send").unwrap(), 1 << 20);
+        assert_eq!(
+            int_bytes(c_int::MAX as usize, "p", "send").unwrap(),
+            c_int::MAX
+        );
+        let e = int_bytes(1 << 31, "p", "receive").unwrap_err();
+        assert!(
+            e.msg
+                .contains("net plugin 'p': a receive of 2147483648 bytes"),
+            "{}",
+            e.msg
+        );
     }
 }
