@@ -670,6 +670,42 @@ fn a_peer_dying_mid_transfer_is_an_error_in_a_c_program() {
     assert!(t0.elapsed() < std::time::Duration::from_secs(20), "{t}");
 }
 
+/// A v11+ plugin gets a context per communicator, as from NCCL: a rank whose communicator has
+/// connections through the plugin has one, with the communicator's hash as its id (the same on
+/// every rank, not 0), and finalizes it when the communicator ends (the test plugin logs both,
+/// and fails a listen or connect in any context but a live one).
+fn check_contexts(name: &str, outs: &[Output]) {
+    let mut ids = Vec::new();
+    for (r, o) in outs.iter().enumerate() {
+        let t = text(o);
+        let made: Vec<&str> = t
+            .lines()
+            .filter_map(|l| l.split("testnet context for comm ").nth(1))
+            .filter(|id| !id.ends_with("finalized") && *id != "0")
+            .collect();
+        let crosses = t.contains("via NET/testnet/0");
+        assert!(
+            made.len() == usize::from(crosses) || (!crosses && made.len() == 1),
+            "{name} rank {r}: one context for its communicator:\n{t}"
+        );
+        for id in made {
+            assert!(
+                t.contains(&format!("testnet context for comm {id} finalized")),
+                "{name} rank {r}: context {id} not finalized:\n{t}"
+            );
+            ids.push(id.to_string());
+        }
+    }
+    assert!(
+        ids.len() >= 2,
+        "{name}: contexts on the ranks that cross hosts: {ids:?}"
+    );
+    assert!(
+        ids.iter().all(|i| *i == ids[0]),
+        "{name}: one id on every rank: {ids:?}"
+    );
+}
+
 /// The test net plugin (tests/net_plugin/testnet.c) built for ABI version `v`.
 fn testnet_plugin(v: u32) -> PathBuf {
     let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/net_plugin/testnet.c");
@@ -690,8 +726,9 @@ fn testnet_plugin(v: u32) -> PathBuf {
 /// Every collective and Send/Recv through the net plugin path: the perf tools on 2 "hosts" x 2
 /// ranks (loopback, OXCCL_HOSTID), NCCL_NET_PLUGIN pointing at oxccl's socket transport built
 /// as a plugin (net-plugin/, ABI v8, connections named NET/oxsocket), then at a TCP plugin in
-/// C built for ABI v8 and v12 (NET/testnet); every row checked. Three of the tools with a
-/// plugin that refuses every third post; then all_reduce at every ABI version v6 .. v12.
+/// C built for ABI v8 and v12 (NET/testnet); every row checked, and at v11+ the contexts per
+/// communicator. Three of the tools with a plugin that refuses every third post; then
+/// all_reduce at every ABI version v6 .. v12.
 #[test]
 fn every_collective_through_a_net_plugin() {
     let hosts = |r: usize| Some(format!("plugin-host-{}", r / 2));
@@ -749,6 +786,9 @@ fn every_collective_through_a_net_plugin() {
             let outs =
                 processes_placed(4, name, &["-b", "8", "-e", "1M", "-f", "32"], &envs, &hosts);
             check(name, v, &outs);
+            if v >= 11 {
+                check_contexts(name, &outs);
+            }
         }
     }
     // A plugin that sometimes refuses a post (NULL request: call again later).
@@ -779,5 +819,8 @@ fn every_collective_through_a_net_plugin() {
             &hosts,
         );
         check("all_reduce_perf", v, &outs);
+        if v >= 11 {
+            check_contexts("all_reduce_perf", &outs);
+        }
     }
 }

@@ -33,6 +33,54 @@ fn plugin() -> Result<&'static Plugin> {
     super::plugin::net().ok_or_else(|| Error::internal("the net plugin is gone"))
 }
 
+/// A rank's context in a v11+ plugin, which NCCL initialises once per communicator of each rank
+/// (with the communicator's hash as its id) and finalizes when the communicator ends. The
+/// rank's connections through the plugin share it; the last of them to go finalizes it, after
+/// closing its own comms (`PluginEnd` holds it in its last field).
+struct CommContext(Comm);
+
+impl Drop for CommContext {
+    fn drop(&mut self) {
+        if let Ok(net) = plugin() {
+            net.finalize(self.0 .0);
+        }
+    }
+}
+
+// SAFETY: the context is only handed back to the plugin, from any thread (as NCCL's proxy
+// threads do).
+unsafe impl Sync for CommContext {}
+
+/// The contexts of the ranks with connections through the plugin, by (communicator, rank)
+/// (`ncclCommInitAll` puts several ranks of one communicator in a process).
+type Contexts = Vec<((u64, usize), std::sync::Weak<CommContext>)>;
+static CONTEXTS: Mutex<Contexts> = Mutex::new(Vec::new());
+
+/// Rank `key.1`'s context in communicator `key.0`, made at its first connection through the
+/// plugin (None where the plugin's ABI, before v11, has none).
+fn comm_context(net: &Plugin, key: (u64, usize)) -> Result<Option<Arc<CommContext>>> {
+    let mut all = CONTEXTS.lock();
+    all.retain(|(_, w)| w.strong_count() > 0);
+    if let Some(c) = all
+        .iter()
+        .find(|(k, _)| *k == key)
+        .and_then(|(_, w)| w.upgrade())
+    {
+        return Ok(Some(c));
+    }
+    let Some(ctx) = net.comm_context(key.0)? else {
+        return Ok(None);
+    };
+    let c = Arc::new(CommContext(Comm(ctx)));
+    all.push((key, Arc::downgrade(&c)));
+    Ok(Some(c))
+}
+
+/// The plugin's pointer for a context (null: none).
+fn ctx_ptr(c: &Option<Arc<CommContext>>) -> *mut c_void {
+    c.as_ref().map_or(std::ptr::null_mut(), |c| c.0 .0)
+}
+
 impl Transport for NetPlugin {
     fn name(&self) -> &'static str {
         "network (net plugin)"
@@ -42,6 +90,7 @@ impl Transport for NetPlugin {
     }
     fn setup(&self, spec: &ConnSpec) -> Result<(Box<dyn Endpoint>, Vec<u8>)> {
         let net = plugin()?;
+        let ctx = comm_context(net, (spec.comm_hash, spec.me))?;
         // Named for this end alone (both ends of one connection may live in one process).
         let end = if spec.is_sender { "send" } else { "recv" };
         let name = format!("{}-netp-{}-{end}", spec.name(), std::process::id());
@@ -51,7 +100,7 @@ impl Transport for NetPlugin {
             (Comm::null(), Vec::new())
         } else {
             let mut handle = [0u8; HANDLE_BYTES];
-            let l = net.listen(0, &mut handle)?;
+            let l = net.listen(ctx_ptr(&ctx), 0, &mut handle)?;
             (Comm(l), handle.to_vec())
         };
         Ok((
@@ -60,6 +109,7 @@ impl Transport for NetPlugin {
                 listen,
                 spec: (spec.me, spec.peer, spec.is_sender),
                 geometry: (spec.nsteps, spec.slot_bytes),
+                ctx,
             }),
             blob,
         ))
@@ -85,6 +135,7 @@ struct Setup {
     listen: Comm,
     spec: (usize, usize, bool),
     geometry: (usize, usize),
+    ctx: Option<Arc<CommContext>>,
 }
 
 impl Endpoint for Setup {
@@ -134,6 +185,7 @@ impl Endpoint for Setup {
             }),
             closed: Default::default(),
             waker: Default::default(),
+            ctx: s.ctx,
         }));
         Ok(conn)
     }
@@ -235,6 +287,9 @@ pub struct PluginEnd {
     closed: std::sync::atomic::AtomicBool,
     /// Set when the proxy thread takes the end.
     waker: once_cell::sync::OnceCell<super::proxy::Waker>,
+    /// Its communicator's context in a v11+ plugin. Last: it is finalized (if this end holds
+    /// it last) only after `drop` closed the end's comms and its other fields went.
+    ctx: Option<Arc<CommContext>>,
 }
 
 impl PluginEnd {
@@ -268,7 +323,7 @@ impl PluginEnd {
         let net = plugin()?;
         match &mut w.state {
             State::Connecting(handle) => {
-                let c = net.connect(0, handle).map_err(|e| self.failed(e))?;
+                let c = (net.connect(ctx_ptr(&self.ctx), 0, handle)).map_err(|e| self.failed(e))?;
                 if c.is_null() {
                     return Ok(false);
                 }

@@ -206,12 +206,34 @@ static res_t closeListen(void* l) {
 
 /* The ABI's signatures, per version. */
 #if NET_V >= 11
+/* A context per init (NCCL makes one per communicator, its hash as the id): listen and connect
+ * check that they get a live one; init and finalize say which communicator's it is. */
+#define CTX_MAGIC 0x7e57c7c7u
+struct ctx { uint32_t magic; uint64_t id; };
+static int live_ctx(void* c) { return c && ((struct ctx*)c)->magic == CTX_MAGIC; }
 static res_t init_v(void** ctx, uint64_t id, void* cfg, logger_t lf, void* pf) {
-  (void)id; (void)cfg; (void)pf; logf_ = lf; *ctx = (void*)0x1; return init_();
+  (void)cfg; (void)pf; logf_ = lf;
+  struct ctx* c = malloc(sizeof *c);
+  if (!c) return SYS;
+  c->magic = CTX_MAGIC; c->id = id; *ctx = c;
+  if (logf_) logf_(3, 0, __FILE__, __LINE__, "testnet context for comm %#llx", (unsigned long long)id);
+  return init_();
 }
-static res_t listen_v(void* ctx, int dev, void* h, void** lc) { (void)ctx; return listen_(dev, h, lc); }
-static res_t connect_v(void* ctx, int dev, void* h, void** sc, void** dc) { (void)ctx; *dc = NULL; return connect_(dev, h, sc); }
-static res_t finalize(void* ctx) { (void)ctx; return OK; }
+static res_t listen_v(void* ctx, int dev, void* h, void** lc) {
+  if (!live_ctx(ctx)) return INTERNAL;
+  return listen_(dev, h, lc);
+}
+static res_t connect_v(void* ctx, int dev, void* h, void** sc, void** dc) {
+  if (!live_ctx(ctx)) return INTERNAL;
+  *dc = NULL; return connect_(dev, h, sc);
+}
+static res_t finalize(void* ctx) {
+  if (!live_ctx(ctx)) return INTERNAL;
+  struct ctx* c = ctx;
+  if (logf_) logf_(3, 0, __FILE__, __LINE__, "testnet context for comm %#llx finalized", (unsigned long long)c->id);
+  c->magic = 0; free(c);
+  return OK;
+}
 #elif NET_V == 10
 static res_t init_v(logger_t lf, void* pf) { (void)pf; logf_ = lf; return init_(); }
 static res_t listen_v(int dev, void* h, void** lc) { return listen_(dev, h, lc); }

@@ -3,8 +3,8 @@
 //! versions: v7 added device handles to connect/accept; v8 made regMr's size a size_t; v9 made
 //! isend/irecv sizes size_t; v10 added a profiler callback to init, a comm config to connect
 //! and profiler handles to isend/irecv; v11 and v12 made init return a context that
-//! listen/connect take, and added finalize. oxccl moves host memory only (`NCCL_PTR_HOST`) and
-//! posts one buffer per receive.
+//! listen/connect take (one per communicator: `Net::comm_context`), and added finalize. oxccl
+//! moves host memory only (`NCCL_PTR_HOST`) and posts one buffer per receive.
 
 use crate::error::{Error, Result};
 use std::ffi::{c_char, c_int, c_ulong, c_void, CStr};
@@ -130,6 +130,10 @@ pub struct V11 {
     close_send: F<unsafe extern "C" fn(P) -> R>,
     close_recv: F<unsafe extern "C" fn(P) -> R>,
     close_listen: F<unsafe extern "C" fn(P) -> R>,
+    get_device_mr: P,
+    irecv_consumed: P,
+    make_vdevice: P,
+    finalize: F<unsafe extern "C" fn(P) -> R>,
 }
 
 /// Field `$f` of whichever version's table, for the fields whose type every version shares.
@@ -236,6 +240,17 @@ fn int_bytes(bytes: usize, name: &str, what: &str) -> Result<c_int> {
     })
 }
 
+/// A v11+ init for communicator `comm_id` (0: none): its result and the context.
+fn v11_init(t: &V11, name: &str, comm_id: u64, lg: Logger) -> Result<(R, P)> {
+    let mut config: c_int = -1; // NCCL_NET_TRAFFIC_CLASS_UNDEF
+    let mut ctx = std::ptr::null_mut();
+    // SAFETY: the plugin's init, with arguments of the types its ABI declares.
+    let r = unsafe {
+        must(t.init, name, "init")?(&mut ctx, comm_id, &mut config, lg, no_profiler as P)
+    };
+    Ok((r, ctx))
+}
+
 fn must<T>(f: Option<T>, name: &str, what: &str) -> Result<T> {
     f.ok_or_else(|| Error::system(format!("net plugin '{name}' has no {what} function")))
 }
@@ -290,7 +305,9 @@ impl Net {
         })
     }
 
-    /// Initialises the plugin (once per process; v11+: one context for every communicator).
+    /// Initialises the plugin (once per process, before its devices are asked for; v11+: a
+    /// context, with no communicator's id, that listens and connects where no communicator's
+    /// context is given, see `comm_context`).
     pub fn init(&mut self) -> Result<()> {
         let lg = logger();
         let n = self.name.clone();
@@ -303,16 +320,44 @@ impl Net {
                 Table::V9(t) => must(t.init, &n, "init")?(lg),
                 Table::V10(t) => must(t.init, &n, "init")?(lg, no_profiler as P),
                 Table::V11(t) => {
-                    let mut config: c_int = -1; // NCCL_NET_TRAFFIC_CLASS_UNDEF
-                    let mut ctx = std::ptr::null_mut();
-                    let r =
-                        must(t.init, &n, "init")?(&mut ctx, 0, &mut config, lg, no_profiler as P);
+                    let (r, ctx) = v11_init(t, &n, 0, lg)?;
                     self.ctx = ctx;
                     r
                 }
             }
         };
         self.check("init", r)
+    }
+
+    /// v11+ (NCCL initialises such a plugin once per communicator, with the communicator's
+    /// hash as its id, and finalizes that context when the communicator ends): a context for
+    /// the communicator `comm_id`; None for older ABIs, which have none.
+    pub fn comm_context(&self, comm_id: u64) -> Result<Option<P>> {
+        let Table::V11(t) = self.table else {
+            return Ok(None);
+        };
+        let (r, ctx) = v11_init(t, &self.name, comm_id, logger())?;
+        self.check("init", r)?;
+        Ok(Some(ctx))
+    }
+
+    /// Ends a context `comm_context` gave (v11+), once nothing made with it is open.
+    pub fn finalize(&self, ctx: P) {
+        if let Table::V11(t) = self.table {
+            if let Some(f) = t.finalize {
+                // SAFETY: `ctx` came from the plugin's init and is finalized once.
+                let _ = unsafe { f(ctx) };
+            }
+        }
+    }
+
+    /// `ctx`, or the process's context where it is null.
+    fn ctx_or(&self, ctx: P) -> P {
+        if ctx.is_null() {
+            self.ctx
+        } else {
+            ctx
+        }
     }
 
     /// The number of devices.
@@ -338,8 +383,9 @@ impl Net {
         Ok(ptr_support & PTR_HOST != 0)
     }
 
-    /// Listens on device `dev`: the listening comm; `handle` is what the peer connects to.
-    pub fn listen(&self, dev: i32, handle: &mut [u8; HANDLE_BYTES]) -> Result<P> {
+    /// Listens on device `dev` (v11+: in context `ctx`, null for the process's): the listening
+    /// comm; `handle` is what the peer connects to.
+    pub fn listen(&self, ctx: P, dev: i32, handle: &mut [u8; HANDLE_BYTES]) -> Result<P> {
         let mut l = std::ptr::null_mut();
         let h = handle.as_mut_ptr() as P;
         let n = &self.name;
@@ -351,15 +397,16 @@ impl Net {
                 Table::V8(t) => must(t.listen, n, "listen")?(dev, h, &mut l),
                 Table::V9(t) => must(t.listen, n, "listen")?(dev, h, &mut l),
                 Table::V10(t) => must(t.listen, n, "listen")?(dev, h, &mut l),
-                Table::V11(t) => must(t.listen, n, "listen")?(self.ctx, dev, h, &mut l),
+                Table::V11(t) => must(t.listen, n, "listen")?(self.ctx_or(ctx), dev, h, &mut l),
             }
         };
         self.check("listen", r)?;
         Ok(l)
     }
 
-    /// One try at connecting to `handle`: the send comm, or null (call again).
-    pub fn connect(&self, dev: i32, handle: &mut [u8; HANDLE_BYTES]) -> Result<P> {
+    /// One try at connecting to `handle` (v11+: in context `ctx`, as `listen`): the send comm,
+    /// or null (call again).
+    pub fn connect(&self, ctx: P, dev: i32, handle: &mut [u8; HANDLE_BYTES]) -> Result<P> {
         let mut s = std::ptr::null_mut();
         let mut dc = std::ptr::null_mut();
         let h = handle.as_mut_ptr() as P;
@@ -375,7 +422,9 @@ impl Net {
                     let mut config: c_int = -1;
                     must(t.connect, n, "connect")?(dev, &mut config, h, &mut s, &mut dc)
                 }
-                Table::V11(t) => must(t.connect, n, "connect")?(self.ctx, dev, h, &mut s, &mut dc),
+                Table::V11(t) => {
+                    must(t.connect, n, "connect")?(self.ctx_or(ctx), dev, h, &mut s, &mut dc)
+                }
             }
         };
         self.check("connect", r)?;
