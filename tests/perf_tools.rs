@@ -672,8 +672,9 @@ fn a_peer_dying_mid_transfer_is_an_error_in_a_c_program() {
 
 /// A v11+ plugin gets a context per communicator, as from NCCL: a rank whose communicator has
 /// connections through the plugin has one, with the communicator's hash as its id (the same on
-/// every rank, not 0), and finalizes it when the communicator ends (the test plugin logs both,
-/// and fails a listen or connect in any context but a live one).
+/// every rank, not 0), and finalizes it when the communicator ends, after every comm made in
+/// it closed (the test plugin logs both, warns of comms still open, and fails a listen or
+/// connect in any context but a live one).
 fn check_contexts(name: &str, outs: &[Output]) {
     let mut ids = Vec::new();
     for (r, o) in outs.iter().enumerate() {
@@ -683,6 +684,10 @@ fn check_contexts(name: &str, outs: &[Output]) {
             .filter_map(|l| l.split("testnet context for comm ").nth(1))
             .filter(|id| !id.ends_with("finalized") && *id != "0")
             .collect();
+        assert!(
+            !t.contains("comm(s) open"),
+            "{name} rank {r}: a context finalized before what was made in it closed:\n{t}"
+        );
         let crosses = t.contains("via NET/testnet/0");
         assert!(
             made.len() == usize::from(crosses) || (!crosses && made.len() == 1),

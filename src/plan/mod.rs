@@ -227,7 +227,9 @@ impl<C> Program<C> {
         // `ConnKey`), so the planned steps' memory takes them, with no allocation at each
         // launch. (A bound step of another size leaves a shrinking realloc, which costs more
         // than an allocation and a free.)
-        let steps = (self.steps.into_iter())
+        let steps = self
+            .steps
+            .into_iter()
             .map(|s| {
                 Ok(Step {
                     prim: s.prim,

@@ -105,6 +105,8 @@ pub struct ConnKey {
 
 impl ConnKey {
     pub fn new(peer: usize, is_sender: bool, class: Class) -> ConnKey {
+        // Ranks are C ints.
+        debug_assert!(u32::try_from(peer).is_ok(), "rank {peer}");
         ConnKey {
             peer: peer as u32,
             is_sender,

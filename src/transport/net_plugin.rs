@@ -76,7 +76,8 @@ fn comm_context(net: &Plugin, key: (u64, usize)) -> Result<Option<Arc<CommContex
     Ok(Some(c))
 }
 
-/// The plugin's pointer for a context (null: none).
+/// The plugin's pointer for a context (null: none, before v11; a v11+ plugin may also give
+/// null, which it then gets back).
 fn ctx_ptr(c: &Option<Arc<CommContext>>) -> *mut c_void {
     c.as_ref().map_or(std::ptr::null_mut(), |c| c.0 .0)
 }
@@ -138,9 +139,24 @@ struct Setup {
     ctx: Option<Arc<CommContext>>,
 }
 
+impl Drop for Setup {
+    /// A receiving end that never connected (the peer's set-up failed) closes its listening
+    /// comm, before its context may be finalized (fields drop after this).
+    fn drop(&mut self) {
+        if !self.listen.0.is_null() {
+            if let Ok(net) = plugin() {
+                net.close_listen(self.listen.0);
+            }
+        }
+    }
+}
+
 impl Endpoint for Setup {
-    fn connect(self: Box<Self>, peer_blob: &[u8]) -> Result<super::Conn> {
-        let s = *self;
+    fn connect(mut self: Box<Self>, peer_blob: &[u8]) -> Result<super::Conn> {
+        // Handed on to the end (`Setup::drop` closes what is left).
+        let listen = std::mem::replace(&mut self.listen, Comm::null());
+        let ctx = self.ctx.take();
+        let s = &*self;
         let (me, peer, is_sender) = s.spec;
         let (nsteps, slot_bytes) = s.geometry;
         let view = || {
@@ -167,7 +183,7 @@ impl Endpoint for Setup {
             handle.copy_from_slice(peer_blob);
             State::Connecting(Box::new(handle))
         } else {
-            State::Accepting(s.listen)
+            State::Accepting(listen)
         };
         conn.proxy = Some(Arc::new(PluginEnd {
             view: view(),
@@ -185,7 +201,7 @@ impl Endpoint for Setup {
             }),
             closed: Default::default(),
             waker: Default::default(),
-            ctx: s.ctx,
+            ctx,
         }));
         Ok(conn)
     }
@@ -323,7 +339,8 @@ impl PluginEnd {
         let net = plugin()?;
         match &mut w.state {
             State::Connecting(handle) => {
-                let c = (net.connect(ctx_ptr(&self.ctx), 0, handle)).map_err(|e| self.failed(e))?;
+                let c = net.connect(ctx_ptr(&self.ctx), 0, handle);
+                let c = c.map_err(|e| self.failed(e))?;
                 if c.is_null() {
                     return Ok(false);
                 }
@@ -501,7 +518,10 @@ impl PluginEnd {
             .map_err(|e| self.failed(e))?;
         let hdrs = net
             .reg_mr(comm.0, self.hdrs.at(0), self.hdrs.len * HDR)
-            .map_err(|e| self.failed(e))?;
+            .map_err(|e| {
+                net.dereg_mr(comm.0, slots);
+                self.failed(e)
+            })?;
         Ok(State::Ready {
             comm,
             slots: Comm(slots),

@@ -155,21 +155,26 @@ fn load() -> Option<abi::Net> {
     net
 }
 
-/// Initialises a loaded plugin and checks that its first device moves host memory.
+/// Initialises a loaded plugin and checks that its first device moves host memory (v11+: in
+/// a context finalized afterwards, whatever the checks found).
 fn start(version: u32, table: usize) -> crate::error::Result<abi::Net> {
+    use crate::error::Error;
     // SAFETY: `table` is the plugin's ncclNetPlugin_v<version>, kept loaded for the process.
     let mut net = unsafe { abi::Net::new(version, table as *const std::ffi::c_void) }?;
     net.init()?;
-    let n = net.devices()?;
-    if n < 1 {
-        return Err(crate::error::Error::system("it has no device"));
-    }
-    if !net.moves_host_memory(0)? {
-        return Err(crate::error::Error::system(
-            "its device 0 cannot move host memory (NCCL_PTR_HOST)",
-        ));
-    }
-    Ok(net)
+    let checked = net.devices().and_then(|n| {
+        if n < 1 {
+            return Err(Error::system("it has no device"));
+        }
+        if !net.moves_host_memory(0)? {
+            return Err(Error::system(
+                "its device 0 cannot move host memory (NCCL_PTR_HOST)",
+            ));
+        }
+        Ok(())
+    });
+    net.end_probe();
+    checked.map(|()| net)
 }
 
 #[cfg(test)]

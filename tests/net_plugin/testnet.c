@@ -37,13 +37,22 @@ struct req {
   uint64_t len; /* the message's length (header) */
   size_t hoff, off;
 };
+struct ctx;
 struct comm {
   int fd;
+  struct ctx* ctx; /* v11+: the context it was made in */
   struct req reqs[NREQ];
   int head, tail; /* oldest active, next to allocate */
 };
 struct handle { uint32_t ip; uint16_t port; uint32_t magic; };
-struct listener { int fd; };
+struct listener { int fd; struct ctx* ctx; };
+
+/* v11+ contexts (NCCL makes one per communicator of each rank, its hash as the id), each
+ * counting the listeners and comms made in it and not closed yet (the table of live ones is
+ * with the v11 functions). */
+struct ctx { uint64_t id; int open; };
+static void opened(struct ctx* c) { if (c) __atomic_add_fetch(&c->open, 1, __ATOMIC_RELAXED); }
+static void closed(struct ctx* c) { if (c) __atomic_sub_fetch(&c->open, 1, __ATOMIC_RELAXED); }
 
 static res_t init_(void) {
   if (logf_) logf_(3, 0, __FILE__, __LINE__, "testnet plugin initialised (ABI v%d, %s)", NET_V, "TCP");
@@ -125,7 +134,10 @@ static res_t accept_(void* lc, void** rc) {
     *rc = NULL;
     return errno == EAGAIN || errno == EWOULDBLOCK ? OK : SYS;
   }
-  *rc = new_comm(fd);
+  struct comm* c = new_comm(fd);
+  c->ctx = ((struct listener*)lc)->ctx;
+  opened(c->ctx);
+  *rc = c;
   return OK;
 }
 static res_t regMr_(void* c, void* d, size_t s, int t, void** mh) {
@@ -196,46 +208,74 @@ static res_t test(void* request, int* done, int* size) {
   return OK;
 }
 static res_t closeComm(void* c) {
-  if (c) { close(((struct comm*)c)->fd); free(c); }
+  if (c) { closed(((struct comm*)c)->ctx); close(((struct comm*)c)->fd); free(c); }
   return OK;
 }
 static res_t closeListen(void* l) {
-  if (l) { close(((struct listener*)l)->fd); free(l); }
+  if (l) { closed(((struct listener*)l)->ctx); close(((struct listener*)l)->fd); free(l); }
   return OK;
 }
 
 /* The ABI's signatures, per version. */
+#if NET_V >= 10
+/* NCCL passes a profiler callback (ncclProfilerCallback_t); a plugin may call it unchecked. */
+typedef int (*profiler_t)(void** handle, int type, void* parent, int64_t plugin, void* ext);
+static res_t profiler_ok(void* pf) {
+  void* h = (void*)0x1;
+  if (!pf || ((profiler_t)pf)(&h, 0, NULL, 0, NULL) != OK || h != NULL) {
+    if (logf_) logf_(2, 0, __FILE__, __LINE__, "testnet: no usable profiler callback");
+    return INTERNAL;
+  }
+  return OK;
+}
+#endif
 #if NET_V >= 11
-/* A context per init (NCCL makes one per communicator, its hash as the id): listen and connect
- * check that they get a live one; init and finalize say which communicator's it is. */
-#define CTX_MAGIC 0x7e57c7c7u
-struct ctx { uint32_t magic; uint64_t id; };
-static int live_ctx(void* c) { return c && ((struct ctx*)c)->magic == CTX_MAGIC; }
+/* Listen and connect check that they get a live context; init and finalize say whose it is,
+ * and finalize whether anything made in it is still open. */
+#define MAX_CTX 64
+static struct ctx* live[MAX_CTX];
+static int is_live(void* c) {
+  for (int i = 0; c && i < MAX_CTX; i++) if (__atomic_load_n(&live[i], __ATOMIC_ACQUIRE) == c) return 1;
+  return 0;
+}
 static res_t init_v(void** ctx, uint64_t id, void* cfg, logger_t lf, void* pf) {
-  (void)cfg; (void)pf; logf_ = lf;
-  struct ctx* c = malloc(sizeof *c);
+  (void)cfg; logf_ = lf;
+  if (profiler_ok(pf) != OK) return INTERNAL;
+  struct ctx* c = calloc(1, sizeof *c);
   if (!c) return SYS;
-  c->magic = CTX_MAGIC; c->id = id; *ctx = c;
+  c->id = id;
+  int i = 0;
+  while (i < MAX_CTX && !__atomic_compare_exchange_n(&live[i], &(struct ctx*){NULL}, c, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) i++;
+  if (i == MAX_CTX) { free(c); return INTERNAL; }
+  *ctx = c;
   if (logf_) logf_(3, 0, __FILE__, __LINE__, "testnet context for comm %#llx", (unsigned long long)id);
   return init_();
 }
 static res_t listen_v(void* ctx, int dev, void* h, void** lc) {
-  if (!live_ctx(ctx)) return INTERNAL;
-  return listen_(dev, h, lc);
+  if (!is_live(ctx)) return INTERNAL;
+  res_t r = listen_(dev, h, lc);
+  if (r == OK) { ((struct listener*)*lc)->ctx = ctx; opened(ctx); }
+  return r;
 }
 static res_t connect_v(void* ctx, int dev, void* h, void** sc, void** dc) {
-  if (!live_ctx(ctx)) return INTERNAL;
-  *dc = NULL; return connect_(dev, h, sc);
+  if (!is_live(ctx)) return INTERNAL;
+  *dc = NULL;
+  res_t r = connect_(dev, h, sc);
+  if (r == OK && *sc) { ((struct comm*)*sc)->ctx = ctx; opened(ctx); }
+  return r;
 }
 static res_t finalize(void* ctx) {
-  if (!live_ctx(ctx)) return INTERNAL;
+  if (!is_live(ctx)) return INTERNAL;
   struct ctx* c = ctx;
+  int open = __atomic_load_n(&c->open, __ATOMIC_RELAXED);
+  if (open && logf_) logf_(2, 0, __FILE__, __LINE__, "testnet: context for comm %#llx finalized with %d comm(s) open", (unsigned long long)c->id, open);
   if (logf_) logf_(3, 0, __FILE__, __LINE__, "testnet context for comm %#llx finalized", (unsigned long long)c->id);
-  c->magic = 0; free(c);
+  for (int i = 0; i < MAX_CTX; i++) if (live[i] == c) __atomic_store_n(&live[i], NULL, __ATOMIC_RELEASE);
+  free(c);
   return OK;
 }
 #elif NET_V == 10
-static res_t init_v(logger_t lf, void* pf) { (void)pf; logf_ = lf; return init_(); }
+static res_t init_v(logger_t lf, void* pf) { logf_ = lf; if (profiler_ok(pf) != OK) return INTERNAL; return init_(); }
 static res_t listen_v(int dev, void* h, void** lc) { return listen_(dev, h, lc); }
 static res_t connect_v(int dev, void* cfg, void* h, void** sc, void** dc) { (void)cfg; *dc = NULL; return connect_(dev, h, sc); }
 #else

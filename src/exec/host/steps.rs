@@ -18,10 +18,13 @@ pub(super) type HostProgram = Program<Arc<Conn>>;
 
 // Binding a planned program reuses its steps' memory only where a bound step is the size of a
 // planned one (`Program::bind`).
-const _: () = assert!(
-    std::mem::size_of::<crate::plan::Step<Arc<Conn>>>()
-        == std::mem::size_of::<crate::plan::Step<crate::transport::ConnKey>>()
-);
+const _: () = {
+    use crate::plan::Step;
+    use crate::transport::ConnKey;
+    use std::mem::{align_of, size_of};
+    assert!(size_of::<Step<Arc<Conn>>>() == size_of::<Step<ConnKey>>());
+    assert!(align_of::<Step<Arc<Conn>>>() == align_of::<Step<ConnKey>>());
+};
 
 /// Where a program is: the first slice not done (`head`, counting step by step through the
 /// iterations), which of the following slices are done already (run ahead), and the program's

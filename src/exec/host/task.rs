@@ -220,24 +220,30 @@ impl Task {
         what: What,
     ) -> Result<Task> {
         let mut task = Task::new(comm.clone(), what);
-        // Each lane collected in place (an Item is the size of the Work it replaces), and a
-        // task's one stage and a stage's one lane held in place: no allocation.
-        fn lanes<L: FromIterator<Vec<Item>>>(
-            lanes: impl IntoIterator<Item = Vec<Work>>,
-            comm: &HostComm,
-            conns: &Conns,
-        ) -> Result<L> {
+        // Lanes collected in place (an Item is the size of the Work it replaces; a stage's
+        // one lane is held in place, several are in the planned stage's vector): no allocation.
+        // A task's one stage is held in place too.
+        fn lanes(lanes: Vec<Vec<Work>>, comm: &HostComm, conns: &Conns) -> Result<Vec<Vec<Item>>> {
             lanes
                 .into_iter()
                 .map(|l| l.into_iter().map(|w| item(comm, conns, w)).collect())
                 .collect()
         }
+        let stage_lanes = |l: plan::Lanes| -> Result<plan::Lanes<Item>> {
+            if l.spilled() {
+                Ok(plan::Lanes::from_vec(lanes(l.into_vec(), comm, conns)?))
+            } else {
+                l.into_iter()
+                    .map(|l| l.into_iter().map(|w| item(comm, conns, w)).collect())
+                    .collect()
+            }
+        };
         task.stages = t
             .stages
             .into_iter()
             .map(|s| {
                 Ok(Stage {
-                    lanes: lanes(s.lanes, comm, conns)?,
+                    lanes: stage_lanes(s.lanes)?,
                     fault: s.fault,
                     stash: Scratch::new(&s.stash, &comm.stash_pool),
                 })

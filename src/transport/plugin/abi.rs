@@ -161,7 +161,7 @@ pub enum Table {
     V11(&'static V11),
 }
 
-/// A loaded plugin: its table and (v11+) its context.
+/// A loaded plugin: its table and (v11+, until `end_probe`) the context of its first init.
 pub struct Net {
     pub name: String,
     table: Table,
@@ -305,9 +305,9 @@ impl Net {
         })
     }
 
-    /// Initialises the plugin (once per process, before its devices are asked for; v11+: a
-    /// context, with no communicator's id, that listens and connects where no communicator's
-    /// context is given, see `comm_context`).
+    /// Initialises the plugin once per process, before its devices are asked for (v11+: a
+    /// context with no communicator's id, which `end_probe` finalizes; each communicator then
+    /// gets its own, `comm_context`).
     pub fn init(&mut self) -> Result<()> {
         let lg = logger();
         let n = self.name.clone();
@@ -341,22 +341,26 @@ impl Net {
         Ok(Some(ctx))
     }
 
-    /// Ends a context `comm_context` gave (v11+), once nothing made with it is open.
+    /// Ends a context `comm_context` gave (v11+), once nothing made with it is open; a failure
+    /// is a WARN (the communicator is going anyway).
     pub fn finalize(&self, ctx: P) {
         if let Table::V11(t) = self.table {
             if let Some(f) = t.finalize {
                 // SAFETY: `ctx` came from the plugin's init and is finalized once.
-                let _ = unsafe { f(ctx) };
+                let r = unsafe { f(ctx) };
+                if let Err(e) = self.check("finalize", r) {
+                    crate::debug::warn(&e.msg);
+                }
             }
         }
     }
 
-    /// `ctx`, or the process's context where it is null.
-    fn ctx_or(&self, ctx: P) -> P {
-        if ctx.is_null() {
-            self.ctx
-        } else {
-            ctx
+    /// Finalizes `init`'s context (v11+) once the plugin's devices and properties are read: as
+    /// from NCCL, the plugin's contexts are then its communicators'.
+    pub fn end_probe(&mut self) {
+        let ctx = std::mem::replace(&mut self.ctx, std::ptr::null_mut());
+        if matches!(self.table, Table::V11(_)) {
+            self.finalize(ctx);
         }
     }
 
@@ -383,8 +387,8 @@ impl Net {
         Ok(ptr_support & PTR_HOST != 0)
     }
 
-    /// Listens on device `dev` (v11+: in context `ctx`, null for the process's): the listening
-    /// comm; `handle` is what the peer connects to.
+    /// Listens on device `dev` (v11+: in context `ctx`, its communicator's): the listening comm;
+    /// `handle` is what the peer connects to.
     pub fn listen(&self, ctx: P, dev: i32, handle: &mut [u8; HANDLE_BYTES]) -> Result<P> {
         let mut l = std::ptr::null_mut();
         let h = handle.as_mut_ptr() as P;
@@ -397,7 +401,7 @@ impl Net {
                 Table::V8(t) => must(t.listen, n, "listen")?(dev, h, &mut l),
                 Table::V9(t) => must(t.listen, n, "listen")?(dev, h, &mut l),
                 Table::V10(t) => must(t.listen, n, "listen")?(dev, h, &mut l),
-                Table::V11(t) => must(t.listen, n, "listen")?(self.ctx_or(ctx), dev, h, &mut l),
+                Table::V11(t) => must(t.listen, n, "listen")?(ctx, dev, h, &mut l),
             }
         };
         self.check("listen", r)?;
@@ -422,9 +426,7 @@ impl Net {
                     let mut config: c_int = -1;
                     must(t.connect, n, "connect")?(dev, &mut config, h, &mut s, &mut dc)
                 }
-                Table::V11(t) => {
-                    must(t.connect, n, "connect")?(self.ctx_or(ctx), dev, h, &mut s, &mut dc)
-                }
+                Table::V11(t) => must(t.connect, n, "connect")?(ctx, dev, h, &mut s, &mut dc),
             }
         };
         self.check("connect", r)?;
