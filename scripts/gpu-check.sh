@@ -34,6 +34,15 @@ if [ "${1:-}" = "--prepare" ]; then
   set -e
   cd "$root"
   cargo build --release --lib
+  # The library must embed nvcc's fatbin (the first check there asks for it). A build made
+  # before scripts/setup.sh installed nvcc has none, and cargo would not run build.rs again.
+  has_fatbin() { python3 -c 'import sys; sys.exit(b"\x50\xed\x55\xba" not in open(sys.argv[1], "rb").read())' "$1"; }
+  if ! has_fatbin target/release/libnccl.so; then
+    touch build.rs
+    cargo build --release --lib
+    has_fatbin target/release/libnccl.so ||
+      echo "gpu-check --prepare: the library embeds no nvcc fatbin (no nvcc here? run scripts/setup.sh): its check there will fail" >&2
+  fi
   make -s -C nccl-tests-compat
   OXCCL_DEVICE=host cargo test --release --test ffi ex_single >/dev/null   # builds the C programs
   rm -rf "$pack"; mkdir -p "$pack/lib" "$pack/bin"

@@ -31,4 +31,7 @@ fi
 nvcc="$root/target/cuda-nvcc"
 if [ ! -x "$nvcc/nvidia/cu13/bin/nvcc" ]; then
   python3 -m pip install -q --disable-pip-version-check --target "$nvcc" "nvidia-cuda-nvcc==13.5.*" >/dev/null
+  # A build made before nvcc was here embedded no kernels, and cargo does not know that nvcc's
+  # arrival changes that: the next build runs build.rs again.
+  touch "$root/build.rs"
 fi
