@@ -220,22 +220,18 @@ impl Task {
         what: What,
     ) -> Result<Task> {
         let mut task = Task::new(comm.clone(), what);
-        // Lanes collected in place (an Item is the size of the Work it replaces; a stage's
-        // one lane is held in place, several are in the planned stage's vector): no allocation.
-        // A task's one stage is held in place too.
-        fn lanes(lanes: Vec<Vec<Work>>, comm: &HostComm, conns: &Conns) -> Result<Vec<Vec<Item>>> {
-            lanes
-                .into_iter()
-                .map(|l| l.into_iter().map(|w| item(comm, conns, w)).collect())
-                .collect()
-        }
+        // Each lane collected in place (an Item is the size of the Work it replaces).
+        let lane = |l: Vec<Work>| -> Result<Vec<Item>> {
+            l.into_iter().map(|w| item(comm, conns, w)).collect()
+        };
+        // A stage's one lane is held in place; several stay in the planned stage's vector,
+        // converted in place too. A task's one stage is held in place: no allocation.
         let stage_lanes = |l: plan::Lanes| -> Result<plan::Lanes<Item>> {
             if l.spilled() {
-                Ok(plan::Lanes::from_vec(lanes(l.into_vec(), comm, conns)?))
+                let v = l.into_vec().into_iter().map(&lane).collect::<Result<_>>()?;
+                Ok(plan::Lanes::from_vec(v))
             } else {
-                l.into_iter()
-                    .map(|l| l.into_iter().map(|w| item(comm, conns, w)).collect())
-                    .collect()
+                l.into_iter().map(&lane).collect()
             }
         };
         task.stages = t
@@ -250,7 +246,7 @@ impl Task {
             })
             .collect::<Result<_>>()?;
         task.p2p_stash = Scratch::new(&t.p2p_stash, &comm.stash_pool);
-        task.p2p = lanes(t.p2p, comm, conns)?;
+        task.p2p = t.p2p.into_iter().map(&lane).collect::<Result<_>>()?;
         // The ticket is taken only once planning succeeded, so a failed plan never blocks the comm.
         task.ticket = comm.take_ticket();
         if let Some(r) = &comm.recorder {

@@ -231,7 +231,7 @@ unsafe extern "C" fn no_profiler(
     0
 }
 
-/// A request's size for ABIs before v9, which take an int.
+/// A request's size as an int (what ABIs before v9 take).
 fn int_bytes(bytes: usize, name: &str, what: &str) -> Result<c_int> {
     c_int::try_from(bytes).map_err(|_| {
         Error::internal(format!(
@@ -359,8 +359,15 @@ impl Net {
     /// from NCCL, the plugin's contexts are then its communicators'.
     pub fn end_probe(&mut self) {
         let ctx = std::mem::replace(&mut self.ctx, std::ptr::null_mut());
-        if matches!(self.table, Table::V11(_)) {
-            self.finalize(ctx);
+        self.finalize(ctx);
+    }
+
+    /// A `what` request's size for this plugin's isend/irecv as an int: checked before v9,
+    /// unused (0) from v9, which take a size_t.
+    fn int_bytes(&self, bytes: usize, what: &str) -> Result<c_int> {
+        match self.table {
+            Table::V6(_) | Table::V7(_) | Table::V8(_) => int_bytes(bytes, &self.name, what),
+            _ => Ok(0),
         }
     }
 
@@ -488,10 +495,7 @@ impl Net {
         let mut req = std::ptr::null_mut();
         let d = data as P;
         let n = &self.name;
-        let b = match self.table {
-            Table::V6(_) | Table::V7(_) | Table::V8(_) => int_bytes(bytes, n, "send")?,
-            _ => 0,
-        };
+        let b = self.int_bytes(bytes, "send")?;
         let none = std::ptr::null_mut();
         // SAFETY: as in `init`; the memory stays registered and unchanged until the request
         // completes.
@@ -515,10 +519,7 @@ impl Net {
         let mut d = data as P;
         let mut mh = mh;
         let mut tag: c_int = 0;
-        let mut b = match self.table {
-            Table::V6(_) | Table::V7(_) | Table::V8(_) => int_bytes(bytes, &self.name, "receive")?,
-            _ => 0,
-        };
+        let mut b = self.int_bytes(bytes, "receive")?;
         let mut bz = bytes;
         let mut ph: P = std::ptr::null_mut();
         let n = &self.name;
