@@ -101,6 +101,7 @@ static struct {
   int (*streamDestroy)(cudaStream_t);
   const char* (*errStr)(int);
   int (*deviceCount)(int*);
+  int (*deviceSync)(void);
 } cu;
 
 static void cudaLoad(void) {
@@ -119,6 +120,7 @@ static void cudaLoad(void) {
   LOADSYM(streamDestroy, "cudaStreamDestroy");
   LOADSYM(errStr, "cudaGetErrorString");
   LOADSYM(deviceCount, "cudaGetDeviceCount");
+  LOADSYM(deviceSync, "cudaDeviceSynchronize");
 #undef LOADSYM
 }
 
@@ -721,6 +723,11 @@ static void prepareData(threadState* st, const perfCtx* c, int inPlace) {
     for (size_t k = 0; k < c->L.sendCount; k++) encodeValue(c->type, perfInput(c, k, rank), st->host + k * ws);
     if (inPlace) devUpload((char*)st->recv[i] + c->L.sendInplace * ws * rank, st->host, c->L.sendCount * ws);
     else devUpload(st->send[i], st->host, c->L.sendCount * ws);
+    /* cudaMemcpy from pageable memory may return before its DMA has landed, and it is ordered
+     * only on the legacy default stream, which the tool's non-blocking streams do not wait
+     * for: the collective could read the input (or a stash of it) before it is all there.
+     * Upstream nccl-tests synchronizes the device after writing its inputs, too. */
+    if (executor == 1) CUDACHECK(cu.deviceSync());
   }
 }
 

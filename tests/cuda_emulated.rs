@@ -713,9 +713,6 @@ fn cases(n: usize, counts: &[usize]) -> Vec<Case> {
             CollKind::Send,
         ] {
             for in_place in [false, true] {
-                if in_place && matches!(kind, CollKind::AlltoAll | CollKind::Send) {
-                    continue;
-                }
                 cases.push(Case {
                     kind,
                     dtype: DataType::Float32,
