@@ -340,6 +340,9 @@ fn build_core(p: PendingInit) -> Result<Core> {
     if let Some(ctx) = exec.device_ctx() {
         conns.set_device_ctx(ctx);
     }
+    if let Some(busy) = exec.proxy_busy() {
+        conns.set_busy(busy);
+    }
     let nodes = conns.nodes();
     let dev_guard = exec.enter_device()?;
     conns.connect_ring()?;

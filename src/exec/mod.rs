@@ -114,6 +114,15 @@ impl CommExec {
         }
     }
 
+    /// What tells the communicator's proxy thread that kernels are running (see
+    /// `transport::proxy::Busy`); None on the host executor, which kicks it.
+    pub fn proxy_busy(&self) -> Option<Arc<dyn crate::transport::proxy::Busy>> {
+        match self {
+            CommExec::Host(_) => None,
+            CommExec::Cuda(c) => Some(c.proxy_busy()),
+        }
+    }
+
     /// Makes the rank's device current on this thread until the guard drops (connections made
     /// now put their device memory there); nothing on the host executor.
     pub fn enter_device(&self) -> Result<Option<crate::gpu::driver::CtxGuard>> {

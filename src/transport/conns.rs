@@ -38,6 +38,9 @@ pub struct Conns {
     /// made (allocated, or opened by CUDA IPC) in it, whichever communicator's context the
     /// thread making them is in.
     device_ctx: once_cell::sync::OnceCell<usize>,
+    /// The executor's `proxy::Busy` (the CUDA executor's: its kernels are running), handed to
+    /// the proxy thread when it starts.
+    busy: once_cell::sync::OnceCell<Arc<dyn super::proxy::Busy>>,
 }
 
 /// Ranks grouped by host (hosts in the order of their first rank, ranks ascending within a
@@ -90,12 +93,18 @@ impl Conns {
             map: Mutex::new(HashMap::default()),
             bootstrap: Mutex::new(Some(boot)),
             device_ctx: Default::default(),
+            busy: Default::default(),
         }
     }
 
     /// The CUDA context of the communicator's device (see `device_ctx`).
     pub fn set_device_ctx(&self, ctx: usize) {
         let _ = self.device_ctx.set(ctx);
+    }
+
+    /// See `busy`.
+    pub fn set_busy(&self, busy: Arc<dyn super::proxy::Busy>) {
+        let _ = self.busy.set(busy);
     }
 
     /// Makes the communicator's CUDA context current while the guard lives (nothing on the
@@ -253,6 +262,7 @@ impl Conns {
             *p = Some(super::proxy::ProxyThread::start(
                 self.rank,
                 self.health.clone(),
+                self.busy.get().cloned(),
             )?);
         }
         if let Some(t) = p.as_ref() {

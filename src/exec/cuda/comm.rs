@@ -214,6 +214,55 @@ pub(super) struct Last {
     pub recorded: bool,
 }
 
+/// Whether the communicator's kernels may be running, for its proxy thread
+/// (`transport::proxy::Busy`), which must then not sleep: kernels fill and free the network's
+/// FIFO slots without waking it. Its last eager launch is not done yet, or kernels said they
+/// wait (in the control block) within the last `MARK_FRESH`: a graph's replay, which the
+/// library does not see launched, shows itself only so.
+struct Running {
+    ctx: usize,
+    last: Arc<Mutex<Last>>,
+    ctl: Arc<Ctl>,
+    /// Keeps the last launch's event alive while the proxy thread may query it.
+    _events: Arc<Events>,
+    /// The wait mark at the last look, and when it last changed.
+    mark: Mutex<(u64, Instant)>,
+}
+
+/// How long after kernels last said they wait the proxy thread keeps from sleeping.
+const MARK_FRESH: Duration = Duration::from_millis(20);
+
+impl crate::transport::proxy::Busy for Running {
+    fn busy(&self) -> bool {
+        let mark = self.ctl.waiting().0;
+        {
+            let mut m = self.mark.lock();
+            if mark != m.0 {
+                *m = (mark, Instant::now());
+                return true;
+            }
+            if mark != 0 && m.1.elapsed() < MARK_FRESH {
+                return true;
+            }
+        }
+        // (Locked: a launch is being issued now.)
+        let Some(l) = self.last.try_lock() else {
+            return true;
+        };
+        if !l.recorded {
+            return false;
+        }
+        let ev = l.event;
+        drop(l);
+        let (Ok(api), Ok(_g)) = (driver::api(), CtxGuard::enter(self.ctx)) else {
+            return false;
+        };
+        // SAFETY: the communicator's event, alive while `_events` is (re-recorded by later
+        // launches meanwhile: the query then answers for the later one).
+        unsafe { (api.event_query)(ev as driver::CUevent) == driver::CUDA_ERROR_NOT_READY }
+    }
+}
+
 pub struct CudaComm {
     pub dev: i32,
     pub(super) ctx: usize,
@@ -372,6 +421,17 @@ impl CudaComm {
             .map(|c| c.counters())
             .collect::<Vec<_>>()
             .join("; ")
+    }
+
+    /// What tells its proxy thread that its kernels are running (`Running`).
+    pub fn proxy_busy(&self) -> Arc<dyn crate::transport::proxy::Busy> {
+        Arc::new(Running {
+            ctx: self.ctx,
+            last: self.last.clone(),
+            ctl: self.ctl.clone(),
+            _events: self.captured.lock().events.clone(),
+            mark: Mutex::new((0, Instant::now())),
+        })
     }
 
     /// Makes the communicator's context current until the guard drops.
