@@ -3,7 +3,7 @@
 //! streams are threads that run their work in order, whose device memory is host memory).
 //! Checked element by element against values computed here: every collective over 1, 2 and 4
 //! ranks of one device (`ncclCommInitAll`), in and out of place, ranks on their own streams and
-//! on one, several datatypes and every operator; the optional direct all-reduce and copy
+//! on one, several datatypes and every operator; the direct all-reduce (the default for a group of every rank on one device) and the optional copy
 //! kernels; graphs captured and replayed between eager launches (and a group on two streams
 //! of one graph), and after their communicators are destroyed (`cuda_emu/graphs.rs`); a
 //! thread per rank; and a process per rank (2 and 3, `cuda_emu/processes.rs`), with
@@ -499,11 +499,10 @@ fn mem_alloc_buffers(comms: &[Arc<nccl::comm::Comm>], streams: &[usize]) {
 }
 
 /// The kernels only larger launches take: the direct all-reduce of more than 4 ranks
-/// (`oxccl_direct16`, with `OXCCL_CUDA_DIRECT=1`), and a group of 60 sends and receives
+/// (`oxccl_direct16`), and a group of 60 sends and receives
 /// between two ranks, whose descriptor is past 4000 bytes (`oxccl_run_large`).
 fn large_launches(streams: &[usize]) {
     use nccl::types::OP_MAX;
-    std::env::set_var("OXCCL_CUDA_DIRECT", "1");
     let comms = nccl::api::comm_init_all(&[0; 6]).expect("six ranks");
     for (dtype, op) in [
         (DataType::Float32, nccl::types::OP_SUM),
@@ -522,7 +521,6 @@ fn large_launches(streams: &[usize]) {
     for c in &comms {
         nccl::api::comm_destroy(nccl::api::comm_handle(c)).unwrap();
     }
-    std::env::remove_var("OXCCL_CUDA_DIRECT");
 
     let comms = nccl::api::comm_init_all(&[0, 0]).expect("two ranks");
     let (pairs, count) = (60, 16);
@@ -601,6 +599,8 @@ fn failed(
 fn failures() {
     use nccl::error::Code;
     use nccl::types::OP_SUM;
+    // The ring's failures (a group of both ranks' all-reduces is otherwise one launch).
+    std::env::set_var("OXCCL_CUDA_DIRECT", "0");
     let comms = nccl::api::comm_init_all(&[0, 0]).expect("two ranks");
     let streams = [new_stream(), new_stream()];
     let calls = [CollKind::AllReduce, CollKind::Broadcast].map(|kind| Case {
@@ -666,7 +666,8 @@ fn failures() {
     let _ = nccl::api::comm_abort(nccl::api::comm_handle(&comms[0]));
 
     // A launch the driver refuses: the group's call fails with ncclUnhandledCudaError naming
-    // the driver's error, and the peer, whose kernel runs and waits for it, is told and stops.
+    // the driver's error, and the peer, whose kernel runs and waits for it, is told and stops
+    // (the ring: each rank's launch on its stream).
     let comms = nccl::api::comm_init_all(&[0, 0]).expect("two ranks");
     let bufs = buffers(&calls[0], 2);
     device::FAIL_LAUNCH_ON.store(streams[1] as u64, Ordering::SeqCst);
@@ -674,6 +675,26 @@ fn failures() {
     assert_eq!(e.code, Code::UnhandledCudaError, "{}", e.msg);
     assert!(e.msg.contains("stand-in error"), "{}", e.msg);
     failed(&comms, &streams, None, "a refused launch");
+    // The direct all-reduce's one launch (on rank 0's stream) refused: the call fails alike,
+    // but nothing ran and no peer waits, so the communicators stay well and the call, made
+    // again, is right.
+    std::env::remove_var("OXCCL_CUDA_DIRECT");
+    let comms = nccl::api::comm_init_all(&[0, 0]).expect("two ranks");
+    device::FAIL_LAUNCH_ON.store(streams[0] as u64, Ordering::SeqCst);
+    let e = pair(&comms, [&calls[0]; 2], &bufs, &streams).expect_err("a refused direct launch");
+    assert_eq!(e.code, Code::UnhandledCudaError, "{}", e.msg);
+    assert!(
+        e.msg.contains("stand-in error") && e.msg.contains("direct all-reduce"),
+        "{}",
+        e.msg
+    );
+    sync_all(&streams, "a refused direct launch");
+    no_async_error(&comms, "a refused direct launch");
+    check_in(&comms, &streams, &calls[0], &bufs);
+    for c in &comms {
+        nccl::api::comm_destroy(nccl::api::comm_handle(c)).unwrap();
+    }
+    std::env::set_var("OXCCL_CUDA_DIRECT", "0");
 
     // Device memory for a connection the driver cannot give (an all-to-all's connections are
     // made at its first launch; between ranks of one process, in device memory): an error
@@ -693,6 +714,7 @@ fn failures() {
     );
     assert!(e.msg.contains("cuMemAlloc"), "{}", e.msg);
     failed(&comms, &streams, None, "no memory for a connection");
+    std::env::remove_var("OXCCL_CUDA_DIRECT");
     release_buffers();
 }
 
@@ -1042,9 +1064,10 @@ fn cuda_executor_on_emulated_kernels() {
     };
     let cache = start(&so);
 
-    // Then the optional kernels: the direct all-reduce (`OXCCL_CUDA_DIRECT=1`: ranks of one
-    // group on one device in one launch) and the copy kernel (`OXCCL_CUDA_COPY_KERNEL=1`: a
-    // one-rank collective out of place).
+    // First the ring everywhere (`OXCCL_CUDA_DIRECT=0`); then the direct all-reduce (the
+    // default: ranks of one group on one device in one launch) and the optional copy kernel
+    // (`OXCCL_CUDA_COPY_KERNEL=1`: a one-rank collective out of place).
+    std::env::set_var("OXCCL_CUDA_DIRECT", "0");
     for (n, optional) in [
         (1usize, false),
         (2, false),
@@ -1054,7 +1077,7 @@ fn cuda_executor_on_emulated_kernels() {
         (4, true),
     ] {
         if optional {
-            std::env::set_var("OXCCL_CUDA_DIRECT", "1");
+            std::env::remove_var("OXCCL_CUDA_DIRECT");
             std::env::set_var("OXCCL_CUDA_COPY_KERNEL", "1");
         }
         let comms = nccl::api::comm_init_all(&vec![0; n]).expect("ranks on one device");

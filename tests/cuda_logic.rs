@@ -476,6 +476,9 @@ fn cuda_executor_logic_on_a_recording_driver() {
     let cache = stand_in::stand_in_kernels("cuda-logic");
     assert!(driver::install(stand_in()), "a driver was loaded already");
     assert_eq!(nccl::gpu::kind(), nccl::gpu::Kind::Cuda);
+    // The ring's launches, but where step 8 asks for the direct all-reduce (the default for a
+    // group of every rank on one device).
+    std::env::set_var("OXCCL_CUDA_DIRECT", "0");
 
     let comms = nccl::api::comm_init_all(&[0, 0]).expect("two ranks on one device");
     take();
@@ -995,11 +998,12 @@ fn cuda_executor_logic_on_a_recording_driver() {
     );
     std::env::remove_var("OXCCL_CUDA_CE_COPY_BYTES");
 
-    // 8. OXCCL_CUDA_DIRECT=1: an all-reduce of both ranks in one group is one kernel over
+    // 8. OXCCL_CUDA_DIRECT=1 (the default): an all-reduce of both ranks in one group is one kernel over
     //    both ranks' buffers, on rank 0's stream, joined with rank 1's: rank 1's stream's
     //    work before it (an event recorded there, waited for on rank 0's), rank 1's later work
     //    after it. Lane k is rank k's step over its own buffers with its reduction.
-    std::env::set_var("OXCCL_CUDA_DIRECT", "1");
+    // (Unset: the default.)
+    std::env::remove_var("OXCCL_CUDA_DIRECT");
     let group = |pairs: &[(usize, usize)], count: usize, streams: [usize; 2]| {
         nccl::api::group_start().unwrap();
         for (r, c) in comms.iter().enumerate() {
@@ -1173,7 +1177,7 @@ fn cuda_executor_logic_on_a_recording_driver() {
     }
     nccl::api::group_end().unwrap();
     assert!(ring(&take()), "two calls of rank 1");
-    std::env::remove_var("OXCCL_CUDA_DIRECT");
+    std::env::set_var("OXCCL_CUDA_DIRECT", "0");
 
     // 9. ncclMemAlloc: physical memory exportable as a POSIX file descriptor, mapped at a
     //    reservation of the size rounded up to the granularity, read-write for the device;
