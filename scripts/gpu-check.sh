@@ -399,5 +399,21 @@ for b in sorted(set().union(*[set(r) for r in runs])):
     cells = "  ".join(f"{r.get(b, (0, 0, 0))[2]:>40.1f}" for r in runs)
     print(f"  {b:>12}  {base.get(b, (0, 0, 0))[2]:>8.1f}  {cells}")
 PY
+# Two processes on the one GPU under MPS, where the machine has it: their kernels then share
+# the GPU at once instead of time-slicing (0.46 GB/s at 16 MiB without it on 12-06). Last, so
+# that nothing else runs under the daemon; it is stopped after.
+if command -v nvidia-cuda-mps-control >/dev/null; then
+  export CUDA_MPS_PIPE_DIRECTORY=/tmp/oxccl-mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/oxccl-mps-log
+  mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+  if nvidia-cuda-mps-control -d 2>&1 | tee -a "$log"; then
+    perf oxccl-2procs-mps "$OXLIB" two_procs same "$B/all_reduce_perf" -b 8 -e 16M -f 8 -n 5 -w 2 -g 1
+    echo quit | nvidia-cuda-mps-control
+  else
+    say "(MPS did not start: the two-process run under MPS is left out)"
+  fi
+  unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+else
+  say "(no nvidia-cuda-mps-control: the two-process run under MPS is left out)"
+fi
 say "# failures: $fails ($SECONDS s)"
 exit $((fails > 0))
