@@ -13,10 +13,50 @@
 # HOSTS=2: the two ranks on two "hosts" (OXCCL_HOSTID), so the operation goes over the network
 # transport (loopback TCP) and the general path, 1 KiB; counts ncclAllReduce and the stream
 # synchronize together (how much of the operation completes inside the call varies).
+# CUDA=1: the CUDA executor's host side instead, on the recording driver of tests/cuda_logic.rs
+# (its ignored test cuda_launch_cost: N one-rank all-reduces of 512 B out of place, copies on
+# the copy engine), with its heap allocations per call. LIBDIR does not apply (the test links
+# the library in): run it in each checkout to compare.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 N="${1:-50000}"
 command -v valgrind >/dev/null || { echo "launch-cost.sh: valgrind is needed" >&2; exit 1; }
+if [ "${CUDA:-0}" = 1 ]; then
+  exe=$(cd "$ROOT" && cargo test --release --test cuda_logic --no-run 2>&1 |
+    sed -n 's/.*Executable tests\/cuda_logic.rs (\(.*\))/\1/p')
+  [ -n "$exe" ] || { echo "launch-cost.sh: could not build tests/cuda_logic.rs" >&2; exit 1; }
+  OUT="$(mktemp -d)"
+  trap 'rm -rf "$OUT"' EXIT
+  (cd "$ROOT" && OXCCL_COST_CALLS="$N" valgrind --tool=callgrind --callgrind-out-file="$OUT/cg.out" \
+    "$exe" --ignored --exact cuda_launch_cost >"$OUT/test.txt" 2>&1) ||
+    { cat "$OUT/test.txt" >&2; exit 1; }
+  python3 - "$OUT/cg.out" "$N" <<'PY'
+import re, sys
+path, n = sys.argv[1], int(sys.argv[2])
+names, cfn, ir, mallocs, want = {}, None, 0, 0, False
+def name(ref):  # "(12) foo" or "(12)": callgrind's compressed names
+    m = re.match(r"\((\d+)\)(?: (.*))?", ref)
+    if m.group(2):
+        names[m.group(1)] = m.group(2)
+    return names.get(m.group(1), "")
+for line in open(path):
+    if line.startswith("fn="):
+        name(line[3:].strip())
+    elif line.startswith("cfn="):
+        cfn = name(line[4:].strip())
+    elif line.startswith("calls=") and cfn is not None:
+        if cfn == "malloc":
+            mallocs += int(line.split()[0][6:])
+        # The next line is the call's position and inclusive cost.
+        want = cfn == "nccl::api::enqueue"
+    elif want:
+        ir += int(line.split()[1])
+        want = False
+print(f"ncclAllReduce on the CUDA executor (recording driver), 512 B, 1 rank: "
+      f"{ir / n:.0f} instructions and {mallocs / n:.1f} heap allocations per call ({n} calls)")
+PY
+  exit 0
+fi
 TOOL="$ROOT/target/release/all_reduce_perf"
 [ -x "$TOOL" ] || { echo "launch-cost.sh: build first: make -C nccl-tests-compat" >&2; exit 1; }
 OUT="$(mktemp -d)"

@@ -288,10 +288,63 @@ pub fn net_zero_copy() -> bool {
     *Z
 }
 
+/// A parameter the CUDA executor consults at each launch: read once, as the others, but read
+/// again after `reread` (tests switch these within one process). A read of the environment
+/// costs about 0.8 us of a one-rank call's 1.9 us on the host (getenv scans every variable, under
+/// a lock).
+struct PerLaunch {
+    name: &'static str,
+    /// The value, or `UNREAD`.
+    value: std::sync::atomic::AtomicU64,
+}
+
+const UNREAD: u64 = u64::MAX;
+
+impl PerLaunch {
+    const fn new(name: &'static str) -> PerLaunch {
+        PerLaunch {
+            name,
+            value: std::sync::atomic::AtomicU64::new(UNREAD),
+        }
+    }
+
+    fn get(&self) -> u64 {
+        use std::sync::atomic::Ordering::Relaxed;
+        match self.value.load(Relaxed) {
+            UNREAD => {
+                let v = get_u64(self.name).min(UNREAD - 1);
+                self.value.store(v, Relaxed);
+                v
+            }
+            v => v,
+        }
+    }
+}
+
+static CUDA_CE_COPY_BYTES: PerLaunch = PerLaunch::new("OXCCL_CUDA_CE_COPY_BYTES");
+static CUDA_COPY_KERNEL: PerLaunch = PerLaunch::new("OXCCL_CUDA_COPY_KERNEL");
+static CUDA_DIRECT: PerLaunch = PerLaunch::new("OXCCL_CUDA_DIRECT");
+
+/// Has the CUDA executor's per-launch parameters (`OXCCL_CUDA_CE_COPY_BYTES`,
+/// `OXCCL_CUDA_COPY_KERNEL`, `OXCCL_CUDA_DIRECT`) read from the environment again at their
+/// next use: for tests that change them between launches.
+#[doc(hidden)]
+pub fn reread() {
+    for p in [&CUDA_CE_COPY_BYTES, &CUDA_COPY_KERNEL, &CUDA_DIRECT] {
+        p.value.store(UNREAD, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
 /// `OXCCL_CUDA_CE_COPY_BYTES`: plain copies below this go to the copy engine, larger ones to
-/// a kernel (read at each such copy, like `cuda_copy_kernel`).
+/// a kernel (see `PerLaunch`).
 pub fn cuda_ce_copy_bytes() -> u64 {
-    get_u64("OXCCL_CUDA_CE_COPY_BYTES")
+    CUDA_CE_COPY_BYTES.get()
+}
+
+/// `OXCCL_CUDA_DIRECT`: a group of every rank of a communicator on one device runs its
+/// all-reduce as one kernel (see `PerLaunch`).
+pub fn cuda_direct() -> bool {
+    CUDA_DIRECT.get() != 0
 }
 
 /// Whether step programs may run later slices ahead of blocked earlier ones.
@@ -467,10 +520,9 @@ pub fn cuda_ipc() -> bool {
     *B
 }
 
-/// `OXCCL_CUDA_COPY_KERNEL=1`: large plain copies by the copy kernel (read at each such
-/// launch, a few microseconds' work: tests switch it).
+/// `OXCCL_CUDA_COPY_KERNEL=1`: large plain copies by the copy kernel (see `PerLaunch`).
 pub fn cuda_copy_kernel() -> bool {
-    get_u64("OXCCL_CUDA_COPY_KERNEL") != 0
+    CUDA_COPY_KERNEL.get() != 0
 }
 
 /// The most blocks per lane of the CUDA runner (`OXCCL_CUDA_BLOCKS`, 1 to 64).

@@ -601,6 +601,7 @@ fn failures() {
     use nccl::types::OP_SUM;
     // The ring's failures (a group of both ranks' all-reduces is otherwise one launch).
     std::env::set_var("OXCCL_CUDA_DIRECT", "0");
+    nccl::param::reread();
     let comms = nccl::api::comm_init_all(&[0, 0]).expect("two ranks");
     let streams = [new_stream(), new_stream()];
     let calls = [CollKind::AllReduce, CollKind::Broadcast].map(|kind| Case {
@@ -679,6 +680,7 @@ fn failures() {
     // but nothing ran and no peer waits, so the communicators stay well and the call, made
     // again, is right.
     std::env::remove_var("OXCCL_CUDA_DIRECT");
+    nccl::param::reread();
     let comms = nccl::api::comm_init_all(&[0, 0]).expect("two ranks");
     device::FAIL_LAUNCH_ON.store(streams[0] as u64, Ordering::SeqCst);
     let e = pair(&comms, [&calls[0]; 2], &bufs, &streams).expect_err("a refused direct launch");
@@ -695,6 +697,7 @@ fn failures() {
         nccl::api::comm_destroy(nccl::api::comm_handle(c)).unwrap();
     }
     std::env::set_var("OXCCL_CUDA_DIRECT", "0");
+    nccl::param::reread();
 
     // Device memory for a connection the driver cannot give (an all-to-all's connections are
     // made at its first launch; between ranks of one process, in device memory): an error
@@ -715,6 +718,7 @@ fn failures() {
     assert!(e.msg.contains("cuMemAlloc"), "{}", e.msg);
     failed(&comms, &streams, None, "no memory for a connection");
     std::env::remove_var("OXCCL_CUDA_DIRECT");
+    nccl::param::reread();
     release_buffers();
 }
 
@@ -1068,6 +1072,7 @@ fn cuda_executor_on_emulated_kernels() {
     // default: ranks of one group on one device in one launch) and the optional copy kernel
     // (`OXCCL_CUDA_COPY_KERNEL=1`: a one-rank collective out of place).
     std::env::set_var("OXCCL_CUDA_DIRECT", "0");
+    nccl::param::reread();
     for (n, optional) in [
         (1usize, false),
         (2, false),
@@ -1079,6 +1084,7 @@ fn cuda_executor_on_emulated_kernels() {
         if optional {
             std::env::remove_var("OXCCL_CUDA_DIRECT");
             std::env::set_var("OXCCL_CUDA_COPY_KERNEL", "1");
+            nccl::param::reread();
         }
         let comms = nccl::api::comm_init_all(&vec![0; n]).expect("ranks on one device");
         let own: Vec<usize> = (0..n).map(|_| new_stream()).collect();
@@ -1117,6 +1123,7 @@ fn cuda_executor_on_emulated_kernels() {
     }
     std::env::remove_var("OXCCL_CUDA_DIRECT");
     std::env::remove_var("OXCCL_CUDA_COPY_KERNEL");
+    nccl::param::reread();
     large_launches(&[new_stream(), new_stream()]);
     replay_after_destroy();
     let illegal = device::ILLEGAL.lock().clone();

@@ -479,6 +479,7 @@ fn cuda_executor_logic_on_a_recording_driver() {
     // The ring's launches, but where step 8 asks for the direct all-reduce (the default for a
     // group of every rank on one device).
     std::env::set_var("OXCCL_CUDA_DIRECT", "0");
+    nccl::param::reread();
 
     let comms = nccl::api::comm_init_all(&[0, 0]).expect("two ranks on one device");
     take();
@@ -967,6 +968,7 @@ fn cuda_executor_logic_on_a_recording_driver() {
     // OXCCL_CUDA_COPY_KERNEL=1: the copy kernel instead, with the same grid; a copy that is
     // more than a copy (a scaling average of a float) still takes the wide kernel.
     std::env::set_var("OXCCL_CUDA_COPY_KERNEL", "1");
+    nccl::param::reread();
     nccl::api::enqueue(&one[0], all_reduce(s, r, n), cuda(0x71)).unwrap();
     let ev = take();
     assert!(
@@ -982,8 +984,10 @@ fn cuda_executor_logic_on_a_recording_driver() {
         "{ev:#?}"
     );
     std::env::remove_var("OXCCL_CUDA_COPY_KERNEL");
+    nccl::param::reread();
     // OXCCL_CUDA_CE_COPY_BYTES=2G: the large copy on the copy engine too.
     std::env::set_var("OXCCL_CUDA_CE_COPY_BYTES", "2G");
+    nccl::param::reread();
     nccl::api::enqueue(&one[0], all_reduce(s, r, n), cuda(0x71)).unwrap();
     let ev = take();
     assert!(
@@ -997,6 +1001,7 @@ fn cuda_executor_logic_on_a_recording_driver() {
         "{ev:#?}"
     );
     std::env::remove_var("OXCCL_CUDA_CE_COPY_BYTES");
+    nccl::param::reread();
 
     // 8. OXCCL_CUDA_DIRECT=1 (the default): an all-reduce of both ranks in one group is one kernel over
     //    both ranks' buffers, on rank 0's stream, joined with rank 1's: rank 1's stream's
@@ -1004,6 +1009,7 @@ fn cuda_executor_logic_on_a_recording_driver() {
     //    after it. Lane k is rank k's step over its own buffers with its reduction.
     // (Unset: the default.)
     std::env::remove_var("OXCCL_CUDA_DIRECT");
+    nccl::param::reread();
     let group = |pairs: &[(usize, usize)], count: usize, streams: [usize; 2]| {
         nccl::api::group_start().unwrap();
         for (r, c) in comms.iter().enumerate() {
@@ -1178,6 +1184,7 @@ fn cuda_executor_logic_on_a_recording_driver() {
     nccl::api::group_end().unwrap();
     assert!(ring(&take()), "two calls of rank 1");
     std::env::set_var("OXCCL_CUDA_DIRECT", "0");
+    nccl::param::reread();
 
     // 9. ncclMemAlloc: physical memory exportable as a POSIX file descriptor, mapped at a
     //    reservation of the size rounded up to the granularity, read-write for the device;
@@ -1378,5 +1385,37 @@ fn cuda_executor_logic_on_a_recording_driver() {
     for n in "abcdef".chars() {
         let _ = std::fs::remove_file(format!("/dev/shm/oxccl-cuda-logic-ipc-{n}"));
     }
+    let _ = std::fs::remove_dir_all(&cache);
+}
+
+/// What the CUDA executor's host side costs a call, for `CUDA=1 scripts/launch-cost.sh` (which
+/// runs this alone under callgrind): `OXCCL_COST_CALLS` (default 20000) one-rank all-reduces
+/// of 512 B out of place, each a copy on the copy engine, on the recording driver (whose calls
+/// cost little: what is counted is nearly all the library's).
+#[test]
+#[ignore = "a measurement: CUDA=1 scripts/launch-cost.sh runs it"]
+fn cuda_launch_cost() {
+    let cache = stand_in::stand_in_kernels("cuda-cost");
+    assert!(driver::install(stand_in()), "a driver was loaded already");
+    let calls: usize = std::env::var("OXCCL_COST_CALLS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(20_000);
+    let one = nccl::api::comm_init_all(&[0]).expect("one rank");
+    let (a, b) = (buffer(512), buffer(512));
+    let stream = || nccl::api::stream_from_handle(0x51).unwrap();
+    let mut copies = 0;
+    for k in 1..=calls {
+        nccl::api::enqueue(&one[0], all_reduce(a, b, 128), stream()).unwrap();
+        if k % 1024 == 0 || k == calls {
+            let log = take();
+            copies += log
+                .iter()
+                .filter(|e| matches!(e, Ev::Copy { bytes: 512, .. }))
+                .count();
+        }
+    }
+    assert_eq!(copies, calls, "each call one copy");
+    nccl::api::comm_destroy(nccl::api::comm_handle(&one[0])).unwrap();
     let _ = std::fs::remove_dir_all(&cache);
 }

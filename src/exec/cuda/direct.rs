@@ -25,17 +25,15 @@ use crate::types::CollKind;
 /// The most ranks one launch reduces (`OX_DIRECT_MAX`).
 pub const MAX_RANKS: usize = 16;
 
-/// `OXCCL_CUDA_DIRECT` (read at each group of several communicators: tests switch it), and
-/// `NCCL_ALGO` leaves all-reduces a direct algorithm.
+/// `OXCCL_CUDA_DIRECT`, and `NCCL_ALGO` leaves all-reduces a direct algorithm.
 fn enabled() -> bool {
-    crate::param::get_u64("OXCCL_CUDA_DIRECT") != 0
-        && crate::plan::algo::direct_allowed(CollKind::AllReduce)
+    crate::param::cuda_direct() && crate::plan::algo::direct_allowed(CollKind::AllReduce)
 }
 
 /// Takes out of `per_comm` (a group's calls, by communicator) the sets that one direct launch
 /// serves, each ordered by rank.
 pub(super) fn take<'a>(per_comm: &mut Vec<Vec<Call<'a>>>) -> Vec<Vec<Call<'a>>> {
-    if !enabled() || per_comm.len() < 2 {
+    if per_comm.len() < 2 || !enabled() {
         return Vec::new();
     }
     let mut sets = Vec::new();
