@@ -101,7 +101,7 @@ static struct {
   int (*streamDestroy)(cudaStream_t);
   const char* (*errStr)(int);
   int (*deviceCount)(int*);
-  int (*deviceSync)(void);
+  int (*memcpyAsync)(void*, const void*, size_t, int, cudaStream_t);
 } cu;
 
 static void cudaLoad(void) {
@@ -120,7 +120,7 @@ static void cudaLoad(void) {
   LOADSYM(streamDestroy, "cudaStreamDestroy");
   LOADSYM(errStr, "cudaGetErrorString");
   LOADSYM(deviceCount, "cudaGetDeviceCount");
-  LOADSYM(deviceSync, "cudaDeviceSynchronize");
+  LOADSYM(memcpyAsync, "cudaMemcpyAsync");
 #undef LOADSYM
 }
 
@@ -158,9 +158,15 @@ static void devFree(void* p) {
   else free(p);
 }
 
-static void devUpload(void* dst, const void* src, size_t n) {
+/* A rank's inputs, on its own stream: ordered before its collective there. (cudaMemcpy from
+ * pageable memory may return before its DMA lands, and is ordered only on the legacy stream,
+ * which the tool's non-blocking streams do not wait for; a device-wide synchronize instead
+ * would wait forever for another thread's rank on the same GPU, whose kernel waits for this
+ * one.) The host buffer (malloc'd, pageable) may be reused at once: a copy from pageable
+ * memory is staged before the call returns. */
+static void devUploadOn(void* dst, const void* src, size_t n, cudaStream_t s) {
   if (n == 0) return;
-  if (executor == 1) CUDACHECK(cu.memcpy_(dst, src, n, 4));
+  if (executor == 1) CUDACHECK(cu.memcpyAsync(dst, src, n, 4, s));
   else memcpy(dst, src, n);
 }
 
@@ -719,15 +725,11 @@ static void prepareData(threadState* st, const perfCtx* c, int inPlace) {
     if (executor == 1) devSet(st->devs[i]);
     /* poison the receive buffer so that elements never written are caught */
     memset(st->host, 0xA7, st->bufBytes);
-    devUpload(st->recv[i], st->host, st->bufBytes);
+    devUploadOn(st->recv[i], st->host, st->bufBytes, st->streams[i]);
     for (size_t k = 0; k < c->L.sendCount; k++) encodeValue(c->type, perfInput(c, k, rank), st->host + k * ws);
-    if (inPlace) devUpload((char*)st->recv[i] + c->L.sendInplace * ws * rank, st->host, c->L.sendCount * ws);
-    else devUpload(st->send[i], st->host, c->L.sendCount * ws);
-    /* cudaMemcpy from pageable memory may return before its DMA has landed, and it is ordered
-     * only on the legacy default stream, which the tool's non-blocking streams do not wait
-     * for: the collective could read the input (or a stash of it) before it is all there.
-     * Upstream nccl-tests synchronizes the device after writing its inputs, too. */
-    if (executor == 1) CUDACHECK(cu.deviceSync());
+    if (inPlace)
+      devUploadOn((char*)st->recv[i] + c->L.sendInplace * ws * rank, st->host, c->L.sendCount * ws, st->streams[i]);
+    else devUploadOn(st->send[i], st->host, c->L.sendCount * ws, st->streams[i]);
   }
 }
 
