@@ -21,10 +21,11 @@
 #  4. the host executor there (OXCCL_DEVICE=host): the C programs, perf tools and the TP/PP
 #     example with the machine's many cores;
 #  5. what is off by default until it has passed here, CUDA IPC (OXCCL_CUDA_IPC=1): cuda_ranks
-#     with 2, 3 and 4 processes, the TP/PP example, two processes' all_reduce_perf; the direct
-#     all-reduce of ranks on one GPU (the default since 12-06; OXCCL_CUDA_DIRECT=0 is the ring):
-#     coll_matrix on 2, 3, 4 and 8 ranks, and the ring's all_reduce_perf -g 2 and -g 4 beside
-#     the default's rows; nranks=1 with the copy kernel
+#     with 2, 3 and 4 processes, the TP/PP example, two processes' all_reduce_perf; and beside
+#     it the direct all-reduce of ranks on one GPU (on by default since 12-06): coll_matrix on
+#     2, 3, 4 and 8 ranks saying it ran, the ring's (OXCCL_CUDA_DIRECT=0) all-reduce matrix
+#     on 2 ranks and its all_reduce_perf -g 2 and -g 4 beside the default's rows; nranks=1
+#     with the copy kernel
 #     (OXCCL_CUDA_COPY_KERNEL=1) and on the copy engine (OXCCL_CUDA_CE_COPY_BYTES=2G); and 2 ranks' bandwidth by blocks per lane (OXCCL_CUDA_BLOCKS)
 #     and slot size, for the next defaults.
 set -uo pipefail
@@ -293,8 +294,9 @@ check "host: C, one process, InitAll + group" 60 "$B/ex_single_process"
 check "host: collective matrix, 8 ranks" 120 "$B/coll_matrix" 8 big=none
 check "host: all_reduce_perf -g 8" 60 "$B/all_reduce_perf" -b 8 -e 64M -f 8 -g 8 -n 5 -w 1
 check "host: tp_pp_mlp --tp 4 --pp 2 --exact" 60 tppp --tp 4 --pp 2 --exact
-# 5. What is off by default until this check has passed, and measurements for the next defaults
-#    (last: a run cut short by its limit, or a hang, keeps everything above).
+# 5. What is off by default until this check has passed, the direct all-reduce (on by default)
+#    and the ring beside it, and measurements for the next defaults (last: a run cut short by
+#    its limit, or a hang, keeps everything above).
 unset OXCCL_DEVICE
 # Section 1's processes again with CUDA IPC (OXCCL_CUDA_IPC=1: connections between the processes
 # in device memory): the connection lines must say P2P/IPC (`says`).
@@ -346,6 +348,9 @@ check "CUDA direct: 8 ranks (the kernel for up to 16)" 90 \
   direct direct-8 "$B/coll_matrix" 8 cuda coll=AllReduce big=none
 check "CUDA direct: all_reduce_perf -g 2 takes it" 30 \
   direct direct-perf "$B/all_reduce_perf" -b 8 -e 1M -f 32 -n 1 -w 0 -g 2
+# The ring's all-reduces in one process, which the matrices above no longer run by default.
+check "CUDA ring (OXCCL_CUDA_DIRECT=0): 2 ranks, AllReduce x datatype x op" 60 \
+  env OXCCL_CUDA_DIRECT=0 "$B/coll_matrix" 2 cuda coll=AllReduce
 perf oxccl-g2-ring "$OXLIB" env OXCCL_CUDA_DIRECT=0 "$B/all_reduce_perf" "${sweep[@]}" -g 2
 perf oxccl-g4-ring "$OXLIB" env OXCCL_CUDA_DIRECT=0 "$B/all_reduce_perf" -b 8 -e 256M -f 8 -n 10 -w 3 -g 4
 python3 - "$OUT" <<'PY' 2>&1 | tee -a "$log"
@@ -414,9 +419,10 @@ PY
 if command -v nvidia-cuda-mps-control >/dev/null; then
   export CUDA_MPS_PIPE_DIRECTORY=/tmp/oxccl-mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/oxccl-mps-log
   mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
-  if nvidia-cuda-mps-control -d 2>&1 | tee -a "$log"; then
+  # (Bounded, and not through a pipe: the daemon may keep an inherited pipe open.)
+  if timeout 10 nvidia-cuda-mps-control -d >>"$log" 2>&1; then
     perf oxccl-2procs-mps "$OXLIB" two_procs same "$B/all_reduce_perf" -b 8 -e 16M -f 8 -n 5 -w 2 -g 1
-    echo quit | nvidia-cuda-mps-control
+    echo quit | timeout 10 nvidia-cuda-mps-control
   else
     say "(MPS did not start: the two-process run under MPS is left out)"
   fi

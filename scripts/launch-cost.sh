@@ -22,38 +22,38 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 N="${1:-50000}"
 command -v valgrind >/dev/null || { echo "launch-cost.sh: valgrind is needed" >&2; exit 1; }
 if [ "${CUDA:-0}" = 1 ]; then
-  exe=$(cd "$ROOT" && cargo test --release --test cuda_logic --no-run 2>&1 |
-    sed -n 's/.*Executable tests\/cuda_logic.rs (\(.*\))/\1/p')
-  [ -n "$exe" ] || { echo "launch-cost.sh: could not build tests/cuda_logic.rs" >&2; exit 1; }
   OUT="$(mktemp -d)"
   trap 'rm -rf "$OUT"' EXIT
+  (cd "$ROOT" && cargo test --release --test cuda_logic --no-run) >"$OUT/build.txt" 2>&1 ||
+    { cat "$OUT/build.txt" >&2; exit 1; }
+  exe=$(sed -n 's/.*Executable tests\/cuda_logic.rs (\(.*\))/\1/p' "$OUT/build.txt")
+  [ -n "$exe" ] || { echo "launch-cost.sh: no test binary in cargo's output" >&2; exit 1; }
+  # Only what runs inside the calls is counted (--toggle-collect), allocations included.
   (cd "$ROOT" && OXCCL_COST_CALLS="$N" valgrind --tool=callgrind --callgrind-out-file="$OUT/cg.out" \
-    "$exe" --ignored --exact cuda_launch_cost >"$OUT/test.txt" 2>&1) ||
-    { cat "$OUT/test.txt" >&2; exit 1; }
+    --toggle-collect='nccl::api::enqueue*' "$exe" --ignored --exact cuda_launch_cost \
+    >"$OUT/test.txt" 2>&1) || { cat "$OUT/test.txt" >&2; exit 1; }
   python3 - "$OUT/cg.out" "$N" <<'PY'
 import re, sys
 path, n = sys.argv[1], int(sys.argv[2])
-names, cfn, ir, mallocs, want = {}, None, 0, 0, False
+names, cfn, ir, allocs = {}, None, 0, 0
 def name(ref):  # "(12) foo" or "(12)": callgrind's compressed names
     m = re.match(r"\((\d+)\)(?: (.*))?", ref)
     if m.group(2):
         names[m.group(1)] = m.group(2)
     return names.get(m.group(1), "")
 for line in open(path):
-    if line.startswith("fn="):
-        name(line[3:].strip())
-    elif line.startswith("cfn="):
-        cfn = name(line[4:].strip())
-    elif line.startswith("calls=") and cfn is not None:
-        if cfn == "malloc":
-            mallocs += int(line.split()[0][6:])
-        # The next line is the call's position and inclusive cost.
-        want = cfn == "nccl::api::enqueue"
-    elif want:
-        ir += int(line.split()[1])
-        want = False
+    if line.startswith(("fn=", "cfn=")):
+        f = name(line.split("=", 1)[1].strip())
+        if line.startswith("cfn="):
+            cfn = f
+    elif line.startswith("calls=") and cfn in ("malloc", "calloc", "realloc", "posix_memalign"):
+        allocs += int(line.split()[0][6:])
+    elif line.startswith("summary:"):
+        ir = int(line.split()[1])
+if ir == 0:
+    sys.exit("launch-cost.sh: nothing was counted inside nccl::api::enqueue")
 print(f"ncclAllReduce on the CUDA executor (recording driver), 512 B, 1 rank: "
-      f"{ir / n:.0f} instructions and {mallocs / n:.1f} heap allocations per call ({n} calls)")
+      f"{ir / n:.0f} instructions and {allocs / n:.1f} heap allocations per call ({n} calls)")
 PY
   exit 0
 fi
