@@ -289,9 +289,9 @@ pub fn net_zero_copy() -> bool {
 }
 
 /// A parameter the CUDA executor consults at each launch: read once, as the others, but read
-/// again after `reread` (tests switch these within one process). A read of the environment
-/// costs about 0.8 us of a one-rank call's 1.9 us on the host (getenv scans every variable, under
-/// a lock).
+/// again after `reread` (tests switch these within one process). Two reads of the environment
+/// a call were a fifth of a one-rank call's host-side instructions (getenv scans every
+/// variable, under a lock: `CUDA=1 scripts/launch-cost.sh`).
 struct PerLaunch {
     name: &'static str,
     /// The value, or `UNREAD`.

@@ -1117,6 +1117,12 @@ fn cuda_executor_on_emulated_kernels() {
             threads(n, &cases[0], true);
             mem_alloc_buffers(&comms, &own);
         }
+        if n > 1 && optional {
+            // Eager all-reduces on the direct kernel between the replays of graphs (whose
+            // captures take the ring), in order.
+            graphs(&comms, &own, &cases[0]);
+            mixed_replays(n);
+        }
         for c in &comms {
             nccl::api::comm_destroy(nccl::api::comm_handle(c)).unwrap();
         }

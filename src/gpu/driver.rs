@@ -294,7 +294,8 @@ driver_api! {
     event_record_flags = "cuEventRecordWithFlags": fn(CUevent, CUstream, c_uint);
     event_query = "cuEventQuery": fn(CUevent);
     event_destroy = "cuEventDestroy_v2": fn(CUevent);
-    pointer_attr = "cuPointerGetAttribute": fn(*mut c_void, c_int, CUdeviceptr);
+    pointer_attrs = "cuPointerGetAttributes": fn(c_uint, *mut c_int, *mut *mut c_void,
+        CUdeviceptr);
     device_uuid = "cuDeviceGetUuid_v2": fn(*mut [u8; 16], CUdevice);
     ipc_get_mem_handle = "cuIpcGetMemHandle": fn(*mut CUipcMemHandle, CUdeviceptr);
     ipc_open_mem_handle = "cuIpcOpenMemHandle_v2": fn(*mut CUdeviceptr, CUipcMemHandle, c_uint);
@@ -616,6 +617,23 @@ fn capture_of(stream: usize, graph: bool) -> Result<(Capture, CUgraph)> {
         _ => Capture::Graph(api.capture_info.map(|_| id)),
     };
     Ok((cap, g))
+}
+
+/// Readies a thread of the library's own that queries the driver in the background (a proxy
+/// thread): `ctx` current for good, and its capture mode relaxed for good, so that its calls
+/// (event queries) are legal while another thread's stream captures a graph in global mode
+/// (PyTorch's default), which they would otherwise spoil.
+pub fn background_thread(ctx: usize) -> Result<()> {
+    let api = api()?;
+    let mut mode = CU_STREAM_CAPTURE_MODE_RELAXED;
+    // SAFETY: sets this thread's mode; the thread is ours and keeps it.
+    check(unsafe { (api.exchange_capture_mode)(&mut mode) }, || {
+        "cuThreadExchangeStreamCaptureMode".into()
+    })?;
+    // SAFETY: a context retained for the life of the process.
+    check(unsafe { (api.ctx_set_current)(ctx as CUcontext) }, || {
+        "cuCtxSetCurrent".into()
+    })
 }
 
 /// Runs `f` with this thread's capture mode relaxed: setup calls (allocations, host memory

@@ -71,6 +71,8 @@ const BUSY_SLEEP: std::time::Duration = std::time::Duration::from_micros(20);
 /// The executor's word on whether work that moves slots without kicking the thread (kernels) is
 /// under way: while it is, the thread sleeps no longer than `BUSY_SLEEP`.
 pub trait Busy: Send + Sync {
+    /// Called once, on the proxy thread, before its first `busy`.
+    fn on_thread_start(&self) {}
     fn busy(&self) -> bool;
 }
 
@@ -152,9 +154,10 @@ impl Drop for ProxyThread {
 }
 
 fn run(sh: &Shared, health: &Health, busy: Option<&dyn Busy>) {
-    if busy.is_some() {
+    if let Some(b) = busy {
         // Short sleeps end when asked, not up to the default 50 us later.
         let _ = nix::sys::prctl::set_timerslack(1000);
+        b.on_thread_start();
     }
     let mut ends: Vec<Arc<dyn Proxy>> = Vec::new();
     let mut seen = u64::MAX;

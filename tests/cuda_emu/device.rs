@@ -732,6 +732,20 @@ unsafe extern "C" fn event_record(e: *mut c_void, s: *mut c_void) -> CUresult {
     OK
 }
 unsafe extern "C" fn event_query(e: *mut c_void) -> CUresult {
+    // As CUDA: not while some stream captures in global mode, unless this thread is relaxed.
+    if !unsafe_call_allowed() {
+        return CAPTURE_UNSUPPORTED;
+    }
+    // A proxy thread runs beside the caller's captures at any moment, so it must be relaxed
+    // whenever it queries (else a query during a capture would spoil it): checked at every
+    // query, not only when a capture happens to overlap one.
+    let proxy = std::thread::current()
+        .name()
+        .is_some_and(|n| n.starts_with("oxccl-proxy"));
+    if proxy && MODE.with(|x| x.get()) != 2 {
+        eprintln!("cuEventQuery from a proxy thread outside relaxed capture mode");
+        std::process::abort();
+    }
     let ev = event(e as usize);
     if !ev.reached(ev.recorded.load(Ordering::SeqCst)) {
         NOT_READY
@@ -753,6 +767,15 @@ unsafe extern "C" fn pointer_attr(v: *mut c_void, a: c_int, _: u64) -> CUresult 
     // Device memory (2) of device 0.
     unsafe { *(v as *mut c_uint) = if a == 9 { 0 } else { 2 } };
     OK
+}
+unsafe extern "C" fn pointer_attrs(
+    n: c_uint,
+    attrs: *mut c_int,
+    out: *mut *mut c_void,
+    p: u64,
+) -> CUresult {
+    // SAFETY: the driver's contract, which the executor keeps.
+    unsafe { stand_in::pointer_attrs_of(pointer_attr, n, attrs, out, p) }
 }
 /// Device memory (`cuMemAlloc`): a memory file of its own, mapped shared, so that another
 /// process can open it by an IPC handle (its process, file descriptor and size).
@@ -1061,7 +1084,7 @@ pub fn stand_in_with(extra: &[(&str, *const c_void)]) -> Api {
         ),
         ("cuEventQuery", event_query as *const c_void),
         ("cuEventDestroy_v2", event_destroy as *const c_void),
-        ("cuPointerGetAttribute", pointer_attr as *const c_void),
+        ("cuPointerGetAttributes", pointer_attrs as *const c_void),
         ("cuMemAlloc_v2", mem_alloc as *const c_void),
         (
             "cuThreadExchangeStreamCaptureMode",

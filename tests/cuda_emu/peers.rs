@@ -148,6 +148,15 @@ unsafe extern "C" fn pointer_attr(v: *mut c_void, a: c_int, _: u64) -> CUresult 
     unsafe { *(v as *mut c_uint) = if a == 9 { 0 } else { 1 } };
     OK
 }
+unsafe extern "C" fn pointer_attrs(
+    n: c_uint,
+    attrs: *mut c_int,
+    out: *mut *mut c_void,
+    p: u64,
+) -> CUresult {
+    // SAFETY: the driver's contract, which the executor keeps.
+    unsafe { super::stand_in::pointer_attrs_of(pointer_attr, n, attrs, out, p) }
+}
 
 /// The functions above, by symbol, for `device::stand_in_with`.
 pub fn functions() -> Vec<(&'static str, *const c_void)> {
@@ -161,6 +170,6 @@ pub fn functions() -> Vec<(&'static str, *const c_void)> {
         ("cuMemAlloc_v2", mem_alloc as *const c_void),
         ("cuLaunchKernel", launch as *const c_void),
         ("cuDeviceGetPCIBusId", pci_bus_id as *const c_void),
-        ("cuPointerGetAttribute", pointer_attr as *const c_void),
+        ("cuPointerGetAttributes", pointer_attrs as *const c_void),
     ]
 }

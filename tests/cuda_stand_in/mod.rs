@@ -132,7 +132,13 @@ unsafe extern "C" fn dtoh(d: *mut c_void, s: u64, n: usize) -> CUresult {
     unsafe { std::ptr::copy(s as *const u8, d as *mut u8, n) };
     OK
 }
-unsafe extern "C" fn exchange_mode(_: *mut c_int) -> CUresult {
+thread_local! {
+    /// The thread's capture mode (0 global, CUDA's default; 2 relaxed).
+    static MODE: std::cell::Cell<c_int> = const { std::cell::Cell::new(0) };
+}
+unsafe extern "C" fn exchange_mode(m: *mut c_int) -> CUresult {
+    // SAFETY: the executor passes a valid pointer.
+    unsafe { *m = MODE.with(|x| x.replace(*m)) };
     OK
 }
 unsafe extern "C" fn uuid(u: *mut [u8; 16], dev: c_int) -> CUresult {
@@ -172,6 +178,33 @@ pub unsafe fn capture_info_of(
         *id = graph.unwrap_or(0);
         if !later[0].is_null() {
             *later[0].cast::<u64>() = graph.unwrap_or(0);
+        }
+    }
+    OK
+}
+/// A stand-in's `cuPointerGetAttributes`, from its `cuPointerGetAttribute` (`one`): each
+/// attribute asked for in turn; where `one` fails for `p`, every output is 0 and the call
+/// succeeds, as the driver's does for memory it does not know. (The executor asks for 4-byte
+/// attributes only.)
+///
+/// # Safety
+/// `attrs` and `out` hold `n` entries; each output is writable for its attribute.
+pub unsafe fn pointer_attrs_of(
+    one: unsafe extern "C" fn(*mut c_void, c_int, u64) -> CUresult,
+    n: c_uint,
+    attrs: *mut c_int,
+    out: *mut *mut c_void,
+    p: u64,
+) -> CUresult {
+    for i in 0..n as usize {
+        // SAFETY: per the contract.
+        let failed = unsafe { one(*out.add(i), *attrs.add(i), p) } != OK;
+        if failed {
+            for j in 0..n as usize {
+                // SAFETY: per the contract.
+                unsafe { *(*out.add(j)).cast::<c_uint>() = 0 };
+            }
+            return OK;
         }
     }
     OK

@@ -218,23 +218,48 @@ pub(super) struct Last {
 /// (`transport::proxy::Busy`), which must then not sleep: kernels fill and free the network's
 /// FIFO slots without waking it. Its last eager launch is not done yet, or kernels said they
 /// wait (in the control block) within the last `MARK_FRESH`: a graph's replay, which the
-/// library does not see launched, shows itself only so.
+/// library does not see launched, shows itself only so. (A launch queued behind the caller's
+/// own work on its stream counts as running from its issue: the thread then wakes every
+/// 20 us through that work too, a small cost on a GPU host's many cores.)
 struct Running {
     ctx: usize,
     last: Arc<Mutex<Last>>,
-    ctl: Arc<Ctl>,
+    /// Weak: `CudaComm`'s drop counts the control block's holders (graphs that keep it).
+    ctl: Weak<Ctl>,
     /// Keeps the last launch's event alive while the proxy thread may query it.
     _events: Arc<Events>,
     /// The wait mark at the last look, and when it last changed.
     mark: Mutex<(u64, Instant)>,
+    /// The proxy thread is readied for the driver (`on_thread_start`); until then, or if that
+    /// failed, `busy` says no and queries nothing.
+    ready: std::sync::atomic::AtomicBool,
 }
 
 /// How long after kernels last said they wait the proxy thread keeps from sleeping.
 const MARK_FRESH: Duration = Duration::from_millis(20);
 
 impl crate::transport::proxy::Busy for Running {
+    fn on_thread_start(&self) {
+        // Relaxed capture mode: the event queries below must not spoil a graph that another
+        // thread captures in global mode.
+        match driver::background_thread(self.ctx) {
+            Ok(()) => self.ready.store(true, Ordering::Relaxed),
+            Err(e) => crate::debug::warn(&format!(
+                "a proxy thread could not ready itself for the CUDA driver ({e}): it sleeps \
+                 up to 1 ms between looks while kernels run"
+            )),
+        }
+    }
+
     fn busy(&self) -> bool {
-        let mark = self.ctl.waiting().0;
+        if !self.ready.load(Ordering::Relaxed) {
+            return false;
+        }
+        let Some(ctl) = self.ctl.upgrade() else {
+            return false;
+        };
+        let mark = ctl.waiting().0;
+        drop(ctl);
         {
             let mut m = self.mark.lock();
             if mark != m.0 {
@@ -428,9 +453,10 @@ impl CudaComm {
         Arc::new(Running {
             ctx: self.ctx,
             last: self.last.clone(),
-            ctl: self.ctl.clone(),
+            ctl: Arc::downgrade(&self.ctl),
             _events: self.captured.lock().events.clone(),
             mark: Mutex::new((0, Instant::now())),
+            ready: Default::default(),
         })
     }
 

@@ -1,4 +1,5 @@
-//! One kernel for an all-reduce of every rank of a communicator (`OXCCL_CUDA_DIRECT=1`).
+//! One kernel for an all-reduce of every rank of a communicator (by default;
+//! `OXCCL_CUDA_DIRECT=0`: the ring).
 //!
 //! When one thread's group holds an all-reduce of each rank of a communicator, all on one
 //! device (`ncclCommInitAll` with a repeated device, `all_reduce_perf -g 2`), every rank's

@@ -113,16 +113,28 @@ fn check_buffer(comm: &CudaComm, addr: usize, what: &str, name: &str) -> Result<
         return Ok(());
     }
     let api = driver::api()?;
-    let mut ty: std::ffi::c_uint = 0;
-    // SAFETY: writes one unsigned int; any address may be asked about.
+    // Both attributes in one call (a driver call takes its lock and looks the range up: this is
+    // on every call's path). Memory the driver does not know gets type 0, not an error.
+    let (mut ty, mut dev): (std::ffi::c_uint, std::ffi::c_int) = (0, -1);
+    let mut attrs = [
+        driver::CU_POINTER_ATTRIBUTE_MEMORY_TYPE,
+        driver::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
+    ];
+    let mut out = [
+        &mut ty as *mut _ as *mut c_void,
+        &mut dev as *mut _ as *mut c_void,
+    ];
+    // SAFETY: two attributes, each written to its own variable of the attribute's type; any
+    // address may be asked about.
     let r = unsafe {
-        (api.pointer_attr)(
-            &mut ty as *mut _ as *mut c_void,
-            driver::CU_POINTER_ATTRIBUTE_MEMORY_TYPE,
+        (api.pointer_attrs)(
+            attrs.len() as std::ffi::c_uint,
+            attrs.as_mut_ptr(),
+            out.as_mut_ptr(),
             addr as u64,
         )
     };
-    if r != driver::CUDA_SUCCESS {
+    if r != driver::CUDA_SUCCESS || ty == 0 {
         if memory::device_of(addr) == Some(comm.dev) {
             return Ok(()); // ncclMemAlloc's, on this device
         }
@@ -133,24 +145,13 @@ fn check_buffer(comm: &CudaComm, addr: usize, what: &str, name: &str) -> Result<
             comm.dev
         )));
     }
-    if ty == driver::CU_MEMORYTYPE_DEVICE {
-        let mut dev: std::ffi::c_int = -1;
-        // SAFETY: writes one int.
-        let r = unsafe {
-            (api.pointer_attr)(
-                &mut dev as *mut _ as *mut c_void,
-                driver::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
-                addr as u64,
-            )
-        };
-        if r == driver::CUDA_SUCCESS && dev != comm.dev {
-            return Err(Error::invalid_argument(format!(
-                "{name}: {what} {addr:#x} is memory of device {dev}, but {} runs on device {} \
-                 (peer access between devices is not enabled)",
-                comm.describe(),
-                comm.dev
-            )));
-        }
+    if ty == driver::CU_MEMORYTYPE_DEVICE && dev >= 0 && dev != comm.dev {
+        return Err(Error::invalid_argument(format!(
+            "{name}: {what} {addr:#x} is memory of device {dev}, but {} runs on device {} \
+             (peer access between devices is not enabled)",
+            comm.describe(),
+            comm.dev
+        )));
     }
     Ok(())
 }
