@@ -314,16 +314,41 @@ fn key_index(conns: &mut Vec<FlatConn>, c: &Option<ConnKey>) -> Result<u32> {
     }
 }
 
+/// What `encode_program` appends to: a `Vec`, or a `SmallVec` (the CUDA executor's descriptor
+/// holds a small launch's in place).
+pub trait Append<T> {
+    fn count(&self) -> usize;
+    fn append(&mut self, item: T);
+}
+
+impl<T> Append<T> for Vec<T> {
+    fn count(&self) -> usize {
+        self.len()
+    }
+    fn append(&mut self, item: T) {
+        self.push(item)
+    }
+}
+
+impl<A: smallvec::Array> Append<A::Item> for smallvec::SmallVec<A> {
+    fn count(&self) -> usize {
+        self.len()
+    }
+    fn append(&mut self, item: A::Item) {
+        self.push(item)
+    }
+}
+
 /// Appends program `p` (its steps to `steps`, itself to `programs`), naming each connection
 /// by the index `conn` gives it (`NONE` for none): the one flat form of a program, which the
 /// CUDA executor's kernels read (`cuda/runner.cu`). Returns the program's index.
 pub fn encode_program<C>(
     p: &Program<C>,
-    steps: &mut Vec<FlatStep>,
-    programs: &mut Vec<FlatProgram>,
+    steps: &mut impl Append<FlatStep>,
+    programs: &mut impl Append<FlatProgram>,
     mut conn: impl FnMut(&Option<C>) -> Result<u32>,
 ) -> Result<u32> {
-    let first_step = idx(steps.len())?;
+    let first_step = idx(steps.count())?;
     for s in &p.steps {
         let step = FlatStep {
             prim: prim_code(s.prim),
@@ -334,9 +359,9 @@ pub fn encode_program<C>(
             dst: enc_addr(s.dst),
             len: s.len as u64,
         };
-        steps.push(step);
+        steps.append(step);
     }
-    programs.push(FlatProgram {
+    programs.append(FlatProgram {
         first_step,
         nsteps: idx(p.steps.len())?,
         esize: p.esize as u64,
@@ -345,7 +370,7 @@ pub fn encode_program<C>(
         red: enc_red(p.red),
         call: p.call,
     });
-    idx(programs.len() - 1)
+    idx(programs.count() - 1)
 }
 
 impl Encoder {

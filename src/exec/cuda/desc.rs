@@ -10,6 +10,7 @@ use crate::error::{Error, Result};
 use crate::plan::encode::{encode_program, FlatProgram, FlatStep, NONE};
 use crate::plan::{Prim, Program, Step};
 use crate::transport::Conn;
+use smallvec::SmallVec;
 use std::sync::Arc;
 
 /// The kernels' parameter size (`OX_PARAM_BYTES`), and their `_large` twins' (CUDA 12.1 and
@@ -37,10 +38,11 @@ pub type DevProgram = Program<Arc<Conn>>;
 #[derive(Default)]
 pub struct Desc {
     conns: Vec<Arc<Conn>>,
-    progs: Vec<FlatProgram>,
-    steps: Vec<FlatStep>,
+    // (In place for a launch or two of one step: a one-rank call's allocations.)
+    progs: SmallVec<[FlatProgram; 2]>,
+    steps: SmallVec<[FlatStep; 4]>,
     /// (first program, programs, the communicator's control block).
-    lanes: Vec<(u16, u16, u64)>,
+    lanes: SmallVec<[(u16, u16, u64); 2]>,
     /// The largest step, in bytes.
     max_bytes: usize,
     /// Whether some step is more than a plain copy.

@@ -33,7 +33,7 @@ fn enabled() -> bool {
 
 /// Takes out of `per_comm` (a group's calls, by communicator) the sets that one direct launch
 /// serves, each ordered by rank.
-pub(super) fn take<'a>(per_comm: &mut Vec<Vec<Call<'a>>>) -> Vec<Vec<Call<'a>>> {
+pub(super) fn take<'a>(per_comm: &mut super::PerComm<'a>) -> Vec<Vec<Call<'a>>> {
     if per_comm.len() < 2 || !enabled() {
         return Vec::new();
     }

@@ -57,6 +57,9 @@ impl<'a> Call<'a> {
     }
 }
 
+/// A group's calls by communicator (in place for one or two communicators).
+type PerComm<'a> = smallvec::SmallVec<[Vec<Call<'a>>; 2]>;
+
 /// Scratch for a plan's stash: device copies of inputs, taken in stream order.
 struct Scratch {
     copies: Vec<(usize, usize)>,
@@ -70,9 +73,12 @@ struct Job<'a> {
     /// Other streams the communicator's calls of the group were given: the launch stream waits
     /// for what they have queued, and they for the launch (as NCCL joins them).
     joins: Vec<usize>,
-    stages: Vec<(Vec<Vec<DevProgram>>, Scratch)>,
+    stages: smallvec::SmallVec<[(Vec<Vec<DevProgram>>, Scratch); 1]>,
     p2p: (Vec<Vec<DevProgram>>, Scratch),
 }
+
+/// A group's jobs (in place for one communicator's).
+type Jobs<'a> = smallvec::SmallVec<[Job<'a>; 1]>;
 
 impl Job<'_> {
     /// The lanes of launch `k`: stage k's, and in the first the point-to-point lanes.
@@ -169,15 +175,19 @@ pub fn launch(ops: Vec<Call<'_>>) -> Result<()> {
         }
     }
     stream::legacy_stream_together(&ops)?;
-    // Group by communicator, keeping call order.
-    let mut per_comm: Vec<Vec<Call>> = Vec::new();
-    for q in ops {
-        match per_comm
-            .iter_mut()
-            .find(|v| std::ptr::eq(v[0].cuda(), q.cuda()))
-        {
-            Some(v) => v.push(q),
-            None => per_comm.push(vec![q]),
+    // Group by communicator, keeping call order (calls of one communicator as they came).
+    let mut per_comm: PerComm = PerComm::new();
+    if !ops.is_empty() && ops.iter().all(|q| std::ptr::eq(q.cuda(), ops[0].cuda())) {
+        per_comm.push(ops);
+    } else {
+        for q in ops {
+            match per_comm
+                .iter_mut()
+                .find(|v| std::ptr::eq(v[0].cuda(), q.cuda()))
+            {
+                Some(v) => v.push(q),
+                None => per_comm.push(vec![q]),
+            }
         }
     }
     if trace() {
@@ -215,15 +225,15 @@ pub fn launch(ops: Vec<Call<'_>>) -> Result<()> {
 
 /// Plans a group's calls (by communicator), makes the connections they need and binds the
 /// programs to them.
-fn prepare<'a>(per_comm: Vec<Vec<Call<'a>>>) -> Result<Vec<Job<'a>>> {
+fn prepare<'a>(per_comm: PerComm<'a>) -> Result<Jobs<'a>> {
     if per_comm.is_empty() {
-        return Ok(Vec::new());
+        return Ok(Jobs::new());
     }
     let caps = Caps {
         direct: false,
         eager_bytes: 0,
     };
-    let mut planned = Vec::with_capacity(per_comm.len());
+    let mut planned: smallvec::SmallVec<[_; 1]> = smallvec::SmallVec::new();
     for qs in per_comm {
         let call = |q: &Call<'_>| (q.args, q.red);
         let t = crate::plan::build::build_task(qs[0].conns, caps, &qs, call)?;
@@ -249,7 +259,7 @@ fn prepare<'a>(per_comm: Vec<Vec<Call<'a>>>) -> Result<Vec<Job<'a>>> {
             return Err(e);
         }
     }
-    let mut jobs = Vec::with_capacity(planned.len());
+    let mut jobs = Jobs::new();
     for (qs, t) in planned {
         let conns = qs[0].conns;
         let stages = t
@@ -264,7 +274,7 @@ fn prepare<'a>(per_comm: Vec<Vec<Call<'a>>>) -> Result<Vec<Job<'a>>> {
                     },
                 ))
             })
-            .collect::<Result<Vec<_>>>()?;
+            .collect::<Result<_>>()?;
         jobs.push(Job {
             comm: qs[0].cuda(),
             stream: stream::handle(&qs[0].stream),
@@ -293,8 +303,16 @@ fn prepare<'a>(per_comm: Vec<Vec<Call<'a>>>) -> Result<Vec<Job<'a>>> {
 }
 
 /// Launches prepared jobs: together those that share a context and a stream.
-fn launch_jobs(mut jobs: Vec<Job<'_>>) -> Result<()> {
+fn launch_jobs(mut jobs: Jobs<'_>) -> Result<()> {
+    // (The usual group, one context and one stream, as it is.)
+    if let Some(j0) = jobs.first() {
+        let (ctx, s) = (j0.comm.ctx, j0.stream);
+        if jobs.iter().all(|j| j.comm.ctx == ctx && j.stream == s) {
+            return launch_set(&mut jobs);
+        }
+    }
     let mut first_err = None;
+    let mut jobs = jobs.into_vec();
     while !jobs.is_empty() {
         let (ctx, s) = (jobs[0].comm.ctx, jobs[0].stream);
         let (mut set, rest): (Vec<Job>, Vec<Job>) = jobs
@@ -466,7 +484,7 @@ fn launch_stage(
 ) -> Result<()> {
     let comm0 = jobs[0].comm;
     let mut d = Desc::new();
-    let mut filled: Vec<(usize, bool)> = Vec::new();
+    let mut filled: smallvec::SmallVec<[(usize, bool); 4]> = smallvec::SmallVec::new();
     let mut r = Ok(());
     for (i, j) in jobs.iter_mut().enumerate() {
         if let Some((lanes, sc)) = j.stages.get_mut(k) {
@@ -529,8 +547,11 @@ fn launch_stage(
 /// The lanes of launch `k` of `jobs`, each with its communicator's control block, in the order
 /// `desc::lane_key` gives them (so that a launch with more blocks than the device holds at once
 /// still ends).
-fn ordered_lanes<'j>(jobs: &'j [Job<'_>], k: usize) -> Vec<(&'j [DevProgram], u64)> {
-    let mut v = Vec::new();
+fn ordered_lanes<'j>(
+    jobs: &'j [Job<'_>],
+    k: usize,
+) -> smallvec::SmallVec<[(&'j [DevProgram], u64); 4]> {
+    let mut v: smallvec::SmallVec<[_; 4]> = smallvec::SmallVec::new();
     for j in jobs {
         // (By its hash: the same order in every process, whatever order a group's calls on
         // several communicators came in.)
