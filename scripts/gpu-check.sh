@@ -25,9 +25,9 @@
 #     it the direct all-reduce of ranks on one GPU (on by default since 12-06): coll_matrix on
 #     2, 3, 4 and 8 ranks saying it ran, the ring's (OXCCL_CUDA_DIRECT=0) all-reduce matrix
 #     on 2 ranks and its all_reduce_perf -g 2 and -g 4 beside the default's rows; nranks=1
-#     with the copy kernel
-#     (OXCCL_CUDA_COPY_KERNEL=1) and on the copy engine (OXCCL_CUDA_CE_COPY_BYTES=2G); and 2 ranks' bandwidth by blocks per lane (OXCCL_CUDA_BLOCKS)
-#     and slot size, for the next defaults.
+#     on the wide and the copy kernel (OXCCL_CUDA_CE_COPY_BYTES=1, OXCCL_CUDA_COPY_KERNEL=1)
+#     beside the copy engine (the default since 12-06); and 2 ranks' bandwidth by blocks per
+#     lane (OXCCL_CUDA_BLOCKS) and slot size, for the next defaults.
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 pack="$root/target/gpu-check"
@@ -221,6 +221,33 @@ if [ -n "$NV_NCCL" ]; then
   paste <(grep -E '^ +[0-9]+ ' "$OUT/perf-oxccl-g1-cpu.txt" | awk '{print $1, $6}') \
         <(grep -E '^ +[0-9]+ ' "$OUT/perf-nvidia-g1-cpu.txt" | awk '{print $6}') |
     awk '{printf "%12s B  oxccl %8s us  nvidia %8s us\n", $1, $2, $3}' | tee -a "$log"
+  # Up to a few MiB a call takes 5-10 us on both, and one sweep's rows swing by 30% (12-06:
+  # 0.72x to 1.18x): 200 calls a size, the two libraries in turn, twice, best of two.
+  mid=(-b 64K -e 32M -f 2 -n 200 -w 20 -g 1)
+  for round in 1 2; do
+    perf "oxccl-g1-mid$round" "$OXLIB" "$B/all_reduce_perf" "${mid[@]}"
+    perf "nvidia-g1-mid$round" "$(dirname "$NV_NCCL")" "$B/all_reduce_perf" "${mid[@]}"
+  done
+  python3 - "$OUT" <<'PY' 2>&1 | tee -a "$log"
+import sys
+out = sys.argv[1]
+sys.path.insert(0, out)
+from perfrows import rows
+def best(lib):
+    runs = [rows(f"{lib}-g1-mid{k}") for k in (1, 2)]
+    return {b: max(r[b][1] for r in runs if b in r) for b in set().union(*runs)}
+ox, nv = best("oxccl"), best("nvidia")
+print("== nranks=1 all_reduce algbw (GB/s), 200 calls a size, best of two runs each, in turn")
+worst = None
+for b in sorted(set(ox) & set(nv)):
+    if nv[b] <= 0:
+        continue
+    r = ox[b] / nv[b]
+    worst = r if worst is None else min(worst, r)
+    print(f"  {b:>10} B  oxccl {ox[b]:8.1f}  nvidia {nv[b]:8.1f}  ratio {r:.2f}")
+if worst is not None:
+    print(f"  nranks=1, 64 KiB-32 MiB: worst ratio {worst:.2f} {'PASS' if worst >= 1 else 'FAIL'} (target >= 1)")
+PY
 fi
 perf oxccl-g2 "$OXLIB" "$B/all_reduce_perf" "${sweep[@]}" -g 2
 # bfloat16 (what tensor parallelism all-reduces): its kernels go element by element where
@@ -371,19 +398,20 @@ for n, name in ((2, "oxccl-g2"), (4, "oxccl-g4")):
     if n == 2 and ring.get(8):
         print(f"  8-byte all-reduce, 2 ranks: ring {ring[8][0]:.1f} us")
 PY
-# nranks=1 with the copy kernel (OXCCL_CUDA_COPY_KERNEL=1) and with every copy of the sweep
-# (to 1 GiB) on the copy engine (OXCCL_CUDA_CE_COPY_BYTES=2G, as NVIDIA's NCCL copies) against the wide kernel and
-# NVIDIA's NCCL (the rows of section 2): the next default for large one-rank copies.
-perf oxccl-g1-copy "$OXLIB" env OXCCL_CUDA_COPY_KERNEL=1 "$B/all_reduce_perf" "${sweep[@]}" -g 1
-perf oxccl-g1-ce "$OXLIB" env OXCCL_CUDA_CE_COPY_BYTES=2G "$B/all_reduce_perf" "${sweep[@]}" -g 1
+# nranks=1 with every copy on the wide kernel (OXCCL_CUDA_CE_COPY_BYTES=1) and on the copy
+# kernel (with OXCCL_CUDA_COPY_KERNEL=1) against the copy engine (the default, as NVIDIA's NCCL
+# copies: on an H100 on 12-06 it beat both kernels at every size) and NVIDIA's NCCL (the rows
+# of section 2).
+perf oxccl-g1-wide "$OXLIB" env OXCCL_CUDA_CE_COPY_BYTES=1 "$B/all_reduce_perf" "${sweep[@]}" -g 1
+perf oxccl-g1-copy "$OXLIB" env OXCCL_CUDA_CE_COPY_BYTES=1 OXCCL_CUDA_COPY_KERNEL=1 "$B/all_reduce_perf" "${sweep[@]}" -g 1
 python3 - "$OUT" <<'PY' 2>&1 | tee -a "$log"
 import sys
 out = sys.argv[1]
 sys.path.insert(0, out)
 from perfrows import rows
-wide, copy, ce, nv = rows("oxccl-g1"), rows("oxccl-g1-copy"), rows("oxccl-g1-ce"), rows("nvidia-g1")
+wide, copy, ce, nv = rows("oxccl-g1-wide"), rows("oxccl-g1-copy"), rows("oxccl-g1"), rows("nvidia-g1")
 print("== nranks=1 all_reduce algbw (GB/s) from 64 KiB: wide kernel, copy kernel, copy engine, NVIDIA")
-for b in sorted(set(copy) | set(ce)):
+for b in sorted(set(copy) | set(wide)):
     if b >= 1 << 16:
         w, c, e, n = (r.get(b, (0, 0, 0))[1] for r in (wide, copy, ce, nv))
         best = max((w, "wide"), (c, "copy"), (e, "engine"))

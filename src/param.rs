@@ -121,8 +121,8 @@ pub const PARAMS: &[Param] = &[
     },
     Param {
         name: "OXCCL_CUDA_CE_COPY_BYTES",
-        doc: "CUDA executor: plain copies (a one-rank collective out of place) smaller than this go to the copy engine (cuMemcpyDtoDAsync, as NVIDIA's NCCL makes them), larger ones to a kernel (K/M/G suffixes; 2G: every copy below 2 GiB to the copy engine)",
-        default: "524288",
+        doc: "CUDA executor: plain copies (a one-rank collective out of place) go to the copy engine (cuMemcpyDtoDAsync, as NVIDIA's NCCL makes them); when this is not 0, those of this many bytes and more go to a kernel instead (K/M/G suffixes; 0, the default: every copy on the copy engine)",
+        default: "0",
     },
     Param {
         name: "NCCL_GRAPH_MIXING_SUPPORT",
@@ -335,8 +335,8 @@ pub fn reread() {
     }
 }
 
-/// `OXCCL_CUDA_CE_COPY_BYTES`: plain copies below this go to the copy engine, larger ones to
-/// a kernel (see `PerLaunch`).
+/// `OXCCL_CUDA_CE_COPY_BYTES`: 0 (every plain copy on the copy engine), or the size from which
+/// a plain copy goes to a kernel instead (see `PerLaunch`).
 pub fn cuda_ce_copy_bytes() -> u64 {
     CUDA_CE_COPY_BYTES.get()
 }

@@ -1068,9 +1068,10 @@ fn cuda_executor_on_emulated_kernels() {
     };
     let cache = start(&so);
 
-    // First the ring everywhere (`OXCCL_CUDA_DIRECT=0`); then the direct all-reduce (the
-    // default: ranks of one group on one device in one launch) and the optional copy kernel
-    // (`OXCCL_CUDA_COPY_KERNEL=1`: a one-rank collective out of place).
+    // First the ring everywhere (`OXCCL_CUDA_DIRECT=0`; a one-rank collective out of place
+    // copies on the copy engine, the default); then the direct all-reduce (the default: ranks
+    // of one group on one device in one launch) and the optional copy kernel
+    // (`OXCCL_CUDA_COPY_KERNEL=1`, for one-rank copies from `OXCCL_CUDA_CE_COPY_BYTES`).
     std::env::set_var("OXCCL_CUDA_DIRECT", "0");
     nccl::param::reread();
     for (n, optional) in [
@@ -1084,6 +1085,7 @@ fn cuda_executor_on_emulated_kernels() {
         if optional {
             std::env::remove_var("OXCCL_CUDA_DIRECT");
             std::env::set_var("OXCCL_CUDA_COPY_KERNEL", "1");
+            std::env::set_var("OXCCL_CUDA_CE_COPY_BYTES", "512K");
             nccl::param::reread();
         }
         let comms = nccl::api::comm_init_all(&vec![0; n]).expect("ranks on one device");
@@ -1129,6 +1131,7 @@ fn cuda_executor_on_emulated_kernels() {
     }
     std::env::remove_var("OXCCL_CUDA_DIRECT");
     std::env::remove_var("OXCCL_CUDA_COPY_KERNEL");
+    std::env::remove_var("OXCCL_CUDA_CE_COPY_BYTES");
     nccl::param::reread();
     large_launches(&[new_stream(), new_stream()]);
     replay_after_destroy();

@@ -972,6 +972,29 @@ fn cuda_executor_logic_on_a_recording_driver() {
         }),
         "{ev:#?}"
     );
+    // By default a large copy goes to the copy engine too, as NVIDIA's NCCL copies.
+    let large_on_ce = |ev: &[Ev]| {
+        launches(ev).is_empty()
+            && ev.contains(&Ev::Copy {
+                dst: r as u64,
+                src: s as u64,
+                bytes: 4 * n,
+                stream: 0x71,
+            })
+    };
+    nccl::api::enqueue(&one[0], all_reduce(s, r, n), cuda(0x71)).unwrap();
+    let ev = take();
+    assert!(large_on_ce(&ev), "{ev:#?}");
+    // OXCCL_CUDA_CE_COPY_BYTES=512K: copies of 512 KiB and more go to the wide kernel, smaller
+    // ones still to the copy engine.
+    std::env::set_var("OXCCL_CUDA_CE_COPY_BYTES", "512K");
+    nccl::param::reread();
+    nccl::api::enqueue(&one[0], all_reduce(s, r, 1000), cuda(0x71)).unwrap();
+    let ev = take();
+    assert!(
+        launches(&ev).is_empty() && ev.iter().any(|e| matches!(e, Ev::Copy { bytes: 4000, .. })),
+        "{ev:#?}"
+    );
     nccl::api::enqueue(&one[0], all_reduce(s, r, n), cuda(0x71)).unwrap();
     let ev = take();
     let l = launches(&ev);
@@ -980,7 +1003,7 @@ fn cuda_executor_logic_on_a_recording_driver() {
         "{ev:#?}"
     );
     // OXCCL_CUDA_COPY_KERNEL=1: the copy kernel instead, with the same grid; a copy that is
-    // more than a copy (a scaling average of a float) still takes the wide kernel.
+    // more than a copy (a scaling average of a float) takes the wide kernel, whatever its size.
     std::env::set_var("OXCCL_CUDA_COPY_KERNEL", "1");
     nccl::param::reread();
     nccl::api::enqueue(&one[0], all_reduce(s, r, n), cuda(0x71)).unwrap();
@@ -989,6 +1012,9 @@ fn cuda_executor_logic_on_a_recording_driver() {
         matches!(launches(&ev).as_slice(), [Ev::Launch { func: COPY, grid: (g, 1), stream: 0x71, .. }] if *g > 1),
         "{ev:#?}"
     );
+    std::env::remove_var("OXCCL_CUDA_COPY_KERNEL");
+    std::env::remove_var("OXCCL_CUDA_CE_COPY_BYTES");
+    nccl::param::reread();
     let mut avg = all_reduce(s, r, n);
     avg.op = nccl::types::OP_AVG;
     nccl::api::enqueue(&one[0], avg, cuda(0x71)).unwrap();
@@ -997,25 +1023,10 @@ fn cuda_executor_logic_on_a_recording_driver() {
         matches!(launches(&ev).as_slice(), [Ev::Launch { func: LOCAL, .. }]),
         "{ev:#?}"
     );
-    std::env::remove_var("OXCCL_CUDA_COPY_KERNEL");
-    nccl::param::reread();
-    // OXCCL_CUDA_CE_COPY_BYTES=2G: the large copy on the copy engine too.
-    std::env::set_var("OXCCL_CUDA_CE_COPY_BYTES", "2G");
-    nccl::param::reread();
+    // Back to the default: the copy engine again.
     nccl::api::enqueue(&one[0], all_reduce(s, r, n), cuda(0x71)).unwrap();
     let ev = take();
-    assert!(
-        launches(&ev).is_empty()
-            && ev.contains(&Ev::Copy {
-                dst: r as u64,
-                src: s as u64,
-                bytes: 4 * n,
-                stream: 0x71
-            }),
-        "{ev:#?}"
-    );
-    std::env::remove_var("OXCCL_CUDA_CE_COPY_BYTES");
-    nccl::param::reread();
+    assert!(large_on_ce(&ev), "{ev:#?}");
 
     // 8. OXCCL_CUDA_DIRECT=1 (the default): an all-reduce of both ranks in one group is one kernel over
     //    both ranks' buffers, on rank 0's stream, joined with rank 1's: rank 1's stream's
@@ -1273,7 +1284,15 @@ fn cuda_executor_logic_on_a_recording_driver() {
     )
     .unwrap();
     let ev = take();
-    assert_eq!(launches(&ev).len(), 1, "{ev:#?}");
+    assert!(
+        ev.contains(&Ev::Copy {
+            dst: bufs[0].1 as u64,
+            src: p + 64,
+            bytes: 1 << 20,
+            stream: 0x71
+        }),
+        "{ev:#?}"
+    );
     PAGEABLE.lock().retain(|&x| x != p && x != p + 64);
     nccl::api::mem_free(p as usize).unwrap();
     assert_eq!(
