@@ -768,15 +768,7 @@ unsafe extern "C" fn pointer_attr(v: *mut c_void, a: c_int, _: u64) -> CUresult 
     unsafe { *(v as *mut c_uint) = if a == 9 { 0 } else { 2 } };
     OK
 }
-unsafe extern "C" fn pointer_attrs(
-    n: c_uint,
-    attrs: *mut c_int,
-    out: *mut *mut c_void,
-    p: u64,
-) -> CUresult {
-    // SAFETY: the driver's contract, which the executor keeps.
-    unsafe { stand_in::pointer_attrs_of(pointer_attr, n, attrs, out, p) }
-}
+stand_in::pointer_attrs_over!(stand_in, pointer_attr);
 /// Device memory (`cuMemAlloc`): a memory file of its own, mapped shared, so that another
 /// process can open it by an IPC handle (its process, file descriptor and size).
 static ALLOCS: Mutex<Option<HashMap<u64, (i32, usize)>>> = Mutex::new(None);

@@ -148,15 +148,7 @@ unsafe extern "C" fn pointer_attr(v: *mut c_void, a: c_int, _: u64) -> CUresult 
     unsafe { *(v as *mut c_uint) = if a == 9 { 0 } else { 1 } };
     OK
 }
-unsafe extern "C" fn pointer_attrs(
-    n: c_uint,
-    attrs: *mut c_int,
-    out: *mut *mut c_void,
-    p: u64,
-) -> CUresult {
-    // SAFETY: the driver's contract, which the executor keeps.
-    unsafe { super::stand_in::pointer_attrs_of(pointer_attr, n, attrs, out, p) }
-}
+super::stand_in::pointer_attrs_over!(super::stand_in, pointer_attr);
 
 /// The functions above, by symbol, for `device::stand_in_with`.
 pub fn functions() -> Vec<(&'static str, *const c_void)> {

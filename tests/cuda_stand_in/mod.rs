@@ -209,6 +209,24 @@ pub unsafe fn pointer_attrs_of(
     }
     OK
 }
+/// Defines `pointer_attrs`, a stand-in's `cuPointerGetAttributes`, over its one-attribute
+/// `cuPointerGetAttribute` (`pointer_attrs_of`), where the stand-in's module has `c_uint`,
+/// `c_int`, `c_void` and `CUresult` in scope.
+macro_rules! pointer_attrs_over {
+    ($stand_in:path, $one:path) => {
+        unsafe extern "C" fn pointer_attrs(
+            n: c_uint,
+            attrs: *mut c_int,
+            out: *mut *mut c_void,
+            p: u64,
+        ) -> CUresult {
+            use $stand_in as s;
+            // SAFETY: the driver's contract, which the executor keeps.
+            unsafe { s::pointer_attrs_of($one, n, attrs, out, p) }
+        }
+    };
+}
+pub(crate) use pointer_attrs_over;
 unsafe extern "C" fn error_str(_: CUresult, s: *mut *const c_char) -> CUresult {
     unsafe { *s = c"stand-in error".as_ptr() };
     OK
