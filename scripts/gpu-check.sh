@@ -15,8 +15,9 @@
 #     waits for it (cuda_peer_death: ncclRemoteError naming it, the stream drains); the TP/PP
 #     example on device buffers, 8 ranks (processes) on the one GPU;
 #  2. the perf tools on the GPU: all_reduce_perf at nranks=1 against NVIDIA's libnccl.so.2 (from
-#     the machine's Python packages) side by side, then 2 and 4 ranks on the one GPU, and the
-#     other tools at 2 ranks;
+#     the machine's Python packages) side by side (the whole sweep; the CPU time per call;
+#     64 KiB-32 MiB with 200 calls a size, the two in turn, best of two), then 2 and 4 ranks
+#     on the one GPU, and the other tools at 2 ranks;
 #  3. PyTorch with LD_PRELOAD=libnccl.so.2 (scripts/gpu-torch-check.py): world sizes 1 and 2;
 #  4. the host executor there (OXCCL_DEVICE=host): the C programs, perf tools and the TP/PP
 #     example with the machine's many cores;
@@ -299,7 +300,7 @@ if g1:
         if r:
             b = max(r)
             lim = (n - 1) / n**2 * 2 * copy
-            print(f"  {n} ranks: busbw {r[b][2]:.1f} GB/s at {b} B; limit {lim:.1f} (copy {copy:.1f} GB/s at {top} B):"
+            print(f"  {n} ranks: busbw {r[b][2]:.1f} GB/s at {b} B; limit {lim:.1f} (one-rank copy {copy:.1f} GB/s at {top} B, on the copy engine since 12-06):"
                   f" {r[b][2] / lim:.0%} {'PASS' if r[b][2] >= 0.8 * lim else 'FAIL'} (target 80%)")
 if g2.get(8):
     t = g2[8][0]

@@ -91,7 +91,7 @@ pub const PARAMS: &[Param] = &[
     },
     Param {
         name: "OXCCL_CUDA_COPY_KERNEL",
-        doc: "1: on the CUDA executor, large plain copies (a one-rank collective out of place) go to a kernel that only copies (the runner's copy loop without its dispatch: few registers, no spills) rather than the general wide kernel (default 0 until the GPU check has compared the two against NVIDIA's NCCL)",
+        doc: "1: on the CUDA executor, the plain copies that `OXCCL_CUDA_CE_COPY_BYTES` (when not 0) gives to a kernel (a one-rank collective out of place) go to a kernel that only copies (the runner's copy loop without its dispatch: few registers, no spills) rather than the general wide kernel (default 0; with `OXCCL_CUDA_CE_COPY_BYTES` at its default every such copy is on the copy engine and this does nothing)",
         default: "0",
     },
     Param {
@@ -520,7 +520,8 @@ pub fn cuda_ipc() -> bool {
     *B
 }
 
-/// `OXCCL_CUDA_COPY_KERNEL=1`: large plain copies by the copy kernel (see `PerLaunch`).
+/// `OXCCL_CUDA_COPY_KERNEL=1`: the plain copies given to a kernel by the copy kernel (see
+/// `PerLaunch`).
 pub fn cuda_copy_kernel() -> bool {
     CUDA_COPY_KERNEL.get() != 0
 }

@@ -260,15 +260,7 @@ unsafe extern "C" fn pointer_attr(v: *mut c_void, a: c_int, p: u64) -> CUresult 
     unsafe { *(v as *mut c_uint) = value };
     OK
 }
-unsafe extern "C" fn pointer_attrs(
-    n: c_uint,
-    attrs: *mut c_int,
-    out: *mut *mut c_void,
-    p: u64,
-) -> CUresult {
-    // SAFETY: the driver's contract, which the executor keeps.
-    unsafe { stand_in::pointer_attrs_of(pointer_attr, n, attrs, out, p) }
-}
+stand_in::pointer_attrs_over!(stand_in, pointer_attr);
 /// A handle names the allocation's address (and a mark); opening gives it back.
 const IPC_MARK: &[u8; 8] = b"oxipc-hd";
 static IPC_CLOSED: Mutex<Vec<u64>> = Mutex::new(Vec::new());
@@ -949,8 +941,8 @@ fn cuda_executor_logic_on_a_recording_driver() {
     nccl::api::enqueue(&comms[0], all_reduce(bufs[0].0, bufs[0].1, n), cuda(0x51)).unwrap();
     assert_eq!(launches(&take()).len(), 1);
 
-    // 7. One rank: in place is nothing at all; a small copy goes to the copy engine; a large
-    //    one to the wide kernel.
+    // 7. One rank: in place is nothing at all; a copy, small or large, goes to the copy
+    //    engine; with OXCCL_CUDA_CE_COPY_BYTES, large ones to the wide (or the copy) kernel.
     let one = nccl::api::comm_init_all(&[0]).expect("one rank");
     take();
     let (s, r) = bufs[0];
@@ -1012,17 +1004,21 @@ fn cuda_executor_logic_on_a_recording_driver() {
         matches!(launches(&ev).as_slice(), [Ev::Launch { func: COPY, grid: (g, 1), stream: 0x71, .. }] if *g > 1),
         "{ev:#?}"
     );
-    std::env::remove_var("OXCCL_CUDA_COPY_KERNEL");
-    std::env::remove_var("OXCCL_CUDA_CE_COPY_BYTES");
-    nccl::param::reread();
     let mut avg = all_reduce(s, r, n);
     avg.op = nccl::types::OP_AVG;
-    nccl::api::enqueue(&one[0], avg, cuda(0x71)).unwrap();
-    let ev = take();
-    assert!(
-        matches!(launches(&ev).as_slice(), [Ev::Launch { func: LOCAL, .. }]),
-        "{ev:#?}"
-    );
+    for defaults in [false, true] {
+        if defaults {
+            std::env::remove_var("OXCCL_CUDA_COPY_KERNEL");
+            std::env::remove_var("OXCCL_CUDA_CE_COPY_BYTES");
+            nccl::param::reread();
+        }
+        nccl::api::enqueue(&one[0], avg, cuda(0x71)).unwrap();
+        let ev = take();
+        assert!(
+            matches!(launches(&ev).as_slice(), [Ev::Launch { func: LOCAL, .. }]),
+            "{ev:#?}"
+        );
+    }
     // Back to the default: the copy engine again.
     nccl::api::enqueue(&one[0], all_reduce(s, r, n), cuda(0x71)).unwrap();
     let ev = take();

@@ -252,9 +252,6 @@ impl crate::transport::proxy::Busy for Running {
     }
 
     fn busy(&self) -> bool {
-        if !self.ready.load(Ordering::Relaxed) {
-            return false;
-        }
         let Some(ctl) = self.ctl.upgrade() else {
             return false;
         };
@@ -274,7 +271,9 @@ impl crate::transport::proxy::Busy for Running {
         let Some(l) = self.last.try_lock() else {
             return true;
         };
-        if !l.recorded {
+        // (Not ready: the thread could not leave global capture mode or enter the context, and
+        // must not query the driver.)
+        if !l.recorded || !self.ready.load(Ordering::Relaxed) {
             return false;
         }
         let ev = l.event;
