@@ -390,6 +390,11 @@ check "CUDA ring (OXCCL_CUDA_DIRECT=0): 2 ranks, AllReduce x datatype x op" 60 \
   env OXCCL_CUDA_DIRECT=0 "$B/coll_matrix" 2 cuda coll=AllReduce
 perf oxccl-g2-ring "$OXLIB" env OXCCL_CUDA_DIRECT=0 "$B/all_reduce_perf" "${sweep[@]}" -g 2
 perf oxccl-g4-ring "$OXLIB" env OXCCL_CUDA_DIRECT=0 "$B/all_reduce_perf" -b 8 -e 256M -f 8 -n 10 -w 3 -g 4
+# The ring split across 4 rings that run at once (OXCCL_CUDA_CHANNELS=4, off by default):
+# all-reduce, broadcast and reduce checked by the tools (#wrong), 1-64 MiB, 2 ranks.
+for t in all_reduce broadcast reduce; do
+  perf "$t-g2-ch4" "$OXLIB" env OXCCL_CUDA_DIRECT=0 OXCCL_CUDA_CHANNELS=4 "$B/${t}_perf" -b 1M -e 64M -f 4 -n 10 -w 3 -g 2
+done
 python3 - "$OUT" <<'PY' 2>&1 | tee -a "$log"
 import sys
 out = sys.argv[1]
@@ -433,10 +438,12 @@ fi
 # Blocks per lane (OXCCL_CUDA_BLOCKS, default 8) and slot size (OXCCL_CHUNK_BYTES, 1 MiB on the
 # CUDA executor) against 2 ranks' ring bandwidth (what ranks in threads or processes of their
 # own, and GPUs over P2P, run), over the sizes: at 64 MiB on 12-06, 32 blocks and 4 MiB slots
-# gave 203 GB/s and 64 blocks 232, against 64 by default. What the next default should be.
+# gave 203 GB/s and 64 blocks 232, against 64 by default; and the ring split across 2 or 4
+# rings that run at once (OXCCL_CUDA_CHANNELS). What the next defaults should be.
 if in_budget "the ring tuning sweep"; then
 tune=("OXCCL_CUDA_BLOCKS=32 OXCCL_CHUNK_BYTES=4M" "OXCCL_CUDA_BLOCKS=64 OXCCL_CHUNK_BYTES=4M"
-  "OXCCL_CUDA_BLOCKS=64 OXCCL_CHUNK_BYTES=2M")
+  "OXCCL_CUDA_BLOCKS=64 OXCCL_CHUNK_BYTES=2M" "OXCCL_CUDA_CHANNELS=2" "OXCCL_CUDA_CHANNELS=4"
+  "OXCCL_CUDA_CHANNELS=4 OXCCL_CUDA_BLOCKS=16 OXCCL_CHUNK_BYTES=4M")
 for v in "${tune[@]}"; do
   # shellcheck disable=SC2086 # VAR=value words
   perf "oxccl-g2-${v//[= ]/-}" "$OXLIB" env OXCCL_CUDA_DIRECT=0 $v "$B/all_reduce_perf" -b 128K -e 128M -f 4 -n 10 -w 3 -c 0 -g 2
@@ -448,7 +455,7 @@ sys.path.insert(0, out)
 from perfrows import rows
 base = rows("oxccl-g2-ring")
 runs = [rows("oxccl-g2-" + v.replace("=", "-").replace(" ", "-")) for v in tune]
-print("== 2 ranks, ring all_reduce busbw (GB/s) by blocks per lane and slot size; default: 8, 1 MiB")
+print("== 2 ranks, ring all_reduce busbw (GB/s) by blocks per lane, slot size and rings; default: 8, 1 MiB, 1")
 print(f"  {'bytes':>12}  {'default':>8}  " + "  ".join(f"{v:>40}" for v in tune))
 for b in sorted(set().union(*[set(r) for r in runs])):
     cells = "  ".join(f"{r.get(b, (0, 0, 0))[2]:>40.1f}" for r in runs)

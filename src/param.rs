@@ -115,6 +115,11 @@ pub const PARAMS: &[Param] = &[
         default: "8",
     },
     Param {
+        name: "OXCCL_CUDA_CHANNELS",
+        doc: "CUDA executor: the rings (1 to 4) a large all-reduce, broadcast or reduce on the ring is split across, each on connections of its own and run at once by lanes of one kernel, at least 256 KiB each (default 1 until the GPU check has measured more; set it alike on every rank)",
+        default: "1",
+    },
+    Param {
         name: "OXCCL_NET_ZERO_COPY",
         doc: "0: the host executor copies what it sends to another host into the connection's slots; 1 (default): the socket takes it from the caller's buffer (a later step that writes where a slot not yet sent refers first copies it into the slot; not with NCCL_SOCKET_NTHREADS > 1 or a net plugin)",
         default: "1",
@@ -324,13 +329,19 @@ impl PerLaunch {
 static CUDA_CE_COPY_BYTES: PerLaunch = PerLaunch::new("OXCCL_CUDA_CE_COPY_BYTES");
 static CUDA_COPY_KERNEL: PerLaunch = PerLaunch::new("OXCCL_CUDA_COPY_KERNEL");
 static CUDA_DIRECT: PerLaunch = PerLaunch::new("OXCCL_CUDA_DIRECT");
+static CUDA_CHANNELS: PerLaunch = PerLaunch::new("OXCCL_CUDA_CHANNELS");
 
 /// Has the CUDA executor's per-launch parameters (`OXCCL_CUDA_CE_COPY_BYTES`,
-/// `OXCCL_CUDA_COPY_KERNEL`, `OXCCL_CUDA_DIRECT`) read from the environment again at their
+/// `OXCCL_CUDA_COPY_KERNEL`, `OXCCL_CUDA_DIRECT`, `OXCCL_CUDA_CHANNELS`) read from the environment again at their
 /// next use: for tests that change them between launches.
 #[doc(hidden)]
 pub fn reread() {
-    for p in [&CUDA_CE_COPY_BYTES, &CUDA_COPY_KERNEL, &CUDA_DIRECT] {
+    for p in [
+        &CUDA_CE_COPY_BYTES,
+        &CUDA_COPY_KERNEL,
+        &CUDA_DIRECT,
+        &CUDA_CHANNELS,
+    ] {
         p.value.store(UNREAD, std::sync::atomic::Ordering::Relaxed);
     }
 }
@@ -524,6 +535,12 @@ pub fn cuda_ipc() -> bool {
 /// `PerLaunch`).
 pub fn cuda_copy_kernel() -> bool {
     CUDA_COPY_KERNEL.get() != 0
+}
+
+/// `OXCCL_CUDA_CHANNELS`: the rings a large ring collective is split across (1 to
+/// `Class::RINGS`; see `plan::build::channel_parts`).
+pub fn cuda_channels() -> usize {
+    (CUDA_CHANNELS.get() as usize).clamp(1, crate::transport::Class::RINGS)
 }
 
 /// The most blocks per lane of the CUDA runner (`OXCCL_CUDA_BLOCKS`, 1 to 64).

@@ -725,6 +725,55 @@ fn failures() {
 /// The collectives checked: every one, large enough for several slices and blocks per lane,
 /// and at an odd count (tails, unaligned shares), f32 sums in and out of place; then all-reduces
 /// of other datatypes with every operator.
+/// `OXCCL_CUDA_CHANNELS=4` on the ring (`OXCCL_CUDA_DIRECT=0`): large all-reduces,
+/// broadcasts and reduces split across rings that run at once, each part checked; the
+/// connections of the fourth ring are there afterwards (so the split happened).
+fn channels() {
+    use nccl::transport::{Class, ConnKey};
+    std::env::set_var("OXCCL_CUDA_DIRECT", "0");
+    std::env::set_var("OXCCL_CUDA_CHANNELS", "4");
+    nccl::param::reread();
+    for n in [2usize, 3] {
+        let comms = nccl::api::comm_init_all(&vec![0; n]).expect("ranks on one device");
+        let own: Vec<usize> = (0..n).map(|_| new_stream()).collect();
+        let mut cases: Vec<Case> = cases(n, &[300_001])
+            .into_iter()
+            .filter(|c| {
+                c.count == 300_001
+                    && matches!(
+                        c.kind,
+                        CollKind::AllReduce | CollKind::Broadcast | CollKind::Reduce
+                    )
+            })
+            .collect();
+        cases.push(Case {
+            kind: CollKind::AllReduce,
+            dtype: DataType::Bfloat16,
+            op: nccl::types::OP_MAX,
+            count: 600_007,
+            in_place: false,
+            root: 0,
+        });
+        for c in &cases {
+            check(&comms, &own, c);
+            release_buffers();
+        }
+        let core = comms[0].core().expect("rank 0");
+        assert!(
+            core.conns
+                .bound(ConnKey::new(1, true, Class::Ring3))
+                .is_ok(),
+            "{n} ranks: no connection of the fourth ring"
+        );
+        for c in &comms {
+            nccl::api::comm_destroy(nccl::api::comm_handle(c)).unwrap();
+        }
+    }
+    std::env::remove_var("OXCCL_CUDA_DIRECT");
+    std::env::remove_var("OXCCL_CUDA_CHANNELS");
+    nccl::param::reread();
+}
+
 fn cases(n: usize, counts: &[usize]) -> Vec<Case> {
     use nccl::types::{OP_AVG, OP_MAX, OP_MIN, OP_PROD, OP_SUM};
     let mut cases = Vec::new();
@@ -1133,6 +1182,7 @@ fn cuda_executor_on_emulated_kernels() {
     std::env::remove_var("OXCCL_CUDA_COPY_KERNEL");
     std::env::remove_var("OXCCL_CUDA_CE_COPY_BYTES");
     nccl::param::reread();
+    channels();
     large_launches(&[new_stream(), new_stream()]);
     replay_after_destroy();
     let illegal = device::ILLEGAL.lock().clone();

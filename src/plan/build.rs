@@ -20,6 +20,27 @@ pub struct Caps {
     pub direct: bool,
     /// The largest input per rank (bytes) a direct operation carries on the board itself.
     pub eager_bytes: usize,
+    /// The rings a large all-reduce, broadcast or reduce is split across (1 to
+    /// `Class::RINGS`; see `channel_parts`).
+    pub channels: usize,
+}
+
+/// The least bytes a ring channel takes: a collective is split across at most as many
+/// channels as it has this many bytes.
+pub const CHANNEL_MIN_BYTES: usize = 256 << 10;
+
+/// How `count` elements of `esize` bytes split across at most `channels` rings: (first
+/// element, count) of each part, in order, each a multiple of 16 bytes but the last; one part
+/// where the data is too small to share out.
+pub fn channel_parts(count: usize, esize: usize, channels: usize) -> Vec<(usize, usize)> {
+    let by_size = (count * esize / CHANNEL_MIN_BYTES).max(1);
+    let c = channels.clamp(1, Class::RINGS).min(by_size);
+    let align = (16 / esize).max(1);
+    let per = count.div_ceil(c).div_ceil(align) * align;
+    (0..c)
+        .map(|k| (k * per, count.saturating_sub(k * per).min(per)))
+        .filter(|&(_, n)| n > 0)
+        .collect()
 }
 
 /// What a task does, for messages: its first call, and how many more the group has.
@@ -217,6 +238,19 @@ pub fn build_task<T>(
                         Work::Board(Box::new(BoardOp::new(rank, nranks, &a, red, bk, fallback)))
                     } else {
                         super::algo::log_choice(a.kind.name(), bytes, nranks, "Ring");
+                        let parts = match bk {
+                            BoardKind::AllReduce | BoardKind::Broadcast | BoardKind::Reduce
+                                if caps.channels > 1 && nranks > 1 =>
+                            {
+                                channel_parts(a.count, a.dtype.size(), caps.channels)
+                            }
+                            _ => Vec::new(),
+                        };
+                        if parts.len() > 1 {
+                            task.stages
+                                .push(channels(l, &a, red, bk, root, &parts, words, fault)?);
+                            continue;
+                        }
                         ring_program()?.into()
                     };
                     task.stages.push(stage(work));
@@ -301,4 +335,44 @@ pub fn build_task<T>(
         .map(|(_, v)| v.into_iter().map(Work::from).collect())
         .collect();
     Ok(task)
+}
+
+/// A ring collective split across channels: one stage whose lanes each run the collective's
+/// ring over one part of the data (`parts`, from `channel_parts`) on channel k's connections,
+/// all at once.
+#[allow(clippy::too_many_arguments)]
+fn channels(
+    l: &dyn Links,
+    a: &CollArgs,
+    red: Option<RedSpec>,
+    bk: BoardKind,
+    root: usize,
+    parts: &[(usize, usize)],
+    words: super::call::Call,
+    fault: Option<(crate::types::DataType, usize, usize)>,
+) -> Result<Stage> {
+    let es = a.dtype.size();
+    let mut s = Stage::default();
+    for (k, &(first, n)) in parts.iter().enumerate() {
+        let ch = ring::Channel {
+            parent: l,
+            class: Class::ring(k),
+        };
+        let (send, recv) = (a.send + first * es, a.recv + first * es);
+        let red = || red.ok_or_else(|| Error::internal("a reduction without its operator"));
+        let mut p = match bk {
+            BoardKind::AllReduce => ring::all_reduce(&ch, send, recv, n, a.dtype, red()?)?,
+            BoardKind::Broadcast => ring::broadcast(&ch, send, recv, n, a.dtype, root)?,
+            BoardKind::Reduce => ring::reduce(&ch, send, recv, n, a.dtype, red()?, root)?,
+            _ => {
+                return Err(Error::internal(
+                    "a collective that is not split across rings",
+                ))
+            }
+        };
+        p.call = words;
+        s.lanes.push(vec![p.into()]);
+    }
+    s.fault = fault;
+    Ok(s)
 }

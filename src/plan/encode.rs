@@ -159,7 +159,15 @@ pub struct Flat {
     pub conns: Vec<FlatConn>,
 }
 
-const CLASSES: [Class; 4] = [Class::Ring, Class::P2p, Class::Direct, Class::Tree];
+const CLASSES: [Class; 7] = [
+    Class::Ring,
+    Class::P2p,
+    Class::Direct,
+    Class::Tree,
+    Class::Ring1,
+    Class::Ring2,
+    Class::Ring3,
+];
 
 fn idx(n: usize) -> Result<u32> {
     u32::try_from(n)

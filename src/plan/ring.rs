@@ -47,6 +47,39 @@ impl Links for Conns {
     }
 }
 
+/// One of several rings over the same ranks in the same order, each on connections of its own
+/// class (`Class::ring`): a collective split across channels runs a ring on each at once.
+pub struct Channel<'a> {
+    pub parent: &'a dyn Links,
+    pub class: Class,
+}
+
+impl Links for Channel<'_> {
+    fn rank(&self) -> usize {
+        self.parent.rank()
+    }
+    fn nranks(&self) -> usize {
+        self.parent.nranks()
+    }
+    fn slot_bytes(&self) -> usize {
+        self.parent.slot_bytes()
+    }
+    fn conn(&self, peer: usize, is_sender: bool, class: Class) -> Result<ConnKey> {
+        let class = if class == Class::Ring {
+            self.class
+        } else {
+            class
+        };
+        self.parent.conn(peer, is_sender, class)
+    }
+    fn ring(&self) -> Option<&[usize]> {
+        self.parent.ring()
+    }
+    fn host(&self, rank: usize) -> u64 {
+        self.parent.host(rank)
+    }
+}
+
 /// Rank `rank`'s position in the ring.
 fn pos(l: &dyn Links, rank: usize) -> usize {
     match l.ring() {

@@ -161,6 +161,7 @@ fn caps(direct: bool) -> super::build::Caps {
     super::build::Caps {
         direct,
         eager_bytes: crate::transport::board::INLINE,
+        channels: 1,
     }
 }
 
@@ -407,4 +408,120 @@ fn decoding_rejects_malformed_records() {
         Addr::Scratch { idx: 2, off: 8 } + 4,
         Addr::Scratch { idx: 2, off: 12 }
     );
+}
+
+#[test]
+fn a_large_ring_collective_splits_across_channels() {
+    use super::build::{channel_parts, Caps, CHANNEL_MIN_BYTES};
+    use crate::transport::Class;
+    // The parts cover the elements in order, each but the last a multiple of 16 bytes, at most
+    // as many as asked and as the data holds CHANNEL_MIN_BYTES.
+    for (count, esize, ch) in [
+        (300_001usize, 4usize, 4usize),
+        (1000, 4, 4),
+        (1 << 20, 2, 3),
+        (65_537, 8, 2),
+        (CHANNEL_MIN_BYTES * 4 - 1, 1, 4),
+        (7, 1, 4),
+    ] {
+        let parts = channel_parts(count, esize, ch);
+        let mut at = 0;
+        for &(first, n) in &parts {
+            assert_eq!(first, at, "{count} x {esize} over {ch}: {parts:?}");
+            assert!(n > 0, "{parts:?}");
+            at += n;
+        }
+        assert_eq!(at, count, "{parts:?}");
+        for &(_, n) in &parts[..parts.len() - 1] {
+            assert_eq!(n * esize % 16, 0, "{parts:?}");
+        }
+        let most = ch.min((count * esize / CHANNEL_MIN_BYTES).max(1));
+        assert!(
+            parts.len() <= most,
+            "{count} x {esize} over {ch}: {parts:?}"
+        );
+    }
+    assert_eq!(channel_parts(1000, 4, 4).len(), 1);
+    assert_eq!(channel_parts(300_001, 4, 4).len(), 4);
+    assert_eq!(channel_parts(300_001, 4, 2).len(), 2);
+
+    // An all-reduce, broadcast or reduce of 1.2 MB on 3 ranks, 4 channels: one stage of 4
+    // lanes, lane k on channel k's ring connections over part k; the other collectives and
+    // small ones keep one lane; each plan encodes and decodes.
+    let caps = Caps {
+        direct: false,
+        eager_bytes: 0,
+        channels: 4,
+    };
+    let red = Some(RedSpec::Ready(Reduction {
+        dtype: DataType::Float32,
+        kind: ReduceKind::Sum,
+        premul: None,
+        postdiv: None,
+    }));
+    for kind in [
+        CollKind::AllReduce,
+        CollKind::Broadcast,
+        CollKind::Reduce,
+        CollKind::AllGather,
+    ] {
+        for (count, split) in [(300_001usize, true), (1000, false)] {
+            for rank in 0..3 {
+                let links = TestLinks::new(rank, 3);
+                let a = CollArgs {
+                    kind,
+                    send: BUF,
+                    recv: BUF + (1 << 24),
+                    count,
+                    dtype: DataType::Float32,
+                    op: OP_SUM,
+                    root: 1,
+                };
+                let red = if kind == CollKind::Broadcast || kind == CollKind::AllGather {
+                    None
+                } else {
+                    red
+                };
+                let t = build_task(&links, caps, &[(a, red)], |c| *c).unwrap();
+                let what = || format!("{kind:?} of {count} on rank {rank}");
+                round_trip(&t, &what);
+                assert_eq!(t.stages.len(), 1, "{}", what());
+                let lanes = &t.stages[0].lanes;
+                let split = split && kind != CollKind::AllGather;
+                assert_eq!(lanes.len(), if split { 4 } else { 1 }, "{}", what());
+                if !split {
+                    continue;
+                }
+                let parts = channel_parts(count, 4, 4);
+                for (k, lane) in lanes.iter().enumerate() {
+                    let [Work::Steps(p)] = lane.as_slice() else {
+                        panic!("{}: lane {k} is not one program", what())
+                    };
+                    let mut conns = 0;
+                    for s in &p.steps {
+                        for c in [s.send, s.recv].into_iter().flatten() {
+                            assert_eq!(c.class, Class::ring(k), "{}", what());
+                            conns += 1;
+                        }
+                    }
+                    assert!(conns > 0, "{}", what());
+                    // The lane's user addresses lie in its part of the input or output.
+                    let (first, n) = parts[k];
+                    for s in &p.steps {
+                        for (addr, base) in [(&s.src, a.send), (&s.dst, a.recv)] {
+                            if let Addr::User(at) = addr {
+                                let lo = base + 4 * first;
+                                assert!(
+                                    *at >= lo && *at + 4 * s.len <= lo + 4 * n,
+                                    "{}: lane {k}: {at:#x}+{} outside part {first}+{n}",
+                                    what(),
+                                    s.len
+                                );
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
 }

@@ -69,6 +69,26 @@ pub enum Class {
     Direct = 2,
     /// The second of two trees that run at once (the first uses Direct connections).
     Tree = 3,
+    /// The rings of channels 1 to 3 (`Ring` is channel 0's) where a collective's data is split
+    /// across several rings that run at once (`OXCCL_CUDA_CHANNELS`).
+    Ring1 = 4,
+    Ring2 = 5,
+    Ring3 = 6,
+}
+
+impl Class {
+    /// The most rings a collective is split across (`Class::ring`).
+    pub const RINGS: usize = 4;
+
+    /// The class of ring channel `c` (below `RINGS`).
+    pub fn ring(c: usize) -> Class {
+        match c {
+            0 => Class::Ring,
+            1 => Class::Ring1,
+            2 => Class::Ring2,
+            _ => Class::Ring3,
+        }
+    }
 }
 
 /// Where the two ends of a connection live relative to each other.
@@ -123,7 +143,7 @@ impl ConnKey {
 
 impl std::hash::Hash for ConnKey {
     fn hash<H: std::hash::Hasher>(&self, h: &mut H) {
-        h.write_u64((self.peer as u64) << 3 | (self.class as u64) << 1 | self.is_sender as u64);
+        h.write_u64((self.peer as u64) << 4 | (self.class as u64) << 1 | self.is_sender as u64);
     }
 }
 

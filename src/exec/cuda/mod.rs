@@ -232,6 +232,7 @@ fn prepare<'a>(per_comm: PerComm<'a>) -> Result<Jobs<'a>> {
     let caps = Caps {
         direct: false,
         eager_bytes: 0,
+        channels: crate::param::cuda_channels(),
     };
     let mut planned: smallvec::SmallVec<[_; 1]> = smallvec::SmallVec::new();
     for qs in per_comm {

@@ -189,6 +189,8 @@ impl HostComm {
         crate::plan::build::Caps {
             direct: self.has_board(),
             eager_bytes: crate::transport::board::INLINE,
+            // One thread runs a task's lanes: more rings would only interleave there.
+            channels: 1,
         }
     }
 
