@@ -722,12 +722,10 @@ fn failures() {
     release_buffers();
 }
 
-/// The collectives checked: every one, large enough for several slices and blocks per lane,
-/// and at an odd count (tails, unaligned shares), f32 sums in and out of place; then all-reduces
-/// of other datatypes with every operator.
-/// `OXCCL_CUDA_CHANNELS=4` on the ring (`OXCCL_CUDA_DIRECT=0`): large all-reduces,
-/// broadcasts and reduces split across rings that run at once, each part checked; the
-/// connections of the fourth ring are there afterwards (so the split happened).
+/// `OXCCL_CUDA_CHANNELS=4` on the ring (`OXCCL_CUDA_DIRECT=0`): the fourth ring's connections
+/// are made at init; large all-reduces, broadcasts and reduces (parts of several blocks per
+/// lane) split across rings that run at once, on each rank's stream and on one stream for all
+/// ranks, each element checked.
 fn channels() {
     use nccl::transport::{Class, ConnKey};
     std::env::set_var("OXCCL_CUDA_DIRECT", "0");
@@ -735,11 +733,19 @@ fn channels() {
     nccl::param::reread();
     for n in [2usize, 3] {
         let comms = nccl::api::comm_init_all(&vec![0; n]).expect("ranks on one device");
+        let core = comms[0].core().expect("rank 0");
+        assert!(
+            core.conns
+                .bound(ConnKey::new(1, true, Class::Ring3))
+                .is_ok(),
+            "{n} ranks: the fourth ring is not connected at init"
+        );
         let own: Vec<usize> = (0..n).map(|_| new_stream()).collect();
-        let mut cases: Vec<Case> = cases(n, &[300_001])
+        let one = vec![new_stream(); n];
+        let mut cases: Vec<Case> = cases(n, &[2_500_001])
             .into_iter()
             .filter(|c| {
-                c.count == 300_001
+                c.count == 2_500_001
                     && matches!(
                         c.kind,
                         CollKind::AllReduce | CollKind::Broadcast | CollKind::Reduce
@@ -756,15 +762,9 @@ fn channels() {
         });
         for c in &cases {
             check(&comms, &own, c);
+            check(&comms, &one, c);
             release_buffers();
         }
-        let core = comms[0].core().expect("rank 0");
-        assert!(
-            core.conns
-                .bound(ConnKey::new(1, true, Class::Ring3))
-                .is_ok(),
-            "{n} ranks: no connection of the fourth ring"
-        );
         for c in &comms {
             nccl::api::comm_destroy(nccl::api::comm_handle(c)).unwrap();
         }
@@ -774,6 +774,9 @@ fn channels() {
     nccl::param::reread();
 }
 
+/// The collectives checked: every one, large enough for several slices and blocks per lane,
+/// and at an odd count (tails, unaligned shares), f32 sums in and out of place; then all-reduces
+/// of other datatypes with every operator.
 fn cases(n: usize, counts: &[usize]) -> Vec<Case> {
     use nccl::types::{OP_AVG, OP_MAX, OP_MIN, OP_PROD, OP_SUM};
     let mut cases = Vec::new();

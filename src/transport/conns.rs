@@ -21,6 +21,8 @@ pub struct Conns {
     /// FIFO geometry (rank 0's, for every rank).
     pub slot_bytes: usize,
     pub nsteps: usize,
+    /// Rings a large ring collective is split across (rank 0's `OXCCL_CUDA_CHANNELS`).
+    channels: usize,
     peers: Vec<PeerInfo>,
     map: Mutex<HashMap<ConnKey, Arc<Conn>, BuildHasherDefault<KeyHasher>>>,
     /// The out-of-band channel; None once the communicator is torn down.
@@ -88,6 +90,7 @@ impl Conns {
             nranks: boot.nranks(),
             hash,
             slot_bytes: PeerInfo::comm_slot_bytes(&peers),
+            channels: PeerInfo::comm_channels(&peers),
             nsteps: peers[0].nsteps as usize,
             peers,
             map: Mutex::new(HashMap::default()),
@@ -213,20 +216,28 @@ impl Conns {
     }
 
     /// Connects the ring (to the next rank, from the previous one) where the peers share this
-    /// host, as NCCL connects its rings at init: a launch then never waits for a peer's end of
-    /// the ring, so that a peer that called something else is seen on the board, not in an
-    /// exchange that waits for it.
+    /// host, as NCCL connects its rings at init, and the rings of the other channels where
+    /// collectives are split (`channels`): a launch then never waits for a peer's end of a
+    /// ring, so that a peer that called something else is seen on the board or in the slots'
+    /// call words, not in an exchange that waits for it.
     pub fn connect_ring(&self) -> Result<()> {
         if self.nranks < 2 {
             return Ok(());
         }
         let (next, prev) = self.ring_neighbours();
-        let keys = [(next, true), (prev, false)]
-            .into_iter()
-            .filter(|&(p, _)| self.locality(p) != Locality::OtherHost)
-            .map(|(peer, is_sender)| ConnKey::new(peer, is_sender, super::Class::Ring));
+        let keys = (0..self.channels).flat_map(|c| {
+            [(next, true), (prev, false)]
+                .into_iter()
+                .filter(|&(p, _)| self.locality(p) != Locality::OtherHost)
+                .map(move |(peer, is_sender)| ConnKey::new(peer, is_sender, super::Class::ring(c)))
+        });
         let keys = self.missing(keys);
         connect_all(&[(self, keys)])
+    }
+
+    /// The rings a large ring collective is split across (`PeerInfo::comm_channels`).
+    pub fn channels(&self) -> usize {
+        self.channels
     }
 
     /// The `NCCL_DEBUG=INFO` line NCCL prints for a connection, for the sending end of `k`

@@ -44,6 +44,9 @@ const FORMAT: &[u8; 4] = b"OXP\x02";
 const FLAG_IPC: u32 = 1;
 /// The process left the slot size to oxccl (`OXCCL_CHUNK_BYTES` unset): see `comm_slot_bytes`.
 const FLAG_DEFAULT_SLOTS: u32 = 2;
+/// Bits 8-10 of the flags: the rings a large ring collective is split across on this rank
+/// (`OXCCL_CUDA_CHANNELS` on the CUDA executor, else 1): see `comm_channels`.
+const CHANNELS_SHIFT: u32 = 8;
 
 /// The slot size a communicator across hosts takes where rank 0 left it to oxccl (as NCCL's
 /// Simple protocol moves 512 KiB per step over the network): each slot costs a header, a
@@ -116,7 +119,10 @@ impl PeerInfo {
                 0
             } else {
                 FLAG_DEFAULT_SLOTS
-            },
+            } | (match crate::gpu::kind() {
+                crate::gpu::Kind::Cuda => crate::param::cuda_channels() as u32,
+                crate::gpu::Kind::Host => 1,
+            }) << CHANNELS_SHIFT,
             pidns: pid_namespace(),
             slot_bytes: slot_bytes() as u64,
             nsteps: crate::param::nsteps() as u32,
@@ -211,6 +217,14 @@ impl PeerInfo {
         } else {
             own
         }
+    }
+
+    /// The rings a communicator's large ring collectives are split across: rank 0's choice,
+    /// so that every rank plans alike whatever its own environment says.
+    pub fn comm_channels(peers: &[PeerInfo]) -> usize {
+        peers.first().map_or(1, |p| {
+            ((p.flags >> CHANNELS_SHIFT) & 7).clamp(1, super::Class::RINGS as u32) as usize
+        })
     }
 
     /// Whether this rank's process takes connections in device memory by CUDA IPC.
@@ -350,6 +364,24 @@ mod tests {
             FLAG_DEFAULT_SLOTS,
             "sent with the bytes"
         );
+    }
+
+    /// Rank 0's channel count holds for every rank, through the bytes; none (an older flag
+    /// word) is 1, more than `Class::RINGS` is `RINGS`.
+    #[test]
+    fn rank_0_chooses_the_channels() {
+        let mut a = PeerInfo::mine(0);
+        let mut b = a.clone();
+        a.flags = FLAG_DEFAULT_SLOTS | 3 << CHANNELS_SHIFT;
+        b.flags = 1 << CHANNELS_SHIFT;
+        let a = PeerInfo::from_bytes(&a.to_bytes()).unwrap();
+        assert_eq!(PeerInfo::comm_channels(&[a.clone(), b.clone()]), 3);
+        assert_eq!(PeerInfo::comm_channels(&[b.clone(), a.clone()]), 1);
+        b.flags = 0;
+        assert_eq!(PeerInfo::comm_channels(&[b.clone(), a.clone()]), 1);
+        b.flags = 7 << CHANNELS_SHIFT;
+        assert_eq!(PeerInfo::comm_channels(&[b, a]), super::super::Class::RINGS);
+        assert_eq!(PeerInfo::comm_channels(&[]), 1);
     }
 
     #[test]

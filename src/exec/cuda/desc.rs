@@ -55,6 +55,17 @@ fn descriptor_bytes(conns: usize, progs: usize, steps: usize, lanes: usize) -> u
     HEAD + CONN * conns + PROG * progs + STEP * steps + LANE * lanes
 }
 
+/// The most of `channels` rings that one rank's ring all-reduce over `nranks` ranks can be
+/// split across with its descriptor still in a kernel's ordinary parameter (`PARAM_BYTES`):
+/// each ring is a lane of one program of 2 n - 1 steps on two connections.
+pub fn channels_that_fit(nranks: usize, channels: usize) -> usize {
+    let steps = (2 * nranks).saturating_sub(1);
+    (1..=channels.max(1))
+        .rev()
+        .find(|&c| descriptor_bytes(2 * c, c, c * steps, c) <= PARAM_BYTES)
+        .unwrap_or(1)
+}
+
 /// The error of a launch whose descriptor does not fit a kernel parameter (`large`: the driver
 /// takes the large-parameter kernels).
 fn too_large(size: usize, large: bool, lanes: usize, progs: usize, steps: usize) -> Result<()> {
@@ -327,8 +338,24 @@ impl Desc {
 /// (rings, trees), the same lane of every rank together. The lanes first in line can then
 /// always end, whether their other ends are in this launch or in the same launch of another
 /// rank, however few blocks the device runs at once.
+///
+/// Lanes of one rank with the same single connection end (the rings of a collective split
+/// across channels, each on a connection of its own to the same peer) are told apart by their
+/// order among such lanes (`nth`), which both ends share: each channel's two ends stay
+/// together.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
-pub struct LaneKey(u8, usize, usize, usize, u8);
+pub struct LaneKey(u8, usize, usize, usize, u16, u8);
+
+impl LaneKey {
+    /// This key as the `k`th lane of its rank with the same key (a lane on one connection
+    /// end; others keep their key).
+    pub fn nth(mut self, k: usize) -> LaneKey {
+        if self.0 == 1 {
+            self.4 = k.min(u16::MAX as usize) as u16;
+        }
+        self
+    }
+}
 
 /// The key of a lane of rank `rank` of an `nranks`-rank communicator (`comm`: a number the
 /// same on all its ranks, its hash), lane `index` of that rank's in the launch, whose programs
@@ -342,17 +369,17 @@ pub fn lane_key(
 ) -> LaneKey {
     let mut ends = ends.into_iter();
     let Some(first) = ends.next() else {
-        return LaneKey(0, 0, 0, 0, 0);
+        return LaneKey(0, 0, 0, 0, 0, 0);
     };
     if ends.any(|e| e != first) {
-        return LaneKey(2, comm, index, rank, 0);
+        return LaneKey(2, comm, index, rank, 0, 0);
     }
     let (me, peer, sends) = first;
     let n = nranks.max(1);
     if sends {
-        LaneKey(1, comm, (peer + n - me) % n, me, 0)
+        LaneKey(1, comm, (peer + n - me) % n, me, 0, 0)
     } else {
-        LaneKey(1, comm, (me + n - peer) % n, peer, 1)
+        LaneKey(1, comm, (me + n - peer) % n, peer, 0, 1)
     }
 }
 
@@ -590,5 +617,43 @@ mod tests {
             .flat_map(|c| (0..n).map(move |r| format!("ring {c} {r}")))
             .collect();
         assert_eq!(names[n + 2 * n * (n - 1)..], rings, "{names:?}");
+    }
+
+    /// A broadcast split across 3 channels on 2 ranks: the root's lanes all send to rank 1 and
+    /// rank 1's all receive from rank 0 (the same key); by their order among such lanes, each
+    /// channel's two ends go together.
+    #[test]
+    fn channels_of_one_end_pair_up() {
+        let mut lanes = Vec::new();
+        for (r, sends) in [(0usize, true), (1, false)] {
+            let key = lane_key([(r, 1 - r, sends)], 2, 0, 0, r);
+            for c in 0..3 {
+                lanes.push((key.nth(c), format!("{c} of {r}")));
+            }
+        }
+        lanes.sort_by_key(|l| l.0);
+        let names: Vec<&str> = lanes.iter().map(|l| l.1.as_str()).collect();
+        assert_eq!(
+            names,
+            ["0 of 0", "0 of 1", "1 of 0", "1 of 1", "2 of 0", "2 of 1"],
+            "{names:?}"
+        );
+        // Other lanes keep their key.
+        let ring = lane_key([(0, 1, true), (0, 1, false)], 2, 0, 0, 0);
+        assert_eq!(ring.nth(2), ring);
+    }
+
+    /// One rank's split all-reduce fits the ordinary parameter on 2 ranks with 4 channels,
+    /// not on 8 (4016 bytes), where 3 do; 1 always.
+    #[test]
+    fn channels_fit_the_parameter() {
+        assert_eq!(channels_that_fit(2, 4), 4);
+        assert_eq!(channels_that_fit(8, 4), 3);
+        assert_eq!(channels_that_fit(8, 1), 1);
+        assert_eq!(channels_that_fit(1000, 4), 1);
+        for n in [2, 3, 4, 8, 16] {
+            let c = channels_that_fit(n, 4);
+            assert!(descriptor_bytes(2 * c, c, c * (2 * n - 1), c) <= PARAM_BYTES || c == 1);
+        }
     }
 }

@@ -229,13 +229,14 @@ fn prepare<'a>(per_comm: PerComm<'a>) -> Result<Jobs<'a>> {
     if per_comm.is_empty() {
         return Ok(Jobs::new());
     }
-    let caps = Caps {
-        direct: false,
-        eager_bytes: 0,
-        channels: crate::param::cuda_channels(),
-    };
     let mut planned: smallvec::SmallVec<[_; 1]> = smallvec::SmallVec::new();
     for qs in per_comm {
+        let conns = qs[0].conns;
+        let caps = Caps {
+            direct: false,
+            eager_bytes: 0,
+            channels: desc::channels_that_fit(conns.nranks, conns.channels()),
+        };
         let call = |q: &Call<'_>| (q.args, q.red);
         let t = crate::plan::build::build_task(qs[0].conns, caps, &qs, call)?;
         planned.push((qs, t));
@@ -557,6 +558,7 @@ fn ordered_lanes<'j>(
         // (By its hash: the same order in every process, whatever order a group's calls on
         // several communicators came in.)
         let ci = j.comm.hash as usize;
+        let mut seen: smallvec::SmallVec<[desc::LaneKey; 4]> = smallvec::SmallVec::new();
         for (index, lane) in j.lanes(k).enumerate() {
             let ends = lane
                 .iter()
@@ -564,7 +566,10 @@ fn ordered_lanes<'j>(
                 .flat_map(|s| s.conns())
                 .map(|c| (c.me, c.peer, c.is_sender));
             let key = desc::lane_key(ends, j.comm.nranks, ci, index, j.comm.rank);
-            v.push((key, lane.as_slice(), j.comm.ctl.addr()));
+            // (Several lanes on the same end: rings of a split collective.)
+            let nth = seen.iter().filter(|&&s| s == key).count();
+            seen.push(key);
+            v.push((key.nth(nth), lane.as_slice(), j.comm.ctl.addr()));
         }
     }
     v.sort_by_key(|e| e.0);
