@@ -116,7 +116,7 @@ pub const PARAMS: &[Param] = &[
     },
     Param {
         name: "OXCCL_CUDA_CHANNELS",
-        doc: "CUDA executor: the rings (1 to 4) a large all-reduce, broadcast or reduce on the ring is split across, each on connections of its own and run at once by lanes of one kernel, at least 256 KiB each (default 1 until the GPU check has measured more; set it alike on every rank)",
+        doc: "CUDA executor: the rings (1 to 4) a large all-reduce, broadcast or reduce on the ring is split across, each on connections of its own and run at once by lanes of one kernel, at least 256 KiB each (default 1 until the GPU check has measured more; rank 0's value holds for a communicator)",
         default: "1",
     },
     Param {
