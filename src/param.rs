@@ -537,10 +537,10 @@ pub fn cuda_copy_kernel() -> bool {
     CUDA_COPY_KERNEL.get() != 0
 }
 
-/// `OXCCL_CUDA_CHANNELS`: the rings a large ring collective is split across (1 to
-/// `Class::RINGS`; see `plan::build::channel_parts`).
+/// `OXCCL_CUDA_CHANNELS`: the rings a large ring collective is split across, at least 1 (the
+/// transport's `Class::RINGS` at most, where it is used; see `plan::build::channel_parts`).
 pub fn cuda_channels() -> usize {
-    (CUDA_CHANNELS.get() as usize).clamp(1, crate::transport::Class::RINGS)
+    (CUDA_CHANNELS.get().clamp(1, 64)) as usize
 }
 
 /// The most blocks per lane of the CUDA runner (`OXCCL_CUDA_BLOCKS`, 1 to 64).

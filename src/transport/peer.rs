@@ -120,7 +120,9 @@ impl PeerInfo {
             } else {
                 FLAG_DEFAULT_SLOTS
             } | (match crate::gpu::kind() {
-                crate::gpu::Kind::Cuda => crate::param::cuda_channels() as u32,
+                crate::gpu::Kind::Cuda => {
+                    crate::param::cuda_channels().min(super::Class::RINGS) as u32
+                }
                 crate::gpu::Kind::Host => 1,
             }) << CHANNELS_SHIFT,
             pidns: pid_namespace(),
