@@ -75,6 +75,10 @@ struct OxHeadD {  // 16 bytes
 // control block before anything else and return at once where it says stop (the connections
 // may be freed by then).
 #define OX_HEAD_CAPTURED (1ull << 16)
+// And this flag where every connection of the launch has both ends on this GPU and the host
+// asked for it (`OXCCL_CUDA_FENCE=gpu`): the fences that publish and take a step's slots are
+// device-scope, not system-scope (nothing off the GPU reads those counters or slots).
+#define OX_HEAD_GPU_FENCES (1ull << 17)
 struct OxLaneD {  // 16 bytes
   uint16_t first_prog, nprogs;
   uint32_t pad;
@@ -453,9 +457,19 @@ __device__ __forceinline__ uint64_t ox_next(const OxConnD& c, uint32_t ci, bool 
   return ld_vol64((const uint64_t*)c.hdr + (send ? 0 : 8));
 }
 
+// The fence that orders a step's slots and counters: device-scope where every connection of
+// the launch is on this GPU (`OX_HEAD_GPU_FENCES`), else system-scope.
+__device__ __forceinline__ void ox_step_fence(bool gpu) {
+  if (gpu) {
+    __threadfence();
+  } else {
+    __threadfence_system();
+  }
+}
+
 // Thread 0: waits for the step's slots. False when the kernel must stop (abort or error).
 __device__ bool ox_wait_slots(const OxView& v, const OxStepD& s, const OxProgD& p, OxCtl* ctl,
-                              OxShared* sh) {
+                              OxShared* sh, bool gpu) {
   unsigned spins = 0;
   sh->in = nullptr;
   sh->out = nullptr;
@@ -475,7 +489,7 @@ __device__ bool ox_wait_slots(const OxView& v, const OxStepD& s, const OxProgD& 
         sh->known[s.recv] |= OX_KNOWN_SEEN;
       }
     }
-    __threadfence_system();
+    ox_step_fence(gpu);
     uint64_t idx = head % c.nsteps;
     const uint64_t* meta = (const uint64_t*)(c.hdr + 1024 + 24 * idx);
     uint64_t t0 = ld_vol64(meta), t1 = ld_vol64(meta + 1);
@@ -519,8 +533,8 @@ __device__ bool ox_wait_slots(const OxView& v, const OxStepD& s, const OxProgD& 
 // and, if it is the last, publishes the step (head for the receive, metadata and tail for the
 // send). The block's writes were made visible before it counts itself in.
 __device__ void ox_post(const OxView& v, const OxStepD& s, const OxProgD& p, OxShared* sh,
-                        uint64_t bytes, uint32_t nb) {
-  __threadfence_system();
+                        uint64_t bytes, uint32_t nb, bool gpu) {
+  ox_step_fence(gpu);
   if (s.recv != OX_NONE) {
     const OxConnD& c = v.conns[s.recv];
     bool last = true;
@@ -551,7 +565,7 @@ __device__ void ox_post(const OxView& v, const OxStepD& s, const OxProgD& p, OxS
       st_vol64(meta, p.call0);
       st_vol64(meta + 1, p.call1);
       st_vol64(meta + 2, bytes);
-      __threadfence_system();
+      ox_step_fence(gpu);
       st_vol64((uint64_t*)c.hdr, sh->sstep + 1);
     }
     if (s.send < OX_MAX_CONNS) sh->next[s.send] = sh->sstep + 1;
@@ -586,6 +600,7 @@ __device__ __forceinline__ void ox_run(const uint64_t* words) {
   OxView v = ox_view(words);
   uint32_t nb = (uint32_t)(v.h->reserved & 0xffff);
   if (nb == 0) nb = 1;
+  const bool gpu = (v.h->reserved & OX_HEAD_GPU_FENCES) != 0;
   const uint32_t li = blockIdx.x / nb, part = blockIdx.x % nb;
   if (li >= v.h->nlanes) return;
   const OxLaneD lane = v.lanes[li];
@@ -611,7 +626,7 @@ __device__ __forceinline__ void ox_run(const uint64_t* words) {
         uint64_t off = it * p.slice;
         if (off >= s.len) continue;
         uint64_t n = s.len - off < p.slice ? s.len - off : p.slice;
-        if (tid == 0) sh.stop = !ox_wait_slots(v, s, p, ctl, &sh);
+        if (tid == 0) sh.stop = !ox_wait_slots(v, s, p, ctl, &sh, gpu);
         __syncthreads();
         if (sh.stop) return;
         uint64_t per = ((n + nb - 1) / nb + align - 1) / align * align;
@@ -626,7 +641,7 @@ __device__ __forceinline__ void ox_run(const uint64_t* words) {
         // The block's writes reach thread 0 at the barrier; its fences in ox_post (cumulative)
         // order them before what it publishes.
         __syncthreads();
-        if (tid == 0) ox_post(v, s, p, &sh, n * p.esize, nb);
+        if (tid == 0) ox_post(v, s, p, &sh, n * p.esize, nb, gpu);
       }
     }
   }

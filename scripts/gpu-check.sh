@@ -401,6 +401,10 @@ check "CUDA ring (OXCCL_CUDA_DIRECT=0): 2 ranks, AllReduce x datatype x op" 60 \
   env OXCCL_CUDA_DIRECT=0 "$B/coll_matrix" 2 cuda coll=AllReduce
 perf oxccl-g2-ring "$OXLIB" env OXCCL_CUDA_DIRECT=0 "$B/all_reduce_perf" "${sweep[@]}" -g 2
 perf oxccl-g4-ring "$OXLIB" env OXCCL_CUDA_DIRECT=0 "$B/all_reduce_perf" -b 8 -e 256M -f 8 -n 10 -w 3 -g 4
+# Device-scope step fences on the ring (OXCCL_CUDA_FENCE=gpu, off by default): every
+# all-reduce of the matrix checked.
+check "CUDA ring with device-scope fences (OXCCL_CUDA_FENCE=gpu): 2 ranks, AllReduce x datatype x op" 60 \
+  env OXCCL_CUDA_DIRECT=0 OXCCL_CUDA_FENCE=gpu "$B/coll_matrix" 2 cuda coll=AllReduce
 # The ring split across 4 rings that run at once (OXCCL_CUDA_CHANNELS=4, off by default):
 # all-reduce, broadcast and reduce checked by the tools (#wrong), 1-64 MiB, 2 ranks.
 # (After a failure the other two are left out: an untested mode that hangs would spend the
@@ -453,12 +457,14 @@ fi
 # Blocks per lane (OXCCL_CUDA_BLOCKS, default 8) and slot size (OXCCL_CHUNK_BYTES, 1 MiB on the
 # CUDA executor) against 2 ranks' ring bandwidth (what ranks in threads or processes of their
 # own, and GPUs over P2P, run), over the sizes: at 64 MiB on 12-06, 32 blocks and 4 MiB slots
-# gave 203 GB/s and 64 blocks 232, against 64 by default; and the ring split across 2 or 4
-# rings that run at once (OXCCL_CUDA_CHANNELS). What the next defaults should be.
+# gave 203 GB/s and 64 blocks 232, against 64 by default; the ring split across 2 or 4
+# rings that run at once (OXCCL_CUDA_CHANNELS); device-scope step fences (OXCCL_CUDA_FENCE).
+# What the next defaults should be.
 if in_budget "the ring tuning sweep"; then
 tune=("OXCCL_CUDA_BLOCKS=32 OXCCL_CHUNK_BYTES=4M" "OXCCL_CUDA_BLOCKS=64 OXCCL_CHUNK_BYTES=4M"
   "OXCCL_CUDA_BLOCKS=64 OXCCL_CHUNK_BYTES=2M" "OXCCL_CUDA_CHANNELS=2" "OXCCL_CUDA_CHANNELS=4"
-  "OXCCL_CUDA_CHANNELS=4 OXCCL_CUDA_BLOCKS=16 OXCCL_CHUNK_BYTES=4M")
+  "OXCCL_CUDA_CHANNELS=4 OXCCL_CUDA_BLOCKS=16 OXCCL_CHUNK_BYTES=4M" "OXCCL_CUDA_FENCE=gpu"
+  "OXCCL_CUDA_FENCE=gpu OXCCL_CUDA_CHANNELS=4 OXCCL_CUDA_BLOCKS=16 OXCCL_CHUNK_BYTES=4M")
 for v in "${tune[@]}"; do
   # shellcheck disable=SC2086 # VAR=value words
   perf "oxccl-g2-${v//[= ]/-}" "$OXLIB" env OXCCL_CUDA_DIRECT=0 $v "$B/all_reduce_perf" -b 128K -e 128M -f 4 -n 10 -w 3 -c 0 -g 2

@@ -120,6 +120,11 @@ pub const PARAMS: &[Param] = &[
         default: "1",
     },
     Param {
+        name: "OXCCL_CUDA_FENCE",
+        doc: "CUDA executor: gpu: where every connection of a launch has both ends on one GPU, in its memory, the runner publishes and takes steps with device-scope fences instead of system-scope ones (default sys until the GPU check has measured it)",
+        default: "sys",
+    },
+    Param {
         name: "OXCCL_NET_ZERO_COPY",
         doc: "0: the host executor copies what it sends to another host into the connection's slots; 1 (default): the socket takes it from the caller's buffer (a later step that writes where a slot not yet sent refers first copies it into the slot; not with NCCL_SOCKET_NTHREADS > 1 or a net plugin)",
         default: "1",
@@ -330,10 +335,13 @@ static CUDA_CE_COPY_BYTES: PerLaunch = PerLaunch::new("OXCCL_CUDA_CE_COPY_BYTES"
 static CUDA_COPY_KERNEL: PerLaunch = PerLaunch::new("OXCCL_CUDA_COPY_KERNEL");
 static CUDA_DIRECT: PerLaunch = PerLaunch::new("OXCCL_CUDA_DIRECT");
 static CUDA_CHANNELS: PerLaunch = PerLaunch::new("OXCCL_CUDA_CHANNELS");
+/// `OXCCL_CUDA_FENCE`: 1 for gpu, 0 otherwise, or `UNREAD`.
+static CUDA_GPU_FENCES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(UNREAD);
 
 /// Has the CUDA executor's per-launch parameters (`OXCCL_CUDA_CE_COPY_BYTES`,
-/// `OXCCL_CUDA_COPY_KERNEL`, `OXCCL_CUDA_DIRECT`, `OXCCL_CUDA_CHANNELS`) read from the environment again at their
-/// next use: for tests that change them between launches.
+/// `OXCCL_CUDA_COPY_KERNEL`, `OXCCL_CUDA_DIRECT`, `OXCCL_CUDA_CHANNELS`, `OXCCL_CUDA_FENCE`)
+/// read from the environment again at their next use: for tests that change them between
+/// launches.
 #[doc(hidden)]
 pub fn reread() {
     for p in [
@@ -344,6 +352,7 @@ pub fn reread() {
     ] {
         p.value.store(UNREAD, std::sync::atomic::Ordering::Relaxed);
     }
+    CUDA_GPU_FENCES.store(UNREAD, std::sync::atomic::Ordering::Relaxed);
 }
 
 /// `OXCCL_CUDA_CE_COPY_BYTES`: 0 (every plain copy on the copy engine), or the size from which
@@ -535,6 +544,20 @@ pub fn cuda_ipc() -> bool {
 /// `PerLaunch`).
 pub fn cuda_copy_kernel() -> bool {
     CUDA_COPY_KERNEL.get() != 0
+}
+
+/// `OXCCL_CUDA_FENCE=gpu`: device-scope step fences where a launch's connections allow them
+/// (read once, and again after `reread`).
+pub fn cuda_gpu_fences() -> bool {
+    use std::sync::atomic::Ordering::Relaxed;
+    match CUDA_GPU_FENCES.load(Relaxed) {
+        UNREAD => {
+            let gpu = get_str("OXCCL_CUDA_FENCE").is_some_and(|v| v.eq_ignore_ascii_case("gpu"));
+            CUDA_GPU_FENCES.store(u64::from(gpu), Relaxed);
+            gpu
+        }
+        v => v == 1,
+    }
 }
 
 /// `OXCCL_CUDA_CHANNELS`: the rings a large ring collective is split across, at least 1 (the

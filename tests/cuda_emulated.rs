@@ -725,11 +725,13 @@ fn failures() {
 /// `OXCCL_CUDA_CHANNELS=4` on the ring (`OXCCL_CUDA_DIRECT=0`): the fourth ring's connections
 /// are made at init; large all-reduces, broadcasts and reduces (parts of several blocks per
 /// lane) split across rings that run at once, on each rank's stream and on one stream for all
-/// ranks, each element checked.
+/// ranks, each element checked; with `OXCCL_CUDA_FENCE=gpu` (device-scope step fences, the
+/// same as the others on this emulation: the flag's path).
 fn channels() {
     use nccl::transport::{Class, ConnKey};
     std::env::set_var("OXCCL_CUDA_DIRECT", "0");
     std::env::set_var("OXCCL_CUDA_CHANNELS", "4");
+    std::env::set_var("OXCCL_CUDA_FENCE", "gpu");
     nccl::param::reread();
     for n in [2usize, 3] {
         let comms = nccl::api::comm_init_all(&vec![0; n]).expect("ranks on one device");
@@ -771,6 +773,7 @@ fn channels() {
     }
     std::env::remove_var("OXCCL_CUDA_DIRECT");
     std::env::remove_var("OXCCL_CUDA_CHANNELS");
+    std::env::remove_var("OXCCL_CUDA_FENCE");
     nccl::param::reread();
 }
 
@@ -1219,6 +1222,15 @@ fn cuda_executor_on_emulated_kernels() {
     ] {
         processes(&so, n, ipc, hosts);
     }
+    // Ring collectives split across 4 channels (rank 0's OXCCL_CUDA_CHANNELS, whatever the
+    // others say): in shared host memory, by CUDA IPC, and across two "hosts".
+    std::env::set_var("OXCCL_CUDA_CHANNELS", "4");
+    std::env::set_var("OXEMU_CHANNELS_OTHERS", "1");
+    for (n, ipc, hosts) in [(3, false, 1), (2, true, 1), (2, false, 2)] {
+        processes(&so, n, ipc, hosts);
+    }
+    std::env::remove_var("OXCCL_CUDA_CHANNELS");
+    std::env::remove_var("OXEMU_CHANNELS_OTHERS");
     // A peer that dies, on this host and on another, during an eager launch or a graph's
     // replay, and in a PID namespace of its own on this host (told by its lock); one that
     // never comes.

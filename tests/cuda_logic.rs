@@ -939,7 +939,21 @@ fn cuda_executor_logic_on_a_recording_driver() {
         assert_eq!(nccl::api::comm_async_error(c), nccl::error::Code::Success);
     }
     nccl::api::enqueue(&comms[0], all_reduce(bufs[0].0, bufs[0].1, n), cuda(0x51)).unwrap();
-    assert_eq!(launches(&take()).len(), 1);
+    let ev = take();
+    let gpu_fences = |ev: &[Ev]| match launches(ev).as_slice() {
+        [Ev::Launch { head, .. }] => head[0] & (1 << 17) != 0,
+        l => panic!("one launch: {l:#?}"),
+    };
+    assert!(!gpu_fences(&ev), "device-scope fences by default: {ev:#?}");
+    // OXCCL_CUDA_FENCE=gpu: the ring of two ranks on one device, in its memory, publishes its
+    // steps with device-scope fences (the header's flag).
+    std::env::set_var("OXCCL_CUDA_FENCE", "gpu");
+    nccl::param::reread();
+    nccl::api::enqueue(&comms[0], all_reduce(bufs[0].0, bufs[0].1, n), cuda(0x51)).unwrap();
+    let ev = take();
+    assert!(gpu_fences(&ev), "no device-scope fences: {ev:#?}");
+    std::env::remove_var("OXCCL_CUDA_FENCE");
+    nccl::param::reread();
 
     // 7. One rank: in place is nothing at all; a copy, small or large, goes to the copy
     //    engine; with OXCCL_CUDA_CE_COPY_BYTES, large ones to the wide (or the copy) kernel.

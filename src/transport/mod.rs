@@ -310,6 +310,9 @@ pub struct Conn {
     /// Several blocks of a lane may share this end, where it lives in device memory
     /// (`ConnSpec::shared_blocks`).
     pub shared_blocks: bool,
+    /// Both ends' kernels run on one GPU and the connection lives in its memory: nothing off
+    /// the GPU touches its counters or slots (device-scope fences suffice, `OXCCL_CUDA_FENCE`).
+    pub same_device: bool,
 }
 
 // SAFETY: the region stays mapped while the Conn lives; the counters are atomics and the slot
@@ -342,6 +345,7 @@ impl Conn {
             peer_ready: std::sync::atomic::AtomicBool::new(false),
             proxy: None,
             shared_blocks: true,
+            same_device: false,
         }
     }
 
@@ -775,6 +779,8 @@ pub(crate) struct Named {
     /// end's blob carries the IPC handle.
     opens_handle: bool,
     shared_blocks: bool,
+    /// See `Conn::same_device`.
+    same_device: bool,
 }
 
 /// Whether a connection between `spec`'s ranks lives in device memory: ranks on one GPU, on
@@ -832,6 +838,7 @@ impl Named {
                 is_sender: spec.is_sender,
                 opens_handle: shm && spec.is_sender && in_device_memory(spec, true),
                 shared_blocks: spec.shared_blocks,
+                same_device: spec.same_device && in_device_memory(spec, shm),
             }),
             blob,
         ))
@@ -856,6 +863,7 @@ impl Endpoint for Named {
         // Dropped on error: the region is unlinked (see `Drop for Conn`).
         let mut conn = Conn::new(region, n.nsteps, n.slot_bytes, (n.me, n.peer), n.is_sender);
         conn.shared_blocks = n.shared_blocks;
+        conn.same_device = n.same_device;
         let (name, handle) = split_blob(peer_blob);
         if name != n.name.as_bytes() {
             return Err(Error::internal(format!(

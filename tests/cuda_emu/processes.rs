@@ -27,6 +27,8 @@ pub fn rank_process(r: usize) {
     println!("comm hash {:016x}", comm.comm_hash().unwrap());
     // The hosts the communicator sees (ranks on different ones talk only over the network).
     println!("hosts {}", nccl::api::comm_lsa(&comm).unwrap().4);
+    // The rings a large ring collective is split across (rank 0's OXCCL_CUDA_CHANNELS).
+    println!("channels {}", comm.core().unwrap().conns.channels());
     let stream = new_stream();
     if let Ok(how) = std::env::var("OXEMU_TROUBLE") {
         return trouble(&how, comm, r, n, stream, &cache);
@@ -320,6 +322,13 @@ pub fn run_processes(
             // A short timeout for the late peer (also the bootstrap's).
             .envs(trouble.map(|_| ("OXCCL_TIMEOUT_S", "3")))
             .envs((hosts > 1).then(|| ("OXCCL_HOSTID", format!("emu-host-{}", r * hosts / n))))
+            // Ranks other than 0 told another channel count (rank 0's holds).
+            .envs(
+                std::env::var("OXEMU_CHANNELS_OTHERS")
+                    .ok()
+                    .filter(|_| r > 0)
+                    .map(|v| ("OXCCL_CUDA_CHANNELS", v)),
+            )
             .env_remove("NCCL_DEBUG")
             .env_remove("NCCL_DEBUG_SUBSYS")
             // To files: a pipe nobody reads until the end could fill and stop a rank.
@@ -393,9 +402,14 @@ pub fn run_processes(
         return 0;
     }
     let mut opened = 0;
+    let channels = std::env::var("OXCCL_CUDA_CHANNELS").unwrap_or_else(|_| "1".into());
     for (status, out, _) in &outs {
         assert!(status.success(), "{n} processes:\n{report}");
         assert!(out.contains(&format!("hosts {hosts}\n")), "{report}");
+        assert!(
+            out.contains(&format!("channels {channels}\n")),
+            "rank 0's {channels} channels: {report}"
+        );
         let line = out
             .lines()
             .find(|l| l.contains("IPC handles opened"))

@@ -23,6 +23,8 @@ const HEAD: usize = 16;
 /// where their lane's control block says stop (`OX_HEAD_CAPTURED`; the low 16 bits are the
 /// blocks per lane).
 pub const HEAD_CAPTURED: u64 = 1 << 16;
+/// The header flag for device-scope step fences (`OX_HEAD_GPU_FENCES`): see `gpu_fences`.
+pub const HEAD_GPU_FENCES: u64 = 1 << 17;
 const CONN: usize = 32;
 const PROG: usize = std::mem::size_of::<FlatProgram>();
 const STEP: usize = std::mem::size_of::<FlatStep>();
@@ -212,6 +214,12 @@ impl Desc {
             return 1;
         }
         (self.max_bytes / (256 << 10)).clamp(1, crate::param::cuda_blocks()) as u16
+    }
+
+    /// Whether the runner may publish and take steps with device-scope fences: every
+    /// connection has both ends on this GPU, in its memory (`Conn::same_device`).
+    pub fn gpu_fences(&self) -> bool {
+        !self.conns.is_empty() && self.conns.iter().all(|c| c.same_device)
     }
 
     /// The bytes of the kernel parameter, for `nb` blocks per lane: `PARAM_BYTES` of them, or
@@ -450,6 +458,8 @@ mod tests {
         };
         let mut d = Desc::new();
         d.lane([&prog], 0xc7c7).expect("lane");
+        // A connection not known to be on this GPU: system-scope fences only.
+        assert!(!d.gpu_fences());
         let b = d.params(3, false).expect("params");
         assert_eq!(b[0], 3);
         assert_eq!(b.len() * 8, PARAM_BYTES);
@@ -617,6 +627,45 @@ mod tests {
             .flat_map(|c| (0..n).map(move |r| format!("ring {c} {r}")))
             .collect();
         assert_eq!(names[n + 2 * n * (n - 1)..], rings, "{names:?}");
+    }
+
+    /// Device-scope fences only where every connection of the descriptor is on this GPU.
+    #[test]
+    fn gpu_fences_need_every_connection_on_the_gpu() {
+        let conn = |name: &str, same: bool| {
+            let region = inproc::open(name, crate::transport::region_bytes(4, 4096)).unwrap();
+            let mut c = Conn::new(Region::Heap(region), 4, 4096, (0, 1), true);
+            c.same_device = same;
+            Arc::new(c)
+        };
+        let (a, b) = (
+            conn("oxccl-desc-fence-a", true),
+            conn("oxccl-desc-fence-b", false),
+        );
+        let prog = |send: &Arc<Conn>| -> DevProgram {
+            Program {
+                steps: vec![Step {
+                    prim: Prim::Send,
+                    recv: None,
+                    send: Some(send.clone()),
+                    src: Addr::User(0x1000),
+                    dst: Addr::None,
+                    len: 10,
+                    prep: true,
+                }],
+                esize: 4,
+                slice: 1024,
+                niter: 1,
+                red: None,
+                call: [1, 2],
+            }
+        };
+        let mut d = Desc::new();
+        d.lane([&prog(&a)], 1).unwrap();
+        assert!(d.gpu_fences());
+        d.lane([&prog(&b)], 1).unwrap();
+        assert!(!d.gpu_fences());
+        assert!(!Desc::new().gpu_fences(), "no connection: nothing to fence");
     }
 
     /// A broadcast split across 3 channels on 2 ranks: the root's lanes all send to rank 1 and

@@ -672,6 +672,9 @@ fn run(
         // Replays look at the control blocks first: they may come after a communicator ended.
         params[0] |= desc::HEAD_CAPTURED;
     }
+    if !d.wide() && d.gpu_fences() && crate::param::cuda_gpu_fences() {
+        params[0] |= desc::HEAD_GPU_FENCES;
+    }
     launch_kernel(api, func, (grid_x, grid_y), stream, &mut params, || {
         format!(
             "{}: launching a kernel of {} lanes on stream {stream:#x}",
