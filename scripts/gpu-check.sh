@@ -466,6 +466,7 @@ tune=("OXCCL_CUDA_BLOCKS=32 OXCCL_CHUNK_BYTES=4M" "OXCCL_CUDA_BLOCKS=64 OXCCL_CH
   "OXCCL_CUDA_CHANNELS=4 OXCCL_CUDA_BLOCKS=16 OXCCL_CHUNK_BYTES=4M" "OXCCL_CUDA_FENCE=gpu"
   "OXCCL_CUDA_FENCE=gpu OXCCL_CUDA_CHANNELS=4 OXCCL_CUDA_BLOCKS=16 OXCCL_CHUNK_BYTES=4M")
 for v in "${tune[@]}"; do
+  in_budget "the tuning runs from $v on" || break
   # shellcheck disable=SC2086 # VAR=value words
   perf "oxccl-g2-${v//[= ]/-}" "$OXLIB" env OXCCL_CUDA_DIRECT=0 $v "$B/all_reduce_perf" -b 128K -e 128M -f 4 -n 10 -w 3 -c 0 -g 2
 done
