@@ -454,40 +454,9 @@ for b in sorted(set(copy) | set(wide)):
               f"best {best[1]} {best[0] / n if n else float('nan'):.2f}x nvidia")
 PY
 fi
-# Blocks per lane (OXCCL_CUDA_BLOCKS, default 8) and slot size (OXCCL_CHUNK_BYTES, 1 MiB on the
-# CUDA executor) against 2 ranks' ring bandwidth (what ranks in threads or processes of their
-# own, and GPUs over P2P, run), over the sizes: at 64 MiB on 12-06, 32 blocks and 4 MiB slots
-# gave 203 GB/s and 64 blocks 232, against 64 by default; the ring split across 2 or 4
-# rings that run at once (OXCCL_CUDA_CHANNELS); device-scope step fences (OXCCL_CUDA_FENCE).
-# What the next defaults should be.
-if in_budget "the ring tuning sweep"; then
-tune=("OXCCL_CUDA_BLOCKS=32 OXCCL_CHUNK_BYTES=4M" "OXCCL_CUDA_BLOCKS=64 OXCCL_CHUNK_BYTES=4M"
-  "OXCCL_CUDA_BLOCKS=64 OXCCL_CHUNK_BYTES=2M" "OXCCL_CUDA_CHANNELS=2" "OXCCL_CUDA_CHANNELS=4"
-  "OXCCL_CUDA_CHANNELS=4 OXCCL_CUDA_BLOCKS=16 OXCCL_CHUNK_BYTES=4M" "OXCCL_CUDA_FENCE=gpu"
-  "OXCCL_CUDA_FENCE=gpu OXCCL_CUDA_CHANNELS=4 OXCCL_CUDA_BLOCKS=16 OXCCL_CHUNK_BYTES=4M")
-for v in "${tune[@]}"; do
-  in_budget "the tuning runs from $v on" || break
-  # shellcheck disable=SC2086 # VAR=value words
-  perf "oxccl-g2-${v//[= ]/-}" "$OXLIB" env OXCCL_CUDA_DIRECT=0 $v "$B/all_reduce_perf" -b 128K -e 128M -f 4 -n 10 -w 3 -c 0 -g 2
-done
-python3 - "$OUT" "${tune[@]}" <<'PY' 2>&1 | tee -a "$log"
-import sys
-out, tune = sys.argv[1], sys.argv[2:]
-sys.path.insert(0, out)
-from perfrows import rows
-base = rows("oxccl-g2-ring")
-runs = [rows("oxccl-g2-" + v.replace("=", "-").replace(" ", "-")) for v in tune]
-print("== 2 ranks, ring all_reduce busbw (GB/s) by blocks per lane, slot size and rings; default: 8, 1 MiB, 1")
-w = max(len(v) for v in tune)
-print(f"  {'bytes':>12}  {'default':>8}  " + "  ".join(f"{v:>{w}}" for v in tune))
-for b in sorted(set().union(*[set(r) for r in runs])):
-    cells = "  ".join(f"{r.get(b, (0, 0, 0))[2]:>{w}.1f}" for r in runs)
-    print(f"  {b:>12}  {base.get(b, (0, 0, 0))[2]:>8.1f}  {cells}")
-PY
-fi
 # Two processes on the one GPU under MPS, where the machine has it: their kernels then share
-# the GPU at once instead of time-slicing (0.46 GB/s at 16 MiB without it on 12-06). Last, so
-# that nothing else runs under the daemon; it is stopped after.
+# the GPU at once instead of time-slicing (0.46 GB/s at 16 MiB without it on 12-06). Before
+# the tuning runs, which the budget may cut; the daemon is stopped after.
 if in_budget "the run under MPS"; then
 if command -v nvidia-cuda-mps-control >/dev/null; then
   export CUDA_MPS_PIPE_DIRECTORY=/tmp/oxccl-mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/oxccl-mps-log
@@ -518,6 +487,37 @@ PY
 else
   say "(no nvidia-cuda-mps-control: the two-process run under MPS is left out)"
 fi
+fi
+# Blocks per lane (OXCCL_CUDA_BLOCKS, default 8) and slot size (OXCCL_CHUNK_BYTES, 1 MiB on the
+# CUDA executor) against 2 ranks' ring bandwidth (what ranks in threads or processes of their
+# own, and GPUs over P2P, run), over the sizes: at 64 MiB on 12-06, 32 blocks and 4 MiB slots
+# gave 203 GB/s and 64 blocks 232, against 64 by default; the ring split across 2 or 4
+# rings that run at once (OXCCL_CUDA_CHANNELS); device-scope step fences (OXCCL_CUDA_FENCE).
+# What the next defaults should be.
+if in_budget "the ring tuning sweep"; then
+tune=("OXCCL_CUDA_BLOCKS=32 OXCCL_CHUNK_BYTES=4M" "OXCCL_CUDA_BLOCKS=64 OXCCL_CHUNK_BYTES=4M"
+  "OXCCL_CUDA_BLOCKS=64 OXCCL_CHUNK_BYTES=2M" "OXCCL_CUDA_CHANNELS=2" "OXCCL_CUDA_CHANNELS=4"
+  "OXCCL_CUDA_CHANNELS=4 OXCCL_CUDA_BLOCKS=16 OXCCL_CHUNK_BYTES=4M" "OXCCL_CUDA_FENCE=gpu"
+  "OXCCL_CUDA_FENCE=gpu OXCCL_CUDA_CHANNELS=4 OXCCL_CUDA_BLOCKS=16 OXCCL_CHUNK_BYTES=4M")
+for v in "${tune[@]}"; do
+  in_budget "the tuning runs from $v on" || break
+  # shellcheck disable=SC2086 # VAR=value words
+  perf "oxccl-g2-${v//[= ]/-}" "$OXLIB" env OXCCL_CUDA_DIRECT=0 $v "$B/all_reduce_perf" -b 128K -e 128M -f 4 -n 10 -w 3 -c 0 -g 2
+done
+python3 - "$OUT" "${tune[@]}" <<'PY' 2>&1 | tee -a "$log"
+import sys
+out, tune = sys.argv[1], sys.argv[2:]
+sys.path.insert(0, out)
+from perfrows import rows
+base = rows("oxccl-g2-ring")
+runs = [rows("oxccl-g2-" + v.replace("=", "-").replace(" ", "-")) for v in tune]
+print("== 2 ranks, ring all_reduce busbw (GB/s) by blocks per lane, slot size and rings; default: 8, 1 MiB, 1")
+w = max(len(v) for v in tune)
+print(f"  {'bytes':>12}  {'default':>8}  " + "  ".join(f"{v:>{w}}" for v in tune))
+for b in sorted(set().union(*[set(r) for r in runs])):
+    cells = "  ".join(f"{r.get(b, (0, 0, 0))[2]:>{w}.1f}" for r in runs)
+    print(f"  {b:>12}  {base.get(b, (0, 0, 0))[2]:>8.1f}  {cells}")
+PY
 fi
 say "# failures: $fails ($SECONDS s)"
 exit $((fails > 0))
