@@ -133,7 +133,8 @@ __device__ __forceinline__ void st_vol64(uint64_t* p, uint64_t v) {
 // A load of FIFO slot data that sees what the peer wrote since this block last read the same
 // address (slots are reused: an L1 line left from an earlier pass would be stale). It bypasses
 // L1 (ld.global.cg) but is an ordinary load the compiler may batch; the counter read before it
-// was followed by a system-scope fence.
+// was followed by a fence (`ox_step_fence`: system-scope, or device-scope where every
+// connection is on this GPU).
 template <typename T>
 __device__ __forceinline__ T ld_fresh(const T* p) {
 #ifndef __CUDA_ARCH__

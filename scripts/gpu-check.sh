@@ -404,7 +404,9 @@ perf oxccl-g4-ring "$OXLIB" env OXCCL_CUDA_DIRECT=0 "$B/all_reduce_perf" -b 8 -e
 # Device-scope step fences on the ring (OXCCL_CUDA_FENCE=gpu, off by default): every
 # all-reduce of the matrix checked.
 check "CUDA ring with device-scope fences (OXCCL_CUDA_FENCE=gpu): 2 ranks, AllReduce x datatype x op" 60 \
-  env OXCCL_CUDA_DIRECT=0 OXCCL_CUDA_FENCE=gpu "$B/coll_matrix" 2 cuda coll=AllReduce
+  says fence-matrix "device-scope fences" env OXCCL_CUDA_DIRECT=0 OXCCL_CUDA_FENCE=gpu \
+  "$B/coll_matrix" 2 cuda coll=AllReduce
+perf all_reduce-g2-fence "$OXLIB" env OXCCL_CUDA_DIRECT=0 OXCCL_CUDA_FENCE=gpu "$B/all_reduce_perf" -b 1M -e 128M -f 4 -n 10 -w 3 -g 2
 # The ring split across 4 rings that run at once (OXCCL_CUDA_CHANNELS=4, off by default):
 # all-reduce, broadcast and reduce checked by the tools (#wrong), 1-64 MiB, 2 ranks.
 # (After a failure the other two are left out: an untested mode that hangs would spend the
@@ -511,11 +513,12 @@ sys.path.insert(0, out)
 from perfrows import rows
 base = rows("oxccl-g2-ring")
 runs = [rows("oxccl-g2-" + v.replace("=", "-").replace(" ", "-")) for v in tune]
-print("== 2 ranks, ring all_reduce busbw (GB/s) by blocks per lane, slot size and rings; default: 8, 1 MiB, 1")
-w = max(len(v) for v in tune)
-print(f"  {'bytes':>12}  {'default':>8}  " + "  ".join(f"{v:>{w}}" for v in tune))
+print("== 2 ranks, ring all_reduce busbw (GB/s) by blocks per lane, slot size, rings and fence scope; default: 8, 1 MiB, 1, sys")
+# Columns as wide as their labels (short names: OXCCL_CUDA_ and OXCCL_ left out).
+names = [v.replace("OXCCL_CUDA_", "").replace("OXCCL_", "") for v in tune]
+print(f"  {'bytes':>12}  {'default':>8}  " + "  ".join(f"{v:>{max(len(v), 8)}}" for v in names))
 for b in sorted(set().union(*[set(r) for r in runs])):
-    cells = "  ".join(f"{r.get(b, (0, 0, 0))[2]:>{w}.1f}" for r in runs)
+    cells = "  ".join(f"{r.get(b, (0, 0, 0))[2]:>{max(len(v), 8)}.1f}" for v, r in zip(names, runs))
     print(f"  {b:>12}  {base.get(b, (0, 0, 0))[2]:>8.1f}  {cells}")
 PY
 fi

@@ -552,7 +552,13 @@ pub fn cuda_gpu_fences() -> bool {
     use std::sync::atomic::Ordering::Relaxed;
     match CUDA_GPU_FENCES.load(Relaxed) {
         UNREAD => {
-            let gpu = get_str("OXCCL_CUDA_FENCE").is_some_and(|v| v.eq_ignore_ascii_case("gpu"));
+            let v = get_str("OXCCL_CUDA_FENCE");
+            let gpu = v.as_deref().is_some_and(|v| v.eq_ignore_ascii_case("gpu"));
+            if let Some(v) = v.filter(|v| !gpu && !v.eq_ignore_ascii_case("sys")) {
+                crate::debug::warn(&format!(
+                    "OXCCL_CUDA_FENCE={v} is neither gpu nor sys: system-scope fences"
+                ));
+            }
             CUDA_GPU_FENCES.store(u64::from(gpu), Relaxed);
             gpu
         }

@@ -762,11 +762,16 @@ fn channels() {
             in_place: false,
             root: 0,
         });
+        let fenced = device::GPU_FENCE_LAUNCHES.load(Ordering::SeqCst);
         for c in &cases {
             check(&comms, &own, c);
             check(&comms, &one, c);
             release_buffers();
         }
+        assert!(
+            device::GPU_FENCE_LAUNCHES.load(Ordering::SeqCst) > fenced,
+            "{n} ranks: no launch asked for device-scope fences"
+        );
         for c in &comms {
             nccl::api::comm_destroy(nccl::api::comm_handle(c)).unwrap();
         }

@@ -310,8 +310,9 @@ pub struct Conn {
     /// Several blocks of a lane may share this end, where it lives in device memory
     /// (`ConnSpec::shared_blocks`).
     pub shared_blocks: bool,
-    /// Both ends' kernels run on one GPU and the connection lives in its memory: nothing off
-    /// the GPU touches its counters or slots (device-scope fences suffice, `OXCCL_CUDA_FENCE`).
+    /// Both ends' kernels run on one GPU in this process and the connection lives in its
+    /// memory: nothing off the GPU touches its counters or slots (device-scope fences suffice,
+    /// `OXCCL_CUDA_FENCE`).
     pub same_device: bool,
 }
 
@@ -838,7 +839,9 @@ impl Named {
                 is_sender: spec.is_sender,
                 opens_handle: shm && spec.is_sender && in_device_memory(spec, true),
                 shared_blocks: spec.shared_blocks,
-                same_device: spec.same_device && in_device_memory(spec, shm),
+                // (In one process only, until a GPU has checked device-scope fences between
+                // processes that share a GPU by CUDA IPC.)
+                same_device: !shm && spec.same_device && in_device_memory(spec, shm),
             }),
             blob,
         ))

@@ -220,6 +220,8 @@ pub static NEXT: AtomicU64 = AtomicU64::new(0x100);
 pub static FAIL_LAUNCH_ON: AtomicU64 = AtomicU64::new(0);
 /// Whether a runner launch gave a lane several blocks.
 pub static SHARED_LANES: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+/// Runner launches whose header asked for device-scope step fences (`OXCCL_CUDA_FENCE=gpu`).
+pub static GPU_FENCE_LAUNCHES: AtomicU64 = AtomicU64::new(0);
 pub static LAUNCHED: Mutex<BTreeSet<String>> = Mutex::new(BTreeSet::new());
 
 /// The stream of handle `h` (any handle the executor is given names one, NULL included),
@@ -506,6 +508,10 @@ pub unsafe extern "C" fn launch(
     // its second word).
     if name.to_bytes().starts_with(b"oxccl_run") && u64::from(gx) > words[1] >> 48 {
         SHARED_LANES.store(true, Ordering::SeqCst);
+    }
+    // The runner asked for device-scope step fences (the header's OX_HEAD_GPU_FENCES).
+    if name.to_bytes().starts_with(b"oxccl_run") && words[0] & (1 << 17) != 0 {
+        GPU_FENCE_LAUNCHES.fetch_add(1, Ordering::SeqCst);
     }
     submit(
         s as usize,

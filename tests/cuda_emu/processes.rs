@@ -402,7 +402,12 @@ pub fn run_processes(
         return 0;
     }
     let mut opened = 0;
-    let channels = std::env::var("OXCCL_CUDA_CHANNELS").unwrap_or_else(|_| "1".into());
+    // (What rank 0 was told, within the rings there are.)
+    let channels = std::env::var("OXCCL_CUDA_CHANNELS")
+        .ok()
+        .and_then(|v| v.parse::<usize>().ok())
+        .unwrap_or(1)
+        .clamp(1, nccl::transport::Class::RINGS);
     for (status, out, _) in &outs {
         assert!(status.success(), "{n} processes:\n{report}");
         assert!(out.contains(&format!("hosts {hosts}\n")), "{report}");

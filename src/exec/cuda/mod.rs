@@ -672,8 +672,16 @@ fn run(
         // Replays look at the control blocks first: they may come after a communicator ended.
         params[0] |= desc::HEAD_CAPTURED;
     }
-    if !d.wide() && d.gpu_fences() && crate::param::cuda_gpu_fences() {
+    if d.gpu_fences() && crate::param::cuda_gpu_fences() {
         params[0] |= desc::HEAD_GPU_FENCES;
+        static SAID: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+        if !SAID.swap(true, std::sync::atomic::Ordering::Relaxed) {
+            crate::debug::info(&format!(
+                "{}: the ring's steps use device-scope fences (OXCCL_CUDA_FENCE=gpu; every \
+                 connection of the launch on this GPU)",
+                comm.describe()
+            ));
+        }
     }
     launch_kernel(api, func, (grid_x, grid_y), stream, &mut params, || {
         format!(
