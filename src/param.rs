@@ -335,7 +335,7 @@ static CUDA_CE_COPY_BYTES: PerLaunch = PerLaunch::new("OXCCL_CUDA_CE_COPY_BYTES"
 static CUDA_COPY_KERNEL: PerLaunch = PerLaunch::new("OXCCL_CUDA_COPY_KERNEL");
 static CUDA_DIRECT: PerLaunch = PerLaunch::new("OXCCL_CUDA_DIRECT");
 static CUDA_CHANNELS: PerLaunch = PerLaunch::new("OXCCL_CUDA_CHANNELS");
-/// `OXCCL_CUDA_FENCE`: 1 for gpu, 0 otherwise, or `UNREAD`.
+/// `OXCCL_CUDA_FENCE`: 0 sys, 1 gpu, 2 neither, or `UNREAD`.
 static CUDA_GPU_FENCES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(UNREAD);
 
 /// Has the CUDA executor's per-launch parameters (`OXCCL_CUDA_CE_COPY_BYTES`,
@@ -546,23 +546,38 @@ pub fn cuda_copy_kernel() -> bool {
     CUDA_COPY_KERNEL.get() != 0
 }
 
-/// `OXCCL_CUDA_FENCE=gpu`: device-scope step fences where a launch's connections allow them
-/// (read once, and again after `reread`).
-pub fn cuda_gpu_fences() -> bool {
+/// `OXCCL_CUDA_FENCE`: the scope of the CUDA runner's step fences where a launch's
+/// connections allow device scope.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Fence {
+    /// `sys`, or unset: system scope.
+    Sys,
+    /// `gpu`: device scope.
+    Gpu,
+    /// Anything else: system scope (the executor says so).
+    Unknown,
+}
+
+/// `OXCCL_CUDA_FENCE` (read once, and again after `reread`).
+pub fn cuda_fence() -> Fence {
     use std::sync::atomic::Ordering::Relaxed;
-    match CUDA_GPU_FENCES.load(Relaxed) {
+    let v = match CUDA_GPU_FENCES.load(Relaxed) {
         UNREAD => {
-            let v = get_str("OXCCL_CUDA_FENCE");
-            let gpu = v.as_deref().is_some_and(|v| v.eq_ignore_ascii_case("gpu"));
-            if let Some(v) = v.filter(|v| !gpu && !v.eq_ignore_ascii_case("sys")) {
-                crate::debug::warn(&format!(
-                    "OXCCL_CUDA_FENCE={v} is neither gpu nor sys: system-scope fences"
-                ));
-            }
-            CUDA_GPU_FENCES.store(u64::from(gpu), Relaxed);
-            gpu
+            let v = match get_str("OXCCL_CUDA_FENCE") {
+                None => 0,
+                Some(v) if v.eq_ignore_ascii_case("sys") => 0,
+                Some(v) if v.eq_ignore_ascii_case("gpu") => 1,
+                Some(_) => 2,
+            };
+            CUDA_GPU_FENCES.store(v, Relaxed);
+            v
         }
-        v => v == 1,
+        v => v,
+    };
+    match v {
+        1 => Fence::Gpu,
+        2 => Fence::Unknown,
+        _ => Fence::Sys,
     }
 }
 

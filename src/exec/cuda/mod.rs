@@ -672,15 +672,25 @@ fn run(
         // Replays look at the control blocks first: they may come after a communicator ended.
         params[0] |= desc::HEAD_CAPTURED;
     }
-    if d.gpu_fences() && crate::param::cuda_gpu_fences() {
-        params[0] |= desc::HEAD_GPU_FENCES;
+    if d.gpu_fences() {
         static SAID: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
-        if !SAID.swap(true, std::sync::atomic::Ordering::Relaxed) {
-            crate::debug::info(&format!(
-                "{}: the ring's steps use device-scope fences (OXCCL_CUDA_FENCE=gpu; every \
-                 connection of the launch on this GPU)",
-                comm.describe()
-            ));
+        let once = || !SAID.swap(true, std::sync::atomic::Ordering::Relaxed);
+        match crate::param::cuda_fence() {
+            crate::param::Fence::Gpu => {
+                params[0] |= desc::HEAD_GPU_FENCES;
+                if once() {
+                    crate::debug::info(&format!(
+                        "{}: the ring's steps use device-scope fences (OXCCL_CUDA_FENCE=gpu; \
+                         every connection of the launch on this GPU)",
+                        comm.describe()
+                    ));
+                }
+            }
+            crate::param::Fence::Unknown if once() => crate::debug::warn(
+                "OXCCL_CUDA_FENCE is neither gpu nor sys: the ring's steps use system-scope \
+                 fences",
+            ),
+            _ => {}
         }
     }
     launch_kernel(api, func, (grid_x, grid_y), stream, &mut params, || {
