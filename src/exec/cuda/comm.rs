@@ -312,6 +312,9 @@ pub struct CudaComm {
     /// Ranks of this communicator on this device in this process (this one included).
     pub(super) process_ranks_on_device: Vec<usize>,
     /// A launch that may need more blocks at once than the device holds was warned of.
+    /// The rings a large ring collective is split across: rank 0's `OXCCL_CUDA_CHANNELS`, as
+    /// many as a rank's launch fits in the ordinary kernel parameter (`desc::channels_that_fit`).
+    pub(super) channels: usize,
     pub(super) room_warned: std::sync::atomic::AtomicBool,
     name: String,
 }
@@ -420,6 +423,10 @@ impl CudaComm {
                 events,
                 unkept: false,
             }),
+            channels: super::desc::channels_that_fit(
+                s.nranks,
+                crate::transport::peer::PeerInfo::comm_channels(s.peers),
+            ),
             ranks_on_device: s
                 .peers
                 .iter()

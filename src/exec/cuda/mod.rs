@@ -231,11 +231,10 @@ fn prepare<'a>(per_comm: PerComm<'a>) -> Result<Jobs<'a>> {
     }
     let mut planned: smallvec::SmallVec<[_; 1]> = smallvec::SmallVec::new();
     for qs in per_comm {
-        let conns = qs[0].conns;
         let caps = Caps {
             direct: false,
             eager_bytes: 0,
-            channels: desc::channels_that_fit(conns.nranks, conns.channels()),
+            channels: qs[0].cuda().channels,
         };
         let call = |q: &Call<'_>| (q.args, q.red);
         let t = crate::plan::build::build_task(qs[0].conns, caps, &qs, call)?;
