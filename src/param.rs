@@ -304,6 +304,8 @@ pub fn net_zero_copy() -> bool {
 /// variable, under a lock: `CUDA=1 scripts/launch-cost.sh`).
 struct PerLaunch {
     name: &'static str,
+    /// How the variable's value reads as a number (`get_u64`'s, unless said otherwise).
+    read: fn(&str) -> u64,
     /// The value, or `UNREAD`.
     value: std::sync::atomic::AtomicU64,
 }
@@ -312,8 +314,13 @@ const UNREAD: u64 = u64::MAX;
 
 impl PerLaunch {
     const fn new(name: &'static str) -> PerLaunch {
+        PerLaunch::read_by(name, get_u64)
+    }
+
+    const fn read_by(name: &'static str, read: fn(&str) -> u64) -> PerLaunch {
         PerLaunch {
             name,
+            read,
             value: std::sync::atomic::AtomicU64::new(UNREAD),
         }
     }
@@ -322,7 +329,7 @@ impl PerLaunch {
         use std::sync::atomic::Ordering::Relaxed;
         match self.value.load(Relaxed) {
             UNREAD => {
-                let v = get_u64(self.name).min(UNREAD - 1);
+                let v = (self.read)(self.name).min(UNREAD - 1);
                 self.value.store(v, Relaxed);
                 v
             }
@@ -335,8 +342,13 @@ static CUDA_CE_COPY_BYTES: PerLaunch = PerLaunch::new("OXCCL_CUDA_CE_COPY_BYTES"
 static CUDA_COPY_KERNEL: PerLaunch = PerLaunch::new("OXCCL_CUDA_COPY_KERNEL");
 static CUDA_DIRECT: PerLaunch = PerLaunch::new("OXCCL_CUDA_DIRECT");
 static CUDA_CHANNELS: PerLaunch = PerLaunch::new("OXCCL_CUDA_CHANNELS");
-/// `OXCCL_CUDA_FENCE`: 0 sys, 1 gpu, 2 neither, or `UNREAD`.
-static CUDA_GPU_FENCES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(UNREAD);
+/// `OXCCL_CUDA_FENCE`: 0 sys (or unset), 1 gpu, 2 neither.
+static CUDA_FENCE: PerLaunch = PerLaunch::read_by("OXCCL_CUDA_FENCE", |name| match get_str(name) {
+    None => 0,
+    Some(v) if v.eq_ignore_ascii_case("sys") => 0,
+    Some(v) if v.eq_ignore_ascii_case("gpu") => 1,
+    Some(_) => 2,
+});
 
 /// Has the CUDA executor's per-launch parameters (`OXCCL_CUDA_CE_COPY_BYTES`,
 /// `OXCCL_CUDA_COPY_KERNEL`, `OXCCL_CUDA_DIRECT`, `OXCCL_CUDA_CHANNELS`, `OXCCL_CUDA_FENCE`)
@@ -349,10 +361,10 @@ pub fn reread() {
         &CUDA_COPY_KERNEL,
         &CUDA_DIRECT,
         &CUDA_CHANNELS,
+        &CUDA_FENCE,
     ] {
         p.value.store(UNREAD, std::sync::atomic::Ordering::Relaxed);
     }
-    CUDA_GPU_FENCES.store(UNREAD, std::sync::atomic::Ordering::Relaxed);
 }
 
 /// `OXCCL_CUDA_CE_COPY_BYTES`: 0 (every plain copy on the copy engine), or the size from which
@@ -560,21 +572,7 @@ pub enum Fence {
 
 /// `OXCCL_CUDA_FENCE` (read once, and again after `reread`).
 pub fn cuda_fence() -> Fence {
-    use std::sync::atomic::Ordering::Relaxed;
-    let v = match CUDA_GPU_FENCES.load(Relaxed) {
-        UNREAD => {
-            let v = match get_str("OXCCL_CUDA_FENCE") {
-                None => 0,
-                Some(v) if v.eq_ignore_ascii_case("sys") => 0,
-                Some(v) if v.eq_ignore_ascii_case("gpu") => 1,
-                Some(_) => 2,
-            };
-            CUDA_GPU_FENCES.store(v, Relaxed);
-            v
-        }
-        v => v,
-    };
-    match v {
+    match CUDA_FENCE.get() {
         1 => Fence::Gpu,
         2 => Fence::Unknown,
         _ => Fence::Sys,
