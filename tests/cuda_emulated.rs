@@ -856,9 +856,14 @@ fn start(so: &Path) -> PathBuf {
 /// its kernels are loaded for it): launches of 4 ranks with more lanes than that still end.
 fn few_blocks(so: &Path) {
     // Killed at the deadline: a launch whose first blocks wait for ones that never start.
-    let (ok, report) = child(so, &[("OXEMU_RESIDENT", "4")], Duration::from_secs(240));
+    // (16 KiB slots: a FIFO of 128 KiB, below every lane's bytes.)
+    let (ok, report) = child(
+        so,
+        &[("OXEMU_RESIDENT", "4"), ("OXCCL_CHUNK_BYTES", "16384")],
+        Duration::from_secs(240),
+    );
     assert!(
-        ok && report.contains("few blocks: 3 cases"),
+        ok && report.contains("few blocks: 6 cases"),
         "a device running 4 blocks at once:\n{report}"
     );
 }
@@ -1071,7 +1076,7 @@ fn few_blocks_process() {
     let cache = start(Path::new(&std::env::var("OXEMU_LIB").unwrap()));
     let comms = nccl::api::comm_init_all(&[0; 4]).expect("ranks on one device");
     let one = vec![new_stream(); 4];
-    let cases: Vec<Case> = cases(4, &[300_001])
+    let mixed: Vec<Case> = cases(4, &[300_001])
         .into_iter()
         .filter(|c| {
             !c.in_place
@@ -1082,7 +1087,32 @@ fn few_blocks_process() {
                 )
         })
         .collect();
-    for c in &cases {
+    for c in &mixed {
+        check(&comms, &one, c);
+        release_buffers();
+    }
+    for c in &comms {
+        nccl::api::comm_destroy(nccl::api::comm_handle(c)).unwrap();
+    }
+    // The ring split across 4 channels (16 lanes, each part past a FIFO's depth): a broadcast's
+    // and a reduce's end ranks have lanes on one connection, the middle ones on two; each
+    // channel's lanes must come together.
+    std::env::set_var("OXCCL_CUDA_DIRECT", "0");
+    std::env::set_var("OXCCL_CUDA_CHANNELS", "4");
+    nccl::param::reread();
+    let comms = nccl::api::comm_init_all(&[0; 4]).expect("ranks on one device");
+    let split: Vec<Case> = cases(4, &[300_001])
+        .into_iter()
+        .filter(|c| {
+            !c.in_place
+                && c.dtype == DataType::Float32
+                && matches!(
+                    c.kind,
+                    CollKind::AllReduce | CollKind::Broadcast | CollKind::Reduce
+                )
+        })
+        .collect();
+    for c in &split {
         check(&comms, &one, c);
         release_buffers();
     }
@@ -1090,7 +1120,7 @@ fn few_blocks_process() {
         nccl::api::comm_destroy(nccl::api::comm_handle(c)).unwrap();
     }
     let _ = std::fs::remove_dir_all(&cache);
-    println!("few blocks: {} cases", cases.len());
+    println!("few blocks: {} cases", mixed.len() + split.len());
 }
 
 /// Whether this process may make PID namespaces (root; CI is, and must).

@@ -256,8 +256,9 @@ impl Conns {
         };
         let dev = |r: usize| self.peers[r].dev.max(0);
         crate::debug::info(&format!(
-            "Channel {:02} : {}[{}] -> {}[{}] via {via} (comm {:#x})",
-            k.class as u32,
+            "Channel {:02}/{} : {}[{}] -> {}[{}] via {via} (comm {:#x})",
+            k.class.channel(),
+            k.class.kind(),
             self.rank,
             dev(self.rank),
             k.peer(),
@@ -407,7 +408,8 @@ pub fn connect_all(needs: &[(&Conns, Vec<ConnKey>)]) -> Result<()> {
             }
         });
         match r {
-            Ok(conn) => {
+            Ok(mut conn) => {
+                conn.class = k.class;
                 if k.is_sender {
                     c.log_connection(k, conn.on_device());
                 }

@@ -89,6 +89,28 @@ impl Class {
             _ => Class::Ring3,
         }
     }
+
+    /// The ring channel whose connections these are (1 to 3 for `Ring1`-`Ring3`): 0 for every
+    /// other class, as everything but a split collective's extra rings runs on channel 0.
+    pub fn channel(self) -> usize {
+        match self {
+            Class::Ring1 => 1,
+            Class::Ring2 => 2,
+            Class::Ring3 => 3,
+            _ => 0,
+        }
+    }
+
+    /// The kind of traffic, whatever the channel (NCCL_DEBUG's `Channel CC/K` prints it as
+    /// K): 0 rings and chains, 1 point to point, 2 direct algorithms, 3 the second tree.
+    pub fn kind(self) -> usize {
+        match self {
+            Class::Ring | Class::Ring1 | Class::Ring2 | Class::Ring3 => 0,
+            Class::P2p => 1,
+            Class::Direct => 2,
+            Class::Tree => 3,
+        }
+    }
 }
 
 /// Where the two ends of a connection live relative to each other.
@@ -314,6 +336,9 @@ pub struct Conn {
     /// memory: nothing off the GPU touches its counters or slots (device-scope fences suffice,
     /// `OXCCL_CUDA_FENCE`).
     pub same_device: bool,
+    /// The class of traffic the connection was made for (set where it is connected; `Ring`
+    /// for one made by hand).
+    pub class: Class,
 }
 
 // SAFETY: the region stays mapped while the Conn lives; the counters are atomics and the slot
@@ -347,6 +372,7 @@ impl Conn {
             proxy: None,
             shared_blocks: true,
             same_device: false,
+            class: Class::Ring,
         }
     }
 

@@ -339,37 +339,25 @@ impl Desc {
 ///
 /// A GPU starts a launch's blocks in the order of their index, the later ones as earlier ones
 /// end when not all fit on its SMs at once, and blocks wait for one another only through
-/// connections. So first come the lanes that wait on nobody (local copies); then the two ends
-/// of each connection next to each other, connections by their distance `d` on the ring of
-/// ranks (receiver minus sender, mod n: every rank sends `d` ranks on while it receives from `d`
-/// back, as NCCL's point-to-point schedule pairs them); then lanes on several connections
-/// (rings, trees), the same lane of every rank together. The lanes first in line can then
-/// always end, whether their other ends are in this launch or in the same launch of another
-/// rank, however few blocks the device runs at once.
-///
-/// Lanes of one rank with the same single connection end (the rings of a collective split
-/// across channels, each on a connection of its own to the same peer) are told apart by their
-/// order among such lanes (`nth`), which both ends share: each channel's two ends stay
-/// together.
+/// connections. So lanes come by communicator (no lane waits on another communicator's), then
+/// by ring channel (a collective split across channels runs a ring on each, whose lanes wait
+/// only on one another; everything else is on channel 0). Within a channel first come the
+/// lanes that wait on nobody (local copies); then the two ends of each connection next to each
+/// other, connections by their distance `d` on the ring of ranks (receiver minus sender, mod
+/// n: every rank sends `d` ranks on while it receives from `d` back, as NCCL's point-to-point
+/// schedule pairs them); then lanes on several connections (rings, trees), the same lane of
+/// every rank together. The lanes first in line can then always end, whether their other ends
+/// are in this launch or in the same launch of another rank, as long as the device holds a
+/// ring's lanes at once (one per rank).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
-pub struct LaneKey(u8, usize, usize, usize, u16, u8);
-
-impl LaneKey {
-    /// This key as the `k`th lane of its rank with the same key (a lane on one connection
-    /// end; others keep their key).
-    pub fn nth(mut self, k: usize) -> LaneKey {
-        if self.0 == 1 {
-            self.4 = k.min(u16::MAX as usize) as u16;
-        }
-        self
-    }
-}
+pub struct LaneKey(usize, usize, u8, usize, usize, u8);
 
 /// The key of a lane of rank `rank` of an `nranks`-rank communicator (`comm`: a number the
 /// same on all its ranks, its hash), lane `index` of that rank's in the launch, whose programs
-/// use connections with the ends `ends` (this end's rank, the other's, whether this end sends).
+/// use connections with the ends `ends` (this end's rank, the other's, whether this end sends,
+/// the connection's ring channel).
 pub fn lane_key(
-    ends: impl IntoIterator<Item = (usize, usize, bool)>,
+    ends: impl IntoIterator<Item = (usize, usize, bool, usize)>,
     nranks: usize,
     comm: usize,
     index: usize,
@@ -377,17 +365,17 @@ pub fn lane_key(
 ) -> LaneKey {
     let mut ends = ends.into_iter();
     let Some(first) = ends.next() else {
-        return LaneKey(0, 0, 0, 0, 0, 0);
+        return LaneKey(comm, 0, 0, 0, 0, 0);
     };
+    let (me, peer, sends, channel) = first;
     if ends.any(|e| e != first) {
-        return LaneKey(2, comm, index, rank, 0, 0);
+        return LaneKey(comm, channel, 2, index, rank, 0);
     }
-    let (me, peer, sends) = first;
     let n = nranks.max(1);
     if sends {
-        LaneKey(1, comm, (peer + n - me) % n, me, 0, 0)
+        LaneKey(comm, channel, 1, (peer + n - me) % n, me, 0)
     } else {
-        LaneKey(1, comm, (me + n - peer) % n, peer, 0, 1)
+        LaneKey(comm, channel, 1, (me + n - peer) % n, peer, 1)
     }
 }
 
@@ -596,14 +584,14 @@ mod tests {
             lanes.push((lane_key([], n, 0, 0, r), format!("copy {r}")));
             for p in (0..n).filter(|&p| p != r) {
                 let i = lanes.len();
-                lanes.push((lane_key([(r, p, true)], n, 0, i, r), format!("{r}>{p}")));
+                lanes.push((lane_key([(r, p, true, 0)], n, 0, i, r), format!("{r}>{p}")));
                 lanes.push((
-                    lane_key([(r, p, false)], n, 0, i + 1, r),
+                    lane_key([(r, p, false, 0)], n, 0, i + 1, r),
                     format!("{p}>{r}"),
                 ));
             }
             for c in 0..2 {
-                let ring = [(r, (r + 1) % n, true), (r, (r + n - 1) % n, false)];
+                let ring = [(r, (r + 1) % n, true, 0), (r, (r + n - 1) % n, false, 0)];
                 lanes.push((lane_key(ring, n, 0, c, r), format!("ring {c} {r}")));
             }
         }
@@ -668,28 +656,42 @@ mod tests {
         assert!(!Desc::new().gpu_fences(), "no connection: nothing to fence");
     }
 
-    /// A broadcast split across 3 channels on 2 ranks: the root's lanes all send to rank 1 and
-    /// rank 1's all receive from rank 0 (the same key); by their order among such lanes, each
-    /// channel's two ends go together.
+    /// Broadcasts split across 3 channels, on 2 and on 4 ranks, in one launch: the root's
+    /// lanes each send on one connection, the last rank's each receive on one, the middle
+    /// ranks' use two. Each channel's lanes come together, channel by channel, so a device
+    /// that holds one ring's lanes at once ends the launch; on 2 ranks each channel's two ends
+    /// go together.
     #[test]
-    fn channels_of_one_end_pair_up() {
-        let mut lanes = Vec::new();
-        for (r, sends) in [(0usize, true), (1, false)] {
-            let key = lane_key([(r, 1 - r, sends)], 2, 0, 0, r);
-            for c in 0..3 {
-                lanes.push((key.nth(c), format!("{c} of {r}")));
+    fn a_split_chain_keeps_each_channel_together() {
+        for n in [2usize, 4] {
+            let mut lanes = Vec::new();
+            for r in 0..n {
+                for c in 0..3 {
+                    let mut ends = Vec::new();
+                    if r > 0 {
+                        ends.push((r, r - 1, false, c));
+                    }
+                    if r + 1 < n {
+                        ends.push((r, r + 1, true, c));
+                    }
+                    lanes.push((lane_key(ends, n, 7, c, r), (c, r)));
+                }
+            }
+            lanes.sort_by_key(|l| l.0);
+            let order: Vec<(usize, usize)> = lanes.iter().map(|l| l.1).collect();
+            for (c, group) in order.chunks(n).enumerate() {
+                assert!(group.iter().all(|l| l.0 == c), "{n} ranks: {order:?}");
+                // The ends first (one connection each), then the middle ranks.
+                let firsts: Vec<usize> = group.iter().map(|l| l.1).collect();
+                let mut want = vec![0, n - 1];
+                want.extend(1..n - 1);
+                assert_eq!(firsts, want, "{n} ranks: {order:?}");
             }
         }
-        lanes.sort_by_key(|l| l.0);
-        let names: Vec<&str> = lanes.iter().map(|l| l.1.as_str()).collect();
-        assert_eq!(
-            names,
-            ["0 of 0", "0 of 1", "1 of 0", "1 of 1", "2 of 0", "2 of 1"],
-            "{names:?}"
-        );
-        // Other lanes keep their key.
-        let ring = lane_key([(0, 1, true), (0, 1, false)], 2, 0, 0, 0);
-        assert_eq!(ring.nth(2), ring);
+        // Another communicator's lanes never come between one communicator's.
+        let a = lane_key([(0, 1, true, 3)], 2, 1, 0, 0);
+        let b = lane_key([], 2, 2, 0, 0);
+        assert!(a < b);
     }
 
     /// One rank's split all-reduce fits the ordinary parameter on 2 ranks with 4 channels,

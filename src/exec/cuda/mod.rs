@@ -557,18 +557,14 @@ fn ordered_lanes<'j>(
         // (By its hash: the same order in every process, whatever order a group's calls on
         // several communicators came in.)
         let ci = j.comm.hash as usize;
-        let mut seen: smallvec::SmallVec<[desc::LaneKey; 4]> = smallvec::SmallVec::new();
         for (index, lane) in j.lanes(k).enumerate() {
             let ends = lane
                 .iter()
                 .flat_map(|p| &p.steps)
                 .flat_map(|s| s.conns())
-                .map(|c| (c.me, c.peer, c.is_sender));
+                .map(|c| (c.me, c.peer, c.is_sender, c.class.channel()));
             let key = desc::lane_key(ends, j.comm.nranks, ci, index, j.comm.rank);
-            // (Several lanes on the same end: rings of a split collective.)
-            let nth = seen.iter().filter(|&&s| s == key).count();
-            seen.push(key);
-            v.push((key.nth(nth), lane.as_slice(), j.comm.ctl.addr()));
+            v.push((key, lane.as_slice(), j.comm.ctl.addr()));
         }
     }
     v.sort_by_key(|e| e.0);
