@@ -726,7 +726,7 @@ fn failures() {
 /// are made at init; large all-reduces, broadcasts and reduces (parts of several blocks per
 /// lane) split across rings that run at once, on each rank's stream and on one stream for all
 /// ranks, each element checked; with `OXCCL_CUDA_FENCE=gpu` (device-scope step fences, the
-/// same as the others on this emulation: the flag's path).
+/// same as the others on this emulation: the flag's path). On 8 ranks, 3 channels fit.
 fn channels() {
     use nccl::transport::{Class, ConnKey};
     std::env::set_var("OXCCL_CUDA_DIRECT", "0");
@@ -775,6 +775,23 @@ fn channels() {
         for c in &comms {
             nccl::api::comm_destroy(nccl::api::comm_handle(c)).unwrap();
         }
+    }
+    // 8 ranks: a launch of 4 channels would pass the ordinary kernel parameter, so 3 are
+    // used, and only their rings are connected.
+    let comms = nccl::api::comm_init_all(&[0; 8]).expect("ranks on one device");
+    let core = comms[0].core().expect("rank 0");
+    assert_eq!(core.exec.channels(), 3);
+    let bound = |c| core.conns.bound(ConnKey::new(1, true, c)).is_ok();
+    assert!(
+        bound(Class::Ring2),
+        "8 ranks: the third ring is not connected at init"
+    );
+    assert!(
+        !bound(Class::Ring3),
+        "8 ranks: a fourth ring that is never used"
+    );
+    for c in &comms {
+        nccl::api::comm_destroy(nccl::api::comm_handle(c)).unwrap();
     }
     std::env::remove_var("OXCCL_CUDA_DIRECT");
     std::env::remove_var("OXCCL_CUDA_CHANNELS");

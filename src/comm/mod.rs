@@ -345,7 +345,7 @@ fn build_core(p: PendingInit) -> Result<Core> {
     }
     let nodes = conns.nodes();
     let dev_guard = exec.enter_device()?;
-    conns.connect_ring()?;
+    conns.connect_ring(exec.channels())?;
     drop(dev_guard);
     crate::debug::info(&format!(
         "comm {hash:#x} rank {} nRanks {} nNodes {nodes} localRanks {} - Init COMPLETE ({})",

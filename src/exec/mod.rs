@@ -123,6 +123,17 @@ impl CommExec {
         }
     }
 
+    /// The rings a large ring collective of the communicator is split across: 1 on the host
+    /// executor (one thread runs a task's lanes); on the CUDA executor rank 0's
+    /// `OXCCL_CUDA_CHANNELS`, or fewer where a rank's launch would not fit the ordinary kernel
+    /// parameter. The transport connects that many rings at init.
+    pub fn channels(&self) -> usize {
+        match self {
+            CommExec::Host(_) => 1,
+            CommExec::Cuda(c) => c.channels,
+        }
+    }
+
     /// Makes the rank's device current on this thread until the guard drops (connections made
     /// now put their device memory there); nothing on the host executor.
     pub fn enter_device(&self) -> Result<Option<crate::gpu::driver::CtxGuard>> {

@@ -21,8 +21,6 @@ pub struct Conns {
     /// FIFO geometry (rank 0's, for every rank).
     pub slot_bytes: usize,
     pub nsteps: usize,
-    /// Rings a large ring collective is split across (rank 0's `OXCCL_CUDA_CHANNELS`).
-    channels: usize,
     peers: Vec<PeerInfo>,
     map: Mutex<HashMap<ConnKey, Arc<Conn>, BuildHasherDefault<KeyHasher>>>,
     /// The out-of-band channel; None once the communicator is torn down.
@@ -90,7 +88,6 @@ impl Conns {
             nranks: boot.nranks(),
             hash,
             slot_bytes: PeerInfo::comm_slot_bytes(&peers),
-            channels: PeerInfo::comm_channels(&peers),
             nsteps: peers[0].nsteps as usize,
             peers,
             map: Mutex::new(HashMap::default()),
@@ -216,16 +213,16 @@ impl Conns {
     }
 
     /// Connects the ring (to the next rank, from the previous one) where the peers share this
-    /// host, as NCCL connects its rings at init, and the rings of the other channels where
-    /// collectives are split (`channels`): a launch then never waits for a peer's end of a
-    /// ring, so that a peer that called something else is seen on the board or in the slots'
-    /// call words, not in an exchange that waits for it.
-    pub fn connect_ring(&self) -> Result<()> {
+    /// host, as NCCL connects its rings at init, and the rings of the other `channels - 1`
+    /// channels where the executor splits collectives (`CommExec::channels`): a launch then
+    /// never waits for a peer's end of a ring, so that a peer that called something else is
+    /// seen on the board or in the slots' call words, not in an exchange that waits for it.
+    pub fn connect_ring(&self, channels: usize) -> Result<()> {
         if self.nranks < 2 {
             return Ok(());
         }
         let (next, prev) = self.ring_neighbours();
-        let keys = (0..self.channels).flat_map(|c| {
+        let keys = (0..channels.clamp(1, super::Class::RINGS)).flat_map(|c| {
             [(next, true), (prev, false)]
                 .into_iter()
                 .filter(|&(p, _)| self.locality(p) != Locality::OtherHost)
@@ -233,11 +230,6 @@ impl Conns {
         });
         let keys = self.missing(keys);
         connect_all(&[(self, keys)])
-    }
-
-    /// The rings a large ring collective is split across (`PeerInfo::comm_channels`).
-    pub fn channels(&self) -> usize {
-        self.channels
     }
 
     /// The `NCCL_DEBUG=INFO` line NCCL prints for a connection, for the sending end of `k`

@@ -28,7 +28,7 @@ pub fn rank_process(r: usize) {
     // The hosts the communicator sees (ranks on different ones talk only over the network).
     println!("hosts {}", nccl::api::comm_lsa(&comm).unwrap().4);
     // The rings a large ring collective is split across (rank 0's OXCCL_CUDA_CHANNELS).
-    println!("channels {}", comm.core().unwrap().conns.channels());
+    println!("channels {}", comm.core().unwrap().exec.channels());
     let stream = new_stream();
     if let Ok(how) = std::env::var("OXEMU_TROUBLE") {
         return trouble(&how, comm, r, n, stream, &cache);

@@ -314,7 +314,7 @@ pub struct CudaComm {
     /// A launch that may need more blocks at once than the device holds was warned of.
     /// The rings a large ring collective is split across: rank 0's `OXCCL_CUDA_CHANNELS`, as
     /// many as a rank's launch fits in the ordinary kernel parameter (`desc::channels_that_fit`).
-    pub(super) channels: usize,
+    pub(crate) channels: usize,
     pub(super) room_warned: std::sync::atomic::AtomicBool,
     name: String,
 }
