@@ -1087,57 +1087,44 @@ fn peer_devices_process(how: &str) {
 }
 
 /// `few_blocks`' process: 4 ranks on the one device, one stream, so each collective is one
-/// launch of all their lanes: an all-to-all (4 x 7 lanes, each past a FIFO's depth), a ring
-/// shift (4 x 2) and a ring all-reduce; each checked.
+/// launch of all their lanes, each lane past a FIFO's depth: an all-to-all (4 x 7 lanes), a
+/// ring shift (4 x 2) and an all-reduce; then, on the ring split across 4 channels (16 lanes),
+/// an all-reduce, a broadcast and a reduce, whose end ranks have lanes on one connection and
+/// the middle ones on two (each channel's lanes must come together). Each checked.
 fn few_blocks_process() {
     let cache = start(Path::new(&std::env::var("OXEMU_LIB").unwrap()));
-    let comms = nccl::api::comm_init_all(&[0; 4]).expect("ranks on one device");
     let one = vec![new_stream(); 4];
-    let mixed: Vec<Case> = cases(4, &[300_001])
-        .into_iter()
-        .filter(|c| {
-            !c.in_place
-                && c.dtype == DataType::Float32
-                && matches!(
-                    c.kind,
-                    CollKind::AlltoAll | CollKind::Send | CollKind::AllReduce
-                )
-        })
-        .collect();
-    for c in &mixed {
-        check(&comms, &one, c);
-        release_buffers();
-    }
-    for c in &comms {
-        nccl::api::comm_destroy(nccl::api::comm_handle(c)).unwrap();
-    }
-    // The ring split across 4 channels (16 lanes, each part past a FIFO's depth): a broadcast's
-    // and a reduce's end ranks have lanes on one connection, the middle ones on two; each
-    // channel's lanes must come together.
-    std::env::set_var("OXCCL_CUDA_DIRECT", "0");
-    std::env::set_var("OXCCL_CUDA_CHANNELS", "4");
-    nccl::param::reread();
-    let comms = nccl::api::comm_init_all(&[0; 4]).expect("ranks on one device");
-    let split: Vec<Case> = cases(4, &[300_001])
-        .into_iter()
-        .filter(|c| {
-            !c.in_place
-                && c.dtype == DataType::Float32
-                && matches!(
-                    c.kind,
-                    CollKind::AllReduce | CollKind::Broadcast | CollKind::Reduce
-                )
-        })
-        .collect();
-    for c in &split {
-        check(&comms, &one, c);
-        release_buffers();
-    }
-    for c in &comms {
-        nccl::api::comm_destroy(nccl::api::comm_handle(c)).unwrap();
+    let mut checked = 0;
+    for (channels, kinds) in [
+        (
+            "1",
+            [CollKind::AlltoAll, CollKind::Send, CollKind::AllReduce],
+        ),
+        (
+            "4",
+            [CollKind::AllReduce, CollKind::Broadcast, CollKind::Reduce],
+        ),
+    ] {
+        if channels != "1" {
+            std::env::set_var("OXCCL_CUDA_DIRECT", "0");
+        }
+        std::env::set_var("OXCCL_CUDA_CHANNELS", channels);
+        nccl::param::reread();
+        let comms = nccl::api::comm_init_all(&[0; 4]).expect("ranks on one device");
+        for c in cases(4, &[300_001])
+            .iter()
+            .filter(|c| !c.in_place && c.dtype == DataType::Float32 && kinds.contains(&c.kind))
+        {
+            check(&comms, &one, c);
+            release_buffers();
+            checked += 1;
+        }
+        for c in &comms {
+            nccl::api::comm_destroy(nccl::api::comm_handle(c)).unwrap();
+        }
     }
     let _ = std::fs::remove_dir_all(&cache);
-    println!("few blocks: {} cases", mixed.len() + split.len());
+    println!("few blocks: {checked} cases");
 }
 
 /// Whether this process may make PID namespaces (root; CI is, and must).
