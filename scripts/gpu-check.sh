@@ -21,9 +21,11 @@
 #  3. PyTorch with LD_PRELOAD=libnccl.so.2 (scripts/gpu-torch-check.py): world sizes 1 and 2;
 #  4. the host executor there (OXCCL_DEVICE=host): the C programs, perf tools and the TP/PP
 #     example with the machine's many cores;
-#  5. what is off by default until it has passed here, CUDA IPC (OXCCL_CUDA_IPC=1): cuda_ranks
-#     with 2, 3 and 4 processes, the TP/PP example, two processes' all_reduce_perf; and beside
-#     it the direct all-reduce of ranks on one GPU (on by default since 12-06): coll_matrix on
+#  5. connections between processes by CUDA IPC (the default since 12-06; it passed here on
+#     12-06 behind OXCCL_CUDA_IPC=1): the connection lines of cuda_ranks with 2, 3 and 4
+#     processes, the TP/PP example and two processes' all_reduce_perf must say P2P/IPC, and
+#     the same in pinned host memory (OXCCL_CUDA_IPC=0) must say SHM; and beside it the direct
+#     all-reduce of ranks on one GPU (on by default since 12-06): coll_matrix on
 #     2, 3, 4 and 8 ranks saying it ran, the ring's (OXCCL_CUDA_DIRECT=0) all-reduce matrix
 #     on 2 ranks and its all_reduce_perf -g 2 and -g 4 beside the default's rows; nranks=1
 #     on the wide and the copy kernel (OXCCL_CUDA_CE_COPY_BYTES=1, OXCCL_CUDA_COPY_KERNEL=1)
@@ -279,7 +281,7 @@ perf oxccl-g2-bf16 "$OXLIB" "$B/all_reduce_perf" -b 1M -e 256M -f 4 -n 10 -w 3 -
 # longer than the limit (a single 1 GiB size took over 50 s there, the collective 4 ms).
 perf oxccl-g4 "$OXLIB" "$B/all_reduce_perf" -b 8 -e 256M -f 8 -n 10 -w 3 -g 4
 perf oxccl-g2-hoststaged "$OXLIB" env NCCL_P2P_DISABLE=1 OXCCL_CUDA_DIRECT=0 "$B/all_reduce_perf" -b 8 -e 64M -f 8 -n 10 -w 3 -g 2
-# Two processes on the one GPU (pinned host-memory connections; the GPU time-slices them);
+# Two processes on the one GPU (the GPU time-slices them);
 # "hosts": as two "hosts" (OXCCL_HOSTID), so that the network transport's proxies move the
 # GPU's pinned FIFOs over TCP (issue 14 on the CUDA executor), NET/Socket in rank 0's log.
 two_procs() {  # same|hosts, command...
@@ -294,7 +296,9 @@ two_procs() {  # same|hosts, command...
   wait $p || rc=1
   return $rc
 }
-perf oxccl-2procs "$OXLIB" two_procs same "$B/all_reduce_perf" -b 8 -e 16M -f 8 -n 5 -w 2 -g 1
+# (In pinned host memory here, OXCCL_CUDA_IPC=0; by CUDA IPC, the default, in section 5.)
+perf oxccl-2procs-host "$OXLIB" env OXCCL_CUDA_IPC=0 bash -c \
+  "$(declare -f two_procs); two_procs same $B/all_reduce_perf -b 8 -e 16M -f 8 -n 5 -w 2 -g 1"
 perf oxccl-2hosts "$OXLIB" two_procs hosts "$B/all_reduce_perf" -b 8 -e 64M -f 8 -n 5 -w 2 -g 1
 grep -m2 "via NET" "$OUT/perf-oxccl-2hosts.txt" | tee -a "$log"
 perf sendrecv-2hosts "$OXLIB" two_procs hosts "$B/sendrecv_perf" -b 8 -e 64M -f 8 -n 5 -w 2 -g 1
@@ -346,31 +350,30 @@ check "host: tp_pp_mlp --tp 4 --pp 2 --exact" 60 tppp --tp 4 --pp 2 --exact
 #    and the ring beside it, and measurements for the next defaults (last: a run cut short by
 #    its limit, or a hang, keeps everything above).
 unset OXCCL_DEVICE
-# Section 1's processes again with CUDA IPC (OXCCL_CUDA_IPC=1: connections between the processes
-# in device memory): the connection lines must say P2P/IPC (`says`).
-check "CUDA IPC: 2 ranks as processes" 60 \
-  says ipc-ranks2 "via P2P/IPC" env OXCCL_CUDA_IPC=1 "$B/cuda_ranks" 2 processes
-check "CUDA IPC: 4 ranks as processes, in place" 90 \
-  says ipc-ranks4 "via P2P/IPC" env OXCCL_CUDA_IPC=1 "$B/cuda_ranks" 4 processes inplace timeout=80
-check "CUDA IPC: 3 ranks as processes" 60 \
-  says ipc-ranks3 "via P2P/IPC" env OXCCL_CUDA_IPC=1 "$B/cuda_ranks" 3 processes
-check "CUDA IPC: tp_pp_mlp 8 ranks --tp 4 --pp 2 --exact" 60 \
-  says ipc-tppp "via P2P/IPC" env OXCCL_CUDA_IPC=1 bash -c \
-  "$(declare -f tppp); tppp --tp 4 --pp 2 --exact --device cuda"
-perf oxccl-2procs-ipc "$OXLIB" env OXCCL_CUDA_IPC=1 NCCL_DEBUG=INFO bash -c \
+# Processes by default take CUDA IPC (connections in the receiving end's device memory): the
+# connection lines must say P2P/IPC (`says`); with OXCCL_CUDA_IPC=0, pinned host memory (SHM).
+check "CUDA IPC (default): 3 ranks as processes" 60 \
+  says ipc-ranks3 "via P2P/IPC" "$B/cuda_ranks" 3 processes
+check "CUDA IPC (default): tp_pp_mlp 8 ranks --tp 4 --pp 2 --exact" 60 \
+  says ipc-tppp "via P2P/IPC" bash -c "$(declare -f tppp); tppp --tp 4 --pp 2 --exact --device cuda"
+check "pinned host memory (OXCCL_CUDA_IPC=0): 2 ranks as processes" 60 \
+  says host-ranks2 "via SHM" env OXCCL_CUDA_IPC=0 "$B/cuda_ranks" 2 processes
+check "pinned host memory (OXCCL_CUDA_IPC=0): 4 ranks as processes, in place" 90 \
+  says host-ranks4 "via SHM" env OXCCL_CUDA_IPC=0 "$B/cuda_ranks" 4 processes inplace timeout=80
+perf oxccl-2procs-ipc "$OXLIB" env NCCL_DEBUG=INFO bash -c \
   "$(declare -f two_procs); two_procs same $B/all_reduce_perf -b 8 -e 64M -f 8 -n 5 -w 2 -g 1"
 grep -m2 "via P2P/IPC" "$OUT/perf-oxccl-2procs-ipc.txt" | tee -a "$log" ||
-  { say "   FAILED: no connection via P2P/IPC"; fails=$((fails + 1)); }
+  { say "   FAILED: no connection via P2P/IPC by default"; fails=$((fails + 1)); }
 # Two GPUs or more (every lent machine so far had one): ranks on two GPUs joined by NVLink keep
 # their connections in device memory, in one process (P2P/direct pointer) and between
-# processes with OXCCL_CUDA_IPC=1 (P2P/IPC); the perf tools put rank r on GPU r % count.
+# processes (P2P/IPC, the default); the perf tools put rank r on GPU r % count.
 ngpu=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
 if [ "${ngpu:-0}" -ge 2 ]; then
   nvidia-smi topo -m >>"$log" 2>&1
   check "CUDA, 2 GPUs: all_reduce_perf -g 2 (one process)" 60 \
     says p2p-g2 "via P2P/direct pointer" "$B/all_reduce_perf" -b 8 -e 64M -f 8 -n 5 -w 1 -g 2 -c 1
-  check "CUDA, 2 GPUs: 2 ranks as processes, OXCCL_CUDA_IPC=1" 60 \
-    says p2p-ipc "via P2P/IPC" env OXCCL_CUDA_IPC=1 bash -c \
+  check "CUDA, 2 GPUs: 2 ranks as processes (CUDA IPC)" 60 \
+    says p2p-ipc "via P2P/IPC" bash -c \
     "$(declare -f two_procs); two_procs same $B/all_reduce_perf -b 8 -e 64M -f 8 -n 5 -w 1 -g 1 -c 1"
 else
   say "(one GPU: the two-GPU checks are left out)"
@@ -465,18 +468,18 @@ if command -v nvidia-cuda-mps-control >/dev/null; then
   mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
   # (Bounded, and not through a pipe: the daemon may keep an inherited pipe open.)
   if timeout 10 nvidia-cuda-mps-control -d >>"$log" 2>&1; then
-    perf oxccl-2procs-mps "$OXLIB" two_procs same "$B/all_reduce_perf" -b 8 -e 64M -f 8 -n 10 -w 3 -g 1
-    # Connections in device memory opened by CUDA IPC (OXCCL_CUDA_IPC=1, off by default)
-    # against the pinned host memory above: without MPS both took the 4.5 ms time slice.
-    perf oxccl-2procs-mps-ipc "$OXLIB" env OXCCL_CUDA_IPC=1 bash -c \
+    # Pinned host memory (OXCCL_CUDA_IPC=0) against connections in device memory opened by
+    # CUDA IPC (the default since 12-06): without MPS both took the 4.5 ms time slice.
+    perf oxccl-2procs-mps "$OXLIB" env OXCCL_CUDA_IPC=0 bash -c \
       "$(declare -f two_procs); two_procs same $B/all_reduce_perf -b 8 -e 64M -f 8 -n 10 -w 3 -g 1"
+    perf oxccl-2procs-mps-ipc "$OXLIB" two_procs same "$B/all_reduce_perf" -b 8 -e 64M -f 8 -n 10 -w 3 -g 1
     python3 - "$OUT" <<'PY' 2>&1 | tee -a "$log"
 import sys
 out = sys.argv[1]
 sys.path.insert(0, out)
 from perfrows import rows
 host, ipc = rows("oxccl-2procs-mps"), rows("oxccl-2procs-mps-ipc")
-print("== 2 processes on the one GPU under MPS, all_reduce: pinned host memory (default) against CUDA IPC")
+print("== 2 processes on the one GPU under MPS, all_reduce: pinned host memory (OXCCL_CUDA_IPC=0) against CUDA IPC (default)")
 for b in sorted(set(host) | set(ipc)):
     h, i = host.get(b, (0, 0, 0)), ipc.get(b, (0, 0, 0))
     print(f"  {b:>10} B  host {h[0]:9.1f} us {h[2]:7.2f} GB/s   ipc {i[0]:9.1f} us {i[2]:7.2f} GB/s")

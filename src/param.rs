@@ -106,8 +106,8 @@ pub const PARAMS: &[Param] = &[
     },
     Param {
         name: "OXCCL_CUDA_IPC",
-        doc: "1: on the CUDA executor, connections between processes whose ranks share one GPU live in device memory, which the sending end opens by CUDA IPC (default 0, pinned host memory, until this is measured on a GPU)",
-        default: "0",
+        doc: "on the CUDA executor, connections between processes of one PID namespace whose ranks share one GPU, or sit on two GPUs that reach each other's memory, live in the receiving end's device memory, which the sending end opens by CUDA IPC (as NCCL's P2P/IPC); 0: in pinned host memory instead (as NCCL_P2P_DISABLE=1 does for every pair)",
+        default: "1",
     },
     Param {
         name: "OXCCL_CUDA_BLOCKS",
@@ -545,7 +545,8 @@ pub fn heartbeat() -> Option<Duration> {
     *T
 }
 
-/// Whether connections between processes on one GPU may live in device memory (`OXCCL_CUDA_IPC`).
+/// Whether connections between processes may live in device memory opened by CUDA IPC
+/// (`OXCCL_CUDA_IPC`, on unless 0).
 pub fn cuda_ipc() -> bool {
     static B: once_cell::sync::Lazy<bool> =
         once_cell::sync::Lazy::new(|| get_u64("OXCCL_CUDA_IPC") != 0);

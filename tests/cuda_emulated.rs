@@ -1033,7 +1033,8 @@ fn peer_devices(so: &Path) {
         };
         // (The rank processes inherit it.)
         std::env::set_var("OXCCL_SYSFS_ROOT", root);
-        let opened = run_processes(so, 2, true, 1, None, Some(how));
+        // (By default: OXCCL_CUDA_IPC unset.)
+        let opened = run_processes(so, 2, None, 1, None, Some(how));
         std::env::remove_var("OXCCL_SYSFS_ROOT");
         assert_eq!(
             opened > 0,
@@ -1252,12 +1253,13 @@ fn cuda_executor_on_emulated_kernels() {
     stall(&so);
     few_blocks(&so);
     peer_devices(&so);
+    // (ipc None: OXCCL_CUDA_IPC unset, the default, which is IPC.)
     for (n, ipc, hosts) in [
-        (2, false, 1),
-        (2, true, 1),
-        (3, true, 1),
-        (2, false, 2),
-        (4, true, 2),
+        (2, Some(false), 1),
+        (2, None, 1),
+        (3, Some(true), 1),
+        (2, Some(false), 2),
+        (4, None, 2),
     ] {
         processes(&so, n, ipc, hosts);
     }
@@ -1265,30 +1267,34 @@ fn cuda_executor_on_emulated_kernels() {
     // others say): in shared host memory, by CUDA IPC, and across two "hosts".
     std::env::set_var("OXCCL_CUDA_CHANNELS", "4");
     std::env::set_var("OXEMU_CHANNELS_OTHERS", "1");
-    for (n, ipc, hosts) in [(3, false, 1), (2, true, 1), (2, false, 2)] {
+    for (n, ipc, hosts) in [(3, Some(false), 1), (2, None, 1), (2, Some(false), 2)] {
         processes(&so, n, ipc, hosts);
     }
     std::env::remove_var("OXCCL_CUDA_CHANNELS");
     std::env::remove_var("OXEMU_CHANNELS_OTHERS");
     // A peer that dies, on this host and on another, during an eager launch or a graph's
     // replay, and in a PID namespace of its own on this host (told by its lock); one that
-    // never comes.
-    // (and one that did its part and left: no failure).
-    for (n, hosts, how) in [
-        (2, 1, "death"),
-        (2, 2, "death"),
-        (2, 1, "graph-death"),
-        (2, 2, "graph-death"),
-        (2, 1, "late"),
-        (2, 1, "finish"),
-        (2, 2, "finish"),
-        (3, 1, "graph-finish"),
-        (2, 1, "pidns-death"),
+    // never comes; one that did its part and left (no failure). On this host with the
+    // connections in device memory (CUDA IPC, the default) and in pinned host memory.
+    // Ranks in PID namespaces of their own, where CUDA's IPC handles do not open, stage in
+    // host memory (no handle opened) whatever OXCCL_CUDA_IPC says.
+    for (n, hosts, how, ipc) in [
+        (2, 1, "death", None),
+        (2, 1, "death", Some(false)),
+        (2, 2, "death", None),
+        (2, 1, "graph-death", None),
+        (2, 2, "graph-death", None),
+        (2, 1, "late", None),
+        (2, 1, "finish", Some(false)),
+        (2, 2, "finish", None),
+        (3, 1, "graph-finish", None),
+        (2, 1, "pidns-death", None),
+        (2, 1, "pidns", Some(true)),
     ] {
-        if how.starts_with("pidns-") && !can_unshare_pid() {
+        if how.starts_with("pidns") && !can_unshare_pid() {
             continue;
         }
-        run_processes(&so, n, false, hosts, Some(how), None);
+        run_processes(&so, n, ipc, hosts, Some(how), None);
     }
     let _ = std::fs::remove_file(&so);
     let _ = std::fs::remove_dir_all(&cache);

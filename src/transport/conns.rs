@@ -324,7 +324,7 @@ impl Conns {
             same_device: self.peers[self.rank].same_gpu(&self.peers[k.peer()]),
             peer_device,
             shared_blocks: !(k.is_sender && peer_device && !self.peer_atomics(k.peer())),
-            ipc: self.peers[self.rank].takes_ipc() && self.peers[k.peer()].takes_ipc(),
+            ipc: self.peers[self.rank].ipc_with(&self.peers[k.peer()]),
             peer_pid: self.peers[self.rank].pid_seen_by(&self.peers[k.peer()]),
             peer_host: self.peers[k.peer()].hostname.clone(),
         }

@@ -770,8 +770,8 @@ pub struct ConnSpec {
     /// connection's header): false for a sending end whose connection lives in a peer GPU's
     /// memory without native atomics to it (PCIe).
     pub shared_blocks: bool,
-    /// Both ends' processes take connections in device memory by CUDA IPC (`OXCCL_CUDA_IPC=1`
-    /// and not `NCCL_P2P_DISABLE=1` in each).
+    /// Both ends' processes take connections in device memory by CUDA IPC (`OXCCL_CUDA_IPC`
+    /// not 0 and not `NCCL_P2P_DISABLE=1` in each, one PID namespace: `PeerInfo::ipc_with`).
     pub ipc: bool,
     /// The process of the other end, as this process sees it (0: in another PID namespace).
     pub peer_pid: u32,
@@ -812,8 +812,8 @@ pub(crate) struct Named {
 
 /// Whether a connection between `spec`'s ranks lives in device memory: ranks on one GPU, on
 /// the CUDA executor, unless `NCCL_P2P_DISABLE=1` asks for host-staged memory; between
-/// processes (CUDA IPC) only where both took `OXCCL_CUDA_IPC=1` (`spec.ipc`), so that both
-/// ends decide alike; ranks on two peer-capable GPUs likewise, in the receiving end's memory
+/// processes (CUDA IPC) only where both take it (`OXCCL_CUDA_IPC` not 0) in one PID namespace
+/// (`spec.ipc`, `PeerInfo::ipc_with`), so that both ends decide alike; ranks on two peer-capable GPUs likewise, in the receiving end's memory
 /// (the sending end's kernels write to it, through peer access: in one process enabled
 /// between the two devices' contexts when the pair was decided, `gpu::memory::peer_access`;
 /// between processes by the IPC handle's opening).
@@ -923,8 +923,8 @@ impl Endpoint for Named {
                 s.open_device_memory(h, HDR_BYTES).map_err(|e| {
                     e.context(format!(
                         "rank {}: opening rank {}'s end of connection {} in device memory \
-                         (CUDA IPC; without OXCCL_CUDA_IPC=1, or with NCCL_P2P_DISABLE=1, in \
-                         either process the connection stages in host memory instead)",
+                         (CUDA IPC; with OXCCL_CUDA_IPC=0, or NCCL_P2P_DISABLE=1, in either \
+                         process the connection stages in pinned host memory instead)",
                         n.me, n.peer, n.name
                     ))
                 })?;

@@ -40,7 +40,7 @@ const MAX_REACHES: usize = 64;
 const FORMAT: &[u8; 4] = b"OXP\x02";
 
 /// The process takes connections in device memory by CUDA IPC (CUDA executor,
-/// `OXCCL_CUDA_IPC=1`, not `NCCL_P2P_DISABLE=1`).
+/// `OXCCL_CUDA_IPC` not 0, not `NCCL_P2P_DISABLE=1`).
 const FLAG_IPC: u32 = 1;
 /// The process left the slot size to oxccl (`OXCCL_CHUNK_BYTES` unset): see `comm_slot_bytes`.
 const FLAG_DEFAULT_SLOTS: u32 = 2;
@@ -230,8 +230,15 @@ impl PeerInfo {
     }
 
     /// Whether this rank's process takes connections in device memory by CUDA IPC.
-    pub fn takes_ipc(&self) -> bool {
+    fn takes_ipc(&self) -> bool {
         self.flags & FLAG_IPC != 0
+    }
+
+    /// Whether connections between this rank's process and `other`'s may live in device memory
+    /// opened by CUDA IPC: both take it, and both are in one PID namespace (CUDA's IPC handles
+    /// do not open across PID namespaces, containers that do not share one).
+    pub fn ipc_with(&self, other: &PeerInfo) -> bool {
+        self.takes_ipc() && other.takes_ipc() && self.pidns == other.pidns
     }
 
     /// Whether this rank's GPU and `other`'s (another, of this host) reach each other's
@@ -329,6 +336,21 @@ mod tests {
         let e = PeerInfo::from_bytes(&p.to_bytes()[4..]).unwrap_err();
         assert!(e.msg.contains("another version of oxccl"), "{}", e.msg);
         assert!(PeerInfo::from_bytes(&[0u8; 3]).is_err());
+    }
+
+    /// CUDA IPC between two processes only where both take it and share a PID namespace
+    /// (CUDA's handles do not open across them), whichever end asks.
+    #[test]
+    fn ipc_needs_both_ends_and_one_pid_namespace() {
+        let mut a = PeerInfo::mine(0);
+        a.flags = FLAG_IPC;
+        let mut b = a.clone();
+        assert!(a.ipc_with(&b) && b.ipc_with(&a));
+        b.pidns ^= 1;
+        assert!(!a.ipc_with(&b) && !b.ipc_with(&a));
+        b.pidns = a.pidns;
+        b.flags = 0;
+        assert!(!a.ipc_with(&b) && !b.ipc_with(&a));
     }
 
     /// Across hosts a communicator takes larger slots, unless its rank 0 chose the size; one

@@ -261,23 +261,24 @@ pub fn shm_names() -> BTreeSet<String> {
         .unwrap_or_default()
 }
 
-/// n ranks in processes of their own on the one device: connections in shared host memory
-/// (pinned, mapped into the device), or with `ipc` (`OXCCL_CUDA_IPC=1`) in device memory, which
-/// the sending end opens by the receiving end's IPC handle. With `hosts` > 1 the ranks are
-/// spread over that many "hosts" of this machine (`OXCCL_HOSTID`, consecutive ranks on one):
-/// between hosts the network transport's proxy threads move the kernels' FIFO slots over
-/// loopback sockets.
-pub fn processes(so: &Path, n: usize, ipc: bool, hosts: usize) {
+/// n ranks in processes of their own on the one device: connections in device memory, which
+/// the sending end opens by the receiving end's IPC handle (`ipc`: `OXCCL_CUDA_IPC=1`, or None,
+/// the variable unset: the default), or with `Some(false)` (`OXCCL_CUDA_IPC=0`) in shared host
+/// memory (pinned, mapped into the device). With `hosts` > 1 the ranks are spread over that many
+/// "hosts" of this machine (`OXCCL_HOSTID`, consecutive ranks on one): between hosts the network
+/// transport's proxy threads move the kernels' FIFO slots over loopback sockets.
+pub fn processes(so: &Path, n: usize, ipc: Option<bool>, hosts: usize) {
     run_processes(so, n, ipc, hosts, None, None);
 }
 
-/// `processes`, or with `trouble` ("death", "late") the last rank fails the others (`trouble`).
-/// The IPC handles the ranks opened (0 with `trouble`). `peers`: the ranks' driver has two
-/// devices (`OXEMU_PEERS`), rank r on device r % 2.
+/// `processes`, or with `trouble` ("death", "late") the last rank fails the others (`trouble`);
+/// "pidns-" before it, or `trouble` "pidns" alone (nothing fails), puts each rank in a PID
+/// namespace of its own. The IPC handles the ranks opened (0 with `trouble` other than "pidns").
+/// `peers`: the ranks' driver has two devices (`OXEMU_PEERS`), rank r on device r % 2.
 pub fn run_processes(
     so: &Path,
     n: usize,
-    ipc: bool,
+    ipc: Option<bool>,
     hosts: usize,
     trouble: Option<&str>,
     peers: Option<&str>,
@@ -290,7 +291,8 @@ pub fn run_processes(
     let hex: String = id.iter().map(|b| format!("{b:02x}")).collect();
     // "pidns-...": each rank in a PID namespace of its own, under a shell that is its PID 1
     // (containers sharing this host's /dev/shm; both ranks have the same pid).
-    let pidns = trouble.is_some_and(|t| t.starts_with("pidns-"));
+    let pidns = trouble.is_some_and(|t| t.starts_with("pidns"));
+    let trouble = trouble.filter(|&t| t != "pidns");
     let kids: Vec<_> = (0..n)
         .map(|r| {
             let exe = std::env::current_exe().unwrap();
@@ -307,6 +309,10 @@ pub fn run_processes(
                 ])
                 .arg(&exe);
             }
+            match ipc {
+                Some(i) => cmd.env("OXCCL_CUDA_IPC", if i { "1" } else { "0" }),
+                None => cmd.env_remove("OXCCL_CUDA_IPC"),
+            };
             cmd.args([
                 "--exact",
                 "cuda_executor_on_emulated_kernels",
@@ -316,7 +322,6 @@ pub fn run_processes(
             .env("OXEMU_NRANKS", n.to_string())
             .env("OXEMU_ID", &hex)
             .env("OXEMU_LIB", so)
-            .env("OXCCL_CUDA_IPC", if ipc { "1" } else { "0" })
             .envs(trouble.map(|t| ("OXEMU_TROUBLE", t)))
             .envs(peers.map(|p| ("OXEMU_PEERS", p)))
             // A short timeout for the late peer (also the bootstrap's).
@@ -425,11 +430,12 @@ pub fn run_processes(
             .and_then(|v| v.parse::<u64>().ok())
             .unwrap_or(0);
     }
-    // (IPC serves ranks of one host, of one GPU unless they are on two: `peer_devices`.)
+    // (IPC serves ranks of one host and one PID namespace, of one GPU unless they are on two:
+    // `peer_devices`.)
     if peers.is_none() {
         assert_eq!(
             opened > 0,
-            ipc && n > hosts,
+            ipc.unwrap_or(true) && n > hosts && !pidns,
             "{n} processes: IPC handles opened: {opened}"
         );
     }
