@@ -7,8 +7,8 @@
 //! kernels; graphs captured and replayed between eager launches (and a group on two streams
 //! of one graph), and after their communicators are destroyed (`cuda_emu/graphs.rs`); a
 //! thread per rank; and a process per rank (2 and 3, `cuda_emu/processes.rs`), with
-//! connections in shared host memory and, with `OXCCL_CUDA_IPC=1`, in device memory opened by
-//! IPC handles; ranks on 2 "hosts" over the network transport; ranks on two devices
+//! connections in device memory opened by IPC handles (the default) and, with
+//! `OXCCL_CUDA_IPC=0`, in shared host memory; ranks on 2 "hosts" over the network transport; ranks on two devices
 //! (`cuda_emu/peers.rs`), with and without native peer atomics. And failures: a call mismatch, an abort, a refused launch or allocation,
 //! a peer process that dies during an eager launch or a graph's replay (on this host, on
 //! another, and in another PID namespace of this host), one that never comes, and one that did
@@ -353,6 +353,32 @@ fn behind_gates(
 /// Runs `c` on `comms` (rank r on `streams[r]`, one group) and checks every rank's output.
 fn check(comms: &[Arc<nccl::comm::Comm>], streams: &[usize], c: &Case) {
     check_in(comms, streams, c, &buffers(c, comms.len()));
+}
+
+/// The cases `cs` in one group (one launch per stage where the ranks share a stream), each
+/// checked.
+fn check_together(comms: &[Arc<nccl::comm::Comm>], streams: &[usize], cs: &[Case]) {
+    let n = comms.len();
+    let bufs: Vec<_> = cs.iter().map(|c| buffers(c, n)).collect();
+    for (c, b) in cs.iter().zip(&bufs) {
+        for (r, rb) in b.iter().enumerate() {
+            fill(c, n, r, *rb, 0);
+        }
+    }
+    nccl::api::group_start().unwrap();
+    for (c, b) in cs.iter().zip(&bufs) {
+        for (r, comm) in comms.iter().enumerate() {
+            enqueue(comm, c, n, b[r], streams[r]);
+        }
+    }
+    nccl::api::group_end().unwrap();
+    let what: Vec<String> = cs.iter().map(|c| describe(c, n, 1)).collect();
+    let what = format!("in one group: {}", what.join("; "));
+    sync_all(streams, &what);
+    no_async_error(comms, &what);
+    for (c, b) in cs.iter().zip(&bufs) {
+        verify(c, b, 0, &what);
+    }
 }
 
 /// `check` in the buffers `bufs`.
@@ -869,20 +895,23 @@ fn start(so: &Path) -> PathBuf {
     cache
 }
 
-/// A device that runs only 4 blocks at once (`OXEMU_RESIDENT`, in a process of its own so that
-/// its kernels are loaded for it): launches of 4 ranks with more lanes than that still end.
+/// A device that runs only as many blocks at once as the ranks on it (`OXEMU_RESIDENT`, in a
+/// process of its own so that its kernels are loaded for it): 4, then 2; launches with more
+/// lanes than that still end.
 fn few_blocks(so: &Path) {
-    // Killed at the deadline: a launch whose first blocks wait for ones that never start.
-    // (16 KiB slots: a FIFO of 128 KiB, below every lane's bytes.)
-    let (ok, report) = child(
-        so,
-        &[("OXEMU_RESIDENT", "4"), ("OXCCL_CHUNK_BYTES", "16384")],
-        Duration::from_secs(240),
-    );
-    assert!(
-        ok && report.contains("few blocks: 6 cases"),
-        "a device running 4 blocks at once:\n{report}"
-    );
+    for (ranks, cases) in [("4", 6), ("2", 2)] {
+        // Killed at the deadline: a launch whose first blocks wait for ones that never start.
+        // (16 KiB slots: a FIFO of 128 KiB, below every lane's bytes.)
+        let (ok, report) = child(
+            so,
+            &[("OXEMU_RESIDENT", ranks), ("OXCCL_CHUNK_BYTES", "16384")],
+            Duration::from_secs(240),
+        );
+        assert!(
+            ok && report.contains(&format!("few blocks: {cases} cases")),
+            "{ranks} ranks on a device running {ranks} blocks at once:\n{report}"
+        );
+    }
 }
 
 /// `OXCCL_TIMEOUT_S` on connections in device memory (in a process of its own, whose
@@ -1087,13 +1116,38 @@ fn peer_devices_process(how: &str) {
     println!("peer devices ({how}): checked {} cases", cases.len());
 }
 
-/// `few_blocks`' process: 4 ranks on the one device, one stream, so each collective is one
-/// launch of all their lanes, each lane past a FIFO's depth: an all-to-all (4 x 7 lanes), a
-/// ring shift (4 x 2) and an all-reduce; then, on the ring split across 4 channels (16 lanes),
-/// an all-reduce, a broadcast and a reduce, whose end ranks have lanes on one connection and
-/// the middle ones on two (each channel's lanes must come together). Each checked.
+/// `few_blocks`' process: as many ranks on the one device as it runs blocks at once, one
+/// stream, so each group is one launch of all their lanes, each lane past a FIFO's depth. On 4
+/// ranks: an all-to-all (4 x 7 lanes), a ring shift (4 x 2) and an all-reduce; then, on the
+/// ring split across 4 channels (16 lanes), an all-reduce, a broadcast and a reduce, whose end
+/// ranks have lanes on one connection and the middle ones on two (each channel's lanes must
+/// come together). On 2 ranks, groups whose ranks have lanes of two classes to one peer: an
+/// all-to-all with a ring shift, a broadcast (a chain) with a ring shift (the two ends of each
+/// connection must come together). Each checked.
 fn few_blocks_process() {
     let cache = start(Path::new(&std::env::var("OXEMU_LIB").unwrap()));
+    if std::env::var("OXEMU_RESIDENT").as_deref() == Ok("2") {
+        let comms = nccl::api::comm_init_all(&[0; 2]).expect("ranks on one device");
+        let one = vec![new_stream(); 2];
+        let case = |kind| Case {
+            kind,
+            ..f32_sum(300_001)
+        };
+        let groups = [
+            [case(CollKind::AlltoAll), case(CollKind::Send)],
+            [case(CollKind::Broadcast), case(CollKind::Send)],
+        ];
+        for g in &groups {
+            check_together(&comms, &one, g);
+            release_buffers();
+        }
+        for c in &comms {
+            nccl::api::comm_destroy(nccl::api::comm_handle(c)).unwrap();
+        }
+        let _ = std::fs::remove_dir_all(&cache);
+        println!("few blocks: {} cases", groups.len());
+        return;
+    }
     let one = vec![new_stream(); 4];
     let mut checked = 0;
     for (channels, kinds) in [

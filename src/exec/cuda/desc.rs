@@ -9,7 +9,7 @@
 use crate::error::{Error, Result};
 use crate::plan::encode::{encode_program, FlatProgram, FlatStep, NONE};
 use crate::plan::{Prim, Program, Step};
-use crate::transport::Conn;
+use crate::transport::{Class, Conn};
 use smallvec::SmallVec;
 use std::sync::Arc;
 
@@ -345,19 +345,23 @@ impl Desc {
 /// lanes that wait on nobody (local copies); then the two ends of each connection next to each
 /// other, connections by their distance `d` on the ring of ranks (receiver minus sender, mod
 /// n: every rank sends `d` ranks on while it receives from `d` back, as NCCL's point-to-point
-/// schedule pairs them); then lanes on several connections (rings, trees), the same lane of
-/// every rank together. The lanes first in line can then always end, whether their other ends
-/// are in this launch or in the same launch of another rank, as long as the device holds a
-/// ring's lanes at once (one per rank).
+/// schedule pairs them), and by class where a rank has lanes of two classes to one peer; then
+/// lanes on several connections, and every lane on ring connections (a ring, or a chain, whose
+/// end ranks have one connection each): the same lane of every rank together. The lanes first
+/// in line can then always end, whether their other ends are in this launch or in the same
+/// launch of another rank, as long as the device holds a ring's lanes at once (one per rank).
+/// (A chain of the direct class, the hierarchical algorithms' inside a host, sorts its ends
+/// with the pairs, before its middle: on a device that holds fewer lanes than its ranks and the
+/// pairs beside it, the ends could wait there for middles that have no room.)
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
-pub struct LaneKey(usize, usize, u8, usize, usize, u8);
+pub struct LaneKey(usize, usize, u8, usize, usize, u8, u8);
 
 /// The key of a lane of rank `rank` of an `nranks`-rank communicator (`comm`: a number the
 /// same on all its ranks, its hash), lane `index` of that rank's in the launch, whose programs
 /// use connections with the ends `ends` (this end's rank, the other's, whether this end sends,
-/// the connection's ring channel).
+/// the connection's class).
 pub fn lane_key(
-    ends: impl IntoIterator<Item = (usize, usize, bool, usize)>,
+    ends: impl IntoIterator<Item = (usize, usize, bool, Class)>,
     nranks: usize,
     comm: usize,
     index: usize,
@@ -365,17 +369,23 @@ pub fn lane_key(
 ) -> LaneKey {
     let mut ends = ends.into_iter();
     let Some(first) = ends.next() else {
-        return LaneKey(comm, 0, 0, 0, 0, 0);
+        return LaneKey(comm, 0, 0, 0, 0, 0, 0);
     };
-    let (me, peer, sends, channel) = first;
-    if ends.any(|e| e != first) {
-        return LaneKey(comm, channel, 2, index, rank, 0);
+    let (me, peer, sends, class) = first;
+    let channel = class.channel();
+    let (mut single, mut ring) = (true, class.kind() == 0);
+    for e in ends {
+        single &= e == first;
+        ring &= e.3.kind() == 0;
+    }
+    if ring || !single {
+        return LaneKey(comm, channel, 2, index, rank, 0, 0);
     }
     let n = nranks.max(1);
     if sends {
-        LaneKey(comm, channel, 1, (peer + n - me) % n, me, 0)
+        LaneKey(comm, channel, 1, (peer + n - me) % n, me, class as u8, 0)
     } else {
-        LaneKey(comm, channel, 1, (me + n - peer) % n, peer, 1)
+        LaneKey(comm, channel, 1, (me + n - peer) % n, peer, class as u8, 1)
     }
 }
 
@@ -385,6 +395,8 @@ mod tests {
     use crate::plan::{Addr, RedSpec, Step};
     use crate::transport::{inproc, Region};
     use crate::types::{DataType, ReduceKind, Reduction};
+    const P2P: Class = Class::P2p;
+    const RING: Class = Class::Ring;
 
     fn rd64(b: &[u64], byte: usize) -> u64 {
         assert_eq!(byte % 8, 0);
@@ -584,14 +596,20 @@ mod tests {
             lanes.push((lane_key([], n, 0, 0, r), format!("copy {r}")));
             for p in (0..n).filter(|&p| p != r) {
                 let i = lanes.len();
-                lanes.push((lane_key([(r, p, true, 0)], n, 0, i, r), format!("{r}>{p}")));
                 lanes.push((
-                    lane_key([(r, p, false, 0)], n, 0, i + 1, r),
+                    lane_key([(r, p, true, P2P)], n, 0, i, r),
+                    format!("{r}>{p}"),
+                ));
+                lanes.push((
+                    lane_key([(r, p, false, P2P)], n, 0, i + 1, r),
                     format!("{p}>{r}"),
                 ));
             }
             for c in 0..2 {
-                let ring = [(r, (r + 1) % n, true, 0), (r, (r + n - 1) % n, false, 0)];
+                let ring = [
+                    (r, (r + 1) % n, true, RING),
+                    (r, (r + n - 1) % n, false, RING),
+                ];
                 lanes.push((lane_key(ring, n, 0, c, r), format!("ring {c} {r}")));
             }
         }
@@ -657,10 +675,10 @@ mod tests {
     }
 
     /// Broadcasts split across 3 channels, on 2 and on 4 ranks, in one launch: the root's
-    /// lanes each send on one connection, the last rank's each receive on one, the middle
-    /// ranks' use two. Each channel's lanes come together, channel by channel, so a device
-    /// that holds one ring's lanes at once ends the launch; on 2 ranks each channel's two ends
-    /// go together.
+    /// lanes each send on one ring connection, the last rank's each receive on one, the middle
+    /// ranks' use two. Each channel's lanes come together, channel by channel, rank by rank
+    /// (a chain's ends with its middle), so a device that holds one ring's lanes at once ends
+    /// the launch.
     #[test]
     fn a_split_chain_keeps_each_channel_together() {
         for n in [2usize, 4] {
@@ -669,29 +687,54 @@ mod tests {
                 for c in 0..3 {
                     let mut ends = Vec::new();
                     if r > 0 {
-                        ends.push((r, r - 1, false, c));
+                        ends.push((r, r - 1, false, Class::ring(c)));
                     }
                     if r + 1 < n {
-                        ends.push((r, r + 1, true, c));
+                        ends.push((r, r + 1, true, Class::ring(c)));
                     }
                     lanes.push((lane_key(ends, n, 7, c, r), (c, r)));
                 }
             }
             lanes.sort_by_key(|l| l.0);
             let order: Vec<(usize, usize)> = lanes.iter().map(|l| l.1).collect();
-            for (c, group) in order.chunks(n).enumerate() {
-                assert!(group.iter().all(|l| l.0 == c), "{n} ranks: {order:?}");
-                // The ends first (one connection each), then the middle ranks.
-                let firsts: Vec<usize> = group.iter().map(|l| l.1).collect();
-                let mut want = vec![0, n - 1];
-                want.extend(1..n - 1);
-                assert_eq!(firsts, want, "{n} ranks: {order:?}");
-            }
+            let want: Vec<(usize, usize)> =
+                (0..3).flat_map(|c| (0..n).map(move |r| (c, r))).collect();
+            assert_eq!(order, want, "{n} ranks");
         }
         // Another communicator's lanes never come between one communicator's.
-        let a = lane_key([(0, 1, true, 3)], 2, 1, 0, 0);
+        let a = lane_key([(0, 1, true, Class::Ring3)], 2, 1, 0, 0);
         let b = lane_key([], 2, 2, 0, 0);
         assert!(a < b);
+    }
+
+    /// A rank with lanes of two classes to one peer in one launch (an all-to-all's and a
+    /// send's, both ends on this device): each connection's two ends still go together, so a
+    /// device that holds two lanes ends it. A chain's end lanes (one ring connection each) come
+    /// after the pairs, with the chain's middle.
+    #[test]
+    fn lanes_of_two_classes_to_one_peer_pair_up() {
+        let mut lanes = Vec::new();
+        for (class, what) in [(Class::Direct, "a2a"), (P2P, "send")] {
+            lanes.push((
+                lane_key([(0, 1, true, class)], 2, 0, 0, 0),
+                format!("{what} 0"),
+            ));
+            lanes.push((
+                lane_key([(1, 0, false, class)], 2, 0, 0, 1),
+                format!("{what} 1"),
+            ));
+        }
+        lanes.push((lane_key([(0, 1, true, RING)], 2, 0, 0, 0), "chain 0".into()));
+        lanes.push((
+            lane_key([(1, 0, false, RING)], 2, 0, 0, 1),
+            "chain 1".into(),
+        ));
+        lanes.sort_by_key(|l| l.0);
+        let names: Vec<&str> = lanes.iter().map(|l| l.1.as_str()).collect();
+        assert_eq!(
+            names,
+            ["send 0", "send 1", "a2a 0", "a2a 1", "chain 0", "chain 1"]
+        );
     }
 
     /// One rank's split all-reduce fits the ordinary parameter on 2 ranks with 4 channels,

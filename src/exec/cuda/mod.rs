@@ -562,7 +562,7 @@ fn ordered_lanes<'j>(
                 .iter()
                 .flat_map(|p| &p.steps)
                 .flat_map(|s| s.conns())
-                .map(|c| (c.me, c.peer, c.is_sender, c.class.channel()));
+                .map(|c| (c.me, c.peer, c.is_sender, c.class));
             let key = desc::lane_key(ends, j.comm.nranks, ci, index, j.comm.rank);
             v.push((key, lane.as_slice(), j.comm.ctl.addr()));
         }
