@@ -22,9 +22,9 @@
 #  4. the host executor there (OXCCL_DEVICE=host): the C programs, perf tools and the TP/PP
 #     example with the machine's many cores;
 #  5. connections between processes by CUDA IPC (the default since 12-06; it passed here on
-#     12-06 behind OXCCL_CUDA_IPC=1): the connection lines of cuda_ranks with 2, 3 and 4
-#     processes, the TP/PP example and two processes' all_reduce_perf must say P2P/IPC, and
-#     the same in pinned host memory (OXCCL_CUDA_IPC=0) must say SHM; and beside it the direct
+#     12-06 behind OXCCL_CUDA_IPC=1): the connection lines of cuda_ranks with 3 processes, the
+#     TP/PP example and two processes' all_reduce_perf must say P2P/IPC, and cuda_ranks with 2
+#     and 4 processes in pinned host memory (OXCCL_CUDA_IPC=0) must say SHM; and the direct
 #     all-reduce of ranks on one GPU (on by default since 12-06): coll_matrix on
 #     2, 3, 4 and 8 ranks saying it ran, the ring's (OXCCL_CUDA_DIRECT=0) all-reduce matrix
 #     on 2 ranks and its all_reduce_perf -g 2 and -g 4 beside the default's rows; nranks=1
@@ -346,9 +346,10 @@ check "host: C, one process, InitAll + group" 60 "$B/ex_single_process"
 check "host: collective matrix, 8 ranks" 120 "$B/coll_matrix" 8 big=none
 check "host: all_reduce_perf -g 8" 60 "$B/all_reduce_perf" -b 8 -e 64M -f 8 -g 8 -n 5 -w 1
 check "host: tp_pp_mlp --tp 4 --pp 2 --exact" 60 tppp --tp 4 --pp 2 --exact
-# 5. What is off by default until this check has passed, the direct all-reduce (on by default)
-#    and the ring beside it, and measurements for the next defaults (last: a run cut short by
-#    its limit, or a hang, keeps everything above).
+# 5. CUDA IPC between processes and the direct all-reduce (both on by default since 12-06)
+#    with what they replaced beside them (pinned host memory, the ring), what is off by default
+#    until this check has passed, and measurements for the next defaults (last: a run cut
+#    short by its limit, or a hang, keeps everything above).
 unset OXCCL_DEVICE
 # Processes by default take CUDA IPC (connections in the receiving end's device memory): the
 # connection lines must say P2P/IPC (`says`); with OXCCL_CUDA_IPC=0, pinned host memory (SHM).

@@ -222,8 +222,12 @@ impl PeerInfo {
     }
 
     /// The rings a communicator's large ring collectives are split across: rank 0's choice,
-    /// so that every rank plans alike whatever its own environment says.
+    /// so that every rank plans alike whatever its own environment says; 1 where a rank runs
+    /// the host executor (no GPU: `gpu` zeros), which splits nothing.
     pub fn comm_channels(peers: &[PeerInfo]) -> usize {
+        if peers.iter().any(|p| p.gpu == [0; 16]) {
+            return 1;
+        }
         peers.first().map_or(1, |p| {
             ((p.flags >> CHANNELS_SHIFT) & 7).clamp(1, super::Class::RINGS as u32) as usize
         })
@@ -395,6 +399,7 @@ mod tests {
     #[test]
     fn rank_0_chooses_the_channels() {
         let mut a = PeerInfo::mine(0);
+        a.gpu = *b"0123456789abcdef";
         let mut b = a.clone();
         a.flags = FLAG_DEFAULT_SLOTS | 3 << CHANNELS_SHIFT;
         b.flags = 1 << CHANNELS_SHIFT;
@@ -404,8 +409,15 @@ mod tests {
         b.flags = 0;
         assert_eq!(PeerInfo::comm_channels(&[b.clone(), a.clone()]), 1);
         b.flags = 7 << CHANNELS_SHIFT;
-        assert_eq!(PeerInfo::comm_channels(&[b, a]), super::super::Class::RINGS);
+        assert_eq!(
+            PeerInfo::comm_channels(&[b.clone(), a.clone()]),
+            super::super::Class::RINGS
+        );
         assert_eq!(PeerInfo::comm_channels(&[]), 1);
+        // A rank on the host executor (no GPU) among them: nobody splits.
+        let mut host = a.clone();
+        host.gpu = [0; 16];
+        assert_eq!(PeerInfo::comm_channels(&[b, a, host]), 1);
     }
 
     #[test]

@@ -27,7 +27,8 @@ pub fn rank_process(r: usize) {
     println!("comm hash {:016x}", comm.comm_hash().unwrap());
     // The hosts the communicator sees (ranks on different ones talk only over the network).
     println!("hosts {}", nccl::api::comm_lsa(&comm).unwrap().4);
-    // The rings a large ring collective is split across (rank 0's OXCCL_CUDA_CHANNELS).
+    // The rings a large ring collective is split across (rank 0's OXCCL_CUDA_CHANNELS, fewer
+    // from 8 ranks).
     println!("channels {}", comm.core().unwrap().exec.channels());
     let stream = new_stream();
     if let Ok(how) = std::env::var("OXEMU_TROUBLE") {
