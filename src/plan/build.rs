@@ -204,7 +204,10 @@ pub fn build_task<T>(
                                     l, a.send, a.recv, a.count, a.dtype, red,
                                 )?;
                                 let mut stages = hier::stages(programs);
-                                if let Some(last) = stages.last_mut() {
+                                // (The last this rank runs: a host of one rank has no third.)
+                                if let Some(last) =
+                                    stages.iter_mut().rev().find(|s| !s.lanes.is_empty())
+                                {
                                     last.fault = fault;
                                 }
                                 for s in stages {

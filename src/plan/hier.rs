@@ -293,8 +293,12 @@ pub fn all_reduce_exchange(
     exchange(l, peer, (send, recv), count, dtype, red, true)
 }
 
-/// The hierarchical all-reduce: this rank's stages (2 or 3: the leaders' stage only on
-/// leaders), each holding the programs that run at once (two for the double tree, else one).
+/// The hierarchical all-reduce: this rank's three stages, each holding the programs that run at
+/// once (two for the double tree, else one): to the host's leader, among the leaders (empty on
+/// other ranks), back from the leader (empty on a host of one rank). Every rank has all three,
+/// so that stage k is the same step everywhere: the CUDA executor launches stage k of the
+/// ranks that share a stream together, and a rank's stage that waited for another rank's later
+/// one would stop that launch.
 pub fn all_reduce_hierarchical(
     l: &dyn Links,
     send: usize,
@@ -358,10 +362,14 @@ pub fn all_reduce_hierarchical(
             }
             Leaders::Ring => vec![ring::all_reduce(&a, recv, recv, count, dtype, red)?],
         });
+    } else {
+        out.push(Vec::new());
     }
-    if mine.len() > 1 {
-        out.push(vec![ring::broadcast(&inside, recv, recv, count, dtype, 0)?]);
-    }
+    out.push(if mine.len() > 1 {
+        vec![ring::broadcast(&inside, recv, recv, count, dtype, 0)?]
+    } else {
+        Vec::new()
+    });
     Ok(out)
 }
 
@@ -463,5 +471,46 @@ mod tests {
         }
         assert_eq!(Leaders::choose(&sum, 16 << 20, 1024), DoubleTree);
         assert_eq!(Leaders::choose(&sum, (16 << 20) + 4, 1024), Ring);
+    }
+
+    /// Hosts of 2 ranks and of 1 (ranks 0-1, 2-3, 4): every rank's hierarchical all-reduce has
+    /// the same three stages, step by step: its programs in the leaders' stage on leaders only,
+    /// in the last stage on hosts of several ranks only.
+    #[test]
+    fn every_rank_has_the_same_stages() {
+        struct L(usize);
+        impl super::super::ring::Links for L {
+            fn rank(&self) -> usize {
+                self.0
+            }
+            fn nranks(&self) -> usize {
+                5
+            }
+            fn slot_bytes(&self) -> usize {
+                4096
+            }
+            fn host(&self, r: usize) -> u64 {
+                (r / 2) as u64
+            }
+        }
+        let sum = red(DataType::Float32, ReduceKind::Sum, false);
+        for count in [256, 1 << 22] {
+            for r in 0..5 {
+                let st = all_reduce_hierarchical(
+                    &L(r),
+                    0x1000,
+                    0x10_0000,
+                    count,
+                    DataType::Float32,
+                    sum,
+                )
+                .unwrap();
+                let leader = r % 2 == 0;
+                assert_eq!(st.len(), 3, "rank {r}");
+                assert!(!st[0].is_empty(), "rank {r}");
+                assert_eq!(!st[1].is_empty(), leader, "rank {r}");
+                assert_eq!(!st[2].is_empty(), r < 4, "rank {r}");
+            }
+        }
     }
 }
