@@ -125,8 +125,9 @@ impl CommExec {
 
     /// The rings a large ring collective of the communicator is split across: 1 on the host
     /// executor (one thread runs a task's lanes); on the CUDA executor rank 0's
-    /// `OXCCL_CUDA_CHANNELS`, or fewer where a rank's launch would not fit the ordinary kernel
-    /// parameter. The transport connects that many rings at init.
+    /// `OXCCL_CUDA_CHANNELS` (1 where a rank of the communicator runs the host executor:
+    /// `PeerInfo::comm_channels`), or fewer where a rank's launch would not fit the ordinary
+    /// kernel parameter. The transport connects that many rings at init.
     pub fn channels(&self) -> usize {
         match self {
             CommExec::Host(_) => 1,

@@ -103,8 +103,8 @@ impl Class {
 
     /// The kind of traffic, whatever the channel (NCCL_DEBUG's `Channel CC/K` prints it as
     /// K): 0 rings and chains, 1 point to point, 2 direct algorithms (also the hierarchical
-    /// ones' rings and chains inside and between hosts, and the first of two trees), 3 the
-    /// second tree.
+    /// ones' rings and chains inside and between hosts, and their trees but the second of
+    /// two), 3 the second of two trees.
     pub fn kind(self) -> usize {
         match self {
             Class::Ring | Class::Ring1 | Class::Ring2 | Class::Ring3 => 0,
