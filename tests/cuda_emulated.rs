@@ -37,7 +37,7 @@ use device::{begin_capture, end_capture, replay, sync, IPC_OPENED, LAUNCHED, NEX
 use graphs::{forked_calls, graphs, mixed_replays, replay_after_destroy, two_stream_graphs};
 use nccl::gpu::driver;
 use nccl::types::{CollArgs, CollKind, DataType};
-use processes::{processes, rank_process, run_processes};
+use processes::{processes, rank_process, ranks_process, run_processes};
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -1200,6 +1200,10 @@ fn can_unshare_pid() -> bool {
 
 #[test]
 fn cuda_executor_on_emulated_kernels() {
+    if let Some(rs) = std::env::var("OXEMU_RANK").ok().filter(|r| r.contains(',')) {
+        let ranks: Vec<usize> = rs.split(',').map(|r| r.parse().unwrap()).collect();
+        return ranks_process(&ranks);
+    }
     if let Ok(r) = std::env::var("OXEMU_RANK") {
         return rank_process(r.parse().unwrap());
     }
@@ -1326,6 +1330,14 @@ fn cuda_executor_on_emulated_kernels() {
     }
     std::env::remove_var("OXCCL_CUDA_CHANNELS");
     std::env::remove_var("OXEMU_CHANNELS_OTHERS");
+    // Ranks 0 and 1 in one process, on one stream, and rank 2 on another "host": the
+    // hierarchical all-reduce, whose stages every rank has alike (each stage of ranks 0 and 1
+    // is one launch); by CUDA IPC (2 of 4 ranks' processes on one host) too.
+    std::env::set_var("OXEMU_TOGETHER", "2");
+    for (n, hosts) in [(3, 2), (4, 2)] {
+        processes(&so, n, None, hosts);
+    }
+    std::env::remove_var("OXEMU_TOGETHER");
     // A peer that dies, on this host and on another, during an eager launch or a graph's
     // replay, and in a PID namespace of its own on this host (told by its lock); one that
     // never comes; one that did its part and left (no failure). On this host with the

@@ -5,16 +5,96 @@
 
 use super::*;
 
-/// A rank in a process of its own (`OXEMU_RANK`; the parent's `processes` starts it): every
-/// case on its own stream, its own output checked.
-pub fn rank_process(r: usize) {
-    let var = |k: &str| std::env::var(k).unwrap_or_else(|_| panic!("{k} unset"));
-    let n: usize = var("OXEMU_NRANKS").parse().unwrap();
+fn var(k: &str) -> String {
+    std::env::var(k).unwrap_or_else(|_| panic!("{k} unset"))
+}
+
+/// The communicator's id the parent gave (`OXEMU_ID`, in hex).
+fn unique_id() -> [u8; nccl::api::UNIQUE_ID_BYTES] {
     let hex = var("OXEMU_ID");
     let mut id = [0u8; nccl::api::UNIQUE_ID_BYTES];
     for (k, b) in id.iter_mut().enumerate() {
         *b = u8::from_str_radix(&hex[2 * k..2 * k + 2], 16).unwrap();
     }
+    id
+}
+
+/// Several ranks in one process (`OXEMU_RANK` "0,1"), on the one device: made in one group,
+/// and each case's calls of all of them in one group on one stream, so that each stage of
+/// theirs is one launch; every output checked.
+pub fn ranks_process(ranks: &[usize]) {
+    let n: usize = var("OXEMU_NRANKS").parse().unwrap();
+    let id = unique_id();
+    let cache = start(Path::new(&var("OXEMU_LIB")));
+    nccl::api::group_start().unwrap();
+    let comms: Vec<_> = ranks
+        .iter()
+        .map(|&r| nccl::api::comm_init_rank(n as i32, &id, r as i32, Default::default()).unwrap())
+        .collect();
+    nccl::api::group_end().expect("ranks of one process made in one group");
+    let comm = &comms[0];
+    println!("comm hash {:016x}", comm.comm_hash().unwrap());
+    println!("hosts {}", nccl::api::comm_lsa(comm).unwrap().4);
+    println!("channels {}", comm.core().unwrap().exec.channels());
+    run_cases(&comms, ranks, n, &format!("ranks {ranks:?} in one process"));
+    for comm in &comms {
+        nccl::api::comm_destroy(nccl::api::comm_handle(comm)).unwrap();
+    }
+    println!(
+        "ranks {ranks:?}: IPC handles opened: {}",
+        IPC_OPENED.load(Ordering::SeqCst)
+    );
+    let _ = std::fs::remove_dir_all(&cache);
+}
+
+/// Every case of `n` ranks for this process's ranks `ranks` (their communicators `comms`), on
+/// one stream (several ranks: their calls in one group); every output checked.
+fn run_cases(comms: &[Arc<nccl::comm::Comm>], ranks: &[usize], n: usize, how: &str) {
+    let stream = new_stream();
+    for c in cases(n, &[300_001, 1001]) {
+        let (ns, nr) = sizes(&c, n);
+        let bufs: Vec<(usize, usize)> = ranks
+            .iter()
+            .map(|&r| {
+                let s = buffer(ns.max(nr) * c.dtype.size());
+                let b = (
+                    s,
+                    if c.in_place {
+                        s
+                    } else {
+                        buffer(nr * c.dtype.size())
+                    },
+                );
+                fill(&c, n, r, b, 0);
+                b
+            })
+            .collect();
+        let grouped = comms.len() > 1;
+        if grouped {
+            nccl::api::group_start().unwrap();
+        }
+        for (comm, &b) in comms.iter().zip(&bufs) {
+            enqueue(comm, &c, n, b, stream);
+        }
+        if grouped {
+            nccl::api::group_end().unwrap();
+        }
+        // (The other processes hold a rank each, on a stream of its own.)
+        let what = format!("{}, {how}", describe(&c, n, n + 1 - comms.len()));
+        sync_all(&[stream], &what);
+        no_async_error(comms, &what);
+        for (&r, b) in ranks.iter().zip(&bufs) {
+            verify_rank(&c, n, r, b.1, 0, &what);
+        }
+        release_buffers();
+    }
+}
+
+/// A rank in a process of its own (`OXEMU_RANK`; the parent's `processes` starts it): every
+/// case on its own stream, its own output checked.
+pub fn rank_process(r: usize) {
+    let n: usize = var("OXEMU_NRANKS").parse().unwrap();
+    let id = unique_id();
     let cache = start(Path::new(&var("OXEMU_LIB")));
     if std::env::var("OXEMU_PEERS").is_ok() {
         // Rank r on device r % 2 (the current context's, as ncclCommInitRank takes it).
@@ -30,29 +110,10 @@ pub fn rank_process(r: usize) {
     // The rings a large ring collective is split across (rank 0's OXCCL_CUDA_CHANNELS, fewer
     // from 8 ranks).
     println!("channels {}", comm.core().unwrap().exec.channels());
-    let stream = new_stream();
     if let Ok(how) = std::env::var("OXEMU_TROUBLE") {
-        return trouble(&how, comm, r, n, stream, &cache);
+        return trouble(&how, comm, r, n, new_stream(), &cache);
     }
-    for c in cases(n, &[300_001, 1001]) {
-        let (ns, nr) = sizes(&c, n);
-        let s = buffer(ns.max(nr) * c.dtype.size());
-        let b = (
-            s,
-            if c.in_place {
-                s
-            } else {
-                buffer(nr * c.dtype.size())
-            },
-        );
-        fill(&c, n, r, b, 0);
-        enqueue(&comm, &c, n, b, stream);
-        let what = format!("{}, a process per rank", describe(&c, n, n));
-        sync_all(&[stream], &what);
-        no_async_error(std::slice::from_ref(&comm), &what);
-        verify_rank(&c, n, r, b.1, 0, &what);
-        release_buffers();
-    }
+    run_cases(std::slice::from_ref(&comm), &[r], n, "a process per rank");
     nccl::api::comm_destroy(nccl::api::comm_handle(&comm)).unwrap();
     println!(
         "rank {r}: IPC handles opened: {}",
@@ -294,8 +355,21 @@ pub fn run_processes(
     // (containers sharing this host's /dev/shm; both ranks have the same pid).
     let pidns = trouble.is_some_and(|t| t.starts_with("pidns"));
     let trouble = trouble.filter(|&t| t != "pidns");
-    let kids: Vec<_> = (0..n)
-        .map(|r| {
+    // `OXEMU_TOGETHER`=k: ranks 0 to k-1 share the first process (`ranks_process`), the others
+    // have one each; a process is named by its first rank.
+    let together = std::env::var("OXEMU_TOGETHER")
+        .ok()
+        .and_then(|v| v.parse::<usize>().ok())
+        .unwrap_or(1)
+        .clamp(1, n);
+    let procs: Vec<Vec<usize>> = std::iter::once((0..together).collect())
+        .chain((together..n).map(|r| vec![r]))
+        .collect();
+    let host_of = |r: usize| r * hosts / n;
+    let kids: Vec<_> = procs
+        .iter()
+        .map(|ranks| {
+            let r = ranks[0];
             let exe = std::env::current_exe().unwrap();
             let mut cmd = Command::new(if pidns { Path::new("unshare") } else { &exe });
             if pidns {
@@ -319,7 +393,14 @@ pub fn run_processes(
                 "cuda_executor_on_emulated_kernels",
                 "--nocapture",
             ])
-            .env("OXEMU_RANK", r.to_string())
+            .env(
+                "OXEMU_RANK",
+                ranks
+                    .iter()
+                    .map(|r| r.to_string())
+                    .collect::<Vec<_>>()
+                    .join(","),
+            )
             .env("OXEMU_NRANKS", n.to_string())
             .env("OXEMU_ID", &hex)
             .env("OXEMU_LIB", so)
@@ -327,7 +408,7 @@ pub fn run_processes(
             .envs(peers.map(|p| ("OXEMU_PEERS", p)))
             // A short timeout for the late peer (also the bootstrap's).
             .envs(trouble.map(|_| ("OXCCL_TIMEOUT_S", "3")))
-            .envs((hosts > 1).then(|| ("OXCCL_HOSTID", format!("emu-host-{}", r * hosts / n))))
+            .envs((hosts > 1).then(|| ("OXCCL_HOSTID", format!("emu-host-{}", host_of(r)))))
             // Ranks other than 0 told another channel count (rank 0's holds).
             .envs(
                 std::env::var("OXEMU_CHANNELS_OTHERS")
@@ -352,8 +433,8 @@ pub fn run_processes(
     }
     let outs: Vec<(std::process::ExitStatus, String, String)> = kids
         .into_iter()
-        .enumerate()
-        .map(|(r, mut k)| {
+        .zip(procs.iter().map(|p| p[0]))
+        .map(|(mut k, r)| {
             let _ = k.kill();
             let status = k.wait().unwrap();
             let read = |w| std::fs::read_to_string(log(r, w)).unwrap_or_default();
@@ -363,8 +444,8 @@ pub fn run_processes(
     let _ = std::fs::remove_dir_all(&dir);
     let report: String = outs
         .iter()
-        .enumerate()
-        .map(|(r, (status, out, err))| format!("--- rank {r}: {status}\n{out}{err}"))
+        .zip(&procs)
+        .map(|((status, out, err), ranks)| format!("--- ranks {ranks:?}: {status}\n{out}{err}"))
         .collect();
     if outs.iter().any(|o| !o.0.success()) {
         // Killed ranks leave their communicator's segments behind (named by its hash, which
@@ -384,7 +465,7 @@ pub fn run_processes(
     }
     if let Some(how) = trouble {
         use std::os::unix::process::ExitStatusExt;
-        let last = &outs[n - 1];
+        let last = outs.last().expect("a process");
         match how
             .trim_start_matches("graph-")
             .trim_start_matches("pidns-")
@@ -401,7 +482,7 @@ pub fn run_processes(
                 "{report}"
             ),
         }
-        for (status, out, _) in &outs[..n - 1] {
+        for (status, out, _) in &outs[..outs.len() - 1] {
             assert!(status.success() && out.contains("survived: "), "{report}");
         }
         eprintln!("a peer's {how}, {n} processes:\n{report}");
@@ -433,10 +514,16 @@ pub fn run_processes(
     }
     // (IPC serves ranks of one host and one PID namespace, of one GPU unless they are on two:
     // `peer_devices`.)
+    // (Ranks of one process share memory without it.)
+    let two_on_a_host = procs.iter().enumerate().any(|(i, a)| {
+        procs[i + 1..]
+            .iter()
+            .any(|b| host_of(a[0]) == host_of(b[0]))
+    });
     if peers.is_none() {
         assert_eq!(
             opened > 0,
-            ipc.unwrap_or(true) && n > hosts && !pidns,
+            ipc.unwrap_or(true) && two_on_a_host && !pidns,
             "{n} processes: IPC handles opened: {opened}"
         );
     }
