@@ -815,7 +815,8 @@ pub(crate) struct Named {
 /// Whether a connection between `spec`'s ranks lives in device memory: ranks on one GPU, on
 /// the CUDA executor, unless `NCCL_P2P_DISABLE=1` asks for host-staged memory; between
 /// processes (CUDA IPC) only where both take it (`OXCCL_CUDA_IPC` not 0) in one PID namespace
-/// (`spec.ipc`, `PeerInfo::ipc_with`), so that both ends decide alike; ranks on two peer-capable GPUs likewise, in the receiving end's memory
+/// (`spec.ipc`, `PeerInfo::ipc_with`), so that both ends decide alike; ranks on two
+/// peer-capable GPUs likewise, in the receiving end's memory
 /// (the sending end's kernels write to it, through peer access: in one process enabled
 /// between the two devices' contexts when the pair was decided, `gpu::memory::peer_access`;
 /// between processes by the IPC handle's opening).

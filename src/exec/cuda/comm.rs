@@ -311,10 +311,11 @@ pub struct CudaComm {
     pub(super) ranks_on_device: usize,
     /// Ranks of this communicator on this device in this process (this one included).
     pub(super) process_ranks_on_device: Vec<usize>,
-    /// A launch that may need more blocks at once than the device holds was warned of.
-    /// The rings a large ring collective is split across: rank 0's `OXCCL_CUDA_CHANNELS`, as
-    /// many as a rank's launch fits in the ordinary kernel parameter (`desc::channels_that_fit`).
+    /// The rings a large ring collective is split across: rank 0's `OXCCL_CUDA_CHANNELS` (1
+    /// where a rank runs the host executor), as many as a rank's launch fits in the ordinary
+    /// kernel parameter (`desc::channels_that_fit`).
     pub(crate) channels: usize,
+    /// A launch that may need more blocks at once than the device holds was warned of.
     pub(super) room_warned: std::sync::atomic::AtomicBool,
     name: String,
 }
