@@ -358,44 +358,51 @@ fn check(comms: &[Arc<nccl::comm::Comm>], streams: &[usize], c: &Case) {
 /// The cases `cs` in one group (one launch per stage where the ranks share a stream), each
 /// checked.
 fn check_together(comms: &[Arc<nccl::comm::Comm>], streams: &[usize], cs: &[Case]) {
-    let n = comms.len();
-    let bufs: Vec<_> = cs.iter().map(|c| buffers(c, n)).collect();
-    for (c, b) in cs.iter().zip(&bufs) {
-        for (r, rb) in b.iter().enumerate() {
-            fill(c, n, r, *rb, 0);
-        }
-    }
-    nccl::api::group_start().unwrap();
-    for (c, b) in cs.iter().zip(&bufs) {
-        for (r, comm) in comms.iter().enumerate() {
-            enqueue(comm, c, n, b[r], streams[r]);
-        }
-    }
-    nccl::api::group_end().unwrap();
-    let what: Vec<String> = cs.iter().map(|c| describe(c, n, 1)).collect();
-    let what = format!("in one group: {}", what.join("; "));
-    sync_all(streams, &what);
-    no_async_error(comms, &what);
-    for (c, b) in cs.iter().zip(&bufs) {
-        verify(c, b, 0, &what);
-    }
+    let bufs: Vec<_> = cs.iter().map(|c| buffers(c, comms.len())).collect();
+    let group: Vec<_> = cs
+        .iter()
+        .zip(&bufs)
+        .map(|(c, b)| (c, b.as_slice()))
+        .collect();
+    check_group(comms, streams, &group);
 }
 
 /// `check` in the buffers `bufs`.
 fn check_in(comms: &[Arc<nccl::comm::Comm>], streams: &[usize], c: &Case, bufs: &[(usize, usize)]) {
+    check_group(comms, streams, &[(c, bufs)]);
+}
+
+/// Each case of `group` in its buffers (rank r's at index r), every rank's calls in one group;
+/// each output checked.
+fn check_group(
+    comms: &[Arc<nccl::comm::Comm>],
+    streams: &[usize],
+    group: &[(&Case, &[(usize, usize)])],
+) {
     let n = comms.len();
-    for (r, b) in bufs.iter().enumerate() {
-        fill(c, n, r, *b, 0);
+    for &(c, bufs) in group {
+        for (r, b) in bufs.iter().enumerate() {
+            fill(c, n, r, *b, 0);
+        }
     }
     nccl::api::group_start().unwrap();
-    for (r, comm) in comms.iter().enumerate() {
-        enqueue(comm, c, n, bufs[r], streams[r]);
+    for &(c, bufs) in group {
+        for (r, comm) in comms.iter().enumerate() {
+            enqueue(comm, c, n, bufs[r], streams[r]);
+        }
     }
     nccl::api::group_end().unwrap();
-    let what = describe(c, n, streams.iter().collect::<BTreeSet<_>>().len());
+    let on = streams.iter().collect::<BTreeSet<_>>().len();
+    let what: Vec<String> = group.iter().map(|(c, _)| describe(c, n, on)).collect();
+    let what = match what.as_slice() {
+        [one] => one.clone(),
+        all => format!("in one group: {}", all.join("; ")),
+    };
     sync_all(streams, &what);
     no_async_error(comms, &what);
-    verify(c, bufs, 0, &what);
+    for &(c, bufs) in group {
+        verify(c, bufs, 0, &what);
+    }
 }
 
 fn new_stream() -> usize {
