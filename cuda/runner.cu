@@ -79,10 +79,11 @@ struct OxHeadD {  // 16 bytes
 // asked for it (`OXCCL_CUDA_FENCE=gpu`): the fences that publish and take a step's slots are
 // device-scope, not system-scope (nothing off the GPU reads those counters or slots).
 #define OX_HEAD_GPU_FENCES (1ull << 17)
-struct OxLaneD {  // 16 bytes
+struct OxLaneD {  // 24 bytes
   uint16_t first_prog, nprogs;
-  uint32_t pad;
-  uint64_t ctl;  // the lane's communicator's control block (OxCtl)
+  uint16_t brank, bn;  // a board lane's rank and its communicator's ranks
+  uint64_t ctl;        // the lane's communicator's control block (OxCtl)
+  uint64_t board;      // 0, or a board lane's device board (`ox_board`)
 };
 // The communicator's control block (pinned host memory): the host sets `abort`; a kernel that
 // stops on an error says why in `err` and `info`; a kernel that waits for a peer says so now
@@ -101,7 +102,7 @@ static_assert(sizeof(OxConnD) == 32, "OxConnD layout");
 static_assert(sizeof(OxStepD) == 56, "OxStepD layout");
 static_assert(sizeof(OxProgD) == 80, "OxProgD layout");
 static_assert(sizeof(OxHeadD) == 16, "OxHeadD layout");
-static_assert(sizeof(OxLaneD) == 16, "OxLaneD layout");
+static_assert(sizeof(OxLaneD) == 24, "OxLaneD layout");
 static_assert(sizeof(OxCtl) == 80, "OxCtl layout");
 #define OX_PARAM_BYTES_LARGE 32760
 struct OxParams {
@@ -111,7 +112,7 @@ struct OxParamsLarge {
   uint64_t words[OX_PARAM_BYTES_LARGE / 8];
 };
 
-enum { OX_ERR_NONE = 0, OX_ERR_CALL = 1, OX_ERR_ABORT = 2 };
+enum { OX_ERR_NONE = 0, OX_ERR_CALL = 1, OX_ERR_ABORT = 2, OX_ERR_BOARD_CALL = 3 };
 
 // OX_SPIN: what a read of a counter may also do. Nothing on a GPU; the host emulation of the
 // kernels (tests/cuda_emu) lets other blocks, which are threads there, have the cores.
@@ -594,6 +595,140 @@ __device__ OxRed ox_red(const OxProgD& p) {
   return r;
 }
 
+// ---- the device board: a direct all-reduce across launches ----
+//
+// Ranks of one communicator that are all in one process on one GPU (each launching on its own
+// stream, from threads of their own, say) reach each other's buffers: each rank's launch has a
+// board lane, one program of one LOCAL_REDUCE step over its own input (src) and output (dst),
+// and the lanes meet on the communicator's board (`src/exec/cuda/board.rs`), device memory
+// they share. The operation is cut into parts (`ox_board_parts`, the same on every rank); for
+// each part, every rank publishes its buffers in its line and arrives, waits for every rank's
+// arrival, reduces its share of the part's elements from every rank's input into every rank's
+// output (each element read once per input and written once per output, by one rank), and
+// arrives again; it leaves the part when every rank has, so no rank's launch ends while a peer
+// may still read its input or write its output. A block of the lane takes the parts
+// `part`, `part + nb`, ... in order (ranks may run their lanes with different numbers of
+// blocks). Each (part, rank) line holds: the rank's arrivals at the part (u64; two per
+// operation, so a rank's own count says which operation comes next: graph replays need no
+// host), its input, output and call words, and its reduction (OxRed).
+#define OX_BOARD_LINE 128
+#define OX_BOARD_PARTS 64
+#define OX_BOARD_PART_BYTES (64 << 10)
+struct OxBoardLine {
+  uint64_t arrive, src, dst, call0, call1, pad[3];
+  OxRed red;
+};
+static_assert(sizeof(OxBoardLine) <= OX_BOARD_LINE, "OxBoardLine layout");
+
+__device__ __forceinline__ uint64_t ox_board_parts(uint64_t bytes) {
+  uint64_t p = bytes / OX_BOARD_PART_BYTES;
+  return p < 1 ? 1 : (p > OX_BOARD_PARTS ? OX_BOARD_PARTS : p);
+}
+
+#ifdef __CUDA_ARCH__
+#define OX_NOINLINE __noinline__
+#else
+#define OX_NOINLINE
+#endif
+
+// Threads `tid`, `tid + nt`, ... below n: wait until rank k's line of the part has `want`
+// arrivals. False when the kernel must stop (abort).
+__device__ __forceinline__ bool ox_board_wait(OxCtl* ctl, const uint8_t* lines, int n,
+                                              uint64_t want, int tid, int nt) {
+  for (int k = tid; k < n; k += nt) {
+    const uint64_t* a = (const uint64_t*)(lines + (uint64_t)k * OX_BOARD_LINE);
+    unsigned spins = 0;
+    while (ld_vol64(a) < want) {
+      if ((++spins & 1023) == 0 && !ox_still_waits(ctl, (uint64_t)a, want, spins)) return false;
+    }
+  }
+  return true;
+}
+
+// A board lane (see above), run by block `part` of its `nb`.
+OX_NOINLINE __device__ void ox_board(const OxView& v, const OxLaneD& lane, OxCtl* ctl,
+                                     uint32_t nb, uint32_t part) {
+  const OxProgD& p = v.progs[lane.first_prog];
+  const OxStepD& s = v.steps[p.first_step];
+  const int n = lane.bn, me = lane.brank, tid = threadIdx.x, nt = blockDim.x;
+  __shared__ const uint8_t* src[OX_DIRECT_MAX];
+  __shared__ uint8_t* dst[OX_DIRECT_MAX];
+  __shared__ OxRed red[OX_DIRECT_MAX];
+  __shared__ uint64_t epoch;
+  __shared__ int stop;
+  __shared__ OxRed mine;
+  if (n < 1 || n > OX_DIRECT_MAX || me >= n) return;  // the host never launches these
+  if (tid == 0) {
+    mine = ox_red(p);
+    stop = 0;
+  }
+  __syncthreads();
+  const uint64_t count = s.len, es = p.esize;
+  const uint64_t parts = ox_board_parts(count * es);
+  // Elements per part, and per rank's share of a part: multiples of 16 bytes.
+  const uint64_t align = es < 16 ? 16 / es : 1;
+  const uint64_t per = ((count + parts - 1) / parts + align - 1) / align * align;
+  for (uint64_t q = part; q < parts; q += nb) {
+    const uint8_t* lines = (const uint8_t*)(lane.board + q * n * OX_BOARD_LINE);
+    OxBoardLine* own = (OxBoardLine*)(lines + (uint64_t)me * OX_BOARD_LINE);
+    const uint64_t lo = q * per < count ? q * per : count;
+    const uint64_t len = count - lo < per ? count - lo : per;
+    const uint64_t share = ((len + n - 1) / n + align - 1) / align * align;
+    const uint64_t a = lo + (me * share < len ? me * share : len);
+    const uint64_t b = lo + ((me + 1) * share < len ? (me + 1) * share : len);
+    if (tid == 0) {
+      epoch = ld_vol64(&own->arrive);
+      st_vol64(&own->src, s.src.at);
+      st_vol64(&own->dst, s.dst.at);
+      st_vol64(&own->call0, p.call0);
+      st_vol64(&own->call1, p.call1);
+      own->red = mine;
+      __threadfence();
+      st_vol64(&own->arrive, epoch + 1);
+    }
+    __syncthreads();
+    const uint64_t e = epoch;
+    if (!ox_board_wait(ctl, lines, n, e + 1, tid, nt)) stop = 1;
+    __threadfence();
+    for (int k = tid; k < n; k += nt) {
+      const OxBoardLine* l = (const OxBoardLine*)(lines + (uint64_t)k * OX_BOARD_LINE);
+      const uint64_t c0 = ld_vol64(&l->call0), c1 = ld_vol64(&l->call1);
+      if (c0 != p.call0 || c1 != p.call1) {
+        ox_fail(ctl, OX_ERR_BOARD_CALL, (uint64_t)k, c0, c1, p.call0, p.call1);
+        stop = 1;
+      }
+      src[k] = (const uint8_t*)ld_vol64(&l->src) + a * es;
+      dst[k] = (uint8_t*)ld_vol64(&l->dst) + a * es;
+      uint64_t w[sizeof(OxRed) / 8];
+      for (int i = 0; i < (int)(sizeof(OxRed) / 8); i++) w[i] = ld_vol64((const uint64_t*)&l->red + i);
+      memcpy(&red[k], w, sizeof(OxRed));
+    }
+    __syncthreads();
+    if (stop) return;
+    if (b > a) {
+      switch (red[0].dtype) {
+#define OX_CASE(d) \
+  case d: direct_typed<d, OX_DIRECT_MAX, 1>(src, dst, red, n, b - a, tid, nt); break;
+        OX_CASE(0) OX_CASE(1) OX_CASE(2) OX_CASE(3) OX_CASE(4) OX_CASE(5)
+        OX_CASE(6) OX_CASE(7) OX_CASE(8) OX_CASE(9) OX_CASE(10) OX_CASE(11)
+#undef OX_CASE
+      }
+    }
+    // The block's writes (into every rank's output, which may be mapped host memory) are
+    // visible before it says it is done with the part.
+    __syncthreads();
+    if (tid == 0) {
+      __threadfence_system();
+      st_vol64(&own->arrive, e + 2);
+    }
+    // (Every thread waits after thread 0's arrival: one may wait for its own rank's line.)
+    __syncthreads();
+    if (!ox_board_wait(ctl, lines, n, e + 2, tid, nt)) stop = 1;
+    __syncthreads();
+    if (stop) return;
+  }
+}
+
 // The program runner: `nb` blocks per lane (the header's `reserved` low 16 bits; 1 unless
 // every connection is in device memory), block `blockIdx.x % nb` taking its share of each
 // slice.
@@ -612,6 +747,10 @@ __device__ __forceinline__ void ox_run(const uint64_t* words) {
   for (int i = tid; i < OX_MAX_CONNS; i += nt) sh.known[i] = 0;
   __syncthreads();
   if (sh.stop) return;
+  if (lane.board) {
+    ox_board(v, lane, ctl, nb, part);
+    return;
+  }
   for (int pi = 0; pi < lane.nprogs; pi++) {
     const OxProgD& p = v.progs[lane.first_prog + pi];
     OxRed r;

@@ -27,7 +27,9 @@
 #     and 4 processes in pinned host memory (OXCCL_CUDA_IPC=0) must say SHM; and the direct
 #     all-reduce of ranks on one GPU (on by default since 12-06): coll_matrix on
 #     2, 3, 4 and 8 ranks saying it ran, the ring's (OXCCL_CUDA_DIRECT=0) all-reduce matrix
-#     on 2 ranks and its all_reduce_perf -g 2 and -g 4 beside the default's rows; nranks=1
+#     on 2 ranks and its all_reduce_perf -g 2 and -g 4 beside the default's rows; the device
+#     board (ranks as threads: cuda_ranks 2 and 4 threads, all_reduce_perf -t 2 and -t 4 against
+#     the limit); nranks=1
 #     on the wide and the copy kernel (OXCCL_CUDA_CE_COPY_BYTES=1, OXCCL_CUDA_COPY_KERNEL=1)
 #     beside the copy engine (the default since 12-06); and 2 ranks' bandwidth by blocks per
 #     lane (OXCCL_CUDA_BLOCKS) and slot size, for the next defaults.
@@ -400,6 +402,38 @@ check "CUDA direct: 8 ranks (the kernel for up to 16)" 90 \
   direct direct-8 "$B/coll_matrix" 8 cuda coll=AllReduce big=none
 check "CUDA direct: all_reduce_perf -g 2 takes it" 30 \
   direct direct-perf "$B/all_reduce_perf" -b 8 -e 1M -f 32 -n 1 -w 0 -g 2
+# The device board (new since the last GPU run, emulated device only): ranks of one process
+# on the GPU that launch apart (a thread per rank) meet there; every all-reduce must say so.
+board() {  # label, command...: as `direct`, for `Algo Direct (device board`
+  local label=$1; shift
+  says "$label" "Algo Direct \(device board" env NCCL_DEBUG_SUBSYS=TUNING "$@" || return 1
+  ! grep -E "AllReduce: [1-9][0-9]* Bytes -> Algo " "$OUT/$label.log" | grep -vFm3 "Algo Direct (device board"
+}
+export -f board
+check "CUDA board: 2 ranks as threads, six collectives and a send/recv ring" 60 \
+  board board-threads2 "$B/cuda_ranks" 2 threads
+check "CUDA board: 4 ranks as threads, in place" 60 board board-threads4 "$B/cuda_ranks" 4 threads inplace
+check "CUDA board: all_reduce_perf -t 2 takes it" 30 \
+  board board-perf "$B/all_reduce_perf" -b 8 -e 1M -f 32 -n 1 -w 0 -t 2 -g 1
+perf oxccl-t2 "$OXLIB" "$B/all_reduce_perf" -b 8 -e 1G -f 8 -n 10 -w 3 -t 2 -g 1
+perf oxccl-t4 "$OXLIB" "$B/all_reduce_perf" -b 8 -e 256M -f 8 -n 10 -w 3 -t 4 -g 1
+python3 - "$OUT" <<'PY' 2>&1 | tee -a "$log"
+import sys
+out = sys.argv[1]
+sys.path.insert(0, out)
+from perfrows import rows
+g1 = rows("oxccl-g1")
+print("== ranks as threads (the device board) against the limit and the one-kernel rows (-g)")
+for n, t, g in ((2, "oxccl-t2", "oxccl-g2"), (4, "oxccl-t4", "oxccl-g4")):
+    r, d = rows(t), rows(g)
+    if g1 and r:
+        lim = (n - 1) / n**2 * 2 * g1[max(g1)][1]
+        b = max(r)
+        print(f"  {n} threads: busbw {r[b][2]:.1f} GB/s at {b} B ({r[b][2] / lim:.0%} of the limit "
+              f"{lim:.1f}; -g {n}: {d.get(b, (0, 0, 0))[2]:.1f})")
+    if r.get(8):
+        print(f"  {n} threads, 8 B: {r[8][0]:.1f} us (-g {n}: {d.get(8, (0, 0, 0))[0]:.1f})")
+PY
 # The ring's all-reduces in one process, which the matrices above no longer run by default.
 check "CUDA ring (OXCCL_CUDA_DIRECT=0): 2 ranks, AllReduce x datatype x op" 60 \
   env OXCCL_CUDA_DIRECT=0 "$B/coll_matrix" 2 cuda coll=AllReduce

@@ -6,7 +6,8 @@
 //! on one, several datatypes and every operator; the direct all-reduce (the default for a group of every rank on one device) and the optional copy
 //! kernels; graphs captured and replayed between eager launches (and a group on two streams
 //! of one graph), and after their communicators are destroyed (`cuda_emu/graphs.rs`); a
-//! thread per rank; and a process per rank (2 and 3, `cuda_emu/processes.rs`), with
+//! thread per rank, whose all-reduces meet on the device board (`cuda_emu/board.rs`, with its
+//! failures); and a process per rank (2 and 3, `cuda_emu/processes.rs`), with
 //! connections in device memory opened by IPC handles (the default) and, with
 //! `OXCCL_CUDA_IPC=0`, in shared host memory; ranks on 2 "hosts" over the network transport; ranks on two devices
 //! (`cuda_emu/peers.rs`), with and without native peer atomics. And failures: a call mismatch, an abort, a refused launch or allocation,
@@ -22,6 +23,8 @@
 //! One test function: the driver and the executor are chosen once per process (rank processes
 //! run this same function, told so by `OXEMU_RANK`).
 
+#[path = "cuda_emu/board.rs"]
+mod board;
 #[path = "cuda_emu/device.rs"]
 mod device;
 #[path = "cuda_emu/graphs.rs"]
@@ -33,6 +36,7 @@ mod processes;
 #[path = "cuda_stand_in/mod.rs"]
 mod stand_in;
 
+use board::{board_failures, board_threads};
 use device::{begin_capture, end_capture, replay, sync, IPC_OPENED, LAUNCHED, NEXT};
 use graphs::{forked_calls, graphs, mixed_replays, replay_after_destroy, two_stream_graphs};
 use nccl::gpu::driver;
@@ -924,7 +928,8 @@ fn few_blocks(so: &Path) {
 /// `OXCCL_TIMEOUT_S` on connections in device memory (in a process of its own, whose
 /// environment sets it from the start): a rank of one process whose peer never launches has
 /// its kernel stopped and its communicator failed once its kernels have waited that long for
-/// the same step of a connection the host cannot read.
+/// the same step of a connection the host cannot read (the ring, `OXCCL_CUDA_DIRECT=0`), or
+/// for the peer's arrival on the device board (the default).
 fn stall(so: &Path) {
     let (ok, report) = child(
         so,
@@ -940,32 +945,36 @@ fn stall(so: &Path) {
 /// `stall`'s process.
 fn stall_process() {
     let cache = start(Path::new(&std::env::var("OXEMU_LIB").unwrap()));
-    let comms = nccl::api::comm_init_all(&[0, 0]).expect("two ranks");
-    let c = f32_sum(1001);
-    let bufs = buffers(&c, 2);
-    let stream = new_stream();
-    let t = Instant::now();
-    enqueue(&comms[0], &c, 2, bufs[0], stream);
-    assert!(
-        sync(stream, Duration::from_secs(60)),
-        "the kernel still waits for a peer that never launched"
-    );
-    let e = async_error(&comms[0]);
-    let msg = nccl::error::last_error();
-    assert_ne!(e, nccl::error::Code::Success, "{msg}");
-    assert!(
-        msg.contains("OXCCL_TIMEOUT_S") && msg.contains("wait for step"),
-        "{msg}"
-    );
-    assert!(
-        t.elapsed() >= Duration::from_secs(2),
-        "before the timeout: {msg}"
-    );
-    for comm in &comms {
-        let _ = nccl::api::comm_abort(nccl::api::comm_handle(comm));
+    for (direct, says) in [("0", "wait for step"), ("1", "on the device board")] {
+        std::env::set_var("OXCCL_CUDA_DIRECT", direct);
+        nccl::param::reread();
+        let comms = nccl::api::comm_init_all(&[0, 0]).expect("two ranks");
+        let c = f32_sum(1001);
+        let bufs = buffers(&c, 2);
+        let stream = new_stream();
+        let t = Instant::now();
+        enqueue(&comms[0], &c, 2, bufs[0], stream);
+        assert!(
+            sync(stream, Duration::from_secs(60)),
+            "the kernel still waits for a peer that never launched"
+        );
+        let e = async_error(&comms[0]);
+        let msg = nccl::error::last_error();
+        assert_eq!(e, nccl::error::Code::Timeout, "{msg}");
+        assert!(
+            msg.contains("OXCCL_TIMEOUT_S") && msg.contains(says),
+            "{msg}"
+        );
+        assert!(
+            t.elapsed() >= Duration::from_secs(2),
+            "before the timeout: {msg}"
+        );
+        for comm in &comms {
+            let _ = nccl::api::comm_abort(nccl::api::comm_handle(comm));
+        }
+        println!("stall: stopped after {:?}: {msg}", t.elapsed());
     }
     let _ = std::fs::remove_dir_all(&cache);
-    println!("stall: stopped after {:?}: {msg}", t.elapsed());
 }
 
 /// Runs this test in a process of its own with `vars` set (the first says what it runs),
@@ -1296,6 +1305,10 @@ fn cuda_executor_on_emulated_kernels() {
     channels();
     large_launches(&[new_stream(), new_stream()]);
     replay_after_destroy();
+    // The device board: ranks of one process on the one device, each launching alone.
+    board_threads(2, &cases(2, &[300_001, 1001]));
+    board_threads(4, &cases(4, &[300_001]));
+    board_failures();
     let illegal = device::ILLEGAL.lock().clone();
     assert!(
         illegal.is_empty(),

@@ -119,7 +119,7 @@ unsafe extern "C" fn launch(
     let p = unsafe { *params } as *const u64;
     let counts = unsafe { *p.add(1) };
     let n = |i: u32| ((counts >> (16 * i)) & 0xffff) as usize;
-    let bytes = 16 + 32 * n(0) + 80 * n(1) + 56 * n(2) + 16 * n(3);
+    let bytes = 16 + 32 * n(0) + 80 * n(1) + 56 * n(2) + 24 * n(3);
     *LAST_DESC.lock() = unsafe { std::slice::from_raw_parts(p, bytes / 8) }.to_vec();
     log(Ev::Launch {
         func: f as usize,

@@ -286,6 +286,73 @@ pub fn unpin_if_cuda(ptr: *mut u8) {
     }
 }
 
+/// Device memory of the calling thread's current context (the communicator's, entered by
+/// whoever makes it), else device 0's, zeroed before use; freed when dropped.
+pub struct DevMem {
+    pub ptr: u64,
+    ctx: usize,
+}
+
+impl DevMem {
+    /// `bytes`, zeroed (`what` names them in an error).
+    pub fn zeroed(bytes: usize, what: &str) -> Result<DevMem> {
+        DevMem::alloc_with(bytes, what, |_, _| Ok(()))
+    }
+
+    /// `bytes`, zeroed, then `init(ptr, stream)` (more writes on the same stream).
+    ///
+    /// The writes go to a private non-blocking stream, which is synchronized: legal even while
+    /// a caller's stream captures a graph (the legacy stream's synchronous copies would join,
+    /// and spoil, the capture).
+    fn alloc_with(
+        bytes: usize,
+        what: &str,
+        init: impl FnOnce(u64, driver::CUstream) -> Result<()>,
+    ) -> Result<DevMem> {
+        let api = driver::api()?;
+        let ctx = current_or_device0()?;
+        let _g = CtxGuard::enter(ctx)?;
+        driver::relaxed(|| {
+            let mut p: driver::CUdeviceptr = 0;
+            // SAFETY: writes one device pointer.
+            check(unsafe { (api.mem_alloc)(&mut p, bytes) }, || {
+                format!("cuMemAlloc of {bytes} bytes for {what}")
+            })?;
+            let m = DevMem { ptr: p, ctx };
+            let mut st: driver::CUstream = std::ptr::null_mut();
+            // SAFETY: writes one stream handle.
+            check(
+                unsafe { (api.stream_create)(&mut st, driver::CU_STREAM_NON_BLOCKING) },
+                || "cuStreamCreate".into(),
+            )?;
+            // SAFETY: the memory just allocated; the stream made above, destroyed once.
+            let r = check(unsafe { (api.memset_d8_async)(p, 0, bytes, st) }, || {
+                format!("cuMemsetD8Async of {what}")
+            })
+            .and_then(|_| init(p, st))
+            .and_then(|_| {
+                // SAFETY: the stream made above.
+                check(unsafe { (api.stream_synchronize)(st) }, || {
+                    "cuStreamSynchronize".into()
+                })
+            });
+            // SAFETY: as above.
+            unsafe { (api.stream_destroy)(st) };
+            r?;
+            Ok(m)
+        })
+    }
+}
+
+impl Drop for DevMem {
+    fn drop(&mut self) {
+        if let (Ok(api), Ok(_g)) = (driver::api(), CtxGuard::enter(self.ctx)) {
+            // SAFETY: allocated in `alloc_with`, freed once, when nothing uses it any more.
+            unsafe { (api.mem_free)(self.ptr) };
+        }
+    }
+}
+
 /// A connection kept wholly in device memory: its header (counters, slot metadata) and its
 /// slots, so that kernels on the device poll and move it at device speed (freed with the
 /// connection's region). Between ranks of one process both ends use it; between processes on
@@ -295,7 +362,7 @@ pub fn unpin_if_cuda(ptr: *mut u8) {
 pub struct DevConn {
     pub hdr: u64,
     pub slots: u64,
-    ctx: usize,
+    mem: DevMem,
 }
 
 /// Where a connection header keeps its attach count (`transport`'s layout).
@@ -306,58 +373,25 @@ impl DevConn {
     /// (the communicator's, entered by whoever makes connections), else device 0's.
     pub fn alloc(hdr_bytes: usize, slot_bytes: usize) -> Result<DevConn> {
         let api = driver::api()?;
-        let ctx = current_or_device0()?;
-        let _g = CtxGuard::enter(ctx)?;
-        driver::relaxed(|| {
-            let bytes = hdr_bytes + slot_bytes;
-            let mut p: driver::CUdeviceptr = 0;
-            // SAFETY: writes one device pointer.
-            check(unsafe { (api.mem_alloc)(&mut p, bytes) }, || {
-                format!("cuMemAlloc of {bytes} bytes for a connection")
-            })?;
-            let c = DevConn {
-                hdr: p,
-                slots: p + hdr_bytes as u64,
-                ctx,
-            };
-            // The header zeroed and its attach count set on a private non-blocking stream:
-            // legal even while a caller's stream captures a graph (the legacy stream's
-            // synchronous copies would join, and spoil, the capture).
-            let mut st: driver::CUstream = std::ptr::null_mut();
-            // SAFETY: writes one stream handle.
+        // (The slots are zeroed too: one memset, not two calls.)
+        let mem = DevMem::alloc_with(hdr_bytes + slot_bytes, "a connection", |p, st| {
+            // SAFETY: 4 bytes inside the header.
             check(
-                unsafe { (api.stream_create)(&mut st, driver::CU_STREAM_NON_BLOCKING) },
-                || "cuStreamCreate".into(),
-            )?;
-            // SAFETY: the header just allocated; the stream made above, destroyed once.
-            let r = check(
-                unsafe { (api.memset_d8_async)(p, 0, hdr_bytes, st) },
-                || "cuMemsetD8Async of a connection header".into(),
+                unsafe { (api.memset_d32_async)(p + ATTACH_OFF, 2, 1, st) },
+                || "cuMemsetD32Async of a connection header".into(),
             )
-            .and_then(|_| {
-                // SAFETY: 4 bytes inside the header.
-                check(
-                    unsafe { (api.memset_d32_async)(p + ATTACH_OFF, 2, 1, st) },
-                    || "cuMemsetD32Async of a connection header".into(),
-                )
-            })
-            .and_then(|_| {
-                // SAFETY: the stream made above.
-                check(unsafe { (api.stream_synchronize)(st) }, || {
-                    "cuStreamSynchronize".into()
-                })
-            });
-            // SAFETY: as above.
-            unsafe { (api.stream_destroy)(st) };
-            r?;
-            Ok(c)
+        })?;
+        Ok(DevConn {
+            hdr: mem.ptr,
+            slots: mem.ptr + hdr_bytes as u64,
+            mem,
         })
     }
 
     /// The handle another process opens this allocation by (`IpcConn::open`).
     pub fn ipc_handle(&self) -> Result<[u8; 64]> {
         let api = driver::api()?;
-        let _g = CtxGuard::enter(self.ctx)?;
+        let _g = CtxGuard::enter(self.mem.ctx)?;
         driver::relaxed(|| {
             let mut h = driver::CUipcMemHandle { reserved: [0; 64] };
             // SAFETY: writes one handle; `hdr` is the allocation's base.
@@ -409,15 +443,6 @@ impl Drop for IpcConn {
         if let (Ok(api), Ok(_g)) = (driver::api(), CtxGuard::enter(self.ctx)) {
             // SAFETY: opened in `open`, closed once.
             unsafe { (api.ipc_close_mem_handle)(self.hdr) };
-        }
-    }
-}
-
-impl Drop for DevConn {
-    fn drop(&mut self) {
-        if let (Ok(api), Ok(_g)) = (driver::api(), CtxGuard::enter(self.ctx)) {
-            // SAFETY: allocated in `alloc`, freed once, after both ends are gone.
-            unsafe { (api.mem_free)(self.hdr) };
         }
     }
 }

@@ -26,6 +26,14 @@ pub enum BoardKind {
 }
 
 impl BoardKind {
+    pub const ALL: &'static [BoardKind] = &[
+        BoardKind::AllReduce,
+        BoardKind::Reduce,
+        BoardKind::ReduceScatter,
+        BoardKind::AllGather,
+        BoardKind::Broadcast,
+    ];
+
     /// The board collective a collective call can run as.
     pub fn of(kind: CollKind) -> Option<BoardKind> {
         Some(match kind {

@@ -18,6 +18,10 @@ use crate::types::{CollArgs, CollKind};
 pub struct Caps {
     /// Direct operations over a board every rank reaches.
     pub direct: bool,
+    /// The collectives that may be direct operations (where `direct`).
+    pub direct_kinds: &'static [BoardKind],
+    /// How the choice of a direct operation that is not eager reads (`NCCL_DEBUG_SUBSYS=TUNING`).
+    pub direct_algo: &'static str,
     /// The largest input per rank (bytes) a direct operation carries on the board itself.
     pub eager_bytes: usize,
     /// The rings a large all-reduce, broadcast or reduce is split across (1 to
@@ -217,7 +221,9 @@ pub fn build_task<T>(
                         }
                         continue;
                     }
-                    let direct = direct && super::algo::algo_allows(a.kind.name(), "direct");
+                    let direct = direct
+                        && caps.direct_kinds.contains(&bk)
+                        && super::algo::algo_allows(a.kind.name(), "direct");
                     let work = if direct && nranks > 1 {
                         // An eager operation never falls back: no ring to plan.
                         let eager = super::board::fits_inline(
@@ -232,11 +238,7 @@ pub fn build_task<T>(
                         } else {
                             Some(Box::new(ring_program()?))
                         };
-                        let algo = if eager {
-                            "Direct"
-                        } else {
-                            "Direct (Ring fallback)"
-                        };
+                        let algo = if eager { "Direct" } else { caps.direct_algo };
                         super::algo::log_choice(a.kind.name(), bytes, nranks, algo);
                         Work::Board(Box::new(BoardOp::new(rank, nranks, &a, red, bk, fallback)))
                     } else {

@@ -202,13 +202,7 @@ const REDUCE_KINDS: [ReduceKind; 4] = [
     ReduceKind::Min,
 ];
 
-const BOARD_KINDS: [BoardKind; 5] = [
-    BoardKind::AllReduce,
-    BoardKind::Reduce,
-    BoardKind::ReduceScatter,
-    BoardKind::AllGather,
-    BoardKind::Broadcast,
-];
+const BOARD_KINDS: &[BoardKind] = BoardKind::ALL;
 
 fn pick<T: Copy>(table: &[T], code: u32, what: &str) -> Result<T> {
     table
@@ -554,7 +548,7 @@ fn dec_lanes(f: &Flat, first: u32, n: u32) -> Result<Vec<Vec<Work>>> {
                                 seq: d.seq,
                                 rank: d.rank as usize,
                                 nranks: d.nranks as usize,
-                                kind: pick(&BOARD_KINDS, d.kind, "direct operation")?,
+                                kind: pick(BOARD_KINDS, d.kind, "direct operation")?,
                                 send: d.send as usize,
                                 recv: d.recv as usize,
                                 count: d.count as usize,

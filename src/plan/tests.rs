@@ -160,6 +160,8 @@ const BUF: usize = 0x1000_0000;
 fn caps(direct: bool) -> super::build::Caps {
     super::build::Caps {
         direct,
+        direct_kinds: super::board::BoardKind::ALL,
+        direct_algo: "Direct (Ring fallback)",
         eager_bytes: crate::transport::board::INLINE,
         channels: 1,
     }
@@ -450,6 +452,8 @@ fn a_large_ring_collective_splits_across_channels() {
     // small ones keep one lane; each plan encodes and decodes.
     let caps = Caps {
         direct: false,
+        direct_kinds: &[],
+        direct_algo: "",
         eager_bytes: 0,
         channels: 4,
     };

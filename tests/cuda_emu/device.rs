@@ -154,12 +154,15 @@ pub fn pinned(p: u64) -> bool {
 /// What a kernel would have faulted on (a GPU's illegal address): the launch did not run.
 pub static ILLEGAL: Mutex<Vec<String>> = Mutex::new(Vec::new());
 
-/// The control blocks the lanes of a runner launch read (`OxLaneD::ctl`; the counts of the
-/// descriptor's parts are the 16-bit fields of its second word).
-pub fn control_blocks(params: &[u64]) -> Vec<u64> {
+/// The lanes of a runner launch: each one's (control block, device board) (`OxLaneD::ctl`,
+/// `OxLaneD::board`; the counts of the descriptor's parts are the 16-bit fields of its second
+/// word).
+pub fn lane_comms(params: &[u64]) -> Vec<(u64, u64)> {
     let n = |i: u32| ((params[1] >> (16 * i)) & 0xffff) as usize;
     let lanes = (16 + 32 * n(0) + 80 * n(1) + 56 * n(2)) / 8;
-    (0..n(3)).map(|l| params[lanes + 2 * l + 1]).collect()
+    (0..n(3))
+        .map(|l| (params[lanes + 3 * l + 1], params[lanes + 3 * l + 2]))
+        .collect()
 }
 
 /// A stream: a thread that runs its queue in order.
@@ -223,6 +226,8 @@ pub static SHARED_LANES: std::sync::atomic::AtomicBool = std::sync::atomic::Atom
 /// Runner launches whose header asked for device-scope step fences (`OXCCL_CUDA_FENCE=gpu`).
 pub static GPU_FENCE_LAUNCHES: AtomicU64 = AtomicU64::new(0);
 pub static LAUNCHED: Mutex<BTreeSet<String>> = Mutex::new(BTreeSet::new());
+/// Board lanes launched (a direct all-reduce's part on the device board).
+pub static BOARD_LANES: AtomicU64 = AtomicU64::new(0);
 
 /// The stream of handle `h` (any handle the executor is given names one, NULL included),
 /// started at its first use.
@@ -386,8 +391,9 @@ fn run_stream(s: &Stream) {
                 params,
             } => {
                 if name.to_bytes().starts_with(b"oxccl_run") {
-                    let lost: Vec<u64> = control_blocks(&params)
+                    let lost: Vec<u64> = lane_comms(&params)
                         .into_iter()
+                        .map(|(ctl, _)| ctl)
                         .filter(|&c| !pinned(c))
                         .collect();
                     if !lost.is_empty() {
@@ -508,6 +514,10 @@ pub unsafe extern "C" fn launch(
     // its second word).
     if name.to_bytes().starts_with(b"oxccl_run") && u64::from(gx) > words[1] >> 48 {
         SHARED_LANES.store(true, Ordering::SeqCst);
+    }
+    if name.to_bytes().starts_with(b"oxccl_run") {
+        let boards = lane_comms(&words).iter().filter(|l| l.1 != 0).count();
+        BOARD_LANES.fetch_add(boards as u64, Ordering::SeqCst);
     }
     // The runner asked for device-scope step fences (the header's OX_HEAD_GPU_FENCES).
     if name.to_bytes().starts_with(b"oxccl_run") && words[0] & (1 << 17) != 0 {

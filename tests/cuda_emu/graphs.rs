@@ -61,7 +61,7 @@ pub fn replay_after_destroy() {
             .flat_map(|(_, g)| g)
             .filter_map(|op| match op {
                 Op::Launch { name, params, .. } if name.to_bytes().starts_with(b"oxccl_run") => {
-                    Some(device::control_blocks(params))
+                    Some(device::lane_comms(params).into_iter().map(|(ctl, _)| ctl))
                 }
                 _ => None,
             })

@@ -311,6 +311,9 @@ pub struct CudaComm {
     pub(super) ranks_on_device: usize,
     /// Ranks of this communicator on this device in this process (this one included).
     pub(super) process_ranks_on_device: Vec<usize>,
+    /// Where every rank is in this process on this device (2 to `board::MAX_RANKS` of
+    /// them): the board their all-reduces meet on (`board`).
+    pub(super) board: Option<Arc<super::board::Board>>,
     /// The rings a large ring collective is split across: rank 0's `OXCCL_CUDA_CHANNELS` (1
     /// where a rank runs the host executor), as many as a rank's launch fits in the ordinary
     /// kernel parameter (`desc::channels_that_fit`).
@@ -368,6 +371,18 @@ impl CudaComm {
             })?;
         }
         let ctl = Arc::new(Ctl::new()?);
+        let process_ranks_on_device: Vec<usize> = (0..s.peers.len())
+            .filter(|&q| {
+                q == s.rank
+                    || (s.peers[q].same_process(&s.peers[s.rank])
+                        && s.peers[q].same_gpu(&s.peers[s.rank]))
+            })
+            .collect();
+        let board = if process_ranks_on_device.len() == s.nranks {
+            super::board::for_rank(s.hash, ctx, s.rank, s.nranks)?
+        } else {
+            None
+        };
         let name = match &s.name {
             Some(n) => format!("comm {n} ({:#x}) rank {} of {}", s.hash, s.rank, s.nranks),
             None => format!("comm {:#x} rank {} of {}", s.hash, s.rank, s.nranks),
@@ -385,6 +400,7 @@ impl CudaComm {
             name: name.clone(),
             reported: false,
             used: Arc::downgrade(&used),
+            board: board.as_ref().map(Arc::downgrade),
             probes: crate::transport::peer::PeerInfo::local_probes(s.peers, s.rank),
             names: s
                 .peers
@@ -434,13 +450,8 @@ impl CudaComm {
                 .filter(|q| q.host == s.peers[s.rank].host && q.same_gpu(&s.peers[s.rank]))
                 .count()
                 .max(1),
-            process_ranks_on_device: (0..s.peers.len())
-                .filter(|&q| {
-                    q == s.rank
-                        || (s.peers[q].same_process(&s.peers[s.rank])
-                            && s.peers[q].same_gpu(&s.peers[s.rank]))
-                })
-                .collect(),
+            process_ranks_on_device,
+            board,
             room_warned: Default::default(),
             name,
         })
@@ -485,6 +496,10 @@ impl CudaComm {
     /// stop from now on, so that a graph replayed later returns at once (`kept`).
     pub fn end(&self) {
         self.ctl.abort();
+        // Its peers' board lanes wait for it no more (`Watched::board_peer_gone`).
+        if let Some(b) = &self.board {
+            b.leave(self.rank);
+        }
     }
 
     /// Waits until the last launch is done; after an abort, tells the kernels to stop first.
@@ -560,6 +575,7 @@ impl Drop for CudaComm {
                     self.name
                 ));
                 std::mem::forget(self.ctl.clone());
+                std::mem::forget(self.board.clone());
                 return;
             }
         }
@@ -571,6 +587,7 @@ impl Drop for CudaComm {
         let kept = Kept {
             ctl: self.ctl.clone(),
             events: c.events.clone(),
+            board: self.board.clone(),
         };
         // Some graph holds it (the watcher's reference is weak, upgraded for a moment now and
         // then: this may be wrong then, for a log line).
@@ -614,6 +631,8 @@ struct Watched {
     name: String,
     reported: bool,
     used: Weak<Mutex<Used>>,
+    /// Its device board, where board lanes wait for their peers.
+    board: Option<Weak<super::board::Board>>,
     /// How to ask whether each rank's process lives, where it runs on this host in another
     /// process (`PeerInfo::local_probes`), and each rank in words.
     probes: Vec<Option<crate::liveness::Probe>>,
@@ -666,7 +685,10 @@ impl Watched {
         if let Some(e) = self.stalled(&used, hdr, step) {
             return Some(e);
         }
-        let conn = used.0.get(&hdr)?.clone();
+        let Some(conn) = used.0.get(&hdr).cloned() else {
+            drop(used);
+            return self.board_peer_gone(hdr);
+        };
         drop(used);
         let r = conn.peer;
         let name = self
@@ -709,6 +731,24 @@ impl Watched {
         })
     }
 
+    /// A board lane waits on the device board (`hdr`: the line it waits on) for a rank whose
+    /// communicator ended: an error at once (a rank of this process, whose kernels are done).
+    fn board_peer_gone(&self, hdr: u64) -> Option<Error> {
+        let b = self.board.as_ref()?.upgrade()?;
+        if !b.holds(hdr) {
+            return None;
+        }
+        let r = b.line(hdr).1;
+        b.left(r).then(|| {
+            let name = self.names.get(r).map_or("a rank", |n| n.as_str());
+            Error::remote(format!(
+                "{}: {name} ended its communicator while this rank's kernels waited for it on \
+                 the device board (a direct all-reduce)",
+                self.name
+            ))
+        })
+    }
+
     /// The kernels wait on a connection that has not moved for the communicator's timeout: a
     /// peer that never comes, as the host executor's waits time out (`OXCCL_TIMEOUT_S`). Where
     /// the host can read the counters (pinned memory), they did not change; where they live in
@@ -718,16 +758,30 @@ impl Watched {
         // Only where the user set it: a GPU job's ranks may legitimately keep their peers
         // waiting for minutes (a checkpoint, an evaluation on one rank), as NCCL lets them.
         let timeout = crate::param::get_str("OXCCL_TIMEOUT_S").map(|_| crate::param::timeout())?;
-        let conn = used.0.get(&hdr)?;
         // (Counters only grow: a wait on it that ended, or any progress, changes them; a
         // kernel that waits for another step of it has seen it move.)
-        let counters = match (conn.on_device(), step) {
-            (false, _) => conn.counters(),
-            (true, u64::MAX) => format!(
-                "{}, its kernels wait for the peer to attach",
-                conn.counters()
-            ),
-            (true, s) => format!("{}, its kernels wait for step {s}", conn.counters()),
+        let counters = match used.0.get(&hdr) {
+            Some(conn) => match (conn.on_device(), step) {
+                (false, _) => conn.counters(),
+                (true, u64::MAX) => format!(
+                    "{}, its kernels wait for the peer to attach",
+                    conn.counters()
+                ),
+                (true, s) => format!("{}, its kernels wait for step {s}", conn.counters()),
+            },
+            None => {
+                // A board lane waits for a rank to arrive at a part of a direct all-reduce.
+                let b = self.board.as_ref()?.upgrade()?;
+                if !b.holds(hdr) {
+                    return None;
+                }
+                let (part, r) = b.line(hdr);
+                let name = self.names.get(r).map_or("a rank", |n| n.as_str());
+                format!(
+                    "{name} on the device board, which has not arrived at part {part} of a \
+                     direct all-reduce (arrival {step})"
+                )
+            }
         };
         let p = self
             .progress
@@ -739,8 +793,8 @@ impl Watched {
         }
         (p.1.elapsed() > timeout).then(|| {
             Error::timeout(format!(
-                "{}: its kernels waited {} s on a connection that did not move \
-                 (OXCCL_TIMEOUT_S): {}",
+                "{}: its kernels waited {} s for a peer that did not move (OXCCL_TIMEOUT_S): \
+                 {}",
                 self.name,
                 timeout.as_secs(),
                 p.0
@@ -835,6 +889,15 @@ fn kernel_error(name: &str, code: u32, info: [u64; 6]) -> Error {
             crate::plan::call::describe([info[1], info[2]]),
             crate::plan::call::describe([info[3], info[4]]),
             info[0],
+            info[5]
+        )),
+        3 => Error::invalid_usage(format!(
+            "{name}: rank {} made a call of {} where this rank made one of {} (a direct \
+             all-reduce on the device board, seen by block {}): every rank must make the same \
+             calls in the same order; the communicator can now only be destroyed or aborted",
+            info[0],
+            crate::plan::call::describe([info[1], info[2]]),
+            crate::plan::call::describe([info[3], info[4]]),
             info[5]
         )),
         c => Error::internal(format!("{name}: a kernel stopped with code {c}")),

@@ -28,13 +28,34 @@ pub const HEAD_GPU_FENCES: u64 = 1 << 17;
 const CONN: usize = 32;
 const PROG: usize = std::mem::size_of::<FlatProgram>();
 const STEP: usize = std::mem::size_of::<FlatStep>();
-const LANE: usize = 16;
+const LANE: usize = 24;
 const _: () = assert!(PROG == 80 && STEP == 56);
 /// Connections a launch may have to run several blocks per lane (`OX_MAX_CONNS`).
 const MAX_CONNS_MULTI: usize = 64;
 
 /// A program bound to this rank's connections, its addresses in device memory.
 pub type DevProgram = Program<Arc<Conn>>;
+
+/// What a lane's blocks read beside its programs (`OxLaneD`): its communicator's control
+/// block, and for a board lane (`board` not 0) the communicator's device board and this rank's
+/// place on it (`super::board`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct LaneComm {
+    pub ctl: u64,
+    pub board: u64,
+    pub rank: u16,
+    pub nranks: u16,
+}
+
+impl LaneComm {
+    /// An ordinary lane of the communicator whose control block is at `ctl`.
+    pub fn of(ctl: u64) -> LaneComm {
+        LaneComm {
+            ctl,
+            ..LaneComm::default()
+        }
+    }
+}
 
 /// The descriptor of one kernel launch.
 #[derive(Default)]
@@ -43,8 +64,10 @@ pub struct Desc {
     // (In place for a launch or two of one step: a one-rank call's allocations.)
     progs: SmallVec<[FlatProgram; 2]>,
     steps: SmallVec<[FlatStep; 4]>,
-    /// (first program, programs, the communicator's control block).
-    lanes: SmallVec<[(u16, u16, u64); 2]>,
+    /// (first program, programs, what the lane reads beside them).
+    lanes: SmallVec<[(u16, u16, LaneComm); 2]>,
+    /// Board lanes among them.
+    boards: usize,
     /// The largest step, in bytes.
     max_bytes: usize,
     /// Whether some step is more than a plain copy.
@@ -110,6 +133,7 @@ impl Desc {
     /// step (so that every block may take a share of every step, in no particular order).
     pub fn wide(&self) -> bool {
         self.conns.is_empty()
+            && self.boards == 0
             && self
                 .lanes
                 .iter()
@@ -122,6 +146,16 @@ impl Desc {
         &mut self,
         progs: impl IntoIterator<Item = &'p DevProgram>,
         ctl: u64,
+    ) -> Result<()> {
+        self.lane_on(progs, LaneComm::of(ctl))
+    }
+
+    /// `lane`, with what the lane reads beside its programs: a board lane's one program is one
+    /// `LocalReduce` step over the rank's own buffers (`super::board`).
+    pub fn lane_on<'p>(
+        &mut self,
+        progs: impl IntoIterator<Item = &'p DevProgram>,
+        lc: LaneComm,
     ) -> Result<()> {
         let first = self.progs.len();
         for p in progs {
@@ -159,7 +193,13 @@ impl Desc {
         let (Ok(first), Ok(n)) = (u16::try_from(first), u16::try_from(n)) else {
             return Err(Error::internal("too many programs in one launch"));
         };
-        self.lanes.push((first, n, ctl));
+        if lc.board != 0 {
+            if n != 1 || self.progs[usize::from(first)].nsteps != 1 {
+                return Err(Error::internal("a board lane of more than one step"));
+            }
+            self.boards += 1;
+        }
+        self.lanes.push((first, n, lc));
         Ok(())
     }
 
@@ -207,6 +247,12 @@ impl Desc {
     /// `Conn::shared_blocks`) and steps are large enough to share out, one per 256 KiB of the
     /// largest step, at most `OXCCL_CUDA_BLOCKS`.
     pub fn blocks_per_lane(&self) -> u16 {
+        // Board lanes share out each part of their operation, a part to a block (see
+        // `ox_board_parts`: at most 64 parts, one per 64 KiB), to as many blocks as the device
+        // holds beside the other ranks' (`run`'s room).
+        if self.boards > 0 && self.conns.is_empty() {
+            return (self.max_bytes / (256 << 10)).clamp(1, 64) as u16;
+        }
         if self.conns.is_empty()
             || self.conns.len() > MAX_CONNS_MULTI
             || !self.conns.iter().all(|c| c.on_device() && c.shared_blocks)
@@ -260,11 +306,12 @@ impl Desc {
         for s in &self.steps {
             b.extend_from_slice(as_bytes(s));
         }
-        for &(f, n, ctl) in &self.lanes {
-            b.extend_from_slice(&f.to_le_bytes());
-            b.extend_from_slice(&n.to_le_bytes());
-            b.extend_from_slice(&0u32.to_le_bytes());
-            b.extend_from_slice(&ctl.to_le_bytes());
+        for &(f, n, lc) in &self.lanes {
+            for v in [f, n, lc.rank, lc.nranks] {
+                b.extend_from_slice(&v.to_le_bytes());
+            }
+            b.extend_from_slice(&lc.ctl.to_le_bytes());
+            b.extend_from_slice(&lc.board.to_le_bytes());
         }
         b.resize(bytes, 0);
         Ok(b.chunks_exact(8)
@@ -275,8 +322,11 @@ impl Desc {
     /// The launch in words, for `OXCCL_CUDA_TRACE`.
     pub fn describe(&self) -> String {
         let mut out = String::new();
-        for (l, &(first, n, _)) in self.lanes.iter().enumerate() {
+        for (l, &(first, n, lc)) in self.lanes.iter().enumerate() {
             out += &format!(" lane {l}:");
+            if lc.board != 0 {
+                out += &format!(" board {:#x} rank {} of {}", lc.board, lc.rank, lc.nranks);
+            }
             for p in &self.progs[first as usize..(first + n) as usize] {
                 out += &format!(
                     " [prog niter {} slice {} esize {} red {}/{}:",
@@ -318,7 +368,7 @@ impl Desc {
 
     /// (dst, src, bytes) of each step, where every step is a plain local copy.
     pub fn plain_copies(&self) -> Option<Vec<(u64, u64, u64)>> {
-        if self.transforms || !self.conns.is_empty() {
+        if self.transforms || !self.conns.is_empty() || self.boards > 0 {
             return None;
         }
         Some(
@@ -538,10 +588,10 @@ mod tests {
                 call: [0, 0],
             }
         };
-        // 16 + 80 + 100 x 56 + 16 bytes.
+        // 16 + 80 + 100 x 56 + 24 bytes.
         let mut d = Desc::new();
         d.lane([&prog(100)], 0).expect("lane");
-        assert_eq!(d.size(), 5712);
+        assert_eq!(d.size(), 5720);
         assert!(d.large());
         let e = d
             .params(1, false)
@@ -562,8 +612,8 @@ mod tests {
         assert!(b[d.size() / 8..].iter().all(|&w| w == 0));
         let c = d.plain_copies().expect("copies only");
         assert_eq!((c.len(), c[0]), (100, (16, 8, 2)));
-        // 69 steps fit 4000 bytes; 583 fit 32760, 584 do not.
-        for (steps, large) in [(69, false), (70, true), (583, true)] {
+        // 69 steps fit 4000 bytes; 582 fit 32760, 583 do not.
+        for (steps, large) in [(69, false), (70, true), (582, true)] {
             let mut d = Desc::new();
             d.lane([&prog(steps)], 0).expect("lane");
             assert_eq!(d.large(), large, "{steps} steps");
@@ -576,12 +626,12 @@ mod tests {
             assert_eq!(b.len() * 8, want);
         }
         let mut d = Desc::new();
-        d.lane([&prog(584)], 0).expect("lane");
+        d.lane([&prog(583)], 0).expect("lane");
         let e = d.params(1, true).expect_err("too large");
         assert!(e.msg.contains("one CUDA launch takes 32760 ("), "{}", e.msg);
-        let p = prog(584);
+        let p = prog(583);
         let e = Desc::check_fits([std::slice::from_ref(&p)], true).expect_err("too large");
-        assert!(e.msg.contains("32816-byte descriptor"), "{}", e.msg);
+        assert!(e.msg.contains("32768-byte descriptor"), "{}", e.msg);
         assert!(Desc::check_fits([std::slice::from_ref(&prog(100))], true).is_ok());
     }
 

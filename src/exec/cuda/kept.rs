@@ -60,6 +60,8 @@ impl Drop for Events {
 pub(super) struct Kept {
     pub ctl: Arc<Ctl>,
     pub events: Arc<Events>,
+    /// Its device board (`super::board`), which board lanes read and write.
+    pub board: Option<Arc<super::board::Board>>,
 }
 
 /// What graphs let go of, to be freed outside the driver's destructor thread.

@@ -17,6 +17,7 @@
 //! devices (`memory::pin_host`), so that the same regions serve the shared-memory transport
 //! between processes and the proxy threads of the network.
 
+mod board;
 pub mod comm;
 mod desc;
 mod direct;
@@ -66,6 +67,14 @@ struct Scratch {
     bases: Vec<u64>,
 }
 
+/// A stage's lanes bound to connections, with the scratch of its stash; `board`: its one lane
+/// is a board lane (`board`), this rank's part of a direct all-reduce.
+struct DevStage {
+    lanes: Vec<Vec<DevProgram>>,
+    scratch: Scratch,
+    board: bool,
+}
+
 /// One communicator's planned and bound work.
 struct Job<'a> {
     comm: &'a CudaComm,
@@ -73,8 +82,8 @@ struct Job<'a> {
     /// Other streams the communicator's calls of the group were given: the launch stream waits
     /// for what they have queued, and they for the launch (as NCCL joins them).
     joins: Vec<usize>,
-    stages: smallvec::SmallVec<[(Vec<Vec<DevProgram>>, Scratch); 1]>,
-    p2p: (Vec<Vec<DevProgram>>, Scratch),
+    stages: smallvec::SmallVec<[DevStage; 1]>,
+    p2p: DevStage,
 }
 
 /// A group's jobs (in place for one communicator's).
@@ -83,32 +92,87 @@ type Jobs<'a> = smallvec::SmallVec<[Job<'a>; 1]>;
 impl Job<'_> {
     /// The lanes of launch `k`: stage k's, and in the first the point-to-point lanes.
     fn lanes(&self, k: usize) -> impl Iterator<Item = &Vec<DevProgram>> {
-        let stage = self.stages.get(k).map(|(l, _)| l.as_slice()).unwrap_or(&[]);
-        let p2p = if k == 0 { self.p2p.0.as_slice() } else { &[] };
+        let stage = self
+            .stages
+            .get(k)
+            .map(|s| s.lanes.as_slice())
+            .unwrap_or(&[]);
+        let p2p = if k == 0 {
+            self.p2p.lanes.as_slice()
+        } else {
+            &[]
+        };
         stage.iter().chain(p2p)
+    }
+
+    /// Whether launch `k`'s first lane is a board lane.
+    fn on_board(&self, k: usize) -> bool {
+        self.stages.get(k).is_some_and(|s| s.board)
     }
 }
 
-fn bind_lanes(
+/// Binds a stage's lanes to the communicator's connections. A direct operation (the planner
+/// gives them only where the communicator has a board, and only all-reduces: `prepare`) becomes
+/// a board lane's program, one `LocalReduce` step over the rank's own buffers.
+fn bind_stage(
     lanes: impl IntoIterator<Item = Vec<Work>>,
+    copies: Vec<(usize, usize)>,
     conns: &crate::transport::conns::Conns,
-) -> Result<Vec<Vec<DevProgram>>> {
-    lanes
+) -> Result<DevStage> {
+    let mut board = false;
+    let lanes = lanes
         .into_iter()
         .map(|lane| {
             lane.into_iter()
                 .map(|w| match w {
                     Work::Steps(p) => p.bind(&mut |k| conns.bound(k)),
-                    Work::Board(b) => match b.fallback {
-                        Some(p) => p.bind(&mut |k| conns.bound(k)),
-                        None => Err(Error::internal(
-                            "a direct board operation was planned for the CUDA executor",
-                        )),
-                    },
+                    Work::Board(b) if b.kind == crate::plan::board::BoardKind::AllReduce => {
+                        board = true;
+                        board_program(&b)
+                    }
+                    Work::Board(_) => Err(Error::internal(
+                        "a direct operation other than an all-reduce was planned for the CUDA \
+                         executor",
+                    )),
                 })
                 .collect()
         })
-        .collect()
+        .collect::<Result<Vec<Vec<DevProgram>>>>()?;
+    if board && (lanes.len() != 1 || lanes[0].len() != 1) {
+        return Err(Error::internal("a board lane shares its stage"));
+    }
+    Ok(DevStage {
+        lanes,
+        scratch: Scratch {
+            copies,
+            bases: Vec::new(),
+        },
+        board,
+    })
+}
+
+/// A board lane's program: this rank's buffers, count and reduction, and the call's words (which
+/// the lanes compare on the board).
+fn board_program(b: &crate::plan::board::BoardOp) -> Result<DevProgram> {
+    let step = crate::plan::Step {
+        prim: crate::plan::Prim::LocalReduce,
+        recv: None,
+        send: None,
+        src: Addr::User(b.send),
+        dst: Addr::User(b.recv),
+        len: b.count,
+        prep: true,
+    };
+    let bytes = b.count * b.dtype.size();
+    let mut p = crate::plan::Program::new(vec![step], b.dtype, bytes.max(1), b.red);
+    p.call = crate::plan::call::of_coll(
+        crate::types::CollKind::AllReduce,
+        b.count,
+        b.dtype,
+        b.red,
+        0,
+    );
+    p.bind(&mut |_| Err(Error::internal("a connection in a board lane")))
 }
 
 /// Checks that a buffer the kernels will touch is memory the device reaches (device, managed
@@ -231,10 +295,13 @@ fn prepare<'a>(per_comm: PerComm<'a>) -> Result<Jobs<'a>> {
     }
     let mut planned: smallvec::SmallVec<[_; 1]> = smallvec::SmallVec::new();
     for qs in per_comm {
+        let comm = qs[0].cuda();
         let caps = Caps {
-            direct: false,
+            direct: comm.board.is_some() && crate::param::cuda_direct(),
+            direct_kinds: &[crate::plan::board::BoardKind::AllReduce],
+            direct_algo: "Direct (device board: every rank in this process on this GPU)",
             eager_bytes: 0,
-            channels: qs[0].cuda().channels,
+            channels: comm.channels,
         };
         let call = |q: &Call<'_>| (q.args, q.red);
         let t = crate::plan::build::build_task(qs[0].conns, caps, &qs, call)?;
@@ -266,15 +333,7 @@ fn prepare<'a>(per_comm: PerComm<'a>) -> Result<Jobs<'a>> {
         let stages = t
             .stages
             .into_iter()
-            .map(|s| {
-                Ok((
-                    bind_lanes(s.lanes, conns)?,
-                    Scratch {
-                        copies: s.stash.copies,
-                        bases: Vec::new(),
-                    },
-                ))
-            })
+            .map(|s| bind_stage(s.lanes, s.stash.copies, conns))
             .collect::<Result<_>>()?;
         jobs.push(Job {
             comm: qs[0].cuda(),
@@ -291,13 +350,7 @@ fn prepare<'a>(per_comm: PerComm<'a>) -> Result<Jobs<'a>> {
                 v
             },
             stages,
-            p2p: (
-                bind_lanes(t.p2p, conns)?,
-                Scratch {
-                    copies: t.p2p_stash.copies,
-                    bases: Vec::new(),
-                },
-            ),
+            p2p: bind_stage(t.p2p, t.p2p_stash.copies, conns)?,
         });
     }
     Ok(jobs)
@@ -380,7 +433,7 @@ fn launch_set(jobs: &mut [Job<'_>]) -> Result<()> {
     let stream = jobs[0].stream;
     let _g = CtxGuard::enter(comm0.ctx)?;
     let nstages = jobs.iter().map(|j| j.stages.len()).max().unwrap_or(0);
-    let has_p2p = jobs.iter().any(|j| !j.p2p.0.is_empty());
+    let has_p2p = jobs.iter().any(|j| !j.p2p.lanes.is_empty());
     let launches = nstages.max(has_p2p as usize);
     // Every launch's descriptor must fit before the first is launched: a group fails whole
     // (and alike on every rank, whose groups are the same).
@@ -488,17 +541,17 @@ fn launch_stage(
     let mut filled: smallvec::SmallVec<[(usize, bool); 4]> = smallvec::SmallVec::new();
     let mut r = Ok(());
     for (i, j) in jobs.iter_mut().enumerate() {
-        if let Some((lanes, sc)) = j.stages.get_mut(k) {
+        if let Some(s) = j.stages.get_mut(k) {
             filled.push((i, false));
-            r = fill_scratch(sc, lanes, stream, api);
+            r = fill_scratch(&mut s.scratch, &mut s.lanes, stream, api);
             if r.is_err() {
                 break;
             }
         }
         if k == 0 {
-            let (lanes, sc) = &mut j.p2p;
+            let s = &mut j.p2p;
             filled.push((i, true));
-            r = fill_scratch(sc, lanes, stream, api);
+            r = fill_scratch(&mut s.scratch, &mut s.lanes, stream, api);
             if r.is_err() {
                 break;
             }
@@ -507,7 +560,7 @@ fn launch_stage(
     if r.is_ok() {
         r = ordered_lanes(jobs, k)
             .into_iter()
-            .try_for_each(|(lane, ctl)| d.lane(lane, ctl));
+            .try_for_each(|(lane, lc)| d.lane_on(lane, lc));
     }
     if r.is_ok() {
         if trace() {
@@ -539,7 +592,11 @@ fn launch_stage(
     // order, when nothing was launched).
     for (i, p2p) in filled {
         let j = &jobs[i];
-        let sc = if p2p { &j.p2p.1 } else { &j.stages[k].1 };
+        let sc = if p2p {
+            &j.p2p.scratch
+        } else {
+            &j.stages[k].scratch
+        };
         free_scratch(sc, stream, api);
     }
     r
@@ -551,12 +608,22 @@ fn launch_stage(
 fn ordered_lanes<'j>(
     jobs: &'j [Job<'_>],
     k: usize,
-) -> smallvec::SmallVec<[(&'j [DevProgram], u64); 4]> {
+) -> smallvec::SmallVec<[(&'j [DevProgram], desc::LaneComm); 4]> {
     let mut v: smallvec::SmallVec<[_; 4]> = smallvec::SmallVec::new();
     for j in jobs {
         // (By its hash: the same order in every process, whatever order a group's calls on
         // several communicators came in.)
         let ci = j.comm.hash as usize;
+        let ctl = j.comm.ctl.addr();
+        let board = match (&j.comm.board, j.on_board(k)) {
+            (Some(b), true) => desc::LaneComm {
+                ctl,
+                board: b.addr(),
+                rank: j.comm.rank as u16,
+                nranks: j.comm.nranks as u16,
+            },
+            _ => desc::LaneComm::of(ctl),
+        };
         for (index, lane) in j.lanes(k).enumerate() {
             let ends = lane
                 .iter()
@@ -564,11 +631,17 @@ fn ordered_lanes<'j>(
                 .flat_map(|s| s.conns())
                 .map(|c| (c.me, c.peer, c.is_sender, c.class));
             let key = desc::lane_key(ends, j.comm.nranks, ci, index, j.comm.rank);
-            v.push((key, lane.as_slice(), j.comm.ctl.addr()));
+            // (A board lane is the stage's only one, before the point-to-point lanes.)
+            let lc = if index == 0 {
+                board
+            } else {
+                desc::LaneComm::of(ctl)
+            };
+            v.push((key, lane.as_slice(), lc));
         }
     }
     v.sort_by_key(|e| e.0);
-    v.into_iter().map(|(_, lane, ctl)| (lane, ctl)).collect()
+    v.into_iter().map(|(_, lane, lc)| (lane, lc)).collect()
 }
 
 /// `OXCCL_CUDA_TRACE=1`: every launch is logged (INFO) with its lanes, steps and connections.

@@ -213,6 +213,7 @@ pub(super) fn join_captured(
             let k = super::kept::Kept {
                 ctl: comm.ctl.clone(),
                 events: c.events.clone(),
+                board: comm.board.clone(),
             };
             c.unkept = id.is_none() || !super::kept::keep(&k, stream);
         }

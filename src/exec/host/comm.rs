@@ -188,6 +188,8 @@ impl HostComm {
     pub fn caps(&self) -> crate::plan::build::Caps {
         crate::plan::build::Caps {
             direct: self.has_board(),
+            direct_kinds: crate::plan::board::BoardKind::ALL,
+            direct_algo: "Direct (Ring fallback)",
             eager_bytes: crate::transport::board::INLINE,
             // One thread runs a task's lanes: more rings would only interleave there.
             channels: 1,

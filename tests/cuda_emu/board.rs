@@ -1,0 +1,161 @@
+//! The device board (`src/exec/cuda/board.rs`): the ranks of a communicator, all in this
+//! process on the one device, launching one at a time (each in a thread of its own, or one
+//! after the other on streams of their own): their all-reduces meet on the board, a board lane
+//! in each rank's launch, whatever else their groups hold. And its failures: ranks that make
+//! different calls, a rank that ends its communicator while a peer waits for it there, and one
+//! that never comes.
+
+use super::device::BOARD_LANES;
+use super::*;
+
+/// Board lanes launched since `before`.
+fn board_lanes_since(before: u64) -> u64 {
+    BOARD_LANES.load(Ordering::SeqCst) - before
+}
+
+/// Each rank in a thread of its own on its own stream: every all-reduce of `cs` in turn
+/// (datatypes, operators, in place, several sizes), then an all-reduce and the ring's send and
+/// receive in one group; every output checked element by element, and every all-reduce a
+/// board lane.
+pub fn board_threads(n: usize, cs: &[Case]) {
+    let cs: Vec<Case> = cs
+        .iter()
+        .filter(|c| c.kind == CollKind::AllReduce)
+        .copied()
+        .collect();
+    let bufs: Vec<Vec<(usize, usize)>> = cs.iter().map(|c| buffers(c, n)).collect();
+    let with = f32_sum(70_001);
+    let ring = Case {
+        kind: CollKind::Send,
+        ..f32_sum(1001)
+    };
+    let (wbufs, rbufs) = (buffers(&with, n), buffers(&ring, n));
+    let before = BOARD_LANES.load(Ordering::SeqCst);
+    let id = nccl::api::get_unique_id().unwrap();
+    let ranks: Vec<_> = (0..n)
+        .map(|r| {
+            let (cs, bufs) = (cs.clone(), bufs.clone());
+            let (wb, rb) = (wbufs[r], rbufs[r]);
+            std::thread::spawn(move || {
+                let comm = nccl::api::comm_init_rank(n as i32, &id, r as i32, Default::default())
+                    .expect("a rank in a thread");
+                let stream = new_stream();
+                for (c, b) in cs.iter().zip(&bufs) {
+                    fill(c, n, r, b[r], 0);
+                    enqueue(&comm, c, n, b[r], stream);
+                }
+                fill(&with, n, r, wb, 1);
+                fill(&ring, n, r, rb, 1);
+                nccl::api::group_start().unwrap();
+                enqueue(&comm, &with, n, wb, stream);
+                enqueue(&comm, &ring, n, rb, stream);
+                nccl::api::group_end().unwrap();
+                sync_all(&[stream], "board lanes of ranks in threads");
+                no_async_error(
+                    std::slice::from_ref(&comm),
+                    "board lanes of ranks in threads",
+                );
+                comm
+            })
+        })
+        .collect();
+    let comms: Vec<_> = ranks.into_iter().map(|t| t.join().unwrap()).collect();
+    for (c, b) in cs.iter().zip(&bufs) {
+        verify(
+            c,
+            b,
+            0,
+            &format!("{}, a thread per rank", describe(c, n, n)),
+        );
+    }
+    let what = format!(
+        "{} with a ring's send and receive in one group",
+        describe(&with, n, n)
+    );
+    verify(&with, &wbufs, 1, &what);
+    verify(&ring, &rbufs, 1, &what);
+    assert_eq!(
+        board_lanes_since(before),
+        (n * (cs.len() + 1)) as u64,
+        "every all-reduce of ranks in threads on the device board"
+    );
+    for c in &comms {
+        nccl::api::comm_destroy(nccl::api::comm_handle(c)).unwrap();
+    }
+    release_buffers();
+}
+
+/// Failures on the board, two ranks of one communicator launching one after the other on
+/// streams of their own. Different calls (counts whose operations cut into as many parts, and
+/// into different numbers of parts): both communicators fail with ncclInvalidUsage naming the
+/// other rank, their streams drained. A rank that ends its communicator while its peer's
+/// kernel waits for it on the board: the peer fails with ncclRemoteError within seconds. A peer
+/// that never comes: the kernel waits until `ncclCommAbort` stops it.
+pub fn board_failures() {
+    use nccl::error::Code;
+    let streams = [new_stream(), new_stream()];
+    for counts in [[1001, 2002], [300_001, 600_002]] {
+        let comms = nccl::api::comm_init_all(&[0, 0]).expect("two ranks");
+        let calls = counts.map(f32_sum);
+        let bufs = [buffers(&calls[0], 2)[0], buffers(&calls[1], 2)[1]];
+        let before = BOARD_LANES.load(Ordering::SeqCst);
+        for r in 0..2 {
+            enqueue(&comms[r], &calls[r], 2, bufs[r], streams[r]);
+        }
+        assert_eq!(board_lanes_since(before), 2, "on the board");
+        let what = format!(
+            "ranks that all-reduce {} and {} elements",
+            counts[0], counts[1]
+        );
+        failed(&comms, &streams, Some(Code::InvalidUsage), &what);
+        let msg = nccl::error::last_error();
+        assert!(
+            msg.contains("device board") && msg.contains(&format!("of {} x", counts[1])),
+            "{what}: {msg}"
+        );
+        release_buffers();
+    }
+
+    let c = f32_sum(4099);
+    let comms = nccl::api::comm_init_all(&[0, 0]).expect("two ranks");
+    let bufs = buffers(&c, 2);
+    // (Both once, so that the wait below is not the first use of anything.)
+    for r in 0..2 {
+        enqueue(&comms[r], &c, 2, bufs[r], streams[r]);
+    }
+    sync_all(&streams, "two board all-reduces");
+    enqueue(&comms[0], &c, 2, bufs[0], streams[0]);
+    assert!(
+        !sync(streams[0], Duration::from_millis(300)),
+        "done without its peer"
+    );
+    nccl::api::comm_destroy(nccl::api::comm_handle(&comms[1])).expect("destroy");
+    assert!(
+        sync(streams[0], Duration::from_secs(20)),
+        "the kernel still waits on the board for a peer that destroyed its communicator"
+    );
+    assert_eq!(
+        async_error(&comms[0]),
+        Code::RemoteError,
+        "a peer that left"
+    );
+    let msg = nccl::error::last_error();
+    assert!(msg.contains("ended its communicator"), "{msg}");
+    let _ = nccl::api::comm_abort(nccl::api::comm_handle(&comms[0]));
+
+    let comms = nccl::api::comm_init_all(&[0, 0]).expect("two ranks");
+    enqueue(&comms[0], &c, 2, bufs[0], streams[0]);
+    assert!(
+        !sync(streams[0], Duration::from_millis(300)),
+        "done without its peer"
+    );
+    let t = Instant::now();
+    nccl::api::comm_abort(nccl::api::comm_handle(&comms[0])).expect("abort");
+    assert!(
+        sync(streams[0], Duration::from_secs(10)),
+        "the kernel went on waiting on the board after the abort"
+    );
+    assert!(t.elapsed() < Duration::from_secs(10));
+    nccl::api::comm_abort(nccl::api::comm_handle(&comms[1])).expect("abort");
+    release_buffers();
+}
