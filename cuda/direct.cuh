@@ -29,15 +29,17 @@ union OxPack {
   typename OxDt<DT>::S e[16 / sizeof(typename OxDt<DT>::S)];
 };
 
-// Up to M ranks (registers for M packs per element pack; U element packs in flight per thread).
+// Up to M ranks (registers for M packs per element pack; U element packs in flight per thread):
+// the n inputs `src` reduced into each of the `nd` outputs `dst`.
 template <int DT, int M, int U>
 __device__ __forceinline__ void direct_typed(const uint8_t* const* src, uint8_t* const* dst,
-                                             const OxRed* red, int n, uint64_t count, size_t tid,
-                                             size_t nt) {
+                                             const OxRed* red, int n, int nd, uint64_t count,
+                                             size_t tid, size_t nt) {
   typedef typename OxDt<DT>::S S;
   const int K = 16 / sizeof(S);
   uintptr_t al = 0;
-  for (int k = 0; k < n; k++) al |= (uintptr_t)src[k] | (uintptr_t)dst[k];
+  for (int k = 0; k < n; k++) al |= (uintptr_t)src[k];
+  for (int k = 0; k < nd; k++) al |= (uintptr_t)dst[k];
   uint64_t head = 0;
   // 16 bytes at a time for 4- and 8-byte types (as `reduce_typed`; not compiled for narrower
   // ones, whose unrolled conversions cost NVRTC minutes). Loops run to constant bounds (with
@@ -72,7 +74,7 @@ OX_UNROLL
           }
 OX_UNROLL
           for (int j = 0; j < K; j++) acc.e[j] = ox_finish<DT>(acc.e[j], red[0]);
-          for (int k = 0; k < n; k++) ((uint4*)dst[k])[i] = acc.v;
+          for (int k = 0; k < nd; k++) ((uint4*)dst[k])[i] = acc.v;
         }
       }
       head = np * K;
@@ -82,7 +84,7 @@ OX_UNROLL
     S acc = ox_prep<DT>(((const S*)src[0])[i], red[0]);
     for (int k = 1; k < n; k++) acc = ox_combine<DT>(((const S*)src[k])[i], acc, red[k]);
     acc = ox_finish<DT>(acc, red[0]);
-    for (int k = 0; k < n; k++) ((S*)dst[k])[i] = acc;
+    for (int k = 0; k < nd; k++) ((S*)dst[k])[i] = acc;
   }
 }
 

@@ -112,7 +112,13 @@ struct OxParamsLarge {
   uint64_t words[OX_PARAM_BYTES_LARGE / 8];
 };
 
-enum { OX_ERR_NONE = 0, OX_ERR_CALL = 1, OX_ERR_ABORT = 2, OX_ERR_BOARD_CALL = 3 };
+enum {
+  OX_ERR_NONE = 0,
+  OX_ERR_CALL = 1,
+  OX_ERR_ABORT = 2,
+  OX_ERR_BOARD_CALL = 3,
+  OX_ERR_BOARD_LEFT = 4
+};
 
 // OX_SPIN: what a read of a counter may also do. Nothing on a GPU; the host emulation of the
 // kernels (tests/cuda_emu) lets other blocks, which are threads there, have the cores.
@@ -595,41 +601,50 @@ __device__ OxRed ox_red(const OxProgD& p) {
   return r;
 }
 
-// ---- the device board: a direct all-reduce across launches ----
+// ---- the device board: direct collectives across launches ----
 //
 // Ranks of one communicator that are all in one process on one GPU (each launching on its own
 // stream, from threads of their own, say) reach each other's buffers: each rank's launch has a
-// board lane, one program of one LOCAL_REDUCE step over its own input (src) and output (dst),
-// and the lanes meet on the communicator's board (`src/exec/cuda/board.rs`), device memory
-// they share. The operation is cut into parts (`ox_board_parts`, the same on every rank); for
-// each part, every rank publishes its buffers in its line and arrives, waits for every rank's
-// arrival, reduces its share of the part's elements from every rank's input into every rank's
-// output (each element read once per input and written once per output, by one rank), and
-// arrives again; it leaves the part when every rank has, so no rank's launch ends while a peer
-// may still read its input or write its output. A block of the lane takes the parts
-// `part`, `part + nb`, ... in order (ranks may run their lanes with different numbers of
-// blocks). Each (part, rank) line holds: the rank's arrivals at the part (u64; two per
-// operation, so a rank's own count says which operation comes next: graph replays need no
-// host), its input, output and call words, and its reduction (OxRed).
+// board lane, one program of one step over its own input (src) and output (dst), whose call
+// words say the collective (kind, count, root: `src/plan/call.rs`), and the lanes meet on the
+// communicator's board (`src/exec/cuda/board.rs`), device memory they share. The operation is
+// cut into parts (`ox_board_parts`, the same on every rank) of the element indices of one
+// rank's count; for each part, every rank publishes its buffers in its line and arrives, waits
+// for every rank's arrival, claims every peer's buffers, does its share of the part's elements
+// (`ox_board_share`: each element read once per input and written once per output, by one
+// rank), lets the claims go, and arrives again; it leaves the part when every rank has, so no
+// rank's launch ends while a peer may still read its input or write its output, and no line is
+// written for the next operation while a peer may still read it for this one. A block of the
+// lane takes the parts `part`, `part + nb`, ... in order (ranks may run their lanes with
+// different numbers of blocks). Each (part, rank) line holds: the rank's arrivals at the part
+// (u64; two per operation, so a rank's own count says which operation comes next: graph
+// replays need no host), its input, output and call words, the claims peers hold on its
+// buffers, and its reduction (OxRed).
+//
+// A rank whose kernel must stop inside a part (abort, a call mismatch, a peer that left) marks
+// its arrivals OX_BOARD_LEFT and waits until no peer holds a claim on its buffers: a peer
+// claims, then looks at the arrivals again, and lets go of a rank that left (with fences
+// between, one of the two sees the other); so once the kernel ends, nothing reads or writes
+// that rank's buffers any more, whatever the user then does with them. A peer that finds a
+// rank left stops too, with OX_ERR_BOARD_LEFT.
 #define OX_BOARD_LINE 128
 #define OX_BOARD_PARTS 64
 #define OX_BOARD_PART_BYTES (64 << 10)
+#define OX_BOARD_LEFT (1ull << 63)
 struct OxBoardLine {
-  uint64_t arrive, src, dst, call0, call1, pad[3];
+  uint64_t arrive, src, dst, call0, call1;
+  unsigned int claims, pad0;
+  uint64_t pad[2];
   OxRed red;
 };
 static_assert(sizeof(OxBoardLine) <= OX_BOARD_LINE, "OxBoardLine layout");
+// The collectives' codes in call words (`CollKind`'s order).
+enum { OX_ALL_REDUCE = 0, OX_BROADCAST = 1, OX_REDUCE = 2, OX_ALL_GATHER = 3, OX_REDUCE_SCATTER = 4 };
 
 __device__ __forceinline__ uint64_t ox_board_parts(uint64_t bytes) {
   uint64_t p = bytes / OX_BOARD_PART_BYTES;
   return p < 1 ? 1 : (p > OX_BOARD_PARTS ? OX_BOARD_PARTS : p);
 }
-
-#ifdef __CUDA_ARCH__
-#define OX_NOINLINE __noinline__
-#else
-#define OX_NOINLINE
-#endif
 
 // Threads `tid`, `tid + nt`, ... below n: wait until rank k's line of the part has `want`
 // arrivals. False when the kernel must stop (abort).
@@ -645,26 +660,108 @@ __device__ __forceinline__ bool ox_board_wait(OxCtl* ctl, const uint8_t* lines, 
   return true;
 }
 
-// A board lane (see above), run by block `part` of its `nb`.
-OX_NOINLINE __device__ void ox_board(const OxView& v, const OxLaneD& lane, OxCtl* ctl,
+// `bytes` from `src` to each of the `nd` outputs `dst` (16 bytes at a time where all allow).
+__device__ __forceinline__ void ox_copy_to(const uint8_t* src, uint8_t* const* dst, int nd,
+                                           uint64_t bytes, int tid, int nt) {
+  uintptr_t al = (uintptr_t)src;
+  for (int k = 0; k < nd; k++) al |= (uintptr_t)dst[k];
+  uint64_t done = 0;
+  if ((al & 15) == 0) {
+    const uint64_t nv = bytes / 16;
+    for (uint64_t i = tid; i < nv; i += nt) {
+      const uint4 v = ((const uint4*)src)[i];
+      for (int k = 0; k < nd; k++) ((uint4*)dst[k])[i] = v;
+    }
+    done = nv * 16;
+  }
+  for (uint64_t i = done + tid; i < bytes; i += nt) {
+    const uint8_t v = src[i];
+    for (int k = 0; k < nd; k++) dst[k][i] = v;
+  }
+}
+
+// This rank's share [a, b) of a part's element indices (of one rank's `count`), every rank's
+// buffers at `src`/`dst` (all threads; `in`/`out`: shared room for the pointers of a round).
+// All-reduce: every input into every output. Reduce: into the root's. Broadcast: the root's
+// input into every output. All-gather: rank g's input into segment g of every output, g by g.
+// Reduce-scatter: segment g of every input into rank g's output, g by g.
+__device__ __forceinline__ void ox_board_share(uint32_t kind, int root, int n, uint64_t count,
+                                               uint64_t a, uint64_t b, uint64_t es,
+                                               const uint8_t* const* src, uint8_t* const* dst,
+                                               const OxRed* red, const uint8_t** in,
+                                               uint8_t** out, int tid, int nt) {
+  const bool segments = kind == OX_ALL_GATHER || kind == OX_REDUCE_SCATTER;
+  const int ni = (kind == OX_BROADCAST || kind == OX_ALL_GATHER) ? 1 : n;
+  const int no = (kind == OX_REDUCE || kind == OX_REDUCE_SCATTER) ? 1 : n;
+  for (int g = 0; g < (segments ? n : 1); g++) {
+    const uint64_t at = a * es, seg = (g * count + a) * es;
+    for (int k = tid; k < n; k += nt) {
+      switch (kind) {
+        case OX_REDUCE:
+          in[k] = src[k] + at;
+          if (k == 0) out[0] = dst[root] + at;
+          break;
+        case OX_BROADCAST:
+          if (k == 0) in[0] = src[root] + at;
+          out[k] = dst[k] + at;
+          break;
+        case OX_ALL_GATHER:
+          if (k == 0) in[0] = src[g] + at;
+          out[k] = dst[k] + seg;
+          break;
+        case OX_REDUCE_SCATTER:
+          in[k] = src[k] + seg;
+          if (k == 0) out[0] = dst[g] + at;
+          break;
+        default:
+          in[k] = src[k] + at;
+          out[k] = dst[k] + at;
+      }
+    }
+    __syncthreads();
+    if (ni == 1) {
+      ox_copy_to(in[0], out, no, (b - a) * es, tid, nt);
+    } else {
+      switch (red[0].dtype) {
+#define OX_CASE(d) \
+  case d: direct_typed<d, OX_DIRECT_MAX, 1>(in, out, red, ni, no, b - a, tid, nt); break;
+        OX_CASE(0) OX_CASE(1) OX_CASE(2) OX_CASE(3) OX_CASE(4) OX_CASE(5)
+        OX_CASE(6) OX_CASE(7) OX_CASE(8) OX_CASE(9) OX_CASE(10) OX_CASE(11)
+#undef OX_CASE
+      }
+    }
+    __syncthreads();
+  }
+}
+
+// A board lane (see above), run by block `part` of its `nb` (in `oxccl_run_board` only: its
+// element loops take registers the runner's other paths do not need).
+__device__ __forceinline__ void ox_board(const OxView& v, const OxLaneD& lane, OxCtl* ctl,
                                      uint32_t nb, uint32_t part) {
   const OxProgD& p = v.progs[lane.first_prog];
   const OxStepD& s = v.steps[p.first_step];
   const int n = lane.bn, me = lane.brank, tid = threadIdx.x, nt = blockDim.x;
   __shared__ const uint8_t* src[OX_DIRECT_MAX];
   __shared__ uint8_t* dst[OX_DIRECT_MAX];
+  __shared__ const uint8_t* in[OX_DIRECT_MAX];
+  __shared__ uint8_t* out[OX_DIRECT_MAX];
   __shared__ OxRed red[OX_DIRECT_MAX];
   __shared__ uint64_t epoch;
   __shared__ int stop;
   __shared__ OxRed mine;
-  if (n < 1 || n > OX_DIRECT_MAX || me >= n) return;  // the host never launches these
+  const uint32_t kind = (uint32_t)(p.call1 & 0xff);
+  const int root = (int)(p.call1 >> 32);
+  // (The host never launches these.)
+  if (n < 1 || n > OX_DIRECT_MAX || me >= n || kind > OX_REDUCE_SCATTER || root >= n) return;
   if (tid == 0) {
     mine = ox_red(p);
     stop = 0;
   }
   __syncthreads();
+  // `count`: one rank's (of the vector; per rank for all-gather and reduce-scatter).
   const uint64_t count = s.len, es = p.esize;
-  const uint64_t parts = ox_board_parts(count * es);
+  const bool segments = kind == OX_ALL_GATHER || kind == OX_REDUCE_SCATTER;
+  const uint64_t parts = ox_board_parts(count * es * (segments ? n : 1));
   // Elements per part, and per rank's share of a part: multiples of 16 bytes.
   const uint64_t align = es < 16 ? 16 / es : 1;
   const uint64_t per = ((count + parts - 1) / parts + align - 1) / align * align;
@@ -678,60 +775,109 @@ OX_NOINLINE __device__ void ox_board(const OxView& v, const OxLaneD& lane, OxCtl
     const uint64_t b = lo + ((me + 1) * share < len ? (me + 1) * share : len);
     if (tid == 0) {
       epoch = ld_vol64(&own->arrive);
-      st_vol64(&own->src, s.src.at);
-      st_vol64(&own->dst, s.dst.at);
-      st_vol64(&own->call0, p.call0);
-      st_vol64(&own->call1, p.call1);
-      own->red = mine;
-      __threadfence();
-      st_vol64(&own->arrive, epoch + 1);
+      if (!(epoch & OX_BOARD_LEFT)) {
+        st_vol64(&own->src, s.src.at);
+        st_vol64(&own->dst, s.dst.at);
+        st_vol64(&own->call0, p.call0);
+        st_vol64(&own->call1, p.call1);
+        own->red = mine;
+        __threadfence();
+        st_vol64(&own->arrive, epoch + 1);
+      }
     }
     __syncthreads();
     const uint64_t e = epoch;
+    // (A rank that left its board before: its communicator has failed.)
+    if (e & OX_BOARD_LEFT) return;
     if (!ox_board_wait(ctl, lines, n, e + 1, tid, nt)) stop = 1;
-    __threadfence();
-    for (int k = tid; k < n; k += nt) {
-      const OxBoardLine* l = (const OxBoardLine*)(lines + (uint64_t)k * OX_BOARD_LINE);
-      const uint64_t c0 = ld_vol64(&l->call0), c1 = ld_vol64(&l->call1);
-      if (c0 != p.call0 || c1 != p.call1) {
-        ox_fail(ctl, OX_ERR_BOARD_CALL, (uint64_t)k, c0, c1, p.call0, p.call1);
-        stop = 1;
-      }
-      src[k] = (const uint8_t*)ld_vol64(&l->src) + a * es;
-      dst[k] = (uint8_t*)ld_vol64(&l->dst) + a * es;
-      uint64_t w[sizeof(OxRed) / 8];
-      for (int i = 0; i < (int)(sizeof(OxRed) / 8); i++) w[i] = ld_vol64((const uint64_t*)&l->red + i);
-      memcpy(&red[k], w, sizeof(OxRed));
-    }
     __syncthreads();
-    if (stop) return;
-    if (b > a) {
-      switch (red[0].dtype) {
-#define OX_CASE(d) \
-  case d: direct_typed<d, OX_DIRECT_MAX, 1>(src, dst, red, n, b - a, tid, nt); break;
-        OX_CASE(0) OX_CASE(1) OX_CASE(2) OX_CASE(3) OX_CASE(4) OX_CASE(5)
-        OX_CASE(6) OX_CASE(7) OX_CASE(8) OX_CASE(9) OX_CASE(10) OX_CASE(11)
-#undef OX_CASE
+    // Every rank made this call (read only where every rank has arrived: a line may be left
+    // from an earlier operation until then).
+    if (!stop) {
+      __threadfence();
+      for (int k = tid; k < n; k += nt) {
+        const OxBoardLine* l = (const OxBoardLine*)(lines + (uint64_t)k * OX_BOARD_LINE);
+        const uint64_t c0 = ld_vol64(&l->call0), c1 = ld_vol64(&l->call1);
+        if (c0 != p.call0 || c1 != p.call1) {
+          ox_fail(ctl, OX_ERR_BOARD_CALL, (uint64_t)k, c0, c1, p.call0, p.call1);
+          stop = 1;
+        }
       }
     }
-    // The block's writes (into every rank's output, which may be mapped host memory) are
-    // visible before it says it is done with the part.
     __syncthreads();
-    if (tid == 0) {
+    // Thread k claims rank k's buffers (not its own), then looks again whether it left.
+    uint32_t held = 0;  // (bit k: this thread holds a claim on rank k's buffers)
+    if (!stop) {
+      for (int k = tid; k < n; k += nt) {
+        if (k == me) continue;
+        OxBoardLine* l = (OxBoardLine*)(lines + (uint64_t)k * OX_BOARD_LINE);
+        atomicAdd(&l->claims, 1u);
+        __threadfence();
+        if (ld_vol64(&l->arrive) & OX_BOARD_LEFT) {
+          atomicAdd(&l->claims, ~0u);
+          ox_fail(ctl, OX_ERR_BOARD_LEFT, (uint64_t)k, q, 0, 0, 0);
+          stop = 1;
+        } else {
+          held |= 1u << k;
+        }
+      }
+    }
+    __syncthreads();
+    if (!stop) {
+      for (int k = tid; k < n; k += nt) {
+        const OxBoardLine* l = (const OxBoardLine*)(lines + (uint64_t)k * OX_BOARD_LINE);
+        src[k] = (const uint8_t*)ld_vol64(&l->src);
+        dst[k] = (uint8_t*)ld_vol64(&l->dst);
+        uint64_t w[sizeof(OxRed) / 8];
+        for (int i = 0; i < (int)(sizeof(OxRed) / 8); i++) w[i] = ld_vol64((const uint64_t*)&l->red + i);
+        memcpy(&red[k], w, sizeof(OxRed));
+      }
+      __syncthreads();
+      if (b > a) ox_board_share(kind, root, n, count, a, b, es, src, dst, red, in, out, tid, nt);
+    }
+    // The block's writes (into the outputs, which may be mapped host memory) are visible
+    // before it lets its claims go and says it is done with the part.
+    __syncthreads();
+    if (held) {
       __threadfence_system();
-      st_vol64(&own->arrive, e + 2);
+      for (int k = tid; k < n; k += nt) {
+        if (held & (1u << k)) {
+          atomicAdd(&((OxBoardLine*)(lines + (uint64_t)k * OX_BOARD_LINE))->claims, ~0u);
+        }
+      }
     }
-    // (Every thread waits after thread 0's arrival: one may wait for its own rank's line.)
+    if (!stop) {
+      if (tid == 0) {
+        __threadfence_system();
+        st_vol64(&own->arrive, e + 2);
+      }
+      // (Every thread waits after thread 0's arrival: one may wait for its own rank's line.)
+      __syncthreads();
+      if (!ox_board_wait(ctl, lines, n, e + 2, tid, nt)) stop = 1;
+      // What the peers wrote into this rank's output is seen by what its stream runs next.
+      __threadfence();
+    }
     __syncthreads();
-    if (!ox_board_wait(ctl, lines, n, e + 2, tid, nt)) stop = 1;
-    __syncthreads();
-    if (stop) return;
+    if (stop) {
+      // Leaving: no peer may touch this rank's buffers once the kernel ends.
+      if (tid == 0) {
+        st_vol64(&own->arrive, ld_vol64(&own->arrive) | OX_BOARD_LEFT);
+        __threadfence();
+        unsigned spins = 0;
+        while (ld_vol32(&own->claims) != 0) {
+          if ((++spins & 1023) == 0) ox_still_waits(ctl, (uint64_t)own, ~0ull, spins);
+        }
+      }
+      __syncthreads();
+      return;
+    }
   }
 }
 
 // The program runner: `nb` blocks per lane (the header's `reserved` low 16 bits; 1 unless
 // every connection is in device memory), block `blockIdx.x % nb` taking its share of each
-// slice.
+// slice. BOARD: board lanes run too (`oxccl_run_board`, for launches that have any).
+template <bool BOARD>
 __device__ __forceinline__ void ox_run(const uint64_t* words) {
   OxView v = ox_view(words);
   uint32_t nb = (uint32_t)(v.h->reserved & 0xffff);
@@ -747,9 +893,11 @@ __device__ __forceinline__ void ox_run(const uint64_t* words) {
   for (int i = tid; i < OX_MAX_CONNS; i += nt) sh.known[i] = 0;
   __syncthreads();
   if (sh.stop) return;
-  if (lane.board) {
-    ox_board(v, lane, ctl, nb, part);
-    return;
+  if constexpr (BOARD) {
+    if (lane.board) {
+      ox_board(v, lane, ctl, nb, part);
+      return;
+    }
   }
   for (int pi = 0; pi < lane.nprogs; pi++) {
     const OxProgD& p = v.progs[lane.first_prog + pi];
@@ -852,7 +1000,7 @@ __device__ __forceinline__ void ox_direct(const uint64_t* words) {
   const size_t nt = (size_t)gridDim.x * blockDim.x;
   switch (red[0].dtype) {
 #define OX_CASE(d) \
-  case d: direct_typed<d, M, U>(src, dst, red, n, count, tid, nt); break;
+  case d: direct_typed<d, M, U>(src, dst, red, n, n, count, tid, nt); break;
     OX_CASE(0) OX_CASE(1) OX_CASE(2) OX_CASE(3) OX_CASE(4) OX_CASE(5)
     OX_CASE(6) OX_CASE(7) OX_CASE(8) OX_CASE(9) OX_CASE(10) OX_CASE(11)
 #undef OX_CASE
@@ -871,11 +1019,17 @@ extern "C" __global__ void __launch_bounds__(OX_THREADS)
 }
 
 // The kernels, taking their descriptor by value (its address is the parameter's own: the
-// parameter is not copied): `oxccl_run` and `oxccl_local`, and their `_large` twins.
+// parameter is not copied): `oxccl_run`, `oxccl_run_board` (launches with board lanes; up to
+// 128 registers a thread, which the board's element loops take) and `oxccl_local`, and their
+// `_large` twins.
 #define OX_KERNELS(SUFFIX, PARAMS)                                                         \
   extern "C" __global__ void __launch_bounds__(OX_THREADS)                                 \
       oxccl_run##SUFFIX(const __grid_constant__ PARAMS P) {                                \
-    ox_run(P.words);                                                                       \
+    ox_run<false>(P.words);                                                                \
+  }                                                                                        \
+  extern "C" __global__ void __launch_bounds__(OX_THREADS, 1)                              \
+      oxccl_run_board##SUFFIX(const __grid_constant__ PARAMS P) {                          \
+    ox_run<true>(P.words);                                                                 \
   }                                                                                        \
   extern "C" __global__ void __launch_bounds__(OX_THREADS)                                 \
       oxccl_local##SUFFIX(const __grid_constant__ PARAMS P) {                              \

@@ -417,6 +417,9 @@ check "CUDA board: all_reduce_perf -t 2 takes it" 30 \
   board board-perf "$B/all_reduce_perf" -b 8 -e 1M -f 32 -n 1 -w 0 -t 2 -g 1
 perf oxccl-t2 "$OXLIB" "$B/all_reduce_perf" -b 8 -e 1G -f 8 -n 10 -w 3 -t 2 -g 1
 perf oxccl-t4 "$OXLIB" "$B/all_reduce_perf" -b 8 -e 256M -f 8 -n 10 -w 3 -t 4 -g 1
+for t in all_gather reduce_scatter broadcast reduce; do
+  perf "$t-t2" "$OXLIB" "$B/${t}_perf" -b 8 -e 64M -f 8 -n 5 -w 2 -t 2 -g 1
+done
 python3 - "$OUT" <<'PY' 2>&1 | tee -a "$log"
 import sys
 out = sys.argv[1]

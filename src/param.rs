@@ -96,7 +96,7 @@ pub const PARAMS: &[Param] = &[
     },
     Param {
         name: "OXCCL_CUDA_DIRECT",
-        doc: "CUDA executor: a group holding an all-reduce of every rank of a communicator on one GPU (ncclCommInitAll with a repeated device, all_reduce_perf -g N) runs it as one kernel that reads every rank's input and writes every rank's output once; where every rank is in this process on one GPU but they launch apart (a thread per rank, all_reduce_perf -t N), their launches meet on the communicator's device board and do the same (default 1; 0: the ring, which moves every byte through FIFO slots n - 1 times). On an H100 the one kernel reached 100% of the bandwidth limit of 2 ranks on one GPU where the ring reached 9%; the board has not run on a GPU yet",
+        doc: "CUDA executor: a group holding an all-reduce of every rank of a communicator on one GPU (ncclCommInitAll with a repeated device, all_reduce_perf -g N) runs it as one kernel that reads every rank's input and writes every rank's output once; where every rank is in this process on one GPU but they launch apart (a thread per rank, all_reduce_perf -t N), their all-reduces, reduces, broadcasts, all-gathers and reduce-scatters meet on the communicator's device board and read and write every buffer once too (default 1; 0: the ring, which moves every byte through FIFO slots n - 1 times). On an H100 the one kernel reached 100% of the bandwidth limit of 2 ranks on one GPU where the ring reached 9%; the board has not run on a GPU yet",
         default: "1",
     },
     Param {

@@ -83,7 +83,9 @@ fn take() -> Vec<Ev> {
     std::mem::take(&mut *LOG.lock())
 }
 
-use stand_in::{granularity, COPY, DIRECT16, DIRECT4, GRANULARITY, LOCAL, OK, RUN, RUN_LARGE};
+use stand_in::{
+    granularity, COPY, DIRECT16, DIRECT4, GRANULARITY, LOCAL, OK, RUN, RUN_BOARD, RUN_LARGE,
+};
 /// The descriptor of the last launch (its words, as long as its header says it is).
 static LAST_DESC: Mutex<Vec<u64>> = Mutex::new(Vec::new());
 
@@ -1187,18 +1189,29 @@ fn cuda_executor_logic_on_a_recording_driver() {
     );
     assert_eq!(LAST_DESC.lock()[1] >> 48, 5, "five lanes");
     // Not taken: rank 1 writes where rank 0 reads; a capturing stream; different counts; a
-    // rank with a second call in the group.
+    // rank with a second call in the group. Every rank of these communicators is in this
+    // process on the device, so each rank's all-reduces go to the device board instead, a
+    // launch of the board's runner per stream (with OXCCL_CUDA_DIRECT=0 below, the ring's).
     let crossed = [bufs[0], (bufs[1].0, bufs[0].0)];
-    let ring = |ev: &[Ev]| {
+    let on_board = |ev: &[Ev]| {
         let l = launches(ev);
-        !l.is_empty() && l.iter().all(|e| matches!(e, Ev::Launch { func: RUN, .. }))
+        !l.is_empty()
+            && l.iter().all(|e| {
+                matches!(
+                    e,
+                    Ev::Launch {
+                        func: RUN_BOARD,
+                        ..
+                    }
+                )
+            })
     };
     let ev = group(&crossed, n, [0x81, 0x82]);
-    assert!(ring(&ev), "overlapping ranks' buffers: {ev:#?}");
+    assert!(on_board(&ev), "overlapping ranks' buffers: {ev:#?}");
     capture(&[(0x81, 5), (0x82, 6)]);
     let ev = group(&bufs, n, [0x81, 0x82]);
     capture(&[]);
-    assert!(ring(&ev), "while capturing: {ev:#?}");
+    assert!(on_board(&ev), "while capturing: {ev:#?}");
     nccl::api::group_start().unwrap();
     nccl::api::enqueue(&comms[0], all_reduce(bufs[0].0, bufs[0].1, n), cuda(0x81)).unwrap();
     nccl::api::enqueue(
@@ -1208,8 +1221,8 @@ fn cuda_executor_logic_on_a_recording_driver() {
     )
     .unwrap();
     nccl::api::group_end().unwrap();
-    // (The stand-in runs no kernel: the mismatch is for the ring to report, not this test.)
-    assert!(ring(&take()), "different counts");
+    // (The stand-in runs no kernel: the mismatch is for the board's kernel to report, not this test.)
+    assert!(on_board(&take()), "different counts");
     nccl::api::group_start().unwrap();
     for (r, c) in comms.iter().enumerate() {
         for _ in 0..=r {
@@ -1217,7 +1230,7 @@ fn cuda_executor_logic_on_a_recording_driver() {
         }
     }
     nccl::api::group_end().unwrap();
-    assert!(ring(&take()), "two calls of rank 1");
+    assert!(on_board(&take()), "two calls of rank 1");
     std::env::set_var("OXCCL_CUDA_DIRECT", "0");
     nccl::param::reread();
 

@@ -22,6 +22,9 @@ pub struct Caps {
     pub direct_kinds: &'static [BoardKind],
     /// How the choice of a direct operation that is not eager reads (`NCCL_DEBUG_SUBSYS=TUNING`).
     pub direct_algo: &'static str,
+    /// Whether a direct operation that is not eager carries the ring to fall back on (where
+    /// some peer buffer may turn out out of reach); without it, it plans no ring.
+    pub direct_fallback: bool,
     /// The largest input per rank (bytes) a direct operation carries on the board itself.
     pub eager_bytes: usize,
     /// The rings a large all-reduce, broadcast or reduce is split across (1 to
@@ -233,7 +236,7 @@ pub fn build_task<T>(
                             a.dtype,
                             caps.eager_bytes,
                         );
-                        let fallback = if eager {
+                        let fallback = if eager || !caps.direct_fallback {
                             None
                         } else {
                             Some(Box::new(ring_program()?))

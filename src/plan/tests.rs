@@ -162,6 +162,7 @@ fn caps(direct: bool) -> super::build::Caps {
         direct,
         direct_kinds: super::board::BoardKind::ALL,
         direct_algo: "Direct (Ring fallback)",
+        direct_fallback: true,
         eager_bytes: crate::transport::board::INLINE,
         channels: 1,
     }
@@ -454,6 +455,7 @@ fn a_large_ring_collective_splits_across_channels() {
         direct: false,
         direct_kinds: &[],
         direct_algo: "",
+        direct_fallback: false,
         eager_bytes: 0,
         channels: 4,
     };

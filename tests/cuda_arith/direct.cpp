@@ -67,9 +67,9 @@ static void run(const OxRed* red, int n, uint64_t count, size_t nt, size_t mis, 
   }
   for (size_t t = 0; t < nt; t++) {
     if (n <= 4)
-      direct_typed<DT, 4, 2>(sp, dp, red, n, count, t, nt);
+      direct_typed<DT, 4, 2>(sp, dp, red, n, n, count, t, nt);
     else
-      direct_typed<DT, OX_DIRECT_MAX, 1>(sp, dp, red, n, count, t, nt);
+      direct_typed<DT, OX_DIRECT_MAX, 1>(sp, dp, red, n, n, count, t, nt);
   }
   uint32_t ok = 1;
   for (int k = 0; k < n; k++) {

@@ -1,6 +1,6 @@
 //! The device board (`src/exec/cuda/board.rs`): the ranks of a communicator, all in this
 //! process on the one device, launching one at a time (each in a thread of its own, or one
-//! after the other on streams of their own): their all-reduces meet on the board, a board lane
+//! after the other on streams of their own): their collectives meet on the board, a board lane
 //! in each rank's launch, whatever else their groups hold. And its failures: ranks that make
 //! different calls, a rank that ends its communicator while a peer waits for it there, and one
 //! that never comes.
@@ -13,18 +13,26 @@ fn board_lanes_since(before: u64) -> u64 {
     BOARD_LANES.load(Ordering::SeqCst) - before
 }
 
-/// Each rank in a thread of its own on its own stream: every all-reduce of `cs` in turn
-/// (datatypes, operators, in place, several sizes), then an all-reduce and the ring's send and
-/// receive in one group; every output checked element by element, and every all-reduce a
-/// board lane.
+/// The collectives the board serves.
+fn on_board(kind: CollKind) -> bool {
+    use CollKind::*;
+    matches!(
+        kind,
+        AllReduce | Reduce | Broadcast | AllGather | ReduceScatter
+    )
+}
+
+/// Each rank in a thread of its own on its own stream: every collective of `cs` that the board
+/// serves in turn (all-reduce, reduce, broadcast, all-gather, reduce-scatter; datatypes,
+/// operators, in place, several sizes), then an all-reduce and the ring's send and receive:
+/// even ranks in one group (one launch: the board lane beside the connections' lanes, with
+/// few blocks), odd ranks one after the other (the board lane alone, a block per part), so
+/// that the ranks share the parts out among different numbers of blocks. Every output checked
+/// element by element, and every collective a board lane.
 pub fn board_threads(n: usize, cs: &[Case]) {
-    let cs: Vec<Case> = cs
-        .iter()
-        .filter(|c| c.kind == CollKind::AllReduce)
-        .copied()
-        .collect();
+    let cs: Vec<Case> = cs.iter().filter(|c| on_board(c.kind)).copied().collect();
     let bufs: Vec<Vec<(usize, usize)>> = cs.iter().map(|c| buffers(c, n)).collect();
-    let with = f32_sum(70_001);
+    let with = f32_sum(300_001);
     let ring = Case {
         kind: CollKind::Send,
         ..f32_sum(1001)
@@ -46,10 +54,15 @@ pub fn board_threads(n: usize, cs: &[Case]) {
                 }
                 fill(&with, n, r, wb, 1);
                 fill(&ring, n, r, rb, 1);
-                nccl::api::group_start().unwrap();
+                let together = r % 2 == 0;
+                if together {
+                    nccl::api::group_start().unwrap();
+                }
                 enqueue(&comm, &with, n, wb, stream);
                 enqueue(&comm, &ring, n, rb, stream);
-                nccl::api::group_end().unwrap();
+                if together {
+                    nccl::api::group_end().unwrap();
+                }
                 sync_all(&[stream], "board lanes of ranks in threads");
                 no_async_error(
                     std::slice::from_ref(&comm),
@@ -77,7 +90,7 @@ pub fn board_threads(n: usize, cs: &[Case]) {
     assert_eq!(
         board_lanes_since(before),
         (n * (cs.len() + 1)) as u64,
-        "every all-reduce of ranks in threads on the device board"
+        "every collective of ranks in threads on the device board"
     );
     for c in &comms {
         nccl::api::comm_destroy(nccl::api::comm_handle(c)).unwrap();
@@ -87,30 +100,37 @@ pub fn board_threads(n: usize, cs: &[Case]) {
 
 /// Failures on the board, two ranks of one communicator launching one after the other on
 /// streams of their own. Different calls (counts whose operations cut into as many parts, and
-/// into different numbers of parts): both communicators fail with ncclInvalidUsage naming the
-/// other rank, their streams drained. A rank that ends its communicator while its peer's
+/// into different numbers of parts; another collective): both communicators fail with
+/// ncclInvalidUsage naming the other rank's call, their streams drained. A rank that ends its communicator while its peer's
 /// kernel waits for it on the board: the peer fails with ncclRemoteError within seconds. A peer
 /// that never comes: the kernel waits until `ncclCommAbort` stops it.
 pub fn board_failures() {
     use nccl::error::Code;
     let streams = [new_stream(), new_stream()];
-    for counts in [[1001, 2002], [300_001, 600_002]] {
+    let bcast = Case {
+        kind: CollKind::Broadcast,
+        ..f32_sum(4099)
+    };
+    for (calls, says) in [
+        ([f32_sum(1001), f32_sum(2002)], "AllReduce of 2002 x"),
+        (
+            [f32_sum(300_001), f32_sum(600_002)],
+            "AllReduce of 600002 x",
+        ),
+        ([f32_sum(4099), bcast], "Broadcast of 4099 x"),
+    ] {
         let comms = nccl::api::comm_init_all(&[0, 0]).expect("two ranks");
-        let calls = counts.map(f32_sum);
         let bufs = [buffers(&calls[0], 2)[0], buffers(&calls[1], 2)[1]];
         let before = BOARD_LANES.load(Ordering::SeqCst);
         for r in 0..2 {
             enqueue(&comms[r], &calls[r], 2, bufs[r], streams[r]);
         }
         assert_eq!(board_lanes_since(before), 2, "on the board");
-        let what = format!(
-            "ranks that all-reduce {} and {} elements",
-            counts[0], counts[1]
-        );
+        let what = format!("ranks that call {} and {says}", describe(&calls[0], 2, 2));
         failed(&comms, &streams, Some(Code::InvalidUsage), &what);
         let msg = nccl::error::last_error();
         assert!(
-            msg.contains("device board") && msg.contains(&format!("of {} x", counts[1])),
+            msg.contains("device board") && msg.contains(says),
             "{what}: {msg}"
         );
         release_buffers();
@@ -143,7 +163,13 @@ pub fn board_failures() {
     assert!(msg.contains("ended its communicator"), "{msg}");
     let _ = nccl::api::comm_abort(nccl::api::comm_handle(&comms[0]));
 
+    // A peer that never comes: the abort stops the kernel, with no error but the abort's (no
+    // call mismatch read from lines the peer never wrote). The peer then comes: its kernel
+    // finds that rank 0 left, and stops without touching rank 0's buffers, which the caller
+    // may use again once the abort has returned.
     let comms = nccl::api::comm_init_all(&[0, 0]).expect("two ranks");
+    let bufs = buffers(&c, 2);
+    fill(&c, 2, 0, bufs[0], 0);
     enqueue(&comms[0], &c, 2, bufs[0], streams[0]);
     assert!(
         !sync(streams[0], Duration::from_millis(300)),
@@ -156,6 +182,59 @@ pub fn board_failures() {
         "the kernel went on waiting on the board after the abort"
     );
     assert!(t.elapsed() < Duration::from_secs(10));
+    let msg = nccl::error::last_error();
+    assert!(
+        !msg.contains("made a call"),
+        "a mismatch after an abort: {msg}"
+    );
+    for i in 0..c.count {
+        put(c.dtype, bufs[0].0, i, -5.0);
+    }
+    if nccl::api::enqueue(
+        &comms[1],
+        CollArgs {
+            kind: c.kind,
+            send: bufs[1].0,
+            recv: bufs[1].1,
+            count: c.count,
+            dtype: c.dtype,
+            op: c.op,
+            root: 0,
+        },
+        nccl::api::stream_from_handle(streams[1]).unwrap(),
+    )
+    .is_ok()
+    {
+        assert!(
+            sync(streams[1], Duration::from_secs(10)),
+            "a peer's kernel waited on the board for a rank that left"
+        );
+    }
+    assert_ne!(async_error(&comms[1]), Code::Success, "a peer that left");
+    assert!(
+        (0..c.count)
+            .all(|i| get(c.dtype, bufs[0].0, i) == -5.0 && get(c.dtype, bufs[0].1, i) == 99.0),
+        "a peer touched the buffers of a rank that left the board"
+    );
     nccl::api::comm_abort(nccl::api::comm_handle(&comms[1])).expect("abort");
+    release_buffers();
+
+    // Ranks that end one after the other once their work is done: no error for the one that
+    // ends last (its kernels waited on the board for the other before it left, not after).
+    let comms = nccl::api::comm_init_all(&[0, 0]).expect("two ranks");
+    let bufs = buffers(&c, 2);
+    for r in 0..2 {
+        enqueue(&comms[r], &c, 2, bufs[r], streams[r]);
+    }
+    sync_all(&streams, "two board all-reduces");
+    nccl::api::comm_destroy(nccl::api::comm_handle(&comms[1])).expect("destroy");
+    std::thread::sleep(Duration::from_millis(1500));
+    assert_eq!(
+        async_error(&comms[0]),
+        Code::Success,
+        "{}",
+        nccl::error::last_error()
+    );
+    nccl::api::comm_destroy(nccl::api::comm_handle(&comms[0])).expect("destroy");
     release_buffers();
 }

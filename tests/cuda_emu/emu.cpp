@@ -93,6 +93,8 @@ static Kernel kernel_named(const char* name) {
   if (n == "oxccl_run") return call<OxParams, oxccl_run>;
   if (n == "oxccl_local") return call<OxParams, oxccl_local>;
   if (n == "oxccl_run_large") return call<OxParamsLarge, oxccl_run_large>;
+  if (n == "oxccl_run_board") return call<OxParams, oxccl_run_board>;
+  if (n == "oxccl_run_board_large") return call<OxParamsLarge, oxccl_run_board_large>;
   if (n == "oxccl_local_large") return call<OxParamsLarge, oxccl_local_large>;
   if (n == "oxccl_direct4") return call<OxParams, oxccl_direct4>;
   if (n == "oxccl_direct16") return call<OxParams, oxccl_direct16>;

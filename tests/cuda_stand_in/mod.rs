@@ -12,7 +12,7 @@ use std::ffi::{c_char, c_int, c_uint, c_void, CStr};
 pub const OK: CUresult = 0;
 
 /// The kernels' names; a function handle is `FUNC_BASE` + its index here.
-pub const KERNELS: [&CStr; 7] = [
+pub const KERNELS: [&CStr; 9] = [
     c"oxccl_run",
     c"oxccl_local",
     c"oxccl_run_large",
@@ -20,6 +20,8 @@ pub const KERNELS: [&CStr; 7] = [
     c"oxccl_direct4",
     c"oxccl_direct16",
     c"oxccl_copy",
+    c"oxccl_run_board",
+    c"oxccl_run_board_large",
 ];
 pub const FUNC_BASE: usize = 0x3000;
 pub const RUN: usize = FUNC_BASE;
@@ -29,6 +31,8 @@ pub const LOCAL_LARGE: usize = FUNC_BASE + 3;
 pub const DIRECT4: usize = FUNC_BASE + 4;
 pub const DIRECT16: usize = FUNC_BASE + 5;
 pub const COPY: usize = FUNC_BASE + 6;
+pub const RUN_BOARD: usize = FUNC_BASE + 7;
+pub const RUN_BOARD_LARGE: usize = FUNC_BASE + 8;
 
 /// The name of function handle `f`.
 pub fn kernel_name(f: usize) -> Option<&'static CStr> {

@@ -1,14 +1,15 @@
 //! The device board: where the ranks of a communicator that are all in one process on one GPU
-//! meet for a direct all-reduce, whatever threads and streams launch their parts.
+//! meet for direct collectives (all-reduce, reduce, broadcast, all-gather, reduce-scatter),
+//! whatever threads and streams launch their parts.
 //!
 //! `direct` serves a group that holds every rank's all-reduce (one thread, one launch). Ranks
 //! that call from threads of their own launch one at a time, each on its own stream, so no
 //! launch knows the others' buffers; but their buffers are all in this process's address
 //! space, on this GPU. Each rank's launch then has a *board lane* (`Desc::lane_on`): the
 //! blocks publish the rank's buffers on the board, wait there for every rank's, and each rank
-//! reduces its share of the elements from every input into every output (`ox_board` in
-//! `cuda/runner.cu`, which documents the board's layout), instead of passing every byte n - 1
-//! times through FIFO slots around the ring. Every count lives on the board, in device
+//! does its share of the elements from every input it needs into every output it writes
+//! (`ox_board` in `cuda/runner.cu`, which documents the board's layout), instead of passing
+//! every byte through FIFO slots around a ring. Every count lives on the board, in device
 //! memory, so graph replays need nothing from the host.
 //!
 //! One board per communicator and context, shared by its ranks here: the first rank to come

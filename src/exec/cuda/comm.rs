@@ -312,7 +312,7 @@ pub struct CudaComm {
     /// Ranks of this communicator on this device in this process (this one included).
     pub(super) process_ranks_on_device: Vec<usize>,
     /// Where every rank is in this process on this device (2 to `board::MAX_RANKS` of
-    /// them): the board their all-reduces meet on (`board`).
+    /// them): the board their collectives meet on (`board`).
     pub(super) board: Option<Arc<super::board::Board>>,
     /// The rings a large ring collective is split across: rank 0's `OXCCL_CUDA_CHANNELS` (1
     /// where a rank runs the host executor), as many as a rank's launch fits in the ordinary
@@ -687,7 +687,8 @@ impl Watched {
         }
         let Some(conn) = used.0.get(&hdr).cloned() else {
             drop(used);
-            return self.board_peer_gone(hdr);
+            let (r, why) = self.board_peer_gone(hdr)?;
+            return self.suspect(r, why);
         };
         drop(used);
         let r = conn.peer;
@@ -717,7 +718,15 @@ impl Watched {
                 )
             })
         };
-        let Some(why) = dead().or_else(closed).or_else(silent) else {
+        let why = dead().or_else(closed).or_else(silent);
+        self.suspect(r, why)
+    }
+
+    /// Rank `r`, which the kernels wait for, is gone (`why`) or well (None): an error once it
+    /// has been gone for `PEER_GRACE` while they waited (a wait reported before it went, and
+    /// not renewed since, lets the suspicion lapse: `IDLE_LOOKS`).
+    fn suspect(&mut self, r: usize, why: Option<String>) -> Option<Error> {
+        let Some(why) = why else {
             // That peer is well (it may have been silent a while).
             self.suspects.remove(&r);
             return None;
@@ -731,22 +740,24 @@ impl Watched {
         })
     }
 
-    /// A board lane waits on the device board (`hdr`: the line it waits on) for a rank whose
-    /// communicator ended: an error at once (a rank of this process, whose kernels are done).
-    fn board_peer_gone(&self, hdr: u64) -> Option<Error> {
+    /// A board lane waits on the device board (`hdr`: the line it waits on) for a rank: that
+    /// rank, and why it is gone where its communicator ended (None: it lives). None where `hdr`
+    /// is not on the board.
+    fn board_peer_gone(&self, hdr: u64) -> Option<(usize, Option<String>)> {
         let b = self.board.as_ref()?.upgrade()?;
         if !b.holds(hdr) {
             return None;
         }
         let r = b.line(hdr).1;
-        b.left(r).then(|| {
-            let name = self.names.get(r).map_or("a rank", |n| n.as_str());
-            Error::remote(format!(
-                "{}: {name} ended its communicator while this rank's kernels waited for it on \
-                 the device board (a direct all-reduce)",
-                self.name
-            ))
-        })
+        let name = self.names.get(r).map_or("a rank", |n| n.as_str());
+        Some((
+            r,
+            b.left(r).then(|| {
+                format!(
+                    "{name} ended its communicator (on the device board of a direct collective)"
+                )
+            }),
+        ))
     }
 
     /// The kernels wait on a connection that has not moved for the communicator's timeout: a
@@ -770,7 +781,7 @@ impl Watched {
                 (true, s) => format!("{}, its kernels wait for step {s}", conn.counters()),
             },
             None => {
-                // A board lane waits for a rank to arrive at a part of a direct all-reduce.
+                // A board lane waits for a rank to arrive at a part of a direct collective.
                 let b = self.board.as_ref()?.upgrade()?;
                 if !b.holds(hdr) {
                     return None;
@@ -779,7 +790,7 @@ impl Watched {
                 let name = self.names.get(r).map_or("a rank", |n| n.as_str());
                 format!(
                     "{name} on the device board, which has not arrived at part {part} of a \
-                     direct all-reduce (arrival {step})"
+                     direct collective (arrival {step})"
                 )
             }
         };
@@ -893,12 +904,17 @@ fn kernel_error(name: &str, code: u32, info: [u64; 6]) -> Error {
         )),
         3 => Error::invalid_usage(format!(
             "{name}: rank {} made a call of {} where this rank made one of {} (a direct \
-             all-reduce on the device board, seen by block {}): every rank must make the same \
+             collective on the device board, seen by block {}): every rank must make the same \
              calls in the same order; the communicator can now only be destroyed or aborted",
             info[0],
             crate::plan::call::describe([info[1], info[2]]),
             crate::plan::call::describe([info[3], info[4]]),
             info[5]
+        )),
+        4 => Error::remote(format!(
+            "{name}: rank {} left a direct collective on the device board before it was done \
+             (its kernel stopped: an abort, an error, a failed peer), at part {}",
+            info[0], info[1]
         )),
         c => Error::internal(format!("{name}: a kernel stopped with code {c}")),
     }

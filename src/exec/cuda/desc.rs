@@ -129,6 +129,11 @@ impl Desc {
         self.lanes.len()
     }
 
+    /// Board lanes among them.
+    pub fn boards(&self) -> usize {
+        self.boards
+    }
+
     /// Whether the launch is wide work: no connection, and each lane one program of at most one
     /// step (so that every block may take a share of every step, in no particular order).
     pub fn wide(&self) -> bool {
@@ -151,7 +156,7 @@ impl Desc {
     }
 
     /// `lane`, with what the lane reads beside its programs: a board lane's one program is one
-    /// `LocalReduce` step over the rank's own buffers (`super::board`).
+    /// step over the rank's own buffers, its call words saying the collective (`super::board`).
     pub fn lane_on<'p>(
         &mut self,
         progs: impl IntoIterator<Item = &'p DevProgram>,
@@ -247,11 +252,11 @@ impl Desc {
     /// `Conn::shared_blocks`) and steps are large enough to share out, one per 256 KiB of the
     /// largest step, at most `OXCCL_CUDA_BLOCKS`.
     pub fn blocks_per_lane(&self) -> u16 {
-        // Board lanes share out each part of their operation, a part to a block (see
-        // `ox_board_parts`: at most 64 parts, one per 64 KiB), to as many blocks as the device
-        // holds beside the other ranks' (`run`'s room).
+        // Board lanes: a block for each part of their operation (`ox_board_parts`: one per
+        // 64 KiB of a rank's count, at most 64), as many as the device holds beside the other
+        // ranks' (`run`'s room).
         if self.boards > 0 && self.conns.is_empty() {
-            return (self.max_bytes / (256 << 10)).clamp(1, 64) as u16;
+            return (self.max_bytes / (64 << 10)).clamp(1, 64) as u16;
         }
         if self.conns.is_empty()
             || self.conns.len() > MAX_CONNS_MULTI
@@ -558,10 +563,73 @@ mod tests {
             [6, 0, 0]
         );
         assert_eq!([rd64(&b, s2 + 40), rd64(&b, s2 + 48)], [0x3000, 50]);
+        // OxLaneD: first program, programs, board rank, board ranks, ctl, board.
         let l = s2 + STEP;
-        assert_eq!([rd16(&b, l), rd16(&b, l + 2)], [0, 1]);
-        assert_eq!(rd64(&b, l + 8), 0xc7c7);
+        assert_eq!(
+            [
+                rd16(&b, l),
+                rd16(&b, l + 2),
+                rd16(&b, l + 4),
+                rd16(&b, l + 6)
+            ],
+            [0, 1, 0, 0]
+        );
+        assert_eq!([rd64(&b, l + 8), rd64(&b, l + 16)], [0xc7c7, 0]);
+        assert_eq!(b.len() * 8, PARAM_BYTES);
         inproc::forget("oxccl-desc-test");
+    }
+
+    /// A board lane: one program of one step, its lane naming the board and the rank's place;
+    /// no wide kernel, no copies on the copy engine, blocks by its size; more is refused.
+    #[test]
+    fn board_lanes_name_the_board() {
+        let prog = |steps: usize, prim: Prim| -> DevProgram {
+            Program {
+                steps: (0..steps)
+                    .map(|_| Step {
+                        prim,
+                        recv: None,
+                        send: None,
+                        src: Addr::User(0x1000),
+                        dst: Addr::User(0x2000),
+                        len: 1 << 20,
+                        prep: true,
+                    })
+                    .collect(),
+                esize: 4,
+                slice: 1 << 22,
+                niter: 1,
+                red: None,
+                call: [1, 2],
+            }
+        };
+        let lc = LaneComm {
+            ctl: 0xc7c7,
+            board: 0xb0a4d,
+            rank: 2,
+            nranks: 3,
+        };
+        let mut d = Desc::new();
+        d.lane_on([&prog(1, Prim::LocalReduce)], lc)
+            .expect("a board lane");
+        assert!(!d.wide() && d.plain_copies().is_none());
+        // 4 MiB: a block per 64 KiB part.
+        assert_eq!(d.blocks_per_lane(), 64);
+        let b = d.params(16, false).expect("fits");
+        let l = 16 + PROG + STEP;
+        assert_eq!(
+            [
+                rd16(&b, l),
+                rd16(&b, l + 2),
+                rd16(&b, l + 4),
+                rd16(&b, l + 6)
+            ],
+            [0, 1, 2, 3]
+        );
+        assert_eq!([rd64(&b, l + 8), rd64(&b, l + 16)], [0xc7c7, 0xb0a4d]);
+        let mut d = Desc::new();
+        let two = prog(2, Prim::LocalReduce);
+        assert!(d.lane_on([&two], lc).is_err(), "a board lane of two steps");
     }
 
     /// Past `PARAM_BYTES`, a descriptor takes the large parameter where the driver has it, and

@@ -87,6 +87,10 @@ pub struct Kernels {
     /// Their twins taking `desc::PARAM_BYTES_LARGE` (drivers of CUDA 12.1 and later).
     pub run_large: Option<usize>,
     pub local_large: Option<usize>,
+    /// The runner for launches with board lanes (`super::board`), and its twin (None: a
+    /// module without them, then collectives take the ring).
+    pub run_board: Option<usize>,
+    pub run_board_large: Option<usize>,
     /// The all-reduce over every rank of a communicator in one launch (`direct`), for up to 4
     /// and up to `direct::MAX_RANKS` ranks (None: a module without them, then the ring runs).
     pub direct4: Option<usize>,
@@ -273,6 +277,8 @@ pub fn get(ctx: usize, dev: i32) -> Result<Kernels> {
             local: func(c"oxccl_local")?,
             run_large: twin(c"oxccl_run_large"),
             local_large: twin(c"oxccl_local_large"),
+            run_board: func(c"oxccl_run_board").ok(),
+            run_board_large: twin(c"oxccl_run_board_large"),
             direct4: func(c"oxccl_direct4").ok(),
             direct16: func(c"oxccl_direct16").ok(),
             copy: func(c"oxccl_copy").ok(),

@@ -68,7 +68,7 @@ struct Scratch {
 }
 
 /// A stage's lanes bound to connections, with the scratch of its stash; `board`: its one lane
-/// is a board lane (`board`), this rank's part of a direct all-reduce.
+/// is a board lane (`board`), this rank's part of a direct collective.
 struct DevStage {
     lanes: Vec<Vec<DevProgram>>,
     scratch: Scratch,
@@ -112,8 +112,8 @@ impl Job<'_> {
 }
 
 /// Binds a stage's lanes to the communicator's connections. A direct operation (the planner
-/// gives them only where the communicator has a board, and only all-reduces: `prepare`) becomes
-/// a board lane's program, one `LocalReduce` step over the rank's own buffers.
+/// gives them only where the communicator has a board: `prepare`) becomes a board lane's
+/// program, one step over the rank's own buffers.
 fn bind_stage(
     lanes: impl IntoIterator<Item = Vec<Work>>,
     copies: Vec<(usize, usize)>,
@@ -126,14 +126,10 @@ fn bind_stage(
             lane.into_iter()
                 .map(|w| match w {
                     Work::Steps(p) => p.bind(&mut |k| conns.bound(k)),
-                    Work::Board(b) if b.kind == crate::plan::board::BoardKind::AllReduce => {
+                    Work::Board(b) => {
                         board = true;
                         board_program(&b)
                     }
-                    Work::Board(_) => Err(Error::internal(
-                        "a direct operation other than an all-reduce was planned for the CUDA \
-                         executor",
-                    )),
                 })
                 .collect()
         })
@@ -151,11 +147,16 @@ fn bind_stage(
     })
 }
 
-/// A board lane's program: this rank's buffers, count and reduction, and the call's words (which
-/// the lanes compare on the board).
+/// A board lane's program: this rank's buffers, count (per rank for all-gather and
+/// reduce-scatter) and reduction, and the call's words, which say the collective to the kernel
+/// (`ox_board`) and which the lanes compare on the board.
 fn board_program(b: &crate::plan::board::BoardOp) -> Result<DevProgram> {
+    let prim = match b.red {
+        Some(_) => crate::plan::Prim::LocalReduce,
+        None => crate::plan::Prim::LocalCopy,
+    };
     let step = crate::plan::Step {
-        prim: crate::plan::Prim::LocalReduce,
+        prim,
         recv: None,
         send: None,
         src: Addr::User(b.send),
@@ -165,13 +166,7 @@ fn board_program(b: &crate::plan::board::BoardOp) -> Result<DevProgram> {
     };
     let bytes = b.count * b.dtype.size();
     let mut p = crate::plan::Program::new(vec![step], b.dtype, bytes.max(1), b.red);
-    p.call = crate::plan::call::of_coll(
-        crate::types::CollKind::AllReduce,
-        b.count,
-        b.dtype,
-        b.red,
-        0,
-    );
+    p.call = crate::plan::call::of_coll(b.kind.coll(), b.count, b.dtype, b.red, b.root);
     p.bind(&mut |_| Err(Error::internal("a connection in a board lane")))
 }
 
@@ -297,9 +292,12 @@ fn prepare<'a>(per_comm: PerComm<'a>) -> Result<Jobs<'a>> {
     for qs in per_comm {
         let comm = qs[0].cuda();
         let caps = Caps {
-            direct: comm.board.is_some() && crate::param::cuda_direct(),
-            direct_kinds: &[crate::plan::board::BoardKind::AllReduce],
+            direct: comm.board.is_some()
+                && comm.kern.run_board.is_some()
+                && crate::param::cuda_direct(),
+            direct_kinds: crate::plan::board::BoardKind::ALL,
             direct_algo: "Direct (device board: every rank in this process on this GPU)",
+            direct_fallback: false,
             eager_bytes: 0,
             channels: comm.channels,
         };
@@ -708,8 +706,14 @@ fn run(
         (f, blocks as u32, d.lanes() as u32, 1)
     } else {
         // Every block of every lane of the ranks on this device spins for the others: all must
-        // fit on the device at once (one 512-thread block per SM is assumed).
-        let room = k.sms as usize / (d.lanes() * comm.ranks_on_device).max(1);
+        // fit on the device at once (one 512-thread block per SM is assumed). Board lanes take
+        // at most half of it, so that another communicator's launches fit beside theirs.
+        let sms = if d.boards() > 0 {
+            k.sms as usize / 2
+        } else {
+            k.sms as usize
+        };
+        let room = sms / (d.lanes() * comm.ranks_on_device).max(1);
         let nb = d.blocks_per_lane().min(room.max(1) as u16);
         // Past the device's SMs a launch still ends alone (its lanes are in `lane_key`'s
         // order), but not when it needs the device's other ranks' launches to run beside it.
@@ -731,7 +735,19 @@ fn run(
                 k.sms
             ));
         }
-        let f = pick(k.run, k.run_large);
+        let f = if d.boards() == 0 {
+            pick(k.run, k.run_large)
+        } else {
+            // (Board lanes are planned only where the module has `run_board`.)
+            match (d.large(), k.run_board, k.run_board_large) {
+                (false, Some(f), _) | (true, _, Some(f)) => f,
+                _ => {
+                    return Err(Error::internal(
+                        "a launch with board lanes, and no kernel for them",
+                    ))
+                }
+            }
+        };
         (f, d.lanes() as u32 * u32::from(nb), 1, nb)
     };
     // (An error where the descriptor is large and the driver has no twins.)

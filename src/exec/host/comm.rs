@@ -190,6 +190,7 @@ impl HostComm {
             direct: self.has_board(),
             direct_kinds: crate::plan::board::BoardKind::ALL,
             direct_algo: "Direct (Ring fallback)",
+            direct_fallback: true,
             eager_bytes: crate::transport::board::INLINE,
             // One thread runs a task's lanes: more rings would only interleave there.
             channels: 1,
