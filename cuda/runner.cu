@@ -626,7 +626,8 @@ __device__ OxRed ox_red(const OxProgD& p) {
 // claims, then looks at the arrivals again, and lets go of a rank that left (with fences
 // between, one of the two sees the other); so once the kernel ends, nothing reads or writes
 // that rank's buffers any more, whatever the user then does with them. A peer that finds a
-// rank left stops too, with OX_ERR_BOARD_LEFT.
+// rank left before it did its share (fewer than two arrivals at the part), or finds it left
+// when it claims, stops too, with OX_ERR_BOARD_LEFT: its outputs would lack that share.
 #define OX_BOARD_LINE 128
 #define OX_BOARD_PARTS 64
 #define OX_BOARD_PART_BYTES (64 << 10)
@@ -647,14 +648,23 @@ __device__ __forceinline__ uint64_t ox_board_parts(uint64_t bytes) {
 }
 
 // Threads `tid`, `tid + nt`, ... below n: wait until rank k's line of the part has `want`
-// arrivals. False when the kernel must stop (abort).
+// arrivals. A rank that left counts only where it had `done` arrivals (the second wait: it
+// did its share of the operation; the first: it arrived at it), else the kernel stops too
+// (OX_ERR_BOARD_LEFT: part `q`).
+// False when the kernel must stop (abort, a rank that left).
 __device__ __forceinline__ bool ox_board_wait(OxCtl* ctl, const uint8_t* lines, int n,
-                                              uint64_t want, int tid, int nt) {
+                                              uint64_t want, uint64_t done, uint64_t q, int tid,
+                                              int nt) {
   for (int k = tid; k < n; k += nt) {
     const uint64_t* a = (const uint64_t*)(lines + (uint64_t)k * OX_BOARD_LINE);
     unsigned spins = 0;
-    while (ld_vol64(a) < want) {
+    uint64_t v;
+    while ((v = ld_vol64(a)) < want) {
       if ((++spins & 1023) == 0 && !ox_still_waits(ctl, (uint64_t)a, want, spins)) return false;
+    }
+    if ((v & OX_BOARD_LEFT) && (v & ~OX_BOARD_LEFT) < done) {
+      ox_fail(ctl, OX_ERR_BOARD_LEFT, (uint64_t)k, q, 0, 0, 0);
+      return false;
     }
   }
   return true;
@@ -788,8 +798,13 @@ __device__ __forceinline__ void ox_board(const OxView& v, const OxLaneD& lane, O
     __syncthreads();
     const uint64_t e = epoch;
     // (A rank that left its board before: its communicator has failed.)
-    if (e & OX_BOARD_LEFT) return;
-    if (!ox_board_wait(ctl, lines, n, e + 1, tid, nt)) stop = 1;
+    if (e & OX_BOARD_LEFT) {
+      if (tid == 0) ox_fail(ctl, OX_ERR_BOARD_LEFT, (uint64_t)me, q, 0, 0, 0);
+      return;
+    }
+    // (A rank that arrived and left is checked for its call first, then found gone when
+    // claimed: a mismatch that made it leave is reported as one.)
+    if (!ox_board_wait(ctl, lines, n, e + 1, e + 1, q, tid, nt)) stop = 1;
     __syncthreads();
     // Every rank made this call (read only where every rank has arrived: a line may be left
     // from an earlier operation until then).
@@ -853,7 +868,7 @@ __device__ __forceinline__ void ox_board(const OxView& v, const OxLaneD& lane, O
       }
       // (Every thread waits after thread 0's arrival: one may wait for its own rank's line.)
       __syncthreads();
-      if (!ox_board_wait(ctl, lines, n, e + 2, tid, nt)) stop = 1;
+      if (!ox_board_wait(ctl, lines, n, e + 2, e + 2, q, tid, nt)) stop = 1;
       // What the peers wrote into this rank's output is seen by what its stream runs next.
       __threadfence();
     }
@@ -867,6 +882,7 @@ __device__ __forceinline__ void ox_board(const OxView& v, const OxLaneD& lane, O
         while (ld_vol32(&own->claims) != 0) {
           if ((++spins & 1023) == 0) ox_still_waits(ctl, (uint64_t)own, ~0ull, spins);
         }
+        __threadfence();
       }
       __syncthreads();
       return;

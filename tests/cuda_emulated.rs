@@ -609,6 +609,23 @@ fn pair(
     nccl::api::group_end()
 }
 
+/// Rank 0 of `comms` launches `c` in `buf` on `stream`, and its peer never comes: the launch
+/// does not end, and `ncclCommAbort` stops it within seconds.
+fn aborted_alone(comms: &[Arc<nccl::comm::Comm>], c: &Case, buf: (usize, usize), stream: usize) {
+    enqueue(&comms[0], c, 2, buf, stream);
+    assert!(
+        !sync(stream, Duration::from_millis(300)),
+        "done without its peer"
+    );
+    let t = Instant::now();
+    nccl::api::comm_abort(nccl::api::comm_handle(&comms[0])).expect("abort");
+    assert!(
+        sync(stream, Duration::from_secs(10)),
+        "the kernel went on after the abort"
+    );
+    assert!(t.elapsed() < Duration::from_secs(10));
+}
+
 /// After a failure: the streams drain, every communicator reports an error (`code`, where
 /// given), then they are aborted.
 fn failed(
@@ -668,19 +685,7 @@ fn failures() {
 
     let comms = nccl::api::comm_init_all(&[0, 0]).expect("two ranks");
     let alone = calls[0];
-    let b = buffers(&alone, 2)[0];
-    enqueue(&comms[0], &alone, 2, b, streams[0]);
-    assert!(
-        !sync(streams[0], Duration::from_millis(300)),
-        "done without its peer"
-    );
-    let t = Instant::now();
-    nccl::api::comm_abort(nccl::api::comm_handle(&comms[0])).expect("abort");
-    assert!(
-        sync(streams[0], Duration::from_secs(10)),
-        "the kernel went on after the abort"
-    );
-    assert!(t.elapsed() < Duration::from_secs(10));
+    aborted_alone(&comms, &alone, buffers(&alone, 2)[0], streams[0]);
     nccl::api::comm_abort(nccl::api::comm_handle(&comms[1])).expect("abort");
 
     // A peer rank of this process that destroys its communicator while this rank's kernel

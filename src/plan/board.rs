@@ -129,7 +129,9 @@ impl<C> BoardOp<C> {
     /// Small enough for every rank to carry its input on the board (`Board::eager_area`): each
     /// rank copies its input there, arrives, and computes its own output from everyone's copies;
     /// one round, no done barrier, any buffers (nothing is read from peers' memory). Planned as
-    /// such when the operation `fits_inline`, with no ring to fall back on.
+    /// such when the operation `fits_inline`, with no ring to fall back on. (The host
+    /// executor's reading; the CUDA executor's board operations carry no ring either, where
+    /// `Caps::direct_fallback` is off, and run alike whatever their size.)
     pub fn eager(&self) -> bool {
         self.fallback.is_none()
     }

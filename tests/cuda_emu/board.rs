@@ -5,7 +5,7 @@
 //! different calls, a rank that ends its communicator while a peer waits for it there, and one
 //! that never comes.
 
-use super::device::BOARD_LANES;
+use super::device::{self, BOARD_LANES};
 use super::*;
 
 /// Board lanes launched since `before`.
@@ -163,54 +163,40 @@ pub fn board_failures() {
     assert!(msg.contains("ended its communicator"), "{msg}");
     let _ = nccl::api::comm_abort(nccl::api::comm_handle(&comms[0]));
 
-    // A peer that never comes: the abort stops the kernel, with no error but the abort's (no
-    // call mismatch read from lines the peer never wrote). The peer then comes: its kernel
-    // finds that rank 0 left, and stops without touching rank 0's buffers, which the caller
-    // may use again once the abort has returned.
+    // A peer that comes too late: its launch is held behind a gate on its stream while rank
+    // 0's kernel waits for it on the board; the abort stops rank 0's kernel. Then the gate
+    // opens: the peer's kernel finds that rank 0 left before it did its share, and stops with
+    // ncclRemoteError saying so (not a call mismatch read from a line left from before),
+    // without touching rank 0's buffers, which the caller may use again once the abort has
+    // returned.
     let comms = nccl::api::comm_init_all(&[0, 0]).expect("two ranks");
     let bufs = buffers(&c, 2);
     fill(&c, 2, 0, bufs[0], 0);
-    enqueue(&comms[0], &c, 2, bufs[0], streams[0]);
-    assert!(
-        !sync(streams[0], Duration::from_millis(300)),
-        "done without its peer"
+    fill(&c, 2, 1, bufs[1], 0);
+    let gate = device::gate(streams[1]);
+    let before = BOARD_LANES.load(Ordering::SeqCst);
+    enqueue(&comms[1], &c, 2, bufs[1], streams[1]);
+    assert_eq!(
+        board_lanes_since(before),
+        1,
+        "the late peer's launch, on the board"
     );
-    let t = Instant::now();
-    nccl::api::comm_abort(nccl::api::comm_handle(&comms[0])).expect("abort");
-    assert!(
-        sync(streams[0], Duration::from_secs(10)),
-        "the kernel went on waiting on the board after the abort"
-    );
-    assert!(t.elapsed() < Duration::from_secs(10));
-    let msg = nccl::error::last_error();
-    assert!(
-        !msg.contains("made a call"),
-        "a mismatch after an abort: {msg}"
-    );
+    aborted_alone(&comms, &c, bufs[0], streams[0]);
     for i in 0..c.count {
         put(c.dtype, bufs[0].0, i, -5.0);
     }
-    if nccl::api::enqueue(
-        &comms[1],
-        CollArgs {
-            kind: c.kind,
-            send: bufs[1].0,
-            recv: bufs[1].1,
-            count: c.count,
-            dtype: c.dtype,
-            op: c.op,
-            root: 0,
-        },
-        nccl::api::stream_from_handle(streams[1]).unwrap(),
-    )
-    .is_ok()
-    {
-        assert!(
-            sync(streams[1], Duration::from_secs(10)),
-            "a peer's kernel waited on the board for a rank that left"
-        );
-    }
-    assert_ne!(async_error(&comms[1]), Code::Success, "a peer that left");
+    device::open_gate(&gate);
+    assert!(
+        sync(streams[1], Duration::from_secs(10)),
+        "a peer's kernel waited on the board for a rank that left"
+    );
+    assert_eq!(
+        async_error(&comms[1]),
+        Code::RemoteError,
+        "a peer that left"
+    );
+    let msg = nccl::error::last_error();
+    assert!(msg.contains("left a direct collective"), "{msg}");
     assert!(
         (0..c.count)
             .all(|i| get(c.dtype, bufs[0].0, i) == -5.0 && get(c.dtype, bufs[0].1, i) == 99.0),
