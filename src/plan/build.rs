@@ -18,8 +18,6 @@ use crate::types::{CollArgs, CollKind};
 pub struct Caps {
     /// Direct operations over a board every rank reaches.
     pub direct: bool,
-    /// The collectives that may be direct operations (where `direct`).
-    pub direct_kinds: &'static [BoardKind],
     /// How the choice of a direct operation that is not eager reads (`NCCL_DEBUG_SUBSYS=TUNING`).
     pub direct_algo: &'static str,
     /// Whether a direct operation that is not eager carries the ring to fall back on (where
@@ -224,9 +222,7 @@ pub fn build_task<T>(
                         }
                         continue;
                     }
-                    let direct = direct
-                        && caps.direct_kinds.contains(&bk)
-                        && super::algo::algo_allows(a.kind.name(), "direct");
+                    let direct = direct && super::algo::algo_allows(a.kind.name(), "direct");
                     let work = if direct && nranks > 1 {
                         // An eager operation never falls back: no ring to plan.
                         let eager = super::board::fits_inline(

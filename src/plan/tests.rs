@@ -160,7 +160,6 @@ const BUF: usize = 0x1000_0000;
 fn caps(direct: bool) -> super::build::Caps {
     super::build::Caps {
         direct,
-        direct_kinds: super::board::BoardKind::ALL,
         direct_algo: "Direct (Ring fallback)",
         direct_fallback: true,
         eager_bytes: crate::transport::board::INLINE,
@@ -453,7 +452,6 @@ fn a_large_ring_collective_splits_across_channels() {
     // small ones keep one lane; each plan encodes and decodes.
     let caps = Caps {
         direct: false,
-        direct_kinds: &[],
         direct_algo: "",
         direct_fallback: false,
         eager_bytes: 0,

@@ -25,6 +25,10 @@ use std::sync::{Arc, Weak};
 /// (`OX_BOARD_PARTS`, `OX_BOARD_LINE`).
 const PARTS: usize = 64;
 const LINE: usize = 128;
+/// A board's bytes: a line per rank and part.
+fn bytes(nranks: usize) -> usize {
+    PARTS * LINE * nranks
+}
 /// The most ranks a board serves (`OX_DIRECT_MAX`).
 pub const MAX_RANKS: usize = super::direct::MAX_RANKS;
 
@@ -52,7 +56,7 @@ impl Board {
 
     /// Whether `addr` is on the board (a waiting kernel names the line it waits on).
     pub fn holds(&self, addr: u64) -> bool {
-        (self.mem.ptr..self.mem.ptr + (PARTS * LINE * self.nranks) as u64).contains(&addr)
+        (self.mem.ptr..self.mem.ptr + bytes(self.nranks) as u64).contains(&addr)
     }
 
     /// The part and the rank of the line at `addr` (on the board).
@@ -96,7 +100,7 @@ pub fn for_rank(hash: u64, ctx: usize, rank: usize, nranks: usize) -> Result<Opt
             }
         }
     }
-    let mem = DevMem::zeroed(PARTS * LINE * nranks, "a communicator's device board")?;
+    let mem = DevMem::zeroed(bytes(nranks), "a communicator's device board")?;
     let mut places = vec![Place::Free; nranks];
     places[rank] = Place::Taken;
     let b = Arc::new(Board {

@@ -744,12 +744,7 @@ impl Watched {
     /// rank, and why it is gone where its communicator ended (None: it lives). None where `hdr`
     /// is not on the board.
     fn board_peer_gone(&self, hdr: u64) -> Option<(usize, Option<String>)> {
-        let b = self.board.as_ref()?.upgrade()?;
-        if !b.holds(hdr) {
-            return None;
-        }
-        let r = b.line(hdr).1;
-        let name = self.names.get(r).map_or("a rank", |n| n.as_str());
+        let (b, _, r, name) = self.board_line(hdr)?;
         Some((
             r,
             b.left(r).then(|| {
@@ -758,6 +753,17 @@ impl Watched {
                 )
             }),
         ))
+    }
+
+    /// The board line a kernel waits on (`hdr`): the board, the part, the rank and its name.
+    fn board_line(&self, hdr: u64) -> Option<(Arc<super::board::Board>, usize, usize, &str)> {
+        let b = self.board.as_ref()?.upgrade()?;
+        if !b.holds(hdr) {
+            return None;
+        }
+        let (part, r) = b.line(hdr);
+        let name = self.names.get(r).map_or("a rank", |n| n.as_str());
+        Some((b, part, r, name))
     }
 
     /// The kernels wait on a connection that has not moved for the communicator's timeout: a
@@ -782,12 +788,7 @@ impl Watched {
             },
             None => {
                 // A board lane waits for a rank to arrive at a part of a direct collective.
-                let b = self.board.as_ref()?.upgrade()?;
-                if !b.holds(hdr) {
-                    return None;
-                }
-                let (part, r) = b.line(hdr);
-                let name = self.names.get(r).map_or("a rank", |n| n.as_str());
+                let (_, part, _, name) = self.board_line(hdr)?;
                 format!(
                     "{name} on the device board, which has not arrived at part {part} of a \
                      direct collective (arrival {step})"

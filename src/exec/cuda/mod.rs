@@ -295,7 +295,6 @@ fn prepare<'a>(per_comm: PerComm<'a>) -> Result<Jobs<'a>> {
             direct: comm.board.is_some()
                 && comm.kern.run_board.is_some()
                 && crate::param::cuda_direct(),
-            direct_kinds: crate::plan::board::BoardKind::ALL,
             direct_algo: "Direct (device board: every rank in this process on this GPU)",
             direct_fallback: false,
             eager_bytes: 0,

@@ -188,7 +188,6 @@ impl HostComm {
     pub fn caps(&self) -> crate::plan::build::Caps {
         crate::plan::build::Caps {
             direct: self.has_board(),
-            direct_kinds: crate::plan::board::BoardKind::ALL,
             direct_algo: "Direct (Ring fallback)",
             direct_fallback: true,
             eager_bytes: crate::transport::board::INLINE,
