@@ -36,7 +36,7 @@ mod processes;
 #[path = "cuda_stand_in/mod.rs"]
 mod stand_in;
 
-use board::{board_failures, board_threads};
+use board::{board_failures, board_large, board_threads};
 use device::{begin_capture, end_capture, replay, sync, IPC_OPENED, LAUNCHED, NEXT};
 use graphs::{forked_calls, graphs, mixed_replays, replay_after_destroy, two_stream_graphs};
 use nccl::gpu::driver;
@@ -156,12 +156,26 @@ fn buffers(c: &Case, n: usize) -> Vec<(usize, usize)> {
     let es = c.dtype.size();
     let (ns, nr) = sizes(c, n);
     (0..n)
-        .map(|_| {
+        .map(|r| {
             let s = buffer(ns.max(nr) * es);
-            let r = if c.in_place { s } else { buffer(nr * es) };
-            (s, r)
+            let rb = if c.in_place {
+                in_place_output(c, r, s)
+            } else {
+                buffer(nr * es)
+            };
+            (s, rb)
         })
         .collect()
+}
+
+/// Where rank r's in-place output of `c` lies in its input `s`, as NCCL lays it out: a
+/// reduce-scatter's at segment r, every other collective's at the input.
+fn in_place_output(c: &Case, r: usize, s: usize) -> usize {
+    if c.kind == CollKind::ReduceScatter {
+        s + r * c.count * c.dtype.size()
+    } else {
+        s
+    }
 }
 
 /// Rank r's inputs for `c` (salted), where the collective reads them (in place: inside the
@@ -511,21 +525,21 @@ fn mem_alloc_buffers(comms: &[Arc<nccl::comm::Comm>], streams: &[usize]) {
         let (ns, nr) = sizes(c, n);
         let es = c.dtype.size();
         let bufs: Vec<(usize, usize)> = (0..n)
-            .map(|_| {
+            .map(|r| {
                 let s = nccl::api::mem_alloc(ns.max(nr) * es).expect("ncclMemAlloc");
-                let r = if c.in_place {
-                    s
+                let rb = if c.in_place {
+                    in_place_output(c, r, s)
                 } else {
                     nccl::api::mem_alloc(nr * es).expect("ncclMemAlloc")
                 };
-                (s, r)
+                (s, rb)
             })
             .collect();
         check_in(comms, streams, c, &bufs);
-        for &(s, r) in &bufs {
+        for &(s, rb) in &bufs {
             nccl::api::mem_free(s).expect("ncclMemFree");
-            if r != s {
-                nccl::api::mem_free(r).expect("ncclMemFree");
+            if !c.in_place {
+                nccl::api::mem_free(rb).expect("ncclMemFree");
             }
         }
     }
@@ -612,7 +626,7 @@ fn pair(
 /// Rank 0 of `comms` launches `c` in `buf` on `stream`, and its peer never comes: the launch
 /// does not end, and `ncclCommAbort` stops it within seconds.
 fn aborted_alone(comms: &[Arc<nccl::comm::Comm>], c: &Case, buf: (usize, usize), stream: usize) {
-    enqueue(&comms[0], c, 2, buf, stream);
+    enqueue(&comms[0], c, comms.len(), buf, stream);
     assert!(
         !sync(stream, Duration::from_millis(300)),
         "done without its peer"
@@ -1322,6 +1336,7 @@ fn cuda_executor_on_emulated_kernels() {
     board_threads(2, &cases(2, &[300_001, 1001]));
     board_threads(4, &cases(4, &[300_001]));
     board_failures();
+    board_large();
     let illegal = device::ILLEGAL.lock().clone();
     assert!(
         illegal.is_empty(),
@@ -1331,9 +1346,8 @@ fn cuda_executor_on_emulated_kernels() {
     eprintln!("kernels run: {launched:?}");
     for k in stand_in::KERNELS {
         let k = k.to_str().unwrap();
-        // (A one-rank launch's descriptor is never large; no case here puts a board lane in
-        // a launch whose descriptor is, which takes as many point-to-point lanes beside it.)
-        if k != "oxccl_local_large" && k != "oxccl_run_board_large" {
+        // (A one-rank launch's descriptor is never large.)
+        if k != "oxccl_local_large" {
             assert!(launched.contains(k), "{k} never ran: {launched:?}");
         }
     }

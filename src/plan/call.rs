@@ -69,6 +69,16 @@ pub fn of_p2p(bytes: usize) -> Call {
     [bytes as u64, P2P]
 }
 
+/// Whether the call is an all-gather or a reduce-scatter: its count is one rank's segment of
+/// a buffer of a segment per rank.
+pub fn segmented(c: Call) -> bool {
+    c[1] != P2P
+        && matches!(
+            KINDS.get((c[1] & 0xff) as usize),
+            Some(CollKind::AllGather | CollKind::ReduceScatter)
+        )
+}
+
 /// A call's words as a user would write it: "AllReduce of 4 x float (sum)", "4096 bytes of
 /// Send/Recv".
 #[cold]

@@ -205,6 +205,51 @@ pub fn board_failures() {
     nccl::api::comm_abort(nccl::api::comm_handle(&comms[1])).expect("abort");
     release_buffers();
 
+    // Three ranks: rank 2 held behind a gate, rank 1 waiting on the board, rank 0 aborted
+    // there. Rank 0 arrived before it left, so rank 1 goes on waiting for rank 2 (rank 0 may
+    // still count); once rank 2 comes, both find rank 0 gone when they would take its
+    // buffers, and stop with ncclRemoteError, rank 0's buffers untouched.
+    let streams3 = [streams[0], streams[1], new_stream()];
+    let comms = nccl::api::comm_init_all(&[0, 0, 0]).expect("three ranks");
+    let bufs = buffers(&c, 3);
+    for (r, &b) in bufs.iter().enumerate() {
+        fill(&c, 3, r, b, 0);
+    }
+    let gate = device::gate(streams3[2]);
+    enqueue(&comms[2], &c, 3, bufs[2], streams3[2]);
+    enqueue(&comms[1], &c, 3, bufs[1], streams3[1]);
+    aborted_alone(&comms, &c, bufs[0], streams3[0]);
+    for i in 0..c.count {
+        put(c.dtype, bufs[0].0, i, -5.0);
+    }
+    assert!(
+        !sync(streams3[1], Duration::from_millis(300)),
+        "rank 1 done without rank 2"
+    );
+    device::open_gate(&gate);
+    for r in 1..3 {
+        assert!(
+            sync(streams3[r], Duration::from_secs(10)),
+            "rank {r}'s kernel waited on the board for a rank that left"
+        );
+        assert_eq!(
+            async_error(&comms[r]),
+            Code::RemoteError,
+            "rank {r}, rank 0 left"
+        );
+        let msg = nccl::error::last_error();
+        assert!(msg.contains("left a direct collective"), "rank {r}: {msg}");
+    }
+    assert!(
+        (0..c.count)
+            .all(|i| get(c.dtype, bufs[0].0, i) == -5.0 && get(c.dtype, bufs[0].1, i) == 99.0),
+        "peers touched the buffers of a rank that left the board"
+    );
+    for comm in &comms[1..] {
+        nccl::api::comm_abort(nccl::api::comm_handle(comm)).expect("abort");
+    }
+    release_buffers();
+
     // Ranks that end one after the other once their work is done: no error for the one that
     // ends last (its kernels waited on the board for the other before it left, not after).
     let comms = nccl::api::comm_init_all(&[0, 0]).expect("two ranks");
@@ -222,5 +267,62 @@ pub fn board_failures() {
         nccl::error::last_error()
     );
     nccl::api::comm_destroy(nccl::api::comm_handle(&comms[0])).expect("destroy");
+    release_buffers();
+}
+
+/// A board lane in a launch whose descriptor needs the large kernel parameter: each of two
+/// ranks, in a thread of its own, has an all-reduce and 60 sends to and receives from its peer
+/// in one group (`oxccl_run_board_large`). Every output checked.
+pub fn board_large() {
+    let c = f32_sum(300_001);
+    let bufs = buffers(&c, 2);
+    let (pairs, count) = (60, 16);
+    let p2p: Vec<(usize, usize)> = (0..2)
+        .map(|_| {
+            let (send, recv) = (buffer(pairs * count * 4), buffer(pairs * count * 4));
+            pattern(send, recv, pairs * count);
+            (send, recv)
+        })
+        .collect();
+    let what = "an all-reduce beside 60 sends and receives, a rank per thread";
+    let before = BOARD_LANES.load(Ordering::SeqCst);
+    let id = nccl::api::get_unique_id().unwrap();
+    let ranks: Vec<_> = (0..2)
+        .map(|r| {
+            let (b, (send, recv)) = (bufs[r], p2p[r]);
+            std::thread::spawn(move || {
+                let comm = nccl::api::comm_init_rank(2, &id, r as i32, Default::default())
+                    .expect("a rank in a thread");
+                let stream = new_stream();
+                fill(&c, 2, r, b, 0);
+                nccl::api::group_start().unwrap();
+                enqueue(&comm, &c, 2, b, stream);
+                for k in 0..pairs {
+                    let at = 4 * count * k;
+                    let to = p2p_f32(CollKind::Send, send + at, 0, count, 1 - r);
+                    let from = p2p_f32(CollKind::Recv, 0, recv + at, count, 1 - r);
+                    nccl::api::enqueue(&comm, to, stream_arg(stream)).unwrap();
+                    nccl::api::enqueue(&comm, from, stream_arg(stream)).unwrap();
+                }
+                nccl::api::group_end().unwrap();
+                sync_all(&[stream], what);
+                no_async_error(std::slice::from_ref(&comm), what);
+                comm
+            })
+        })
+        .collect();
+    let comms: Vec<_> = ranks.into_iter().map(|t| t.join().unwrap()).collect();
+    verify(&c, &bufs, 0, what);
+    for &(_, recv) in &p2p {
+        pattern_arrived(recv, pairs * count);
+    }
+    assert_eq!(board_lanes_since(before), 2, "{what}: on the board");
+    assert!(
+        device::LAUNCHED.lock().contains("oxccl_run_board_large"),
+        "{what}: not the large kernel"
+    );
+    for comm in &comms {
+        nccl::api::comm_destroy(nccl::api::comm_handle(comm)).unwrap();
+    }
     release_buffers();
 }

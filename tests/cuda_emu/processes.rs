@@ -60,7 +60,7 @@ fn run_cases(comms: &[Arc<nccl::comm::Comm>], ranks: &[usize], n: usize, how: &s
                 let b = (
                     s,
                     if c.in_place {
-                        s
+                        in_place_output(&c, r, s)
                     } else {
                         buffer(nr * c.dtype.size())
                     },

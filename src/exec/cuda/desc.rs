@@ -70,6 +70,9 @@ pub struct Desc {
     boards: usize,
     /// The largest step, in bytes.
     max_bytes: usize,
+    /// The largest operation of a board lane, in bytes of every rank's segment where the
+    /// call's count is one rank's (what the kernel cuts into parts: `ox_board_parts`).
+    board_bytes: usize,
     /// Whether some step is more than a plain copy.
     transforms: bool,
 }
@@ -203,6 +206,15 @@ impl Desc {
                 return Err(Error::internal("a board lane of more than one step"));
             }
             self.boards += 1;
+            let p = &self.progs[usize::from(first)];
+            let len = self.steps[p.first_step as usize].len;
+            let segments = if crate::plan::call::segmented(p.call) {
+                u64::from(lc.nranks)
+            } else {
+                1
+            };
+            let bytes = (len * p.esize * segments) as usize;
+            self.board_bytes = self.board_bytes.max(bytes);
         }
         self.lanes.push((first, n, lc));
         Ok(())
@@ -253,10 +265,10 @@ impl Desc {
     /// largest step, at most `OXCCL_CUDA_BLOCKS`.
     pub fn blocks_per_lane(&self) -> u16 {
         // Board lanes: a block for each part of their operation (`ox_board_parts`: one per
-        // 64 KiB of a rank's count, at most 64), as many as the device holds beside the other
-        // ranks' (`run`'s room).
+        // 64 KiB, at most 64), as many as the device holds beside the other ranks' (`run`'s
+        // room).
         if self.boards > 0 && self.conns.is_empty() {
-            return (self.max_bytes / (64 << 10)).clamp(1, 64) as u16;
+            return (self.board_bytes / (64 << 10)).clamp(1, 64) as u16;
         }
         if self.conns.is_empty()
             || self.conns.len() > MAX_CONNS_MULTI
@@ -449,7 +461,7 @@ mod tests {
     use super::*;
     use crate::plan::{Addr, RedSpec, Step};
     use crate::transport::{inproc, Region};
-    use crate::types::{DataType, ReduceKind, Reduction};
+    use crate::types::{CollKind, DataType, ReduceKind, Reduction};
     const P2P: Class = Class::P2p;
     const RING: Class = Class::Ring;
 
@@ -462,6 +474,39 @@ mod tests {
     }
     fn rd16(b: &[u64], byte: usize) -> u16 {
         (b[byte / 8] >> (8 * (byte % 8))) as u16
+    }
+
+    /// A program of `steps` local steps of `prim` and no connection, step `i` over
+    /// (source, destination, length) `at(i)`; prepared where it reduces.
+    fn local_program(
+        steps: usize,
+        prim: Prim,
+        at: impl Fn(usize) -> (usize, usize, usize),
+        esize: usize,
+        slice: usize,
+        call: [u64; 2],
+    ) -> DevProgram {
+        Program {
+            steps: (0..steps)
+                .map(|i| {
+                    let (src, dst, len) = at(i);
+                    Step {
+                        prim,
+                        recv: None,
+                        send: None,
+                        src: Addr::User(src),
+                        dst: Addr::User(dst),
+                        len,
+                        prep: prim != Prim::LocalCopy,
+                    }
+                })
+                .collect(),
+            esize,
+            slice,
+            niter: 1,
+            red: None,
+            call,
+        }
     }
 
     /// The descriptor's bytes are where `cuda/runner.cu` reads them (OxHeadD, OxConnD,
@@ -583,25 +628,15 @@ mod tests {
     /// no wide kernel, no copies on the copy engine, blocks by its size; more is refused.
     #[test]
     fn board_lanes_name_the_board() {
-        let prog = |steps: usize, prim: Prim| -> DevProgram {
-            Program {
-                steps: (0..steps)
-                    .map(|_| Step {
-                        prim,
-                        recv: None,
-                        send: None,
-                        src: Addr::User(0x1000),
-                        dst: Addr::User(0x2000),
-                        len: 1 << 20,
-                        prep: true,
-                    })
-                    .collect(),
-                esize: 4,
-                slice: 1 << 22,
-                niter: 1,
-                red: None,
-                call: [1, 2],
-            }
+        let prog = |steps: usize, prim: Prim| {
+            local_program(
+                steps,
+                prim,
+                |_| (0x1000, 0x2000, 1 << 20),
+                4,
+                1 << 22,
+                [1, 2],
+            )
         };
         let lc = LaneComm {
             ctl: 0xc7c7,
@@ -630,32 +665,28 @@ mod tests {
         let mut d = Desc::new();
         let two = prog(2, Prim::LocalReduce);
         assert!(d.lane_on([&two], lc).is_err(), "a board lane of two steps");
+        // An all-gather's or a reduce-scatter's parts (and blocks) count every rank's segment.
+        for (kind, blocks) in [
+            (CollKind::AllGather, 12),
+            (CollKind::ReduceScatter, 12),
+            (CollKind::AllReduce, 4),
+        ] {
+            // 256 KiB a rank, 3 ranks.
+            let mut p = prog(1, Prim::LocalReduce);
+            p.steps[0].len = 1 << 16;
+            p.call = crate::plan::call::of_coll(kind, 1 << 16, DataType::Float32, None, 0);
+            let mut d = Desc::new();
+            d.lane_on([&p], lc).expect("a board lane");
+            assert_eq!(d.blocks_per_lane(), blocks, "{kind:?}");
+        }
     }
 
     /// Past `PARAM_BYTES`, a descriptor takes the large parameter where the driver has it, and
     /// is an error where it has not; past `PARAM_BYTES_LARGE`, an error.
     #[test]
     fn large_descriptors_take_the_large_parameter() {
-        let prog = |steps: usize| -> DevProgram {
-            Program {
-                steps: (0..steps)
-                    .map(|i| Step {
-                        prim: Prim::LocalCopy,
-                        recv: None,
-                        send: None,
-                        src: Addr::User(8 + i),
-                        dst: Addr::User(16),
-                        len: 1,
-                        prep: false,
-                    })
-                    .collect(),
-                esize: 2,
-                slice: 1,
-                niter: 1,
-                red: None,
-                call: [0, 0],
-            }
-        };
+        let prog =
+            |steps: usize| local_program(steps, Prim::LocalCopy, |i| (8 + i, 16, 1), 2, 1, [0, 0]);
         // 16 + 80 + 100 x 56 + 24 bytes.
         let mut d = Desc::new();
         d.lane([&prog(100)], 0).expect("lane");
