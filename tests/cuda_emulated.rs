@@ -36,7 +36,7 @@ mod processes;
 #[path = "cuda_stand_in/mod.rs"]
 mod stand_in;
 
-use board::{board_failures, board_large, board_threads};
+use board::{board_failures, board_large, board_mixed_groups, board_threads};
 use device::{begin_capture, end_capture, replay, sync, IPC_OPENED, LAUNCHED, NEXT};
 use graphs::{forked_calls, graphs, mixed_replays, replay_after_destroy, two_stream_graphs};
 use nccl::gpu::driver;
@@ -1337,6 +1337,7 @@ fn cuda_executor_on_emulated_kernels() {
     board_threads(4, &cases(4, &[300_001]));
     board_failures();
     board_large();
+    board_mixed_groups();
     let illegal = device::ILLEGAL.lock().clone();
     assert!(
         illegal.is_empty(),

@@ -277,6 +277,9 @@ pub fn build_task<T>(
                     task.stages.push(s);
                 }
                 CollKind::Send | CollKind::Recv => {
+                    if task.p2p_after.is_none() {
+                        task.p2p_after = Some(task.stages.len());
+                    }
                     let is_send = a.kind == CollKind::Send;
                     if root == rank {
                         if is_send {

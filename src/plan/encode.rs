@@ -141,7 +141,8 @@ pub struct FlatHeader {
     pub np2p_lanes: u32,
     pub first_p2p_copy: u32,
     pub np2p_copies: u32,
-    pub _pad: u32,
+    /// `Task::p2p_after`, plus one (0: None).
+    pub p2p_after: u32,
 }
 
 /// A task as arrays of flat records.
@@ -474,7 +475,10 @@ pub fn encode(t: &Task) -> Result<Flat> {
         np2p_lanes,
         first_p2p_copy,
         np2p_copies,
-        _pad: 0,
+        p2p_after: match t.p2p_after {
+            None => 0,
+            Some(n) => idx(n + 1)?,
+        },
     };
     Ok(e.f)
 }
@@ -607,5 +611,6 @@ pub fn decode(f: &Flat) -> Result<Task> {
         stages,
         p2p: dec_lanes(f, h.first_p2p_lane, h.np2p_lanes)?,
         p2p_stash: dec_copies(f, h.first_p2p_copy, h.np2p_copies)?,
+        p2p_after: h.p2p_after.checked_sub(1).map(|n| n as usize),
     })
 }

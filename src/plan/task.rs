@@ -15,9 +15,19 @@ pub struct Task {
     pub p2p: Vec<Vec<Work>>,
     /// Copies of send buffers that receives of the same task overwrite (see `Stash`).
     pub p2p_stash: Stash,
+    /// The stages of the task before its first point-to-point call (None: it has none). An
+    /// executor that runs stages one after the other runs the point-to-point lanes beside the
+    /// last of those (`p2p_stage`), so that a peer that makes the same calls in the same
+    /// order, grouped otherwise, never waits for a collective queued behind them.
+    pub p2p_after: Option<usize>,
 }
 
 impl Task {
+    /// The stage beside which the point-to-point lanes run (see `p2p_after`).
+    pub fn p2p_stage(&self) -> usize {
+        self.p2p_after.unwrap_or(0).saturating_sub(1)
+    }
+
     /// Calls `f` with every connection the task may use (with repeats; a plain loop).
     pub fn for_each_key(&self, f: &mut impl FnMut(ConnKey)) {
         for lane in self

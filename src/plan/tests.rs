@@ -99,7 +99,7 @@ fn show(t: &Task) -> String {
         let _ = write!(o, "\nstage fault {:?} stash {:?}", s.fault, s.stash);
         lanes(&mut o, &s.lanes);
     }
-    let _ = write!(o, "\np2p stash {:?}", t.p2p_stash);
+    let _ = write!(o, "\np2p stash {:?} after {:?}", t.p2p_stash, t.p2p_after);
     lanes(&mut o, &t.p2p);
     o
 }
@@ -278,8 +278,20 @@ fn every_plan_kind_of_the_c_matrix_encodes_and_decodes() {
                         v.push(call(Send, send_at(p), count + p + rank, p));
                         v.push(call(Recv, recv_at(p), count + p + rank, p));
                     }
-                    for (name, calls) in [("SendRecv", &shift[..]), ("AlltoAllv", &v[..])] {
+                    // A collective called before the shift, in the same group.
+                    let mut after = vec![call(Broadcast, BUF + (1 << 26), count, 0)];
+                    after.extend_from_slice(&shift);
+                    for (name, calls) in [
+                        ("SendRecv", &shift[..]),
+                        ("AlltoAllv", &v[..]),
+                        ("Broadcast, then SendRecv", &after[..]),
+                    ] {
                         let t = build_task(&links, caps(true), calls, |c| *c).unwrap();
+                        // The point-to-point lanes go beside the last stage (here every
+                        // collective is called before the point-to-point calls).
+                        let before = t.stages.len();
+                        assert_eq!(t.p2p_after, Some(before), "{name}");
+                        assert_eq!(t.p2p_stage(), before.saturating_sub(1), "{name}");
                         let f = round_trip(&t, &|| {
                             format!("{name} n {n} rank {rank} count {count} in place {in_place}")
                         });
@@ -300,6 +312,7 @@ fn every_plan_kind_of_the_c_matrix_encodes_and_decodes() {
         "stage stash",
         "p2p stash",
         "p2p lanes",
+        "p2p after a collective",
         "device scalar",
         "host scalar",
         "postdiv",
@@ -334,6 +347,9 @@ fn shape(f: &Flat) -> Vec<&'static str> {
     }
     if f.header.np2p_lanes > 0 {
         v.push("p2p lanes");
+    }
+    if f.header.p2p_after > 1 {
+        v.push("p2p after a collective");
     }
     let reds = f
         .programs

@@ -259,9 +259,10 @@ pub fn board_failures() {
     }
     sync_all(&streams, "two board all-reduces");
     nccl::api::comm_destroy(nccl::api::comm_handle(&comms[1])).expect("destroy");
+    // (A false "peer ended" would come once the watcher's second of grace has passed.)
     std::thread::sleep(Duration::from_millis(1500));
     assert_eq!(
-        async_error(&comms[0]),
+        nccl::api::comm_async_error(&comms[0]),
         Code::Success,
         "{}",
         nccl::error::last_error()
@@ -286,6 +287,8 @@ pub fn board_large() {
         .collect();
     let what = "an all-reduce beside 60 sends and receives, a rank per thread";
     let before = BOARD_LANES.load(Ordering::SeqCst);
+    // (Forgotten if an earlier case ran it: this case must.)
+    device::LAUNCHED.lock().remove("oxccl_run_board_large");
     let id = nccl::api::get_unique_id().unwrap();
     let ranks: Vec<_> = (0..2)
         .map(|r| {
@@ -321,6 +324,61 @@ pub fn board_large() {
         device::LAUNCHED.lock().contains("oxccl_run_board_large"),
         "{what}: not the large kernel"
     );
+    for comm in &comms {
+        nccl::api::comm_destroy(nccl::api::comm_handle(comm)).unwrap();
+    }
+    release_buffers();
+}
+
+/// The same calls in the same order, grouped differently: rank 0 holds an all-reduce, an
+/// all-gather and a send and receive with rank 1 in one group, rank 1 makes them one by one
+/// (each rank in a thread of its own). Rank 0's collectives run one launch after the other,
+/// and its point-to-point lanes go beside the last collective called before them: ahead of
+/// the all-gather, rank 1's send would sit behind its all-gather, which would wait for rank
+/// 0's, queued behind the point-to-point lanes. Every output checked.
+pub fn board_mixed_groups() {
+    let ar = f32_sum(4099);
+    let ag = Case {
+        kind: CollKind::AllGather,
+        ..f32_sum(1001)
+    };
+    let p2p = Case {
+        kind: CollKind::Send,
+        ..f32_sum(300_001)
+    };
+    let calls = [ar, ag, p2p];
+    let bufs: Vec<Vec<(usize, usize)>> = calls.iter().map(|c| buffers(c, 2)).collect();
+    let what = "an all-reduce, an all-gather, a send and a receive, grouped on rank 0 only";
+    let id = nccl::api::get_unique_id().unwrap();
+    let ranks: Vec<_> = (0..2)
+        .map(|r| {
+            let bufs: Vec<(usize, usize)> = bufs.iter().map(|b| b[r]).collect();
+            std::thread::spawn(move || {
+                let comm = nccl::api::comm_init_rank(2, &id, r as i32, Default::default())
+                    .expect("a rank in a thread");
+                let stream = new_stream();
+                for (c, &b) in calls.iter().zip(&bufs) {
+                    fill(c, 2, r, b, 0);
+                }
+                if r == 0 {
+                    nccl::api::group_start().unwrap();
+                }
+                for (c, &b) in calls.iter().zip(&bufs) {
+                    enqueue(&comm, c, 2, b, stream);
+                }
+                if r == 0 {
+                    nccl::api::group_end().unwrap();
+                }
+                sync_all(&[stream], what);
+                no_async_error(std::slice::from_ref(&comm), what);
+                comm
+            })
+        })
+        .collect();
+    let comms: Vec<_> = ranks.into_iter().map(|t| t.join().unwrap()).collect();
+    for (c, b) in calls.iter().zip(&bufs) {
+        verify(c, b, 0, &format!("{}: {what}", describe(c, 2, 2)));
+    }
     for comm in &comms {
         nccl::api::comm_destroy(nccl::api::comm_handle(comm)).unwrap();
     }

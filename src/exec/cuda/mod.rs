@@ -84,20 +84,25 @@ struct Job<'a> {
     joins: Vec<usize>,
     stages: smallvec::SmallVec<[DevStage; 1]>,
     p2p: DevStage,
+    /// The launch the point-to-point lanes join (`Task::p2p_stage`): the stages run one launch
+    /// after the other, so the lanes go beside the last collective called before them, not
+    /// ahead of the ones called after them (a peer that makes the same calls ungrouped would
+    /// wait on those behind its own point-to-point calls).
+    p2p_at: usize,
 }
 
 /// A group's jobs (in place for one communicator's).
 type Jobs<'a> = smallvec::SmallVec<[Job<'a>; 1]>;
 
 impl Job<'_> {
-    /// The lanes of launch `k`: stage k's, and in the first the point-to-point lanes.
+    /// The lanes of launch `k`: stage k's, and in `p2p_at` the point-to-point lanes.
     fn lanes(&self, k: usize) -> impl Iterator<Item = &Vec<DevProgram>> {
         let stage = self
             .stages
             .get(k)
             .map(|s| s.lanes.as_slice())
             .unwrap_or(&[]);
-        let p2p = if k == 0 {
+        let p2p = if k == self.p2p_at {
             self.p2p.lanes.as_slice()
         } else {
             &[]
@@ -327,6 +332,7 @@ fn prepare<'a>(per_comm: PerComm<'a>) -> Result<Jobs<'a>> {
     let mut jobs = Jobs::new();
     for (qs, t) in planned {
         let conns = qs[0].conns;
+        let p2p_at = t.p2p_stage();
         let stages = t
             .stages
             .into_iter()
@@ -348,6 +354,7 @@ fn prepare<'a>(per_comm: PerComm<'a>) -> Result<Jobs<'a>> {
             },
             stages,
             p2p: bind_stage(t.p2p, t.p2p_stash.copies, conns)?,
+            p2p_at,
         });
     }
     Ok(jobs)
@@ -422,16 +429,21 @@ fn free_scratch(sc: &Scratch, stream: usize, api: &driver::Api) {
     }
 }
 
-/// Launches the jobs of one (context, stream): stage k of every job in launch k; the
-/// point-to-point lanes in the first.
+/// Launches the jobs of one (context, stream): stage k of every job in launch k; each job's
+/// point-to-point lanes in its `p2p_at`.
 fn launch_set(jobs: &mut [Job<'_>]) -> Result<()> {
     let api = driver::api()?;
     let comm0 = jobs[0].comm;
     let stream = jobs[0].stream;
     let _g = CtxGuard::enter(comm0.ctx)?;
     let nstages = jobs.iter().map(|j| j.stages.len()).max().unwrap_or(0);
-    let has_p2p = jobs.iter().any(|j| !j.p2p.lanes.is_empty());
-    let launches = nstages.max(has_p2p as usize);
+    let p2p_launches = jobs
+        .iter()
+        .filter(|j| !j.p2p.lanes.is_empty())
+        .map(|j| j.p2p_at + 1)
+        .max()
+        .unwrap_or(0);
+    let launches = nstages.max(p2p_launches);
     // Every launch's descriptor must fit before the first is launched: a group fails whole
     // (and alike on every rank, whose groups are the same).
     let large = jobs[0].comm.kern.large();
@@ -523,7 +535,8 @@ fn launch_kernel(
     )
 }
 
-/// Launch `k` of a set: stage k of every job (and the point-to-point lanes in the first),
+/// Launch `k` of a set: stage k of every job (and the point-to-point lanes of those whose
+/// `p2p_at` it is),
 /// their scratch taken before and freed after, in stream order.
 fn launch_stage(
     jobs: &mut [Job<'_>],
@@ -545,7 +558,7 @@ fn launch_stage(
                 break;
             }
         }
-        if k == 0 {
+        if k == j.p2p_at {
             let s = &mut j.p2p;
             filled.push((i, true));
             r = fill_scratch(&mut s.scratch, &mut s.lanes, stream, api);
