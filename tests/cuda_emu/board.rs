@@ -22,6 +22,32 @@ fn on_board(kind: CollKind) -> bool {
     )
 }
 
+/// Ranks 0..n of a new communicator, each in a thread of its own on a stream of its own,
+/// running `work(comm, rank, stream)`, then waiting for their streams (`what`: the work) with
+/// no error; their communicators, once every thread is done.
+fn in_threads(
+    n: usize,
+    what: &'static str,
+    work: impl Fn(&Arc<nccl::comm::Comm>, usize, usize) + Clone + Send + 'static,
+) -> Vec<Arc<nccl::comm::Comm>> {
+    let id = nccl::api::get_unique_id().unwrap();
+    let ranks: Vec<_> = (0..n)
+        .map(|r| {
+            let work = work.clone();
+            std::thread::spawn(move || {
+                let comm = nccl::api::comm_init_rank(n as i32, &id, r as i32, Default::default())
+                    .expect("a rank in a thread");
+                let stream = new_stream();
+                work(&comm, r, stream);
+                sync_all(&[stream], what);
+                no_async_error(std::slice::from_ref(&comm), what);
+                comm
+            })
+        })
+        .collect();
+    ranks.into_iter().map(|t| t.join().unwrap()).collect()
+}
+
 /// Each rank in a thread of its own on its own stream: every collective of `cs` that the board
 /// serves in turn (all-reduce, reduce, broadcast, all-gather, reduce-scatter; datatypes,
 /// operators, in place, several sizes), then an all-reduce and the ring's send and receive:
@@ -39,40 +65,28 @@ pub fn board_threads(n: usize, cs: &[Case]) {
     };
     let (wbufs, rbufs) = (buffers(&with, n), buffers(&ring, n));
     let before = BOARD_LANES.load(Ordering::SeqCst);
-    let id = nccl::api::get_unique_id().unwrap();
-    let ranks: Vec<_> = (0..n)
-        .map(|r| {
-            let (cs, bufs) = (cs.clone(), bufs.clone());
-            let (wb, rb) = (wbufs[r], rbufs[r]);
-            std::thread::spawn(move || {
-                let comm = nccl::api::comm_init_rank(n as i32, &id, r as i32, Default::default())
-                    .expect("a rank in a thread");
-                let stream = new_stream();
-                for (c, b) in cs.iter().zip(&bufs) {
-                    fill(c, n, r, b[r], 0);
-                    enqueue(&comm, c, n, b[r], stream);
-                }
-                fill(&with, n, r, wb, 1);
-                fill(&ring, n, r, rb, 1);
-                let together = r % 2 == 0;
-                if together {
-                    nccl::api::group_start().unwrap();
-                }
-                enqueue(&comm, &with, n, wb, stream);
-                enqueue(&comm, &ring, n, rb, stream);
-                if together {
-                    nccl::api::group_end().unwrap();
-                }
-                sync_all(&[stream], "board lanes of ranks in threads");
-                no_async_error(
-                    std::slice::from_ref(&comm),
-                    "board lanes of ranks in threads",
-                );
-                comm
-            })
-        })
-        .collect();
-    let comms: Vec<_> = ranks.into_iter().map(|t| t.join().unwrap()).collect();
+    let (c2, b2, w2, r2) = (cs.clone(), bufs.clone(), wbufs.clone(), rbufs.clone());
+    let comms = in_threads(
+        n,
+        "board lanes of ranks in threads",
+        move |comm, r, stream| {
+            for (c, b) in c2.iter().zip(&b2) {
+                fill(c, n, r, b[r], 0);
+                enqueue(comm, c, n, b[r], stream);
+            }
+            fill(&with, n, r, w2[r], 1);
+            fill(&ring, n, r, r2[r], 1);
+            let together = r % 2 == 0;
+            if together {
+                nccl::api::group_start().unwrap();
+            }
+            enqueue(comm, &with, n, w2[r], stream);
+            enqueue(comm, &ring, n, r2[r], stream);
+            if together {
+                nccl::api::group_end().unwrap();
+            }
+        },
+    );
     for (c, b) in cs.iter().zip(&bufs) {
         verify(
             c,
@@ -98,12 +112,14 @@ pub fn board_threads(n: usize, cs: &[Case]) {
     release_buffers();
 }
 
-/// Failures on the board, two ranks of one communicator launching one after the other on
-/// streams of their own. Different calls (counts whose operations cut into as many parts, and
-/// into different numbers of parts; another collective): both communicators fail with
-/// ncclInvalidUsage naming the other rank's call, their streams drained. A rank that ends its communicator while its peer's
-/// kernel waits for it on the board: the peer fails with ncclRemoteError within seconds. A peer
-/// that never comes: the kernel waits until `ncclCommAbort` stops it.
+/// Failures on the board, ranks of one communicator launching one after the other on streams
+/// of their own. Different calls (counts whose operations cut into as many parts, and into
+/// different numbers of parts; another collective): both communicators fail with
+/// ncclInvalidUsage naming the other rank's call, their streams drained. A rank that ends its
+/// communicator while its peer's kernel waits for it on the board: the peer fails with
+/// ncclRemoteError within seconds. Peers that come after a rank's abort (of two ranks and of
+/// three): ncclRemoteError, the aborted rank's buffers untouched. Ranks that end one after the
+/// other: no error.
 pub fn board_failures() {
     use nccl::error::Code;
     let streams = [new_stream(), new_stream()];
@@ -163,92 +179,9 @@ pub fn board_failures() {
     assert!(msg.contains("ended its communicator"), "{msg}");
     let _ = nccl::api::comm_abort(nccl::api::comm_handle(&comms[0]));
 
-    // A peer that comes too late: its launch is held behind a gate on its stream while rank
-    // 0's kernel waits for it on the board; the abort stops rank 0's kernel. Then the gate
-    // opens: the peer's kernel finds that rank 0 left before it did its share, and stops with
-    // ncclRemoteError saying so (not a call mismatch read from a line left from before),
-    // without touching rank 0's buffers, which the caller may use again once the abort has
-    // returned.
-    let comms = nccl::api::comm_init_all(&[0, 0]).expect("two ranks");
-    let bufs = buffers(&c, 2);
-    fill(&c, 2, 0, bufs[0], 0);
-    fill(&c, 2, 1, bufs[1], 0);
-    let gate = device::gate(streams[1]);
-    let before = BOARD_LANES.load(Ordering::SeqCst);
-    enqueue(&comms[1], &c, 2, bufs[1], streams[1]);
-    assert_eq!(
-        board_lanes_since(before),
-        1,
-        "the late peer's launch, on the board"
-    );
-    aborted_alone(&comms, &c, bufs[0], streams[0]);
-    for i in 0..c.count {
-        put(c.dtype, bufs[0].0, i, -5.0);
-    }
-    device::open_gate(&gate);
-    assert!(
-        sync(streams[1], Duration::from_secs(10)),
-        "a peer's kernel waited on the board for a rank that left"
-    );
-    assert_eq!(
-        async_error(&comms[1]),
-        Code::RemoteError,
-        "a peer that left"
-    );
-    let msg = nccl::error::last_error();
-    assert!(msg.contains("left a direct collective"), "{msg}");
-    assert!(
-        (0..c.count)
-            .all(|i| get(c.dtype, bufs[0].0, i) == -5.0 && get(c.dtype, bufs[0].1, i) == 99.0),
-        "a peer touched the buffers of a rank that left the board"
-    );
-    nccl::api::comm_abort(nccl::api::comm_handle(&comms[1])).expect("abort");
-    release_buffers();
-
-    // Three ranks: rank 2 held behind a gate, rank 1 waiting on the board, rank 0 aborted
-    // there. Rank 0 arrived before it left, so rank 1 goes on waiting for rank 2 (rank 0 may
-    // still count); once rank 2 comes, both find rank 0 gone when they would take its
-    // buffers, and stop with ncclRemoteError, rank 0's buffers untouched.
-    let streams3 = [streams[0], streams[1], new_stream()];
-    let comms = nccl::api::comm_init_all(&[0, 0, 0]).expect("three ranks");
-    let bufs = buffers(&c, 3);
-    for (r, &b) in bufs.iter().enumerate() {
-        fill(&c, 3, r, b, 0);
-    }
-    let gate = device::gate(streams3[2]);
-    enqueue(&comms[2], &c, 3, bufs[2], streams3[2]);
-    enqueue(&comms[1], &c, 3, bufs[1], streams3[1]);
-    aborted_alone(&comms, &c, bufs[0], streams3[0]);
-    for i in 0..c.count {
-        put(c.dtype, bufs[0].0, i, -5.0);
-    }
-    assert!(
-        !sync(streams3[1], Duration::from_millis(300)),
-        "rank 1 done without rank 2"
-    );
-    device::open_gate(&gate);
-    for r in 1..3 {
-        assert!(
-            sync(streams3[r], Duration::from_secs(10)),
-            "rank {r}'s kernel waited on the board for a rank that left"
-        );
-        assert_eq!(
-            async_error(&comms[r]),
-            Code::RemoteError,
-            "rank {r}, rank 0 left"
-        );
-        let msg = nccl::error::last_error();
-        assert!(msg.contains("left a direct collective"), "rank {r}: {msg}");
-    }
-    assert!(
-        (0..c.count)
-            .all(|i| get(c.dtype, bufs[0].0, i) == -5.0 && get(c.dtype, bufs[0].1, i) == 99.0),
-        "peers touched the buffers of a rank that left the board"
-    );
-    for comm in &comms[1..] {
-        nccl::api::comm_abort(nccl::api::comm_handle(comm)).expect("abort");
-    }
-    release_buffers();
+    // A peer that comes too late, of two ranks, then of three (rank 1 waiting there too).
+    late_peer_after_abort(&c, &[streams[0], streams[1]]);
+    late_peer_after_abort(&c, &[streams[0], streams[1], new_stream()]);
 
     // Ranks that end one after the other once their work is done: no error for the one that
     // ends last (its kernels waited on the board for the other before it left, not after).
@@ -289,32 +222,21 @@ pub fn board_large() {
     let before = BOARD_LANES.load(Ordering::SeqCst);
     // (Forgotten if an earlier case ran it: this case must.)
     device::LAUNCHED.lock().remove("oxccl_run_board_large");
-    let id = nccl::api::get_unique_id().unwrap();
-    let ranks: Vec<_> = (0..2)
-        .map(|r| {
-            let (b, (send, recv)) = (bufs[r], p2p[r]);
-            std::thread::spawn(move || {
-                let comm = nccl::api::comm_init_rank(2, &id, r as i32, Default::default())
-                    .expect("a rank in a thread");
-                let stream = new_stream();
-                fill(&c, 2, r, b, 0);
-                nccl::api::group_start().unwrap();
-                enqueue(&comm, &c, 2, b, stream);
-                for k in 0..pairs {
-                    let at = 4 * count * k;
-                    let to = p2p_f32(CollKind::Send, send + at, 0, count, 1 - r);
-                    let from = p2p_f32(CollKind::Recv, 0, recv + at, count, 1 - r);
-                    nccl::api::enqueue(&comm, to, stream_arg(stream)).unwrap();
-                    nccl::api::enqueue(&comm, from, stream_arg(stream)).unwrap();
-                }
-                nccl::api::group_end().unwrap();
-                sync_all(&[stream], what);
-                no_async_error(std::slice::from_ref(&comm), what);
-                comm
-            })
-        })
-        .collect();
-    let comms: Vec<_> = ranks.into_iter().map(|t| t.join().unwrap()).collect();
+    let (b, p) = (bufs.clone(), p2p.clone());
+    let comms = in_threads(2, what, move |comm, r, stream| {
+        let (send, recv) = p[r];
+        fill(&c, 2, r, b[r], 0);
+        nccl::api::group_start().unwrap();
+        enqueue(comm, &c, 2, b[r], stream);
+        for k in 0..pairs {
+            let at = 4 * count * k;
+            let to = p2p_f32(CollKind::Send, send + at, 0, count, 1 - r);
+            let from = p2p_f32(CollKind::Recv, 0, recv + at, count, 1 - r);
+            nccl::api::enqueue(comm, to, stream_arg(stream)).unwrap();
+            nccl::api::enqueue(comm, from, stream_arg(stream)).unwrap();
+        }
+        nccl::api::group_end().unwrap();
+    });
     verify(&c, &bufs, 0, what);
     for &(_, recv) in &p2p {
         pattern_arrived(recv, pairs * count);
@@ -349,38 +271,88 @@ pub fn board_mixed_groups() {
     let calls = [ar, ag, p2p];
     let bufs: Vec<Vec<(usize, usize)>> = calls.iter().map(|c| buffers(c, 2)).collect();
     let what = "an all-reduce, an all-gather, a send and a receive, grouped on rank 0 only";
-    let id = nccl::api::get_unique_id().unwrap();
-    let ranks: Vec<_> = (0..2)
-        .map(|r| {
-            let bufs: Vec<(usize, usize)> = bufs.iter().map(|b| b[r]).collect();
-            std::thread::spawn(move || {
-                let comm = nccl::api::comm_init_rank(2, &id, r as i32, Default::default())
-                    .expect("a rank in a thread");
-                let stream = new_stream();
-                for (c, &b) in calls.iter().zip(&bufs) {
-                    fill(c, 2, r, b, 0);
-                }
-                if r == 0 {
-                    nccl::api::group_start().unwrap();
-                }
-                for (c, &b) in calls.iter().zip(&bufs) {
-                    enqueue(&comm, c, 2, b, stream);
-                }
-                if r == 0 {
-                    nccl::api::group_end().unwrap();
-                }
-                sync_all(&[stream], what);
-                no_async_error(std::slice::from_ref(&comm), what);
-                comm
-            })
-        })
-        .collect();
-    let comms: Vec<_> = ranks.into_iter().map(|t| t.join().unwrap()).collect();
+    let b = bufs.clone();
+    let comms = in_threads(2, what, move |comm, r, stream| {
+        for (c, b) in calls.iter().zip(&b) {
+            fill(c, 2, r, b[r], 0);
+        }
+        if r == 0 {
+            nccl::api::group_start().unwrap();
+        }
+        for (c, b) in calls.iter().zip(&b) {
+            enqueue(comm, c, 2, b[r], stream);
+        }
+        if r == 0 {
+            nccl::api::group_end().unwrap();
+        }
+    });
     for (c, b) in calls.iter().zip(&bufs) {
         verify(c, b, 0, &format!("{}: {what}", describe(c, 2, 2)));
     }
     for comm in &comms {
         nccl::api::comm_destroy(nccl::api::comm_handle(comm)).unwrap();
+    }
+    release_buffers();
+}
+
+/// A peer that comes too late (`streams.len()` ranks): the last rank's launch is held behind a
+/// gate on its stream while rank 0's kernel (and the ranks' between) wait for it on the board;
+/// the abort stops rank 0's kernel. Rank 0 arrived before it left, so the ranks between go on
+/// waiting for the last (rank 0 may still count). Then the gate opens: every peer finds that
+/// rank 0 left before it did its share, and stops with ncclRemoteError saying so (not a call
+/// mismatch read from a line left from before), without touching rank 0's buffers, which the
+/// caller may use again once the abort has returned.
+fn late_peer_after_abort(c: &Case, streams: &[usize]) {
+    use nccl::error::Code;
+    let n = streams.len();
+    let comms = nccl::api::comm_init_all(&vec![0; n]).expect("ranks on the one device");
+    let bufs = buffers(c, n);
+    for (r, &b) in bufs.iter().enumerate() {
+        fill(c, n, r, b, 0);
+    }
+    let last = n - 1;
+    let gate = device::gate(streams[last]);
+    let before = BOARD_LANES.load(Ordering::SeqCst);
+    enqueue(&comms[last], c, n, bufs[last], streams[last]);
+    assert_eq!(
+        board_lanes_since(before),
+        1,
+        "the late peer's launch, on the board"
+    );
+    for r in 1..last {
+        enqueue(&comms[r], c, n, bufs[r], streams[r]);
+    }
+    aborted_alone(&comms, c, bufs[0], streams[0]);
+    for i in 0..c.count {
+        put(c.dtype, bufs[0].0, i, -5.0);
+    }
+    for (r, &s) in streams.iter().enumerate().take(last).skip(1) {
+        assert!(
+            !sync(s, Duration::from_millis(300)),
+            "rank {r} done without rank {last}"
+        );
+    }
+    device::open_gate(&gate);
+    for r in 1..n {
+        assert!(
+            sync(streams[r], Duration::from_secs(10)),
+            "rank {r}'s kernel waited on the board for a rank that left ({n} ranks)"
+        );
+        assert_eq!(
+            async_error(&comms[r]),
+            Code::RemoteError,
+            "rank {r}, rank 0 left ({n} ranks)"
+        );
+        let msg = nccl::error::last_error();
+        assert!(msg.contains("left a direct collective"), "rank {r}: {msg}");
+    }
+    assert!(
+        (0..c.count)
+            .all(|i| get(c.dtype, bufs[0].0, i) == -5.0 && get(c.dtype, bufs[0].1, i) == 99.0),
+        "peers touched the buffers of a rank that left the board ({n} ranks)"
+    );
+    for comm in &comms[1..] {
+        nccl::api::comm_abort(nccl::api::comm_handle(comm)).expect("abort");
     }
     release_buffers();
 }
