@@ -356,3 +356,42 @@ fn late_peer_after_abort(c: &Case, streams: &[usize]) {
     }
     release_buffers();
 }
+
+/// Four communicators of two ranks, all in this process on a device of 16 SMs that runs 16
+/// blocks at once (`OXEMU_RESIDENT=16`): every rank 0 launches its all-reduce first, each on
+/// a stream of its own, and the ranks 1 come later. Each rank's board launch takes its share
+/// of the device among every rank on a board there (2 blocks), so all eight run at once;
+/// with half the device for each communicator's two ranks (4 blocks each), the four ranks 0
+/// would fill it waiting for peers that could never start. Every output checked.
+pub fn boards_share_the_device() {
+    let c = f32_sum(300_001);
+    let comms: Vec<_> = (0..4)
+        .map(|_| nccl::api::comm_init_all(&[0, 0]).expect("two ranks"))
+        .collect();
+    let bufs: Vec<_> = comms.iter().map(|_| buffers(&c, 2)).collect();
+    let streams: Vec<[usize; 2]> = comms.iter().map(|_| [new_stream(), new_stream()]).collect();
+    let before = BOARD_LANES.load(Ordering::SeqCst);
+    for r in 0..2 {
+        for ((comm, b), s) in comms.iter().zip(&bufs).zip(&streams) {
+            fill(&c, 2, r, b[r], 0);
+            enqueue(&comm[r], &c, 2, b[r], s[r]);
+        }
+        if r == 0 {
+            // (The ranks 0's blocks take the device first.)
+            std::thread::sleep(Duration::from_millis(300));
+        }
+    }
+    let what = "four communicators' board all-reduces on a device of 16 SMs";
+    for s in &streams {
+        sync_all(s, what);
+    }
+    assert_eq!(board_lanes_since(before), 8, "{what}: on the board");
+    for (comm, b) in comms.iter().zip(&bufs) {
+        no_async_error(comm, what);
+        verify(&c, b, 0, what);
+    }
+    for comm in comms.iter().flatten() {
+        nccl::api::comm_destroy(nccl::api::comm_handle(comm)).unwrap();
+    }
+    release_buffers();
+}

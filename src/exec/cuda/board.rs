@@ -81,6 +81,25 @@ impl Board {
 /// The boards of this process's communicators (dropped ones are swept at the next look).
 static BOARDS: Mutex<Vec<Weak<Board>>> = Mutex::new(Vec::new());
 
+/// The ranks of this process on the boards of context `ctx` (those whose communicators have
+/// not ended): every one of them may have a board launch waiting for its peers at once, so
+/// together they must fit the device (`exec::cuda::run`'s room).
+pub fn ranks_in(ctx: usize) -> usize {
+    BOARDS
+        .lock()
+        .iter()
+        .filter_map(Weak::upgrade)
+        .filter(|b| b.ctx == ctx)
+        .map(|b| {
+            b.places
+                .lock()
+                .iter()
+                .filter(|&&p| p == Place::Taken)
+                .count()
+        })
+        .sum()
+}
+
 /// The board of rank `rank` of the communicator `hash` of `nranks` ranks, in context `ctx`
 /// (current): the one its ranks here already share, where this rank's place is free, else a
 /// new one. None where the communicator has fewer than 2 or more than `MAX_RANKS` ranks.

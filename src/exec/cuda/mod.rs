@@ -719,13 +719,15 @@ fn run(
     } else {
         // Every block of every lane of the ranks on this device spins for the others: all must
         // fit on the device at once (one 512-thread block per SM is assumed). Board lanes take
-        // at most half of it, so that another communicator's launches fit beside theirs.
-        let sms = if d.boards() > 0 {
-            k.sms as usize / 2
+        // at most half of it, so that another communicator's launches fit beside theirs, and
+        // share it with every rank on a board of this context (other communicators' too:
+        // their launches may all wait for peers at once).
+        let ranks = if d.boards() > 0 {
+            (2 * comm.ranks_on_device).max(board::ranks_in(comm.ctx))
         } else {
-            k.sms as usize
+            comm.ranks_on_device
         };
-        let room = sms / (d.lanes() * comm.ranks_on_device).max(1);
+        let room = k.sms as usize / (d.lanes() * ranks).max(1);
         let nb = d.blocks_per_lane().min(room.max(1) as u16);
         // Past the device's SMs a launch still ends alone (its lanes are in `lane_key`'s
         // order), but not when it needs the device's other ranks' launches to run beside it.
