@@ -65,6 +65,7 @@ pub fn board_threads(n: usize, cs: &[Case]) {
     };
     let (wbufs, rbufs) = (buffers(&with, n), buffers(&ring, n));
     let before = BOARD_LANES.load(Ordering::SeqCst);
+    device::BOARD_BLOCKS.lock().clear();
     let (c2, b2, w2, r2) = (cs.clone(), bufs.clone(), wbufs.clone(), rbufs.clone());
     let comms = in_threads(
         n,
@@ -105,6 +106,11 @@ pub fn board_threads(n: usize, cs: &[Case]) {
         board_lanes_since(before),
         (n * (cs.len() + 1)) as u64,
         "every collective of ranks in threads on the device board"
+    );
+    let blocks = device::BOARD_BLOCKS.lock().clone();
+    assert!(
+        blocks.len() > 2,
+        "board lanes of ranks in threads with few kinds of block counts: {blocks:?}"
     );
     for c in &comms {
         nccl::api::comm_destroy(nccl::api::comm_handle(c)).unwrap();

@@ -228,6 +228,8 @@ pub static GPU_FENCE_LAUNCHES: AtomicU64 = AtomicU64::new(0);
 pub static LAUNCHED: Mutex<BTreeSet<String>> = Mutex::new(BTreeSet::new());
 /// Board lanes launched (a direct all-reduce's part on the device board).
 pub static BOARD_LANES: AtomicU64 = AtomicU64::new(0);
+/// The blocks per lane of runner launches with a board lane (the low 16 bits of the header).
+pub static BOARD_BLOCKS: Mutex<BTreeSet<u64>> = Mutex::new(BTreeSet::new());
 
 /// The stream of handle `h` (any handle the executor is given names one, NULL included),
 /// started at its first use.
@@ -518,6 +520,9 @@ pub unsafe extern "C" fn launch(
     if name.to_bytes().starts_with(b"oxccl_run") {
         let boards = lane_comms(&words).iter().filter(|l| l.1 != 0).count();
         BOARD_LANES.fetch_add(boards as u64, Ordering::SeqCst);
+        if boards > 0 {
+            BOARD_BLOCKS.lock().insert(words[0] & 0xffff);
+        }
     }
     // The runner asked for device-scope step fences (the header's OX_HEAD_GPU_FENCES).
     if name.to_bytes().starts_with(b"oxccl_run") && words[0] & (1 << 17) != 0 {
