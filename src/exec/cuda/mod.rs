@@ -535,9 +535,8 @@ fn launch_kernel(
     )
 }
 
-/// Launch `k` of a set: stage k of every job (and the point-to-point lanes of those whose
-/// `p2p_at` it is),
-/// their scratch taken before and freed after, in stream order.
+/// Launch `k` of a set: stage k of every job, and the point-to-point lanes of the jobs whose
+/// `p2p_at` it is; their scratch taken before and freed after, in stream order.
 fn launch_stage(
     jobs: &mut [Job<'_>],
     k: usize,
