@@ -9,7 +9,7 @@
  * buffers are copied back and every element, the guards and (out of place) the send buffer are
  * checked against values computed here.
  *
- * usage: cuda_ranks NRANKS threads|processes [inplace] [grouped] [timeout=S]
+ * usage: cuda_ranks NRANKS threads|processes [inplace] [grouped] [mixed] [timeout=S]
  *   threads    one thread per rank; the unique id from ncclGetUniqueId on the main thread
  *   processes  one forked process per rank; nothing touches CUDA before fork: each child loads
  *              the driver and makes device 0's primary context current itself, and rank 0's
@@ -17,6 +17,9 @@
  *   inplace    AllReduce, Broadcast, AllGather and ReduceScatter in place (AlltoAll and the
  *              send/recv ring have no in-place form and stay out of place)
  *   grouped    also the GROUPED all-reduces in one group
+ *   mixed      also collectives and a send/recv ring grouped differently by even and odd ranks
+ *              (`mixed_group`; needs 2 ranks or more, and a FIFO smaller than 2 MiB to mean much:
+ *              OXCCL_CHUNK_BYTES=65536)
  *   timeout=S  seconds before the ranks are declared hung and killed (default 50)
  * The driver is loaded with dlopen (cuda_driver.h); the CUDA streams are non-blocking. Threads
  * allocate and free device memory only between barriers (cuMemFree may wait for the whole device,
@@ -43,7 +46,7 @@
 
 static const size_t counts[] = {1, 1000, MAX_COUNT};
 
-static int nranks, inplace, use_procs, grouped;
+static int nranks, inplace, use_procs, grouped, mixed;
 static double timeout_s = 50;
 static double deadline; /* now_sec() value */
 
@@ -352,6 +355,73 @@ static void grouped_allreduce(Rank* R, size_t n) {
   }
 }
 
+/* A group of collectives and sends and receives that the ranks group differently: even ranks
+ * group an AllReduce (float sum, n), the Send/Recv ring (int32, m), an AllGather (int32, n) and a
+ * ReduceScatter (float sum, n); odd ranks make the same collectives one by one, then the ring in a
+ * group of its own. With m larger than a connection's FIFO (run it with a small
+ * OXCCL_CHUNK_BYTES), an even rank's sends and receives, were they in its AllReduce's launch,
+ * would wait for an odd rank's, which come after its AllGather and ReduceScatter, which would
+ * wait for the even rank's, queued behind them: a hang (they run beside the collectives, as NCCL
+ * runs a group in one kernel). Out of place, on consecutive parts of the buffers. */
+static void mixed_group(Rank* R, size_t n, size_t m) {
+  char what[128];
+  snprintf(what, sizeof what, "AllReduce, Send/Recv ring (count=%zu), AllGather, ReduceScatter, %s count=%zu", m,
+           R->rank % 2 ? "one by one" : "in one group", n);
+  announce(R, what);
+  int next = (R->rank + 1) % nranks, prev = (R->rank + nranks - 1) % nranks;
+  size_t o_ag = n * 4, o_rs = o_ag + (size_t)nranks * n * 4, o_p = o_rs + (size_t)nranks * n * 4;
+  size_t total = o_p + m * 4;
+  SYSCHECK(total + 2 * PAD <= R->cap, "mixed_group: buffers too small");
+  begin(R, total, total);
+  float* ar = hsf(R);
+  int32_t* ag = (int32_t*)(R->hsend + PAD + o_ag);
+  float* rs = (float*)(R->hsend + PAD + o_rs);
+  int32_t* ring = (int32_t*)(R->hsend + PAD + o_p);
+  for (size_t i = 0; i < n; i++) ar[i] = fval(R->rank, i);
+  for (size_t i = 0; i < n; i++) ag[i] = gval(R->rank, i);
+  for (size_t j = 0; j < (size_t)nranks * n; j++) rs[j] = fval(R->rank, j);
+  for (size_t i = 0; i < m; i++) ring[i] = gval(R->rank, i);
+  upload(R, total, total);
+  int together = R->rank % 2 == 0;
+  if (together) NCCLCHECK(ncclGroupStart());
+  NCCLCHECK(ncclAllReduce(dsend(R, 0), drecv(R, 0), n, ncclFloat32, ncclSum, R->comm, R->st));
+  if (together) {
+    NCCLCHECK(ncclSend(dsend(R, o_p), m, ncclInt32, next, R->comm, R->st));
+    NCCLCHECK(ncclRecv(drecv(R, o_p), m, ncclInt32, prev, R->comm, R->st));
+  }
+  NCCLCHECK(ncclAllGather(dsend(R, o_ag), drecv(R, o_ag), n, ncclInt32, R->comm, R->st));
+  NCCLCHECK(ncclReduceScatter(dsend(R, o_rs), drecv(R, o_rs), n, ncclFloat32, ncclSum, R->comm, R->st));
+  if (!together) {
+    NCCLCHECK(ncclGroupStart());
+    NCCLCHECK(ncclSend(dsend(R, o_p), m, ncclInt32, next, R->comm, R->st));
+    NCCLCHECK(ncclRecv(drecv(R, o_p), m, ncclInt32, prev, R->comm, R->st));
+  }
+  NCCLCHECK(ncclGroupEnd());
+  finish(R, total, total, what);
+  int bad = 0;
+  for (size_t i = 0; i < n; i++) {
+    float want = 0;
+    for (int p = 0; p < nranks; p++) want += fval(p, i);
+    check_f(R, what, "AllReduce receive", i, hrf(R)[i], want, &bad);
+  }
+  bad = 0;
+  const int32_t* gout = (const int32_t*)(R->hrecv + PAD + o_ag);
+  for (int p = 0; p < nranks; p++)
+    for (size_t i = 0; i < n; i++)
+      check_i(R, what, "AllGather receive", (size_t)p * n + i, gout[(size_t)p * n + i], gval(p, i), &bad);
+  bad = 0;
+  const float* rout = (const float*)(R->hrecv + PAD + o_rs);
+  for (size_t i = 0; i < n; i++) {
+    size_t j = (size_t)R->rank * n + i;
+    float want = 0;
+    for (int p = 0; p < nranks; p++) want += fval(p, j);
+    check_f(R, what, "ReduceScatter receive", i, rout[i], want, &bad);
+  }
+  bad = 0;
+  const int32_t* pout = (const int32_t*)(R->hrecv + PAD + o_p);
+  for (size_t i = 0; i < m; i++) check_i(R, what, "ring receive", i, pout[i], gval(prev, i), &bad);
+}
+
 /* One rank, start to end. The caller made device 0's primary context current. */
 static void run_rank(Rank* R, ncclUniqueId id) {
   R->cap = 2 * PAD + (size_t)nranks * MAX_COUNT * 4;
@@ -379,6 +449,7 @@ static void run_rank(Rank* R, ncclUniqueId id) {
     sendrecv_ring(R, n);
   }
   if (grouped) grouped_allreduce(R, 1000);
+  if (mixed) mixed_group(R, (size_t)1 << 16, (size_t)1 << 19);
 
   sync_ranks(); /* every rank's collectives are done before anyone frees device memory */
   NCCLCHECK(ncclCommDestroy(R->comm));
@@ -536,6 +607,7 @@ int main(int argc, char** argv) {
   for (int i = 3; i < argc; i++) {
     if (!strcmp(argv[i], "inplace")) inplace = 1;
     else if (!strcmp(argv[i], "grouped")) grouped = 1;
+    else if (!strcmp(argv[i], "mixed")) mixed = 1;
     else if (!strncmp(argv[i], "timeout=", 8)) timeout_s = atof(argv[i] + 8);
     else {
       fprintf(stderr, "unknown argument %s\n", argv[i]);

@@ -149,6 +149,13 @@ check "CUDA: 48 all-reduces in one group (the kernels' large parameter), 2 threa
   "$B/cuda_ranks" 2 threads grouped
 check "CUDA: 48 all-reduces in one group, 3 processes, in place" 90 \
   "$B/cuda_ranks" 3 processes inplace grouped timeout=80
+# Collectives and a send/recv ring of 2 MiB (past the 512 KiB FIFO), grouped by even ranks,
+# one by one by odd ones: the sends and receives run beside the group's collectives, on the
+# communicator's side stream (new since the last GPU run, emulated device only).
+check "CUDA: a group's sends and receives beside its collectives, 2 threads (board)" 60 \
+  env OXCCL_CHUNK_BYTES=65536 "$B/cuda_ranks" 2 threads mixed
+check "CUDA: a group's sends and receives beside its collectives, 3 processes" 90 \
+  env OXCCL_CHUNK_BYTES=65536 "$B/cuda_ranks" 3 processes mixed timeout=80
 check "CUDA: graph capture and replay, 2 ranks" 60 "$B/cuda_graph" 2
 check "CUDA: graph capture, global capture mode" 60 "$B/cuda_graph" 2 global
 check "CUDA: a peer process dies while an all-reduce waits for it" 60 "$B/cuda_peer_death" eager

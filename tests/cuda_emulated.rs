@@ -37,10 +37,13 @@ mod processes;
 mod stand_in;
 
 use board::{
-    board_failures, board_large, board_mixed_groups, board_threads, boards_share_the_device,
+    board_failures, board_large, board_mixed_groups, board_p2p_beside, board_threads,
+    boards_share_the_device,
 };
 use device::{begin_capture, end_capture, replay, sync, IPC_OPENED, LAUNCHED, NEXT};
-use graphs::{forked_calls, graphs, mixed_replays, replay_after_destroy, two_stream_graphs};
+use graphs::{
+    forked_calls, graphs, mixed_group_graph, mixed_replays, replay_after_destroy, two_stream_graphs,
+};
 use nccl::gpu::driver;
 use nccl::types::{CollArgs, CollKind, DataType};
 use processes::{processes, rank_process, ranks_process, run_processes};
@@ -1308,6 +1311,7 @@ fn cuda_executor_on_emulated_kernels() {
                 two_of_four_on_null(&comms);
             }
             graphs(&comms, &own, &cases[0]);
+            mixed_group_graph(&comms, &own);
             two_stream_graphs(&comms);
             forked_calls(&comms, false);
             forked_calls(&comms, true);
@@ -1320,6 +1324,7 @@ fn cuda_executor_on_emulated_kernels() {
             // Eager all-reduces on the direct kernel between the replays of graphs (whose
             // captures take the device board: one launch per rank's stream), in order.
             graphs(&comms, &own, &cases[0]);
+            mixed_group_graph(&comms, &own);
             mixed_replays(n);
         }
         for c in &comms {
@@ -1347,6 +1352,7 @@ fn cuda_executor_on_emulated_kernels() {
     board_failures();
     board_large();
     board_mixed_groups();
+    board_p2p_beside();
     let illegal = device::ILLEGAL.lock().clone();
     assert!(
         illegal.is_empty(),

@@ -478,11 +478,16 @@ fn cuda_programs_on_a_mock_driver() {
     );
     run_env(
         "cuda_ranks.c",
-        &["3", "threads", "inplace", "grouped"],
+        &["3", "threads", "inplace", "grouped", "mixed"],
         &env,
         120,
     );
-    run_env("cuda_ranks.c", &["2", "processes", "grouped"], &env, 120);
+    run_env(
+        "cuda_ranks.c",
+        &["2", "processes", "grouped", "mixed"],
+        &env,
+        120,
+    );
     // A peer that dies while rank 0's all-reduce waits for it: an error naming it, no hang.
     run_env("cuda_peer_death.c", &["eager"], &env, 120);
 }

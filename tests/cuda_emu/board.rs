@@ -301,6 +301,63 @@ pub fn board_mixed_groups() {
     release_buffers();
 }
 
+/// A group's sends and receives run beside its collectives, not in one of their launches:
+/// rank 0 groups an all-reduce, a send and receive (larger than the connection's FIFO), an
+/// all-gather and a reduce-scatter, while rank 1 makes the same calls with its send and
+/// receive last, one by one or in a group of its own. Were rank 0's point-to-point lanes in
+/// its all-reduce's launch, they would wait for rank 1's, which come after its all-gather and
+/// reduce-scatter, which wait for rank 0's, queued behind the all-reduce's launch: a hang.
+pub fn board_p2p_beside() {
+    let ar = f32_sum(4099);
+    let ag = Case {
+        kind: CollKind::AllGather,
+        ..f32_sum(1001)
+    };
+    let rs = Case {
+        kind: CollKind::ReduceScatter,
+        ..f32_sum(2003)
+    };
+    let p2p = Case {
+        kind: CollKind::Send,
+        ..f32_sum(300_001)
+    };
+    let calls = [ar, p2p, ag, rs];
+    // (Each rank's order of the calls.)
+    let orders = [[0, 1, 2, 3], [0, 2, 3, 1]];
+    for grouped in [false, true] {
+        let bufs: Vec<Vec<(usize, usize)>> = calls.iter().map(|c| buffers(c, 2)).collect();
+        let what = if grouped {
+            "rank 0 groups an all-reduce, a send and receive, an all-gather and a reduce-scatter; \
+             rank 1 groups them with its send and receive last"
+        } else {
+            "rank 0 groups an all-reduce, a send and receive, an all-gather and a reduce-scatter; \
+             rank 1 makes them one by one, its send and receive last"
+        };
+        let b = bufs.clone();
+        let comms = in_threads(2, what, move |comm, r, stream| {
+            for (c, b) in calls.iter().zip(&b) {
+                fill(c, 2, r, b[r], 0);
+            }
+            if r == 0 || grouped {
+                nccl::api::group_start().unwrap();
+            }
+            for &i in &orders[r] {
+                enqueue(comm, &calls[i], 2, b[i][r], stream);
+            }
+            if r == 0 || grouped {
+                nccl::api::group_end().unwrap();
+            }
+        });
+        for (c, b) in calls.iter().zip(&bufs) {
+            verify(c, b, 0, &format!("{}: {what}", describe(c, 2, 2)));
+        }
+        for comm in &comms {
+            nccl::api::comm_destroy(nccl::api::comm_handle(comm)).unwrap();
+        }
+        release_buffers();
+    }
+}
+
 /// A peer that comes too late (`streams.len()` ranks): the last rank's launch is held behind a
 /// gate on its stream while rank 0's kernel (and the ranks' between) wait for it on the board;
 /// the abort stops rank 0's kernel. Rank 0 arrived before it left, so the ranks between go on

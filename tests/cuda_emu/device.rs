@@ -8,7 +8,7 @@
 use super::stand_in::{self, granularity, GRANULARITY, OK};
 use nccl::gpu::driver::{self, Api, CUresult};
 use parking_lot::{Condvar, Mutex};
-use std::collections::{BTreeSet, HashMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 use std::ffi::{c_char, c_int, c_uint, c_void, CStr};
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -127,6 +127,12 @@ pub enum Op {
     /// A user object the graph retains (`cuGraphRetainUserObject`; never run): its destructor
     /// runs when the graph, and every copy of it, is dropped.
     Keep(Arc<UserObject>),
+    /// Where a stream that did not capture was drawn into the capture (it waited for an event
+    /// recorded there): its work, which `end_capture` puts here (`Side`).
+    Fork(usize),
+    /// The work a stream drawn into the capture at this point captured, which a replay runs on
+    /// that stream (beside the rest).
+    Side(usize, Vec<Op>),
 }
 
 /// A user object (`cuUserObjectCreate`).
@@ -183,8 +189,9 @@ pub struct Event {
     recorded: AtomicU64,
     reached: Mutex<BTreeSet<u64>>,
     cv: Condvar,
-    /// The records asked for on a capturing stream (kept in its graph, not run).
-    captured: Mutex<BTreeSet<u64>>,
+    /// The records asked for on a capturing stream (kept in its graph, not run), with that
+    /// stream.
+    captured: Mutex<BTreeMap<u64, usize>>,
     /// `cuEventDestroy` was called (a graph's node naming it may not run any more).
     destroyed: std::sync::atomic::AtomicBool,
 }
@@ -281,8 +288,10 @@ pub fn begin_capture_together(hs: &[usize]) {
     }
 }
 
-/// A stream that does not capture waited for an event recorded in a capture: CUDA draws such a
-/// stream into the graph, which the executor never means to do.
+/// A stream of the caller's that does not capture waited for an event recorded in a capture:
+/// CUDA draws such a stream into the graph, which the executor never means to do (its own
+/// streams, `cuStreamCreate`'s, it may draw in, if it joins them back before the capture ends:
+/// `end_capture`).
 pub static DRAWN_IN: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
 /// Replays the graphs that streams captured together (stream, its graph): each on its stream,
@@ -291,9 +300,10 @@ pub static DRAWN_IN: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBo
 /// record nodes record their event anew, the latest record from now on; wait nodes wait for
 /// their event's latest record as the replay is issued (before its own record nodes).
 pub fn replay(graphs: &[(usize, Vec<Op>)]) {
-    let waits: Vec<u64> = graphs
+    let ops: Vec<(usize, &Op)> = graphs.iter().flat_map(|(h, g)| flat(*h, g)).collect();
+    let waits: Vec<u64> = ops
         .iter()
-        .flat_map(|(_, g)| g)
+        .map(|(_, op)| *op)
         .filter_map(|op| match op {
             Op::WaitNode(e) => Some(e.recorded.load(Ordering::SeqCst)),
             _ => None,
@@ -301,12 +311,10 @@ pub fn replay(graphs: &[(usize, Vec<Op>)]) {
         .collect();
     let mut waits = waits.into_iter();
     let mut fresh: Vec<(Arc<Event>, u64, u64)> = Vec::new();
-    for (_, g) in graphs {
-        for op in g {
-            if let Op::Record { event, generation } = op {
-                let new = event.recorded.fetch_add(1, Ordering::SeqCst) + 1;
-                fresh.push((event.clone(), *generation, new));
-            }
+    for (_, op) in &ops {
+        if let Op::Record { event, generation } = op {
+            let new = event.recorded.fetch_add(1, Ordering::SeqCst) + 1;
+            fresh.push((event.clone(), *generation, new));
         }
     }
     let renamed = |event: &Arc<Event>, generation: u64| {
@@ -315,10 +323,11 @@ pub fn replay(graphs: &[(usize, Vec<Op>)]) {
             .find(|(e, g, _)| Arc::ptr_eq(e, event) && *g == generation)
             .map_or(generation, |f| f.2)
     };
-    for (h, g) in graphs {
-        for op in g {
+    for &(h, op) in &ops {
+        {
             let op = match op {
                 Op::Keep(_) => continue,
+                Op::Fork(_) | Op::Side(..) => unreachable!("flattened"),
                 Op::Record { event, generation } => Op::Record {
                     event: event.clone(),
                     generation: renamed(event, *generation),
@@ -348,19 +357,89 @@ pub fn replay(graphs: &[(usize, Vec<Op>)]) {
                 },
                 op => op.clone(),
             };
-            submit(*h, op);
+            submit(h, op);
         }
     }
 }
 
-/// The graph stream `h` captured.
+/// Stream `s`, which does not capture, waits for an event that stream `origin` recorded while
+/// capturing: as CUDA does, `s` captures into `origin`'s graph from now on (until the capture
+/// ends), its work in the graph where `origin` forked it.
+fn draw_in(s: usize, origin: usize) {
+    if !CREATED.lock().contains(&s) {
+        DRAWN_IN.store(true, Ordering::SeqCst);
+    }
+    let mut c = CAPTURES.lock();
+    let m = c.get_or_insert_with(HashMap::new);
+    let Some((id, g)) = m.get_mut(&origin) else {
+        // (The origin's capture ended: CUDA's error, a stale record.)
+        ILLEGAL.lock().push(format!(
+            "stream {s:#x} waited for a record of an ended capture"
+        ));
+        return;
+    };
+    g.push(Op::Fork(s));
+    let id = *id;
+    m.insert(s, (id, Vec::new()));
+}
+
+/// The graph stream `h` captured, with the work of the streams drawn into it in place (`Side`).
+/// A drawn stream that `h` (or another stream of the capture) did not wait for after its last
+/// work sets `DRAWN_IN` (CUDA fails such a capture: cudaErrorStreamCaptureUnjoined).
 pub fn end_capture(h: usize) -> Vec<Op> {
-    CAPTURES
-        .lock()
-        .as_mut()
-        .and_then(|m| m.remove(&h))
-        .expect("a capturing stream")
-        .1
+    let mut c = CAPTURES.lock();
+    let m = c.as_mut().expect("a capturing stream");
+    let mut g = m.remove(&h).expect("a capturing stream").1;
+    // (Streams drawn in by streams drawn in, too.)
+    fn resolve(m: &mut HashMap<usize, Capturing>, g: &mut [Op], waits: &mut Vec<(usize, u64)>) {
+        for op in g.iter_mut() {
+            match op {
+                Op::Wait { event, generation } => {
+                    waits.push((Arc::as_ptr(event) as usize, *generation))
+                }
+                Op::Fork(s) => {
+                    let s = *s;
+                    let mut side = m.remove(&s).expect("a drawn stream captures").1;
+                    resolve(m, &mut side, waits);
+                    *op = Op::Side(s, side);
+                }
+                _ => {}
+            }
+        }
+    }
+    let mut waits = Vec::new();
+    resolve(m, &mut g, &mut waits);
+    fn joined(g: &[Op], waits: &[(usize, u64)]) -> bool {
+        g.iter().all(|op| match op {
+            Op::Side(_, side) => {
+                joined(side, waits)
+                    && match side.iter().rfind(|op| !matches!(op, Op::Keep(_))) {
+                        Some(Op::Record { event, generation }) => {
+                            waits.contains(&(Arc::as_ptr(event) as usize, *generation))
+                        }
+                        _ => false,
+                    }
+            }
+            _ => true,
+        })
+    }
+    if !joined(&g, &waits) {
+        DRAWN_IN.store(true, Ordering::SeqCst);
+    }
+    g
+}
+
+/// A graph's work in order, with the stream each runs on: `h`'s, and where a stream was drawn
+/// in, that stream's (`Side`).
+fn flat(h: usize, g: &[Op]) -> Vec<(usize, &Op)> {
+    let mut v = Vec::new();
+    for op in g {
+        match op {
+            Op::Side(s, side) => v.extend(flat(*s, side)),
+            op => v.push((h, op)),
+        }
+    }
+    v
 }
 
 pub fn submit(h: usize, op: Op) {
@@ -434,7 +513,7 @@ fn run_stream(s: &Stream) {
                     event.cv.wait(&mut r);
                 }
             }
-            Op::RecordNode(_) | Op::WaitNode(_) | Op::Keep(_) => {
+            Op::RecordNode(_) | Op::WaitNode(_) | Op::Keep(_) | Op::Fork(_) | Op::Side(..) => {
                 unreachable!("a graph's node run as it is")
             }
         }
@@ -565,9 +644,13 @@ unsafe extern "C" fn memset32_async(dst: u64, v: c_uint, n: usize, s: *mut c_voi
     submit(s as usize, Op::Set32 { dst, v, n });
     OK
 }
+/// The streams `cuStreamCreate` made (the executor's own).
+static CREATED: Mutex<BTreeSet<usize>> = Mutex::new(BTreeSet::new());
+
 unsafe extern "C" fn stream_create(s: *mut *mut c_void, _: c_uint) -> CUresult {
     let h = NEXT.fetch_add(1, Ordering::SeqCst) as usize;
     stream(h);
+    CREATED.lock().insert(h);
     unsafe { *s = h as *mut c_void };
     OK
 }
@@ -668,10 +751,14 @@ unsafe extern "C" fn graph_retain(
 ) -> CUresult {
     assert_eq!((refs, flags), (1, 1), "the caller's one reference, moved");
     let mut c = CAPTURES.lock();
-    let Some((_, g)) = c
-        .as_mut()
-        .and_then(|m| m.values_mut().find(|(id, _)| *id == graph as u64))
-    else {
+    // (In the work of a stream of the caller's, not of one drawn in.)
+    let created = CREATED.lock();
+    let Some((_, g)) = c.as_mut().and_then(|m| {
+        m.iter_mut()
+            .filter(|(_, (id, _))| *id == graph as u64)
+            .min_by_key(|(h, _)| created.contains(h))
+            .map(|(_, g)| g)
+    }) else {
         return INVALID_VALUE;
     };
     // SAFETY: made by user_object_create; the caller's reference moves to the graph.
@@ -717,10 +804,10 @@ unsafe extern "C" fn wait_event(s: *mut c_void, e: *mut c_void, flags: c_uint) -
     let generation = event.recorded.load(Ordering::SeqCst);
     // As CUDA's stream capture: a capturing stream waits only for records of a capture (else
     // CUDA_ERROR_STREAM_CAPTURE_ISOLATION); one that does not capture is drawn into it.
-    let in_capture = event.captured.lock().contains(&generation);
-    match (capturing(s as usize), in_capture) {
-        (true, false) if generation != 0 => return 905,
-        (false, true) => DRAWN_IN.store(true, Ordering::SeqCst),
+    let origin = event.captured.lock().get(&generation).copied();
+    match (capturing(s as usize), origin) {
+        (true, None) if generation != 0 => return 905,
+        (false, Some(o)) => draw_in(s as usize, o),
         _ => {}
     }
     submit(s as usize, Op::Wait { event, generation });
@@ -747,7 +834,7 @@ unsafe extern "C" fn event_record(e: *mut c_void, s: *mut c_void) -> CUresult {
     let event = event(e as usize);
     let generation = event.recorded.fetch_add(1, Ordering::SeqCst) + 1;
     if capturing(s as usize) {
-        event.captured.lock().insert(generation);
+        event.captured.lock().insert(generation, s as usize);
     }
     submit(s as usize, Op::Record { event, generation });
     OK

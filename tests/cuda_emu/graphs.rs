@@ -382,3 +382,63 @@ pub fn mixed_replays(n: usize) {
     }
     release_buffers();
 }
+
+/// A captured group of each rank's all-reduce, all-gather, and send and receive (larger than a
+/// connection's FIFO): its point-to-point lanes run on the communicator's side stream, which
+/// the capture draws in (forked from the rank's stream before the collectives, joined back
+/// after them, `end_capture` checks), so every replay runs them beside the collectives, on a
+/// stream of their own. Every output checked after each of two replays.
+pub fn mixed_group_graph(comms: &[Arc<nccl::comm::Comm>], streams: &[usize]) {
+    let n = comms.len();
+    let calls = [
+        f32_sum(4099),
+        Case {
+            kind: CollKind::AllGather,
+            ..f32_sum(1001)
+        },
+        Case {
+            kind: CollKind::Send,
+            ..f32_sum(300_001)
+        },
+    ];
+    let bufs: Vec<Vec<(usize, usize)>> = calls.iter().map(|c| buffers(c, n)).collect();
+    for &s in streams {
+        begin_capture(s);
+    }
+    nccl::api::group_start().unwrap();
+    for (r, comm) in comms.iter().enumerate() {
+        for (c, b) in calls.iter().zip(&bufs) {
+            enqueue(comm, c, n, b[r], streams[r]);
+        }
+    }
+    nccl::api::group_end().unwrap();
+    let graphs: Vec<(usize, Vec<Op>)> = streams.iter().map(|&s| (s, end_capture(s))).collect();
+    assert!(
+        !DRAWN_IN.load(Ordering::SeqCst),
+        "a side stream not joined back, or a stream of the caller's drawn into the capture"
+    );
+    for (s, g) in &graphs {
+        let sides = g.iter().filter(|op| matches!(op, Op::Side(..))).count();
+        assert_eq!(
+            sides, 1,
+            "stream {s:#x}: the side stream's work in its graph"
+        );
+    }
+    for round in 1..=2 {
+        for (c, b) in calls.iter().zip(&bufs) {
+            for (r, &b) in b.iter().enumerate() {
+                fill(c, n, r, b, round);
+            }
+        }
+        replay(&graphs);
+        let what = format!(
+            "a captured group of collectives and point-to-point calls, {n} ranks, replay {round}"
+        );
+        sync_all(streams, &what);
+        no_async_error(comms, &what);
+        for (c, b) in calls.iter().zip(&bufs) {
+            verify(c, b, round, &format!("{}: {what}", describe(c, n, n)));
+        }
+    }
+    release_buffers();
+}

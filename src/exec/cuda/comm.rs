@@ -320,7 +320,18 @@ pub struct CudaComm {
     pub(crate) channels: usize,
     /// A launch that may need more blocks at once than the device holds was warned of.
     pub(super) room_warned: std::sync::atomic::AtomicBool,
+    /// The stream a group's point-to-point lanes run on beside its collectives, and the event
+    /// that forks it from the launch stream and joins it back (`Side`): made by the first
+    /// group that holds both.
+    side: once_cell::sync::OnceCell<Side>,
     name: String,
+}
+
+/// A communicator's side stream (non-blocking) and its fork/join event.
+#[derive(Clone, Copy)]
+pub(super) struct Side {
+    pub stream: usize,
+    pub event: usize,
 }
 
 impl CudaComm {
@@ -453,8 +464,43 @@ impl CudaComm {
             process_ranks_on_device,
             board,
             room_warned: Default::default(),
+            side: Default::default(),
             name,
         })
+    }
+
+    /// Its side stream and event, made now if this is the first group that needs them (the
+    /// caller is in its context; relaxed capture mode, as the caller's stream may capture).
+    pub(super) fn side(&self) -> Result<Side> {
+        self.side
+            .get_or_try_init(|| {
+                let api = driver::api()?;
+                driver::relaxed(|| {
+                    let mut st: driver::CUstream = std::ptr::null_mut();
+                    // SAFETY: writes one stream handle (destroyed with the communicator).
+                    check(
+                        unsafe { (api.stream_create)(&mut st, driver::CU_STREAM_NON_BLOCKING) },
+                        || "cuStreamCreate (a communicator's side stream)".into(),
+                    )?;
+                    let mut ev: driver::CUevent = std::ptr::null_mut();
+                    // SAFETY: writes one event handle (destroyed with the others: `Events`).
+                    let r = check(
+                        unsafe { (api.event_create)(&mut ev, driver::CU_EVENT_DISABLE_TIMING) },
+                        || "cuEventCreate".into(),
+                    );
+                    if let Err(e) = r {
+                        // SAFETY: made above, nothing enqueued.
+                        unsafe { (api.stream_destroy)(st) };
+                        return Err(e);
+                    }
+                    self.captured.lock().events.add(ev as usize);
+                    Ok(Side {
+                        stream: st as usize,
+                        event: ev as usize,
+                    })
+                })
+            })
+            .copied()
     }
 
     /// The counters of the last launch's connections, for messages.
@@ -581,6 +627,17 @@ impl Drop for CudaComm {
         }
         // (Its events go when the graphs that name them do too: `Events`.)
         self.last.lock().recorded = false;
+        if let Some(side) = self.side.get() {
+            // Its work is done (a capture it was drawn into, still open, keeps it: a leak).
+            if let (Ok(api), Ok(_g), Ok(driver::Capture::No)) = (
+                driver::api(),
+                CtxGuard::enter(self.ctx),
+                driver::capture(side.stream),
+            ) {
+                // SAFETY: our stream, made by `side`, destroyed once.
+                unsafe { (api.stream_destroy)(side.stream as driver::CUstream) };
+            }
+        }
         self.end();
         kept::reclaim();
         let c = self.captured.lock();

@@ -3,7 +3,8 @@
 //! planned per communicator (`plan::build`, without the host's direct board operations), their
 //! connections made, their programs bound to the connections and flattened into kernel
 //! parameters (`desc`); each stage of a task is one kernel launch (one block per lane), in
-//! stream order. The calls return once the work is enqueued.
+//! stream order, and its point-to-point lanes run beside them (`launch_set`). The calls return
+//! once the work is enqueued.
 //!
 //! Ranks of one thread's group that share a device and a stream are launched together (one
 //! kernel runs all their lanes), so that ranks on one GPU never wait for a kernel queued behind
@@ -84,35 +85,48 @@ struct Job<'a> {
     joins: Vec<usize>,
     stages: smallvec::SmallVec<[DevStage; 1]>,
     p2p: DevStage,
-    /// The launch the point-to-point lanes join (`Task::p2p_stage`): the stages run one launch
-    /// after the other, so the lanes go beside the last collective called before them, not
-    /// ahead of the ones called after them (a peer that makes the same calls ungrouped would
-    /// wait on those behind its own point-to-point calls).
-    p2p_at: usize,
+    /// The stage launch the point-to-point lanes join (`Task::p2p_stage`), or None: a launch
+    /// of their own on the side stream, beside the stages (`launch_set`). In a stage's launch
+    /// they go beside the last collective called before them, not ahead of the ones called
+    /// after them (a peer that makes the same calls ungrouped would wait on those behind its
+    /// own point-to-point calls).
+    p2p_at: Option<usize>,
 }
 
 /// A group's jobs (in place for one communicator's).
 type Jobs<'a> = smallvec::SmallVec<[Job<'a>; 1]>;
 
+/// A launch of a set: stage k's (with the point-to-point lanes of the jobs whose `p2p_at` it
+/// is), or the point-to-point lanes alone.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Slot {
+    Stage(usize),
+    P2p,
+}
+
 impl Job<'_> {
-    /// The lanes of launch `k`: stage k's, and in `p2p_at` the point-to-point lanes.
-    fn lanes(&self, k: usize) -> impl Iterator<Item = &Vec<DevProgram>> {
-        let stage = self
-            .stages
-            .get(k)
-            .map(|s| s.lanes.as_slice())
-            .unwrap_or(&[]);
-        let p2p = if k == self.p2p_at {
-            self.p2p.lanes.as_slice()
-        } else {
-            &[]
+    /// The lanes of launch `slot`.
+    fn lanes(&self, slot: Slot) -> impl Iterator<Item = &Vec<DevProgram>> {
+        let (stage, p2p) = match slot {
+            Slot::Stage(k) => (
+                self.stages
+                    .get(k)
+                    .map(|s| s.lanes.as_slice())
+                    .unwrap_or(&[]),
+                self.p2p_at == Some(k),
+            ),
+            Slot::P2p => (&[][..], true),
         };
+        let p2p = if p2p { self.p2p.lanes.as_slice() } else { &[] };
         stage.iter().chain(p2p)
     }
 
-    /// Whether launch `k`'s first lane is a board lane.
-    fn on_board(&self, k: usize) -> bool {
-        self.stages.get(k).is_some_and(|s| s.board)
+    /// Whether launch `slot`'s first lane is a board lane.
+    fn on_board(&self, slot: Slot) -> bool {
+        match slot {
+            Slot::Stage(k) => self.stages.get(k).is_some_and(|s| s.board),
+            Slot::P2p => false,
+        }
     }
 }
 
@@ -332,7 +346,7 @@ fn prepare<'a>(per_comm: PerComm<'a>) -> Result<Jobs<'a>> {
     let mut jobs = Jobs::new();
     for (qs, t) in planned {
         let conns = qs[0].conns;
-        let p2p_at = t.p2p_stage();
+        let p2p_at = Some(t.p2p_stage());
         let stages = t
             .stages
             .into_iter()
@@ -429,32 +443,52 @@ fn free_scratch(sc: &Scratch, stream: usize, api: &driver::Api) {
     }
 }
 
-/// Launches the jobs of one (context, stream): stage k of every job in launch k; each job's
-/// point-to-point lanes in its `p2p_at`.
+/// Launches the jobs of one (context, stream): stage k of every job in launch k. The jobs'
+/// point-to-point lanes run beside the stages, as NCCL runs a whole group in one kernel: with
+/// one stage, in its launch; with several, in a launch of their own on the side stream of the
+/// first job's communicator (forked from `stream` before the stages and joined after them),
+/// so that they wait for no stage and no stage waits for them (in a stage's launch, they would
+/// hold up the later stages until a peer's matching calls come, which may come after the
+/// peer's own of those stages).
 fn launch_set(jobs: &mut [Job<'_>]) -> Result<()> {
     let api = driver::api()?;
     let comm0 = jobs[0].comm;
     let stream = jobs[0].stream;
     let _g = CtxGuard::enter(comm0.ctx)?;
+    let cap = driver::capture(stream)?;
+    let capturing = cap != driver::Capture::No;
     let nstages = jobs.iter().map(|j| j.stages.len()).max().unwrap_or(0);
+    let any_p2p = jobs.iter().any(|j| !j.p2p.lanes.is_empty());
+    let side = if nstages > 1 && any_p2p {
+        side_stream(comm0, cap)?
+    } else {
+        None
+    };
+    if side.is_some() {
+        for j in jobs.iter_mut() {
+            j.p2p_at = None;
+        }
+    }
     let p2p_launches = jobs
         .iter()
         .filter(|j| !j.p2p.lanes.is_empty())
-        .map(|j| j.p2p_at + 1)
+        .filter_map(|j| j.p2p_at.map(|k| k + 1))
         .max()
         .unwrap_or(0);
-    let launches = nstages.max(p2p_launches);
+    let mut slots: smallvec::SmallVec<[Slot; 2]> =
+        (0..nstages.max(p2p_launches)).map(Slot::Stage).collect();
+    if side.is_some() {
+        slots.push(Slot::P2p);
+    }
     // Every launch's descriptor must fit before the first is launched: a group fails whole
     // (and alike on every rank, whose groups are the same).
     let large = jobs[0].comm.kern.large();
-    for k in 0..launches {
+    for &slot in &slots {
         Desc::check_fits(
-            jobs.iter().flat_map(|j| j.lanes(k)).map(Vec::as_slice),
+            jobs.iter().flat_map(|j| j.lanes(slot)).map(Vec::as_slice),
             large,
         )?;
     }
-    let cap = driver::capture(stream)?;
-    let capturing = cap != driver::Capture::No;
     if !capturing {
         // What graphs let go of since the last look is freed (not while capturing).
         kept::reclaim();
@@ -470,11 +504,45 @@ fn launch_set(jobs: &mut [Job<'_>]) -> Result<()> {
             j.comm.last_conns.lock().clear();
         }
     }
-    for k in 0..launches {
+    // The side launch first (its lanes and the stages' share the device: `Beside`), then the
+    // stages; `stream` waits for the side stream after them, also after an error (a capture
+    // must get its forked stream back).
+    let mut forked = None;
+    if let (Some(side), true) = (side, result.is_ok()) {
+        result = stream::fork(api, stream, side.stream, side.event);
+        if result.is_ok() {
+            forked = Some(side);
+            let beside = Beside::of(jobs, slots.iter().copied().filter(|&s| s != Slot::P2p));
+            result = launch_stage(
+                jobs,
+                Slot::P2p,
+                side.stream,
+                beside,
+                capturing,
+                api,
+                &mut launched,
+            );
+            let r = stream::record(api, side.stream, side.event);
+            if result.is_ok() {
+                result = r;
+            }
+        }
+    }
+    let beside = match forked {
+        Some(_) => Beside::of(jobs, [Slot::P2p].into_iter()),
+        None => Beside::default(),
+    };
+    for &slot in slots.iter().filter(|&&s| s != Slot::P2p) {
         if result.is_err() {
             break;
         }
-        result = launch_stage(jobs, k, stream, capturing, api, &mut launched);
+        result = launch_stage(jobs, slot, stream, beside, capturing, api, &mut launched);
+    }
+    if let Some(side) = forked {
+        let r = stream::wait(api, stream, side.event);
+        if result.is_ok() {
+            result = r;
+        }
     }
     if launched {
         // Also after an error: later launches and quiescence wait for what did run.
@@ -500,6 +568,40 @@ fn launch_set(jobs: &mut [Job<'_>]) -> Result<()> {
         }
     }
     result
+}
+
+/// The side stream of `comm` for a launch on a stream that captures `cap`, where it can take
+/// one: a stream that captures nothing (drawn into the capture by the fork, if there is one),
+/// or the same graph already (drawn into it by an earlier group). Another graph's (a capture
+/// still open that drew it in, while this launch is eager or captured elsewhere): None, and
+/// the point-to-point lanes join a stage's launch.
+fn side_stream(comm: &CudaComm, cap: driver::Capture) -> Result<Option<comm::Side>> {
+    let side = comm.side()?;
+    Ok(match (driver::capture(side.stream)?, cap) {
+        (driver::Capture::No, _) => Some(side),
+        (driver::Capture::Graph(Some(a)), driver::Capture::Graph(Some(b))) if a == b => Some(side),
+        _ => None,
+    })
+}
+
+/// The lanes of launches that run at the same time as a launch, on another stream: they must
+/// all fit on the device at once (`run`).
+#[derive(Clone, Copy, Default)]
+struct Beside {
+    lanes: usize,
+    board: bool,
+}
+
+impl Beside {
+    /// The most lanes of any of `slots` (each launch of `jobs` in one of them).
+    fn of(jobs: &[Job<'_>], slots: impl Iterator<Item = Slot>) -> Beside {
+        slots.fold(Beside::default(), |b, slot| Beside {
+            lanes: b
+                .lanes
+                .max(jobs.iter().map(|j| j.lanes(slot).count()).sum()),
+            board: b.board || jobs.iter().any(|j| j.on_board(slot)),
+        })
+    }
 }
 
 /// Launches `func` (512 threads a block, `grid` blocks) on `stream` with the descriptor
@@ -535,12 +637,14 @@ fn launch_kernel(
     )
 }
 
-/// Launch `k` of a set: stage k of every job, and the point-to-point lanes of the jobs whose
-/// `p2p_at` it is; their scratch taken before and freed after, in stream order.
+/// Launch `slot` of a set: stage k of every job and the point-to-point lanes of the jobs whose
+/// `p2p_at` it is, or the point-to-point lanes alone; their scratch taken before and freed
+/// after, in stream order.
 fn launch_stage(
     jobs: &mut [Job<'_>],
-    k: usize,
+    slot: Slot,
     stream: usize,
+    beside: Beside,
     captured: bool,
     api: &driver::Api,
     launched: &mut bool,
@@ -550,14 +654,18 @@ fn launch_stage(
     let mut filled: smallvec::SmallVec<[(usize, bool); 4]> = smallvec::SmallVec::new();
     let mut r = Ok(());
     for (i, j) in jobs.iter_mut().enumerate() {
-        if let Some(s) = j.stages.get_mut(k) {
+        let (stage, p2p) = match slot {
+            Slot::Stage(k) => (j.stages.get_mut(k), j.p2p_at == Some(k)),
+            Slot::P2p => (None, true),
+        };
+        if let Some(s) = stage {
             filled.push((i, false));
             r = fill_scratch(&mut s.scratch, &mut s.lanes, stream, api);
             if r.is_err() {
                 break;
             }
         }
-        if k == j.p2p_at {
+        if p2p {
             let s = &mut j.p2p;
             filled.push((i, true));
             r = fill_scratch(&mut s.scratch, &mut s.lanes, stream, api);
@@ -567,14 +675,14 @@ fn launch_stage(
         }
     }
     if r.is_ok() {
-        r = ordered_lanes(jobs, k)
+        r = ordered_lanes(jobs, slot)
             .into_iter()
             .try_for_each(|(lane, lc)| d.lane_on(lane, lc));
     }
     if r.is_ok() {
         if trace() {
             crate::debug::info(&format!(
-                "{}: launch {k} on stream {stream:#x}:{}",
+                "{}: launch {slot:?} on stream {stream:#x}:{}",
                 comm0.describe(),
                 d.describe()
             ));
@@ -585,7 +693,7 @@ fn launch_stage(
             // learns from the kernels which one they wait on).
             let mut lc = j.comm.last_conns.lock();
             let mut used = j.comm.used.lock();
-            for s in j.lanes(k).flatten().flat_map(|p| &p.steps) {
+            for s in j.lanes(slot).flatten().flat_map(|p| &p.steps) {
                 for c in s.conns() {
                     if !lc.iter().any(|x| std::sync::Arc::ptr_eq(x, c)) {
                         lc.push(c.clone());
@@ -594,29 +702,32 @@ fn launch_stage(
                 }
             }
         }
-        let here = jobs.iter().filter(|j| j.comm.hash == comm0.hash).count();
-        r = run(&d, comm0, here, stream, captured, api).map(|l| *launched |= l);
+        let here = jobs
+            .iter()
+            .filter(|j| j.comm.hash == comm0.hash && j.lanes(slot).next().is_some())
+            .count();
+        r = run(&d, comm0, here, beside, stream, captured, api).map(|l| *launched |= l);
     }
     // Scratch goes back in stream order after the launch that used it (or at once, in stream
     // order, when nothing was launched).
     for (i, p2p) in filled {
         let j = &jobs[i];
-        let sc = if p2p {
-            &j.p2p.scratch
-        } else {
-            &j.stages[k].scratch
+        let sc = match (p2p, slot) {
+            (true, _) => &j.p2p.scratch,
+            (false, Slot::Stage(k)) => &j.stages[k].scratch,
+            (false, Slot::P2p) => unreachable!("no stage in the point-to-point launch"),
         };
         free_scratch(sc, stream, api);
     }
     r
 }
 
-/// The lanes of launch `k` of `jobs`, each with its communicator's control block, in the order
+/// The lanes of launch `slot` of `jobs`, each with its communicator's control block, in the order
 /// `desc::lane_key` gives them (so that a launch with more blocks than the device holds at once
 /// still ends).
 fn ordered_lanes<'j>(
     jobs: &'j [Job<'_>],
-    k: usize,
+    slot: Slot,
 ) -> smallvec::SmallVec<[(&'j [DevProgram], desc::LaneComm); 4]> {
     let mut v: smallvec::SmallVec<[_; 4]> = smallvec::SmallVec::new();
     for j in jobs {
@@ -624,7 +735,7 @@ fn ordered_lanes<'j>(
         // several communicators came in.)
         let ci = j.comm.hash as usize;
         let ctl = j.comm.ctl.addr();
-        let board = match (&j.comm.board, j.on_board(k)) {
+        let board = match (&j.comm.board, j.on_board(slot)) {
             (Some(b), true) => desc::LaneComm {
                 ctl,
                 board: b.addr(),
@@ -633,7 +744,7 @@ fn ordered_lanes<'j>(
             },
             _ => desc::LaneComm::of(ctl),
         };
-        for (index, lane) in j.lanes(k).enumerate() {
+        for (index, lane) in j.lanes(slot).enumerate() {
             let ends = lane
                 .iter()
                 .flat_map(|p| &p.steps)
@@ -661,11 +772,13 @@ pub(super) fn trace() -> bool {
 }
 
 /// Launches one descriptor on `stream` (`ranks_here`: the ranks of `comm`'s communicator whose
-/// lanes it holds; `captured`: `stream` captures a graph).
+/// lanes it holds; `beside`: a launch on another stream that runs at the same time;
+/// `captured`: `stream` captures a graph).
 fn run(
     d: &Desc,
     comm: &CudaComm,
     ranks_here: usize,
+    beside: Beside,
     stream: usize,
     captured: bool,
     api: &driver::Api,
@@ -721,17 +834,19 @@ fn run(
         // at most half of it, so that another communicator's launches fit beside theirs, and
         // share it with every rank on a board of this context (other communicators' too:
         // their launches may all wait for peers at once).
-        let ranks = if d.boards() > 0 {
+        // (And with the lanes of a launch on another stream that runs beside this one.)
+        let ranks = if d.boards() > 0 || beside.board {
             (2 * comm.ranks_on_device).max(board::ranks_in(comm.ctx))
         } else {
             comm.ranks_on_device
         };
-        let room = k.sms as usize / (d.lanes() * ranks).max(1);
+        let lanes = d.lanes() + beside.lanes;
+        let room = k.sms as usize / (lanes * ranks).max(1);
         let nb = d.blocks_per_lane().min(room.max(1) as u16);
         // Past the device's SMs a launch still ends alone (its lanes are in `lane_key`'s
         // order), but not when it needs the device's other ranks' launches to run beside it.
         let others = comm.ranks_on_device.saturating_sub(ranks_here);
-        let need = d.lanes() + others * d.lanes().div_ceil(ranks_here.max(1));
+        let need = lanes + others * lanes.div_ceil(ranks_here.max(1));
         if others > 0
             && need > k.sms as usize
             && !comm

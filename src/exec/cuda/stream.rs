@@ -279,3 +279,30 @@ pub(super) fn join_after(
     }
     result
 }
+
+/// Forks `side` from `stream`: work queued on `side` from now on follows what `stream` has
+/// queued (`event` recorded on `stream`, waited for on `side`; while `stream` captures a graph,
+/// this draws `side` into it, until `stream` waits for it again: `wait`).
+pub(super) fn fork(api: &driver::Api, stream: usize, side: usize, event: usize) -> Result<()> {
+    record(api, stream, event)?;
+    wait(api, side, event)
+}
+
+/// Records `event` on `stream`.
+pub(super) fn record(api: &driver::Api, stream: usize, event: usize) -> Result<()> {
+    // SAFETY: one of the communicator's events; the caller's stream or its side stream.
+    check(
+        unsafe { (api.event_record)(event as _, stream as _) },
+        || "cuEventRecord (a group's side stream)".into(),
+    )
+}
+
+/// Makes `stream` wait for `event`'s last record.
+pub(super) fn wait(api: &driver::Api, stream: usize, event: usize) -> Result<()> {
+    // SAFETY: one of the communicator's events, recorded; the caller's stream or its side
+    // stream.
+    check(
+        unsafe { (api.stream_wait_event)(stream as _, event as _, 0) },
+        || "cuStreamWaitEvent (a group's side stream)".into(),
+    )
+}
