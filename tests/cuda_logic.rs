@@ -957,6 +957,120 @@ fn cuda_executor_logic_on_a_recording_driver() {
     std::env::remove_var("OXCCL_CUDA_FENCE");
     nccl::param::reread();
 
+    // 6b. Groups of an all-reduce, an all-gather and sends and receives, every rank's on a
+    //     stream of its own (nothing runs here): the collectives one launch each on the
+    //     caller's stream, the point-to-point lanes in a launch of their own on the
+    //     communicator's side stream, forked from the caller's stream before the collectives
+    //     and joined back after them. `peers(r)`: whom rank r sends to and receives from.
+    let mixed = |comms: &[std::sync::Arc<nccl::comm::Comm>],
+                 base: usize,
+                 peers: &dyn Fn(usize) -> Vec<usize>| {
+        nccl::api::group_start().unwrap();
+        for (r, comm) in comms.iter().enumerate() {
+            let b = bufs[r % 2];
+            let on = cuda(base + r);
+            nccl::api::enqueue(comm, all_reduce(b.0, b.1, 4096), on).unwrap();
+            let ag = CollArgs {
+                kind: CollKind::AllGather,
+                ..all_reduce(b.0, b.1, 64)
+            };
+            nccl::api::enqueue(comm, ag, cuda(base + r)).unwrap();
+            for p in peers(r) {
+                let p2p = |kind| CollArgs {
+                    kind,
+                    root: p as i32,
+                    ..all_reduce(b.0 + 65536 + 256 * p, b.1 + 65536 + 256 * p, 16)
+                };
+                nccl::api::enqueue(comm, p2p(CollKind::Send), cuda(base + r)).unwrap();
+                nccl::api::enqueue(comm, p2p(CollKind::Recv), cuda(base + r)).unwrap();
+            }
+        }
+        nccl::api::group_end().unwrap();
+        take()
+    };
+    let ev = mixed(&comms, 0x51, &|r| vec![1 - r]);
+    let users = [0x51, 0x52];
+    let sides: Vec<usize> = launches(&ev)
+        .into_iter()
+        .map(stream_of)
+        .filter(|s| !users.contains(s))
+        .collect();
+    assert_eq!(sides.len(), 2, "a side launch per rank's stream: {ev:#?}");
+    assert_ne!(sides[0], sides[1], "{ev:#?}");
+    for (&user, &side) in users.iter().zip(&sides) {
+        let ev: Vec<&Ev> = ev
+            .iter()
+            .filter(|e| [user, side].contains(&stream_of(e)))
+            .collect();
+        let l: Vec<&Ev> = ev
+            .iter()
+            .copied()
+            .filter(|e| matches!(e, Ev::Launch { .. }))
+            .collect();
+        assert_eq!(l.len(), 3, "{ev:#?}");
+        assert_eq!(stream_of(l[0]), side, "the side launch first: {ev:#?}");
+        assert!(l[1..].iter().all(|e| stream_of(e) == user), "{ev:#?}");
+        let at = |f: &dyn Fn(&Ev) -> bool| {
+            ev.iter()
+                .position(|e| f(e))
+                .unwrap_or_else(|| panic!("{ev:#?}"))
+        };
+        let fork = at(&|e| matches!(e, Ev::Wait { stream, .. } if *stream == side));
+        let Ev::Wait { event, .. } = *ev[fork] else {
+            unreachable!()
+        };
+        let on = |e: &Ev, s: usize, wait: bool| match (e, wait) {
+            (Ev::Record { event: x, stream }, false) | (Ev::Wait { event: x, stream }, true) => {
+                *x == event && *stream == s
+            }
+            _ => false,
+        };
+        let recorded = at(&|e| on(e, user, false));
+        let launched = at(&|e| matches!(e, Ev::Launch { stream, .. } if *stream == side));
+        let done = at(&|e| on(e, side, false));
+        let joined = at(&|e| on(e, user, true));
+        let last = ev
+            .iter()
+            .rposition(|e| matches!(e, Ev::Launch { stream, .. } if *stream == user))
+            .unwrap();
+        assert!(
+            recorded < fork && fork < launched && launched < done && last < joined,
+            "fork, side launch, join: {ev:#?}"
+        );
+        // The blocks of the two launches fit on the device at once (132 SMs, 2 ranks).
+        let blocks: u32 = l[..2]
+            .iter()
+            .map(|e| match e {
+                Ev::Launch { grid, .. } => grid.0 * grid.1,
+                _ => unreachable!(),
+            })
+            .sum();
+        assert!(blocks <= 66, "{blocks} blocks side by side: {ev:#?}");
+    }
+    // Where the two launches would need more blocks at once than the device holds (16 ranks
+    // on it; rank 0 sends to and receives from all 15 others), rank 0's point-to-point lanes
+    // go into its all-reduce's launch, as before: no side stream.
+    let sixteen = nccl::api::comm_init_all(&[0; 16]).expect("sixteen ranks on one device");
+    let ev = mixed(&sixteen, 0x70, &|r| {
+        if r == 0 {
+            (1..16).collect()
+        } else {
+            vec![0]
+        }
+    });
+    // (Rank 0's set is launched first: its events come before any of another rank's stream.)
+    let cut = ev
+        .iter()
+        .position(|e| (0x71..0x80).contains(&stream_of(e)))
+        .unwrap_or(ev.len());
+    let l = launches(&ev[..cut]);
+    assert_eq!(l.len(), 2, "{:#?}", &ev[..cut]);
+    assert!(l.iter().all(|e| stream_of(e) == 0x70), "{:#?}", &ev[..cut]);
+    for c in &sixteen {
+        nccl::api::comm_destroy(nccl::api::comm_handle(c)).unwrap();
+    }
+    take();
+
     // 7. One rank: in place is nothing at all; a copy, small or large, goes to the copy
     //    engine; with OXCCL_CUDA_CE_COPY_BYTES, large ones to the wide (or the copy) kernel.
     let one = nccl::api::comm_init_all(&[0]).expect("one rank");

@@ -460,7 +460,7 @@ fn launch_set(jobs: &mut [Job<'_>]) -> Result<()> {
     let nstages = jobs.iter().map(|j| j.stages.len()).max().unwrap_or(0);
     let any_p2p = jobs.iter().any(|j| !j.p2p.lanes.is_empty());
     let side = if nstages > 1 && any_p2p {
-        side_stream(comm0, cap)?
+        side_stream(jobs, nstages, cap)?
     } else {
         None
     };
@@ -475,15 +475,12 @@ fn launch_set(jobs: &mut [Job<'_>]) -> Result<()> {
         .filter_map(|j| j.p2p_at.map(|k| k + 1))
         .max()
         .unwrap_or(0);
-    let mut slots: smallvec::SmallVec<[Slot; 2]> =
-        (0..nstages.max(p2p_launches)).map(Slot::Stage).collect();
-    if side.is_some() {
-        slots.push(Slot::P2p);
-    }
+    let launches = nstages.max(p2p_launches);
+    let stages = (0..launches).map(Slot::Stage);
     // Every launch's descriptor must fit before the first is launched: a group fails whole
     // (and alike on every rank, whose groups are the same).
     let large = jobs[0].comm.kern.large();
-    for &slot in &slots {
+    for slot in stages.clone().chain(side.map(|_| Slot::P2p)) {
         Desc::check_fits(
             jobs.iter().flat_map(|j| j.lanes(slot)).map(Vec::as_slice),
             large,
@@ -512,7 +509,7 @@ fn launch_set(jobs: &mut [Job<'_>]) -> Result<()> {
         result = stream::fork(api, stream, side.stream, side.event);
         if result.is_ok() {
             forked = Some(side);
-            let beside = Beside::of(jobs, slots.iter().copied().filter(|&s| s != Slot::P2p));
+            let beside = Beside::of(jobs, stages.clone());
             result = launch_stage(
                 jobs,
                 Slot::P2p,
@@ -532,7 +529,7 @@ fn launch_set(jobs: &mut [Job<'_>]) -> Result<()> {
         Some(_) => Beside::of(jobs, [Slot::P2p].into_iter()),
         None => Beside::default(),
     };
-    for &slot in slots.iter().filter(|&&s| s != Slot::P2p) {
+    for slot in stages {
         if result.is_err() {
             break;
         }
@@ -570,18 +567,66 @@ fn launch_set(jobs: &mut [Job<'_>]) -> Result<()> {
     result
 }
 
-/// The side stream of `comm` for a launch on a stream that captures `cap`, where it can take
-/// one: a stream that captures nothing (drawn into the capture by the fork, if there is one),
-/// or the same graph already (drawn into it by an earlier group). Another graph's (a capture
-/// still open that drew it in, while this launch is eager or captured elsewhere): None, and
-/// the point-to-point lanes join a stage's launch.
-fn side_stream(comm: &CudaComm, cap: driver::Capture) -> Result<Option<comm::Side>> {
-    let side = comm.side()?;
+/// The side stream of the first job's communicator for a launch of `jobs` (`nstages` stage
+/// launches) on a stream that captures `cap`, where they can take it. Not where the
+/// point-to-point launch and the largest stage launch need more blocks at once than the device
+/// holds (in one launch, lanes in `lane_key`'s order always end; two launches on two streams
+/// might each hold SMs that the other's lanes wait for), nor where the stream cannot be made
+/// (INFO says why), nor where it is drawn
+/// into another graph's capture than `cap` (a capture still open: it captures whatever is
+/// queued on it). Otherwise a stream that captures nothing (drawn into the capture by the
+/// fork, if there is one), or the same graph already (drawn into it by an earlier group).
+/// None: the point-to-point lanes join a stage's launch.
+fn side_stream(
+    jobs: &[Job<'_>],
+    nstages: usize,
+    cap: driver::Capture,
+) -> Result<Option<comm::Side>> {
+    let comm = jobs[0].comm;
+    // (The stages' own lanes: the point-to-point lanes are still in a stage's launch here.)
+    let stage_lanes = (0..nstages)
+        .map(|k| {
+            jobs.iter()
+                .map(|j| j.stages.get(k).map_or(0, |s| s.lanes.len()))
+                .sum::<usize>()
+        })
+        .max()
+        .unwrap_or(0);
+    let board = jobs.iter().any(|j| j.stages.iter().any(|s| s.board));
+    let p2p_lanes: usize = jobs.iter().map(|j| j.p2p.lanes.len()).sum();
+    if (stage_lanes + p2p_lanes) * device_share(comm, board) > comm.kern.sms as usize {
+        return Ok(None);
+    }
+    let side = match comm.side() {
+        Ok(side) => side,
+        Err(e) => {
+            crate::debug::info(&format!(
+                "{}: no side stream for a group's sends and receives ({e}): they join a \
+                 collective's launch",
+                comm.describe()
+            ));
+            return Ok(None);
+        }
+    };
     Ok(match (driver::capture(side.stream)?, cap) {
         (driver::Capture::No, _) => Some(side),
         (driver::Capture::Graph(Some(a)), driver::Capture::Graph(Some(b))) if a == b => Some(side),
         _ => None,
     })
+}
+
+/// How many shares of the device's SMs a launch of `comm`'s takes at most (`board`: it, or a
+/// launch beside it, has board lanes): every block of every lane of the ranks on the device
+/// spins for the others, so all must fit on the device at once (one 512-thread block per SM
+/// is assumed). Board lanes take at most half of it, so that another communicator's launches
+/// fit beside theirs, and share it with every rank on a board of this context (other
+/// communicators' too: their launches may all wait for peers at once).
+fn device_share(comm: &CudaComm, board: bool) -> usize {
+    if board {
+        (2 * comm.ranks_on_device).max(board::ranks_in(comm.ctx))
+    } else {
+        comm.ranks_on_device
+    }
 }
 
 /// The lanes of launches that run at the same time as a launch, on another stream: they must
@@ -829,17 +874,9 @@ fn run(
         };
         (f, blocks as u32, d.lanes() as u32, 1)
     } else {
-        // Every block of every lane of the ranks on this device spins for the others: all must
-        // fit on the device at once (one 512-thread block per SM is assumed). Board lanes take
-        // at most half of it, so that another communicator's launches fit beside theirs, and
-        // share it with every rank on a board of this context (other communicators' too:
-        // their launches may all wait for peers at once).
-        // (And with the lanes of a launch on another stream that runs beside this one.)
-        let ranks = if d.boards() > 0 || beside.board {
-            (2 * comm.ranks_on_device).max(board::ranks_in(comm.ctx))
-        } else {
-            comm.ranks_on_device
-        };
+        // The launch's share of the device (`device_share`), with the lanes of a launch on
+        // another stream that runs beside it.
+        let ranks = device_share(comm, d.boards() > 0 || beside.board);
         let lanes = d.lanes() + beside.lanes;
         let room = k.sms as usize / (lanes * ranks).max(1);
         let nb = d.blocks_per_lane().min(room.max(1) as u16);
