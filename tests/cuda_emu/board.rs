@@ -258,12 +258,50 @@ pub fn board_large() {
     release_buffers();
 }
 
+/// Ranks 0 and 1 (each in a thread of its own) make `calls`, each in its `orders`: rank 0 in
+/// one group, rank 1 one by one, or in a group of its own where `grouped`. Every output
+/// checked.
+fn grouped_otherwise(
+    calls: &[Case],
+    orders: [&'static [usize]; 2],
+    grouped: bool,
+    what: &'static str,
+) {
+    let bufs: Vec<Vec<(usize, usize)>> = calls.iter().map(|c| buffers(c, 2)).collect();
+    let (c, b) = (calls.to_vec(), bufs.clone());
+    let side = device::SIDE_LAUNCHES.load(Ordering::SeqCst);
+    let comms = in_threads(2, what, move |comm, r, stream| {
+        for (c, b) in c.iter().zip(&b) {
+            fill(c, 2, r, b[r], 0);
+        }
+        if r == 0 || grouped {
+            nccl::api::group_start().unwrap();
+        }
+        for &i in orders[r] {
+            enqueue(comm, &c[i], 2, b[i][r], stream);
+        }
+        if r == 0 || grouped {
+            nccl::api::group_end().unwrap();
+        }
+    });
+    for (c, b) in calls.iter().zip(&bufs) {
+        verify(c, b, 0, &format!("{}: {what}", describe(c, 2, 2)));
+    }
+    assert!(
+        device::SIDE_LAUNCHES.load(Ordering::SeqCst) > side,
+        "{what}: no launch on a side stream"
+    );
+    for comm in &comms {
+        nccl::api::comm_destroy(nccl::api::comm_handle(comm)).unwrap();
+    }
+    release_buffers();
+}
+
 /// The same calls in the same order, grouped differently: rank 0 holds an all-reduce, an
-/// all-gather and a send and receive with rank 1 in one group, rank 1 makes them one by one
-/// (each rank in a thread of its own). Rank 0's collectives run one launch after the other,
-/// and its point-to-point lanes go beside the last collective called before them: ahead of
-/// the all-gather, rank 1's send would sit behind its all-gather, which would wait for rank
-/// 0's, queued behind the point-to-point lanes. Every output checked.
+/// all-gather and a send and receive with rank 1 in one group, rank 1 makes them one by one.
+/// Rank 0's collectives run one launch after the other, and its point-to-point lanes beside
+/// them: ahead of the all-gather, rank 1's send would sit behind its all-gather, which would
+/// wait for rank 0's, queued behind the point-to-point lanes.
 pub fn board_mixed_groups() {
     let ar = f32_sum(4099);
     let ag = Case {
@@ -274,31 +312,12 @@ pub fn board_mixed_groups() {
         kind: CollKind::Send,
         ..f32_sum(300_001)
     };
-    let calls = [ar, ag, p2p];
-    let bufs: Vec<Vec<(usize, usize)>> = calls.iter().map(|c| buffers(c, 2)).collect();
-    let what = "an all-reduce, an all-gather, a send and a receive, grouped on rank 0 only";
-    let b = bufs.clone();
-    let comms = in_threads(2, what, move |comm, r, stream| {
-        for (c, b) in calls.iter().zip(&b) {
-            fill(c, 2, r, b[r], 0);
-        }
-        if r == 0 {
-            nccl::api::group_start().unwrap();
-        }
-        for (c, b) in calls.iter().zip(&b) {
-            enqueue(comm, c, 2, b[r], stream);
-        }
-        if r == 0 {
-            nccl::api::group_end().unwrap();
-        }
-    });
-    for (c, b) in calls.iter().zip(&bufs) {
-        verify(c, b, 0, &format!("{}: {what}", describe(c, 2, 2)));
-    }
-    for comm in &comms {
-        nccl::api::comm_destroy(nccl::api::comm_handle(comm)).unwrap();
-    }
-    release_buffers();
+    grouped_otherwise(
+        &[ar, ag, p2p],
+        [&[0, 1, 2], &[0, 1, 2]],
+        false,
+        "an all-reduce, an all-gather, a send and a receive, grouped on rank 0 only",
+    );
 }
 
 /// A group's sends and receives run beside its collectives, not in one of their launches:
@@ -323,39 +342,61 @@ pub fn board_p2p_beside() {
     };
     let calls = [ar, p2p, ag, rs];
     // (Each rank's order of the calls.)
-    let orders = [[0, 1, 2, 3], [0, 2, 3, 1]];
-    for grouped in [false, true] {
-        let bufs: Vec<Vec<(usize, usize)>> = calls.iter().map(|c| buffers(c, 2)).collect();
-        let what = if grouped {
-            "rank 0 groups an all-reduce, a send and receive, an all-gather and a reduce-scatter; \
-             rank 1 groups them with its send and receive last"
-        } else {
-            "rank 0 groups an all-reduce, a send and receive, an all-gather and a reduce-scatter; \
-             rank 1 makes them one by one, its send and receive last"
-        };
-        let b = bufs.clone();
-        let comms = in_threads(2, what, move |comm, r, stream| {
-            for (c, b) in calls.iter().zip(&b) {
+    let orders: [&[usize]; 2] = [&[0, 1, 2, 3], &[0, 2, 3, 1]];
+    grouped_otherwise(
+        &calls,
+        orders,
+        false,
+        "rank 0 groups an all-reduce, a send and receive, an all-gather and a reduce-scatter; \
+         rank 1 makes them one by one, its send and receive last",
+    );
+    grouped_otherwise(
+        &calls,
+        orders,
+        true,
+        "rank 0 groups an all-reduce, a send and receive, an all-gather and a reduce-scatter; \
+         rank 1 groups them with its send and receive last",
+    );
+    // A rank whose peer never comes: its collectives wait on its stream, its sends and
+    // receives on the side stream; the abort stops both kernels, and its stream drains (it
+    // waits for the side stream's launch).
+    let comms = nccl::api::comm_init_all(&[0, 0]).expect("two ranks on one device");
+    let streams = [new_stream(), new_stream()];
+    let bufs: Vec<Vec<(usize, usize)>> = calls.iter().map(|c| buffers(c, 2)).collect();
+    let group = |ranks: &[usize]| {
+        nccl::api::group_start().unwrap();
+        for &r in ranks {
+            for (c, b) in calls.iter().zip(&bufs) {
                 fill(c, 2, r, b[r], 0);
+                enqueue(&comms[r], c, 2, b[r], streams[r]);
             }
-            if r == 0 || grouped {
-                nccl::api::group_start().unwrap();
-            }
-            for &i in &orders[r] {
-                enqueue(comm, &calls[i], 2, b[i][r], stream);
-            }
-            if r == 0 || grouped {
-                nccl::api::group_end().unwrap();
-            }
-        });
-        for (c, b) in calls.iter().zip(&bufs) {
-            verify(c, b, 0, &format!("{}: {what}", describe(c, 2, 2)));
         }
-        for comm in &comms {
-            nccl::api::comm_destroy(nccl::api::comm_handle(comm)).unwrap();
-        }
-        release_buffers();
+        nccl::api::group_end().unwrap();
+    };
+    // (Both first: the connections are made.)
+    group(&[0, 1]);
+    let what = "a group of both ranks, each on its stream";
+    sync_all(&streams, what);
+    for (c, b) in calls.iter().zip(&bufs) {
+        verify(c, b, 0, &format!("{}: {what}", describe(c, 2, 2)));
     }
+    let side = device::SIDE_LAUNCHES.load(Ordering::SeqCst);
+    group(&[0]);
+    assert!(
+        device::SIDE_LAUNCHES.load(Ordering::SeqCst) > side,
+        "rank 0's group alone: no launch on a side stream"
+    );
+    assert!(
+        !sync(streams[0], Duration::from_millis(300)),
+        "rank 0's group done without its peer"
+    );
+    nccl::api::comm_abort(nccl::api::comm_handle(&comms[0])).expect("abort");
+    assert!(
+        sync(streams[0], Duration::from_secs(10)),
+        "rank 0's kernels went on after the abort (its stream waits for its side stream)"
+    );
+    nccl::api::comm_abort(nccl::api::comm_handle(&comms[1])).expect("abort");
+    release_buffers();
 }
 
 /// A peer that comes too late (`streams.len()` ranks): the last rank's launch is held behind a

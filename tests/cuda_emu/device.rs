@@ -430,22 +430,29 @@ pub fn end_capture(h: usize) -> Vec<Op> {
 }
 
 /// A graph's work in order, with the stream each runs on: `h`'s, and where a stream was drawn
-/// in, that stream's (`Side`).
+/// in, a stream of the replays' own for it (`Side`: in a graph, that work belongs to the graph,
+/// not to the stream that captured it, so no eager work there comes between).
 fn flat(h: usize, g: &[Op]) -> Vec<(usize, &Op)> {
     let mut v = Vec::new();
     for op in g {
         match op {
-            Op::Side(s, side) => v.extend(flat(*s, side)),
+            Op::Side(s, side) => v.extend(flat(*s | 1 << 40, side)),
             op => v.push((h, op)),
         }
     }
     v
 }
 
+/// Launches run eagerly on streams the executor made (`cuStreamCreate`: its side streams).
+pub static SIDE_LAUNCHES: AtomicU64 = AtomicU64::new(0);
+
 pub fn submit(h: usize, op: Op) {
     if let Some((_, g)) = CAPTURES.lock().as_mut().and_then(|m| m.get_mut(&h)) {
         g.push(op);
         return;
+    }
+    if matches!(op, Op::Launch { .. }) && CREATED.lock().contains(&h) {
+        SIDE_LAUNCHES.fetch_add(1, Ordering::SeqCst);
     }
     let s = stream(h);
     s.submitted.fetch_add(1, Ordering::SeqCst);
