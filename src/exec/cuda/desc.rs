@@ -475,6 +475,14 @@ mod tests {
     fn rd16(b: &[u64], byte: usize) -> u16 {
         (b[byte / 8] >> (8 * (byte % 8))) as u16
     }
+    /// The OxLaneD at byte `l`: (first program, programs, board rank, board ranks), (ctl,
+    /// board).
+    fn lane_at(b: &[u64], l: usize) -> ([u16; 4], [u64; 2]) {
+        (
+            [rd16(b, l), rd16(b, l + 2), rd16(b, l + 4), rd16(b, l + 6)],
+            [rd64(b, l + 8), rd64(b, l + 16)],
+        )
+    }
 
     /// A program of `steps` local steps of `prim` and no connection, step `i` over
     /// (source, destination, length) `at(i)`; prepared where it reduces.
@@ -609,17 +617,7 @@ mod tests {
         );
         assert_eq!([rd64(&b, s2 + 40), rd64(&b, s2 + 48)], [0x3000, 50]);
         // OxLaneD: first program, programs, board rank, board ranks, ctl, board.
-        let l = s2 + STEP;
-        assert_eq!(
-            [
-                rd16(&b, l),
-                rd16(&b, l + 2),
-                rd16(&b, l + 4),
-                rd16(&b, l + 6)
-            ],
-            [0, 1, 0, 0]
-        );
-        assert_eq!([rd64(&b, l + 8), rd64(&b, l + 16)], [0xc7c7, 0]);
+        assert_eq!(lane_at(&b, s2 + STEP), ([0, 1, 0, 0], [0xc7c7, 0]));
         assert_eq!(b.len() * 8, PARAM_BYTES);
         inproc::forget("oxccl-desc-test");
     }
@@ -651,17 +649,10 @@ mod tests {
         // 4 MiB: a block per 64 KiB part.
         assert_eq!(d.blocks_per_lane(), 64);
         let b = d.params(16, false).expect("fits");
-        let l = 16 + PROG + STEP;
         assert_eq!(
-            [
-                rd16(&b, l),
-                rd16(&b, l + 2),
-                rd16(&b, l + 4),
-                rd16(&b, l + 6)
-            ],
-            [0, 1, 2, 3]
+            lane_at(&b, 16 + PROG + STEP),
+            ([0, 1, 2, 3], [0xc7c7, 0xb0a4d])
         );
-        assert_eq!([rd64(&b, l + 8), rd64(&b, l + 16)], [0xc7c7, 0xb0a4d]);
         let mut d = Desc::new();
         let two = prog(2, Prim::LocalReduce);
         assert!(d.lane_on([&two], lc).is_err(), "a board lane of two steps");
