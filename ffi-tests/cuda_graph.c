@@ -23,7 +23,12 @@
  *      same communicator on the second, one right after the other (either way round) with
  *      nothing of the program's ordering them: both right (they run in issue order, as NCCL's
  *      graph mixing support makes them), 3 rounds each way;
- *   6. a graph of one all-reduce, replayed once (checked), then replayed again after
+ *   6. a group of the two all-reduces and a send/recv ring (N2 int32 to the next rank, from the
+ *      previous one) captured together: with two collective launches, the sends and receives
+ *      run on the communicator's side stream, which the capture draws in (forked from the
+ *      rank's stream before the collectives, joined back after them); replayed 3 times, every
+ *      output checked;
+ *   7. a graph of one all-reduce, replayed once (checked), then replayed again after
  *      ncclCommDestroy: that replay must end without a CUDA error and leave the output as it
  *      was (oxccl's graphs keep what their launches read; a communicator that ended makes them
  *      return at once, touching no freed connection). NCCL makes no such promise.
@@ -401,7 +406,61 @@ static void mixing_case(Rank* R, int replays, int it0) {
   CUCHECK(cu.GraphDestroy(g));
 }
 
-/* Case 6 (see the top): captures a graph of one all-reduce and replays it once, checked; the
+/* Case 6 (see the top): the two all-reduces and a send/recv ring in one group. The ring sends
+ * from `stage` and receives into `out2` (free after case 4). */
+static void enqueue_mixed(Rank* R) {
+  int next = (R->rank + 1) % nranks, prev = (R->rank + nranks - 1) % nranks;
+  NCCLCHECK(ncclGroupStart());
+  enqueue(R, 1);
+  NCCLCHECK(ncclSend(buf_dptr(&R->stage), N2, ncclInt32, next, R->comm, R->st));
+  NCCLCHECK(ncclRecv(buf_dptr(&R->out2), N2, ncclInt32, prev, R->comm, R->st));
+  NCCLCHECK(ncclGroupEnd());
+}
+
+static void mixed_case(Rank* R, int replays, int it0) {
+  const char* what = "graph of two all-reduces and a send/recv ring in one group";
+  if (R->rank == 0) {
+    fprintf(stderr, "  [rank 0] %s: %s, %d replays\n", what, no_graph ? "nograph" : "capture", replays);
+    fflush(stderr);
+  }
+  int prev = (R->rank + nranks - 1) % nranks;
+  CUgraphExec ge = NULL;
+  if (!no_graph) {
+    pthread_barrier_wait(&barrier);
+    CUCHECK(cu.StreamBeginCapture(R->st, capture_mode));
+    enqueue_mixed(R);
+    CUgraph g = end_capture(R, what);
+    if (!g) return; /* on every rank (end_capture) */
+    CUCHECK(cuda_graph_instantiate(&ge, g));
+    CUCHECK(cu.GraphDestroy(g));
+  }
+  for (int k = 0; k < replays; k++) {
+    int it = it0 + k;
+    set_inputs(R, it, 1);
+    buf_reset(&R->stage);
+    for (size_t i = 0; i < N2; i++) buf_i(&R->stage)[i] = iin(R->rank, i, it + 500);
+    buf_upload(&R->stage, R->st);
+    buf_reset(&R->out2);
+    buf_upload(&R->out2, R->st);
+    if (ge) CUCHECK(cu.GraphLaunch(ge, R->st));
+    else enqueue_mixed(R);
+    char w[128];
+    snprintf(w, sizeof w, "%s, replay %d", what, k);
+    check_outputs(R, it, 1, w);
+    buf_download(&R->out2, R->st);
+    int bad = 0;
+    for (size_t i = 0; i < N2; i++) {
+      int32_t got = buf_i(&R->out2)[i], want = iin(prev, i, it + 500);
+      if (got == want) R->pass++;
+      else if (bad++ < 3) report(R, "%s: ring element %zu: got %d, expected %d", w, i, got, want);
+      else R->fail++;
+    }
+    buf_guards(R, &R->out2, w);
+  }
+  if (ge) CUCHECK(cu.GraphExecDestroy(ge));
+}
+
+/* Case 7 (see the top): captures a graph of one all-reduce and replays it once, checked; the
  * caller destroys the communicator and calls destroyed_replay. NULL where nothing was captured. */
 static CUgraphExec graph_for_later(Rank* R, int it) {
   const char* what = "graph replayed after ncclCommDestroy";
@@ -469,6 +528,7 @@ static void* rank_main(void* arg) {
   graph_case(R, 1, GROUP_REPLAYS, 10);
   two_stream_case(R, GROUP_REPLAYS, 20);
   mixing_case(R, GROUP_REPLAYS, 40);
+  mixed_case(R, GROUP_REPLAYS, 50);
   CUgraphExec later = no_graph ? NULL : graph_for_later(R, 60);
 
   pthread_barrier_wait(&barrier); /* nobody frees device memory while a peer still runs */

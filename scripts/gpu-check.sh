@@ -10,7 +10,9 @@
 #  1. the CUDA executor on device buffers: where its kernels came from (the library's fatbin, and
 #     NVRTC with OXCCL_KERNELS=nvrtc); every collective x datatype x op on 1, 2 and 4 ranks of
 #     the one GPU (coll_matrix cuda), ranks as threads and as processes (cuda_ranks; with
-#     `grouped`, 48 all-reduces in one group: the kernels' large parameter), CUDA graph capture
+#     `grouped`, 48 all-reduces in one group: the kernels' large parameter; with `mixed`,
+#     collectives and sends/receives grouped differently by even and odd ranks, whose sends and
+#     receives run on the side stream beside the collectives), CUDA graph capture
 #     and replay (cuda_graph); a peer process killed while an eager launch or a graph's replay
 #     waits for it (cuda_peer_death: ncclRemoteError naming it, the stream drains); the TP/PP
 #     example on device buffers, 8 ranks (processes) on the one GPU;
