@@ -412,6 +412,31 @@ pub fn mixed_group_graph(comms: &[Arc<nccl::comm::Comm>], streams: &[usize]) {
         }
     }
     nccl::api::group_end().unwrap();
+    // While the capture is open, the same group eagerly on other streams: the side streams are
+    // still drawn into the capture (what they were given now would be captured, not run), so
+    // the point-to-point lanes go into a collective's launch, and the group runs.
+    let eager: Vec<usize> = (0..n).map(|_| new_stream()).collect();
+    let ebufs: Vec<Vec<(usize, usize)>> = calls.iter().map(|c| buffers(c, n)).collect();
+    let sides = device::SIDE_LAUNCHES.load(Ordering::SeqCst);
+    nccl::api::group_start().unwrap();
+    for (r, comm) in comms.iter().enumerate() {
+        for (c, b) in calls.iter().zip(&ebufs) {
+            fill(c, n, r, b[r], 0);
+            enqueue(comm, c, n, b[r], eager[r]);
+        }
+    }
+    nccl::api::group_end().unwrap();
+    let what = format!("the group eagerly, {n} ranks, while its capture is open");
+    sync_all(&eager, &what);
+    no_async_error(comms, &what);
+    for (c, b) in calls.iter().zip(&ebufs) {
+        verify(c, b, 0, &format!("{}: {what}", describe(c, n, n)));
+    }
+    assert_eq!(
+        device::SIDE_LAUNCHES.load(Ordering::SeqCst),
+        sides,
+        "{what}: a launch on a side stream drawn into the capture"
+    );
     let graphs: Vec<(usize, Vec<Op>)> = streams.iter().map(|&s| (s, end_capture(s))).collect();
     assert!(
         !DRAWN_IN.load(Ordering::SeqCst),
