@@ -460,7 +460,7 @@ fn launch_set(jobs: &mut [Job<'_>]) -> Result<()> {
     let nstages = jobs.iter().map(|j| j.stages.len()).max().unwrap_or(0);
     let any_p2p = jobs.iter().any(|j| !j.p2p.lanes.is_empty());
     let side = if nstages > 1 && any_p2p {
-        side_stream(jobs, nstages, cap)?
+        side_launch(jobs, nstages, cap)?
     } else {
         None
     };
@@ -505,16 +505,16 @@ fn launch_set(jobs: &mut [Job<'_>]) -> Result<()> {
     // stages; `stream` waits for the side stream after them, also after an error (a capture
     // must get its forked stream back).
     let mut forked = None;
-    if let (Some(side), true) = (side, result.is_ok()) {
+    if let (Some(s), true) = (side, result.is_ok()) {
+        let side = s.side;
         result = stream::fork(api, stream, side.stream, side.event);
         if result.is_ok() {
-            forked = Some(side);
-            let beside = Beside::of(jobs, stages.clone());
+            forked = Some(s);
             result = launch_stage(
                 jobs,
                 Slot::P2p,
                 side.stream,
-                beside,
+                s.stages,
                 capturing,
                 api,
                 &mut launched,
@@ -525,18 +525,15 @@ fn launch_set(jobs: &mut [Job<'_>]) -> Result<()> {
             }
         }
     }
-    let beside = match forked {
-        Some(_) => Beside::of(jobs, [Slot::P2p].into_iter()),
-        None => Beside::default(),
-    };
+    let beside = forked.map_or(Beside::default(), |s| s.p2p);
     for slot in stages {
         if result.is_err() {
             break;
         }
         result = launch_stage(jobs, slot, stream, beside, capturing, api, &mut launched);
     }
-    if let Some(side) = forked {
-        let r = stream::wait(api, stream, side.event);
+    if let Some(s) = forked {
+        let r = stream::wait(api, stream, s.side.event);
         if result.is_ok() {
             result = r;
         }
@@ -572,29 +569,33 @@ fn launch_set(jobs: &mut [Job<'_>]) -> Result<()> {
 /// point-to-point launch and the largest stage launch need more blocks at once than the device
 /// holds (in one launch, lanes in `lane_key`'s order always end; two launches on two streams
 /// might each hold SMs that the other's lanes wait for), nor where the stream cannot be made
-/// (INFO says why), nor where it is drawn
-/// into another graph's capture than `cap` (a capture still open: it captures whatever is
-/// queued on it). Otherwise a stream that captures nothing (drawn into the capture by the
-/// fork, if there is one), or the same graph already (drawn into it by an earlier group).
-/// None: the point-to-point lanes join a stage's launch.
-fn side_stream(
+/// (INFO says why), nor where it is drawn into another graph's capture than `cap` (a capture
+/// still open: it captures whatever is queued on it). Otherwise a stream that captures
+/// nothing (drawn into the capture by the fork, if there is one), or the same graph already
+/// (drawn into it by an earlier group). None: the point-to-point lanes join a stage's launch.
+fn side_launch(
     jobs: &[Job<'_>],
     nstages: usize,
     cap: driver::Capture,
-) -> Result<Option<comm::Side>> {
+) -> Result<Option<SideLaunch>> {
     let comm = jobs[0].comm;
     // (The stages' own lanes: the point-to-point lanes are still in a stage's launch here.)
-    let stage_lanes = (0..nstages)
-        .map(|k| {
-            jobs.iter()
-                .map(|j| j.stages.get(k).map_or(0, |s| s.lanes.len()))
-                .sum::<usize>()
-        })
-        .max()
-        .unwrap_or(0);
-    let board = jobs.iter().any(|j| j.stages.iter().any(|s| s.board));
-    let p2p_lanes: usize = jobs.iter().map(|j| j.p2p.lanes.len()).sum();
-    if (stage_lanes + p2p_lanes) * device_share(comm, board) > comm.kern.sms as usize {
+    let stages = Beside {
+        lanes: (0..nstages)
+            .map(|k| {
+                jobs.iter()
+                    .map(|j| j.stages.get(k).map_or(0, |s| s.lanes.len()))
+                    .sum::<usize>()
+            })
+            .max()
+            .unwrap_or(0),
+        board: jobs.iter().any(|j| j.stages.iter().any(|s| s.board)),
+    };
+    let p2p = Beside {
+        lanes: jobs.iter().map(|j| j.p2p.lanes.len()).sum(),
+        board: false,
+    };
+    if (stages.lanes + p2p.lanes) * device_share(comm, stages.board) > comm.kern.sms as usize {
         return Ok(None);
     }
     let side = match comm.side() {
@@ -608,11 +609,21 @@ fn side_stream(
             return Ok(None);
         }
     };
-    Ok(match (driver::capture(side.stream)?, cap) {
-        (driver::Capture::No, _) => Some(side),
-        (driver::Capture::Graph(Some(a)), driver::Capture::Graph(Some(b))) if a == b => Some(side),
-        _ => None,
-    })
+    let free = match (driver::capture(side.stream)?, cap) {
+        (driver::Capture::No, _) => true,
+        (driver::Capture::Graph(Some(a)), driver::Capture::Graph(Some(b))) => a == b,
+        _ => false,
+    };
+    Ok(free.then_some(SideLaunch { side, stages, p2p }))
+}
+
+/// A set's point-to-point launch on a side stream: the stream, and the lanes of the stage
+/// launches (the most of any) and of the point-to-point launch, each beside the other.
+#[derive(Clone, Copy)]
+struct SideLaunch {
+    side: comm::Side,
+    stages: Beside,
+    p2p: Beside,
 }
 
 /// How many shares of the device's SMs a launch of `comm`'s takes at most (`board`: it, or a
@@ -635,18 +646,6 @@ fn device_share(comm: &CudaComm, board: bool) -> usize {
 struct Beside {
     lanes: usize,
     board: bool,
-}
-
-impl Beside {
-    /// The most lanes of any of `slots` (each launch of `jobs` in one of them).
-    fn of(jobs: &[Job<'_>], slots: impl Iterator<Item = Slot>) -> Beside {
-        slots.fold(Beside::default(), |b, slot| Beside {
-            lanes: b
-                .lanes
-                .max(jobs.iter().map(|j| j.lanes(slot).count()).sum()),
-            board: b.board || jobs.iter().any(|j| j.on_board(slot)),
-        })
-    }
 }
 
 /// Launches `func` (512 threads a block, `grid` blocks) on `stream` with the descriptor
