@@ -357,9 +357,17 @@ pub fn board_p2p_beside() {
         "rank 0 groups an all-reduce, a send and receive, an all-gather and a reduce-scatter; \
          rank 1 groups them with its send and receive last",
     );
-    // A rank whose peer never comes: its collectives wait on its stream, its sends and
-    // receives on the side stream; the abort stops both kernels, and its stream drains (it
-    // waits for the side stream's launch).
+    alone_then_abort(&calls, false);
+    alone_then_abort(&calls, true);
+}
+
+/// A rank whose peer never comes: its collectives wait on its stream, its sends and receives
+/// on the side stream; the abort stops both kernels, and its stream drains (it waits for the
+/// side stream's launch). `record_fails`: recording the side stream's join fails (a driver
+/// error after its launch), so the caller's stream does not wait for it; the side stream is
+/// held back until after the abort began, and the abort still returns only once the side
+/// kernel is done (its control block is freed then).
+fn alone_then_abort(calls: &[Case], record_fails: bool) {
     let comms = nccl::api::comm_init_all(&[0, 0]).expect("two ranks on one device");
     let streams = [new_stream(), new_stream()];
     let bufs: Vec<Vec<(usize, usize)>> = calls.iter().map(|c| buffers(c, 2)).collect();
@@ -381,21 +389,65 @@ pub fn board_p2p_beside() {
         verify(c, b, 0, &format!("{}: {what}", describe(c, 2, 2)));
     }
     let side = device::SIDE_LAUNCHES.load(Ordering::SeqCst);
-    group(&[0]);
+    let gates: Vec<_> = if record_fails {
+        device::FAIL_SIDE_RECORD.store(true, Ordering::SeqCst);
+        device::created().into_iter().map(device::gate).collect()
+    } else {
+        Vec::new()
+    };
+    nccl::api::group_start().unwrap();
+    for (c, b) in calls.iter().zip(&bufs) {
+        fill(c, 2, 0, b[0], 0);
+        enqueue(&comms[0], c, 2, b[0], streams[0]);
+    }
+    let r = nccl::api::group_end();
+    assert_eq!(
+        r.is_err(),
+        record_fails,
+        "rank 0's group alone, the side record failing: {record_fails}: {r:?}"
+    );
     assert!(
         device::SIDE_LAUNCHES.load(Ordering::SeqCst) > side,
         "rank 0's group alone: no launch on a side stream"
     );
+    // (With the record failing, the stages are not launched: the group failed.)
     assert!(
-        !sync(streams[0], Duration::from_millis(300)),
+        record_fails || !sync(streams[0], Duration::from_millis(300)),
         "rank 0's group done without its peer"
     );
+    let opened = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let opener = {
+        let opened = opened.clone();
+        std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(300));
+            opened.store(true, Ordering::SeqCst);
+            for g in &gates {
+                device::open_gate(g);
+            }
+        })
+    };
     nccl::api::comm_abort(nccl::api::comm_handle(&comms[0])).expect("abort");
+    assert!(
+        opened.load(Ordering::SeqCst) || !record_fails,
+        "the abort returned while the side stream still held its launch"
+    );
     assert!(
         sync(streams[0], Duration::from_secs(10)),
         "rank 0's kernels went on after the abort (its stream waits for its side stream)"
     );
+    opener.join().unwrap();
     nccl::api::comm_abort(nccl::api::comm_handle(&comms[1])).expect("abort");
+    for h in device::created() {
+        assert!(
+            sync(h, Duration::from_secs(10)),
+            "side stream {h:#x} still busy"
+        );
+    }
+    assert!(
+        device::ILLEGAL.lock().is_empty(),
+        "{:?}",
+        device::ILLEGAL.lock()
+    );
     release_buffers();
 }
 

@@ -654,6 +654,11 @@ unsafe extern "C" fn memset32_async(dst: u64, v: c_uint, n: usize, s: *mut c_voi
 /// The streams `cuStreamCreate` made (the executor's own).
 static CREATED: Mutex<BTreeSet<usize>> = Mutex::new(BTreeSet::new());
 
+/// The streams the executor made (`cuStreamCreate`: its side streams).
+pub fn created() -> Vec<usize> {
+    CREATED.lock().iter().copied().collect()
+}
+
 unsafe extern "C" fn stream_create(s: *mut *mut c_void, _: c_uint) -> CUresult {
     let h = NEXT.fetch_add(1, Ordering::SeqCst) as usize;
     stream(h);
@@ -837,7 +842,15 @@ unsafe extern "C" fn event_record_flags(e: *mut c_void, s: *mut c_void, flags: c
     submit(s as usize, Op::RecordNode(event(e as usize)));
     OK
 }
+/// The next event record on a stream the executor made (a side stream) fails
+/// (CUDA_ERROR_UNKNOWN), once.
+pub static FAIL_SIDE_RECORD: std::sync::atomic::AtomicBool =
+    std::sync::atomic::AtomicBool::new(false);
+
 unsafe extern "C" fn event_record(e: *mut c_void, s: *mut c_void) -> CUresult {
+    if CREATED.lock().contains(&(s as usize)) && FAIL_SIDE_RECORD.swap(false, Ordering::SeqCst) {
+        return 999;
+    }
     let event = event(e as usize);
     let generation = event.recorded.fetch_add(1, Ordering::SeqCst) + 1;
     if capturing(s as usize) {

@@ -568,19 +568,35 @@ impl CudaComm {
                 .filter_map(|(on, e)| on.then_some(e))
                 .collect()
         };
+        let api = driver::api()?;
         for ev in events {
-            self.wait_event(ev, deadline)?;
+            // SAFETY: our event (never recorded by a capturing stream but as a record node,
+            // which takes effect when its graph is launched: a legal query).
+            self.wait_until(deadline, || unsafe {
+                (api.event_query)(ev as driver::CUevent)
+            })?;
+        }
+        // The side stream too: its launch is joined into the last launch's event, but not
+        // where recording the join failed (the communicator failed then, and its side kernel
+        // was told to stop). Not while a capture holds it: nothing of it runs then, and a
+        // query would spoil the capture.
+        if let Some(side) = self.side.get() {
+            if driver::capture(side.stream)? == driver::Capture::No {
+                // SAFETY: our stream, not capturing (checked just before).
+                self.wait_until(deadline, || unsafe {
+                    (api.stream_query)(side.stream as driver::CUstream)
+                })?;
+            }
         }
         Ok(())
     }
 
-    /// `wait_quiescent` for one of its events.
-    fn wait_event(&self, ev: usize, deadline: Instant) -> Result<()> {
-        let api = driver::api()?;
+    /// `wait_quiescent` for one of its events or streams: polls `query` (a cuEventQuery or a
+    /// cuStreamQuery) until it is not NOT_READY, telling the kernels to stop if the
+    /// communicator halts meanwhile.
+    fn wait_until(&self, deadline: Instant, query: impl Fn() -> driver::CUresult) -> Result<()> {
         loop {
-            // SAFETY: our event (never recorded by a capturing stream but as a record node,
-            // which takes effect when its graph is launched: a legal query).
-            let r = unsafe { (api.event_query)(ev as driver::CUevent) };
+            let r = query();
             if r != driver::CUDA_ERROR_NOT_READY {
                 return check(r, || {
                     format!("{}: waiting for its last operation", self.name)
