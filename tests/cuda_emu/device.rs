@@ -673,6 +673,11 @@ unsafe extern "C" fn stream_destroy(_: *mut c_void) -> CUresult {
 /// (CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED; the capture is spoiled as well).
 const CAPTURE_UNSUPPORTED: CUresult = 900;
 
+/// The capture stream `s` takes part in, if any.
+fn capture_id(s: usize) -> Option<u64> {
+    CAPTURES.lock().as_ref()?.get(&s).map(|c| c.0)
+}
+
 fn capturing(s: usize) -> bool {
     CAPTURES.lock().as_ref().is_some_and(|m| m.contains_key(&s))
 }
@@ -814,12 +819,13 @@ unsafe extern "C" fn wait_event(s: *mut c_void, e: *mut c_void, flags: c_uint) -
         return OK;
     }
     let generation = event.recorded.load(Ordering::SeqCst);
-    // As CUDA's stream capture: a capturing stream waits only for records of a capture (else
-    // CUDA_ERROR_STREAM_CAPTURE_ISOLATION); one that does not capture is drawn into it.
+    // As CUDA's stream capture: a capturing stream waits only for records of its own capture
+    // (else CUDA_ERROR_STREAM_CAPTURE_ISOLATION); one that does not capture is drawn into it.
     let origin = event.captured.lock().get(&generation).copied();
-    match (capturing(s as usize), origin) {
-        (true, None) if generation != 0 => return 905,
-        (false, Some(o)) => draw_in(s as usize, o),
+    match (capture_id(s as usize), origin) {
+        (Some(_), None) if generation != 0 => return 905,
+        (Some(id), Some(o)) if capture_id(o) != Some(id) => return 905,
+        (None, Some(o)) => draw_in(s as usize, o),
         _ => {}
     }
     submit(s as usize, Op::Wait { event, generation });

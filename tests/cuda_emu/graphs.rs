@@ -437,6 +437,28 @@ pub fn mixed_group_graph(comms: &[Arc<nccl::comm::Comm>], streams: &[usize]) {
         sides,
         "{what}: a launch on a side stream drawn into the capture"
     );
+    // And captured into a second graph on other streams while the first capture is open: the
+    // side streams belong to the first (a wait across captures is CUDA's error), so this one
+    // takes none.
+    let second: Vec<usize> = (0..n).map(|_| new_stream()).collect();
+    let sbufs: Vec<Vec<(usize, usize)>> = calls.iter().map(|c| buffers(c, n)).collect();
+    for &s in &second {
+        begin_capture(s);
+    }
+    nccl::api::group_start().unwrap();
+    for (r, comm) in comms.iter().enumerate() {
+        for (c, b) in calls.iter().zip(&sbufs) {
+            enqueue(comm, c, n, b[r], second[r]);
+        }
+    }
+    nccl::api::group_end().unwrap();
+    let graphs2: Vec<(usize, Vec<Op>)> = second.iter().map(|&s| (s, end_capture(s))).collect();
+    for (s, g) in &graphs2 {
+        assert!(
+            !g.iter().any(|op| matches!(op, Op::Side(..))),
+            "stream {s:#x}: a side stream of another open capture in its graph"
+        );
+    }
     let graphs: Vec<(usize, Vec<Op>)> = streams.iter().map(|&s| (s, end_capture(s))).collect();
     assert!(
         !DRAWN_IN.load(Ordering::SeqCst),
@@ -450,19 +472,29 @@ pub fn mixed_group_graph(comms: &[Arc<nccl::comm::Comm>], streams: &[usize]) {
         );
     }
     for round in 1..=2 {
-        for (c, b) in calls.iter().zip(&bufs) {
-            for (r, &b) in b.iter().enumerate() {
-                fill(c, n, r, b, round);
+        for (graphs, streams, bufs, which) in [
+            (&graphs, streams, &bufs, "a captured group"),
+            (
+                &graphs2,
+                &second[..],
+                &sbufs,
+                "the group captured beside it",
+            ),
+        ] {
+            for (c, b) in calls.iter().zip(bufs) {
+                for (r, &b) in b.iter().enumerate() {
+                    fill(c, n, r, b, round);
+                }
             }
-        }
-        replay(&graphs);
-        let what = format!(
-            "a captured group of collectives and point-to-point calls, {n} ranks, replay {round}"
-        );
-        sync_all(streams, &what);
-        no_async_error(comms, &what);
-        for (c, b) in calls.iter().zip(&bufs) {
-            verify(c, b, round, &format!("{}: {what}", describe(c, n, n)));
+            replay(graphs);
+            let what = format!(
+                "{which} of collectives and point-to-point calls, {n} ranks, replay {round}"
+            );
+            sync_all(streams, &what);
+            no_async_error(comms, &what);
+            for (c, b) in calls.iter().zip(bufs) {
+                verify(c, b, round, &format!("{}: {what}", describe(c, n, n)));
+            }
         }
     }
     release_buffers();
