@@ -381,8 +381,26 @@ mod tests {
         // `scripts/gpu-check.sh --prepare` keeps the images as a kernel cache for the GPU
         // machine (which then needs no NVRTC).
         let export = std::env::var_os("OXCCL_KERNEL_EXPORT").map(std::path::PathBuf::from);
-        for arch in [80, 90, 100] {
-            match super::nvrtc::compile(main, &headers, arch, super::defines(true)) {
+        // The architectures side by side (NVRTC's calls are thread-safe): each takes minutes
+        // on one core, the longest part of the test run.
+        let images: Vec<_> = std::thread::scope(|s| {
+            let compiles: Vec<_> = [80, 90, 100]
+                .map(|arch| {
+                    let headers = &headers;
+                    s.spawn(move || {
+                        let img = super::nvrtc::compile(main, headers, arch, super::defines(true));
+                        (arch, img)
+                    })
+                })
+                .into_iter()
+                .collect();
+            compiles
+                .into_iter()
+                .map(|c| c.join().expect("an NVRTC compile"))
+                .collect()
+        });
+        for (arch, img) in images {
+            match img {
                 Ok(img) => {
                     assert!(
                         img.what.contains(&format!("sm_{arch}")) && img.bytes.len() > 1000,
