@@ -448,6 +448,11 @@ impl Conn {
     }
 
     pub fn slot(&self, step: u64) -> *mut u8 {
+        // (A connection in device memory has no slots in host memory: `Named::setup`.)
+        debug_assert!(
+            !self.on_device(),
+            "a host slot of a connection in device memory"
+        );
         let idx = (step % self.nsteps) as usize;
         // SAFETY: idx < nsteps, so the slot lies inside the region.
         unsafe { self.base.add(HDR_BYTES + idx * self.slot_bytes) }
@@ -837,9 +842,18 @@ impl Named {
         let slots = spec.nsteps * spec.slot_bytes;
         let mut handle = None;
         let region = if shm {
-            let r = shm::ShmRegion::open(&name, bytes, spec.peer_pid)?;
+            // A connection in device memory keeps only the header here (the host's
+            // bookkeeping: closed bits, the attach count): its slots would take /dev/shm
+            // room (a container's is 64 MiB by default) that nothing uses. Both ends decide
+            // alike, so both size the segment alike.
+            let on_device = in_device_memory(spec, true);
+            let r = shm::ShmRegion::open(
+                &name,
+                if on_device { HDR_BYTES } else { bytes },
+                spec.peer_pid,
+            )?;
             // The receiving end allocates; the sending end opens what its blob names.
-            if !spec.is_sender && in_device_memory(spec, true) {
+            if !spec.is_sender && on_device {
                 handle = Some(r.use_device_memory(HDR_BYTES, slots)?);
             }
             Region::Shm(r)

@@ -37,6 +37,7 @@ pub fn ranks_process(ranks: &[usize]) {
     println!("hosts {}", nccl::api::comm_lsa(comm).unwrap().4);
     println!("channels {}", comm.core().unwrap().exec.channels());
     run_cases(&comms, ranks, n, &format!("ranks {ranks:?} in one process"));
+    println!("{}", conn_segments(comm.comm_hash().unwrap()));
     for comm in &comms {
         nccl::api::comm_destroy(nccl::api::comm_handle(comm)).unwrap();
     }
@@ -45,6 +46,37 @@ pub fn ranks_process(ranks: &[usize]) {
         IPC_OPENED.load(Ordering::SeqCst)
     );
     let _ = std::fs::remove_dir_all(&cache);
+}
+
+/// "connection segments: N, largest B bytes": the shared-memory segments of communicator
+/// `hash`'s connections that this process maps (`/proc/self/maps`; they are unlinked once both
+/// ends have them).
+fn conn_segments(hash: u64) -> String {
+    let maps = std::fs::read_to_string("/proc/self/maps").unwrap();
+    let prefix = format!(
+        "/dev/shm/{}",
+        nccl::transport::conn_name(hash, 0, 0, nccl::transport::Class::Ring)
+    );
+    // (The name without its ranks and class: "oxccl-<hash>-".)
+    let prefix = &prefix[..prefix.len() - "0-0-0".len()];
+    let sizes: Vec<u64> = maps
+        .lines()
+        .filter(|l| l.contains(prefix))
+        .map(|l| {
+            let (a, b) = l
+                .split_whitespace()
+                .next()
+                .unwrap()
+                .split_once('-')
+                .unwrap();
+            u64::from_str_radix(b, 16).unwrap() - u64::from_str_radix(a, 16).unwrap()
+        })
+        .collect();
+    format!(
+        "connection segments: {}, largest {} bytes",
+        sizes.len(),
+        sizes.iter().max().unwrap_or(&0)
+    )
 }
 
 /// Every case of `n` ranks for this process's ranks `ranks` (their communicators `comms`), on
@@ -114,6 +146,7 @@ pub fn rank_process(r: usize) {
         return trouble(&how, comm, r, n, new_stream(), &cache);
     }
     run_cases(std::slice::from_ref(&comm), &[r], n, "a process per rank");
+    println!("{}", conn_segments(comm.comm_hash().unwrap()));
     nccl::api::comm_destroy(nccl::api::comm_handle(&comm)).unwrap();
     println!(
         "rank {r}: IPC handles opened: {}",
@@ -506,11 +539,29 @@ pub fn run_processes(
             .lines()
             .find(|l| l.contains("IPC handles opened"))
             .unwrap_or("");
-        opened += line
+        let here = line
             .rsplit(' ')
             .next()
             .and_then(|v| v.parse::<u64>().ok())
             .unwrap_or(0);
+        opened += here;
+        // Connections in device memory keep only their 4 KiB header in /dev/shm (a
+        // container's is 64 MiB); host-staged ones their slots too.
+        if let (Some(seg), None, None) = (
+            out.lines().find(|l| l.starts_with("connection segments: ")),
+            peers,
+            trouble,
+        ) {
+            let largest: u64 = seg.split(' ').nth(4).unwrap().parse().unwrap();
+            if here > 0 {
+                assert_eq!(largest, 4096, "{n} processes, CUDA IPC: {seg}\n{report}");
+            } else if ipc == Some(false) && !seg.starts_with("connection segments: 0,") {
+                assert!(
+                    largest > 4096,
+                    "{n} processes, host-staged: {seg}\n{report}"
+                );
+            }
+        }
     }
     // (IPC serves ranks of one host and one PID namespace, of one GPU unless they are on two:
     // `peer_devices`.)
