@@ -42,7 +42,8 @@ use board::{
 };
 use device::{begin_capture, end_capture, replay, sync, IPC_OPENED, LAUNCHED, NEXT};
 use graphs::{
-    forked_calls, graphs, mixed_group_graph, mixed_replays, replay_after_destroy, two_stream_graphs,
+    destroy_while_capturing, forked_calls, graphs, mixed_group_graph, mixed_replays,
+    replay_after_destroy, two_stream_graphs,
 };
 use nccl::gpu::driver;
 use nccl::types::{CollArgs, CollKind, DataType};
@@ -1336,6 +1337,7 @@ fn cuda_executor_on_emulated_kernels() {
     std::env::remove_var("OXCCL_CUDA_CE_COPY_BYTES");
     nccl::param::reread();
     channels();
+    destroy_while_capturing();
     large_launches(&[new_stream(), new_stream()]);
     // Replays after the communicators went: their captures on the device board (the
     // default), then on the ring (whose connections the graph must not use after they are

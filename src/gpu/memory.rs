@@ -347,8 +347,13 @@ impl DevMem {
 impl Drop for DevMem {
     fn drop(&mut self) {
         if let (Ok(api), Ok(_g)) = (driver::api(), CtxGuard::enter(self.ctx)) {
-            // SAFETY: allocated in `alloc_with`, freed once, when nothing uses it any more.
-            unsafe { (api.mem_free)(self.ptr) };
+            // (Relaxed: another thread's graph capture in global mode would refuse it, and
+            // be spoiled.)
+            let _ = driver::relaxed(|| {
+                // SAFETY: allocated in `alloc_with`, freed once, when nothing uses it any more.
+                unsafe { (api.mem_free)(self.ptr) };
+                Ok(())
+            });
         }
     }
 }
@@ -441,8 +446,12 @@ impl IpcConn {
 impl Drop for IpcConn {
     fn drop(&mut self) {
         if let (Ok(api), Ok(_g)) = (driver::api(), CtxGuard::enter(self.ctx)) {
-            // SAFETY: opened in `open`, closed once.
-            unsafe { (api.ipc_close_mem_handle)(self.hdr) };
+            // (Relaxed, as `DevMem`'s free.)
+            let _ = driver::relaxed(|| {
+                // SAFETY: opened in `open`, closed once.
+                unsafe { (api.ipc_close_mem_handle)(self.hdr) };
+                Ok(())
+            });
         }
     }
 }

@@ -906,6 +906,10 @@ stand_in::pointer_attrs_over!(stand_in, pointer_attr);
 /// Device memory (`cuMemAlloc`): a memory file of its own, mapped shared, so that another
 /// process can open it by an IPC handle (its process, file descriptor and size).
 static ALLOCS: Mutex<Option<HashMap<u64, (i32, usize)>>> = Mutex::new(None);
+/// How many allocations of device memory (`cuMemAlloc`) are live.
+pub fn live_allocs() -> usize {
+    ALLOCS.lock().as_ref().map_or(0, |m| m.len())
+}
 /// IPC handles opened in this process.
 pub static IPC_OPENED: AtomicU64 = AtomicU64::new(0);
 const IPC_MARK: &[u8; 8] = b"oxemuipc";

@@ -499,3 +499,58 @@ pub fn mixed_group_graph(comms: &[Arc<nccl::comm::Comm>], streams: &[usize]) {
     }
     release_buffers();
 }
+
+/// Communicators destroyed while a stream of another thread's captures a graph (CUDA's global
+/// capture mode refuses a thread's unsafe calls then, queries and frees among them, unless the
+/// thread is in relaxed mode, and spoils the capture): the destroy waits for the communicators'
+/// launches and frees their device memory in relaxed mode, so it succeeds, frees all, and the
+/// capture goes on.
+pub fn destroy_while_capturing() {
+    let before = device::live_allocs();
+    let comms = nccl::api::comm_init_all(&[0, 0]).expect("two ranks on one device");
+    let streams = [new_stream(), new_stream()];
+    // (An all-reduce on the board, a send and receive over a connection in device memory.)
+    let calls = [
+        f32_sum(4099),
+        Case {
+            kind: CollKind::Send,
+            ..f32_sum(1001)
+        },
+    ];
+    let bufs: Vec<Vec<(usize, usize)>> = calls.iter().map(|c| buffers(c, 2)).collect();
+    nccl::api::group_start().unwrap();
+    for (r, comm) in comms.iter().enumerate() {
+        for (c, b) in calls.iter().zip(&bufs) {
+            fill(c, 2, r, b[r], 0);
+            enqueue(comm, c, 2, b[r], streams[r]);
+        }
+    }
+    nccl::api::group_end().unwrap();
+    let what = "before the destroy";
+    sync_all(&streams, what);
+    for (c, b) in calls.iter().zip(&bufs) {
+        verify(c, b, 0, &format!("{}: {what}", describe(c, 2, 2)));
+    }
+    assert!(device::live_allocs() > before, "no device memory to free");
+    let other = new_stream();
+    begin_capture(other);
+    let t = std::thread::spawn(move || {
+        for c in &comms {
+            nccl::api::comm_destroy(nccl::api::comm_handle(c))
+                .expect("a destroy while another thread's stream captures");
+        }
+    });
+    t.join().unwrap();
+    assert_eq!(
+        device::live_allocs(),
+        before,
+        "device memory left after the destroy"
+    );
+    let g = end_capture(other);
+    assert!(
+        g.is_empty(),
+        "the capture took what the destroy did: {}",
+        g.len()
+    );
+    release_buffers();
+}

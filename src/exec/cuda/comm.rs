@@ -559,6 +559,13 @@ impl CudaComm {
             self.ctl.abort();
         }
         let _g = CtxGuard::enter(self.ctx)?;
+        // (Relaxed: another thread's graph capture in global mode would refuse the queries,
+        // and be spoiled.)
+        driver::relaxed(|| self.wait_launches(deadline))
+    }
+
+    /// `wait_quiescent`'s waits, in the communicator's context.
+    fn wait_launches(&self, deadline: Instant) -> Result<()> {
         // Its last eager launch, and the replays issued after it (their record nodes).
         let events: Vec<usize> = {
             let l = self.last.lock();
@@ -650,8 +657,11 @@ impl Drop for CudaComm {
                 CtxGuard::enter(self.ctx),
                 driver::capture(side.stream),
             ) {
-                // SAFETY: our stream, made by `side`, destroyed once.
-                unsafe { (api.stream_destroy)(side.stream as driver::CUstream) };
+                let _ = driver::relaxed(|| {
+                    // SAFETY: our stream, made by `side`, destroyed once.
+                    unsafe { (api.stream_destroy)(side.stream as driver::CUstream) };
+                    Ok(())
+                });
             }
         }
         self.end();
