@@ -246,6 +246,12 @@ impl Comm {
         let r = match self.core.get() {
             Some(c) => {
                 let r = c.wait_idle();
+                if let Err(e) = &r {
+                    // Its work did not end (its kernels are told to stop): its connections are
+                    // left as they are, not closed, so peers that wait on them would not learn
+                    // that this rank is gone. They are told, as for any failure of its own.
+                    c.health.fail_unless_told(e.clone());
+                }
                 c.teardown(r.is_ok());
                 r
             }
