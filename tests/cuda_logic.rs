@@ -216,7 +216,10 @@ unsafe extern "C" fn wait_event(s: *mut c_void, e: *mut c_void, flags: c_uint) -
     });
     OK
 }
+/// Events made (`cuEventCreate`).
+static EVENTS_MADE: AtomicU64 = AtomicU64::new(0);
 unsafe extern "C" fn event_create(e: *mut *mut c_void, _: c_uint) -> CUresult {
+    EVENTS_MADE.fetch_add(1, Ordering::SeqCst);
     unsafe { *e = NEXT.fetch_add(1, Ordering::SeqCst) as *mut c_void };
     OK
 }
@@ -772,6 +775,36 @@ fn cuda_executor_logic_on_a_recording_driver() {
                 if *w == cap && *r == cap
         ),
         "{ev:#?}"
+    );
+    assert_eq!(nodes(&ev), 0, "{ev:#?}");
+    //     Then 100 graphs captured one after the other on another stream, as PyTorch
+    //     captures one per batch size, while those two stay open: a graph whose capture
+    //     ended on a stream leaves its captured event to the next one there, so they take
+    //     one event between them, and the open graphs keep theirs (past 64 graphs kept, the
+    //     least lately used would be forgotten: graph 3's first).
+    let made = EVENTS_MADE.load(Ordering::SeqCst);
+    for g in 100..200 {
+        capture(&[(0x63, 3), (0x64, 3), (0x65, 7), (0x67, g)]);
+        let ev = one(0x67);
+        assert!(
+            matches!(ev.as_slice(), [.., Ev::Record { stream: 0x67, .. }]),
+            "graph {g}: {ev:#?}"
+        );
+    }
+    assert!(
+        EVENTS_MADE.load(Ordering::SeqCst) - made <= 1,
+        "{} events made for 100 graphs captured in turn on one stream",
+        EVENTS_MADE.load(Ordering::SeqCst) - made
+    );
+    //     (On 0x64: its last launch there was on 0x63.)
+    let ev = one(0x64);
+    assert!(
+        matches!(
+            ev.as_slice(),
+            [Ev::Wait { stream: 0x64, event: w }, .., Ev::Record { stream: 0x64, event: r }]
+                if *w == cap && *r == cap
+        ),
+        "graph 3, still open, after 100 graphs on another stream: {ev:#?}"
     );
     assert_eq!(nodes(&ev), 0, "{ev:#?}");
     // 4f. Graph usage modes (read when a communicator is made: NCCL_GRAPH_MIXING_SUPPORT,

@@ -149,16 +149,30 @@ impl Captured {
         self.tips.iter().find(|t| t.graph == Some(id))
     }
 
-    /// Where its launch now captured into graph `id` goes: (the index of its tip, the event
-    /// to record there): the graph's tip, or a free one (an event created), or, with
-    /// `OPEN_GRAPHS` graphs kept, that of the graph it launched into least lately. Nothing
-    /// changes until `commit`, once the event is recorded.
-    pub fn slot(&mut self, api: &driver::Api, id: u64, name: &str) -> Result<(usize, usize)> {
+    /// Where its launch now captured on `stream` into graph `id` goes: (the index of its tip,
+    /// the event to record there): the graph's tip, or a free one, or a new one (an event
+    /// created), or, with `OPEN_GRAPHS` graphs kept, that of the graph it launched into least
+    /// lately. Nothing changes until `commit`, once the event is recorded.
+    pub fn slot(
+        &mut self,
+        api: &driver::Api,
+        id: u64,
+        stream: usize,
+        name: &str,
+    ) -> Result<(usize, usize)> {
         if let Some(i) = self.tips.iter().position(|t| t.graph == Some(id)) {
             return Ok((i, self.tips[i].event));
         }
-        // (A tip whose first record failed is free.)
-        if let Some(i) = self.tips.iter().position(|t| t.graph.is_none()) {
+        // Free: a tip whose first record failed, and one of a graph captured on this stream
+        // before, whose capture has ended: a stream takes part in one capture at a time, until
+        // it ends (a stream forked into a capture and joined back stays in it until then). So
+        // graphs captured one after the other on one stream, as PyTorch captures them (one
+        // per batch size, say), take one tip, however many there are.
+        if let Some(i) = self
+            .tips
+            .iter()
+            .position(|t| t.graph.is_none() || t.stream == stream)
+        {
             return Ok((i, self.tips[i].event));
         }
         if self.tips.len() < OPEN_GRAPHS {

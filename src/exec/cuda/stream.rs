@@ -218,7 +218,7 @@ pub(super) fn join_captured(
             c.unkept = id.is_none() || !super::kept::keep(&k, stream);
         }
         if let Some(id) = id {
-            let (i, event) = c.slot(api, id, comm.describe())?;
+            let (i, event) = c.slot(api, id, stream, comm.describe())?;
             // SAFETY: the graph's event (recorded in captures only, never queried), the
             // caller's stream.
             check(
