@@ -43,7 +43,7 @@ use board::{
 use device::{begin_capture, end_capture, replay, sync, IPC_OPENED, LAUNCHED, NEXT};
 use graphs::{
     destroy_while_capturing, forked_calls, graphs, mixed_group_graph, mixed_replays,
-    replay_after_destroy, two_stream_graphs,
+    relaxed_restores_mode, replay_after_destroy, two_stream_graphs,
 };
 use nccl::gpu::driver;
 use nccl::types::{CollArgs, CollKind, DataType};
@@ -1338,6 +1338,7 @@ fn cuda_executor_on_emulated_kernels() {
     nccl::param::reread();
     channels();
     destroy_while_capturing();
+    relaxed_restores_mode();
     large_launches(&[new_stream(), new_stream()]);
     // Replays after the communicators went: their captures on the device board (the
     // default), then on the ring (whose connections the graph must not use after they are

@@ -641,12 +641,20 @@ pub fn background_thread(ctx: usize) -> Result<()> {
 pub fn relaxed<T>(f: impl FnOnce() -> Result<T>) -> Result<T> {
     let api = api()?;
     let mut mode = CU_STREAM_CAPTURE_MODE_RELAXED;
-    // SAFETY: swaps the thread's mode; restored below.
+    // SAFETY: swaps the thread's mode; restored when `_restore` goes.
     check(unsafe { (api.exchange_capture_mode)(&mut mode) }, || {
         "cuThreadExchangeStreamCaptureMode".into()
     })?;
-    let r = f();
-    // SAFETY: puts the previous mode back.
-    unsafe { (api.exchange_capture_mode)(&mut mode) };
-    r
+    // The previous mode goes back also if `f` panics (the panic is caught at the C boundary;
+    // the caller's thread must not stay relaxed, which would let its later captures hold
+    // what CUDA refuses in them).
+    struct Restore(&'static Api, c_int);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            // SAFETY: puts the previous mode back.
+            unsafe { (self.0.exchange_capture_mode)(&mut self.1) };
+        }
+    }
+    let _restore = Restore(api, mode);
+    f()
 }

@@ -691,6 +691,10 @@ thread_local! {
     /// default), 1 thread local, 2 relaxed.
     static MODE: std::cell::Cell<c_int> = const { std::cell::Cell::new(0) };
 }
+/// This thread's capture mode.
+pub fn capture_mode() -> c_int {
+    MODE.with(|x| x.get())
+}
 unsafe extern "C" fn exchange_mode(m: *mut c_int) -> CUresult {
     let old = MODE.with(|x| x.replace(unsafe { *m }));
     unsafe { *m = old };
@@ -820,11 +824,13 @@ unsafe extern "C" fn wait_event(s: *mut c_void, e: *mut c_void, flags: c_uint) -
     }
     let generation = event.recorded.load(Ordering::SeqCst);
     // As CUDA's stream capture: a capturing stream waits only for records of its own capture
-    // (else CUDA_ERROR_STREAM_CAPTURE_ISOLATION); one that does not capture is drawn into it.
+    // (else CUDA_ERROR_STREAM_CAPTURE_ISOLATION, or for another capture's,
+    // CUDA_ERROR_STREAM_CAPTURE_MERGE: two captures would become one); one that does not
+    // capture is drawn into it.
     let origin = event.captured.lock().get(&generation).copied();
     match (capture_id(s as usize), origin) {
         (Some(_), None) if generation != 0 => return 905,
-        (Some(id), Some(o)) if capture_id(o) != Some(id) => return 905,
+        (Some(id), Some(o)) if capture_id(o) != Some(id) => return 902,
         (None, Some(o)) => draw_in(s as usize, o),
         _ => {}
     }

@@ -554,3 +554,15 @@ pub fn destroy_while_capturing() {
     );
     release_buffers();
 }
+
+/// A panic inside the library's relaxed section (caught at the C boundary) leaves the calling
+/// thread in the capture mode it had: relaxed for good, CUDA would let the thread's later
+/// captures hold calls it refuses in them.
+pub fn relaxed_restores_mode() {
+    assert_eq!(device::capture_mode(), 0, "global mode to begin with");
+    let r = std::panic::catch_unwind(|| {
+        nccl::gpu::driver::relaxed::<()>(|| panic!("a panic while relaxed (this test's own)"))
+    });
+    assert!(r.is_err(), "the panic went through");
+    assert_eq!(device::capture_mode(), 0, "the thread stayed relaxed");
+}
