@@ -135,6 +135,11 @@ pub fn group_end() -> Result<()> {
     crate::group::end()
 }
 
+/// `ncclGroupSimulateEnd`: closes the group without launching its calls.
+pub fn group_simulate_end() -> Result<()> {
+    crate::group::simulate_end()
+}
+
 pub fn redop_create_premulsum(comm: &Arc<Comm>, dtype: DataType, scalar: ScalarArg) -> Result<i32> {
     comm.redops.create(dtype, scalar)
 }

@@ -72,6 +72,38 @@ pub fn end() -> Result<()> {
     }
 }
 
+/// `ncclGroupSimulateEnd`: ends the group as `end` does, but launches none of its calls (as
+/// NCCL's, which only estimates their time); deferred inits still run. The estimate is not
+/// made yet: a clear `ncclInvalidUsage` once the group is closed, so that the thread's later
+/// calls are not queued into a group nobody will end.
+pub fn simulate_end() -> Result<()> {
+    let state = GROUP.with(|g| {
+        let mut g = g.borrow_mut();
+        if g.depth == 0 {
+            return Err(Error::invalid_usage(
+                "ncclGroupSimulateEnd called without a matching ncclGroupStart",
+            ));
+        }
+        g.depth -= 1;
+        if g.depth > 0 {
+            return Ok(None);
+        }
+        THREADS_IN_GROUPS.fetch_sub(1, Ordering::AcqRel);
+        Ok(Some(std::mem::take(&mut *g)))
+    })?;
+    if let Some(s) = state {
+        crate::comm::run_inits(&s.inits)?;
+        if s.ops.is_empty() {
+            // (Nothing to estimate: no time.)
+            return Ok(());
+        }
+    }
+    Err(Error::not_yet(
+        "ncclGroupSimulateEnd (estimating a group's time; the group is closed, its calls \
+         were not launched)",
+    ))
+}
+
 fn launch_group(s: GroupState) -> Result<()> {
     let init_result = crate::comm::run_inits(&s.inits);
     if let Some(e) = s.error {

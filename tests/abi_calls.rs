@@ -386,3 +386,85 @@ fn dev_comm_create_and_destroy_say_the_host_executor_has_none() {
     }
     assert!(dev_comm.iter().all(|&w| w == 0), "outDevComm was written");
 }
+
+/// Communicators of one thread made in one group, as NCCL's example of several devices per
+/// thread does (`NCCLCHECK` around each `ncclCommInitRank`): each call returns `ncclSuccess`
+/// (the init runs at `ncclGroupEnd`), and the communicators then work.
+#[test]
+fn inits_in_a_group_return_success() {
+    let _g = serial();
+    let mut id: ncclUniqueId = unsafe { std::mem::zeroed() };
+    let mut comms: [ncclComm_t; 2] = [null_mut(); 2];
+    let mut bufs = [[1.0f32, 2.0, 3.0], [10.0, 20.0, 30.0]];
+    // SAFETY: valid pointers; host buffers of 3 floats each, on the host executor.
+    unsafe {
+        assert_eq!(ncclGetUniqueId(&mut id).0, 0);
+        assert_eq!(ncclGroupStart().0, 0);
+        for (r, c) in comms.iter_mut().enumerate() {
+            let rc = ncclCommInitRank(c, 2, id, r as c_int).0;
+            assert_eq!(
+                rc,
+                0,
+                "ncclCommInitRank of rank {r} in a group: {}",
+                last_error()
+            );
+        }
+        assert_eq!(ncclGroupEnd().0, 0, "{}", last_error());
+        assert_eq!(ncclGroupStart().0, 0);
+        for (b, &c) in bufs.iter_mut().zip(&comms) {
+            let p = b.as_mut_ptr() as *mut c_void;
+            let rc = ncclAllReduce(p, p, 3, ncclDataType_t(7), ncclRedOp_t(0), c, null_mut());
+            assert_eq!(rc.0, 0, "{}", last_error());
+        }
+        assert_eq!(ncclGroupEnd().0, 0, "{}", last_error());
+        for c in comms {
+            assert_eq!(ncclCommDestroy(c).0, 0);
+        }
+    }
+    for b in bufs {
+        assert_eq!(b, [11.0, 22.0, 33.0]);
+    }
+}
+
+/// `ncclGroupSimulateEnd` closes the group without launching its calls (the time estimate is
+/// not made yet: `ncclInvalidUsage`), so that the thread's later calls run; an empty group
+/// estimates no time.
+#[test]
+fn group_simulate_end_closes_the_group() {
+    let _g = serial();
+    let mut info = ncclSimInfo_t {
+        size: 24,
+        magic: SIM_INFO_MAGIC,
+        version: 23203,
+        estimatedTime: -1.0,
+    };
+    let mut comm: ncclComm_t = null_mut();
+    let devs: [c_int; 1] = [0];
+    let mut b = [1.0f32, 2.0];
+    let p = b.as_mut_ptr() as *mut c_void;
+    // SAFETY: valid pointers; a host buffer of 2 floats, on the host executor.
+    unsafe {
+        assert_eq!(ncclCommInitAll(&mut comm, 1, devs.as_ptr()).0, 0);
+        assert_eq!(ncclGroupStart().0, 0);
+        assert_eq!(ncclGroupSimulateEnd(&mut info).0, 0, "{}", last_error());
+        assert_eq!(info.estimatedTime, 0.0, "an empty group");
+        // (Out of place: a one-rank all-reduce copies its input to its output.)
+        let mut out = [0.0f32; 2];
+        let o = out.as_mut_ptr() as *mut c_void;
+        assert_eq!(ncclGroupStart().0, 0);
+        let rc = ncclAllReduce(p, o, 2, ncclDataType_t(7), ncclRedOp_t(0), comm, null_mut());
+        assert_eq!(rc.0, 0, "{}", last_error());
+        assert_eq!(ncclGroupSimulateEnd(&mut info).0, INVALID_USAGE);
+        assert!(
+            last_error().contains("not available yet"),
+            "{}",
+            last_error()
+        );
+        assert_eq!(out, [0.0, 0.0], "a simulated group's call ran");
+        assert_eq!(ncclGroupEnd().0, INVALID_USAGE, "the group was left open");
+        let rc = ncclAllReduce(p, o, 2, ncclDataType_t(7), ncclRedOp_t(0), comm, null_mut());
+        assert_eq!(rc.0, 0, "{}", last_error());
+        assert_eq!(out, [1.0, 2.0], "a call after the simulated group");
+        assert_eq!(ncclCommDestroy(comm).0, 0);
+    }
+}

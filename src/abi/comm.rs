@@ -157,9 +157,10 @@ unsafe fn init_rank(
     in_progress(&c)
 }
 
-/// `ncclInProgress` while a non-blocking communicator's init runs (the handle is out already).
+/// `ncclInProgress` while a non-blocking communicator's init runs (the handle is out already;
+/// not for an init deferred to the group's end).
 fn in_progress(c: &std::sync::Arc<crate::comm::Comm>) -> Result<()> {
-    if c.init_in_progress() {
+    if c.init_running() {
         return Err(Error::new(
             crate::error::Code::InProgress,
             "init in progress",

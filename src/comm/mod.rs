@@ -164,6 +164,14 @@ impl Comm {
         self.async_error() == Code::InProgress
     }
 
+    /// Whether a non-blocking init was started and still runs: what makes the call that made
+    /// the communicator return `ncclInProgress`. Not an init deferred to the end of the
+    /// caller's group, blocking or not: that call returns `ncclSuccess`, as NCCL's (the group's
+    /// end runs it).
+    pub fn init_running(&self) -> bool {
+        self.nonblocking && self.init_thread.lock().is_some() && self.init_in_progress()
+    }
+
     /// Waits for a non-blocking init to end (the comm is being destroyed or aborted).
     fn join_init(&self) {
         if let Some(t) = self.init_thread.lock().take() {
