@@ -51,13 +51,15 @@ pub fn start() -> Result<()> {
     Ok(())
 }
 
-pub fn end() -> Result<()> {
-    let state = GROUP.with(|g| {
+/// Ends a level of this thread's group (`call`: the call that does, for its error): the
+/// group's state where that was the outermost.
+fn close(call: &str) -> Result<Option<GroupState>> {
+    GROUP.with(|g| {
         let mut g = g.borrow_mut();
         if g.depth == 0 {
-            return Err(Error::invalid_usage(
-                "ncclGroupEnd called without a matching ncclGroupStart",
-            ));
+            return Err(Error::invalid_usage(format!(
+                "{call} called without a matching ncclGroupStart"
+            )));
         }
         g.depth -= 1;
         if g.depth > 0 {
@@ -65,8 +67,11 @@ pub fn end() -> Result<()> {
         }
         THREADS_IN_GROUPS.fetch_sub(1, Ordering::AcqRel);
         Ok(Some(std::mem::take(&mut *g)))
-    })?;
-    match state {
+    })
+}
+
+pub fn end() -> Result<()> {
+    match close("ncclGroupEnd")? {
         None => Ok(()),
         Some(s) => launch_group(s),
     }
@@ -77,26 +82,14 @@ pub fn end() -> Result<()> {
 /// made yet: a clear `ncclInvalidUsage` once the group is closed, so that the thread's later
 /// calls are not queued into a group nobody will end.
 pub fn simulate_end() -> Result<()> {
-    let state = GROUP.with(|g| {
-        let mut g = g.borrow_mut();
-        if g.depth == 0 {
-            return Err(Error::invalid_usage(
-                "ncclGroupSimulateEnd called without a matching ncclGroupStart",
-            ));
-        }
-        g.depth -= 1;
-        if g.depth > 0 {
-            return Ok(None);
-        }
-        THREADS_IN_GROUPS.fetch_sub(1, Ordering::AcqRel);
-        Ok(Some(std::mem::take(&mut *g)))
-    })?;
-    if let Some(s) = state {
-        crate::comm::run_inits(&s.inits)?;
-        if s.ops.is_empty() {
-            // (Nothing to estimate: no time.)
-            return Ok(());
-        }
+    let Some(s) = close("ncclGroupSimulateEnd")? else {
+        // (An inner level: only the outermost end does anything.)
+        return Ok(());
+    };
+    crate::comm::run_inits(&s.inits)?;
+    if s.ops.is_empty() {
+        // (Nothing to estimate: no time.)
+        return Ok(());
     }
     Err(Error::not_yet(
         "ncclGroupSimulateEnd (estimating a group's time; the group is closed, its calls \
