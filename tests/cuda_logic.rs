@@ -766,16 +766,14 @@ fn cuda_executor_logic_on_a_recording_driver() {
         "each graph being captured has its own captured event"
     );
     //     Back in the first graph while the other still captures (interleaved captures): it
-    //     still follows its last launch there.
+    //     still follows its last launch there (a launch on `s` waits for the graph's captured
+    //     event first and records it last).
+    let follows = |ev: &[Ev], s: usize| {
+        matches!(ev, [Ev::Wait { stream: a, event: w }, .., Ev::Record { stream: b, event: r }]
+            if *a == s && *b == s && *w == cap && *r == cap)
+    };
     let ev = one(0x63);
-    assert!(
-        matches!(
-            ev.as_slice(),
-            [Ev::Wait { stream: 0x63, event: w }, .., Ev::Record { stream: 0x63, event: r }]
-                if *w == cap && *r == cap
-        ),
-        "{ev:#?}"
-    );
+    assert!(follows(&ev, 0x63), "{ev:#?}");
     assert_eq!(nodes(&ev), 0, "{ev:#?}");
     //     Then 100 graphs captured one after the other on another stream, as PyTorch
     //     captures one per batch size, while those two stay open: a graph whose capture
@@ -799,11 +797,7 @@ fn cuda_executor_logic_on_a_recording_driver() {
     //     (On 0x64: its last launch there was on 0x63.)
     let ev = one(0x64);
     assert!(
-        matches!(
-            ev.as_slice(),
-            [Ev::Wait { stream: 0x64, event: w }, .., Ev::Record { stream: 0x64, event: r }]
-                if *w == cap && *r == cap
-        ),
+        follows(&ev, 0x64),
         "graph 3, still open, after 100 graphs on another stream: {ev:#?}"
     );
     assert_eq!(nodes(&ev), 0, "{ev:#?}");

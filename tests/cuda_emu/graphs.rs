@@ -401,31 +401,32 @@ pub fn mixed_group_graph(comms: &[Arc<nccl::comm::Comm>], streams: &[usize]) {
             ..f32_sum(300_001)
         },
     ];
+    // The calls of every rank in one group, rank r's on `on[r]` with its buffers of `bufs`
+    // (filled first where `filled`: eager calls; captured ones are filled before each replay).
+    let group = |on: &[usize], bufs: &[Vec<(usize, usize)>], filled: bool| {
+        nccl::api::group_start().unwrap();
+        for (r, comm) in comms.iter().enumerate() {
+            for (c, b) in calls.iter().zip(bufs) {
+                if filled {
+                    fill(c, n, r, b[r], 0);
+                }
+                enqueue(comm, c, n, b[r], on[r]);
+            }
+        }
+        nccl::api::group_end().unwrap();
+    };
     let bufs: Vec<Vec<(usize, usize)>> = calls.iter().map(|c| buffers(c, n)).collect();
     for &s in streams {
         begin_capture(s);
     }
-    nccl::api::group_start().unwrap();
-    for (r, comm) in comms.iter().enumerate() {
-        for (c, b) in calls.iter().zip(&bufs) {
-            enqueue(comm, c, n, b[r], streams[r]);
-        }
-    }
-    nccl::api::group_end().unwrap();
+    group(streams, &bufs, false);
     // While the capture is open, the same group eagerly on other streams: the side streams are
     // still drawn into the capture (what they were given now would be captured, not run), so
     // the point-to-point lanes go into a collective's launch, and the group runs.
     let eager: Vec<usize> = (0..n).map(|_| new_stream()).collect();
     let ebufs: Vec<Vec<(usize, usize)>> = calls.iter().map(|c| buffers(c, n)).collect();
     let sides = device::SIDE_LAUNCHES.load(Ordering::SeqCst);
-    nccl::api::group_start().unwrap();
-    for (r, comm) in comms.iter().enumerate() {
-        for (c, b) in calls.iter().zip(&ebufs) {
-            fill(c, n, r, b[r], 0);
-            enqueue(comm, c, n, b[r], eager[r]);
-        }
-    }
-    nccl::api::group_end().unwrap();
+    group(&eager, &ebufs, true);
     let what = format!("the group eagerly, {n} ranks, while its capture is open");
     sync_all(&eager, &what);
     no_async_error(comms, &what);
@@ -445,13 +446,7 @@ pub fn mixed_group_graph(comms: &[Arc<nccl::comm::Comm>], streams: &[usize]) {
     for &s in &second {
         begin_capture(s);
     }
-    nccl::api::group_start().unwrap();
-    for (r, comm) in comms.iter().enumerate() {
-        for (c, b) in calls.iter().zip(&sbufs) {
-            enqueue(comm, c, n, b[r], second[r]);
-        }
-    }
-    nccl::api::group_end().unwrap();
+    group(&second, &sbufs, false);
     let graphs2: Vec<(usize, Vec<Op>)> = second.iter().map(|&s| (s, end_capture(s))).collect();
     for (s, g) in &graphs2 {
         assert!(
