@@ -86,7 +86,12 @@ pub fn simulate_end() -> Result<()> {
         // (An inner level: only the outermost end does anything.)
         return Ok(());
     };
-    crate::comm::run_inits(&s.inits)?;
+    // (As `launch_group`: the inits run, then a call the group refused is its error.)
+    let init_result = crate::comm::run_inits(&s.inits);
+    if let Some(e) = s.error {
+        return Err(e);
+    }
+    init_result?;
     if s.ops.is_empty() {
         // (Nothing to estimate: no time.)
         return Ok(());

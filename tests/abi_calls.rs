@@ -448,6 +448,16 @@ fn group_simulate_end_closes_the_group() {
         assert_eq!(ncclGroupStart().0, 0);
         assert_eq!(ncclGroupSimulateEnd(&mut info).0, 0, "{}", last_error());
         assert_eq!(info.estimatedTime, 0.0, "an empty group");
+        // A group whose only call was refused ends in that call's error, as ncclGroupEnd's.
+        assert_eq!(ncclGroupStart().0, 0);
+        let rc = ncclSend(p, 2, ncclDataType_t(7), 5, comm, null_mut());
+        assert_eq!(rc.0, INVALID_ARGUMENT, "a send to peer 5 of 1 rank");
+        assert_eq!(
+            ncclGroupSimulateEnd(&mut info).0,
+            INVALID_ARGUMENT,
+            "{}",
+            last_error()
+        );
         // (Out of place: a one-rank all-reduce copies its input to its output.)
         let mut out = [0.0f32; 2];
         let o = out.as_mut_ptr() as *mut c_void;
