@@ -7,6 +7,7 @@
 //! and a deadline, and says who waited for what when it gives up.
 
 use crate::error::{Error, Result};
+use crate::param::FOREVER;
 use parking_lot::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::Arc;
@@ -224,21 +225,31 @@ impl IntoHealth for Arc<AtomicBool> {
 /// health and deadline this often.
 pub const SLICE: Duration = Duration::from_millis(50);
 
-/// A bounded wait: who is waiting, until when, and the health it watches.
+/// A wait: who is waiting, until when, and the health it watches. Past the watchdog's time
+/// (`OXCCL_WATCHDOG_S`) its `check` logs, once, a WARN saying who waits for what.
 pub struct Wait<'a> {
     pub who: String,
     pub deadline: Instant,
+    /// Its length: [`FOREVER`] for a wait with no bound.
     pub timeout: Duration,
     pub health: Option<&'a Health>,
+    /// When it began (for the watchdog).
+    pub since: Instant,
+    /// The watchdog's WARN was logged.
+    pub warned: std::cell::Cell<bool>,
 }
 
 impl<'a> Wait<'a> {
     pub fn new(who: String, timeout: Duration, health: Option<&'a Health>) -> Wait<'a> {
+        let since = Instant::now();
         Wait {
             who,
-            deadline: Instant::now() + timeout,
+            // (Linux's monotonic clock counts seconds since boot in 64 bits: a century fits.)
+            deadline: since + timeout.min(FOREVER),
             timeout,
             health,
+            since,
+            warned: std::cell::Cell::new(false),
         }
     }
 
@@ -248,10 +259,34 @@ impl<'a> Wait<'a> {
         if let Some(h) = self.health {
             h.stopped(&self.who, what)?;
         }
-        if Instant::now() >= self.deadline {
+        let now = Instant::now();
+        if now >= self.deadline {
             return Err(self.expired(what));
         }
+        self.watch(now, what);
         Ok(())
+    }
+
+    /// The watchdog of a wait that has gone on too long: one WARN naming who waits for what.
+    pub fn watch(&self, now: Instant, what: &dyn Fn() -> String) {
+        if !self.warned.get()
+            && crate::param::watchdog().is_some_and(|w| now.duration_since(self.since) > w)
+        {
+            self.warned.set(true);
+            crate::debug::warn(&format!(
+                "watchdog: {} has waited {} for {}{}",
+                self.who,
+                fmt_secs(Duration::from_secs(
+                    now.duration_since(self.since).as_secs()
+                )),
+                what(),
+                if self.timeout >= FOREVER {
+                    " (OXCCL_TIMEOUT_S is unset: it waits on while the process lives)"
+                } else {
+                    ""
+                }
+            ));
+        }
     }
 
     /// The timeout error of this wait.

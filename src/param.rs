@@ -23,8 +23,10 @@ pub const PARAMS: &[Param] = &[
     },
     Param {
         name: "OXCCL_TIMEOUT_S",
-        doc: "seconds any wait (bootstrap, peer progress) may take before ncclTimeout",
-        default: "300",
+        doc: "seconds a rank waits for a peer that is alive but makes no progress (at init, in a \
+              connection's setup, in an operation) before ncclTimeout; unset or 0: as long as \
+              the peer lives, as NCCL does (peers that died are found without it)",
+        default: "",
     },
     Param {
         name: "OXCCL_BOOTSTRAP_CONNECT_S",
@@ -216,10 +218,32 @@ pub fn nccl_debug() -> Option<String> {
     raw("NCCL_DEBUG")
 }
 
-pub fn timeout() -> Duration {
-    static T: once_cell::sync::Lazy<Duration> =
-        once_cell::sync::Lazy::new(|| Duration::from_secs(get_u64("OXCCL_TIMEOUT_S").max(1)));
+/// How long a wait for a live peer that does not move may take (`OXCCL_TIMEOUT_S`); None:
+/// as long as it lives. Peers that die, close their connections, abort or fall silent across
+/// hosts are found by the health checks, whatever this says.
+pub fn timeout() -> Option<Duration> {
+    static T: once_cell::sync::Lazy<Option<Duration>> = once_cell::sync::Lazy::new(|| {
+        Some(get_u64("OXCCL_TIMEOUT_S"))
+            .filter(|&s| s > 0)
+            .map(Duration::from_secs)
+    });
     *T
+}
+
+/// The length of a wait with no bound (`OXCCL_TIMEOUT_S` unset): a century, so that its
+/// deadline is still a plain `Instant` that nothing reaches.
+pub const FOREVER: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
+
+/// `timeout` as the length of a `health::Wait`: unbounded is [`FOREVER`].
+pub fn wait_limit() -> Duration {
+    timeout().unwrap_or(FOREVER)
+}
+
+/// How long a communicator that stops (aborted, failed, destroyed) waits for its own work to
+/// stop and its last sends to leave: `OXCCL_TIMEOUT_S`, else 300 s. Its kernels and threads
+/// stop at once when told; this bounds what they wait behind (a stream another kernel holds).
+pub fn stop_timeout() -> Duration {
+    timeout().unwrap_or(Duration::from_secs(300))
 }
 
 /// How long connecting to a bootstrap root or peer may be retried (`OXCCL_BOOTSTRAP_CONNECT_S`,

@@ -959,13 +959,28 @@ fn few_blocks(so: &Path) {
 fn stall(so: &Path) {
     let (ok, report) = child(
         so,
-        &[("OXEMU_STALL", "1"), ("OXCCL_TIMEOUT_S", "2")],
+        &[
+            ("OXEMU_STALL", "1"),
+            ("OXCCL_TIMEOUT_S", "2"),
+            ("OXCCL_WATCHDOG_S", "1"),
+            ("NCCL_DEBUG", "WARN"),
+        ],
         Duration::from_secs(120),
     );
     assert!(
         ok && report.contains("stall: stopped"),
         "a peer that never launches, OXCCL_TIMEOUT_S=2:\n{report}"
     );
+    // The watchdog named the wait before the timeout ended it, once per stalled communicator
+    // (the ring's, then the board's).
+    let said = report
+        .lines()
+        .filter(|l| {
+            l.contains("NCCL WARN watchdog: ")
+                && l.contains("its kernels have waited 1 s for a peer that does not move")
+        })
+        .count();
+    assert_eq!(said, 2, "the watchdog on a stall:\n{report}");
 }
 
 /// `stall`'s process.
@@ -1019,9 +1034,9 @@ fn child(so: &Path, vars: &[(&str, &str)], limit: Duration) -> (bool, String) {
             "cuda_executor_on_emulated_kernels",
             "--nocapture",
         ])
+        .env_remove("NCCL_DEBUG")
         .envs(vars.iter().copied())
         .env("OXEMU_LIB", so)
-        .env_remove("NCCL_DEBUG")
         .stdout(out.try_clone().unwrap())
         .stderr(out)
         .spawn()

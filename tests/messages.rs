@@ -68,7 +68,7 @@ fn a_timeout_names_the_peer_and_what_was_awaited() {
     let t = std::env::var("OXCCL_TIMEOUT_S").unwrap();
     assert!(
         msg.contains(&format!(
-            "AllReduce of 4 x float on rank 0 made no progress for {t} s: waiting for rank 1 "
+            "AllReduce of 4 x float on rank 0 made no progress for {t} s (OXCCL_TIMEOUT_S): waiting for rank 1 "
         )),
         "{msg}"
     );
@@ -85,4 +85,75 @@ fn a_timeout_names_the_peer_and_what_was_awaited() {
     for c in comms {
         let _ = api::comm_destroy(api::comm_handle(&c));
     }
+}
+
+/// Without `OXCCL_TIMEOUT_S`, a rank that is late (alive, busy elsewhere: a checkpoint) is
+/// waited for, as NCCL waits, at init and in an operation; the watchdog names it meanwhile.
+/// Rank 1 of 2 comes 2.5 s late to init and again to the first all-reduce (the watchdog speaks
+/// after 1 s); both calls succeed with the right sums.
+#[test]
+fn a_late_rank_is_waited_for_and_named() {
+    if !common::is_child() {
+        let me = "a_late_rank_is_waited_for_and_named";
+        let out = common::in_child(me, &[("OXCCL_WATCHDOG_S", "1"), ("NCCL_DEBUG", "WARN")]);
+        let watchdog = |needle: &str| {
+            out.lines()
+                .find(|l| l.contains("NCCL WARN watchdog:") && l.contains(needle))
+                .unwrap_or_else(|| panic!("no watchdog line with {needle:?}:\n{out}"))
+                .to_string()
+        };
+        // The root of the id, and rank 0 waiting for it, name the missing rank.
+        let root = watchdog("bootstrap root");
+        assert!(
+            root.contains("has waited 1 s for rank(s) 1 of 2 (id 0 of 1)")
+                && root.contains("OXCCL_TIMEOUT_S is unset"),
+            "{root}"
+        );
+        let op = watchdog("operation #1");
+        assert!(
+            op.contains("rank 0: operation #1 (AllReduce of 1024 x float) has made no progress")
+                && op.contains("waiting for rank 1"),
+            "{op}"
+        );
+        return;
+    }
+    assert!(
+        std::env::var_os("OXCCL_TIMEOUT_S").is_none(),
+        "this test is about waits without OXCCL_TIMEOUT_S"
+    );
+    let late = std::time::Duration::from_millis(2500);
+    let id = api::get_unique_id().unwrap();
+    std::thread::scope(|s| {
+        for r in 0..2usize {
+            s.spawn(move || {
+                if r == 1 {
+                    std::thread::sleep(late);
+                }
+                let t0 = std::time::Instant::now();
+                let comm = api::comm_init_rank(2, &id, r as i32, Default::default()).unwrap();
+                if r == 0 {
+                    assert!(t0.elapsed() >= late / 2, "rank 0's init did not wait");
+                }
+                if r == 1 {
+                    std::thread::sleep(late);
+                }
+                let send: Vec<f32> = (0..1024).map(|i| (i * (r + 1)) as f32).collect();
+                let mut recv = vec![0f32; 1024];
+                let t0 = std::time::Instant::now();
+                api::enqueue(
+                    &comm,
+                    common::all_reduce_f32(&send, &mut recv),
+                    StreamArg::Null,
+                )
+                .unwrap();
+                if r == 0 {
+                    assert!(t0.elapsed() >= late / 2, "rank 0's all-reduce did not wait");
+                }
+                for (i, &v) in recv.iter().enumerate() {
+                    assert_eq!(v, (3 * i) as f32, "rank {r}: element {i}");
+                }
+                api::comm_destroy(api::comm_handle(&comm)).unwrap();
+            });
+        }
+    });
 }

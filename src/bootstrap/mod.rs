@@ -12,11 +12,12 @@
 //!   A root serves all its connections at once: strangers (silent, slow, garbage, wrong secret)
 //!   are dropped without delaying the ranks.
 //! - Every wait polls in short slices and watches the communicator's health (`crate::health`:
-//!   abort flag, remote abort) (-> `InvalidUsage`, "aborted") and the timeout (`OXCCL_TIMEOUT_S`,
-//!   default 300 s -> `Timeout`, naming what was awaited). Connecting to a root or a peer that
-//!   refuses or does not answer is retried for at most `OXCCL_BOOTSTRAP_CONNECT_S` (default 30 s,
-//!   never past the timeout): the `Timeout` then names the address, the attempts, how long they
-//!   took and the last error.
+//!   abort flag, remote abort) (-> `InvalidUsage`, "aborted") and the timeout (`OXCCL_TIMEOUT_S`
+//!   -> `Timeout`, naming what was awaited; unset, ranks that are late are waited for, as NCCL
+//!   does, and the watchdog names them). Connecting to a root or a peer that refuses or does
+//!   not answer is retried for at most `OXCCL_BOOTSTRAP_CONNECT_S` (default 30 s, never past the
+//!   timeout): the `Timeout` then names the address, the attempts, how long they took and the
+//!   last error.
 //!
 //! Tags: user tags are `0..=0x7fff_ffff`; tags with the top bit set ([`TAG_RESERVED`]) belong to
 //! the bootstrap's own collectives (`allgather`, `barrier`) and are refused by `send`/`recv`.
@@ -71,9 +72,9 @@ impl std::fmt::Debug for UniqueId {
 impl UniqueId {
     /// Starts the root's listener for this id (served by the process's root service thread) and
     /// returns the self-contained id. The listener closes once every rank of the id has been
-    /// answered, or after the timeout.
+    /// answered, or after the timeout (`root::Root::deadline`).
     pub fn generate() -> Result<UniqueId> {
-        Self::generate_with_timeout(crate::param::timeout())
+        Self::generate_with_timeout(crate::param::wait_limit())
     }
 
     /// As `generate`, with the root's timeout given (tests; the C API uses `OXCCL_TIMEOUT_S`).
@@ -135,7 +136,7 @@ impl Bootstrap {
         nranks: usize,
         health: impl IntoHealth,
     ) -> Result<Bootstrap> {
-        Self::init_with_timeout(ids, rank, nranks, health, crate::param::timeout())
+        Self::init_with_timeout(ids, rank, nranks, health, crate::param::wait_limit())
     }
 
     /// As `init`, with the timeout of every wait (now and later) given.

@@ -43,11 +43,16 @@ pub struct Core {
 }
 
 impl Core {
-    /// Waits until all queued work is done; after an abort, until nothing touches user memory
-    /// any more (`ncclTimeout` after `OXCCL_TIMEOUT_S`).
+    /// Waits until all queued work is done (for peers that are alive but late, as long as
+    /// `OXCCL_TIMEOUT_S` allows: unset, as long as they live); after an abort, until nothing
+    /// touches user memory any more (`ncclTimeout` past `param::stop_timeout`).
     pub fn wait_idle(&self) -> Result<()> {
-        self.exec
-            .wait_quiescent(std::time::Instant::now() + crate::param::timeout())
+        let limit = if self.health.halted() {
+            crate::param::stop_timeout()
+        } else {
+            crate::param::wait_limit()
+        };
+        self.exec.wait_quiescent(std::time::Instant::now() + limit)
     }
 
     /// `idle`: its work is done (`wait_idle` succeeded).

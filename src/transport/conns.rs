@@ -293,7 +293,7 @@ impl Conns {
         let proxy = self.proxy.lock().take();
         if let Some(p) = &proxy {
             p.flush(
-                std::time::Instant::now() + crate::param::timeout(),
+                std::time::Instant::now() + crate::param::stop_timeout(),
                 &self.health,
             );
         }

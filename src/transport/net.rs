@@ -206,7 +206,7 @@ impl Endpoint for NetSetup {
             let who = || format!("rank {}: connecting to rank {} at {addr}", n.me, n.peer);
             let mut socks = Vec::with_capacity(k);
             for j in 0..k {
-                let mut s = TcpStream::connect_timeout(&addr, crate::param::timeout())
+                let mut s = TcpStream::connect_timeout(&addr, crate::param::bootstrap_connect())
                     .map_err(|e| Error::remote(format!("{}: {e}", who())))?;
                 s.write_all(token)
                     .and_then(|_| s.write_all(&[j as u8]))
@@ -612,8 +612,11 @@ impl NetEnd {
             },
             State::Borrowing(cell, since) => {
                 return match pair::take(cell) {
-                    None if since.elapsed() > crate::param::timeout() => Err(self
-                        .failed("the reverse connection whose sockets it shares never connected")),
+                    None if crate::param::timeout().is_some_and(|t| since.elapsed() > t) => {
+                        Err(self.failed(
+                            "the reverse connection whose sockets it shares never connected",
+                        ))
+                    }
                     None => Ok(false),
                     Some(Err(e)) => Err(self.failed(&format!("sharing sockets: {e}"))),
                     Some(Ok(socks)) => self.connected(w, socks).map(|()| true),

@@ -10,6 +10,11 @@ fn var(k: &str) -> String {
 }
 
 /// The communicator's id the parent gave (`OXEMU_ID`, in hex).
+/// The timeout the troubled runs set (`OXCCL_TIMEOUT_S`).
+fn timeout() -> Duration {
+    nccl::param::timeout().expect("OXCCL_TIMEOUT_S is set for a troubled run")
+}
+
 fn unique_id() -> [u8; nccl::api::UNIQUE_ID_BYTES] {
     let hex = var("OXEMU_ID");
     let mut id = [0u8; nccl::api::UNIQUE_ID_BYTES];
@@ -199,7 +204,7 @@ pub fn trouble(
             // SAFETY: ends this process.
             unsafe { nix::libc::kill(nix::libc::getpid(), nix::libc::SIGKILL) };
         }
-        std::thread::sleep(nccl::param::timeout() + Duration::from_secs(5));
+        std::thread::sleep(timeout() + Duration::from_secs(5));
         let _ = nccl::api::comm_abort(nccl::api::comm_handle(&comm));
         println!("stayed away");
         return;
@@ -223,7 +228,7 @@ pub fn trouble(
     if how == "late" {
         // Not before the timeout: the stall's clock starts with this wait.
         assert!(
-            t.elapsed() >= nccl::param::timeout(),
+            t.elapsed() >= timeout(),
             "rank {r}: timed out after {:?}: {}",
             t.elapsed(),
             nccl::error::last_error()

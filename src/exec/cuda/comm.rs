@@ -615,7 +615,12 @@ impl CudaComm {
     /// `wait_quiescent` for one of its events or streams: polls `query` (a cuEventQuery or a
     /// cuStreamQuery) until it is not NOT_READY, telling the kernels to stop if the
     /// communicator halts meanwhile.
-    fn wait_until(&self, deadline: Instant, query: impl Fn() -> driver::CUresult) -> Result<()> {
+    fn wait_until(
+        &self,
+        mut deadline: Instant,
+        query: impl Fn() -> driver::CUresult,
+    ) -> Result<()> {
+        let mut told = false;
         loop {
             let r = query();
             if r != driver::CUDA_ERROR_NOT_READY {
@@ -623,8 +628,12 @@ impl CudaComm {
                     format!("{}: waiting for its last operation", self.name)
                 });
             }
-            if self.health.halted() {
+            if !told && self.health.halted() {
+                // Told to stop, they stop at once; what they may wait behind gets the bound
+                // of a stop (the wait for a live peer before it may have had none).
+                told = true;
                 self.ctl.abort();
+                deadline = deadline.min(Instant::now() + crate::param::stop_timeout());
             }
             if Instant::now() >= deadline {
                 return Err(Error::timeout(format!(
@@ -741,8 +750,8 @@ struct Watched {
     /// Since when each peer (by rank) has been seen gone while kernels waited on it.
     suspects: std::collections::HashMap<usize, Instant>,
     /// The counters of each connection (by header) kernels waited on, where the host can read
-    /// them, and since when they are so.
-    progress: std::collections::HashMap<u64, (String, Instant)>,
+    /// them, since when they are so, and whether the watchdog said so.
+    progress: std::collections::HashMap<u64, (String, Instant, bool)>,
 }
 
 /// How often (in the watcher's 5 ms turns) it looks at the peers of communicators whose
@@ -869,9 +878,14 @@ impl Watched {
     /// device memory, the kernels kept waiting for the same step of it (`step`, which they
     /// report with the connection).
     fn stalled(&mut self, used: &Used, hdr: u64, step: u64) -> Option<Error> {
-        // Only where the user set it: a GPU job's ranks may legitimately keep their peers
-        // waiting for minutes (a checkpoint, an evaluation on one rank), as NCCL lets them.
-        let timeout = crate::param::get_str("OXCCL_TIMEOUT_S").map(|_| crate::param::timeout())?;
+        // Timed out only where the user set it: a GPU job's ranks may legitimately keep their
+        // peers waiting for minutes (a checkpoint, an evaluation on one rank), as NCCL lets
+        // them. The watchdog names the wait meanwhile.
+        let timeout = crate::param::timeout();
+        let watchdog = crate::param::watchdog();
+        if timeout.is_none() && watchdog.is_none() {
+            return None;
+        }
         // (Counters only grow: a wait on it that ended, or any progress, changes them; a
         // kernel that waits for another step of it has seen it move.)
         let counters = match used.0.get(&hdr) {
@@ -895,20 +909,28 @@ impl Watched {
         let p = self
             .progress
             .entry(hdr)
-            .or_insert_with(|| (counters.clone(), Instant::now()));
+            .or_insert_with(|| (counters.clone(), Instant::now(), false));
         if p.0 != counters {
-            *p = (counters, Instant::now());
+            *p = (counters, Instant::now(), false);
             return None;
         }
-        (p.1.elapsed() > timeout).then(|| {
-            Error::timeout(format!(
-                "{}: its kernels waited {} s for a peer that did not move (OXCCL_TIMEOUT_S): \
-                 {}",
+        let waited = p.1.elapsed();
+        if !p.2 && watchdog.is_some_and(|w| waited > w) {
+            p.2 = true;
+            crate::debug::warn(&format!(
+                "watchdog: {}: its kernels have waited {} s for a peer that does not move: {}",
                 self.name,
-                timeout.as_secs(),
+                waited.as_secs(),
                 p.0
-            ))
-        })
+            ));
+        }
+        let timeout = timeout.filter(|&t| waited > t)?;
+        Some(Error::timeout(format!(
+            "{}: its kernels waited {} s for a peer that did not move (OXCCL_TIMEOUT_S): {}",
+            self.name,
+            timeout.as_secs(),
+            p.0
+        )))
     }
 }
 

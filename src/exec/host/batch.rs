@@ -321,7 +321,7 @@ impl Running {
     }
 
     /// Abort and timeout checks while blocked.
-    fn check_stuck(&mut self, timeout: Duration) {
+    fn check_stuck(&mut self, timeout: Option<Duration>) {
         if self.result.is_some() {
             return;
         }
@@ -398,13 +398,15 @@ impl Running {
         if let Some(r) = self.comm().recorder.as_ref().filter(|r| r.asked()) {
             r.emit("SIGUSR2");
         }
-        if self.started && waited > timeout {
+        // (Without OXCCL_TIMEOUT_S a live peer is waited for as long as it takes, as NCCL does:
+        // one rank may keep the others waiting for minutes, writing a checkpoint.)
+        if let Some(t) = timeout.filter(|&t| self.started && waited > t) {
             let waiting = self.waiting();
             let e = Error::timeout(format!(
-                "{} on rank {} made no progress for {} s: waiting for {}",
+                "{} on rank {} made no progress for {} s (OXCCL_TIMEOUT_S): waiting for {}",
                 self.task.what,
                 self.comm().rank,
-                timeout.as_secs(),
+                t.as_secs(),
                 waiting
             ));
             self.finish(Err(e));

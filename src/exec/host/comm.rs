@@ -172,10 +172,12 @@ impl HostComm {
     /// any more (tasks that had not begun never will).
     pub fn wait_quiescent(&self, deadline: Instant) -> Result<()> {
         let w = Wait {
-            who: format!("rank {}", self.rank),
             deadline,
-            timeout: deadline.saturating_duration_since(Instant::now()),
-            health: None,
+            ..Wait::new(
+                format!("rank {}", self.rank),
+                deadline.saturating_duration_since(Instant::now()),
+                None,
+            )
         };
         let what = || "its outstanding operations to complete".to_string();
         w.until(&what, || {
