@@ -32,6 +32,10 @@ pub struct Health {
     /// A failure elsewhere (a peer's announcement, a connection's proxy) stops the executor's
     /// work; the bootstrap stays usable (to shrink the communicator).
     work_stopped: AtomicBool,
+    /// `ncclCommShrink` with `NCCL_SHRINK_ABORT` made a communicator of the survivors: the
+    /// errors this one met were recovered from, and `ncclCommGetAsyncError` no longer reports
+    /// them (as NCCL clears the abort it used); its calls still fail with them.
+    retired: AtomicBool,
     /// Tells the peers that this rank's communicator broke (`fail_and_announce`), once.
     announcer: once_cell::sync::OnceCell<Announcer>,
     announced: AtomicBool,
@@ -53,6 +57,7 @@ impl Health {
             has_error: AtomicBool::new(false),
             revoked: AtomicBool::new(false),
             work_stopped: AtomicBool::new(false),
+            retired: AtomicBool::new(false),
             announcer: once_cell::sync::OnceCell::new(),
             announced: AtomicBool::new(false),
         }
@@ -83,6 +88,20 @@ impl Health {
     /// Whether the communicator was revoked.
     pub fn revoked(&self) -> bool {
         self.revoked.load(Ordering::SeqCst)
+    }
+
+    /// See `retired`: after a shrink with `NCCL_SHRINK_ABORT`.
+    pub fn retire(&self) {
+        self.retired.store(true, Ordering::SeqCst);
+    }
+
+    /// What `ncclCommGetAsyncError` reports: the first error, unless the communicator was
+    /// retired by a shrink.
+    pub fn async_error(&self) -> Option<Error> {
+        if self.retired.load(Ordering::SeqCst) {
+            return None;
+        }
+        self.error()
     }
 
     /// Whether work on the communicator must stop: it was aborted (here or by a peer), revoked,
@@ -274,17 +293,12 @@ impl<'a> Wait<'a> {
         {
             self.warned.set(true);
             crate::debug::warn(&format!(
-                "watchdog: {} has waited {} for {}{}",
+                "watchdog: {} has waited {} for {}",
                 self.who,
                 fmt_secs(Duration::from_secs(
                     now.duration_since(self.since).as_secs()
                 )),
-                what(),
-                if self.timeout >= FOREVER {
-                    " (OXCCL_TIMEOUT_S is unset: it waits on while the process lives)"
-                } else {
-                    ""
-                }
+                what()
             ));
         }
     }

@@ -23,9 +23,10 @@ pub const PARAMS: &[Param] = &[
     },
     Param {
         name: "OXCCL_TIMEOUT_S",
-        doc: "seconds a rank waits for a peer that is alive but makes no progress (at init, in a \
-              connection's setup, in an operation) before ncclTimeout; unset or 0: as long as \
-              the peer lives, as NCCL does (peers that died are found without it)",
+        doc: "seconds an operation waits for a peer that is alive but makes no progress before \
+              ncclTimeout (unset or 0: as long as the peer lives, as NCCL does; peers that died \
+              are found without it), and the bound of the setup waits (init, a connection's \
+              setup: 300 s where unset)",
         default: "",
     },
     Param {
@@ -37,8 +38,9 @@ pub const PARAMS: &[Param] = &[
     },
     Param {
         name: "OXCCL_WATCHDOG_S",
-        doc: "seconds without progress after which a waiting operation logs a WARN naming the \
-              communicator, the operation and what it waits for (0: never)",
+        doc: "seconds without progress after which a waiting operation (or CUDA kernels, or a \
+              bootstrap wait, or a unique id's root) logs a WARN naming what it waits for \
+              (0: never)",
         default: "30",
     },
     Param {
@@ -218,14 +220,14 @@ pub fn nccl_debug() -> Option<String> {
     raw("NCCL_DEBUG")
 }
 
-/// How long a wait for a live peer that does not move may take (`OXCCL_TIMEOUT_S`); None:
-/// as long as it lives. Peers that die, close their connections, abort or fall silent across
-/// hosts are found by the health checks, whatever this says.
+/// How long an operation may wait for a live peer that does not move (`OXCCL_TIMEOUT_S`);
+/// None: as long as it lives. Peers that die, close their connections, abort or fall silent
+/// across hosts are found by the operations' health checks, whatever this says.
 pub fn timeout() -> Option<Duration> {
     static T: once_cell::sync::Lazy<Option<Duration>> = once_cell::sync::Lazy::new(|| {
         Some(get_u64("OXCCL_TIMEOUT_S"))
             .filter(|&s| s > 0)
-            .map(Duration::from_secs)
+            .map(|s| Duration::from_secs(s).min(FOREVER))
     });
     *T
 }
@@ -239,10 +241,14 @@ pub fn wait_limit() -> Duration {
     timeout().unwrap_or(FOREVER)
 }
 
-/// How long a communicator that stops (aborted, failed, destroyed) waits for its own work to
-/// stop and its last sends to leave: `OXCCL_TIMEOUT_S`, else 300 s. Its kernels and threads
-/// stop at once when told; this bounds what they wait behind (a stream another kernel holds).
-pub fn stop_timeout() -> Duration {
+/// The bound of the waits that have one whatever `OXCCL_TIMEOUT_S` says (that, else 300 s):
+/// - setup: the bootstrap (init, split, shrink: the rendezvous and the exchanges between
+///   ranks) and a connection's setup. There a peer that died before it ever connected to this
+///   rank cannot be told from a late one (no process or link to watch yet);
+/// - a communicator that stops (aborted, failed) waiting for its own work to stop, and its
+///   last sends to leave at its end. Its kernels and threads stop at once when told; this
+///   bounds what they wait behind (a stream another kernel holds).
+pub fn bound() -> Duration {
     timeout().unwrap_or(Duration::from_secs(300))
 }
 

@@ -286,3 +286,66 @@ fn a_peer_that_ends_after_its_part_is_no_failure() {
         assert!(st.success(), "rank {r} failed: {st:?}");
     }
 }
+
+const UNSEEN_TEST: &str = "a_send_to_a_rank_that_died_unseen_fails_at_the_connect_bound";
+
+/// Rank 0's first send to a rank that died after init without ever connecting to rank 0 (8
+/// ranks; rank 5 is no neighbour of rank 0): setting up the connection cannot reach it, and
+/// that is the error, after the connect bound (`OXCCL_BOOTSTRAP_CONNECT_S`, 2 s here), rather
+/// than a wait for its half of the setup until the setup bound (`OXCCL_TIMEOUT_S`, 60 s here).
+#[test]
+fn a_send_to_a_rank_that_died_unseen_fails_at_the_connect_bound() {
+    let Some((id, n, r)) = common::rank_env() else {
+        // Where rank 0 says it is done.
+        let done = std::env::temp_dir().join(format!("oxccl-unseen-{}", std::process::id()));
+        let _ = std::fs::remove_file(&done);
+        let kids = common::spawn_ranks(
+            UNSEEN_TEST,
+            8,
+            &[
+                ("OXCCL_BOOTSTRAP_CONNECT_S", "2"),
+                ("OXCCL_TEST_DONE", done.to_str().unwrap()),
+            ],
+        );
+        let ends: Vec<_> = kids.into_iter().map(|mut k| k.wait().unwrap()).collect();
+        let _ = std::fs::remove_file(&done);
+        for (r, s) in ends.iter().enumerate() {
+            assert_eq!(s.success(), r != 5, "rank {r}: {s:?}");
+        }
+        return;
+    };
+    let c = api::comm_init_rank(n as i32, &id, r as i32, Default::default()).unwrap();
+    let count = 1000;
+    let send = vec![1f32; count];
+    let mut recv = vec![0f32; count];
+    let a = common::all_reduce_f32(&send, &mut recv);
+    api::enqueue(&c, a, StreamArg::Null).unwrap();
+    assert!(recv.iter().all(|&x| x == n as f32));
+    let done = std::path::PathBuf::from(std::env::var("OXCCL_TEST_DONE").unwrap());
+    if r == 5 {
+        kill_me();
+    }
+    if r != 0 {
+        // The others stay until rank 0 is done (so that only rank 5 is gone).
+        let t0 = Instant::now();
+        while !done.exists() && t0.elapsed() < Duration::from_secs(120) {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let _ = api::comm_abort(api::comm_handle(&c));
+        return;
+    }
+    std::thread::sleep(Duration::from_millis(200));
+    let t0 = Instant::now();
+    let a = CollArgs {
+        kind: CollKind::Send,
+        root: 5,
+        ..common::all_reduce_f32(&send, &mut recv)
+    };
+    let e = api::enqueue(&c, a, StreamArg::Null).expect_err("a send to a dead rank");
+    let took = t0.elapsed();
+    std::fs::write(&done, b"").unwrap();
+    eprintln!("a send to the dead rank 5 failed after {took:?}: {e}");
+    assert!(e.msg.contains("rank 5"), "{e}");
+    assert!(took < Duration::from_secs(10), "failed after {took:?}: {e}");
+    let _ = api::comm_abort(api::comm_handle(&c));
+}

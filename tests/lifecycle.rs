@@ -54,7 +54,9 @@ fn shrink_excludes_ranks_and_renumbers_the_rest() {
 }
 
 /// Three processes; rank 2 dies; ranks 0 and 1 see the error, shrink with `NCCL_SHRINK_ABORT`
-/// and go on with the two of them.
+/// and go on with the two of them. The old communicator's asynchronous error is cleared by the
+/// shrink (PyTorch polls it after a shrink, and would fail the shrink on it, as on NCCL), while
+/// its calls still fail.
 #[test]
 fn shrink_after_a_peer_died() {
     let Some((id, n, r)) = common::rank_env() else {
@@ -76,11 +78,24 @@ fn shrink_after_a_peer_died() {
     )
     .unwrap_err();
     assert_eq!(e.code, Code::RemoteError, "{e}");
+    assert_eq!(api::comm_async_error(&c), Code::RemoteError);
     let t0 = Instant::now();
     let s = api::comm_shrink(&c, &[2], None, true).unwrap();
     eprintln!("rank {r}: shrink took {:?}", t0.elapsed());
     assert_eq!((s.nranks().unwrap(), s.rank().unwrap()), (2, r as i32));
     assert_eq!(api::comm_async_error(&s), Code::Success);
+    assert_eq!(
+        api::comm_async_error(&c),
+        Code::Success,
+        "the old communicator"
+    );
+    let e = api::enqueue(
+        &c,
+        common::all_reduce_f32(&send, &mut recv),
+        StreamArg::Null,
+    )
+    .unwrap_err();
+    assert_eq!(e.code, Code::RemoteError, "the old communicator: {e}");
     sum_check(&s, r as f32 + 1.0, 3.0, "after the shrink");
     api::comm_destroy(api::comm_handle(&s)).unwrap();
     let _ = api::comm_abort(api::comm_handle(&c));
@@ -187,6 +202,45 @@ fn nonblocking_init_completes_in_the_background() {
         kids.extend(two);
     }
     for c in kids.into_iter().chain([c0, c1]) {
+        api::comm_destroy(api::comm_handle(&c)).unwrap();
+    }
+}
+
+/// A non-blocking shrink's new communicator inits in the background, and, as in NCCL (where
+/// that init is a job of the parent), the parent's `ncclCommGetAsyncError` says `ncclInProgress`
+/// until it is done: PyTorch waits on the parent after a shrink, then asks the new
+/// communicator its rank. Ranks 0 and 1 of 3 shrink rank 2 away, rank 1 a while after rank 0
+/// (whose shrink, the leader's, returns at once).
+#[test]
+fn nonblocking_shrink_is_in_progress_on_the_parent() {
+    std::env::set_var("OXCCL_DEVICE", "host");
+    let comms = api::comm_init_all(&[0, 1, 2]).unwrap();
+    let k0 = api::comm_shrink(&comms[0], &[2], Some(nonblocking()), false).unwrap();
+    assert_eq!(api::comm_async_error(&k0), Code::InProgress);
+    std::thread::sleep(Duration::from_millis(200));
+    assert_eq!(
+        api::comm_async_error(&comms[0]),
+        Code::InProgress,
+        "rank 0's parent while its new communicator waits for rank 1"
+    );
+    let k1 = api::comm_shrink(&comms[1], &[2], Some(nonblocking()), false).unwrap();
+    let t0 = Instant::now();
+    for (parent, kid) in [(&comms[0], &k0), (&comms[1], &k1)] {
+        // What PyTorch does: wait on the parent, then use the new communicator.
+        while api::comm_async_error(parent) == Code::InProgress {
+            assert!(t0.elapsed() < Duration::from_secs(30), "never done");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        assert_eq!(api::comm_async_error(parent), Code::Success);
+        assert_eq!(api::comm_async_error(kid), Code::Success);
+        assert_eq!(kid.nranks().unwrap(), 2);
+    }
+    std::thread::scope(|s| {
+        for (r, k) in [&k0, &k1].into_iter().enumerate() {
+            s.spawn(move || sum_check(k, r as f32 + 1.0, 3.0, "shrunk non-blocking comm"));
+        }
+    });
+    for c in [k0, k1].into_iter().chain(comms) {
         api::comm_destroy(api::comm_handle(&c)).unwrap();
     }
 }

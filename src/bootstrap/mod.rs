@@ -12,9 +12,10 @@
 //!   A root serves all its connections at once: strangers (silent, slow, garbage, wrong secret)
 //!   are dropped without delaying the ranks.
 //! - Every wait polls in short slices and watches the communicator's health (`crate::health`:
-//!   abort flag, remote abort) (-> `InvalidUsage`, "aborted") and the timeout (`OXCCL_TIMEOUT_S`
-//!   -> `Timeout`, naming what was awaited; unset, ranks that are late are waited for, as NCCL
-//!   does, and the watchdog names them). Connecting to a root or a peer that refuses or does
+//!   abort flag, remote abort) (-> `InvalidUsage`, "aborted") and its bound (`param::bound`:
+//!   `OXCCL_TIMEOUT_S`, 300 s where unset -> `Timeout`, naming what was awaited; past
+//!   `OXCCL_WATCHDOG_S` a WARN names it meanwhile). Unlike an operation's, a setup wait has
+//!   no process or link to watch: a rank that died before it connected looks late. Connecting to a root or a peer that refuses or does
 //!   not answer is retried for at most `OXCCL_BOOTSTRAP_CONNECT_S` (default 30 s, never past the
 //!   timeout): the `Timeout` then names the address, the attempts, how long they took and the
 //!   last error.
@@ -72,12 +73,12 @@ impl std::fmt::Debug for UniqueId {
 impl UniqueId {
     /// Starts the root's listener for this id (served by the process's root service thread) and
     /// returns the self-contained id. The listener closes once every rank of the id has been
-    /// answered, or after the timeout (`root::Root::deadline`).
+    /// answered, or after the timeout.
     pub fn generate() -> Result<UniqueId> {
-        Self::generate_with_timeout(crate::param::wait_limit())
+        Self::generate_with_timeout(crate::param::bound())
     }
 
-    /// As `generate`, with the root's timeout given (tests; the C API uses `OXCCL_TIMEOUT_S`).
+    /// As `generate`, with the root's timeout given (tests; the C API uses `param::bound`).
     pub fn generate_with_timeout(timeout: Duration) -> Result<UniqueId> {
         let secret = id::random_secret()?;
         let addr = root::start(secret, timeout)?;
@@ -136,7 +137,7 @@ impl Bootstrap {
         nranks: usize,
         health: impl IntoHealth,
     ) -> Result<Bootstrap> {
-        Self::init_with_timeout(ids, rank, nranks, health, crate::param::wait_limit())
+        Self::init_with_timeout(ids, rank, nranks, health, crate::param::bound())
     }
 
     /// As `init`, with the timeout of every wait (now and later) given.

@@ -38,8 +38,6 @@ pub(crate) const KIND_GROUP: u8 = 2;
 pub(crate) const HS_BYTES: usize = 4 + SECRET_BYTES + 1;
 pub(crate) const RANK_HELLO_BYTES: usize = 16 + ADDR_BYTES + ID_BYTES;
 const GROUP_HDR_BYTES: usize = 16;
-/// How long an id nobody has used yet stays open when waits have no bound.
-pub(crate) const UNCLAIMED_LIFE: Duration = Duration::from_secs(300);
 const GROUP_ENTRY_BYTES: usize = 4 + ADDR_BYTES;
 /// Most ranks a rendezvous accepts (a sanity bound on lengths read from the wire).
 pub(crate) const MAX_RANKS: usize = 1 << 22;
@@ -130,6 +128,7 @@ pub(crate) fn start(secret: [u8; SECRET_BYTES], timeout: Duration) -> Result<Soc
     let me = format!("bootstrap root {addr}");
     let root = Root {
         wait: Wait::new(me.clone(), timeout, None),
+        first: None,
         me,
         secret,
         meta: None,
@@ -221,6 +220,8 @@ pub(crate) struct Root {
     secret: [u8; SECRET_BYTES],
     /// The id's deadline (its timeout runs from `ncclGetUniqueId`).
     pub wait: Wait<'static>,
+    /// A wait that began with its first rank (for the watchdog).
+    first: Option<Wait<'static>>,
     meta: Option<Meta>,
     ranks: Vec<RankConn>,
     groups: Vec<GroupConn>,
@@ -261,26 +262,19 @@ impl Root {
         self.failure.is_some() || self.complete()
     }
 
-    /// When the rendezvous fails: at its wait's deadline, but an id no rank has used yet
-    /// expires after [`UNCLAIMED_LIFE`] where the wait has no bound (`OXCCL_TIMEOUT_S` unset),
-    /// so that ids made and never used (every rank calling `ncclGetUniqueId`, one id kept)
-    /// cost nothing for good. The rank that makes an id is usually a member and comes at once.
-    pub fn deadline(&self) -> Instant {
-        if self.meta.is_none() && self.wait.timeout >= crate::param::FOREVER {
-            self.wait.since + UNCLAIMED_LIFE
-        } else {
-            self.wait.deadline
-        }
-    }
-
-    /// Fails the rendezvous if its deadline passed; names the ranks it misses once it has
-    /// waited for them past the watchdog's time.
+    /// Fails the rendezvous if its deadline passed; once its first rank came, names the ranks
+    /// it still misses past the watchdog's time (`first`: a wait of its own since then).
     pub fn expire(&mut self, now: Instant) {
-        if self.failure.is_none() && now >= self.deadline() {
+        if self.failure.is_none() && now >= self.wait.deadline {
             let e = self.wait.expired(&|| self.missing());
             self.failure = Some((e, None));
         } else if self.failure.is_none() && self.meta.is_some() {
-            self.wait.watch(now, &|| self.missing());
+            let first = self
+                .first
+                .take()
+                .unwrap_or_else(|| Wait::new(self.me.clone(), self.wait.timeout, None));
+            first.watch(now, &|| self.missing());
+            self.first = Some(first);
         }
     }
 
@@ -646,41 +640,6 @@ impl Root {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    /// Without a bound (`OXCCL_TIMEOUT_S` unset) a root waits for its ranks as long as it takes
-    /// once one has come, but an id nobody used expires after `UNCLAIMED_LIFE`; with a bound,
-    /// the bound holds for both.
-    #[test]
-    fn unclaimed_ids_expire_where_waits_have_no_bound() {
-        let root = |timeout, claimed: bool| Root {
-            wait: Wait::new("root".into(), timeout, None),
-            me: "root".into(),
-            secret: [0; SECRET_BYTES],
-            meta: claimed.then_some(Meta {
-                nranks: 2,
-                nids: 1,
-                idx: 0,
-                id0: None,
-            }),
-            ranks: Vec::new(),
-            groups: Vec::new(),
-            failure: None,
-            drops: [0; Refusal::COUNT],
-        };
-        let forever = crate::param::FOREVER;
-        let unused = root(forever, false);
-        assert_eq!(unused.deadline(), unused.wait.since + UNCLAIMED_LIFE);
-        let used = root(forever, true);
-        assert_eq!(used.deadline(), used.wait.deadline);
-        assert!(used.deadline() > Instant::now() + Duration::from_secs(50 * 365 * 24 * 3600));
-        for claimed in [false, true] {
-            let bounded = root(Duration::from_secs(7), claimed);
-            assert_eq!(
-                bounded.deadline(),
-                bounded.wait.since + Duration::from_secs(7)
-            );
-        }
-    }
 
     #[test]
     fn groups_partition_ranks() {

@@ -2,8 +2,8 @@
 //! every connection they accepted, through one `poll`, never blocking on any of them.
 //!
 //! - The thread starts with the first pending id and exits once no id is pending (each id leaves
-//!   when its rendezvous is complete or failed, or at its deadline: `Root::deadline`), so an
-//!   unused id costs a listening socket until its deadline, and no thread of its own.
+//!   when its rendezvous is complete or failed, or at its deadline), so an unused id costs a
+//!   listening socket until its deadline, and no thread of its own.
 //! - A connection is read only as far as `Root::next` allows: a stranger that sends garbage or a
 //!   wrong secret is dropped as soon as that shows; one that does not prove the secret within
 //!   [`HELLO_WAIT`] is dropped then; and at most [`MAX_UNPROVEN`] connections (over all ids) may
@@ -172,7 +172,7 @@ impl Service {
         let next = self
             .served
             .iter()
-            .map(|s| s.rest_until.unwrap_or_else(|| s.root.deadline()))
+            .map(|s| s.rest_until.unwrap_or(s.root.wait.deadline))
             .chain(
                 self.conns
                     .iter()

@@ -51,6 +51,7 @@ fn make(
         Some(core.cuda_dev),
     )?;
     c.start_init()?;
+    core.add_child(&c);
     Ok(c)
 }
 
@@ -89,8 +90,9 @@ pub fn split(
 
 /// `ncclCommShrink`: the ranks not in `exclude` form a new communicator, in their old order.
 /// Only they call it; the excluded ones may be dead. `abort` (`NCCL_SHRINK_ABORT`) first stops
-/// the old communicator's work (as `ncclCommRevoke` does: use it when a peer failed); without
-/// it, the old communicator's work must be able to finish.
+/// the old communicator's work (as `ncclCommRevoke` does: use it when a peer failed), and once
+/// the new one is made, clears the old one's asynchronous error (its calls still fail);
+/// without it, the old communicator's work must be able to finish.
 pub fn shrink(
     comm: &Arc<Comm>,
     exclude: &[i32],
@@ -117,11 +119,21 @@ pub fn shrink(
         )));
     }
     if abort {
-        comm.revoke()?;
+        comm.stop_work(
+            "had its work stopped by ncclCommShrink with NCCL_SHRINK_ABORT: only \
+             ncclCommShrink, ncclCommSplit, ncclCommDestroy and ncclCommAbort can use it now",
+        )?;
     } else {
         core.wait_idle()?;
     }
     let members: Vec<usize> = (0..n).filter(|&r| !out[r]).collect();
     let id = share_id(&core, &members, SHRINK_TAG)?;
-    make(&core, &members, id, config)
+    let child = make(&core, &members, id, config)?;
+    if abort {
+        // Recovered from: as NCCL clears the abort it used, the old communicator's failure is
+        // no longer its asynchronous error (PyTorch waits on it after a shrink, and would
+        // fail the shrink); its calls still fail.
+        core.health.retire();
+    }
+    Ok(child)
 }

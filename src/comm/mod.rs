@@ -40,19 +40,37 @@ pub struct Core {
     /// This process's liveness lock, while peers of this host in other PID namespaces look
     /// at it (`liveness`).
     _alive: Option<crate::liveness::Hold>,
+    /// Communicators split or shrunk from this one whose non-blocking init may still run: as
+    /// in NCCL, where that init is a job of the parent, the parent's `ncclCommGetAsyncError`
+    /// says `ncclInProgress` until they are done (PyTorch waits on the parent after a shrink).
+    children: Mutex<Vec<std::sync::Weak<Comm>>>,
 }
 
 impl Core {
     /// Waits until all queued work is done (for peers that are alive but late, as long as
     /// `OXCCL_TIMEOUT_S` allows: unset, as long as they live); after an abort, until nothing
-    /// touches user memory any more (`ncclTimeout` past `param::stop_timeout`).
+    /// touches user memory any more (`ncclTimeout` past `param::bound`).
     pub fn wait_idle(&self) -> Result<()> {
         let limit = if self.health.halted() {
-            crate::param::stop_timeout()
+            crate::param::bound()
         } else {
             crate::param::wait_limit()
         };
         self.exec.wait_quiescent(std::time::Instant::now() + limit)
+    }
+
+    /// Notes a communicator made from this one whose non-blocking init runs (`children`).
+    pub fn add_child(&self, c: &Arc<Comm>) {
+        if c.init_running() {
+            self.children.lock().push(Arc::downgrade(c));
+        }
+    }
+
+    /// Whether the non-blocking init of a communicator made from this one still runs.
+    fn child_init_running(&self) -> bool {
+        let mut kids = self.children.lock();
+        kids.retain(|k| k.upgrade().is_some_and(|k| k.init_in_progress()));
+        !kids.is_empty()
     }
 
     /// `idle`: its work is done (`wait_idle` succeeded).
@@ -188,10 +206,19 @@ impl Comm {
     /// communicator is quiescent when this returns; afterwards it can only be shrunk, split,
     /// destroyed or aborted (its collectives return `ncclInvalidUsage`).
     pub fn revoke(&self) -> Result<()> {
+        self.stop_work(
+            "was revoked (ncclCommRevoke): only ncclCommShrink, ncclCommSplit, ncclCommDestroy \
+             and ncclCommAbort can use it now",
+        )
+    }
+
+    /// Stops the work in flight and queued, as `revoke`, and returns once nothing runs; its
+    /// calls then fail with `ncclInvalidUsage` saying that it `how` (unless an error came
+    /// first, which they keep returning).
+    pub fn stop_work(&self, how: &str) -> Result<()> {
         let core = self.core()?;
         core.health.record(&Error::invalid_usage(format!(
-            "rank {}: the communicator was revoked (ncclCommRevoke): only ncclCommShrink, \
-             ncclCommSplit, ncclCommDestroy and ncclCommAbort can use it now",
+            "rank {}: the communicator {how}",
             core.rank
         )));
         core.health.revoke();
@@ -284,7 +311,11 @@ impl Comm {
 
     pub fn async_error(&self) -> Code {
         match self.core.get() {
-            Some(c) => c.health.error().map(|e| e.code).unwrap_or(Code::Success),
+            Some(c) => match c.health.async_error() {
+                Some(e) => e.code,
+                None if c.child_init_running() => Code::InProgress,
+                None => Code::Success,
+            },
             None => self
                 .init_error
                 .lock()
@@ -383,6 +414,7 @@ fn build_core(p: PendingInit) -> Result<Core> {
         health,
         exec,
         _alive: alive,
+        children: Mutex::new(Vec::new()),
     })
 }
 

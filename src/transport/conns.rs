@@ -293,7 +293,7 @@ impl Conns {
         let proxy = self.proxy.lock().take();
         if let Some(p) = &proxy {
             p.flush(
-                std::time::Instant::now() + crate::param::stop_timeout(),
+                std::time::Instant::now() + crate::param::bound(),
                 &self.health,
             );
         }
@@ -377,13 +377,19 @@ pub fn connect_all(needs: &[(&Conns, Vec<ConnKey>)]) -> Result<()> {
             };
             let sent =
                 c.with_bootstrap(|b| b.send_setup(k.peer(), blob_tag(k, k.is_sender), &blob));
+            let told = sent.is_ok();
             if let Err(e) = ep.as_ref().err().cloned().map_or(sent, Err) {
                 first_err.get_or_insert(e);
             }
-            pending.push((*c, k, ep));
+            pending.push((*c, k, ep, told));
         }
     }
-    for (c, k, ep) in pending {
+    for (c, k, ep, told) in pending {
+        if !told {
+            // The peer could not be reached (its error is recorded): it will send nothing
+            // either, and a rank that died before it ever connected here looks only late.
+            continue;
+        }
         let blob = c.with_bootstrap(|b| b.recv_setup(k.peer(), blob_tag(k, !k.is_sender)));
         let r = blob.and_then(|blob| {
             let ep = ep?;

@@ -612,11 +612,8 @@ impl NetEnd {
             },
             State::Borrowing(cell, since) => {
                 return match pair::take(cell) {
-                    None if crate::param::timeout().is_some_and(|t| since.elapsed() > t) => {
-                        Err(self.failed(
-                            "the reverse connection whose sockets it shares never connected",
-                        ))
-                    }
+                    None if since.elapsed() > crate::param::bound() => Err(self
+                        .failed("the reverse connection whose sockets it shares never connected")),
                     None => Ok(false),
                     Some(Err(e)) => Err(self.failed(&format!("sharing sockets: {e}"))),
                     Some(Ok(socks)) => self.connected(w, socks).map(|()| true),

@@ -9,12 +9,12 @@ fn var(k: &str) -> String {
     std::env::var(k).unwrap_or_else(|_| panic!("{k} unset"))
 }
 
-/// The communicator's id the parent gave (`OXEMU_ID`, in hex).
 /// The timeout the troubled runs set (`OXCCL_TIMEOUT_S`).
 fn timeout() -> Duration {
     nccl::param::timeout().expect("OXCCL_TIMEOUT_S is set for a troubled run")
 }
 
+/// The communicator's id the parent gave (`OXEMU_ID`, in hex).
 fn unique_id() -> [u8; nccl::api::UNIQUE_ID_BYTES] {
     let hex = var("OXEMU_ID");
     let mut id = [0u8; nccl::api::UNIQUE_ID_BYTES];

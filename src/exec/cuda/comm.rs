@@ -633,7 +633,7 @@ impl CudaComm {
                 // of a stop (the wait for a live peer before it may have had none).
                 told = true;
                 self.ctl.abort();
-                deadline = deadline.min(Instant::now() + crate::param::stop_timeout());
+                deadline = deadline.min(Instant::now() + crate::param::bound());
             }
             if Instant::now() >= deadline {
                 return Err(Error::timeout(format!(
