@@ -374,6 +374,45 @@ impl Root {
         }
     }
 
+    /// The streams of the clients admitted so far (ranks, then group roots), in a stable order
+    /// until the rendezvous ends: they send nothing more, and wait for the answer.
+    pub fn clients(&self) -> impl Iterator<Item = &TcpStream> {
+        self.ranks
+            .iter()
+            .map(|r| &r.stream)
+            .chain(self.groups.iter().map(|g| &g.stream))
+    }
+
+    /// Client `i` (of `clients`) became readable while it waits for the answer: it closed its
+    /// connection (its process ended, its init was aborted or gave up) or broke the protocol.
+    /// Either way it left: the rendezvous fails at once, for every rank, naming it (rather
+    /// than at the deadline, or, where it came last, with the answer a dead rank never reads).
+    pub fn client_stirred(&mut self, i: usize) {
+        if self.failure.is_some() {
+            return;
+        }
+        let nr = self.ranks.len();
+        let (stream, who) = match self.ranks.get(i) {
+            Some(r) => (&r.stream, format!("rank {}", r.rank)),
+            None => match self.groups.get(i - nr) {
+                Some(g) => (&g.stream, format!("the root of id {}", g.idx)),
+                None => return,
+            },
+        };
+        let how = match stream.peek(&mut [0u8; 1]) {
+            Ok(0) => "closed its connection".to_string(),
+            Ok(_) => "sent more than its hello".to_string(),
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return,
+            Err(e) => format!("lost its connection ({e})"),
+        };
+        let e = Error::remote(format!(
+            "{}: {who} {how} before the rendezvous completed (its process ended, or its init \
+             was aborted or gave up)",
+            self.me
+        ));
+        self.failure = Some((e, None));
+    }
+
     /// Merges a client's view of the rendezvous into ours; Err(InvalidUsage) on a mismatch.
     fn agree(&mut self, m: Meta, who: &str) -> Result<()> {
         match &mut self.meta {

@@ -184,7 +184,15 @@ impl Service {
         let wait = next.saturating_duration_since(now).min(IDLE_POLL);
         // Rounded up: waking just before a deadline would only poll again.
         let ms = (wait.as_micros().div_ceil(1000) as u16).max(1);
-        let (listeners_ready, conns_ready) = {
+        // The clients each root admitted, which wait for its answer: one that closes its
+        // connection meanwhile has left the rendezvous (`Root::client_stirred`).
+        let clients: Vec<(usize, usize)> = self
+            .served
+            .iter()
+            .enumerate()
+            .flat_map(|(i, s)| (0..s.root.clients().count()).map(move |j| (i, j)))
+            .collect();
+        let (listeners_ready, conns_ready, clients_ready) = {
             let mut fds = Vec::with_capacity(1 + self.served.len() + self.conns.len());
             fds.push(PollFd::new(woken.as_fd(), PollFlags::POLLIN));
             for s in &self.served {
@@ -198,6 +206,11 @@ impl Service {
             for c in &self.conns {
                 fds.push(PollFd::new(c.stream.as_fd(), PollFlags::POLLIN));
             }
+            for s in &self.served {
+                for c in s.root.clients() {
+                    fds.push(PollFd::new(c.as_fd(), PollFlags::POLLIN));
+                }
+            }
             match poll(&mut fds, ms) {
                 Ok(_) => {}
                 Err(Errno::EINTR) => return,
@@ -208,14 +221,20 @@ impl Service {
                 }
             }
             let ready = |f: &PollFd| f.revents().is_some_and(|r| !r.is_empty());
-            let l: Vec<bool> = fds[1..1 + self.served.len()].iter().map(ready).collect();
-            let c: Vec<bool> = fds[1 + self.served.len()..].iter().map(ready).collect();
-            (l, c)
+            let (nl, nc) = (self.served.len(), self.conns.len());
+            let l: Vec<bool> = fds[1..1 + nl].iter().map(ready).collect();
+            let c: Vec<bool> = fds[1 + nl..1 + nl + nc].iter().map(ready).collect();
+            let k: Vec<bool> = fds[1 + nl + nc..].iter().map(ready).collect();
+            (l, c, k)
         };
         let mut sink = [0u8; 64];
         while matches!((&*woken).read(&mut sink), Ok(n) if n > 0) {}
 
-        // Connections first (in reverse: `swap_remove` moves only those already looked at).
+        // Admitted clients first (the roots' lists only grow until `expire` below).
+        for (&(i, j), _) in clients.iter().zip(&clients_ready).filter(|(_, &r)| r) {
+            self.served[i].root.client_stirred(j);
+        }
+        // Connections (in reverse: `swap_remove` moves only those already looked at).
         for i in (0..conns_ready.len()).rev() {
             if conns_ready[i] {
                 let fate = self.read(i);

@@ -528,3 +528,40 @@ fn strangers_are_dropped_by_cap_and_deadline() {
     assert!(t0.elapsed() >= HELLO_WAIT, "{:?}", t0.elapsed());
     run_ranks(&[id], 2, exercise);
 }
+
+/// A rank that registered with the root and then leaves before the rendezvous completes (its
+/// init aborted here; a process that dies closes its connection the same way) fails the
+/// rendezvous at once for every rank, naming it, instead of leaving them to wait for the
+/// deadline (a rank that comes later would complete it with a rank that is gone).
+#[test]
+fn a_rank_that_leaves_the_rendezvous_fails_it_at_once() {
+    let id = UniqueId::generate_with_timeout(T).unwrap();
+    let leaver = no_abort();
+    let t0 = Instant::now();
+    let errs: Vec<Error> = std::thread::scope(|sc| {
+        let hs: Vec<_> = (0..3)
+            .map(|r| {
+                let a = if r == 2 { leaver.clone() } else { no_abort() };
+                sc.spawn(move || {
+                    Bootstrap::init_with_timeout(&[id], r, 4, a, T)
+                        .err()
+                        .unwrap()
+                })
+            })
+            .collect();
+        // Rank 3 never comes; rank 2 gives up once all three are in.
+        std::thread::sleep(Duration::from_millis(300));
+        leaver.store(true, Ordering::Release);
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    assert!(t0.elapsed() < Duration::from_secs(5), "{:?}", t0.elapsed());
+    assert_eq!(errs[2].code, Code::InvalidUsage, "{}", errs[2]);
+    for e in &errs[..2] {
+        assert_eq!(e.code, Code::RemoteError, "{e}");
+        assert!(
+            e.msg
+                .contains("rank 2 closed its connection before the rendezvous completed"),
+            "{e}"
+        );
+    }
+}
