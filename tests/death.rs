@@ -292,7 +292,8 @@ const UNSEEN_TEST: &str = "a_send_to_a_rank_that_died_unseen_fails_at_the_connec
 /// Rank 0's first send to a rank that died after init without ever connecting to rank 0 (8
 /// ranks; rank 5 is no neighbour of rank 0): setting up the connection cannot reach it, and
 /// that is the error, after the connect bound (`OXCCL_BOOTSTRAP_CONNECT_S`, 2 s here), rather
-/// than a wait for its half of the setup until the setup bound (`OXCCL_TIMEOUT_S`, 60 s here).
+/// than a wait for its half of the setup until the setup bound (`OXCCL_TIMEOUT_S`, 60 s here):
+/// `ncclRemoteError` saying that rank 5's process died.
 #[test]
 fn a_send_to_a_rank_that_died_unseen_fails_at_the_connect_bound() {
     let Some((id, n, r)) = common::rank_env() else {
@@ -345,7 +346,11 @@ fn a_send_to_a_rank_that_died_unseen_fails_at_the_connect_bound() {
     let took = t0.elapsed();
     std::fs::write(&done, b"").unwrap();
     eprintln!("a send to the dead rank 5 failed after {took:?}: {e}");
-    assert!(e.msg.contains("rank 5"), "{e}");
+    assert_eq!(e.code, Code::RemoteError, "{e}");
+    assert!(
+        e.msg.contains("rank 5 (process ") && e.msg.contains("has died"),
+        "{e}"
+    );
     assert!(took < Duration::from_secs(10), "failed after {took:?}: {e}");
     let _ = api::comm_abort(api::comm_handle(&c));
 }

@@ -275,6 +275,22 @@ impl Conns {
         Ok(())
     }
 
+    /// Where `peer` runs on this host in another process that has died: the error that says
+    /// so (an operation's dead peer, as `HostComm::dead_peer` finds it).
+    fn dead_peer_error(&self, peer: usize) -> Option<Error> {
+        let probe = PeerInfo::local_probes(self.peers(), self.rank)
+            .get(peer)
+            .copied()
+            .flatten()?;
+        (!probe.alive()).then(|| {
+            Error::remote(format!(
+                "rank {}: {} has died: a connection to it could not be set up",
+                self.rank,
+                self.peers()[peer].describe(peer)
+            ))
+        })
+    }
+
     pub fn with_bootstrap<T>(&self, f: impl FnOnce(&Bootstrap) -> Result<T>) -> Result<T> {
         let b = self.bootstrap.lock();
         match b.as_ref() {
@@ -378,6 +394,8 @@ pub fn connect_all(needs: &[(&Conns, Vec<ConnKey>)]) -> Result<()> {
             let sent =
                 c.with_bootstrap(|b| b.send_setup(k.peer(), blob_tag(k, k.is_sender), &blob));
             let told = sent.is_ok();
+            // A peer of this host that could not be reached may have died: then say so.
+            let sent = sent.map_err(|e| c.dead_peer_error(k.peer()).unwrap_or(e));
             if let Err(e) = ep.as_ref().err().cloned().map_or(sent, Err) {
                 first_err.get_or_insert(e);
             }
