@@ -15,10 +15,10 @@
 //!   abort flag, remote abort) (-> `InvalidUsage`, "aborted") and its bound (`param::bound`:
 //!   `OXCCL_TIMEOUT_S`, 300 s where unset -> `Timeout`, naming what was awaited; past
 //!   `OXCCL_WATCHDOG_S` a WARN names it meanwhile). Unlike an operation's, a setup wait has
-//!   no process or link to watch: a rank that died before it connected looks late. Connecting to a root or a peer that refuses or does
-//!   not answer is retried for at most `OXCCL_BOOTSTRAP_CONNECT_S` (default 30 s, never past the
-//!   timeout): the `Timeout` then names the address, the attempts, how long they took and the
-//!   last error.
+//!   no process or link to watch: a rank that died before it connected looks late.
+//!   Connecting to a root or a peer that refuses or does not answer is retried for at most
+//!   `OXCCL_BOOTSTRAP_CONNECT_S` (default 30 s, never past the timeout): the `Timeout` then
+//!   names the address, the attempts, how long they took and the last error.
 //!
 //! Tags: user tags are `0..=0x7fff_ffff`; tags with the top bit set ([`TAG_RESERVED`]) belong to
 //! the bootstrap's own collectives (`allgather`, `barrier`) and are refused by `send`/`recv`.

@@ -220,7 +220,7 @@ pub(crate) struct Root {
     secret: [u8; SECRET_BYTES],
     /// The id's deadline (its timeout runs from `ncclGetUniqueId`).
     pub wait: Wait<'static>,
-    /// A wait that began with its first rank (for the watchdog).
+    /// A wait that began with its first client, when `meta` was set (for the watchdog).
     first: Option<Wait<'static>>,
     meta: Option<Meta>,
     ranks: Vec<RankConn>,
@@ -268,13 +268,8 @@ impl Root {
         if self.failure.is_none() && now >= self.wait.deadline {
             let e = self.wait.expired(&|| self.missing());
             self.failure = Some((e, None));
-        } else if self.failure.is_none() && self.meta.is_some() {
-            let first = self
-                .first
-                .take()
-                .unwrap_or_else(|| Wait::new(self.me.clone(), self.wait.timeout, None));
+        } else if let Some(first) = self.first.as_ref().filter(|_| self.failure.is_none()) {
             first.watch(now, &|| self.missing());
-            self.first = Some(first);
         }
     }
 
@@ -418,6 +413,7 @@ impl Root {
         match &mut self.meta {
             None => {
                 self.meta = Some(m);
+                self.first = Some(Wait::new(self.me.clone(), self.wait.timeout, None));
                 Ok(())
             }
             Some(cur) => {
