@@ -6,7 +6,9 @@
 //! exits either way. A receiver late by several times that limit, its window closed meanwhile,
 //! is no failure. Through oxccl's socket transport (also with helper threads moving most of each
 //! slot, `NCCL_SOCKET_NTHREADS`), and through its net plugin (`net-plugin/`, where the kernel's
-//! TCP keepalive and the same TCP_INFO check stand in for the heartbeats).
+//! TCP keepalive and the same TCP_INFO check stand in for the heartbeats). A split that waits
+//! for a rank whose link went down fails as soon (the bootstrap's keepalive); a link down for
+//! twice that limit while nobody waits on it is no failure: a split and all-reduces follow.
 
 use nccl::api::{self, StreamArg};
 use nccl::error::Code;
@@ -42,6 +44,74 @@ fn rank(case: &str, r: usize, path: &str) {
         }
         a
     };
+    if case == "link-down-split" {
+        // 20 all-reduces; then rank 0 splits the communicator while rank 1, alive, does not
+        // come, and the test takes its host's link down: rank 0's split waits on a bootstrap
+        // message from rank 1 over a connection that no longer answers.
+        for i in 0..20 {
+            recv.fill(0.0);
+            api::enqueue(&c, args(&send, &mut recv), StreamArg::Null)
+                .unwrap_or_else(|e| panic!("rank {r}, all-reduce {i}: {e}"));
+            assert!(recv.iter().all(|&x| x == 2.0), "rank {r}: wrong result");
+        }
+        std::fs::write(format!("{path}.running{r}"), b"").unwrap();
+        if r == 1 {
+            // Until rank 0 is done (or long enough for it to have waited its bound).
+            let t0 = Instant::now();
+            while !std::path::Path::new(&format!("{path}.done")).exists()
+                && t0.elapsed() < Duration::from_secs(40)
+            {
+                std::thread::sleep(Duration::from_millis(10));
+            }
+        } else {
+            let t0 = Instant::now();
+            let e = match api::comm_split(&c, 0, 0, None) {
+                Ok(_) => panic!("rank 0: the split succeeded without rank 1"),
+                Err(e) => e,
+            };
+            let took = t0.elapsed();
+            std::fs::write(format!("{path}.done"), b"").unwrap();
+            eprintln!("rank 0 (link-down-split): error after {took:?}: {e}");
+            assert_eq!(e.code, Code::RemoteError, "{e}");
+            assert!(e.msg.contains("rank 1"), "{e}");
+            // The link goes down once both are running: the keepalive's limit
+            // (OXCCL_HEARTBEAT_S=2) ends the wait, long before the bound (300 s).
+            assert!(took < Duration::from_secs(10), "detected after {took:?}");
+        }
+        let _ = api::comm_abort(api::comm_handle(&c));
+        return;
+    }
+    if case == "link-blip" {
+        // The link goes down for twice the heartbeat limit while neither rank waits on the
+        // other: no failure. Then both split the communicator (the bootstrap's connections
+        // still work) and all-reduce on the child.
+        for i in 0..20 {
+            api::enqueue(&c, args(&send, &mut recv), StreamArg::Null)
+                .unwrap_or_else(|e| panic!("rank {r}, all-reduce {i}: {e}"));
+        }
+        std::fs::write(format!("{path}.running{r}"), b"").unwrap();
+        let t0 = Instant::now();
+        while !std::path::Path::new(&format!("{path}.up")).exists() {
+            assert!(
+                t0.elapsed() < Duration::from_secs(30),
+                "the link never came back"
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let child = api::comm_split(&c, 0, r as i32, None)
+            .unwrap_or_else(|e| panic!("rank {r}: split after the link came back: {e}"))
+            .unwrap();
+        for i in 0..5 {
+            recv.fill(0.0);
+            api::enqueue(&child, args(&send, &mut recv), StreamArg::Null)
+                .unwrap_or_else(|e| panic!("rank {r}, child's all-reduce {i}: {e}"));
+            assert!(recv.iter().all(|&x| x == 2.0), "rank {r}: wrong result");
+        }
+        eprintln!("rank {r} (link-blip): split and 5 all-reduces after the link came back");
+        api::comm_destroy(api::comm_handle(&child)).unwrap();
+        api::comm_destroy(api::comm_handle(&c)).unwrap();
+        return;
+    }
     if case == "late-recv" {
         for i in 0..30 {
             if i == 10 && r == 1 {
@@ -144,6 +214,8 @@ fn failures_on_the_wire_end_in_errors() {
         ("kill", plugin.as_str(), "1"),
         ("link-down", plugin.as_str(), "1"),
         ("link-down-send", "", "1"),
+        ("link-down-split", "", "1"),
+        ("link-blip", "", "1"),
         ("late-recv", "", "1"),
         ("link-down-send", plugin.as_str(), "1"),
         ("late-recv", plugin.as_str(), "1"),
@@ -171,12 +243,15 @@ fn failures_on_the_wire_end_in_errors() {
         )
         .collect();
         hosts.start_ranks(TEST, &path, 2, |r| r, &env);
-        if case.starts_with("link-down") {
+        if case.starts_with("link-") {
             let t0 = Instant::now();
             // (One way, the receiver is the one behind: its 20th receive means the sender's
             // 20th send too.)
             let who = if case == "link-down-send" { 1 } else { 0 };
-            while !std::path::Path::new(&format!("{path}.running{who}")).exists() {
+            while !std::path::Path::new(&format!("{path}.running{who}")).exists()
+                || matches!(case, "link-down-split" | "link-blip")
+                    && !std::path::Path::new(&format!("{path}.running1")).exists()
+            {
                 assert!(
                     t0.elapsed() < Duration::from_secs(60),
                     "the ranks never ran"
@@ -189,6 +264,15 @@ fn failures_on_the_wire_end_in_errors() {
                 .status()
                 .unwrap();
             assert!(st.success());
+            if case == "link-blip" {
+                std::thread::sleep(Duration::from_secs(4));
+                let st = std::process::Command::new("ip")
+                    .args(["-n", &ns, "link", "set", "eth0", "up"])
+                    .status()
+                    .unwrap();
+                assert!(st.success());
+                std::fs::write(format!("{path}.up"), b"").unwrap();
+            }
         }
         let t0 = Instant::now();
         let ok = hosts.wait_for(Duration::from_secs(30));
@@ -197,6 +281,8 @@ fn failures_on_the_wire_end_in_errors() {
             path.clone(),
             format!("{path}.running0"),
             format!("{path}.running1"),
+            format!("{path}.done"),
+            format!("{path}.up"),
         ] {
             let _ = std::fs::remove_file(f);
         }
@@ -227,7 +313,7 @@ fn failures_on_the_wire_end_in_errors() {
                 "{case}: not the plugin:\n{logs}"
             );
         }
-        if case.starts_with("link-down") {
+        if case.starts_with("link-") {
             let ns = hosts.ns(1);
             let _ = std::process::Command::new("ip")
                 .args(["-n", &ns, "link", "set", "eth0", "up"])

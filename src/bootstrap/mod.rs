@@ -202,6 +202,7 @@ impl Bootstrap {
         let mut closed = 0;
         let addrs = loop {
             let mut s = conn.connect(&w, &what)?;
+            wire::keepalive(&s, true);
             let got = match wire::write_all(&mut s, &hello, &w, &what) {
                 Ok(()) => root::read_reply_or_closed(&mut s, nranks, &w_reply, &what_reply),
                 // Reset while writing: dropped too.
@@ -429,6 +430,8 @@ impl Bootstrap {
             Some(&self.health),
         );
         let what = || format!("rank {peer} (bootstrap message, tag {tag:#x})");
+        // (Before the lock: dropped after it.)
+        let _watch = peer::Watch::new(&self.shared, peer);
         let mut ib = self.shared.inbox.lock();
         loop {
             if let Some(q) = ib.queues.get_mut(&(peer, tag)) {
@@ -440,11 +443,18 @@ impl Bootstrap {
                 }
             }
             if ib.closed[peer] {
-                return Err(Error::remote(format!(
-                    "rank {}: rank {peer} closed its bootstrap connection while rank {} waited \
-                     for a message (tag {tag:#x}); did that rank exit or fail?",
-                    self.rank, self.rank
-                )));
+                return Err(Error::remote(match &ib.failed[peer] {
+                    Some(why) => format!(
+                        "rank {}: the bootstrap connection from rank {peer} failed while rank {} \
+                         waited for a message (tag {tag:#x}): {why}",
+                        self.rank, self.rank
+                    ),
+                    None => format!(
+                        "rank {}: rank {peer} closed its bootstrap connection while rank {} \
+                         waited for a message (tag {tag:#x}); did that rank exit or fail?",
+                        self.rank, self.rank
+                    ),
+                }));
             }
             if ib.stopped {
                 return Err(self.closed_err());

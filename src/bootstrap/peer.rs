@@ -49,6 +49,13 @@ pub(crate) struct Inbox {
     pub open: Vec<u32>,
     /// The peer connected once and all its connections are closed now.
     pub closed: Vec<bool>,
+    /// Why the peer's last connection ended, where it failed rather than closed.
+    pub failed: Vec<Option<String>>,
+    /// The peer's open connections (a second handle on each socket, by the connection's id),
+    /// for `Watch` to turn their keepalive on and off.
+    socks: Vec<Vec<(u64, TcpStream)>>,
+    /// How many receives wait on the peer now (`Watch`).
+    watched: Vec<u32>,
     /// The receiver thread is gone (the bootstrap is closing).
     pub stopped: bool,
 }
@@ -90,6 +97,39 @@ impl Shared {
     }
 }
 
+/// A receive waiting on a peer: while one lives, the kernel's keepalive watches that peer's
+/// connections (`wire::keepalive`), so one to a host that stops answering ends the receive.
+pub(crate) struct Watch<'a> {
+    shared: &'a Shared,
+    peer: usize,
+}
+
+impl<'a> Watch<'a> {
+    /// Not while holding the inbox's lock (it takes it, and so does the drop).
+    pub fn new(shared: &'a Shared, peer: usize) -> Watch<'a> {
+        let mut ib = shared.inbox.lock();
+        ib.watched[peer] += 1;
+        if ib.watched[peer] == 1 {
+            for (_, s) in &ib.socks[peer] {
+                wire::keepalive(s, true);
+            }
+        }
+        Watch { shared, peer }
+    }
+}
+
+impl Drop for Watch<'_> {
+    fn drop(&mut self) {
+        let mut ib = self.shared.inbox.lock();
+        ib.watched[self.peer] -= 1;
+        if ib.watched[self.peer] == 0 {
+            for (_, s) in &ib.socks[self.peer] {
+                wire::keepalive(s, false);
+            }
+        }
+    }
+}
+
 /// The receiver thread and the state it fills.
 pub(crate) struct Receiver {
     pub shared: Arc<Shared>,
@@ -113,6 +153,9 @@ impl Receiver {
             inbox: Mutex::new(Inbox {
                 open: vec![0; nranks],
                 closed: vec![false; nranks],
+                failed: vec![None; nranks],
+                socks: (0..nranks).map(|_| Vec::new()).collect(),
+                watched: vec![0; nranks],
                 ..Default::default()
             }),
             cv: Condvar::new(),
@@ -131,6 +174,7 @@ impl Receiver {
                     nranks,
                     shared: sh,
                     conns: Vec::new(),
+                    next_id: 0,
                     tmp: vec![0u8; 1 << 16],
                 };
                 l.run(&listener, &woken);
@@ -163,6 +207,7 @@ impl Drop for Receiver {
 }
 
 struct Conn {
+    id: u64,
     stream: TcpStream,
     from: Option<usize>,
     since: Instant,
@@ -176,6 +221,7 @@ struct Loop {
     nranks: usize,
     shared: Arc<Shared>,
     conns: Vec<Conn>,
+    next_id: u64,
     tmp: Vec<u8>,
 }
 
@@ -241,6 +287,7 @@ impl Loop {
                     let c = self.conns.swap_remove(i);
                     if let Some(p) = c.from {
                         let mut ib = self.shared.inbox.lock();
+                        ib.socks[p].retain(|(id, _)| *id != c.id);
                         ib.open[p] -= 1;
                         if ib.open[p] == 0 {
                             ib.closed[p] = true;
@@ -260,7 +307,9 @@ impl Loop {
                         continue;
                     }
                     let _ = s.set_nodelay(true);
+                    self.next_id += 1;
                     self.conns.push(Conn {
+                        id: self.next_id,
                         stream: s,
                         from: None,
                         since: Instant::now(),
@@ -302,10 +351,12 @@ impl Loop {
                 Err(e) => {
                     let c = &self.conns[i];
                     if let Some(p) = c.from {
+                        let why = wire::failure(&e);
                         warn(&format!(
-                            "{}: connection from rank {p} failed: {e}",
+                            "{}: connection from rank {p} failed: {why}",
                             self.me
                         ));
+                        self.shared.inbox.lock().failed[p] = Some(why);
                     }
                     eof = true;
                     break;
@@ -350,6 +401,11 @@ impl Loop {
             let mut ib = self.shared.inbox.lock();
             ib.open[from] += 1;
             ib.closed[from] = false;
+            ib.failed[from] = None;
+            if let Ok(dup) = c.stream.try_clone() {
+                wire::keepalive(&dup, ib.watched[from] > 0);
+                ib.socks[from].push((c.id, dup));
+            }
             off = PEER_HS_BYTES;
         }
         let from = c.from.expect("set above");

@@ -654,6 +654,7 @@ impl Root {
         };
         let what = || format!("the root of id 0 at {addr0}");
         let mut s = wire::connect(addr0, &w, &what)?;
+        wire::keepalive(&s, true);
         let mut msg = handshake(&secret0, KIND_GROUP);
         for x in [m.nranks, m.nids, m.idx, self.ranks.len()] {
             wire::put_u32(&mut msg, x as u32);

@@ -323,6 +323,7 @@ impl Service {
                         continue;
                     }
                     let _ = stream.set_nodelay(true);
+                    wire::keepalive(&stream, true);
                     self.conns.push(Conn {
                         stream,
                         from,

@@ -92,11 +92,10 @@ pub(crate) fn same_secret(a: &[u8], b: &[u8]) -> bool {
     a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
+/// A read or write timeout (`SO_RCVTIMEO`, `SO_SNDTIMEO`: `EAGAIN`) or a signal; not
+/// `ETIMEDOUT` (`TimedOut`), the keepalive's end of a connection (`failure`).
 fn transient(k: ErrorKind) -> bool {
-    matches!(
-        k,
-        ErrorKind::WouldBlock | ErrorKind::TimedOut | ErrorKind::Interrupted
-    )
+    matches!(k, ErrorKind::WouldBlock | ErrorKind::Interrupted)
 }
 
 pub(crate) fn read_exact(
@@ -120,9 +119,10 @@ pub(crate) fn read_exact(
             Err(e) if transient(e.kind()) => w.check(what)?,
             Err(e) => {
                 return Err(Error::remote(format!(
-                    "{}: connection to {} failed: {e}",
+                    "{}: connection to {} failed: {}",
                     w.who,
-                    what()
+                    what(),
+                    failure(&e)
                 )))
             }
         }
@@ -151,9 +151,10 @@ pub(crate) fn write_all(
             Err(e) if transient(e.kind()) => w.check(what)?,
             Err(e) => {
                 return Err(Error::remote(format!(
-                    "{}: sending to {} failed: {e}",
+                    "{}: sending to {} failed: {}",
                     w.who,
-                    what()
+                    what(),
+                    failure(&e)
                 )))
             }
         }
@@ -311,6 +312,48 @@ fn aborted(w: &Wait, what: &dyn Fn() -> String) -> Result<()> {
     }
 }
 
+/// Turns the kernel's keepalive on a bootstrap socket on or off. On, a connection to a host
+/// that stops answering (it died without closing it, or the link to it is down) fails within
+/// `OXCCL_HEARTBEAT_S` instead of at the setup bound: probes once a second after a second of
+/// quiet, the connection dropped (`ETIMEDOUT`, see `failure`) when as many go unanswered as the
+/// limit allows. A live peer's kernel answers them, however long its rank takes to come. (Not
+/// TCP_USER_TIMEOUT, which drops a live peer whose window stays closed that long.) On for the
+/// rendezvous' connections; on a rank's connection from a peer only while a receive waits on
+/// that peer (`peer::Watch`), so a link down for a while between setups is no failure, as for
+/// the network transport's heartbeats. Best effort: a socket that refuses the options keeps the
+/// setup bound.
+pub(crate) fn keepalive(s: &TcpStream, on: bool) {
+    use nix::sys::socket::{setsockopt, sockopt};
+    let Some(limit) = crate::param::heartbeat() else {
+        return;
+    };
+    if !on {
+        let _ = setsockopt(s, sockopt::KeepAlive, &false);
+        return;
+    }
+    let probes = u32::try_from(limit.as_secs())
+        .unwrap_or(u32::MAX)
+        .saturating_sub(1)
+        .max(1);
+    let _ = setsockopt(s, sockopt::TcpKeepIdle, &1)
+        .and_then(|_| setsockopt(s, sockopt::TcpKeepInterval, &1))
+        .and_then(|_| setsockopt(s, sockopt::TcpKeepCount, &probes))
+        .and_then(|_| setsockopt(s, sockopt::KeepAlive, &true));
+}
+
+/// What a connection's error says: a timeout is the keepalive's (`keepalive`), the other
+/// host silent for `OXCCL_HEARTBEAT_S`.
+pub(crate) fn failure(e: &std::io::Error) -> String {
+    match crate::param::heartbeat() {
+        Some(t) if e.raw_os_error() == Some(nix::errno::Errno::ETIMEDOUT as i32) => format!(
+            "its host did not answer for {} (OXCCL_HEARTBEAT_S): the host, or the link to it, \
+             is down",
+            fmt_secs(t)
+        ),
+        _ => e.to_string(),
+    }
+}
+
 /// Connects as [`Connector::connect`] does, for one connection.
 pub(crate) fn connect(addr: SocketAddr, w: &Wait, what: &dyn Fn() -> String) -> Result<TcpStream> {
     Connector::new(addr).connect(w, what)
@@ -340,9 +383,10 @@ pub(crate) fn read_status_or_closed(
             Err(e) if e.kind() == ErrorKind::ConnectionReset => return Ok(false),
             Err(e) => {
                 return Err(Error::remote(format!(
-                    "{}: connection to {} failed: {e}",
+                    "{}: connection to {} failed: {}",
                     w.who,
-                    what()
+                    what(),
+                    failure(&e)
                 )))
             }
         }
