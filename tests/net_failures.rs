@@ -8,7 +8,9 @@
 //! slot, `NCCL_SOCKET_NTHREADS`), and through its net plugin (`net-plugin/`, where the kernel's
 //! TCP keepalive and the same TCP_INFO check stand in for the heartbeats). A split that waits
 //! for a rank whose link went down fails as soon (the bootstrap's keepalive); a link down for
-//! twice that limit while nobody waits on it is no failure: a split and all-reduces follow.
+//! twice that limit while nobody waits on it is no failure: a split and all-reduces follow. A
+//! rank that destroys its communicator with what it sent unacknowledged (its link down) waits
+//! for it only as long.
 
 use nccl::api::{self, StreamArg};
 use nccl::error::Code;
@@ -79,6 +81,50 @@ fn rank(case: &str, r: usize, path: &str) {
             assert!(took < Duration::from_secs(10), "detected after {took:?}");
         }
         let _ = api::comm_abort(api::comm_handle(&c));
+        return;
+    }
+    if case == "destroy-link-down" {
+        // Rank 1 sends to rank 0 twice; then takes its host's link down itself and sends once
+        // more: the call returns with the slots handed over, which then wait unacknowledged.
+        // Its destroy waits for them only until the peer has been silent past the heartbeat
+        // limit (OXCCL_HEARTBEAT_S=2), not for the setup bound (300 s).
+        let one_way = |send: &[f32], recv: &mut [f32]| {
+            let mut a = common::all_reduce_f32(send, recv);
+            a.kind = if r == 1 {
+                nccl::types::CollKind::Send
+            } else {
+                nccl::types::CollKind::Recv
+            };
+            a.root = 1 - r as i32;
+            a
+        };
+        for i in 0..2 {
+            recv.fill(0.0);
+            api::enqueue(&c, one_way(&send, &mut recv), StreamArg::Null)
+                .unwrap_or_else(|e| panic!("rank {r}, operation {i}: {e}"));
+            assert!(
+                r == 1 || recv.iter().all(|&x| x == 1.0),
+                "rank {r}: wrong result"
+            );
+        }
+        if r == 1 {
+            let st = std::process::Command::new("ip")
+                .args(["link", "set", "eth0", "down"])
+                .status()
+                .unwrap();
+            assert!(st.success());
+            api::enqueue(&c, one_way(&send, &mut recv), StreamArg::Null)
+                .unwrap_or_else(|e| panic!("rank 1, the send after the link went down: {e}"));
+            let t0 = Instant::now();
+            api::comm_destroy(api::comm_handle(&c)).unwrap();
+            let took = t0.elapsed();
+            eprintln!("rank 1 (destroy-link-down): destroy took {took:?}");
+            assert!(took < Duration::from_secs(8), "destroy took {took:?}");
+        } else {
+            let e = api::enqueue(&c, one_way(&send, &mut recv), StreamArg::Null).unwrap_err();
+            eprintln!("rank 0 (destroy-link-down): {e}");
+            let _ = api::comm_abort(api::comm_handle(&c));
+        }
         return;
     }
     if case == "link-blip" {
@@ -216,6 +262,7 @@ fn failures_on_the_wire_end_in_errors() {
         ("link-down-send", "", "1"),
         ("link-down-split", "", "1"),
         ("link-blip", "", "1"),
+        ("destroy-link-down", "", "1"),
         ("late-recv", "", "1"),
         ("link-down-send", plugin.as_str(), "1"),
         ("late-recv", plugin.as_str(), "1"),
@@ -313,7 +360,7 @@ fn failures_on_the_wire_end_in_errors() {
                 "{case}: not the plugin:\n{logs}"
             );
         }
-        if case.starts_with("link-") {
+        if case.starts_with("link-") || case == "destroy-link-down" {
             let ns = hosts.ns(1);
             let _ = std::process::Command::new("ip")
                 .args(["-n", &ns, "link", "set", "eth0", "up"])

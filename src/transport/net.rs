@@ -19,6 +19,7 @@
 //! blob says so.
 
 mod helpers;
+mod listen;
 mod pair;
 mod tcp_info;
 #[cfg(test)]
@@ -30,7 +31,7 @@ use super::peer::PeerInfo;
 use super::{ConnSpec, Endpoint, Locality, Proxy, Region, Transport, Wait};
 use crate::error::{Error, Result};
 use parking_lot::Mutex;
-use std::io::{ErrorKind, Read, Write};
+use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -224,10 +225,9 @@ impl Endpoint for NetSetup {
                 .listener
                 .ok_or_else(|| Error::internal("a receiving end without a listener"))?;
             let k = sockets();
-            (
-                State::Listening(l, n.token, (0..k).map(|_| None).collect()),
-                k,
-            )
+            let l = listen::Listening::new(l, n.token, k)
+                .map_err(|e| Error::os("setting up a network connection's listener", e))?;
+            (State::Listening(l), k)
         };
         let end = Arc::new(NetEnd {
             view: view(&n.region),
@@ -277,8 +277,8 @@ fn tune(s: &TcpStream) -> Result<()> {
 
 enum State {
     /// The receiving end, until its peer has opened every socket and presented the token on
-    /// each (the sockets so far, by index).
-    Listening(TcpListener, [u8; TOKEN], Vec<Option<TcpStream>>),
+    /// each.
+    Listening(listen::Listening),
     Connected(Vec<TcpStream>),
     /// Using the sockets of the reverse connection's end on this rank, once they are connected
     /// (since when it waits: the communicator's timeout bounds it).
@@ -372,7 +372,11 @@ impl Proxy for NetEnd {
         let w = self.state.lock();
         let mask = self.waiting_on(&w);
         match &w.state {
-            State::Listening(l, ..) if mask != 0 => out.push(Wait::Readable(l.as_raw_fd())),
+            State::Listening(l) if mask != 0 => {
+                let mut fds = Vec::new();
+                l.fds(&mut fds);
+                out.extend(fds.into_iter().map(Wait::Readable));
+            }
             State::Listening(..) => {}
             State::Borrowing(..) if mask != 0 => out.push(Wait::Soon),
             State::Borrowing(..) => {}
@@ -588,28 +592,33 @@ impl NetEnd {
     fn step(&self, w: &mut Wire) -> Result<bool> {
         let socks = match &mut w.state {
             State::Connected(s) => s,
-            State::Listening(l, token, got) => match l.accept() {
-                Ok((s, from)) => {
-                    let (s, j) = self.hello(s, from, token, got.len())?;
-                    if got[j].replace(s).is_some() {
-                        return Err(self.failed(&format!("socket {j} was opened twice")));
-                    }
-                    if got.iter().all(Option::is_some) {
-                        let socks: Vec<_> = got
-                            .iter_mut()
-                            .map(|s| s.take().expect("all there"))
-                            .collect();
+            State::Listening(l) => {
+                // Its peer's sending end connects as soon as it has this end's blob, which it
+                // had before this end was made: a wait of twice the setup bound is for a peer
+                // that died before it connected (an operation waits on its peers for good).
+                if l.since.elapsed() > 2 * crate::param::bound() {
+                    return Err(self.failed(&format!(
+                        "it never connected (this end waited {}): its process ended, or its \
+                         host or the link to it is down",
+                        crate::health::fmt_secs(l.since.elapsed())
+                    )));
+                }
+                let warn = |w: &str| crate::debug::warn(&format!("rank {}: {w}", self.me));
+                return match l.step(&warn).map_err(|why| self.failed(&why))? {
+                    listen::Heard::Nothing => Ok(false),
+                    listen::Heard::Some => Ok(true),
+                    listen::Heard::All(socks) => {
+                        for s in &socks {
+                            tune(s)?;
+                        }
                         if let Some(p) = &self.publish {
                             pair::publish(p, &socks)
                                 .map_err(|e| self.failed(&format!("sharing its sockets: {e}")))?;
                         }
-                        self.connected(w, socks)?;
+                        self.connected(w, socks).map(|()| true)
                     }
-                    return Ok(true);
-                }
-                Err(e) if e.kind() == ErrorKind::WouldBlock => return Ok(false),
-                Err(e) => return Err(self.failed(&e.to_string())),
-            },
+                };
+            }
             State::Borrowing(cell, since) => {
                 return match pair::take(cell) {
                     None if since.elapsed() > crate::param::bound() => Err(self
@@ -653,34 +662,6 @@ impl NetEnd {
             self.waker.clone(),
         )
         .map_err(|e| self.failed(&format!("starting its helper threads: {e}")))
-    }
-
-    /// The receiving end's first bytes from a connection: the token and the socket's index
-    /// (below `k`), or the connection is refused.
-    fn hello(
-        &self,
-        mut s: TcpStream,
-        from: SocketAddr,
-        token: &[u8; TOKEN],
-        k: usize,
-    ) -> Result<(TcpStream, usize)> {
-        let mut got = [0u8; TOKEN + 1];
-        let ok = s.set_nonblocking(false).is_ok()
-            && s.set_read_timeout(Some(Duration::from_secs(5))).is_ok()
-            && s.read_exact(&mut got).is_ok()
-            && got[..TOKEN] == *token
-            && (got[TOKEN] as usize) < k;
-        if !ok {
-            crate::debug::warn(&format!(
-                "rank {}: dropped a connection from {from} that did not present rank {}'s token",
-                self.me, self.peer
-            ));
-            return Err(self.failed(&format!(
-                "a connection from {from} did not present the connection's token"
-            )));
-        }
-        tune(&s)?;
-        Ok((s, got[TOKEN] as usize))
     }
 
     fn failed(&self, what: &str) -> Error {

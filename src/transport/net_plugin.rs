@@ -319,6 +319,21 @@ impl PluginEnd {
         ))
     }
 
+    /// A connect or accept that has not completed since `since` (when the end was made): the
+    /// peer's end does its part as soon as it has this end's handle, which it had before this
+    /// end was made, so a wait of twice the setup bound is for a peer that died before (an
+    /// operation waits on its peers for good).
+    fn not_yet(&self, since: std::time::Instant) -> Result<bool> {
+        if since.elapsed() > 2 * crate::param::bound() {
+            return Err(self.failed(Error::remote(format!(
+                "it never connected (this end waited {}): its process ended, or its host or \
+                 the link to it is down",
+                crate::health::fmt_secs(since.elapsed())
+            ))));
+        }
+        Ok(false)
+    }
+
     /// One round: connect/accept, post what can be posted, complete what is done. After an
     /// error the end moves nothing more and each round returns that error.
     fn step(&self, w: &mut Wire) -> Result<bool> {
@@ -342,7 +357,7 @@ impl PluginEnd {
                 let c = net.connect(ctx_ptr(&self.ctx), 0, handle);
                 let c = c.map_err(|e| self.failed(e))?;
                 if c.is_null() {
-                    return Ok(false);
+                    return self.not_yet(w.last);
                 }
                 w.state = State::Closed;
                 w.state = self
@@ -353,7 +368,7 @@ impl PluginEnd {
             State::Accepting(l) => {
                 let c = net.accept(l.0).map_err(|e| self.failed(e))?;
                 if c.is_null() {
-                    return Ok(false);
+                    return self.not_yet(w.last);
                 }
                 let l = *l;
                 w.state = State::Closed;

@@ -126,11 +126,30 @@ impl ProxyThread {
 
 impl ProxyThread {
     /// Waits until every end has sent what it was handed (or `deadline`, or the health says
-    /// stop): a communicator being destroyed right after its last send loses nothing.
+    /// stop): a communicator being destroyed right after its last send loses nothing. An end
+    /// whose peer has been silent past `OXCCL_HEARTBEAT_S` (its host or the link to it is
+    /// down: what it was sent waits unacknowledged) is not waited for.
     pub fn flush(&self, deadline: std::time::Instant, health: &Health) {
+        let limit = crate::param::heartbeat();
+        let lost = |e: &Arc<dyn Proxy>| {
+            limit.is_some_and(|t| e.silent_for().is_some_and(|quiet| quiet > t))
+        };
         let mut backoff = Backoff::default();
-        while !self.shared.ends.lock().iter().all(|e| e.flushed()) {
-            if health.halted() || std::time::Instant::now() >= deadline {
+        loop {
+            let (mut waiting, mut gone) = (0, 0);
+            for e in self.shared.ends.lock().iter().filter(|e| !e.flushed()) {
+                waiting += 1;
+                gone += usize::from(lost(e));
+            }
+            if waiting == 0 || health.halted() || std::time::Instant::now() >= deadline {
+                return;
+            }
+            if gone == waiting {
+                crate::debug::warn(&format!(
+                    "{gone} network connection(s) whose peer has not been heard from for over \
+                     {} (OXCCL_HEARTBEAT_S) closed with what they were sent unacknowledged",
+                    crate::health::fmt_secs(limit.unwrap_or_default())
+                ));
                 return;
             }
             backoff.pause();

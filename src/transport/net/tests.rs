@@ -31,20 +31,25 @@ fn receiving_end_of(k: usize, bytes: usize) -> (NetEnd, Vec<TcpStream>) {
         rx.set_nonblocking(true).unwrap();
         rxs.push(rx);
     }
+    (end_in(State::Connected(rxs), k, bytes), txs)
+}
+
+/// A receiving end of slots of `bytes` over `k` sockets, in `state`.
+fn end_in(state: State, k: usize, bytes: usize) -> NetEnd {
     let name = format!("net-tests-{}-{:?}", std::process::id(), Instant::now());
     let region = inproc::open(&name, crate::transport::region_bytes(NSTEPS, bytes)).unwrap();
     inproc::forget(&name);
     let view = Conn::new(Region::Heap(region), NSTEPS, bytes, (1, 0), false);
     view.attach();
     view.attach();
-    let end = NetEnd {
+    NetEnd {
         view,
         me: 1,
         peer: 0,
         peer_host: "test".into(),
         is_sender: false,
         state: Mutex::new(Wire {
-            state: State::Connected(rxs),
+            state,
             p: wire::Progress::new(k),
             helpers: None,
         }),
@@ -56,8 +61,45 @@ fn receiving_end_of(k: usize, bytes: usize) -> (NetEnd, Vec<TcpStream>) {
         passes: Default::default(),
         threads: 1,
         dests: (0..NSTEPS).map(|_| Dest::default()).collect(),
+    }
+}
+
+/// A receiving end whose peer never connects fails once it has waited twice the setup bound
+/// (the peer died before it connected): not a wait for good, though operations wait on live
+/// peers without a bound. A stranger's connection meanwhile fails nothing.
+#[test]
+fn a_receiving_end_whose_peer_never_connects_fails_at_twice_the_bound() {
+    let listening = || {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let a = l.local_addr().unwrap();
+        (
+            super::listen::Listening::new(l, [7; super::TOKEN], 1).unwrap(),
+            a,
+        )
     };
-    (end, txs)
+    let (l, a) = listening();
+    let fresh = end_in(State::Listening(l), 1, BYTES);
+    let mut stranger = TcpStream::connect(a).unwrap();
+    stranger.write_all(b"GET / HTTP/1.0\r\n\r\n").unwrap();
+    let t0 = Instant::now();
+    while t0.elapsed() < Duration::from_millis(50) {
+        fresh.progress().expect("a stranger fails nothing");
+    }
+    let (mut l, _) = listening();
+    let waited = 2 * crate::param::bound() + Duration::from_secs(1);
+    match Instant::now().checked_sub(waited) {
+        Some(t) => l.since = t,
+        // (A machine up for less than that.)
+        None => return,
+    }
+    let e = end_in(State::Listening(l), 1, BYTES)
+        .progress()
+        .unwrap_err();
+    assert_eq!(e.code, crate::error::Code::RemoteError, "{e}");
+    assert!(
+        e.msg.contains("from rank 0") && e.msg.contains("never connected"),
+        "{e}"
+    );
 }
 
 fn header(call: [u64; 2], bytes: usize) -> Vec<u8> {
