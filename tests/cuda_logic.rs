@@ -61,6 +61,21 @@ static EVENT_GRAPH: Mutex<Vec<(usize, u32)>> = Mutex::new(Vec::new());
 /// A stream that does not capture waited for an event recorded in a capture, which draws it
 /// into the graph (legal in CUDA, but never what the executor means to do).
 static DRAWN_IN: AtomicBool = AtomicBool::new(false);
+/// The device the stand-in runtime's `cudaGetDevice` says is current (negative: it fails),
+/// and how often it was asked.
+static RUNTIME_DEVICE: std::sync::atomic::AtomicI32 = std::sync::atomic::AtomicI32::new(0);
+static RUNTIME_ASKED: AtomicU64 = AtomicU64::new(0);
+
+unsafe extern "C" fn runtime_get_device(d: *mut c_int) -> c_int {
+    RUNTIME_ASKED.fetch_add(1, Ordering::SeqCst);
+    match RUNTIME_DEVICE.load(Ordering::SeqCst) {
+        v if v < 0 => 100, // cudaErrorNoDevice
+        v => {
+            unsafe { *d = v };
+            0
+        }
+    }
+}
 
 fn graph_of(s: usize) -> u32 {
     let c = CAPTURING.lock();
@@ -418,6 +433,7 @@ fn stand_in() -> Api {
         ("cuIpcCloseMemHandle", ipc_close as *const c_void),
         ("cuDeviceGetAttribute", attr as *const c_void),
         ("cuLaunchKernel", launch as *const c_void),
+        ("cudaGetDevice", runtime_get_device as *const c_void),
         ("cuMemFree_v2", free as *const c_void),
         ("cuMemcpyDtoDAsync_v2", dtod_async as *const c_void),
         ("cuMemsetD8Async", memset_async as *const c_void),
@@ -1614,6 +1630,30 @@ fn cuda_executor_logic_on_a_recording_driver() {
     for n in "abcdef".chars() {
         let _ = std::fs::remove_file(format!("/dev/shm/oxccl-cuda-logic-ipc-{n}"));
     }
+    // 12. A thread with no current context (CUDA 11's cudaSetDevice makes none) binds
+    //     ncclCommInitRank's communicator to the CUDA runtime's current device, where the
+    //     process has loaded the runtime (cudaGetDevice, as NCCL reads it): not to device 0.
+    //     A runtime that fails leaves device 0.
+    std::thread::spawn(|| {
+        let init = || {
+            let id = nccl::api::get_unique_id().unwrap();
+            nccl::api::comm_init_rank(1, &id, 0, Default::default())
+        };
+        let asked = RUNTIME_ASKED.load(Ordering::SeqCst);
+        RUNTIME_DEVICE.store(1, Ordering::SeqCst);
+        let e = init().map(|_| ()).unwrap_err();
+        assert!(
+            e.msg.contains("device 1"),
+            "the runtime's device 1 (the stand-in has one device): {e}"
+        );
+        assert!(RUNTIME_ASKED.load(Ordering::SeqCst) > asked);
+        RUNTIME_DEVICE.store(-1, Ordering::SeqCst);
+        let c = init().expect("device 0 where the runtime fails");
+        nccl::api::comm_destroy(nccl::api::comm_handle(&c)).unwrap();
+        RUNTIME_DEVICE.store(0, Ordering::SeqCst);
+    })
+    .join()
+    .unwrap();
     let _ = std::fs::remove_dir_all(&cache);
 }
 

@@ -137,6 +137,8 @@ pub type UserObjectReleaseFn = unsafe extern "C" fn(CUuserObject, c_uint) -> CUr
 
 /// `cuDeviceGetPCIBusId(text, length, device)`.
 pub type PciBusIdFn = unsafe extern "C" fn(*mut c_char, c_int, CUdevice) -> CUresult;
+/// The CUDA runtime's `cudaGetDevice` (a `cudaError_t`, 0 for success).
+pub type RuntimeGetDeviceFn = unsafe extern "C" fn(*mut c_int) -> c_int;
 
 /// User objects (CUDA 11.3): what a graph keeps alive until it and its instances are gone.
 #[derive(Clone, Copy)]
@@ -169,7 +171,13 @@ macro_rules! driver_api {
             /// `cuDeviceGetPCIBusId`, where the driver has it (None: two GPUs' PCIe distance
             /// is unknown).
             pub pci_bus_id: Option<PciBusIdFn>,
+            /// The CUDA runtime's `cudaGetDevice`, where the process has loaded the runtime
+            /// (`runtime_get_device`; oxccl loads none): the device of a thread with no
+            /// current context (`current_device`).
+            pub runtime_device: Option<RuntimeGetDeviceFn>,
             _lib: Option<libloading::Library>,
+            /// The runtime library `runtime_device` is from, where it was found by name.
+            _runtime: Option<libloading::Library>,
         }
 
         impl Api {
@@ -181,6 +189,10 @@ macro_rules! driver_api {
                     Api::resolve(|name| lib.get::<*const c_void>(name.as_bytes()).ok().map(|s| *s))
                 }?;
                 api._lib = Some(lib);
+                if let Some((f, rt)) = runtime_get_device() {
+                    api.runtime_device = Some(f);
+                    api._runtime = rt;
+                }
                 Ok(api)
             }
 
@@ -247,7 +259,12 @@ macro_rules! driver_api {
                         // SAFETY: per the contract, the function of that symbol.
                         |p| unsafe { std::mem::transmute::<*const c_void, PciBusIdFn>(p) },
                     ),
+                    runtime_device: lookup("cudaGetDevice\0").filter(|p| !p.is_null()).map(
+                        // SAFETY: per the contract, the function of that symbol.
+                        |p| unsafe { std::mem::transmute::<*const c_void, RuntimeGetDeviceFn>(p) },
+                    ),
                     _lib: None,
+                    _runtime: None,
                 })
             }
         }
@@ -459,8 +476,43 @@ pub fn attr(dev: CUdevice, a: c_int) -> Result<i32> {
     Ok(v)
 }
 
+/// The CUDA runtime's `cudaGetDevice`, where this process has loaded a runtime: in the
+/// global scope (a program linked with it, PyTorch's global dependencies), else a
+/// `libcudart` some library loaded on its own (found by name, never loaded here). With the
+/// library to keep open where it was found by name.
+fn runtime_get_device() -> Option<(RuntimeGetDeviceFn, Option<libloading::Library>)> {
+    use libloading::os::unix::{Library, RTLD_NOW};
+    const SYM: &[u8] = b"cudaGetDevice\0";
+    // SAFETY: dlopen(NULL) loads nothing; the symbol, where there, is the runtime's
+    // `cudaError_t cudaGetDevice(int*)`, and the program's scope stays loaded.
+    if let Ok(f) = unsafe { Library::this().get::<RuntimeGetDeviceFn>(SYM) } {
+        return Some((*f, None));
+    }
+    for name in [
+        "libcudart.so.13",
+        "libcudart.so.12",
+        "libcudart.so.11.0",
+        "libcudart.so",
+    ] {
+        // SAFETY: RTLD_NOLOAD opens only a library already loaded (no initialisers run); the
+        // symbol is as above, valid while the handle is kept.
+        let lib = match unsafe { Library::open(Some(name), RTLD_NOW | nix::libc::RTLD_NOLOAD) } {
+            Ok(l) => l,
+            Err(_) => continue,
+        };
+        // SAFETY: as above.
+        if let Ok(f) = unsafe { lib.get::<RuntimeGetDeviceFn>(SYM) } {
+            let f = *f;
+            return Some((f, Some(lib.into())));
+        }
+    }
+    None
+}
+
 /// The device the calling thread's current context belongs to (the CUDA runtime's current
-/// device); device 0 when the thread has no context yet (as the runtime's default).
+/// device, as NCCL reads it with `cudaGetDevice`). A thread with no context yet (CUDA 11's
+/// `cudaSetDevice` makes none; CUDA 12's does) asks the runtime, where the process has one;
+/// else device 0 (the runtime's default).
 pub fn current_device() -> Result<i32> {
     let api = api()?;
     let mut ctx: CUcontext = std::ptr::null_mut();
@@ -469,7 +521,12 @@ pub fn current_device() -> Result<i32> {
         "cuCtxGetCurrent".into()
     })?;
     if ctx.is_null() {
-        return Ok(0);
+        let mut d = 0;
+        // SAFETY: writes one int.
+        return Ok(match api.runtime_device {
+            Some(f) if unsafe { f(&mut d) } == 0 && d >= 0 => d,
+            _ => 0,
+        });
     }
     let mut d = 0;
     // SAFETY: writes one int.
