@@ -121,10 +121,35 @@ pub(super) fn keep(k: &Kept, stream: usize) -> bool {
     .unwrap_or(false)
 }
 
+/// Held (shared) while a group's kernels are launched, one set after another
+/// (`super::launch_jobs`): nothing is freed meanwhile. Freeing device or pinned memory waits
+/// for the kernels of its device (and of its peers), and a kernel launched first may wait on
+/// one launched after it, on another GPU or stream: a free between them would wait for good.
+static LAUNCHING: parking_lot::RwLock<()> = parking_lot::RwLock::new(());
+
+/// Held while a group's kernels are launched (see `LAUNCHING`).
+pub(super) fn launching() -> parking_lot::RwLockReadGuard<'static, ()> {
+    LAUNCHING.read()
+}
+
+/// `reclaim` where there is something to free and `now()` says so.
+pub(super) fn reclaim_if(now: impl FnOnce() -> bool) {
+    if PENDING.load(Ordering::Acquire) && now() {
+        reclaim();
+    }
+}
+
 /// Frees what graphs let go of since the last call (unpinning in relaxed capture mode: a stream
-/// may capture a graph meanwhile). What graphs let go of once no communicator is left, and no
-/// call of the program follows, stays allocated until it exits.
+/// may capture a graph meanwhile), unless a group is being launched (`LAUNCHING`: then a later
+/// call does). What graphs let go of once no communicator is left, and no call of the program
+/// follows, stays allocated until it exits.
 pub(super) fn reclaim() {
+    if !PENDING.load(Ordering::Acquire) {
+        return;
+    }
+    let Some(_no_launch) = LAUNCHING.try_write() else {
+        return;
+    };
     if !PENDING.swap(false, Ordering::Acquire) {
         return;
     }

@@ -376,6 +376,16 @@ fn prepare<'a>(per_comm: PerComm<'a>) -> Result<Jobs<'a>> {
 
 /// Launches prepared jobs: together those that share a context and a stream.
 fn launch_jobs(mut jobs: Jobs<'_>) -> Result<()> {
+    // What graphs let go of since the last look is freed before the group's first launch
+    // (not while its stream captures), and nothing is freed until its last (`kept::LAUNCHING`).
+    if let Some(j0) = jobs.first() {
+        kept::reclaim_if(|| {
+            CtxGuard::enter(j0.comm.ctx)
+                .and_then(|_g| driver::capture(j0.stream))
+                .is_ok_and(|c| c == driver::Capture::No)
+        });
+    }
+    let _launching = kept::launching();
     // (The usual group, one context and one stream, as it is.)
     if let Some(j0) = jobs.first() {
         let (ctx, s) = (j0.comm.ctx, j0.stream);
@@ -485,10 +495,6 @@ fn launch_set(jobs: &mut [Job<'_>]) -> Result<()> {
             jobs.iter().flat_map(|j| j.lanes(slot)).map(Vec::as_slice),
             large,
         )?;
-    }
-    if !capturing {
-        // What graphs let go of since the last look is freed (not while capturing).
-        kept::reclaim();
     }
     let mut launched = false;
     // Issue order per communicator across streams, and the group's other streams joined (while
