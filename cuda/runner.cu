@@ -551,7 +551,10 @@ __device__ void ox_post(const OxView& v, const OxStepD& s, const OxProgD& p, OxS
       last = atomicAdd(arr, 1u) == nb - 1;
       if (last) {
         atomicExch(arr, 0u);
-        __threadfence();
+        // The other blocks counted themselves in (device-scope atomics) after their fences:
+        // the last block's own fence at the step's scope carries what they read to a sender
+        // on another GPU or the host before the head that frees their slots.
+        ox_step_fence(gpu);
       }
     }
     if (last) st_vol64((uint64_t*)c.hdr + 8, sh->rstep + 1);
