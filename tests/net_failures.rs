@@ -33,7 +33,7 @@ fn rank(case: &str, r: usize, path: &str) {
     // bytes the peer never acknowledges, not on heartbeats. "late-recv": the same, the link up,
     // but rank 1 is late by 3 heartbeat limits before its 11th receive (20 MiB wait for it,
     // its socket's window closes meanwhile): no failure, 30 sends and receives.
-    let one_way = case == "link-down-send" || case == "late-recv";
+    let one_way = matches!(case, "link-down-send" | "late-recv" | "destroy-link-down");
     let args = |send: &[f32], recv: &mut [f32]| {
         let mut a = common::all_reduce_f32(send, recv);
         if one_way {
@@ -46,15 +46,23 @@ fn rank(case: &str, r: usize, path: &str) {
         }
         a
     };
+    // Operation `i`, which must succeed: the receiving ranks check what came.
+    let expect = if one_way { 1.0 } else { 2.0 };
+    let ok_op = |i: usize, recv: &mut [f32]| {
+        recv.fill(0.0);
+        api::enqueue(&c, args(&send, recv), StreamArg::Null)
+            .unwrap_or_else(|e| panic!("rank {r}, operation {i}: {e}"));
+        assert!(
+            one_way && r == 0 || recv.iter().all(|&x| x == expect),
+            "rank {r}: wrong result"
+        );
+    };
     if case == "link-down-split" {
         // 20 all-reduces; then rank 0 splits the communicator while rank 1, alive, does not
         // come, and the test takes its host's link down: rank 0's split waits on a bootstrap
         // message from rank 1 over a connection that no longer answers.
         for i in 0..20 {
-            recv.fill(0.0);
-            api::enqueue(&c, args(&send, &mut recv), StreamArg::Null)
-                .unwrap_or_else(|e| panic!("rank {r}, all-reduce {i}: {e}"));
-            assert!(recv.iter().all(|&x| x == 2.0), "rank {r}: wrong result");
+            ok_op(i, &mut recv);
         }
         std::fs::write(format!("{path}.running{r}"), b"").unwrap();
         if r == 1 {
@@ -84,45 +92,29 @@ fn rank(case: &str, r: usize, path: &str) {
         return;
     }
     if case == "destroy-link-down" {
-        // Rank 1 sends to rank 0 twice; then takes its host's link down itself and sends once
+        // Rank 0 sends to rank 1 twice; then takes its host's link down itself and sends once
         // more: the call returns with the slots handed over, which then wait unacknowledged.
         // Its destroy waits for them only until the peer has been silent past the heartbeat
         // limit (OXCCL_HEARTBEAT_S=2), not for the setup bound (300 s).
-        let one_way = |send: &[f32], recv: &mut [f32]| {
-            let mut a = common::all_reduce_f32(send, recv);
-            a.kind = if r == 1 {
-                nccl::types::CollKind::Send
-            } else {
-                nccl::types::CollKind::Recv
-            };
-            a.root = 1 - r as i32;
-            a
-        };
         for i in 0..2 {
-            recv.fill(0.0);
-            api::enqueue(&c, one_way(&send, &mut recv), StreamArg::Null)
-                .unwrap_or_else(|e| panic!("rank {r}, operation {i}: {e}"));
-            assert!(
-                r == 1 || recv.iter().all(|&x| x == 1.0),
-                "rank {r}: wrong result"
-            );
+            ok_op(i, &mut recv);
         }
-        if r == 1 {
+        if r == 0 {
             let st = std::process::Command::new("ip")
                 .args(["link", "set", "eth0", "down"])
                 .status()
                 .unwrap();
             assert!(st.success());
-            api::enqueue(&c, one_way(&send, &mut recv), StreamArg::Null)
-                .unwrap_or_else(|e| panic!("rank 1, the send after the link went down: {e}"));
+            api::enqueue(&c, args(&send, &mut recv), StreamArg::Null)
+                .unwrap_or_else(|e| panic!("rank 0, the send after the link went down: {e}"));
             let t0 = Instant::now();
             api::comm_destroy(api::comm_handle(&c)).unwrap();
             let took = t0.elapsed();
-            eprintln!("rank 1 (destroy-link-down): destroy took {took:?}");
+            eprintln!("rank 0 (destroy-link-down): destroy took {took:?}");
             assert!(took < Duration::from_secs(8), "destroy took {took:?}");
         } else {
-            let e = api::enqueue(&c, one_way(&send, &mut recv), StreamArg::Null).unwrap_err();
-            eprintln!("rank 0 (destroy-link-down): {e}");
+            let e = api::enqueue(&c, args(&send, &mut recv), StreamArg::Null).unwrap_err();
+            eprintln!("rank 1 (destroy-link-down): {e}");
             let _ = api::comm_abort(api::comm_handle(&c));
         }
         return;
@@ -132,8 +124,7 @@ fn rank(case: &str, r: usize, path: &str) {
         // other: no failure. Then both split the communicator (the bootstrap's connections
         // still work) and all-reduce on the child.
         for i in 0..20 {
-            api::enqueue(&c, args(&send, &mut recv), StreamArg::Null)
-                .unwrap_or_else(|e| panic!("rank {r}, all-reduce {i}: {e}"));
+            ok_op(i, &mut recv);
         }
         std::fs::write(format!("{path}.running{r}"), b"").unwrap();
         let t0 = Instant::now();
@@ -163,19 +154,12 @@ fn rank(case: &str, r: usize, path: &str) {
             if i == 10 && r == 1 {
                 std::thread::sleep(Duration::from_secs(6));
             }
-            recv.fill(0.0);
-            api::enqueue(&c, args(&send, &mut recv), StreamArg::Null)
-                .unwrap_or_else(|e| panic!("rank {r}, operation {i}: {e}"));
-            assert!(
-                r == 0 || recv.iter().all(|&x| x == 1.0),
-                "rank {r}: wrong result"
-            );
+            ok_op(i, &mut recv);
         }
         eprintln!("rank {r} (late-recv): 30 operations, no failure");
         api::comm_destroy(api::comm_handle(&c)).unwrap();
         return;
     }
-    let expect = if one_way { 1.0 } else { 2.0 };
     let e = loop {
         match api::enqueue(&c, args(&send, &mut recv), StreamArg::Null) {
             Ok(()) => {
@@ -361,7 +345,8 @@ fn failures_on_the_wire_end_in_errors() {
             );
         }
         if case.starts_with("link-") || case == "destroy-link-down" {
-            let ns = hosts.ns(1);
+            // (Rank 0 took its own host's link down there.)
+            let ns = hosts.ns(if case == "destroy-link-down" { 0 } else { 1 });
             let _ = std::process::Command::new("ip")
                 .args(["-n", &ns, "link", "set", "eth0", "up"])
                 .status();
