@@ -180,6 +180,8 @@ impl Receiver {
                 l.run(&listener, &woken);
                 let mut ib = l.shared.inbox.lock();
                 ib.stopped = true;
+                // The second handles too: the connections close with the thread.
+                ib.socks.iter_mut().for_each(Vec::clear);
                 l.shared.cv.notify_all();
             })
             .map_err(|e| crate::error::Error::os("spawning the bootstrap receiver thread", e))?;

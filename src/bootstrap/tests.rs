@@ -397,6 +397,47 @@ fn recv_times_out_naming_peer() {
     });
 }
 
+/// A closed bootstrap closes the connections it accepted (also their second handles, kept
+/// for the keepalive, `peer::Watch`), though the value lives on: a peer's sends fail.
+#[test]
+fn a_closed_bootstrap_closes_what_it_accepted() {
+    let id = UniqueId::generate_with_timeout(T).unwrap();
+    let ids = [id];
+    let [sent, closed, done] = [(); 3].map(|()| std::sync::Barrier::new(2));
+    std::thread::scope(|sc| {
+        for r in 0..2 {
+            let (ids, sent, closed, done) = (&ids, &sent, &closed, &done);
+            sc.spawn(move || {
+                let mut b = Bootstrap::init_with_timeout(ids, r, 2, no_abort(), T).unwrap();
+                if r == 1 {
+                    b.send(0, 1, b"hello").unwrap();
+                    sent.wait();
+                    closed.wait();
+                    let t0 = std::time::Instant::now();
+                    let e = loop {
+                        match b.send(0, 1, b"again") {
+                            Ok(()) if t0.elapsed() > Duration::from_secs(3) => break None,
+                            Ok(()) => std::thread::sleep(Duration::from_millis(10)),
+                            Err(e) => break Some(e),
+                        }
+                    };
+                    done.wait();
+                    let e = e.expect("rank 0's closed bootstrap still takes what is sent");
+                    assert_eq!(e.code, Code::RemoteError, "{e}");
+                } else {
+                    assert_eq!(b.recv(1, 1).unwrap(), b"hello");
+                    sent.wait();
+                    b.close();
+                    closed.wait();
+                    // (Alive until rank 1 is done.)
+                    done.wait();
+                    drop(b);
+                }
+            });
+        }
+    });
+}
+
 #[test]
 fn close_is_idempotent_and_refuses_use() {
     let id = UniqueId::generate_with_timeout(T).unwrap();
