@@ -832,6 +832,22 @@ fn in_device_memory(spec: &ConnSpec, shm: bool) -> bool {
         && (!shm || spec.ipc)
 }
 
+/// Why a network end whose peer has not connected since `since` (when the end was made) fails,
+/// once it has waited twice the setup bound; None while the peer may still come. The peer's
+/// end connects as soon as it has this end's blob or handle, which it had before this end was
+/// made: so long a wait is for a peer that died before it could (an operation waits on live
+/// peers for good). (`net`'s listening end, the net plugin's connect and accept.)
+pub(crate) fn never_connected(since: std::time::Instant) -> Option<String> {
+    let waited = since.elapsed();
+    (waited > 2 * crate::param::bound()).then(|| {
+        format!(
+            "it never connected (this end waited {}): its process ended, or its host or the \
+             link to it is down",
+            crate::health::fmt_secs(waited)
+        )
+    })
+}
+
 /// Between the connection's name and the IPC handle in a receiving end's blob.
 const HANDLE_MARK: u8 = 0;
 

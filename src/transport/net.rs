@@ -372,11 +372,7 @@ impl Proxy for NetEnd {
         let w = self.state.lock();
         let mask = self.waiting_on(&w);
         match &w.state {
-            State::Listening(l) if mask != 0 => {
-                let mut fds = Vec::new();
-                l.fds(&mut fds);
-                out.extend(fds.into_iter().map(Wait::Readable));
-            }
+            State::Listening(l) if mask != 0 => out.extend(l.fds().map(Wait::Readable)),
             State::Listening(..) => {}
             State::Borrowing(..) if mask != 0 => out.push(Wait::Soon),
             State::Borrowing(..) => {}
@@ -593,15 +589,8 @@ impl NetEnd {
         let socks = match &mut w.state {
             State::Connected(s) => s,
             State::Listening(l) => {
-                // Its peer's sending end connects as soon as it has this end's blob, which it
-                // had before this end was made: a wait of twice the setup bound is for a peer
-                // that died before it connected (an operation waits on its peers for good).
-                if l.since.elapsed() > 2 * crate::param::bound() {
-                    return Err(self.failed(&format!(
-                        "it never connected (this end waited {}): its process ended, or its \
-                         host or the link to it is down",
-                        crate::health::fmt_secs(l.since.elapsed())
-                    )));
+                if let Some(why) = super::never_connected(l.since) {
+                    return Err(self.failed(&why));
                 }
                 let warn = |w: &str| crate::debug::warn(&format!("rank {}: {w}", self.me));
                 return match l.step(&warn).map_err(|why| self.failed(&why))? {

@@ -319,19 +319,13 @@ impl PluginEnd {
         ))
     }
 
-    /// A connect or accept that has not completed since `since` (when the end was made): the
-    /// peer's end does its part as soon as it has this end's handle, which it had before this
-    /// end was made, so a wait of twice the setup bound is for a peer that died before (an
-    /// operation waits on its peers for good).
+    /// A connect or accept that has not completed since `since` (when the end was made): an
+    /// error once the peer has had far too long (`super::never_connected`).
     fn not_yet(&self, since: std::time::Instant) -> Result<bool> {
-        if since.elapsed() > 2 * crate::param::bound() {
-            return Err(self.failed(Error::remote(format!(
-                "it never connected (this end waited {}): its process ended, or its host or \
-                 the link to it is down",
-                crate::health::fmt_secs(since.elapsed())
-            ))));
+        match super::never_connected(since) {
+            Some(why) => Err(self.failed(Error::remote(why))),
+            None => Ok(false),
         }
-        Ok(false)
     }
 
     /// One round: connect/accept, post what can be posted, complete what is done. After an

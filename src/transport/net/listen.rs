@@ -57,9 +57,9 @@ impl Listening {
     }
 
     /// What to poll: the listener and the connections that have not presented the token yet.
-    pub fn fds(&self, out: &mut Vec<RawFd>) {
-        out.push(self.listener.as_raw_fd());
-        out.extend(self.hellos.iter().map(|h| h.s.as_raw_fd()));
+    pub fn fds(&self) -> impl Iterator<Item = RawFd> + '_ {
+        std::iter::once(self.listener.as_raw_fd())
+            .chain(self.hellos.iter().map(|h| h.s.as_raw_fd()))
     }
 
     /// Accepts what is waiting and reads what the accepted connections sent. Err: why the end
