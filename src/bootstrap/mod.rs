@@ -14,8 +14,10 @@
 //! - Every wait polls in short slices and watches the communicator's health (`crate::health`:
 //!   abort flag, remote abort) (-> `InvalidUsage`, "aborted") and its bound (`param::bound`:
 //!   `OXCCL_TIMEOUT_S`, 300 s where unset -> `Timeout`, naming what was awaited; past
-//!   `OXCCL_WATCHDOG_S` a WARN names it meanwhile). Unlike an operation's, a setup wait has
-//!   no process or link to watch: a rank that died before it connected looks late.
+//!   `OXCCL_WATCHDOG_S` a WARN names it meanwhile). A wait on a peer's message, and the
+//!   rendezvous, have the kernel's keepalive watch the connection (`wire::keepalive`): a host
+//!   that stops answering ends them after `OXCCL_HEARTBEAT_S`. But a rank that died before it
+//!   ever connected has no connection to watch: it looks late.
 //!   Connecting to a root or a peer that refuses or does not answer is retried for at most
 //!   `OXCCL_BOOTSTRAP_CONNECT_S` (default 30 s, never past the timeout): the `Timeout` then
 //!   names the address, the attempts, how long they took and the last error.
