@@ -43,7 +43,7 @@ use board::{
 use device::{begin_capture, end_capture, replay, sync, IPC_OPENED, LAUNCHED, NEXT};
 use graphs::{
     destroy_while_capturing, forked_calls, graphs, mixed_group_graph, mixed_replays,
-    relaxed_restores_mode, replay_after_destroy, two_stream_graphs,
+    relaxed_restores_mode, released_while_a_rank_waits, replay_after_destroy, two_stream_graphs,
 };
 use nccl::gpu::driver;
 use nccl::types::{CollArgs, CollKind, DataType};
@@ -1364,6 +1364,7 @@ fn cuda_executor_on_emulated_kernels() {
     replay_after_destroy();
     std::env::remove_var("OXCCL_CUDA_DIRECT");
     nccl::param::reread();
+    released_while_a_rank_waits();
     // The device board: ranks of one process on the one device, each launching alone.
     board_threads(2, &cases(2, &[300_001, 1001]));
     board_threads(4, &cases(4, &[300_001]));

@@ -529,6 +529,36 @@ fn run_stream(s: &Stream) {
     }
 }
 
+/// How long a free waits for the work queued before it (`synchronize_device`).
+const FREE_WAITS: Duration = Duration::from_secs(20);
+
+/// What a free of device or pinned memory does first, as the driver's does: it waits until
+/// every stream has run the work queued before it (a kernel of a collective included, which
+/// waits for its peers' launches). Where that takes longer than `FREE_WAITS` (say it waits for
+/// a launch that the freeing thread, or one it blocks, was to make), the free would wait for
+/// good on a GPU: said in `ILLEGAL`, and the free goes on so that the test ends.
+fn synchronize_device(what: &str) {
+    let queued: Vec<(usize, Arc<Stream>, u64)> = STREAMS
+        .lock()
+        .iter()
+        .flatten()
+        .map(|(&h, s)| (h, s.clone(), s.submitted.load(Ordering::SeqCst)))
+        .collect();
+    let until = Instant::now() + FREE_WAITS;
+    for (h, s, n) in queued {
+        let mut d = s.done.lock();
+        while *d < n {
+            if s.done_cv.wait_until(&mut d, until).timed_out() {
+                ILLEGAL.lock().push(format!(
+                    "{what} waited {FREE_WAITS:?} for the work queued on stream {h:#x} before \
+                     it (on a GPU: for good)"
+                ));
+                return;
+            }
+        }
+    }
+}
+
 /// Waits until stream `h` has run everything it was given, at most `limit`.
 pub fn sync(h: usize, limit: Duration) -> bool {
     let s = stream(h);
@@ -629,6 +659,7 @@ unsafe extern "C" fn free(p: u64) -> CUresult {
     if !unsafe_call_allowed() {
         return CAPTURE_UNSUPPORTED;
     }
+    synchronize_device("cuMemFree");
     let Some((fd, len)) = ALLOCS.lock().as_mut().and_then(|m| m.remove(&p)) else {
         return INVALID_VALUE;
     };
@@ -806,6 +837,7 @@ unsafe extern "C" fn host_unregister(p: *mut c_void) -> CUresult {
     if !unsafe_call_allowed() {
         return CAPTURE_UNSUPPORTED;
     }
+    synchronize_device("cuMemHostUnregister");
     if PINNED.lock().remove(&(p as u64)) {
         OK
     } else {

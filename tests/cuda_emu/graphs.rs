@@ -156,6 +156,78 @@ pub fn replay_after_destroy() {
     }
 }
 
+/// What a graph held is freed only while no collective of this process may wait for a launch
+/// still to come. Freeing device or pinned memory waits for the device's kernels (the
+/// emulated driver's too: `device::synchronize_device`), and a rank's kernel waits for its
+/// peers' launches: ranks driven one at a time (threads of one process, here one thread) would
+/// wait for good, had the free come between them. The graph of a destroyed communicator goes
+/// while rank 0 of another waits for rank 1's launch; rank 1 then launches, and the
+/// all-reduce completes; the graph's control blocks are freed once nothing runs.
+pub fn released_while_a_rank_waits() {
+    let c = f32_sum(4099);
+    let captured = nccl::api::comm_init_all(&[0, 0]).expect("two ranks on one device");
+    let streams = [new_stream(), new_stream()];
+    let bufs = buffers(&c, 2);
+    for &s in &streams {
+        begin_capture(s);
+    }
+    nccl::api::group_start().unwrap();
+    for (r, comm) in captured.iter().enumerate() {
+        enqueue(comm, &c, 2, bufs[r], streams[r]);
+    }
+    nccl::api::group_end().unwrap();
+    let graphs: Vec<Vec<Op>> = streams.iter().map(|&s| end_capture(s)).collect();
+    let ctls: BTreeSet<u64> = graphs
+        .iter()
+        .flatten()
+        .filter_map(|op| match op {
+            Op::Launch { name, params, .. } if name.to_bytes().starts_with(b"oxccl_run") => {
+                Some(device::lane_comms(params).into_iter().map(|(ctl, _)| ctl))
+            }
+            _ => None,
+        })
+        .flatten()
+        .collect();
+    for comm in captured {
+        nccl::api::comm_destroy(nccl::api::comm_handle(&comm)).unwrap();
+    }
+    assert!(
+        ctls.iter().all(|&p| device::pinned(p)),
+        "the graph lost them"
+    );
+    let comms = nccl::api::comm_init_all(&[0, 0]).expect("two ranks on one device");
+    for (r, b) in bufs.iter().enumerate() {
+        fill(&c, 2, r, *b, 3);
+    }
+    enqueue(&comms[0], &c, 2, bufs[0], streams[0]);
+    drop(graphs);
+    // (The watcher thread looks every 5 ms.)
+    std::thread::sleep(Duration::from_millis(100));
+    assert!(
+        ctls.iter().all(|&p| device::pinned(p)),
+        "freed while rank 0's all-reduce waited for rank 1's launch"
+    );
+    enqueue(&comms[1], &c, 2, bufs[1], streams[1]);
+    let what = "an all-reduce whose ranks launch apart, a graph let go of between them";
+    sync_all(&streams, what);
+    let illegal = std::mem::take(&mut *device::ILLEGAL.lock());
+    assert!(illegal.is_empty(), "{what}: {illegal:?}");
+    no_async_error(&comms, what);
+    verify(&c, &bufs, 3, what);
+    let t = Instant::now();
+    while ctls.iter().any(|&p| device::pinned(p)) && t.elapsed() < Duration::from_secs(5) {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert!(
+        ctls.iter().all(|&p| !device::pinned(p)),
+        "control blocks still pinned 5 s after the graph went and nothing ran"
+    );
+    for comm in &comms {
+        nccl::api::comm_destroy(nccl::api::comm_handle(comm)).unwrap();
+    }
+    release_buffers();
+}
+
 /// A group of each rank's two all-reduces on two streams of one capture, as a side stream
 /// forked from the main one captures with it: in the graph, a copy on the second stream makes
 /// that all-reduce's input before the group, and another copies its output after it. Each

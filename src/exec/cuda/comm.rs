@@ -426,6 +426,9 @@ impl CudaComm {
             reported: false,
             used: Arc::downgrade(&used),
             board: board.as_ref().map(Arc::downgrade),
+            events: Arc::downgrade(&events),
+            last: Arc::downgrade(&last),
+            replayed: replayed as usize,
             probes: crate::transport::peer::PeerInfo::local_probes(s.peers, s.rank),
             names: s
                 .peers
@@ -739,6 +742,11 @@ struct Watched {
     used: Weak<Mutex<Used>>,
     /// Its device board, where board lanes wait for their peers.
     board: Option<Weak<super::board::Board>>,
+    /// Its events (kept alive while looked at), the one its last eager launch recorded, and
+    /// the one its replays record (`in_flight`).
+    events: Weak<Events>,
+    last: Weak<Mutex<Last>>,
+    replayed: usize,
     /// How to ask whether each rank's process lives, where it runs on this host in another
     /// process (`PeerInfo::local_probes`), and each rank in words.
     probes: Vec<Option<crate::liveness::Probe>>,
@@ -935,6 +943,42 @@ impl Watched {
 }
 
 static WATCHED: Mutex<Vec<Watched>> = Mutex::new(Vec::new());
+
+/// Whether a launch of a communicator of this process may still run: its last eager launch, or
+/// the last replay of a graph that captured one, is not done (its event says so), or a query
+/// failed. (What graphs let go of is freed only when none may, `kept::reclaim`: freeing
+/// device or pinned memory waits for the device's kernels, and a rank's kernel waits for its
+/// peers' launches, which a thread of this process may be about to make.)
+pub(super) fn in_flight() -> bool {
+    let looks: Vec<(Arc<Events>, usize, usize)> = WATCHED
+        .lock()
+        .iter()
+        .filter_map(|x| {
+            let events = x.events.upgrade()?;
+            let last = x.last.upgrade()?;
+            let l = last.lock();
+            Some((events, if l.recorded { l.event } else { 0 }, x.replayed))
+        })
+        .collect();
+    let Ok(api) = driver::api() else {
+        return false;
+    };
+    looks.iter().any(|(events, last, replayed)| {
+        let Ok(_g) = CtxGuard::enter(events.ctx) else {
+            return true;
+        };
+        // (Relaxed: another thread's graph capture in global mode would refuse the queries,
+        // and be spoiled.)
+        driver::relaxed(|| {
+            Ok([*last, *replayed].into_iter().filter(|&e| e != 0).any(|e| {
+                // SAFETY: the communicator's event, alive while `events` is (a replay's record
+                // node takes effect when its graph is launched: a legal query).
+                unsafe { (api.event_query)(e as driver::CUevent) != driver::CUDA_SUCCESS }
+            }))
+        })
+        .unwrap_or(true)
+    })
+}
 
 /// Registers a communicator with the watcher thread (started at the first one): a kernel's
 /// error, or a peer its running kernels wait for in vain, becomes the communicator's error

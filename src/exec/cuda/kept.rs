@@ -10,7 +10,11 @@
 //! The driver calls a user object's destructor where no CUDA call is allowed, so it only queues
 //! the `Kept`; what that held is freed by the watcher thread within a few milliseconds while
 //! communicators live, and at the next launch outside graph capture, or the next communicator
-//! made or destroyed (`reclaim`).
+//! made or destroyed (`reclaim`), each time only if no launch of this process's communicators
+//! may still run. Freeing device or pinned memory waits for the device's kernels, and a rank's
+//! kernel waits for its peers' launches: where threads of this process drive the ranks one
+//! at a time, a free between two of their launches would wait for good (NCCL's users know
+//! this hang from their own `cudaFree` calls; oxccl must not make it).
 
 use super::comm::Ctl;
 use crate::gpu::driver::{self, CtxGuard};
@@ -22,7 +26,7 @@ use std::sync::Arc;
 /// A communicator's events (its last launch's, its join event, those its captured launches
 /// record), destroyed in its context when nothing holds them any more.
 pub(super) struct Events {
-    ctx: usize,
+    pub(super) ctx: usize,
     list: Mutex<Vec<usize>>,
 }
 
@@ -140,9 +144,10 @@ pub(super) fn reclaim_if(now: impl FnOnce() -> bool) {
 }
 
 /// Frees what graphs let go of since the last call (unpinning in relaxed capture mode: a stream
-/// may capture a graph meanwhile), unless a group is being launched (`LAUNCHING`: then a later
-/// call does). What graphs let go of once no communicator is left, and no call of the program
-/// follows, stays allocated until it exits.
+/// may capture a graph meanwhile), unless a group is being launched (`LAUNCHING`) or a launch
+/// of this process's communicators may still run (`comm::in_flight`): then a later call does.
+/// What graphs let go of once no communicator is left, and no call of the program follows,
+/// stays allocated until it exits.
 pub(super) fn reclaim() {
     if !PENDING.load(Ordering::Acquire) {
         return;
@@ -150,6 +155,9 @@ pub(super) fn reclaim() {
     let Some(_no_launch) = LAUNCHING.try_write() else {
         return;
     };
+    if super::comm::in_flight() {
+        return;
+    }
     if !PENDING.swap(false, Ordering::Acquire) {
         return;
     }
