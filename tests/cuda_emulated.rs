@@ -429,8 +429,15 @@ fn check_group(
     }
 }
 
+/// A stream of the caller's (with two devices, `device::OWNED`, of the thread's current
+/// context, where it has one).
 fn new_stream() -> usize {
-    NEXT.fetch_add(1, Ordering::SeqCst) as usize
+    let h = NEXT.fetch_add(1, Ordering::SeqCst) as usize;
+    let ctx = device::current_ctx();
+    if device::OWNED.load(Ordering::SeqCst) && ctx != 0 {
+        device::own(h, ctx);
+    }
+    h
 }
 
 /// A float32 sum all-reduce of `count` elements, out of place.
@@ -922,6 +929,7 @@ fn start(so: &Path) -> PathBuf {
         Ok(how) => {
             peers::NATIVE_ATOMICS.store(!how.starts_with("pcie"), Ordering::SeqCst);
             peers::REFUSE_PEER_ACCESS.store(how == "refused", Ordering::SeqCst);
+            device::OWNED.store(true, Ordering::SeqCst);
             device::stand_in_with(&peers::functions())
         }
         Err(_) => device::stand_in(),
@@ -1135,7 +1143,11 @@ fn peer_devices(so: &Path) {
 fn peer_devices_process(how: &str) {
     let cache = start(Path::new(&std::env::var("OXEMU_LIB").unwrap()));
     let comms = nccl::api::comm_init_all(&[0, 1, 0, 1]).expect("ranks on two devices");
+    // Rank r's stream on its device, r % 2 (made in that device's context).
     let own: Vec<usize> = (0..4).map(|_| new_stream()).collect();
+    for (r, &s) in own.iter().enumerate() {
+        device::own(s, peers::ctx_of(r as i32 % 2));
+    }
     let cases = cases(4, &[300_001, 1001]);
     for c in &cases {
         check(&comms, &own, c);
@@ -1169,6 +1181,16 @@ fn peer_devices_process(how: &str) {
     for c in &comms {
         nccl::api::comm_destroy(nccl::api::comm_handle(c)).unwrap();
     }
+    let faults: Vec<String> = device::ILLEGAL
+        .lock()
+        .iter()
+        .chain(peers::NO_PEER_ACCESS.lock().iter())
+        .cloned()
+        .collect();
+    assert!(
+        faults.is_empty(),
+        "what the GPUs would have faulted on: {faults:?}"
+    );
     let _ = std::fs::remove_dir_all(&cache);
     println!("peer devices ({how}): checked {} cases", cases.len());
 }

@@ -224,6 +224,70 @@ pub fn open_gate(g: &Event) {
 
 static STREAMS: Mutex<Option<HashMap<usize, Arc<Stream>>>> = Mutex::new(None);
 static EVENTS: Mutex<Option<HashMap<usize, Arc<Event>>>> = Mutex::new(None);
+
+/// Whether streams and events belong to the context they were made in (`peers`: two devices,
+/// each its own context), as the driver's do: work goes onto a stream only while its context
+/// is current, and an event is recorded only on a stream of its own context; else the call
+/// fails (CUDA_ERROR_INVALID_HANDLE) and says why.
+pub static OWNED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+/// The context of each stream and event (by handle) made while `OWNED` (by `cuStreamCreate`,
+/// `cuEventCreate`, or the test's `own`).
+static OWNERS: Mutex<BTreeMap<usize, usize>> = Mutex::new(BTreeMap::new());
+
+/// Stream (or event) `h` belongs to context `ctx` (a stream the test made there).
+pub fn own(h: usize, ctx: usize) {
+    OWNERS.lock().insert(h, ctx);
+}
+
+/// The calling thread's current context.
+pub fn current_ctx() -> usize {
+    let mut c: driver::CUcontext = std::ptr::null_mut();
+    if let Ok(api) = driver::api() {
+        // SAFETY: writes one pointer.
+        unsafe { (api.ctx_get_current)(&mut c) };
+    }
+    c as usize
+}
+
+/// Records that `h`, made now, belongs to the current context (while `OWNED`).
+fn made(h: usize) {
+    if OWNED.load(Ordering::SeqCst) {
+        own(h, current_ctx());
+    }
+}
+
+/// Whether `call` on stream `s` breaks `OWNED`'s rule (said on stderr): `s` belongs to a
+/// context that is not current. (The NULL and per-thread streams are the current context's.)
+fn foreign_stream(s: usize, call: &str) -> bool {
+    let Some(&owner) = OWNERS.lock().get(&s) else {
+        return false;
+    };
+    let here = current_ctx();
+    if owner != here {
+        eprintln!(
+            "{call} on stream {s:#x} of context {owner:#x} while context {here:#x} is current"
+        );
+        return true;
+    }
+    false
+}
+
+/// Whether recording event `e` on stream `s` breaks `OWNED`'s rule (said on stderr).
+fn foreign_event(e: usize, s: usize) -> bool {
+    let o = OWNERS.lock();
+    let here = current_ctx();
+    let stream_ctx = o.get(&s).copied().unwrap_or(here);
+    match o.get(&e) {
+        Some(&ctx) if ctx != stream_ctx => {
+            eprintln!(
+                "cuEventRecord: event {e:#x} of context {ctx:#x} on stream {s:#x} of context \
+                 {stream_ctx:#x}"
+            );
+            true
+        }
+        _ => false,
+    }
+}
 pub static NEXT: AtomicU64 = AtomicU64::new(0x100);
 /// The kernels launched, by name.
 /// The next launch on this stream fails (CUDA_ERROR_LAUNCH_FAILED), once.
@@ -610,6 +674,9 @@ pub unsafe extern "C" fn launch(
         (1, 1, 1),
         "grids and blocks of one or two dimensions"
     );
+    if foreign_stream(s as usize, "cuLaunchKernel") {
+        return INVALID_HANDLE;
+    }
     if s as u64 != 0 && FAIL_LAUNCH_ON.load(Ordering::SeqCst) == s as u64 {
         FAIL_LAUNCH_ON.store(0, Ordering::SeqCst);
         return 719; // CUDA_ERROR_LAUNCH_FAILED
@@ -671,14 +738,23 @@ unsafe extern "C" fn free(p: u64) -> CUresult {
     OK
 }
 unsafe extern "C" fn dtod_async(dst: u64, src: u64, bytes: usize, s: *mut c_void) -> CUresult {
+    if foreign_stream(s as usize, "cuMemcpyDtoDAsync") {
+        return INVALID_HANDLE;
+    }
     submit(s as usize, Op::Copy { dst, src, bytes });
     OK
 }
 unsafe extern "C" fn memset_async(dst: u64, v: u8, n: usize, s: *mut c_void) -> CUresult {
+    if foreign_stream(s as usize, "cuMemsetD8Async") {
+        return INVALID_HANDLE;
+    }
     submit(s as usize, Op::Set8 { dst, v, n });
     OK
 }
 unsafe extern "C" fn memset32_async(dst: u64, v: c_uint, n: usize, s: *mut c_void) -> CUresult {
+    if foreign_stream(s as usize, "cuMemsetD32Async") {
+        return INVALID_HANDLE;
+    }
     submit(s as usize, Op::Set32 { dst, v, n });
     OK
 }
@@ -694,6 +770,7 @@ unsafe extern "C" fn stream_create(s: *mut *mut c_void, _: c_uint) -> CUresult {
     let h = NEXT.fetch_add(1, Ordering::SeqCst) as usize;
     stream(h);
     CREATED.lock().insert(h);
+    made(h);
     unsafe { *s = h as *mut c_void };
     OK
 }
@@ -872,12 +949,16 @@ unsafe extern "C" fn wait_event(s: *mut c_void, e: *mut c_void, flags: c_uint) -
 unsafe extern "C" fn event_create(e: *mut *mut c_void, _: c_uint) -> CUresult {
     let h = NEXT.fetch_add(1, Ordering::SeqCst) as usize;
     event(h);
+    made(h);
     unsafe { *e = h as *mut c_void };
     OK
 }
 unsafe extern "C" fn event_record_flags(e: *mut c_void, s: *mut c_void, flags: c_uint) -> CUresult {
     if flags != 1 {
         return unsafe { event_record(e, s) };
+    }
+    if foreign_event(e as usize, s as usize) {
+        return INVALID_HANDLE;
     }
     // An event record node: only while capturing; it records at each replay, not now.
     if !capturing(s as usize) {
@@ -892,6 +973,9 @@ pub static FAIL_SIDE_RECORD: std::sync::atomic::AtomicBool =
     std::sync::atomic::AtomicBool::new(false);
 
 unsafe extern "C" fn event_record(e: *mut c_void, s: *mut c_void) -> CUresult {
+    if foreign_event(e as usize, s as usize) {
+        return INVALID_HANDLE;
+    }
     if CREATED.lock().contains(&(s as usize)) && FAIL_SIDE_RECORD.swap(false, Ordering::SeqCst) {
         return 999;
     }
@@ -1062,6 +1146,7 @@ unsafe extern "C" fn ipc_close(p: u64) -> CUresult {
 // the granularity, and a mapping must fit its handle and its reservation.
 
 const INVALID_VALUE: CUresult = 1;
+const INVALID_HANDLE: CUresult = 400;
 /// Handles (cuMemCreate): the memory file and its size.
 static HANDLES: Mutex<Option<HashMap<u64, (i32, usize)>>> = Mutex::new(None);
 /// Reservations: start and size.

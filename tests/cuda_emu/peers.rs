@@ -41,6 +41,35 @@ fn current() -> usize {
     c as usize
 }
 
+/// The device of context `c` (device 0's where none is current).
+fn device_of(c: usize) -> usize {
+    (c.max(0x1000) - 0x1000) / 0x100
+}
+
+/// Kernels loaded in device d's context: module 0x2000 + d, whose function handles are
+/// `FUNC_BASE + i + FUNC_DEVICE * d` (a handle works only while its context is current).
+const FUNC_DEVICE: usize = 0x10000;
+
+unsafe extern "C" fn module_load(m: *mut *mut c_void, _: *const c_void) -> CUresult {
+    unsafe { *m = (0x2000 + device_of(current())) as *mut c_void };
+    OK
+}
+unsafe extern "C" fn get_function(
+    f: *mut *mut c_void,
+    module: *mut c_void,
+    n: *const c_char,
+) -> CUresult {
+    let n = unsafe { std::ffi::CStr::from_ptr(n) };
+    let d = module as usize - 0x2000;
+    match super::stand_in::KERNELS.iter().position(|k| *k == n) {
+        Some(i) => {
+            unsafe { *f = (super::stand_in::FUNC_BASE + i + FUNC_DEVICE * d) as *mut c_void };
+            OK
+        }
+        None => 500, // CUDA_ERROR_NOT_FOUND
+    }
+}
+
 unsafe extern "C" fn count(n: *mut c_int) -> CUresult {
     unsafe { *n = 2 };
     OK
@@ -50,8 +79,7 @@ unsafe extern "C" fn retain(c: *mut *mut c_void, d: c_int) -> CUresult {
     OK
 }
 unsafe extern "C" fn ctx_device(d: *mut c_int) -> CUresult {
-    let c = current().max(0x1000);
-    unsafe { *d = ((c - 0x1000) / 0x100) as c_int };
+    unsafe { *d = device_of(current()) as c_int };
     OK
 }
 unsafe extern "C" fn can_access(can: *mut c_int, a: c_int, b: c_int) -> CUresult {
@@ -93,10 +121,17 @@ unsafe extern "C" fn mem_alloc(p: *mut u64, n: usize) -> CUresult {
     }
     r
 }
-/// `cuLaunchKernel`: a runner launch whose connections are not all in the launching context's
-/// memory may give a lane several blocks (which count themselves in with atomics on each
-/// connection's header) only where the devices' atomics on each other's memory are native;
-/// otherwise it is refused (CUDA_ERROR_INVALID_VALUE, as the atomics would not be atomic).
+/// What a kernel would have faulted on: a connection in the other device's memory, allocated
+/// there by this process, while the launching context has not enabled access to it.
+pub static NO_PEER_ACCESS: Mutex<Vec<String>> = Mutex::new(Vec::new());
+
+/// `cuLaunchKernel`: the function must be of the current context's module
+/// (CUDA_ERROR_INVALID_HANDLE otherwise). A runner launch whose connections are not all in the
+/// launching context's memory needs that context to have enabled access to the other's
+/// (`NO_PEER_ACCESS` otherwise); it may give a lane several blocks (which count themselves in
+/// with atomics on each connection's header) only where the devices' atomics on each other's
+/// memory are native; otherwise it is refused (CUDA_ERROR_INVALID_VALUE, as the atomics would
+/// not be atomic).
 #[allow(clippy::too_many_arguments)]
 unsafe extern "C" fn launch(
     f: *mut c_void,
@@ -111,23 +146,48 @@ unsafe extern "C" fn launch(
     params: *mut *mut c_void,
     extra: *mut *mut c_void,
 ) -> CUresult {
+    let here = current();
+    let (d, f) = (
+        f as usize / FUNC_DEVICE,
+        (f as usize % FUNC_DEVICE) as *mut c_void,
+    );
+    if d != device_of(here) {
+        eprintln!(
+            "cuLaunchKernel: a function of device {d}'s module while context {here:#x} is \
+             current"
+        );
+        return 400; // CUDA_ERROR_INVALID_HANDLE
+    }
     let runner = super::stand_in::kernel_name(f as usize)
         .is_some_and(|n| n.to_bytes().starts_with(b"oxccl_run"));
     if runner {
         // SAFETY: the descriptor's header and connections (`OxHeadD`, `OxConnD`).
         let words = unsafe { *params as *const u64 };
         let (nb, nconns) = unsafe { (*words & 0xffff, (*words.add(1) & 0xffff) as usize) };
-        let here = current();
         let ranges = RANGES.lock();
-        let remote = (0..nconns)
+        let owner = |hdr: u64| {
+            ranges
+                .iter()
+                .find(|&&(p, n, _)| p <= hdr && hdr < p + n as u64)
+                .map(|&(_, _, c)| c)
+        };
+        let headers: Vec<u64> = (0..nconns)
             .map(|i| unsafe { *words.add(2 + 4 * i) })
-            .filter(|&hdr| {
-                device::ipc_opened(hdr)
-                    || ranges
-                        .iter()
-                        .any(|&(p, n, c)| c != here && p <= hdr && hdr < p + n as u64)
-            })
+            .collect();
+        let remote = headers
+            .iter()
+            .filter(|&&hdr| device::ipc_opened(hdr) || owner(hdr).is_some_and(|c| c != here))
             .count();
+        let enabled = ENABLED.lock();
+        for &hdr in &headers {
+            if let Some(c) = owner(hdr).filter(|&c| c != here && !enabled.contains(&(here, c))) {
+                NO_PEER_ACCESS.lock().push(format!(
+                    "a launch in context {here:#x} on connection {hdr:#x} of context {c:#x}, \
+                     whose memory it has not enabled access to"
+                ));
+            }
+        }
+        drop(enabled);
         drop(ranges);
         if remote > 0 {
             REMOTE_LAUNCHES.fetch_add(1, Ordering::SeqCst);
@@ -154,6 +214,8 @@ super::stand_in::pointer_attrs_over!(super::stand_in, pointer_attr);
 pub fn functions() -> Vec<(&'static str, *const c_void)> {
     vec![
         ("cuDeviceGetCount", count as *const c_void),
+        ("cuModuleLoadData", module_load as *const c_void),
+        ("cuModuleGetFunction", get_function as *const c_void),
         ("cuDevicePrimaryCtxRetain", retain as *const c_void),
         ("cuCtxGetDevice", ctx_device as *const c_void),
         ("cuDeviceCanAccessPeer", can_access as *const c_void),
