@@ -38,6 +38,7 @@ mod service;
 mod wire;
 
 pub use id::{ID_BYTES, SECRET_BYTES};
+pub(crate) use wire::connect_once;
 
 use crate::error::{Code, Error, Result};
 use crate::health::{Health, IntoHealth};

@@ -354,6 +354,23 @@ pub(crate) fn failure(e: &std::io::Error) -> String {
     }
 }
 
+/// One connection attempt, as [`Connector::connect`] makes them (no delay, blocking mode):
+/// Ok(Err(why)) when it was refused or failed, or got no answer within
+/// `OXCCL_BOOTSTRAP_CONNECT_S` or the wait's deadline; Err when the wait's communicator is
+/// aborted meanwhile. For an address that listens before it is handed out (a network
+/// transport's end), where a refusal means the other end is gone, not late.
+pub(crate) fn connect_once(
+    addr: SocketAddr,
+    w: &Wait,
+    what: &dyn Fn() -> String,
+) -> Result<std::result::Result<TcpStream, String>> {
+    let s = Connector::new(addr).attempt(w, what)?;
+    if let Ok(s) = &s {
+        let _ = s.set_nodelay(true);
+    }
+    Ok(s)
+}
+
 /// Connects as [`Connector::connect`] does, for one connection.
 pub(crate) fn connect(addr: SocketAddr, w: &Wait, what: &dyn Fn() -> String) -> Result<TcpStream> {
     Connector::new(addr).connect(w, what)

@@ -343,6 +343,7 @@ impl Conns {
             ipc: self.peers[self.rank].ipc_with(&self.peers[k.peer()]),
             peer_pid: self.peers[self.rank].pid_seen_by(&self.peers[k.peer()]),
             peer_host: self.peers[k.peer()].hostname.clone(),
+            health: Some(self.health.clone()),
         }
     }
 

@@ -784,6 +784,8 @@ pub struct ConnSpec {
     pub peer_pid: u32,
     /// The other end's host name (for messages).
     pub peer_host: String,
+    /// The communicator's health: an abort ends a wait of the setup (a network end's connect).
+    pub health: Option<Arc<crate::health::Health>>,
 }
 
 impl ConnSpec {

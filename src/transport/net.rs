@@ -131,6 +131,7 @@ impl Transport for Net {
                 share,
                 publish,
                 opener: side(true),
+                health: spec.health.clone(),
             }),
             blob,
         ))
@@ -163,6 +164,8 @@ struct NetSetup {
     /// The opener's side of these two ranks' sockets: lo's receiving end reads from it when
     /// hi's sending end shares.
     opener: pair::Side,
+    /// The communicator's health (an abort ends the sending end's connect).
+    health: Option<Arc<crate::health::Health>>,
 }
 
 impl Endpoint for NetSetup {
@@ -205,10 +208,18 @@ impl Endpoint for NetSetup {
                 .and_then(|s| s.parse().ok())
                 .ok_or_else(|| bad_blob(&n, peer_blob))?;
             let who = || format!("rank {}: connecting to rank {} at {addr}", n.me, n.peer);
+            // The receiving end listened before it handed out its address: a refusal means
+            // it is gone. No answer ends at OXCCL_BOOTSTRAP_CONNECT_S, an abort at once.
+            let w = crate::health::Wait::new(
+                format!("rank {}", n.me),
+                crate::param::bootstrap_connect(),
+                n.health.as_deref(),
+            );
+            let what = || format!("rank {}'s network end at {addr}", n.peer);
             let mut socks = Vec::with_capacity(k);
             for j in 0..k {
-                let mut s = TcpStream::connect_timeout(&addr, crate::param::bootstrap_connect())
-                    .map_err(|e| Error::remote(format!("{}: {e}", who())))?;
+                let mut s = crate::bootstrap::connect_once(addr, &w, &what)?
+                    .map_err(|why| Error::remote(format!("{}: {why}", who())))?;
                 s.write_all(token)
                     .and_then(|_| s.write_all(&[j as u8]))
                     .map_err(|e| Error::remote(format!("{}: {e}", who())))?;

@@ -187,6 +187,7 @@ fn each_locality_has_its_transport_and_blobs_are_checked() {
         ipc: false,
         peer_pid: 0,
         peer_host: "elsewhere".into(),
+        health: None,
     };
     let t = pick(&me, &me).unwrap();
     let (ep, _) = t.setup(&spec(true)).unwrap();

@@ -258,3 +258,70 @@ fn a_revoke_copies_from_where_the_slot_went_not_from_its_cell() {
     assert!(slot(&end, 0) == pattern(0));
     assert!(later.iter().all(|&b| b == GONE));
 }
+
+/// A sending end's connect to a receiving end that does not answer (its listener's queue is
+/// full: the kernel drops the request) ends when the communicator is aborted, not at
+/// `OXCCL_BOOTSTRAP_CONNECT_S`; a refusal (the receiving end is gone) ends it at once.
+#[test]
+fn a_sending_ends_connect_ends_at_an_abort_or_a_refusal() {
+    use crate::transport::{Class, ConnSpec, Transport};
+    use nix::sys::socket::{self, AddressFamily, Backlog, SockFlag, SockType, SockaddrIn};
+    use std::os::fd::AsRawFd;
+    let spec = |health| ConnSpec {
+        local_ip: std::net::Ipv4Addr::LOCALHOST.into(),
+        comm_hash: 0x7e57_c0de,
+        me: 0,
+        peer: 1,
+        is_sender: true,
+        class: Class::Ring,
+        nsteps: NSTEPS,
+        slot_bytes: BYTES,
+        same_device: false,
+        peer_device: false,
+        shared_blocks: true,
+        ipc: false,
+        peer_pid: 0,
+        peer_host: "elsewhere".into(),
+        health,
+    };
+    let blob = |addr: std::net::SocketAddr| {
+        let mut b = vec![7u8; super::TOKEN];
+        b.push(1);
+        b.extend_from_slice(addr.to_string().as_bytes());
+        b
+    };
+    // A listener with room for one connection in its queue, which one takes.
+    let fd = socket::socket(
+        AddressFamily::Inet,
+        SockType::Stream,
+        SockFlag::SOCK_CLOEXEC,
+        None,
+    )
+    .unwrap();
+    socket::bind(fd.as_raw_fd(), &SockaddrIn::new(127, 0, 0, 1, 0)).unwrap();
+    socket::listen(&fd, Backlog::new(0).unwrap()).unwrap();
+    let at: SockaddrIn = socket::getsockname(fd.as_raw_fd()).unwrap();
+    let addr = std::net::SocketAddr::V4(at.into());
+    let _first = TcpStream::connect(addr).unwrap();
+    let health = std::sync::Arc::new(crate::health::Health::default());
+    let (ep, _) = super::Net.setup(&spec(Some(health.clone()))).unwrap();
+    let h = health.clone();
+    let aborter = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(300));
+        h.abort();
+    });
+    let t = Instant::now();
+    let e = ep.connect(&blob(addr)).map(|_| ()).unwrap_err();
+    aborter.join().unwrap();
+    assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
+    assert_eq!(e.code, crate::error::Code::InvalidUsage, "{e}");
+    assert!(e.msg.contains("aborted"), "{e}");
+    // Nobody listens there any more: refused at once.
+    drop(fd);
+    let (ep, _) = super::Net.setup(&spec(None)).unwrap();
+    let t = Instant::now();
+    let e = ep.connect(&blob(addr)).map(|_| ()).unwrap_err();
+    assert!(t.elapsed() < Duration::from_secs(2), "{:?}", t.elapsed());
+    assert_eq!(e.code, crate::error::Code::RemoteError, "{e}");
+    assert!(e.msg.contains("connecting to rank 1"), "{e}");
+}
