@@ -312,13 +312,35 @@ impl DevMem {
         let api = driver::api()?;
         let ctx = current_or_device0()?;
         let _g = CtxGuard::enter(ctx)?;
-        driver::relaxed(|| {
+        let m = driver::relaxed(|| {
             let mut p: driver::CUdeviceptr = 0;
             // SAFETY: writes one device pointer.
             check(unsafe { (api.mem_alloc)(&mut p, bytes) }, || {
                 format!("cuMemAlloc of {bytes} bytes for {what}")
             })?;
-            let m = DevMem { ptr: p, ctx };
+            Ok(DevMem { ptr: p, ctx })
+        })?;
+        m.fill(bytes, what, init)?;
+        Ok(m)
+    }
+
+    /// Zeroes its first `bytes` again (a spare's reuse, `exec::cuda::spare`).
+    pub fn zero(&self, bytes: usize) -> Result<()> {
+        let _g = CtxGuard::enter(self.ctx)?;
+        self.fill(bytes, "spare device memory", |_, _| Ok(()))
+    }
+
+    /// Zeroes its first `bytes`, then `init(ptr, stream)`, on a private stream it waits for
+    /// (in its context, current).
+    fn fill(
+        &self,
+        bytes: usize,
+        what: &str,
+        init: impl FnOnce(u64, driver::CUstream) -> Result<()>,
+    ) -> Result<()> {
+        let api = driver::api()?;
+        let p = self.ptr;
+        driver::relaxed(|| {
             let mut st: driver::CUstream = std::ptr::null_mut();
             // SAFETY: writes one stream handle.
             check(
@@ -338,8 +360,7 @@ impl DevMem {
             });
             // SAFETY: as above.
             unsafe { (api.stream_destroy)(st) };
-            r?;
-            Ok(m)
+            r
         })
     }
 }

@@ -141,28 +141,44 @@ pub fn replay_after_destroy() {
             assert_eq!(written, 0, "a replay after the destroy wrote outputs");
         }
         // The graph goes: what it held goes soon after, by the watcher thread, with no call
-        // of the program's.
+        // of the program's, to the spares (pinned still, for later communicators: unpinning
+        // could wait for good, `exec::cuda::spare`); they are freed with the last
+        // communicator.
         drop(graphs);
-        let t = Instant::now();
-        while ctls.iter().any(|&p| device::pinned(p)) && t.elapsed() < Duration::from_secs(5) {
-            std::thread::sleep(Duration::from_millis(5));
-        }
+        assert!(
+            spares_hold(&ctls),
+            "control blocks not given back 5 s after the graph went"
+        );
+        assert!(ctls.iter().all(|&p| device::pinned(p)));
+        destroy(keeper);
         assert!(
             ctls.iter().all(|&p| !device::pinned(p)),
-            "control blocks still pinned 5 s after the graph went"
+            "control blocks still pinned after the last communicator went"
         );
-        destroy(keeper);
         release_buffers();
     }
 }
 
-/// What a graph held is freed only while no collective of this process may wait for a launch
-/// still to come. Freeing device or pinned memory waits for the device's kernels (the
-/// emulated driver's too: `device::synchronize_device`), and a rank's kernel waits for its
-/// peers' launches: ranks driven one at a time (threads of one process, here one thread) would
-/// wait for good, had the free come between them. The graph of a destroyed communicator goes
-/// while rank 0 of another waits for rank 1's launch; rank 1 then launches, and the
-/// all-reduce completes; the graph's control blocks are freed once nothing runs.
+/// Whether the spares (`exec::cuda::spare`) hold every page of `ctls` within 5 s.
+fn spares_hold(ctls: &BTreeSet<u64>) -> bool {
+    let t = Instant::now();
+    let held = || {
+        let (pages, _) = nccl::exec::cuda::spare::held();
+        ctls.iter().all(|p| pages.contains(p))
+    };
+    while !held() && t.elapsed() < Duration::from_secs(5) {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    held()
+}
+
+/// What a graph held is let go of without a free: freeing device or pinned memory waits for the
+/// device's kernels (the emulated driver's too: `device::synchronize_device`), and a rank's
+/// kernel waits for its peers' launches, so ranks driven one at a time (threads of one
+/// process, here one thread) would wait for good, had a free come between them. The graph of a
+/// destroyed communicator goes while rank 0 of another waits for rank 1's launch (its kernel
+/// still runs); rank 1 then launches, and the all-reduce completes. The graph's control blocks
+/// went to the spares meanwhile, and are freed with the last communicator.
 pub fn released_while_a_rank_waits() {
     let c = f32_sum(4099);
     let captured = nccl::api::comm_init_all(&[0, 0]).expect("two ranks on one device");
@@ -199,13 +215,16 @@ pub fn released_while_a_rank_waits() {
     for (r, b) in bufs.iter().enumerate() {
         fill(&c, 2, r, *b, 3);
     }
+    assert!(!ctls.is_empty(), "the graph launched no runner");
     enqueue(&comms[0], &c, 2, bufs[0], streams[0]);
-    drop(graphs);
-    // (The watcher thread looks every 5 ms.)
-    std::thread::sleep(Duration::from_millis(100));
     assert!(
-        ctls.iter().all(|&p| device::pinned(p)),
-        "freed while rank 0's all-reduce waited for rank 1's launch"
+        !sync(streams[0], Duration::from_millis(50)),
+        "rank 0's all-reduce ended without rank 1"
+    );
+    drop(graphs);
+    assert!(
+        spares_hold(&ctls),
+        "control blocks not given back while rank 0's all-reduce waits for rank 1's launch"
     );
     enqueue(&comms[1], &c, 2, bufs[1], streams[1]);
     let what = "an all-reduce whose ranks launch apart, a graph let go of between them";
@@ -214,17 +233,13 @@ pub fn released_while_a_rank_waits() {
     assert!(illegal.is_empty(), "{what}: {illegal:?}");
     no_async_error(&comms, what);
     verify(&c, &bufs, 3, what);
-    let t = Instant::now();
-    while ctls.iter().any(|&p| device::pinned(p)) && t.elapsed() < Duration::from_secs(5) {
-        std::thread::sleep(Duration::from_millis(5));
+    for comm in comms {
+        nccl::api::comm_destroy(nccl::api::comm_handle(&comm)).unwrap();
     }
     assert!(
         ctls.iter().all(|&p| !device::pinned(p)),
-        "control blocks still pinned 5 s after the graph went and nothing ran"
+        "control blocks still pinned after the last communicator went"
     );
-    for comm in &comms {
-        nccl::api::comm_destroy(nccl::api::comm_handle(comm)).unwrap();
-    }
     release_buffers();
 }
 

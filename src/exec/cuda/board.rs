@@ -33,7 +33,9 @@ fn bytes(nranks: usize) -> usize {
 pub const MAX_RANKS: usize = super::direct::MAX_RANKS;
 
 pub struct Board {
-    mem: DevMem,
+    /// Its memory (None once dropped: gone to the spares).
+    mem: Option<DevMem>,
+    at: u64,
     hash: u64,
     ctx: usize,
     nranks: usize,
@@ -51,17 +53,17 @@ enum Place {
 impl Board {
     /// The board's device address.
     pub fn addr(&self) -> u64 {
-        self.mem.ptr
+        self.at
     }
 
     /// Whether `addr` is on the board (a waiting kernel names the line it waits on).
     pub fn holds(&self, addr: u64) -> bool {
-        (self.mem.ptr..self.mem.ptr + bytes(self.nranks) as u64).contains(&addr)
+        (self.at..self.at + bytes(self.nranks) as u64).contains(&addr)
     }
 
     /// The part and the rank of the line at `addr` (on the board).
     pub fn line(&self, addr: u64) -> (usize, usize) {
-        let i = (addr - self.mem.ptr) as usize / LINE;
+        let i = (addr - self.at) as usize / LINE;
         (i / self.nranks, i % self.nranks)
     }
 
@@ -75,6 +77,15 @@ impl Board {
     /// Whether rank `rank`'s communicator ended.
     pub fn left(&self, rank: usize) -> bool {
         self.places.lock().get(rank) == Some(&Place::Left)
+    }
+}
+
+impl Drop for Board {
+    fn drop(&mut self) {
+        // Kept for a later communicator: freeing it now could wait for good (`spare`).
+        if let Some(m) = self.mem.take() {
+            super::spare::give_board(self.ctx, bytes(self.nranks), m);
+        }
     }
 }
 
@@ -119,11 +130,15 @@ pub fn for_rank(hash: u64, ctx: usize, rank: usize, nranks: usize) -> Result<Opt
             }
         }
     }
-    let mem = DevMem::zeroed(bytes(nranks), "a communicator's device board")?;
+    let mem = match super::spare::board(ctx, bytes(nranks)) {
+        Some(m) => m,
+        None => DevMem::zeroed(bytes(nranks), "a communicator's device board")?,
+    };
     let mut places = vec![Place::Free; nranks];
     places[rank] = Place::Taken;
     let b = Arc::new(Board {
-        mem,
+        at: mem.ptr,
+        mem: Some(mem),
         hash,
         ctx,
         nranks,

@@ -19,6 +19,8 @@ use std::time::{Duration, Instant};
 /// The control block (`OxCtl` in `cuda/runner.cu`), in a pinned page of its own.
 pub(super) struct Ctl {
     page: *mut u8,
+    /// The context it was pinned in (`spare`).
+    ctx: usize,
 }
 
 // SAFETY: the page is owned by the Ctl and only touched through atomics / volatile reads.
@@ -29,7 +31,11 @@ unsafe impl Sync for Ctl {}
 const CTL_PAGE: usize = 4096;
 
 impl Ctl {
-    fn new() -> Result<Ctl> {
+    /// A control block in context `ctx` (current): a spare one's page, else a new page pinned.
+    fn new(ctx: usize) -> Result<Ctl> {
+        if let Some(page) = super::spare::page(ctx, CTL_PAGE) {
+            return Ok(Ctl { page, ctx });
+        }
         let layout = std::alloc::Layout::from_size_align(CTL_PAGE, CTL_PAGE).expect("layout");
         // SAFETY: non-zero size.
         let page = unsafe { std::alloc::alloc_zeroed(layout) };
@@ -41,7 +47,7 @@ impl Ctl {
             unsafe { std::alloc::dealloc(page, layout) };
             return Err(e);
         }
-        Ok(Ctl { page })
+        Ok(Ctl { page, ctx })
     }
 
     pub fn addr(&self) -> u64 {
@@ -92,11 +98,17 @@ impl Ctl {
 
 impl Drop for Ctl {
     fn drop(&mut self) {
-        crate::gpu::memory::unpin_host(self.page);
-        let layout = std::alloc::Layout::from_size_align(CTL_PAGE, CTL_PAGE).expect("layout");
-        // SAFETY: allocated in `new` with this layout.
-        unsafe { std::alloc::dealloc(self.page, layout) };
+        // Kept pinned for a later communicator: unpinning now could wait for good (`spare`).
+        super::spare::give_page(self.ctx, self.page);
     }
+}
+
+/// Unpins and frees a control block's page (`spare`, once no communicator is left).
+pub(super) fn free_page(page: *mut u8) {
+    crate::gpu::memory::unpin_host(page);
+    let layout = std::alloc::Layout::from_size_align(CTL_PAGE, CTL_PAGE).expect("layout");
+    // SAFETY: allocated in `Ctl::new` with this layout, given back once.
+    unsafe { std::alloc::dealloc(page, layout) };
 }
 
 /// How many graphs being captured at once a communicator keeps its last launch in; past that,
@@ -339,6 +351,9 @@ pub struct CudaComm {
     /// group that holds both.
     side: once_cell::sync::OnceCell<Side>,
     name: String,
+    /// Counted among the process's communicators (last: dropped after its control block and
+    /// board went to the spares, `spare::Live`).
+    _live: super::spare::Live,
 }
 
 /// A communicator's side stream (non-blocking) and its fork/join event.
@@ -395,7 +410,8 @@ impl CudaComm {
                 r
             })?;
         }
-        let ctl = Arc::new(Ctl::new()?);
+        let live = super::spare::Live::new();
+        let ctl = Arc::new(Ctl::new(ctx)?);
         let process_ranks_on_device: Vec<usize> = (0..s.peers.len())
             .filter(|&q| {
                 q == s.rank
@@ -426,9 +442,6 @@ impl CudaComm {
             reported: false,
             used: Arc::downgrade(&used),
             board: board.as_ref().map(Arc::downgrade),
-            events: Arc::downgrade(&events),
-            last: Arc::downgrade(&last),
-            replayed: replayed as usize,
             probes: crate::transport::peer::PeerInfo::local_probes(s.peers, s.rank),
             names: s
                 .peers
@@ -483,6 +496,7 @@ impl CudaComm {
             room_warned: Default::default(),
             side: Default::default(),
             name,
+            _live: live,
         })
     }
 
@@ -742,11 +756,6 @@ struct Watched {
     used: Weak<Mutex<Used>>,
     /// Its device board, where board lanes wait for their peers.
     board: Option<Weak<super::board::Board>>,
-    /// Its events (kept alive while looked at), the one its last eager launch recorded, and
-    /// the one its replays record (`in_flight`).
-    events: Weak<Events>,
-    last: Weak<Mutex<Last>>,
-    replayed: usize,
     /// How to ask whether each rank's process lives, where it runs on this host in another
     /// process (`PeerInfo::local_probes`), and each rank in words.
     probes: Vec<Option<crate::liveness::Probe>>,
@@ -943,42 +952,6 @@ impl Watched {
 }
 
 static WATCHED: Mutex<Vec<Watched>> = Mutex::new(Vec::new());
-
-/// Whether a launch of a communicator of this process may still run: its last eager launch, or
-/// the last replay of a graph that captured one, is not done (its event says so), or a query
-/// failed. (What graphs let go of is freed only when none may, `kept::reclaim`: freeing
-/// device or pinned memory waits for the device's kernels, and a rank's kernel waits for its
-/// peers' launches, which a thread of this process may be about to make.)
-pub(super) fn in_flight() -> bool {
-    let looks: Vec<(Arc<Events>, usize, usize)> = WATCHED
-        .lock()
-        .iter()
-        .filter_map(|x| {
-            let events = x.events.upgrade()?;
-            let last = x.last.upgrade()?;
-            let l = last.lock();
-            Some((events, if l.recorded { l.event } else { 0 }, x.replayed))
-        })
-        .collect();
-    let Ok(api) = driver::api() else {
-        return false;
-    };
-    looks.iter().any(|(events, last, replayed)| {
-        let Ok(_g) = CtxGuard::enter(events.ctx) else {
-            return true;
-        };
-        // (Relaxed: another thread's graph capture in global mode would refuse the queries,
-        // and be spoiled.)
-        driver::relaxed(|| {
-            Ok([*last, *replayed].into_iter().filter(|&e| e != 0).any(|e| {
-                // SAFETY: the communicator's event, alive while `events` is (a replay's record
-                // node takes effect when its graph is launched: a legal query).
-                unsafe { (api.event_query)(e as driver::CUevent) != driver::CUDA_SUCCESS }
-            }))
-        })
-        .unwrap_or(true)
-    })
-}
 
 /// Registers a communicator with the watcher thread (started at the first one): a kernel's
 /// error, or a peer its running kernels wait for in vain, becomes the communicator's error

@@ -8,13 +8,10 @@
 //! the buffers as they are, instead of reading and writing connections freed by then.
 //!
 //! The driver calls a user object's destructor where no CUDA call is allowed, so it only queues
-//! the `Kept`; what that held is freed by the watcher thread within a few milliseconds while
-//! communicators live, and at the next launch outside graph capture, or the next communicator
-//! made or destroyed (`reclaim`), each time only if no launch of this process's communicators
-//! may still run. Freeing device or pinned memory waits for the device's kernels, and a rank's
-//! kernel waits for its peers' launches: where threads of this process drive the ranks one
-//! at a time, a free between two of their launches would wait for good (NCCL's users know
-//! this hang from their own `cudaFree` calls; oxccl must not make it).
+//! the `Kept`; what that held is let go of by the watcher thread within a few milliseconds
+//! while communicators live, and at the next launch outside graph capture, or the next
+//! communicator made or destroyed (`reclaim`): its events destroyed, its control block and
+//! board kept as spares for later communicators (`spare`), which no free can make wait.
 
 use super::comm::Ctl;
 use crate::gpu::driver::{self, CtxGuard};
@@ -26,7 +23,7 @@ use std::sync::Arc;
 /// A communicator's events (its last launch's, its join event, those its captured launches
 /// record), destroyed in its context when nothing holds them any more.
 pub(super) struct Events {
-    pub(super) ctx: usize,
+    ctx: usize,
     list: Mutex<Vec<usize>>,
 }
 
@@ -125,17 +122,6 @@ pub(super) fn keep(k: &Kept, stream: usize) -> bool {
     .unwrap_or(false)
 }
 
-/// Held (shared) while a group's kernels are launched, one set after another
-/// (`super::launch_jobs`): nothing is freed meanwhile. Freeing device or pinned memory waits
-/// for the kernels of its device (and of its peers), and a kernel launched first may wait on
-/// one launched after it, on another GPU or stream: a free between them would wait for good.
-static LAUNCHING: parking_lot::RwLock<()> = parking_lot::RwLock::new(());
-
-/// Held while a group's kernels are launched (see `LAUNCHING`).
-pub(super) fn launching() -> parking_lot::RwLockReadGuard<'static, ()> {
-    LAUNCHING.read()
-}
-
 /// `reclaim` where there is something to free and `now()` says so.
 pub(super) fn reclaim_if(now: impl FnOnce() -> bool) {
     if PENDING.load(Ordering::Acquire) && now() {
@@ -143,25 +129,15 @@ pub(super) fn reclaim_if(now: impl FnOnce() -> bool) {
     }
 }
 
-/// Frees what graphs let go of since the last call (unpinning in relaxed capture mode: a stream
-/// may capture a graph meanwhile), unless a group is being launched (`LAUNCHING`) or a launch
-/// of this process's communicators may still run (`comm::in_flight`): then a later call does.
+/// Lets go of what graphs let go of since the last call: events are destroyed (in their
+/// context, relaxed: a stream may capture a graph meanwhile), control blocks and boards go to
+/// the spares (`spare`: nothing here frees memory, so nothing waits for the device's kernels).
 /// What graphs let go of once no communicator is left, and no call of the program follows,
-/// stays allocated until it exits.
+/// stays until it exits.
 pub(super) fn reclaim() {
-    if !PENDING.load(Ordering::Acquire) {
-        return;
-    }
-    let Some(_no_launch) = LAUNCHING.try_write() else {
-        return;
-    };
-    if super::comm::in_flight() {
-        return;
-    }
     if !PENDING.swap(false, Ordering::Acquire) {
         return;
     }
     let gone = std::mem::take(&mut *RELEASED.lock());
-    // (Events enter their context; a control block unpins in the one that pinned it.)
     drop(gone);
 }

@@ -26,6 +26,7 @@ mod kept;
 mod kernels;
 pub mod memory;
 mod nvrtc;
+pub mod spare;
 pub mod stream;
 
 pub use comm::CudaComm;
@@ -376,8 +377,8 @@ fn prepare<'a>(per_comm: PerComm<'a>) -> Result<Jobs<'a>> {
 
 /// Launches prepared jobs: together those that share a context and a stream.
 fn launch_jobs(mut jobs: Jobs<'_>) -> Result<()> {
-    // What graphs let go of since the last look is freed before the group's first launch
-    // (not while its stream captures), and nothing is freed until its last (`kept::LAUNCHING`).
+    // What graphs let go of since the last look goes before the group's first launch (not
+    // while its stream captures).
     if let Some(j0) = jobs.first() {
         kept::reclaim_if(|| {
             CtxGuard::enter(j0.comm.ctx)
@@ -385,7 +386,6 @@ fn launch_jobs(mut jobs: Jobs<'_>) -> Result<()> {
                 .is_ok_and(|c| c == driver::Capture::No)
         });
     }
-    let _launching = kept::launching();
     // (The usual group, one context and one stream, as it is.)
     if let Some(j0) = jobs.first() {
         let (ctx, s) = (j0.comm.ctx, j0.stream);

@@ -1,0 +1,96 @@
+//! What communicators leave behind for the next ones: their control blocks (pinned host pages)
+//! and device boards, kept as they are when a communicator, or the last graph holding them,
+//! lets go of them, and handed out again, zeroed, to communicators made later in the same
+//! context.
+//!
+//! Freeing device or pinned memory (`cuMemFree`, `cuMemHostUnregister`) waits for the
+//! device's kernels, and a rank's kernel waits for its peers' launches. Where threads of one
+//! process drive the ranks one at a time, a free between two of their launches would wait for
+//! good (NCCL's users know this hang from their own `cudaFree` calls). What graphs let go of
+//! goes at any moment (`kept::reclaim`, on the watcher thread or before a launch), and a
+//! communicator may be destroyed while another's ranks launch apart: neither frees anything,
+//! so neither can wait. The spares are freed when the process's last communicator goes
+//! (`Live`): no launch of this library can wait for a peer then.
+
+use crate::gpu::memory::DevMem;
+use parking_lot::Mutex;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+/// Control block pages (context pinned in, address), pinned and mapped into every context.
+static PAGES: Mutex<Vec<(usize, usize)>> = Mutex::new(Vec::new());
+/// Boards' device memory (context, bytes, memory).
+static BOARDS: Mutex<Vec<(usize, usize, DevMem)>> = Mutex::new(Vec::new());
+/// Communicators of this process on the CUDA executor.
+static LIVE: AtomicUsize = AtomicUsize::new(0);
+
+/// A spare control block page of context `ctx` (pinned there), zeroed; None where there is
+/// none.
+pub(super) fn page(ctx: usize, bytes: usize) -> Option<*mut u8> {
+    let mut pages = PAGES.lock();
+    let i = pages.iter().position(|&(c, _)| c == ctx)?;
+    let p = pages.swap_remove(i).1 as *mut u8;
+    // SAFETY: a page of `bytes` given back by a control block, which no kernel reads any more
+    // (it went once its communicator's and its graphs' launches were done).
+    unsafe { std::ptr::write_bytes(p, 0, bytes) };
+    Some(p)
+}
+
+/// Keeps a control block's page (pinned in `ctx`) for a later communicator.
+pub(super) fn give_page(ctx: usize, p: *mut u8) {
+    PAGES.lock().push((ctx, p as usize));
+}
+
+/// A spare board of `bytes` in context `ctx`, zeroed; None where there is none, or zeroing it
+/// failed (it is freed then).
+pub(super) fn board(ctx: usize, bytes: usize) -> Option<DevMem> {
+    let mut boards = BOARDS.lock();
+    let i = boards.iter().position(|b| (b.0, b.1) == (ctx, bytes))?;
+    let m = boards.swap_remove(i).2;
+    drop(boards);
+    match m.zero(bytes) {
+        Ok(()) => Some(m),
+        Err(e) => {
+            crate::debug::warn(&format!("zeroing a spare device board: {e}"));
+            None
+        }
+    }
+}
+
+/// Keeps a board's memory (`bytes` in context `ctx`) for a later communicator.
+pub(super) fn give_board(ctx: usize, bytes: usize, m: DevMem) {
+    BOARDS.lock().push((ctx, bytes, m));
+}
+
+/// What the spares hold now: control block pages, board bytes.
+pub fn held() -> (Vec<u64>, usize) {
+    let pages = PAGES.lock().iter().map(|&(_, p)| p as u64).collect();
+    let boards = BOARDS.lock().iter().map(|b| b.1).sum();
+    (pages, boards)
+}
+
+/// A communicator on the CUDA executor, counted while it lives: when the last goes, the
+/// spares are freed.
+pub(super) struct Live(());
+
+impl Live {
+    pub fn new() -> Live {
+        LIVE.fetch_add(1, Ordering::SeqCst);
+        Live(())
+    }
+}
+
+impl Drop for Live {
+    fn drop(&mut self) {
+        if LIVE.fetch_sub(1, Ordering::SeqCst) != 1 {
+            return;
+        }
+        // (Taken under the locks, freed after them; a communicator made meanwhile allocates
+        // its own.)
+        let pages = std::mem::take(&mut *PAGES.lock());
+        let boards = std::mem::take(&mut *BOARDS.lock());
+        for (_, p) in pages {
+            super::comm::free_page(p as *mut u8);
+        }
+        drop(boards);
+    }
+}
