@@ -151,10 +151,57 @@ impl Drop for UserObject {
 
 /// Host memory pinned now (`cuMemHostRegister`), by address: what kernels may reach of the
 /// host's memory.
-static PINNED: Mutex<BTreeSet<u64>> = Mutex::new(BTreeSet::new());
+static PINNED: Mutex<BTreeMap<u64, usize>> = Mutex::new(BTreeMap::new());
 
+/// Whether `p` is in host memory pinned now.
 pub fn pinned(p: u64) -> bool {
-    PINNED.lock().contains(&p)
+    within(&PINNED.lock(), p)
+}
+
+/// Whether `p` is in one of `ranges` (start, bytes).
+fn within(ranges: &BTreeMap<u64, usize>, p: u64) -> bool {
+    ranges
+        .range(..=p)
+        .next_back()
+        .is_some_and(|(&at, &n)| p < at + n as u64)
+}
+
+/// Whether a kernel reaches `p`: device memory (allocated, opened by an IPC handle, or mapped
+/// in a reservation) or pinned host memory.
+fn reachable(p: u64) -> bool {
+    let in_map = |m: &Option<HashMap<u64, (i32, usize)>>| {
+        m.as_ref()
+            .is_some_and(|m| m.iter().any(|(&at, &(_, n))| at <= p && p < at + n as u64))
+    };
+    pinned(p)
+        || in_map(&ALLOCS.lock())
+        || OPENED
+            .lock()
+            .as_ref()
+            .is_some_and(|m| m.iter().any(|(&at, &n)| at <= p && p < at + n as u64))
+        || RESERVED
+            .lock()
+            .iter()
+            .any(|&(at, n)| at <= p && p < at + n as u64)
+}
+
+/// The memory a runner launch's connections live in that a kernel cannot reach: each one's
+/// header and the first and last byte of its slots (`OxConnD`: header, slots, steps, slot
+/// bytes; their count is the low 16 bits of the descriptor's second word).
+fn unreachable_conns(params: &[u64]) -> Vec<u64> {
+    let n = (params[1] & 0xffff) as usize;
+    (0..n)
+        .flat_map(|i| {
+            let c = &params[2 + 4 * i..6 + 4 * i];
+            let slots = c[2] * c[3];
+            let mut at = vec![c[0]];
+            if c[1] != 0 && slots > 0 {
+                at.extend([c[1], c[1] + slots - 1]);
+            }
+            at
+        })
+        .filter(|&p| !reachable(p))
+        .collect()
 }
 
 /// What a kernel would have faulted on (a GPU's illegal address): the launch did not run.
@@ -548,6 +595,26 @@ fn run_stream(s: &Stream) {
                         .map(|(ctl, _)| ctl)
                         .filter(|&c| !pinned(c))
                         .collect();
+                    // (A captured launch whose communicators all ended returns at once,
+                    // touching no connection: `OX_HEAD_CAPTURED`, the control block's abort
+                    // word, its first.)
+                    let stopped = params[0] & (1 << 16) != 0
+                        && lost.is_empty()
+                        && lane_comms(&params).iter().all(|&(ctl, _)| {
+                            // SAFETY: a control block, pinned (`lost` is empty).
+                            unsafe { std::ptr::read_volatile(ctl as *const u32) != 0 }
+                        });
+                    let far = if stopped {
+                        Vec::new()
+                    } else {
+                        unreachable_conns(&params)
+                    };
+                    if !far.is_empty() {
+                        ILLEGAL.lock().push(format!(
+                            "{name:?} reaches connections in memory that is neither device \
+                             memory nor pinned: {far:x?}"
+                        ));
+                    }
                     if !lost.is_empty() {
                         ILLEGAL.lock().push(format!(
                             "{name:?} reads control blocks that are not pinned: {lost:x?}"
@@ -900,11 +967,11 @@ unsafe extern "C" fn user_object_release(obj: *mut c_void, refs: c_uint) -> CUre
     drop(unsafe { Arc::from_raw(obj as *const UserObject) });
     OK
 }
-unsafe extern "C" fn host_register(p: *mut c_void, _: usize, _: c_uint) -> CUresult {
+unsafe extern "C" fn host_register(p: *mut c_void, n: usize, _: c_uint) -> CUresult {
     if !unsafe_call_allowed() {
         return CAPTURE_UNSUPPORTED;
     }
-    if PINNED.lock().insert(p as u64) {
+    if PINNED.lock().insert(p as u64, n).is_none() {
         OK
     } else {
         712 // CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED
@@ -915,7 +982,7 @@ unsafe extern "C" fn host_unregister(p: *mut c_void) -> CUresult {
         return CAPTURE_UNSUPPORTED;
     }
     synchronize_device("cuMemHostUnregister");
-    if PINNED.lock().remove(&(p as u64)) {
+    if PINNED.lock().remove(&(p as u64)).is_some() {
         OK
     } else {
         INVALID_VALUE

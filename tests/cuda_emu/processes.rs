@@ -50,7 +50,17 @@ pub fn ranks_process(ranks: &[usize]) {
         "ranks {ranks:?}: IPC handles opened: {}",
         IPC_OPENED.load(Ordering::SeqCst)
     );
+    no_faults();
     let _ = std::fs::remove_dir_all(&cache);
+}
+
+/// Asserts that no kernel of this process would have faulted on a GPU (`device::ILLEGAL`).
+fn no_faults() {
+    let illegal = device::ILLEGAL.lock().clone();
+    assert!(
+        illegal.is_empty(),
+        "what a GPU would have faulted on: {illegal:?}"
+    );
 }
 
 /// "connection segments: N, largest B bytes": the shared-memory segments of communicator
@@ -157,6 +167,7 @@ pub fn rank_process(r: usize) {
         "rank {r}: IPC handles opened: {}",
         IPC_OPENED.load(Ordering::SeqCst)
     );
+    no_faults();
     let _ = std::fs::remove_dir_all(&cache);
 }
 
