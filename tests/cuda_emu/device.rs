@@ -663,12 +663,18 @@ fn run_stream(s: &Stream) {
 /// How long a free waits for the work queued before it (`synchronize_device`).
 const FREE_WAITS: Duration = Duration::from_secs(20);
 
+/// Held (exclusively) while a free waits for the device (`synchronize_device`): other threads'
+/// launches wait for it, as the driver's lock makes them.
+static FREEING: parking_lot::RwLock<()> = parking_lot::RwLock::new(());
+
 /// What a free of device or pinned memory does first, as the driver's does: it waits until
 /// every stream has run the work queued before it (a kernel of a collective included, which
-/// waits for its peers' launches). Where that takes longer than `FREE_WAITS` (say it waits for
-/// a launch that the freeing thread, or one it blocks, was to make), the free would wait for
-/// good on a GPU: said in `ILLEGAL`, and the free goes on so that the test ends.
+/// waits for its peers' launches), and other threads' launches wait meanwhile (`FREEING`).
+/// Where that takes longer than `FREE_WAITS` (it waits for a launch that the freeing thread,
+/// or one it blocks, was to make), the free would wait for good on a GPU: said in `ILLEGAL`,
+/// and the free goes on so that the test ends.
 fn synchronize_device(what: &str) {
+    let _launches_wait = FREEING.write();
     let queued: Vec<(usize, Arc<Stream>, u64)> = STREAMS
         .lock()
         .iter()
@@ -744,6 +750,8 @@ pub unsafe extern "C" fn launch(
     if foreign_stream(s as usize, "cuLaunchKernel") {
         return INVALID_HANDLE;
     }
+    // (Not while another thread's free waits for the device.)
+    let _no_free = FREEING.read();
     if s as u64 != 0 && FAIL_LAUNCH_ON.load(Ordering::SeqCst) == s as u64 {
         FAIL_LAUNCH_ON.store(0, Ordering::SeqCst);
         return 719; // CUDA_ERROR_LAUNCH_FAILED

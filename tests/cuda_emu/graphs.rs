@@ -226,6 +226,11 @@ pub fn released_while_a_rank_waits() {
         spares_hold(&ctls),
         "control blocks not given back while rank 0's all-reduce waits for rank 1's launch"
     );
+    // (The captured communicator's board, too: 64 parts x 128 bytes x 2 ranks.)
+    assert!(
+        nccl::exec::cuda::spare::held().1 >= 64 * 128 * 2,
+        "its board not given back"
+    );
     enqueue(&comms[1], &c, 2, bufs[1], streams[1]);
     let what = "an all-reduce whose ranks launch apart, a graph let go of between them";
     sync_all(&streams, what);
@@ -239,6 +244,11 @@ pub fn released_while_a_rank_waits() {
     assert!(
         ctls.iter().all(|&p| !device::pinned(p)),
         "control blocks still pinned after the last communicator went"
+    );
+    assert_eq!(
+        nccl::exec::cuda::spare::held(),
+        (Vec::new(), 0),
+        "spares left after the last communicator went"
     );
     release_buffers();
 }

@@ -685,6 +685,7 @@ impl Drop for CudaComm {
                 ));
                 std::mem::forget(self.ctl.clone());
                 std::mem::forget(self.board.clone());
+                super::spare::stuck();
                 return;
             }
         }

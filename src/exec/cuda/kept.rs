@@ -44,10 +44,14 @@ impl Events {
 impl Drop for Events {
     fn drop(&mut self) {
         if let (Ok(api), Ok(_g)) = (driver::api(), CtxGuard::enter(self.ctx)) {
-            for &e in self.list.get_mut().iter() {
-                // SAFETY: events created by the communicator, destroyed once, here.
-                unsafe { (api.event_destroy)(e as driver::CUevent) };
-            }
+            // (Relaxed: another thread's graph capture in global mode may be going on.)
+            let _ = driver::relaxed(|| {
+                for &e in self.list.get_mut().iter() {
+                    // SAFETY: events created by the communicator, destroyed once, here.
+                    unsafe { (api.event_destroy)(e as driver::CUevent) };
+                }
+                Ok(())
+            });
         }
     }
 }

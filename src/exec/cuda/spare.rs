@@ -10,18 +10,23 @@
 //! goes at any moment (`kept::reclaim`, on the watcher thread or before a launch), and a
 //! communicator may be destroyed while another's ranks launch apart: neither frees anything,
 //! so neither can wait. The spares are freed when the process's last communicator goes
-//! (`Live`): no launch of this library can wait for a peer then.
+//! (`Live`), and what is let go of after that is freed at once: no launch of this library can
+//! wait for a peer then. (A communicator's connections are still freed when it is destroyed.)
 
 use crate::gpu::memory::DevMem;
 use parking_lot::Mutex;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 
 /// Control block pages (context pinned in, address), pinned and mapped into every context.
 static PAGES: Mutex<Vec<(usize, usize)>> = Mutex::new(Vec::new());
 /// Boards' device memory (context, bytes, memory).
 static BOARDS: Mutex<Vec<(usize, usize, DevMem)>> = Mutex::new(Vec::new());
-/// Communicators of this process on the CUDA executor.
-static LIVE: AtomicUsize = AtomicUsize::new(0);
+/// Communicators of this process on the CUDA executor. Held while the spares are freed, so
+/// that no communicator is made meanwhile (its ranks could launch apart under the frees).
+static LIVE: Mutex<usize> = Mutex::new(0);
+/// A communicator was destroyed while its kernels still ran (`stuck`): nothing is freed any
+/// more, since a free would wait for them.
+static STUCK: AtomicBool = AtomicBool::new(false);
 
 /// A spare control block page of context `ctx` (pinned there), zeroed; None where there is
 /// none.
@@ -35,9 +40,16 @@ pub(super) fn page(ctx: usize, bytes: usize) -> Option<*mut u8> {
     Some(p)
 }
 
-/// Keeps a control block's page (pinned in `ctx`) for a later communicator.
+/// Keeps a control block's page (pinned in `ctx`) for a later communicator; frees it where no
+/// communicator is left (a graph let go of it after the last went).
 pub(super) fn give_page(ctx: usize, p: *mut u8) {
+    let live = LIVE.lock();
+    if *live == 0 && !STUCK.load(Ordering::SeqCst) {
+        super::comm::free_page(p);
+        return;
+    }
     PAGES.lock().push((ctx, p as usize));
+    drop(live);
 }
 
 /// A spare board of `bytes` in context `ctx`, zeroed; None where there is none, or zeroing it
@@ -50,15 +62,31 @@ pub(super) fn board(ctx: usize, bytes: usize) -> Option<DevMem> {
     match m.zero(bytes) {
         Ok(()) => Some(m),
         Err(e) => {
+            // (Left allocated: freeing it here, between other ranks' launches, could wait for
+            // good.)
             crate::debug::warn(&format!("zeroing a spare device board: {e}"));
+            std::mem::forget(m);
             None
         }
     }
 }
 
-/// Keeps a board's memory (`bytes` in context `ctx`) for a later communicator.
+/// Keeps a board's memory (`bytes` in context `ctx`) for a later communicator; frees it where
+/// no communicator is left.
 pub(super) fn give_board(ctx: usize, bytes: usize, m: DevMem) {
+    let live = LIVE.lock();
+    if *live == 0 && !STUCK.load(Ordering::SeqCst) {
+        drop(m);
+        return;
+    }
     BOARDS.lock().push((ctx, bytes, m));
+    drop(live);
+}
+
+/// A communicator is destroyed while its kernels still run: from now on nothing is freed (a
+/// free would wait for them), the spares stay until the process exits.
+pub(super) fn stuck() {
+    STUCK.store(true, Ordering::SeqCst);
 }
 
 /// What the spares hold now: control block pages, board bytes.
@@ -74,23 +102,26 @@ pub(super) struct Live(());
 
 impl Live {
     pub fn new() -> Live {
-        LIVE.fetch_add(1, Ordering::SeqCst);
+        *LIVE.lock() += 1;
         Live(())
     }
 }
 
 impl Drop for Live {
     fn drop(&mut self) {
-        if LIVE.fetch_sub(1, Ordering::SeqCst) != 1 {
+        let mut live = LIVE.lock();
+        *live -= 1;
+        if *live > 0 || STUCK.load(Ordering::SeqCst) {
             return;
         }
-        // (Taken under the locks, freed after them; a communicator made meanwhile allocates
-        // its own.)
+        // (Under the count's lock: a communicator made meanwhile waits for the frees, before
+        // any launch of its.)
         let pages = std::mem::take(&mut *PAGES.lock());
         let boards = std::mem::take(&mut *BOARDS.lock());
         for (_, p) in pages {
             super::comm::free_page(p as *mut u8);
         }
         drop(boards);
+        drop(live);
     }
 }
