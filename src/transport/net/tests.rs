@@ -290,7 +290,8 @@ fn a_sending_ends_connect_ends_at_an_abort_or_a_refusal() {
         b.extend_from_slice(addr.to_string().as_bytes());
         b
     };
-    // A listener with room for one connection in its queue, which one takes.
+    // A listener with room for two connections in its queue, which two take (a request
+    // past a full queue is dropped, whatever the SYN cookie setting).
     let fd = socket::socket(
         AddressFamily::Inet,
         SockType::Stream,
@@ -299,10 +300,13 @@ fn a_sending_ends_connect_ends_at_an_abort_or_a_refusal() {
     )
     .unwrap();
     socket::bind(fd.as_raw_fd(), &SockaddrIn::new(127, 0, 0, 1, 0)).unwrap();
-    socket::listen(&fd, Backlog::new(0).unwrap()).unwrap();
+    socket::listen(&fd, Backlog::new(1).unwrap()).unwrap();
     let at: SockaddrIn = socket::getsockname(fd.as_raw_fd()).unwrap();
     let addr = std::net::SocketAddr::V4(at.into());
-    let _first = TcpStream::connect(addr).unwrap();
+    let _queued = [
+        TcpStream::connect(addr).unwrap(),
+        TcpStream::connect(addr).unwrap(),
+    ];
     let health = std::sync::Arc::new(crate::health::Health::default());
     let (ep, _) = super::Net.setup(&spec(Some(health.clone()))).unwrap();
     let h = health.clone();
