@@ -160,6 +160,32 @@ fn an_end_that_fails_fails_its_peer_without_waiting() {
     assert!(t0.elapsed() < Duration::from_secs(10), "{:?}", t0.elapsed());
 }
 
+/// A ring connection's end between ranks 0 (this one) and 1 on host memory, watching `health`.
+pub(crate) fn spec_for_tests(
+    is_sender: bool,
+    nsteps: usize,
+    slot_bytes: usize,
+    health: Option<std::sync::Arc<crate::health::Health>>,
+) -> ConnSpec {
+    ConnSpec {
+        local_ip: std::net::Ipv4Addr::LOCALHOST.into(),
+        comm_hash: 0x7e57_7e57,
+        me: 0,
+        peer: 1,
+        is_sender,
+        class: Class::Ring,
+        nsteps,
+        slot_bytes,
+        same_device: false,
+        peer_device: false,
+        shared_blocks: true,
+        ipc: false,
+        peer_pid: 0,
+        peer_host: "elsewhere".into(),
+        health,
+    }
+}
+
 /// The transports cover every locality, and an end given a blob for another connection refuses
 /// it.
 #[test]
@@ -172,23 +198,7 @@ fn each_locality_has_its_transport_and_blobs_are_checked() {
     assert_eq!(pick(&me, &me).unwrap().name(), "in-process");
     assert_eq!(pick(&me, &other_proc).unwrap().name(), "shared memory");
     assert_eq!(pick(&me, &other_host).unwrap().name(), "network");
-    let spec = |is_sender| ConnSpec {
-        local_ip: std::net::Ipv4Addr::LOCALHOST.into(),
-        comm_hash: 0x7e57_7e57,
-        me: 0,
-        peer: 1,
-        is_sender,
-        class: Class::Ring,
-        nsteps: 2,
-        slot_bytes: 4096,
-        same_device: false,
-        peer_device: false,
-        shared_blocks: true,
-        ipc: false,
-        peer_pid: 0,
-        peer_host: "elsewhere".into(),
-        health: None,
-    };
+    let spec = |is_sender| spec_for_tests(is_sender, 2, 4096, None);
     let t = pick(&me, &me).unwrap();
     let (ep, _) = t.setup(&spec(true)).unwrap();
     assert!(ep.connect(b"oxccl-somewhere-else").is_err());

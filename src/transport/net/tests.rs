@@ -264,26 +264,10 @@ fn a_revoke_copies_from_where_the_slot_went_not_from_its_cell() {
 /// `OXCCL_BOOTSTRAP_CONNECT_S`; a refusal (the receiving end is gone) ends it at once.
 #[test]
 fn a_sending_ends_connect_ends_at_an_abort_or_a_refusal() {
-    use crate::transport::{Class, ConnSpec, Transport};
+    use crate::transport::{tests::spec_for_tests, Transport};
     use nix::sys::socket::{self, AddressFamily, Backlog, SockFlag, SockType, SockaddrIn};
     use std::os::fd::AsRawFd;
-    let spec = |health| ConnSpec {
-        local_ip: std::net::Ipv4Addr::LOCALHOST.into(),
-        comm_hash: 0x7e57_c0de,
-        me: 0,
-        peer: 1,
-        is_sender: true,
-        class: Class::Ring,
-        nsteps: NSTEPS,
-        slot_bytes: BYTES,
-        same_device: false,
-        peer_device: false,
-        shared_blocks: true,
-        ipc: false,
-        peer_pid: 0,
-        peer_host: "elsewhere".into(),
-        health,
-    };
+    let spec = |health| spec_for_tests(true, NSTEPS, BYTES, health);
     let blob = |addr: std::net::SocketAddr| {
         let mut b = vec![7u8; super::TOKEN];
         b.push(1);
