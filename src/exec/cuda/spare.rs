@@ -53,7 +53,7 @@ pub(super) fn give_page(ctx: usize, p: *mut u8) {
 }
 
 /// A spare board of `bytes` in context `ctx`, zeroed; None where there is none, or zeroing it
-/// failed (it is freed then).
+/// failed (it is left allocated then).
 pub(super) fn board(ctx: usize, bytes: usize) -> Option<DevMem> {
     let mut boards = BOARDS.lock();
     let i = boards.iter().position(|b| (b.0, b.1) == (ctx, bytes))?;
