@@ -976,7 +976,7 @@ fn stall(so: &Path) {
         Duration::from_secs(120),
     );
     assert!(
-        ok && report.contains("stall: stopped"),
+        ok && report.contains("stall: stopped") && report.contains("a stuck destroy returned"),
         "a peer that never launches, OXCCL_TIMEOUT_S=2:\n{report}"
     );
     // The watchdog named the wait before the timeout ended it, once per stalled communicator
@@ -1023,7 +1023,52 @@ fn stall_process() {
         }
         println!("stall: stopped after {:?}: {msg}", t.elapsed());
     }
+    stuck_destroy();
     let _ = std::fs::remove_dir_all(&cache);
+}
+
+/// The ranks' kernels cannot run (queued behind a kernel of the caller's that does not end: a
+/// gate) when their communicators are destroyed: each destroy waits (twice OXCCL_TIMEOUT_S,
+/// then 5 s after telling them to stop), leaves what they use allocated, and returns
+/// (`ncclTimeout`, saying so); from
+/// then on nothing is freed (the spares stay), since a free would wait for those kernels: the
+/// last communicator's destroy returns at once instead of hanging in the frees.
+fn stuck_destroy() {
+    let comms = nccl::api::comm_init_all(&[0, 0]).expect("two ranks");
+    // (One more, destroyed first, whose control block goes to the spares.)
+    let one = nccl::api::comm_init_all(&[0]).expect("one rank");
+    nccl::api::comm_destroy(nccl::api::comm_handle(&one[0])).unwrap();
+    drop(one);
+    assert!(!nccl::exec::cuda::spare::held().0.is_empty(), "no spare");
+    let c = f32_sum(1001);
+    let bufs = buffers(&c, 2);
+    let stream = new_stream();
+    let gate = device::gate(stream);
+    nccl::api::group_start().unwrap();
+    for (r, comm) in comms.iter().enumerate() {
+        enqueue(comm, &c, 2, bufs[r], stream);
+    }
+    nccl::api::group_end().unwrap();
+    let t = Instant::now();
+    for comm in comms {
+        // (It says its kernels did not finish in time.)
+        if let Err(e) = nccl::api::comm_destroy(nccl::api::comm_handle(&comm)) {
+            assert_eq!(e.code, nccl::error::Code::Timeout, "a stuck destroy: {e}");
+        }
+    }
+    let took = t.elapsed();
+    let illegal = std::mem::take(&mut *device::ILLEGAL.lock());
+    assert!(illegal.is_empty(), "{illegal:?}");
+    assert!(
+        !nccl::exec::cuda::spare::held().0.is_empty(),
+        "spares freed after a destroy left kernels running"
+    );
+    device::open_gate(&gate);
+    assert!(
+        sync(stream, Duration::from_secs(60)),
+        "the kernels never ended"
+    );
+    println!("stall: a stuck destroy returned after {took:?}");
 }
 
 /// Runs this test in a process of its own with `vars` set (the first says what it runs),

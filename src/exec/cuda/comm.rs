@@ -666,10 +666,16 @@ impl CudaComm {
     }
 }
 
+/// How long a destroy waits for the communicator's kernels before it tells them to stop: 30 s,
+/// or twice `OXCCL_TIMEOUT_S` where that is shorter.
+fn destroy_wait() -> Duration {
+    Duration::from_secs(30).min(2 * crate::param::bound())
+}
+
 impl Drop for CudaComm {
     fn drop(&mut self) {
         if self
-            .wait_quiescent(Instant::now() + Duration::from_secs(30))
+            .wait_quiescent(Instant::now() + destroy_wait())
             .is_err()
         {
             // Kernels still run: tell them to stop, and if they do not, leave the control
