@@ -173,16 +173,7 @@ fn reachable(p: u64) -> bool {
         m.as_ref()
             .is_some_and(|m| m.iter().any(|(&at, &(_, n))| at <= p && p < at + n as u64))
     };
-    pinned(p)
-        || in_map(&ALLOCS.lock())
-        || OPENED
-            .lock()
-            .as_ref()
-            .is_some_and(|m| m.iter().any(|(&at, &n)| at <= p && p < at + n as u64))
-        || RESERVED
-            .lock()
-            .iter()
-            .any(|&(at, n)| at <= p && p < at + n as u64)
+    pinned(p) || in_map(&ALLOCS.lock()) || ipc_opened(p) || reserved(p, 1)
 }
 
 /// The memory a runner launch's connections live in that a kernel cannot reach: each one's

@@ -33,14 +33,6 @@ pub static REMOTE_LAUNCHES: std::sync::atomic::AtomicU64 = std::sync::atomic::At
 /// (context, peer context) of each `cuCtxEnablePeerAccess` that enabled it.
 pub static ENABLED: Mutex<Vec<(usize, usize)>> = Mutex::new(Vec::new());
 
-fn current() -> usize {
-    let api = driver::api().expect("the stand-in driver");
-    let mut c: driver::CUcontext = std::ptr::null_mut();
-    // SAFETY: writes one pointer.
-    unsafe { (api.ctx_get_current)(&mut c) };
-    c as usize
-}
-
 /// The device of context `c` (device 0's where none is current).
 fn device_of(c: usize) -> usize {
     (c.max(0x1000) - 0x1000) / 0x100
@@ -51,7 +43,7 @@ fn device_of(c: usize) -> usize {
 const FUNC_DEVICE: usize = 0x10000;
 
 unsafe extern "C" fn module_load(m: *mut *mut c_void, _: *const c_void) -> CUresult {
-    unsafe { *m = (0x2000 + device_of(current())) as *mut c_void };
+    unsafe { *m = (0x2000 + device_of(device::current_ctx())) as *mut c_void };
     OK
 }
 unsafe extern "C" fn get_function(
@@ -79,7 +71,7 @@ unsafe extern "C" fn retain(c: *mut *mut c_void, d: c_int) -> CUresult {
     OK
 }
 unsafe extern "C" fn ctx_device(d: *mut c_int) -> CUresult {
-    unsafe { *d = device_of(current()) as c_int };
+    unsafe { *d = device_of(device::current_ctx()) as c_int };
     OK
 }
 unsafe extern "C" fn can_access(can: *mut c_int, a: c_int, b: c_int) -> CUresult {
@@ -97,7 +89,7 @@ unsafe extern "C" fn enable_peer_access(peer: *mut c_void, _: c_uint) -> CUresul
     if REFUSE_PEER_ACCESS.load(Ordering::SeqCst) {
         return 711;
     }
-    let pair = (current(), peer as usize);
+    let pair = (device::current_ctx(), peer as usize);
     let mut e = ENABLED.lock();
     if e.contains(&pair) {
         return driver::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED;
@@ -114,10 +106,12 @@ unsafe extern "C" fn pci_bus_id(text: *mut c_char, len: c_int, d: c_int) -> CUre
     OK
 }
 unsafe extern "C" fn mem_alloc(p: *mut u64, n: usize) -> CUresult {
-    ALLOCATED.lock().push((current(), n));
+    ALLOCATED.lock().push((device::current_ctx(), n));
     let r = unsafe { device::mem_alloc(p, n) };
     if r == OK {
-        RANGES.lock().push((unsafe { *p }, n, current()));
+        RANGES
+            .lock()
+            .push((unsafe { *p }, n, device::current_ctx()));
     }
     r
 }
@@ -146,7 +140,7 @@ unsafe extern "C" fn launch(
     params: *mut *mut c_void,
     extra: *mut *mut c_void,
 ) -> CUresult {
-    let here = current();
+    let here = device::current_ctx();
     let (d, f) = (
         f as usize / FUNC_DEVICE,
         (f as usize % FUNC_DEVICE) as *mut c_void,
