@@ -240,7 +240,13 @@ fn sleep(sh: &Shared, ends: &[Arc<dyn Proxy>], busy: bool) {
                 continue;
             }
         };
-        // SAFETY: the ends own these sockets and outlive this call (`ends` holds them).
+        // SAFETY: poll(2) only asks for readiness; nothing reads or writes through these fds.
+        // A connected end's sockets live as long as the end (`ends` holds it). A listening
+        // end's listener and unverified connections may be closed by an executor thread
+        // that moves it on after `wait_for` (its lock is not held here). Then poll sees a
+        // closed fd (POLLNVAL, it returns at once) or, if the number was reused, another
+        // file: a wakeup early or late by at most the timeout, after which the loop asks
+        // the ends again.
         let b = unsafe { BorrowedFd::borrow_raw(fd) };
         fds.push(PollFd::new(b, flags));
     }
