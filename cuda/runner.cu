@@ -526,6 +526,10 @@ __device__ bool ox_wait_slots(const OxView& v, const OxStepD& s, const OxProgD& 
       while (tail - (head = ld_vol64(hdr + 8)) >= c.nsteps) {
         if ((++spins & 1023) == 0 && !ox_still_waits(ctl, c.hdr, tail, spins)) return false;
       }
+      // The head just read says the peer has read the slot: the fence orders that read
+      // before the block's writes into the slot (an acquire; the peer fenced before it
+      // published the head). A head seen before was followed by `ox_post`'s fence.
+      ox_step_fence(gpu);
       if (cached) {
         sh->seen[s.send] = head;
         sh->known[s.send] |= OX_KNOWN_SEEN;
