@@ -788,7 +788,80 @@ fn failures() {
     failed(&comms, &streams, None, "no memory for a connection");
     std::env::remove_var("OXCCL_CUDA_DIRECT");
     nccl::param::reread();
+    misaligned(&streams);
     release_buffers();
+}
+
+/// A reduction's buffer that is not aligned to its datatype (a GPU faults on such an element,
+/// and the fault spoils the context): `ncclInvalidArgument` naming it, before anything is
+/// enqueued, and the communicators stay well. A copy takes any address: a broadcast of
+/// float32s between odd byte addresses arrives byte for byte.
+fn misaligned(streams: &[usize]) {
+    use nccl::error::Code;
+    let comms = nccl::api::comm_init_all(&[0, 0]).expect("two ranks");
+    let c = f32_sum(1001);
+    let bufs = buffers(&c, 2);
+    for (send, recv, what) in [
+        (bufs[0].0 + 2, bufs[0].1, "sendbuff"),
+        (bufs[0].0, bufs[0].1 + 1, "recvbuff"),
+    ] {
+        let args = CollArgs {
+            kind: CollKind::AllReduce,
+            send,
+            recv,
+            count: c.count,
+            dtype: DataType::Float32,
+            op: nccl::types::OP_SUM,
+            root: 0,
+        };
+        let e = nccl::api::enqueue(&comms[0], args, stream_arg(streams[0]))
+            .expect_err("a misaligned all-reduce");
+        assert_eq!(e.code, Code::InvalidArgument, "{}", e.msg);
+        assert!(
+            e.msg.contains(what) && e.msg.contains("not aligned") && e.msg.contains("4 bytes"),
+            "{}",
+            e.msg
+        );
+    }
+    sync_all(streams, "refused calls");
+    no_async_error(&comms, "refused calls");
+    check_in(&comms, streams, &c, &bufs);
+
+    let bytes = 4 * 1001;
+    let (src, dst) = (
+        buffer(bytes + 8) + 1,
+        [buffer(bytes + 8) + 3, buffer(bytes + 8) + 5],
+    );
+    for i in 0..bytes {
+        // SAFETY: `buffer` gave bytes + 8 bytes from src - 1.
+        unsafe { *((src + i) as *mut u8) = (i * 7 % 251) as u8 };
+    }
+    nccl::api::group_start().unwrap();
+    for (r, comm) in comms.iter().enumerate() {
+        let args = CollArgs {
+            kind: CollKind::Broadcast,
+            send: src,
+            recv: dst[r],
+            count: 1001,
+            dtype: DataType::Float32,
+            op: 0,
+            root: 0,
+        };
+        nccl::api::enqueue(comm, args, stream_arg(streams[r])).unwrap();
+    }
+    nccl::api::group_end().unwrap();
+    sync_all(streams, "a broadcast between odd addresses");
+    no_async_error(&comms, "a broadcast between odd addresses");
+    for (r, &d) in dst.iter().enumerate() {
+        for i in 0..bytes {
+            // SAFETY: as above.
+            let got = unsafe { *((d + i) as *const u8) };
+            assert_eq!(got, (i * 7 % 251) as u8, "rank {r}'s byte {i}");
+        }
+    }
+    for c in &comms {
+        nccl::api::comm_destroy(nccl::api::comm_handle(c)).unwrap();
+    }
 }
 
 /// `OXCCL_CUDA_CHANNELS=4` on the ring (`OXCCL_CUDA_DIRECT=0`): the fourth ring's connections

@@ -36,6 +36,7 @@ use crate::error::{Error, Result};
 use crate::gpu::driver::{self, check, CtxGuard};
 use crate::plan::build::Caps;
 use crate::plan::{Addr, Work};
+use crate::types::CollKind;
 use desc::{Desc, DevProgram};
 use std::ffi::c_void;
 
@@ -241,6 +242,32 @@ fn check_buffer(comm: &CudaComm, addr: usize, what: &str, name: &str) -> Result<
     Ok(())
 }
 
+/// Checks that a reduction's buffers are aligned to its datatype: the kernels load and store
+/// them element by element (where not 16 bytes at a time), and a GPU faults on a misaligned
+/// element (`CUDA_ERROR_MISALIGNED_ADDRESS`, which spoils the context for every later call).
+/// Copies move bytes and take any address; so does the host executor.
+fn check_aligned(q: &Call<'_>) -> Result<()> {
+    if q.red.is_none() {
+        return Ok(());
+    }
+    let a = &q.args;
+    let size = a.dtype.size();
+    let recv_used = a.kind != CollKind::Reduce || a.root as usize == q.cuda().rank;
+    for (what, addr) in [("sendbuff", a.send), ("recvbuff", a.recv)] {
+        if addr % size != 0 && (what == "sendbuff" || recv_used) {
+            return Err(Error::invalid_argument(format!(
+                "{}: {what} {addr:#x} is not aligned to its datatype's {size} bytes ({}): \
+                 the GPU cannot reduce elements at that address; {} runs on device {}",
+                a.kind.name(),
+                a.dtype.name(),
+                q.cuda().describe(),
+                q.cuda().dev
+            )));
+        }
+    }
+    Ok(())
+}
+
 /// Launches a group's calls (all on CUDA communicators).
 pub fn launch(ops: Vec<Call<'_>>) -> Result<()> {
     for q in &ops {
@@ -251,6 +278,7 @@ pub fn launch(ops: Vec<Call<'_>>) -> Result<()> {
             if q.args.recv != q.args.send {
                 check_buffer(q.cuda(), q.args.recv, "recvbuff", name)?;
             }
+            check_aligned(q)?;
         }
     }
     stream::legacy_stream_together(&ops)?;
