@@ -3,7 +3,9 @@
 //!
 //! Found as `libnvrtc.so.13` / `.12` / `libnvrtc.so` in the loader's paths, under `CUDA_HOME` or
 //! `/usr/local/cuda`, in the Python packages `nvidia-cuda-nvrtc` (`nvidia/cuda_nvrtc/lib`,
-//! `nvidia/cu13/lib`) of the usual site-packages folders, or at `OXCCL_NVRTC` (a file).
+//! `nvidia/cu13/lib`) of the usual site-packages folders, or at `OXCCL_NVRTC` (a file). The
+//! first found that is not newer than the driver (its CUDA major version, `nvrtcVersion`,
+//! at most the driver's) is used: a CUDA 12 driver refuses a CUDA 13 NVRTC's images.
 
 use crate::error::{Code, Error, Result};
 use std::ffi::{c_char, c_int, CString};
@@ -121,8 +123,33 @@ fn glob_dirs(dir: &str, prefix: &str) -> Vec<PathBuf> {
     out
 }
 
+/// Whether images that NVRTC of CUDA major version `nvrtc` makes load on a driver of CUDA
+/// version `driver` (`cuDriverGetVersion`'s, 12040 for 12.4; None where no driver answers):
+/// not those of a newer major version (a CUDA 12 driver, R525 to R575, refuses a CUDA 13
+/// NVRTC's cubins and PTX); within one major version the driver's minor version compatibility
+/// takes a newer NVRTC's cubins.
+fn serves(nvrtc: Option<i32>, driver: Option<i32>) -> bool {
+    match (nvrtc, driver) {
+        (Some(n), Some(d)) => n <= d / 1000,
+        _ => true,
+    }
+}
+
+/// The major version of the NVRTC in `lib` (`nvrtcVersion`; None where it does not say).
+fn major_of(lib: &libloading::Library) -> Option<i32> {
+    type VersionFn = unsafe extern "C" fn(*mut c_int, *mut c_int) -> NvrtcResult;
+    // SAFETY: NVRTC's `nvrtcVersion(int*, int*)` (nvrtc.h, since CUDA 7).
+    let f = unsafe { lib.get::<VersionFn>(b"nvrtcVersion\0") }.ok()?;
+    let (mut major, mut minor) = (0, 0);
+    // SAFETY: writes two ints.
+    (unsafe { f(&mut major, &mut minor) } == 0).then_some(major)
+}
+
 fn load() -> Result<Nvrtc> {
     let mut tried = Vec::new();
+    let chosen = std::env::var_os("OXCCL_NVRTC").map(PathBuf::from);
+    let driver = crate::gpu::driver::version().ok();
+    let mut too_new = Vec::new();
     for p in candidates() {
         // SAFETY: loading NVRTC runs its initialisers only.
         let lib = match unsafe { libloading::Library::new(&p) } {
@@ -132,6 +159,14 @@ fn load() -> Result<Nvrtc> {
                 continue;
             }
         };
+        // An NVRTC newer than the driver makes images it refuses: the next one found may
+        // serve (a CUDA 12 driver with PyTorch's nvidia-cuda-nvrtc-cu12 beside a CUDA 13
+        // toolkit). One named by OXCCL_NVRTC is used as it is.
+        let major = major_of(&lib);
+        if chosen.as_ref() != Some(&p) && !serves(major, driver) {
+            too_new.push(format!("{} (CUDA {})", p.display(), major.unwrap_or(0)));
+            continue;
+        }
         macro_rules! sym {
             ($n:literal) => {
                 // SAFETY: NVRTC's C signature (nvrtc.h); the library outlives the table.
@@ -156,6 +191,23 @@ fn load() -> Result<Nvrtc> {
             path: p.display().to_string(),
             _lib: lib,
         });
+    }
+    if !too_new.is_empty() {
+        let d = driver.unwrap_or(0);
+        return Err(Error::new(
+            Code::UnhandledCudaError,
+            format!(
+                "the CUDA kernels must be compiled at run time, but the only NVRTC found is \
+                 newer than the driver (CUDA {}.{}), which would refuse what it makes: {}; \
+                 install the NVRTC of CUDA {} (the Python package nvidia-cuda-nvrtc-cu{}) or \
+                 set OXCCL_NVRTC to one",
+                d / 1000,
+                d % 1000 / 10,
+                too_new.join(", "),
+                d / 1000,
+                d / 1000
+            ),
+        ));
     }
     Err(Error::new(
         Code::UnhandledCudaError,
@@ -255,4 +307,36 @@ pub fn compile(main: &str, headers: &[(&str, &str)], arch: i32, extra: &[&str]) 
     };
     try_arch(format!("--gpu-architecture=sm_{arch}"), true)
         .or_else(|e| try_arch("--gpu-architecture=compute_80".into(), false).map_err(|_| e))
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn an_nvrtc_serves_drivers_of_its_major_version_and_newer() {
+        use super::serves;
+        assert!(serves(Some(12), Some(12040)));
+        assert!(serves(Some(12), Some(12020)), "minor version compatibility");
+        assert!(serves(Some(12), Some(13000)));
+        assert!(!serves(Some(13), Some(12080)));
+        assert!(serves(Some(13), Some(13000)));
+        assert!(serves(None, Some(12040)), "an NVRTC that does not say");
+        assert!(serves(Some(13), None), "no driver to ask");
+    }
+
+    /// The NVRTC of PyPI's wheel (scripts/setup.sh) says its version.
+    #[test]
+    fn the_wheels_nvrtc_says_its_major_version() {
+        let wheel = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/target/cuda-wheels/nvidia/cuda_nvrtc/lib/libnvrtc.so.12"
+        );
+        if !std::path::Path::new(wheel).exists() {
+            assert!(std::env::var_os("CI").is_none(), "no NVRTC wheel: {wheel}");
+            eprintln!("skipped: no {wheel} (scripts/setup.sh installs it)");
+            return;
+        }
+        // SAFETY: loading NVRTC runs its initialisers only.
+        let lib = unsafe { libloading::Library::new(wheel) }.expect("the wheel's NVRTC");
+        assert_eq!(super::major_of(&lib), Some(12));
+    }
 }
