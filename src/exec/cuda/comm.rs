@@ -370,7 +370,9 @@ impl CudaComm {
         let _g = CtxGuard::enter(ctx)?;
         // What graphs let go of since the last look is freed.
         kept::reclaim();
-        let kern = kernels::get(ctx, dev)?;
+        // Relaxed, as the rest of the setup: loading a module while another thread captures
+        // a graph in the global mode (PyTorch's) must not break that capture.
+        let kern = driver::relaxed(|| kernels::get(ctx, dev))?;
         let api = driver::api()?;
         let events = Arc::new(Events::new(ctx));
         let event = || {
