@@ -89,6 +89,8 @@ static NEXT: AtomicU64 = AtomicU64::new(0x100);
 static PAGEABLE: Mutex<Vec<u64>> = Mutex::new(Vec::new());
 /// Addresses the stand-in says are memory of device 1.
 static OTHER_DEVICE: Mutex<Vec<u64>> = Mutex::new(Vec::new());
+/// Addresses the stand-in says are managed memory (`cudaMallocManaged`).
+static MANAGED: Mutex<Vec<u64>> = Mutex::new(Vec::new());
 
 fn log(e: Ev) {
     LOG.lock().push(e);
@@ -272,9 +274,11 @@ unsafe extern "C" fn pointer_attr(v: *mut c_void, a: c_int, p: u64) -> CUresult 
     if PAGEABLE.lock().contains(&p) {
         return 1; // CUDA_ERROR_INVALID_VALUE
     }
-    // Memory type: device (2); device ordinal: 1 for the "other device" buffers, else 0.
+    // Memory type: device (2); device ordinal: 1 for the "other device" buffers, else 0;
+    // managed: the managed buffers.
     let value = match a {
         9 => u32::from(OTHER_DEVICE.lock().contains(&p)),
+        8 => u32::from(MANAGED.lock().contains(&p)),
         _ => 2,
     };
     unsafe { *(v as *mut c_uint) = value };
@@ -934,6 +938,25 @@ fn cuda_executor_logic_on_a_recording_driver() {
         e.msg
     );
     assert!(launches(&take()).is_empty());
+    // Managed memory allocated on device 1: every device reaches it (one rank's all-reduce,
+    // a copy on its stream).
+    MANAGED.lock().push(elsewhere);
+    let solo = nccl::api::comm_init_all(&[0]).expect("one rank").remove(0);
+    take();
+    nccl::api::enqueue(
+        &solo,
+        all_reduce(bufs[0].0, elsewhere as usize, n),
+        cuda(0x51),
+    )
+    .expect("managed memory of another device");
+    let ev = take();
+    assert!(
+        ev.iter()
+            .any(|e| matches!(e, Ev::Copy { stream: 0x51, .. })),
+        "{ev:#?}"
+    );
+    nccl::api::comm_destroy(nccl::api::comm_handle(&solo)).unwrap();
+    take();
 
     // 6. Groups of many sends and receives between two ranks. 60 of each: a descriptor past
     //    4000 bytes, so the kernel's large-parameter twin (the stand-in is a CUDA 12.8 driver).

@@ -1086,8 +1086,8 @@ unsafe extern "C" fn event_destroy(e: *mut c_void) -> CUresult {
     }
 }
 unsafe extern "C" fn pointer_attr(v: *mut c_void, a: c_int, _: u64) -> CUresult {
-    // Device memory (2) of device 0.
-    unsafe { *(v as *mut c_uint) = if a == 9 { 0 } else { 2 } };
+    // Device memory (2) of device 0, not managed.
+    unsafe { *(v as *mut c_uint) = if a == 9 || a == 8 { 0 } else { 2 } };
     OK
 }
 stand_in::pointer_attrs_over!(stand_in, pointer_attr);

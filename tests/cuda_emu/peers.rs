@@ -199,7 +199,7 @@ unsafe extern "C" fn launch(
 /// The test's buffers are pinned host memory (`CU_MEMORYTYPE_HOST`): either device reaches
 /// them.
 unsafe extern "C" fn pointer_attr(v: *mut c_void, a: c_int, _: u64) -> CUresult {
-    unsafe { *(v as *mut c_uint) = if a == 9 { 0 } else { 1 } };
+    unsafe { *(v as *mut c_uint) = if a == 9 || a == 8 { 0 } else { 1 } };
     OK
 }
 super::stand_in::pointer_attrs_over!(super::stand_in, pointer_attr);

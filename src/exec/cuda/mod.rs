@@ -199,19 +199,23 @@ fn check_buffer(comm: &CudaComm, addr: usize, what: &str, name: &str) -> Result<
         return Ok(());
     }
     let api = driver::api()?;
-    // Both attributes in one call (a driver call takes its lock and looks the range up: this is
+    // The attributes in one call (a driver call takes its lock and looks the range up: this is
     // on every call's path). Memory the driver does not know gets type 0, not an error.
-    let (mut ty, mut dev): (std::ffi::c_uint, std::ffi::c_int) = (0, -1);
+    let (mut ty, mut dev, mut managed): (std::ffi::c_uint, std::ffi::c_int, std::ffi::c_uint) =
+        (0, -1, 0);
     let mut attrs = [
         driver::CU_POINTER_ATTRIBUTE_MEMORY_TYPE,
         driver::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
+        driver::CU_POINTER_ATTRIBUTE_IS_MANAGED,
     ];
     let mut out = [
         &mut ty as *mut _ as *mut c_void,
         &mut dev as *mut _ as *mut c_void,
+        &mut managed as *mut _ as *mut c_void,
     ];
-    // SAFETY: two attributes, each written to its own variable of the attribute's type; any
-    // address may be asked about.
+    // SAFETY: three attributes, each written to its own variable of the attribute's type (the
+    // managed flag, a bool the driver may write as one byte, into a zeroed word); any address
+    // may be asked about.
     let r = unsafe {
         (api.pointer_attrs)(
             attrs.len() as std::ffi::c_uint,
@@ -231,7 +235,9 @@ fn check_buffer(comm: &CudaComm, addr: usize, what: &str, name: &str) -> Result<
             comm.dev
         )));
     }
-    if ty == driver::CU_MEMORYTYPE_DEVICE && dev >= 0 && dev != comm.dev {
+    // Managed memory (cudaMallocManaged) names the device it was allocated on, but every
+    // device reaches it.
+    if ty == driver::CU_MEMORYTYPE_DEVICE && managed == 0 && dev >= 0 && dev != comm.dev {
         return Err(Error::invalid_argument(format!(
             "{name}: {what} {addr:#x} is memory of device {dev}, but {} runs on device {} \
              (peer access between devices is not enabled)",
