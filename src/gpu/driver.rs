@@ -349,6 +349,34 @@ pub fn present() -> bool {
     unsafe { libloading::Library::new("libcuda.so.1").is_ok() }
 }
 
+/// Whether the driver sees a device through its two oldest calls (`cuInit`,
+/// `cuDeviceGetCount`), whatever else it lacks: then the process's own CUDA code has device
+/// memory, even where the executor cannot use this driver. The library stays loaded (a driver
+/// initialised here is not unloaded).
+pub fn sees_devices() -> bool {
+    type InitFn = unsafe extern "C" fn(c_uint) -> CUresult;
+    type CountFn = unsafe extern "C" fn(*mut c_int) -> CUresult;
+    // SAFETY: as in `present`.
+    let Ok(lib) = (unsafe { libloading::Library::new("libcuda.so.1") }) else {
+        return false;
+    };
+    // SAFETY: `cuInit(unsigned int)` and `cuDeviceGetCount(int*)` (cuda.h), in every driver.
+    let calls = unsafe {
+        (
+            lib.get::<InitFn>(b"cuInit\0"),
+            lib.get::<CountFn>(b"cuDeviceGetCount\0"),
+        )
+    };
+    let (Ok(init), Ok(count)) = calls else {
+        return false;
+    };
+    let mut n = 0;
+    // SAFETY: flags 0; writes one int.
+    let seen = unsafe { init(0) == CUDA_SUCCESS && count(&mut n) == CUDA_SUCCESS } && n > 0;
+    std::mem::forget(lib);
+    seen
+}
+
 /// The driver, loaded and initialised once (`cuInit`).
 pub fn api() -> Result<&'static Api> {
     API.get_or_init(|| {

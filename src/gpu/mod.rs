@@ -2,7 +2,9 @@
 //! driver API (`driver`, loaded at run time), and memory the GPU reaches (`memory`).
 //!
 //! The CUDA executor runs when a CUDA driver is found (loaded with dlopen, every function it
-//! needs resolved, at least one device), else the host executor on host slots.
+//! needs resolved, at least one device), else the host executor on host slots; but a driver
+//! that sees a device and lacks a function the executor needs (too old) is an error at the
+//! first communicator, not the host executor, which would dereference device pointers.
 //! `OXCCL_DEVICE=host` forces the host executor; `OXCCL_DEVICE=cuda` the CUDA executor (whose
 //! first use then fails with a message naming what is missing where there is no usable driver).
 
@@ -38,6 +40,16 @@ fn usable_driver() -> bool {
                 "a CUDA driver is installed but sees no device: using the host executor",
             );
             false
+        }
+        // A driver too old for the executor (a function it lacks) that sees a device: the
+        // process's buffers are device memory, which the host executor would dereference.
+        // The CUDA executor then, whose first use fails with this error.
+        Err(e) if driver::sees_devices() => {
+            crate::debug::warn(&format!(
+                "{}: the CUDA executor cannot run, and communicators fail",
+                e.msg
+            ));
+            true
         }
         Err(e) => {
             crate::debug::warn(&format!("{}: using the host executor", e.msg));
