@@ -30,7 +30,8 @@
 #     all-reduce of ranks on one GPU (on by default since 12-06): coll_matrix on
 #     2, 3, 4 and 8 ranks saying it ran, the ring's (OXCCL_CUDA_DIRECT=0) all-reduce matrix
 #     on 2 ranks and its all_reduce_perf -g 2 and -g 4 beside the default's rows; the device
-#     board (ranks as threads: cuda_ranks 2 and 4 threads, all_reduce_perf -t 2 and -t 4 against
+#     board (ranks as threads: cuda_ranks 2 and 4 threads, 12 threads and 2 on one hardware
+#     queue (CUDA_DEVICE_MAX_CONNECTIONS), all_reduce_perf -t 2 and -t 4 against
 #     the limit); nranks=1
 #     on the wide and the copy kernel (OXCCL_CUDA_CE_COPY_BYTES=1, OXCCL_CUDA_COPY_KERNEL=1)
 #     beside the copy engine (the default since 12-06); and 2 ranks' bandwidth by blocks per
@@ -424,6 +425,14 @@ check "CUDA board: 2 ranks as threads, six collectives and a send/recv ring" 60 
 check "CUDA board: 4 ranks as threads, in place" 60 board board-threads4 "$B/cuda_ranks" 4 threads inplace
 check "CUDA board: all_reduce_perf -t 2 takes it" 30 \
   board board-perf "$B/all_reduce_perf" -b 8 -e 1M -f 32 -n 1 -w 0 -t 2 -g 1
+# Ranks launching apart whose streams must share hardware queues (more ranks than
+# CUDA_DEVICE_MAX_CONNECTIONS, 8 by default; then one queue, as Megatron-LM sets): the
+# library WARNs that this can stop; these say whether it does on this GPU (a failure here is
+# that hazard seen, and the WARN's advice is the way around it).
+check "CUDA board: 12 ranks as threads (more than 8 hardware queues)" 90 \
+  "$B/cuda_ranks" 12 threads
+check "CUDA board: 2 ranks as threads, CUDA_DEVICE_MAX_CONNECTIONS=1" 60 \
+  env CUDA_DEVICE_MAX_CONNECTIONS=1 "$B/cuda_ranks" 2 threads
 perf oxccl-t2 "$OXLIB" "$B/all_reduce_perf" -b 8 -e 1G -f 8 -n 10 -w 3 -t 2 -g 1
 perf oxccl-t4 "$OXLIB" "$B/all_reduce_perf" -b 8 -e 256M -f 8 -n 10 -w 3 -t 4 -g 1
 for t in all_gather reduce_scatter broadcast reduce; do

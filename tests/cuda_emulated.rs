@@ -1036,7 +1036,8 @@ fn few_blocks(so: &Path) {
 /// environment sets it from the start): a rank of one process whose peer never launches has
 /// its kernel stopped and its communicator failed once its kernels have waited that long for
 /// the same step of a connection the host cannot read (the ring, `OXCCL_CUDA_DIRECT=0`), or
-/// for the peer's arrival on the device board (the default).
+/// for the peer's arrival on the device board (the default). With one hardware queue
+/// (`CUDA_DEVICE_MAX_CONNECTIONS=1`), a WARN says that ranks launching apart share it.
 fn stall(so: &Path) {
     let (ok, report) = child(
         so,
@@ -1045,6 +1046,7 @@ fn stall(so: &Path) {
             ("OXCCL_TIMEOUT_S", "2"),
             ("OXCCL_WATCHDOG_S", "1"),
             ("NCCL_DEBUG", "WARN"),
+            ("CUDA_DEVICE_MAX_CONNECTIONS", "1"),
         ],
         Duration::from_secs(120),
     );
@@ -1062,6 +1064,19 @@ fn stall(so: &Path) {
         })
         .count();
     assert_eq!(said, 2, "the watchdog on a stall:\n{report}");
+    // Two ranks on the GPU launching apart, one hardware queue (CUDA_DEVICE_MAX_CONNECTIONS=1):
+    // a WARN per communicator that launched so.
+    let queues = report
+        .lines()
+        .filter(|l| {
+            l.contains("NCCL WARN")
+                && l.contains(
+                    "2 ranks of this communicator on this GPU in this process launch apart",
+                )
+                && l.contains("its 1 hardware queues (CUDA_DEVICE_MAX_CONNECTIONS)")
+        })
+        .count();
+    assert!(queues >= 2, "shared hardware queues:\n{report}");
 }
 
 /// `stall`'s process.

@@ -346,6 +346,9 @@ pub struct CudaComm {
     pub(crate) channels: usize,
     /// A launch that may need more blocks at once than the device holds was warned of.
     pub(super) room_warned: std::sync::atomic::AtomicBool,
+    /// Its ranks on this device in this process, launching apart, outnumber the device's
+    /// hardware queues, and a WARN said so (once).
+    pub(super) queues_warned: std::sync::atomic::AtomicBool,
     /// The stream a group's point-to-point lanes run on beside its collectives, and the event
     /// that forks it from the launch stream and joins it back (`Side`): made by the first
     /// group that holds both.
@@ -496,6 +499,7 @@ impl CudaComm {
             process_ranks_on_device,
             board,
             room_warned: Default::default(),
+            queues_warned: Default::default(),
             side: Default::default(),
             name,
             _live: live,

@@ -274,6 +274,45 @@ fn check_aligned(q: &Call<'_>) -> Result<()> {
     Ok(())
 }
 
+/// The hardware queues a CUDA context spreads its streams over (`CUDA_DEVICE_MAX_CONNECTIONS`,
+/// CUDA's variable; 8 where unset).
+fn hardware_queues() -> usize {
+    static N: once_cell::sync::Lazy<usize> = once_cell::sync::Lazy::new(|| {
+        std::env::var("CUDA_DEVICE_MAX_CONNECTIONS")
+            .ok()
+            .and_then(|v| v.trim().parse().ok())
+            .filter(|&n| n > 0)
+            .unwrap_or(8)
+    });
+    *N
+}
+
+/// A WARN, once per communicator, where its ranks on this GPU in this process launch apart
+/// (this launch holds `ranks_here` of them) and outnumber the context's hardware queues: the
+/// streams of some share a queue, which runs its work in order, so a rank's kernel can be
+/// queued behind work that waits for another rank's kernel that waits for it.
+fn warn_shared_queues(comm: &CudaComm, ranks_here: usize) {
+    let local = comm.process_ranks_on_device.len();
+    let queues = hardware_queues();
+    if ranks_here >= local
+        || local <= queues
+        || comm
+            .queues_warned
+            .swap(true, std::sync::atomic::Ordering::Relaxed)
+    {
+        return;
+    }
+    crate::debug::warn(&format!(
+        "{}: {local} ranks of this communicator on this GPU in this process launch apart, \
+         more than its {queues} hardware queues (CUDA_DEVICE_MAX_CONNECTIONS): streams that \
+         share a queue run in order there, so a rank's launch can wait behind work that waits \
+         for it; if it stops, launch the GPU's ranks in one group, set \
+         CUDA_DEVICE_MAX_CONNECTIONS to at least {local} (at most 32) before CUDA starts, or \
+         put fewer ranks on the GPU",
+        comm.describe()
+    ));
+}
+
 /// Launches a group's calls (all on CUDA communicators).
 pub fn launch(ops: Vec<Call<'_>>) -> Result<()> {
     for q in &ops {
@@ -939,6 +978,7 @@ fn run(
                 k.sms
             ));
         }
+        warn_shared_queues(comm, ranks_here);
         let f = if d.boards() == 0 {
             pick(k.run, k.run_large)
         } else {
