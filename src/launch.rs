@@ -119,14 +119,7 @@ fn validate<'c>(comm: &'c Arc<Comm>, a: &CollArgs) -> Result<(&'c Arc<Core>, Opt
         CollKind::Send => (1, 0),
         CollKind::Recv => (0, 1),
     };
-    let me = core.rank as i32;
-    let uses_send =
-        !(matches!(a.kind, CollKind::Recv) || (a.kind == CollKind::Broadcast && a.root != me));
-    let uses_recv = match a.kind {
-        CollKind::Send => false,
-        CollKind::Reduce | CollKind::Gather => a.root == me,
-        _ => true,
-    };
+    let (uses_send, uses_recv) = a.buffers_used(core.rank);
     let sb = bytes_of(a.count, send_mult, a.dtype, name)?;
     let rb = bytes_of(a.count, recv_mult, a.dtype, name)?;
     if uses_send && sb > 0 && a.send == 0 {

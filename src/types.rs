@@ -208,6 +208,27 @@ pub struct CollArgs {
     pub root: i32,
 }
 
+impl CollArgs {
+    /// Whether rank `me`'s call reads its send buffer and writes its receive buffer, as NCCL
+    /// says: a broadcast's and a scatter's send buffer only at the root, a reduce's and a
+    /// gather's receive buffer only at the root; a send has no receive buffer, a receive no
+    /// send buffer. (Unused buffers may be anything, NULL included.)
+    pub fn buffers_used(&self, me: usize) -> (bool, bool) {
+        let root = usize::try_from(self.root).ok() == Some(me);
+        let send = match self.kind {
+            CollKind::Recv => false,
+            CollKind::Broadcast | CollKind::Scatter => root,
+            _ => true,
+        };
+        let recv = match self.kind {
+            CollKind::Send => false,
+            CollKind::Reduce | CollKind::Gather => root,
+            _ => true,
+        };
+        (send, recv)
+    }
+}
+
 /// A PreMulSum scalar: read now (host immediate) or at execution time from an address.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ScalarArg {

@@ -36,7 +36,6 @@ use crate::error::{Error, Result};
 use crate::gpu::driver::{self, check, CtxGuard};
 use crate::plan::build::Caps;
 use crate::plan::{Addr, Work};
-use crate::types::CollKind;
 use desc::{Desc, DevProgram};
 use std::ffi::c_void;
 
@@ -251,16 +250,16 @@ fn check_buffer(comm: &CudaComm, addr: usize, what: &str, name: &str) -> Result<
 /// Checks that a reduction's buffers are aligned to its datatype: the kernels load and store
 /// them element by element (where not 16 bytes at a time), and a GPU faults on a misaligned
 /// element (`CUDA_ERROR_MISALIGNED_ADDRESS`, which spoils the context for every later call).
-/// Copies move bytes and take any address; so does the host executor.
-fn check_aligned(q: &Call<'_>) -> Result<()> {
+/// Copies move bytes and take any address; so does the host executor. (`send`, `recv`: the
+/// buffers the call uses.)
+fn check_aligned(q: &Call<'_>, send: bool, recv: bool) -> Result<()> {
     if q.red.is_none() {
         return Ok(());
     }
     let a = &q.args;
     let size = a.dtype.size();
-    let recv_used = a.kind != CollKind::Reduce || a.root as usize == q.cuda().rank;
-    for (what, addr) in [("sendbuff", a.send), ("recvbuff", a.recv)] {
-        if addr % size != 0 && (what == "sendbuff" || recv_used) {
+    for (what, addr, used) in [("sendbuff", a.send, send), ("recvbuff", a.recv, recv)] {
+        if used && addr % size != 0 {
             return Err(Error::invalid_argument(format!(
                 "{}: {what} {addr:#x} is not aligned to its datatype's {size} bytes ({}): \
                  the GPU cannot reduce elements at that address; {} runs on device {}",
@@ -319,11 +318,16 @@ pub fn launch(ops: Vec<Call<'_>>) -> Result<()> {
         let name = q.args.kind.name();
         if q.args.count > 0 {
             let _g = q.cuda().enter()?;
-            check_buffer(q.cuda(), q.args.send, "sendbuff", name)?;
-            if q.args.recv != q.args.send {
+            // Only the buffers the call uses (NCCL ignores the others: a non-root's receive
+            // buffer of a reduce may be anything).
+            let (send, recv) = q.args.buffers_used(q.cuda().rank);
+            if send {
+                check_buffer(q.cuda(), q.args.send, "sendbuff", name)?;
+            }
+            if recv && (!send || q.args.recv != q.args.send) {
                 check_buffer(q.cuda(), q.args.recv, "recvbuff", name)?;
             }
-            check_aligned(q)?;
+            check_aligned(q, send, recv)?;
         }
     }
     stream::legacy_stream_together(&ops)?;
