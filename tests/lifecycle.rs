@@ -299,3 +299,49 @@ fn a_failed_nonblocking_init_says_why() {
     );
     api::comm_destroy(api::comm_handle(&c1)).unwrap();
 }
+
+/// `ncclCommSplit` does not wait for the parent's work (as NCCL's, whose split only talks
+/// over the bootstrap): rank 0 queues an all-reduce on X, then one on the parent Y, on one
+/// stream, and splits Y; rank 1 splits Y first, then makes the same two calls. Had rank 0's
+/// split waited for Y's all-reduce, queued behind X's, which waits for rank 1's X call, which
+/// comes after rank 1's split, which waits for rank 0's: neither would ever go on.
+#[test]
+fn a_split_does_not_wait_for_the_parents_work() {
+    std::env::set_var("OXCCL_DEVICE", "host");
+    let xs = api::comm_init_all(&[0, 1]).unwrap();
+    let ys = api::comm_init_all(&[0, 1]).unwrap();
+    let t0 = Instant::now();
+    std::thread::scope(|s| {
+        for r in 0..2 {
+            let (x, y) = (&xs[r], &ys[r]);
+            s.spawn(move || {
+                let me = r as f32 + 1.0;
+                let send = vec![me; 1000];
+                let (mut rx, mut ry) = (vec![0f32; 1000], vec![0f32; 1000]);
+                let sh = api::host_stream_create().unwrap();
+                let st = || api::stream_from_handle(sh).unwrap();
+                let calls = |rx: &mut Vec<f32>, ry: &mut Vec<f32>| {
+                    api::enqueue(x, common::all_reduce_f32(&send, rx), st()).unwrap();
+                    api::enqueue(y, common::all_reduce_f32(&send, ry), st()).unwrap();
+                };
+                let kid = if r == 0 {
+                    calls(&mut rx, &mut ry);
+                    api::comm_split(y, 0, 0, None).unwrap().unwrap()
+                } else {
+                    let k = api::comm_split(y, 0, 0, None).unwrap().unwrap();
+                    calls(&mut rx, &mut ry);
+                    k
+                };
+                api::host_stream_synchronize(sh).unwrap();
+                api::host_stream_destroy(sh).unwrap();
+                assert!(rx.iter().chain(&ry).all(|&v| v == 3.0), "rank {r}");
+                sum_check(&kid, me, 3.0, "the split");
+                api::comm_destroy(api::comm_handle(&kid)).unwrap();
+            });
+        }
+    });
+    assert!(t0.elapsed() < Duration::from_secs(60));
+    for c in xs.into_iter().chain(ys) {
+        api::comm_destroy(api::comm_handle(&c)).unwrap();
+    }
+}

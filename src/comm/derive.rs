@@ -68,7 +68,8 @@ pub fn split(
             "invalid color {color} (must be >= 0 or NCCL_SPLIT_NOCOLOR)"
         )));
     }
-    core.wait_idle()?;
+    // (No wait for the parent's work, as NCCL's split: the split only talks over the
+    // bootstrap, and a peer's matching calls may come after its own split.)
     let mut mine = color.to_le_bytes().to_vec();
     mine.extend_from_slice(&key.to_le_bytes());
     let all = core.with_bootstrap(|b| b.allgather(&mine))?;
