@@ -66,7 +66,9 @@ static void bad_calls(ncclComm_t comm, int nranks, ncclResult_t want_comm, const
     ncclRedOp_t op;
     float s = 1;
     EXPECT(ncclRedOpCreatePreMulSum(&op, &s, ncclFloat, ncclScalarHostImmediate, c), want_comm);
-    EXPECT(ncclCommFinalize(c), want_comm);
+    /* (As NCCL's: finalizing or revoking NULL is a no-op.) */
+    EXPECT(ncclCommFinalize(c), c == NULL ? ncclSuccess : want_comm);
+    EXPECT(ncclCommRevoke(c, 0), c == NULL ? ncclSuccess : want_comm);
     ncclComm_t nc;
     EXPECT(ncclCommSplit(c, 0, 0, &nc, NULL), want_comm);
     void* h;
@@ -209,7 +211,7 @@ int main(void) {
   int devs[2] = {0, 1};
   ncclComm_t comms2[2];
   EXPECT(ncclCommInitAll(NULL, 2, devs), IA);
-  EXPECT(ncclCommInitAll(comms2, 0, devs), IA);
+  EXPECT(ncclCommInitAll(comms2, 0, devs), ncclSuccess); /* (as NCCL: nothing made) */
   EXPECT(ncclCommInitAll(comms2, -1, devs), IA);
   int bad_devs[2] = {0, -1};
   EXPECT(ncclCommInitAll(comms2, 2, bad_devs), IA);
@@ -218,6 +220,14 @@ int main(void) {
 
   /* Memory. */
   EXPECT(ncclMemAlloc(NULL, 64), IA);
+  {
+    /* Zero bytes: NULL and success (as NCCL's); freeing NULL is a no-op. */
+    static int mark;
+    void* z = &mark;
+    EXPECT(ncclMemAlloc(&z, 0), ncclSuccess);
+    EXPECT(z == NULL ? ncclSuccess : ncclInternalError, ncclSuccess);
+    EXPECT(ncclMemFree(z), ncclSuccess);
+  }
 
   /* Groups: an end without a start is a usage error. */
   EXPECT(ncclGroupEnd(), ncclInvalidUsage);

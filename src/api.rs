@@ -64,15 +64,30 @@ pub fn comm_finalize(comm: &Arc<Comm>) -> Result<()> {
 
 /// `ncclCommDestroy`: the handle is invalid afterwards.
 pub fn comm_destroy(h: usize) -> Result<()> {
+    // A non-blocking init still running: refused, the handle kept (as NCCL's, which says to
+    // wait for it or abort), rather than wait for peers that may never come.
+    if crate::comm::handles::lookup(h).is_ok_and(|c| c.init_running()) {
+        return Err(Error::invalid_argument(
+            "ncclCommDestroy: the communicator's non-blocking init is still in progress: \
+             wait until ncclCommGetAsyncError returns ncclSuccess, or call ncclCommAbort",
+        ));
+    }
     let comm = crate::comm::handles::unregister(h)?;
     comm.destroy()
 }
 
-/// `ncclCommAbort`: stops in-flight work, then destroys.
+/// `ncclCommAbort`: stops in-flight work, then destroys. What the teardown met (kernels that
+/// did not stop in time, a failed device) is a WARN, not the call's error, as NCCL's abort
+/// ends the communicator whatever it meets: a caller aborts in its own error paths and
+/// destructors (PyTorch's `~ProcessGroupNCCL` rethrows an abort's error, which ends the
+/// process there).
 pub fn comm_abort(h: usize) -> Result<()> {
     let comm = crate::comm::handles::unregister(h)?;
     comm.abort();
-    comm.destroy()
+    if let Err(e) = comm.destroy() {
+        crate::debug::warn(&format!("ncclCommAbort: {}", e.msg));
+    }
+    Ok(())
 }
 
 /// A communicator's load/store domains (the ranks of one host): (rank, nRanks, this rank's
@@ -135,8 +150,19 @@ pub fn group_end() -> Result<()> {
     crate::group::end()
 }
 
-/// `ncclGroupSimulateEnd`: closes the group without launching its calls.
-pub fn group_simulate_end() -> Result<()> {
+/// Inside a group, makes `e` (a call refused before it was queued) the group's error.
+pub fn group_note_error(e: &Error) {
+    crate::group::note_error(e)
+}
+
+/// How deep the calling thread is in groups (0: in none).
+pub fn group_depth() -> usize {
+    crate::group::depth()
+}
+
+/// `ncclGroupSimulateEnd`: closes the group without launching its calls; whether it held
+/// calls.
+pub fn group_simulate_end() -> Result<bool> {
     crate::group::simulate_end()
 }
 
@@ -148,7 +174,12 @@ pub fn redop_destroy(comm: &Arc<Comm>, op: i32) -> Result<()> {
     comm.redops.destroy(op)
 }
 
+/// `ncclMemAlloc`. Zero bytes: NULL and success (as NCCL's, whose fallback `cudaMalloc` of 0
+/// gives NULL); `ncclMemFree(NULL)` is a no-op.
 pub fn mem_alloc(size: usize) -> Result<usize> {
+    if size == 0 {
+        return Ok(0);
+    }
     crate::exec::mem_alloc(size)
 }
 

@@ -70,6 +70,11 @@ fn close(call: &str) -> Result<Option<GroupState>> {
     })
 }
 
+/// How deep this thread is in groups (0: in none).
+pub fn depth() -> usize {
+    GROUP.with(|g| g.borrow().depth)
+}
+
 pub fn end() -> Result<()> {
     match close("ncclGroupEnd")? {
         None => Ok(()),
@@ -78,37 +83,54 @@ pub fn end() -> Result<()> {
 }
 
 /// `ncclGroupSimulateEnd`: ends the group as `end` does, but launches none of its calls (as
-/// NCCL's, which only estimates their time); deferred inits still run. The estimate is not
-/// made yet: a clear `ncclInvalidUsage` once the group is closed, so that the thread's later
-/// calls are not queued into a group nobody will end.
-pub fn simulate_end() -> Result<()> {
+/// NCCL's, which only estimates their time); deferred inits still run. Whether the group held
+/// calls (false also for an inner level): their time is not estimated yet.
+pub fn simulate_end() -> Result<bool> {
     let Some(s) = close("ncclGroupSimulateEnd")? else {
         // (An inner level: only the outermost end does anything.)
-        return Ok(());
+        return Ok(false);
     };
-    // (As `launch_group`: the inits run, then a call the group refused is its error.)
-    let init_result = crate::comm::run_inits(&s.inits);
+    // (As `launch_group`.)
     if let Some(e) = s.error {
+        abandon_inits(&s.inits, &e);
         return Err(e);
     }
-    init_result?;
-    if s.ops.is_empty() {
-        // (Nothing to estimate: no time.)
-        return Ok(());
-    }
-    Err(Error::not_yet(
-        "ncclGroupSimulateEnd (estimating a group's time; the group is closed, its calls \
-         were not launched)",
-    ))
+    crate::comm::run_inits(&s.inits)?;
+    Ok(!s.ops.is_empty())
 }
 
+/// A group that refused a call (or an init) runs none of its deferred inits and launches
+/// none of its calls (as NCCL's): its end returns that error at once, and its communicators
+/// still to be made report it, rather than wait for a rank whose init was refused.
 fn launch_group(s: GroupState) -> Result<()> {
-    let init_result = crate::comm::run_inits(&s.inits);
     if let Some(e) = s.error {
+        abandon_inits(&s.inits, &e);
         return Err(e);
     }
-    init_result?;
+    crate::comm::run_inits(&s.inits)?;
     launch::run_group(s.ops)
+}
+
+fn abandon_inits(inits: &[Arc<Comm>], e: &Error) {
+    for c in inits {
+        c.abandon_init(e);
+    }
+}
+
+/// Inside a group, makes `e` the group's error unless it has one: a call refused before it
+/// reached `enqueue` (its datatype, its communicator handle, its config), or an init refused
+/// in the group, as `enqueue` does for the calls it refuses. The group's end then returns it
+/// and launches nothing (as NCCL's `ncclGroupErrCheck`).
+pub fn note_error(e: &Error) {
+    if THREADS_IN_GROUPS.load(Ordering::Acquire) == 0 {
+        return;
+    }
+    GROUP.with(|g| {
+        let mut g = g.borrow_mut();
+        if g.depth > 0 && g.error.is_none() {
+            g.error = Some(e.clone());
+        }
+    });
 }
 
 /// Validates a call and queues it (or runs it at once outside a group).

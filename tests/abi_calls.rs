@@ -136,7 +136,10 @@ fn null_and_range_checks() {
             "{}",
             last_error()
         );
-        assert_eq!(ncclCommInitAll(&mut c, 0, null()).0, INVALID_ARGUMENT);
+        assert_eq!(ncclCommInitAll(&mut c, -1, null()).0, INVALID_ARGUMENT);
+        // No devices: nothing made, and no error (as NCCL's).
+        assert_eq!(ncclCommInitAll(&mut c, 0, null()).0, 0);
+        assert!(c.is_null());
         assert_eq!(ncclCommCount(null_mut(), null_mut()).0, INVALID_ARGUMENT);
         assert_eq!(
             ncclRedOpDestroy(ncclRedOp_t(2), null_mut()).0,
@@ -268,9 +271,10 @@ fn later_features_say_not_yet() {
             "{}",
             last_error()
         );
+        // Outside a group: that, whatever the magic (as NCCL's).
         assert_eq!(ncclGroupSimulateEnd(&mut info).0, INVALID_USAGE);
         info.magic = 1;
-        assert_eq!(ncclGroupSimulateEnd(&mut info).0, INVALID_ARGUMENT);
+        assert_eq!(ncclGroupSimulateEnd(&mut info).0, INVALID_USAGE);
     }
 }
 
@@ -330,10 +334,10 @@ fn team_helpers_on_a_four_rank_comm() {
 }
 
 /// `ncclDevCommCreate`/`ncclDevCommDestroy` (and their pnccl twins): NULL arguments are
-/// `ncclInvalidArgument` without a crash; valid ones are `ncclInvalidUsage` on the host executor,
-/// with a message that names the CUDA executor.
+/// `ncclInvalidArgument` without a crash; valid ones are `ncclInvalidUsage` (not built yet), with
+/// a message that says so.
 #[test]
-fn dev_comm_create_and_destroy_say_the_host_executor_has_none() {
+fn dev_comm_create_and_destroy_say_they_are_not_built() {
     let _g = serial();
     let mut comm: ncclComm_t = null_mut();
     let dev: c_int = 0;
@@ -378,7 +382,9 @@ fn dev_comm_create_and_destroy_say_the_host_executor_has_none() {
             assert_eq!(call().0, INVALID_USAGE, "{name}");
             let msg = last_error();
             assert!(
-                msg.starts_with(name.trim_start_matches('p')) && msg.contains("CUDA executor"),
+                msg.starts_with(name.trim_start_matches('p'))
+                    && msg.contains("device API")
+                    && msg.contains("not built"),
                 "{name}: {msg}"
             );
         }
@@ -426,9 +432,9 @@ fn inits_in_a_group_return_success() {
     }
 }
 
-/// `ncclGroupSimulateEnd` closes the group without launching its calls (the time estimate is
-/// not made yet: `ncclInvalidUsage`), so that the thread's later calls run; an empty group
-/// estimates no time.
+/// `ncclGroupSimulateEnd` closes the group without launching its calls (their time is not
+/// estimated yet: -1000, NCCL's value where it cannot), so that the thread's later calls run;
+/// an empty group estimates no time.
 #[test]
 fn group_simulate_end_closes_the_group() {
     let _g = serial();
@@ -464,17 +470,123 @@ fn group_simulate_end_closes_the_group() {
         assert_eq!(ncclGroupStart().0, 0);
         let rc = ncclAllReduce(p, o, 2, ncclDataType_t(7), ncclRedOp_t(0), comm, null_mut());
         assert_eq!(rc.0, 0, "{}", last_error());
-        assert_eq!(ncclGroupSimulateEnd(&mut info).0, INVALID_USAGE);
-        assert!(
-            last_error().contains("not available yet"),
-            "{}",
-            last_error()
-        );
+        // Its time is not estimated: -1000, as NCCL says where it cannot (PyTorch's inductor
+        // then uses its own model), and success.
+        assert_eq!(ncclGroupSimulateEnd(&mut info).0, 0, "{}", last_error());
+        assert_eq!(info.estimatedTime, -1000.0);
         assert_eq!(out, [0.0, 0.0], "a simulated group's call ran");
         assert_eq!(ncclGroupEnd().0, INVALID_USAGE, "the group was left open");
         let rc = ncclAllReduce(p, o, 2, ncclDataType_t(7), ncclRedOp_t(0), comm, null_mut());
         assert_eq!(rc.0, 0, "{}", last_error());
         assert_eq!(out, [1.0, 2.0], "a call after the simulated group");
+        // A wrong magic: ncclInvalidArgument, and the group is closed all the same, its call
+        // not launched.
+        let mut bad = ncclSimInfo_t { magic: 0, ..info };
+        out = [0.0; 2];
+        assert_eq!(ncclGroupStart().0, 0);
+        let rc = ncclAllReduce(p, o, 2, ncclDataType_t(7), ncclRedOp_t(0), comm, null_mut());
+        assert_eq!(rc.0, 0, "{}", last_error());
+        assert_eq!(ncclGroupSimulateEnd(&mut bad).0, INVALID_ARGUMENT);
+        assert!(last_error().contains("magic"), "{}", last_error());
+        assert_eq!(out, [0.0, 0.0], "a simulated group's call ran");
+        assert_eq!(ncclGroupEnd().0, INVALID_USAGE, "the group was left open");
+        // Outside a group, that comes first (as NCCL's).
+        assert_eq!(ncclGroupSimulateEnd(&mut bad).0, INVALID_USAGE);
+        // NULL: a plain ncclGroupEnd, which launches the group's calls.
+        assert_eq!(ncclGroupStart().0, 0);
+        let rc = ncclAllReduce(p, o, 2, ncclDataType_t(7), ncclRedOp_t(0), comm, null_mut());
+        assert_eq!(rc.0, 0, "{}", last_error());
+        assert_eq!(ncclGroupSimulateEnd(null_mut()).0, 0, "{}", last_error());
+        assert_eq!(out, [1.0, 2.0], "the group of a NULL simInfo");
+        assert_eq!(ncclGroupEnd().0, INVALID_USAGE, "the group was left open");
         assert_eq!(ncclCommDestroy(comm).0, 0);
     }
+}
+
+/// A call refused inside a group, also by the C layer (a datatype out of range), or an init
+/// refused there (a rank out of range), is the group's error: `ncclGroupEnd` returns it at
+/// once and launches nothing of the group, its other inits included, whose communicators say
+/// why (as NCCL's `ncclGroupErrCheck`); the thread is out of the group afterwards.
+#[test]
+fn a_call_refused_in_a_group_fails_the_group() {
+    let _g = serial();
+    let mut comm: ncclComm_t = null_mut();
+    let devs: [c_int; 1] = [0];
+    let b = [1.0f32, 2.0];
+    let mut out = [0.0f32; 2];
+    let (p, o) = (b.as_ptr() as *const c_void, out.as_mut_ptr() as *mut c_void);
+    // SAFETY: valid pointers; host buffers of 2 floats, on the host executor.
+    unsafe {
+        assert_eq!(ncclCommInitAll(&mut comm, 1, devs.as_ptr()).0, 0);
+        assert_eq!(ncclGroupStart().0, 0);
+        let rc = ncclAllReduce(p, o, 2, ncclDataType_t(7), ncclRedOp_t(0), comm, null_mut());
+        assert_eq!(rc.0, 0, "{}", last_error());
+        let rc = ncclAllReduce(
+            p,
+            o,
+            2,
+            ncclDataType_t(12),
+            ncclRedOp_t(0),
+            comm,
+            null_mut(),
+        );
+        assert_eq!(rc.0, INVALID_ARGUMENT);
+        assert_eq!(ncclGroupEnd().0, INVALID_ARGUMENT, "the group's error");
+        assert!(last_error().contains("datatype 12"), "{}", last_error());
+        assert_eq!(out, [0.0, 0.0], "a failed group's call ran");
+        assert_eq!(ncclGroupEnd().0, INVALID_USAGE, "the group was left open");
+
+        let mut id: ncclUniqueId = std::mem::zeroed();
+        assert_eq!(ncclGetUniqueId(&mut id).0, 0);
+        let (mut c0, mut c1): (ncclComm_t, ncclComm_t) = (null_mut(), null_mut());
+        assert_eq!(ncclGroupStart().0, 0);
+        assert_eq!(ncclCommInitRank(&mut c0, 2, id, 0).0, 0, "{}", last_error());
+        assert_eq!(ncclCommInitRank(&mut c1, 2, id, 7).0, INVALID_ARGUMENT);
+        let t0 = std::time::Instant::now();
+        assert_eq!(ncclGroupEnd().0, INVALID_ARGUMENT, "{}", last_error());
+        assert!(
+            t0.elapsed() < std::time::Duration::from_secs(5),
+            "rank 0's init waited for rank 1: {:?}",
+            t0.elapsed()
+        );
+        let mut n = 0;
+        assert_eq!(ncclCommCount(c0, &mut n).0, INVALID_ARGUMENT);
+        assert!(
+            last_error().contains("was not made") && last_error().contains("rank 7"),
+            "{}",
+            last_error()
+        );
+        assert_eq!(ncclCommDestroy(c0).0, 0);
+        assert_eq!(ncclCommDestroy(comm).0, 0);
+    }
+}
+
+/// A scatter's send buffer is used only at the root (as NCCL says): NULL elsewhere is fine.
+#[test]
+fn a_scatter_needs_no_send_buffer_off_the_root() {
+    let _g = serial();
+    let mut comms: [ncclComm_t; 2] = [null_mut(); 2];
+    let devs: [c_int; 2] = [0, 1];
+    let send = [1.0f32, 2.0, 3.0, 4.0];
+    let mut recv = [[0.0f32; 2]; 2];
+    // SAFETY: valid pointers; host buffers, on the host executor.
+    unsafe {
+        assert_eq!(ncclCommInitAll(comms.as_mut_ptr(), 2, devs.as_ptr()).0, 0);
+        assert_eq!(ncclGroupStart().0, 0);
+        for (r, &c) in comms.iter().enumerate() {
+            let s = if r == 0 {
+                send.as_ptr() as *const c_void
+            } else {
+                null()
+            };
+            let d = recv[r].as_mut_ptr() as *mut c_void;
+            let rc = ncclScatter(s, d, 2, ncclDataType_t(7), 0, c, null_mut());
+            assert_eq!(rc.0, 0, "rank {r}: {}", last_error());
+        }
+        assert_eq!(ncclGroupEnd().0, 0, "{}", last_error());
+        for c in comms {
+            assert_eq!(ncclCommDestroy(c).0, 0);
+        }
+    }
+    assert_eq!(recv, [[1.0, 2.0], [3.0, 4.0]]);
 }

@@ -128,6 +128,18 @@ fn revoke_stops_work_in_flight() {
     let e = api::enqueue(&comms[0], a, StreamArg::Null).unwrap_err();
     assert_eq!(e.code, Code::InvalidUsage, "{e}");
     assert!(e.msg.contains("revoked"), "{e}");
+    // Once only (as NCCL's); and a finalized communicator is not revoked, nor finalized twice.
+    let e = api::comm_revoke(&comms[0]).unwrap_err();
+    assert_eq!(e.code, Code::InvalidArgument, "{e}");
+    assert!(e.msg.contains("revoked already"), "{e}");
+    api::comm_finalize(&comms[1]).unwrap();
+    for e in [
+        api::comm_finalize(&comms[1]).unwrap_err(),
+        api::comm_revoke(&comms[1]).unwrap_err(),
+    ] {
+        assert_eq!(e.code, Code::InvalidArgument, "{e}");
+        assert!(e.msg.contains("finalized"), "{e}");
+    }
     api::host_stream_destroy(sh).unwrap();
     for c in comms {
         let _ = api::comm_abort(api::comm_handle(&c));
@@ -160,6 +172,12 @@ fn nonblocking_init_completes_in_the_background() {
     )
     .unwrap_err();
     assert!(e.msg.contains("in progress"), "{e}");
+    assert_eq!(e.code, Code::InvalidArgument, "as NCCL's: {e}");
+    // Destroying it meanwhile is refused at once (as NCCL's), the handle still good.
+    let e = api::comm_destroy(api::comm_handle(&c0)).unwrap_err();
+    assert_eq!(e.code, Code::InvalidArgument, "{e}");
+    assert!(e.msg.contains("ncclCommAbort"), "{e}");
+    assert_eq!(api::comm_async_error(&c0), Code::InProgress);
     let c1 = api::comm_init_rank(2, &id, 1, nonblocking()).unwrap();
     let t0 = Instant::now();
     for c in [&c0, &c1] {

@@ -22,6 +22,15 @@ struct Call {
 }
 
 fn enqueue(c: Call) -> Result<()> {
+    // A refused call is its group's error, wherever it was refused.
+    let r = checked_enqueue(c);
+    if let Err(e) = &r {
+        api::group_note_error(e);
+    }
+    r
+}
+
+fn checked_enqueue(c: Call) -> Result<()> {
     let dtype = DataType::from_raw(c.datatype.0)?;
     let op = match c.op {
         Some(op) if op.0 < 0 => {
@@ -55,6 +64,19 @@ fn enqueue(c: Call) -> Result<()> {
 /// # Safety
 /// `config` is NULL or points to at least `config->size` readable bytes.
 unsafe fn check_coll_config(config: *const ncclCollConfig_t) -> Result<()> {
+    // SAFETY: the caller's contract.
+    let r = unsafe { read_coll_config(config) };
+    if let Err(e) = &r {
+        api::group_note_error(e);
+    }
+    r
+}
+
+/// `check_coll_config`'s checks.
+///
+/// # Safety
+/// As `check_coll_config`.
+unsafe fn read_coll_config(config: *const ncclCollConfig_t) -> Result<()> {
     if config.is_null() {
         return Ok(());
     }

@@ -157,6 +157,17 @@ unsafe fn init_rank(
     in_progress(&c)
 }
 
+/// An init refused inside a group is the group's error (its end then runs none of the
+/// group's inits and launches nothing, as NCCL's); `ncclInProgress` is no error.
+fn noted(r: Result<()>) -> Result<()> {
+    if let Err(e) = &r {
+        if e.code != crate::error::Code::InProgress {
+            api::group_note_error(e);
+        }
+    }
+    r
+}
+
 /// `ncclInProgress` while a non-blocking communicator's init runs (the handle is out already;
 /// not for an init deferred to the group's end).
 fn in_progress(c: &std::sync::Arc<crate::comm::Comm>) -> Result<()> {
@@ -179,7 +190,7 @@ pub unsafe extern "C" fn ncclCommInitRankConfig(
 ) -> ncclResult_t {
     // SAFETY: pointers as the C contract gives them.
     entry!("ncclCommInitRankConfig", {
-        unsafe { init_rank(comm, nranks, &[commId], rank, config) }
+        noted(unsafe { init_rank(comm, nranks, &[commId], rank, config) })
     })
 }
 
@@ -192,7 +203,7 @@ pub unsafe extern "C" fn ncclCommInitRank(
 ) -> ncclResult_t {
     // SAFETY: pointers as the C contract gives them; no config.
     entry!("ncclCommInitRank", {
-        unsafe { init_rank(comm, nranks, &[commId], rank, std::ptr::null()) }
+        noted(unsafe { init_rank(comm, nranks, &[commId], rank, std::ptr::null()) })
     })
 }
 
@@ -206,16 +217,18 @@ pub unsafe extern "C" fn ncclCommInitRankScalable(
     config: *mut ncclConfig_t,
 ) -> ncclResult_t {
     entry!("ncclCommInitRankScalable", {
-        if nId < 1 || nId > nranks.max(1) {
-            return Err(Error::invalid_argument(format!(
-                "nId {nId} must be in [1, nranks={nranks}]"
-            )));
-        }
-        non_null(commIds, "commIds")?;
-        // SAFETY: the caller passes nId ids at commIds (checked non-null, nId >= 1).
-        let ids = unsafe { std::slice::from_raw_parts(commIds, nId as usize) };
-        // SAFETY: pointers as the C contract gives them.
-        unsafe { init_rank(newcomm, nranks, ids, myrank, config) }
+        noted((|| {
+            if nId < 1 || nId > nranks.max(1) {
+                return Err(Error::invalid_argument(format!(
+                    "nId {nId} must be in [1, nranks={nranks}]"
+                )));
+            }
+            non_null(commIds, "commIds")?;
+            // SAFETY: the caller passes nId ids at commIds (checked non-null, nId >= 1).
+            let ids = unsafe { std::slice::from_raw_parts(commIds, nId as usize) };
+            // SAFETY: pointers as the C contract gives them.
+            unsafe { init_rank(newcomm, nranks, ids, myrank, config) }
+        })())
     })
 }
 
@@ -227,10 +240,14 @@ pub unsafe extern "C" fn ncclCommInitAll(
 ) -> ncclResult_t {
     entry!("ncclCommInitAll", {
         non_null(comm, "comm")?;
-        if ndev < 1 {
+        if ndev < 0 {
             return Err(Error::invalid_argument(format!(
-                "ndev {ndev} must be at least 1"
+                "ndev {ndev} must not be negative"
             )));
+        }
+        // (As NCCL's: no devices, no communicators, and no error.)
+        if ndev == 0 {
+            return Ok(());
         }
         let devs: Vec<i32> = if devlist.is_null() {
             (0..ndev).collect()
@@ -256,7 +273,13 @@ pub unsafe extern "C" fn ncclCommInitAll(
 
 #[no_mangle]
 pub unsafe extern "C" fn ncclCommFinalize(comm: ncclComm_t) -> ncclResult_t {
-    entry!("ncclCommFinalize", { api::comm_finalize(&comm_arg(comm)?) })
+    entry!("ncclCommFinalize", {
+        // Like NCCL: finalizing NULL is a no-op.
+        if comm.is_null() {
+            return Ok(());
+        }
+        api::comm_finalize(&comm_arg(comm)?)
+    })
 }
 
 #[no_mangle]
@@ -283,6 +306,10 @@ pub unsafe extern "C" fn ncclCommAbort(comm: ncclComm_t) -> ncclResult_t {
 #[no_mangle]
 pub unsafe extern "C" fn ncclCommRevoke(comm: ncclComm_t, revokeFlags: c_int) -> ncclResult_t {
     entry!("ncclCommRevoke", {
+        // Like NCCL: revoking NULL is a no-op.
+        if comm.is_null() {
+            return Ok(());
+        }
         if revokeFlags != 0 {
             return Err(Error::invalid_argument(format!(
                 "revokeFlags {revokeFlags} must be NCCL_REVOKE_DEFAULT (0)"

@@ -2,8 +2,8 @@
 //! 2.32 headers import, with the prototypes NVIDIA's libnccl.so.2 exports (C linkage, taking the
 //! host `ncclComm_t`; core.h's `ncclDevComm const&` overloads are device-only inline functions).
 //! NCCL declares them outside nccl.h, so include/nccl.h does not.
-//! Device communicators (`ncclDevCommCreate`/`ncclDevCommDestroy`) need the CUDA executor: on
-//! the host executor they check their arguments and say so. The window/pointer queries
+//! Device communicators (`ncclDevCommCreate`/`ncclDevCommDestroy`) are not built yet, on either
+//! executor: they check their arguments and say so. The window/pointer queries
 //! (`ncclGetLsaDevicePointer`, ...) and the resource requirements are not exported yet.
 
 use super::types::*;
@@ -72,12 +72,13 @@ pub unsafe extern "C" fn ncclCommQueryProperties(
     })
 }
 
-/// Why the host executor has no device communicators.
-const DEV_COMM_NEEDS_CUDA: &str = "the device API (device communicators) needs the CUDA executor, \
-     which oxccl does not have yet; this communicator runs on the host executor";
+/// Why there are no device communicators.
+const DEV_COMM_NOT_BUILT: &str = "the device API (device communicators for kernels of your own, \
+     nccl_device.h) is not built in oxccl yet, on either executor; collectives and \
+     point-to-point calls do not need it";
 
 /// `ncclResult_t ncclDevCommCreate(ncclComm_t, ncclDevCommRequirements_t const*,
-/// ncclDevComm_t*)`: on the host executor, `ncclInvalidUsage` once the arguments are valid.
+/// ncclDevComm_t*)`: not built yet, so `ncclInvalidUsage` once the arguments are valid.
 #[no_mangle]
 pub unsafe extern "C" fn ncclDevCommCreate(
     comm: ncclComm_t,
@@ -88,12 +89,12 @@ pub unsafe extern "C" fn ncclDevCommCreate(
         non_null(reqs, "reqs")?;
         non_null(outDevComm, "outDevComm")?;
         comm_arg(comm)?.core()?;
-        Err(Error::invalid_usage(DEV_COMM_NEEDS_CUDA))
+        Err(Error::invalid_usage(DEV_COMM_NOT_BUILT))
     })
 }
 
 /// `ncclResult_t ncclDevCommDestroy(ncclComm_t, ncclDevComm_t const*)`: no device communicator
-/// can exist on the host executor, so `ncclInvalidUsage` once the arguments are valid.
+/// exists (not built yet), so `ncclInvalidUsage` once the arguments are valid.
 #[no_mangle]
 pub unsafe extern "C" fn ncclDevCommDestroy(
     comm: ncclComm_t,
@@ -102,7 +103,7 @@ pub unsafe extern "C" fn ncclDevCommDestroy(
     entry!("ncclDevCommDestroy", {
         non_null(devComm, "devComm")?;
         comm_arg(comm)?.core()?;
-        Err(Error::invalid_usage(DEV_COMM_NEEDS_CUDA))
+        Err(Error::invalid_usage(DEV_COMM_NOT_BUILT))
     })
 }
 

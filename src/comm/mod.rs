@@ -113,16 +113,22 @@ pub struct Comm {
     init_thread: Mutex<Option<std::thread::JoinHandle<()>>>,
     init_abort: Arc<AtomicBool>,
     destroyed: AtomicBool,
+    /// `ncclCommFinalize` was called (a second call, or a revoke after it, is refused).
+    finalized: AtomicBool,
+    /// `ncclCommRevoke` was called (a second call is refused).
+    revoked: AtomicBool,
     pub redops: RedOps,
     pub registry: Registry,
 }
 
 impl Comm {
     fn pending(p: PendingInit) -> Comm {
-        let blocking = p
-            .config
-            .blocking
-            .unwrap_or_else(|| crate::param::get_str("NCCL_COMM_BLOCKING").as_deref() != Some("0"));
+        // NCCL_COMM_BLOCKING, where 0 or 1, overrides the config (as NCCL's).
+        let blocking = match crate::param::get_str("NCCL_COMM_BLOCKING").as_deref() {
+            Some("0") => false,
+            Some("1") => true,
+            _ => p.config.blocking.unwrap_or(true),
+        };
         Comm {
             nonblocking: !blocking,
             init_thread: Mutex::new(None),
@@ -131,6 +137,8 @@ impl Comm {
             pending: Mutex::new(Some(p)),
             init_error: Mutex::new(None),
             destroyed: AtomicBool::new(false),
+            finalized: AtomicBool::new(false),
+            revoked: AtomicBool::new(false),
             redops: RedOps::default(),
             registry: Registry::default(),
         }
@@ -155,13 +163,16 @@ impl Comm {
         if let Some(e) = self.init_error.lock().clone() {
             return e;
         }
+        // (ncclInvalidArgument, as NCCL's for a communicator used before it is ready.)
         if self.nonblocking && self.init_thread.lock().is_some() {
-            return Error::invalid_usage(
+            return Error::invalid_argument(
                 "the communicator's non-blocking init is still in progress: poll \
                  ncclCommGetAsyncError until it returns ncclSuccess before using it",
             );
         }
-        Error::invalid_usage("communicator is not initialized yet (its ncclGroupEnd has not run)")
+        Error::invalid_argument(
+            "communicator is not initialized yet (its ncclGroupEnd has not run)",
+        )
     }
 
     /// Runs the pending init: here (blocking), or on a thread of its own for a non-blocking
@@ -206,6 +217,18 @@ impl Comm {
     /// communicator is quiescent when this returns; afterwards it can only be shrunk, split,
     /// destroyed or aborted (its collectives return `ncclInvalidUsage`).
     pub fn revoke(&self) -> Result<()> {
+        self.core()?;
+        // (As NCCL's: once only, and not after ncclCommFinalize.)
+        if self.finalized.load(Ordering::Acquire) {
+            return Err(Error::invalid_argument(
+                "ncclCommRevoke: the communicator was finalized (ncclCommFinalize)",
+            ));
+        }
+        if self.revoked.swap(true, Ordering::AcqRel) {
+            return Err(Error::invalid_argument(
+                "ncclCommRevoke: the communicator was revoked already",
+            ));
+        }
         self.stop_work(
             "was revoked (ncclCommRevoke): only ncclCommShrink, ncclCommSplit, ncclCommDestroy \
              and ncclCommAbort can use it now",
@@ -277,8 +300,30 @@ impl Comm {
         }
     }
 
+    /// A deferred init that will not run (its group failed with `e`): the communicator
+    /// reports why from now on.
+    pub fn abandon_init(&self, e: &Error) {
+        if self.pending.lock().take().is_some() {
+            *self.init_error.lock() = Some(Error::new(
+                e.code,
+                format!(
+                    "the communicator was not made: a call of the group its init was in \
+                     failed: {}",
+                    e.msg
+                ),
+            ));
+        }
+    }
+
     pub fn finalize(&self) -> Result<()> {
-        self.core()?.wait_idle()
+        let core = self.core()?;
+        // (As NCCL's: once only.)
+        if self.finalized.swap(true, Ordering::AcqRel) {
+            return Err(Error::invalid_argument(
+                "ncclCommFinalize: the communicator was finalized already",
+            ));
+        }
+        core.wait_idle()
     }
 
     pub fn destroy(&self) -> Result<()> {

@@ -47,9 +47,6 @@ fn cumem_enabled() -> bool {
 }
 
 pub fn alloc(bytes: usize) -> Result<usize> {
-    if bytes == 0 {
-        return Err(Error::invalid_argument("ncclMemAlloc: size is 0"));
-    }
     let api = driver::api()?;
     let dev = driver::current_device()?;
     let _g = CtxGuard::enter(driver::primary_context(dev)?)?;
