@@ -363,3 +363,28 @@ fn a_split_does_not_wait_for_the_parents_work() {
         api::comm_destroy(api::comm_handle(&c)).unwrap();
     }
 }
+
+/// A split color that is neither >= 0 nor `NCCL_SPLIT_NOCOLOR` fails every rank's split,
+/// naming the rank that gave it, at once (refused before the exchange, the others would wait
+/// in it for that rank); the parent still works.
+#[test]
+fn a_bad_split_color_fails_every_rank() {
+    std::env::set_var("OXCCL_DEVICE", "host");
+    let comms = api::comm_init_all(&[0, 1]).unwrap();
+    let t0 = Instant::now();
+    std::thread::scope(|s| {
+        for (r, c) in comms.iter().enumerate() {
+            s.spawn(move || {
+                let color = if r == 0 { -5 } else { 0 };
+                let e = err(api::comm_split(c, color, 0, None));
+                assert_eq!(e.code, Code::InvalidArgument, "rank {r}: {e}");
+                assert!(e.msg.contains("rank 0 gave color -5"), "rank {r}: {e}");
+                sum_check(c, r as f32 + 1.0, 3.0, "the parent after a refused split");
+            });
+        }
+    });
+    assert!(t0.elapsed() < Duration::from_secs(10), "{:?}", t0.elapsed());
+    for c in comms {
+        api::comm_destroy(api::comm_handle(&c)).unwrap();
+    }
+}

@@ -63,17 +63,23 @@ pub fn split(
     config: Option<CommConfig>,
 ) -> Result<Option<Arc<Comm>>> {
     let core = comm.core()?.clone();
-    if color < 0 && color != -1 {
-        return Err(Error::invalid_argument(format!(
-            "invalid color {color} (must be >= 0 or NCCL_SPLIT_NOCOLOR)"
-        )));
-    }
     // (No wait for the parent's work, as NCCL's split: the split only talks over the
     // bootstrap, and a peer's matching calls may come after its own split.)
     let mut mine = color.to_le_bytes().to_vec();
     mine.extend_from_slice(&key.to_le_bytes());
     let all = core.with_bootstrap(|b| b.allgather(&mine))?;
     let parse = |b: &Vec<u8>, o: usize| i32::from_le_bytes([b[o], b[o + 1], b[o + 2], b[o + 3]]);
+    // A color that is neither >= 0 nor NCCL_SPLIT_NOCOLOR fails every rank's split, after the
+    // exchange: refused before it, the others would wait in it for this rank.
+    if let Some((r, c)) = (0..all.len())
+        .map(|r| (r, parse(&all[r], 0)))
+        .find(|&(_, c)| c < -1)
+    {
+        return Err(Error::invalid_argument(format!(
+            "ncclCommSplit: rank {r} gave color {c}, which is neither >= 0 nor \
+             NCCL_SPLIT_NOCOLOR (-1)"
+        )));
+    }
     if color == -1 {
         return Ok(None);
     }
