@@ -61,6 +61,13 @@ TOOL="$ROOT/target/release/all_reduce_perf"
 [ -x "$TOOL" ] || { echo "launch-cost.sh: build first: make -C nccl-tests-compat" >&2; exit 1; }
 OUT="$(mktemp -d)"
 trap 'rm -rf "$OUT"' EXIT
+if [ -z "${LIBDIR:-}" ]; then
+  # The tools load libnccl.so.2 (the SONAME): a lib directory holding it, as main-job.sh lays
+  # out (without it a fresh checkout's tools could not start, and nothing was counted).
+  [ -f "$ROOT/target/release/libnccl.so" ] || { echo "launch-cost.sh: build first: cargo build --release --lib" >&2; exit 1; }
+  mkdir -p "$ROOT/target/release/lib"
+  ln -sf ../libnccl.so "$ROOT/target/release/lib/libnccl.so.2"
+fi
 export LD_LIBRARY_PATH="${LIBDIR:-$ROOT/target/release/lib}" OXCCL_DEVICE=host WORLD_SIZE=2 MASTER_ADDR=127.0.0.1
 export MASTER_PORT="$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')"
 if [ "${HOSTS:-1}" = 2 ]; then
@@ -70,7 +77,8 @@ else
 fi
 RANK=1 "${h1[@]}" "$TOOL" "${args[@]}" > "$OUT/rank1.txt" 2>&1 &
 peer=$!
-RANK=0 "${h0[@]}" valgrind --tool=callgrind --callgrind-out-file="$OUT/cg.out" "$TOOL" "${args[@]}" > "$OUT/rank0.txt" 2>&1
+RANK=0 "${h0[@]}" valgrind --tool=callgrind --callgrind-out-file="$OUT/cg.out" "$TOOL" "${args[@]}" > "$OUT/rank0.txt" 2>&1 ||
+  { echo "launch-cost.sh: rank 0 failed:" >&2; tail -20 "$OUT/rank0.txt" >&2; kill "$peer" 2>/dev/null; exit 1; }
 wait "$peer"
 # Out-of-place and in-place columns: 2N timed calls, plus warm-up and checks (negligible).
 calls=$((2 * N))

@@ -252,10 +252,21 @@ fn check_buffer(comm: &CudaComm, addr: usize, what: &str, name: &str) -> Result<
 /// element (`CUDA_ERROR_MISALIGNED_ADDRESS`, which spoils the context for every later call).
 /// Copies move bytes and take any address; so does the host executor. (`send`, `recv`: the
 /// buffers the call uses.)
+#[inline]
 fn check_aligned(q: &Call<'_>, send: bool, recv: bool) -> Result<()> {
-    if q.red.is_none() {
+    let a = &q.args;
+    let size = a.dtype.size();
+    let off = |used: bool, addr: usize| used && !addr.is_multiple_of(size);
+    if q.red.is_none() || !(off(send, a.send) || off(recv, a.recv)) {
         return Ok(());
     }
+    misaligned(q, send, recv)
+}
+
+/// `check_aligned`'s error.
+#[cold]
+#[inline(never)]
+fn misaligned(q: &Call<'_>, send: bool, recv: bool) -> Result<()> {
     let a = &q.args;
     let size = a.dtype.size();
     for (what, addr, used) in [("sendbuff", a.send, send), ("recvbuff", a.recv, recv)] {
@@ -290,14 +301,21 @@ fn hardware_queues() -> usize {
 /// (this launch holds `ranks_here` of them) and outnumber the context's hardware queues: the
 /// streams of some share a queue, which runs its work in order, so a rank's kernel can be
 /// queued behind work that waits for another rank's kernel that waits for it.
+#[inline]
 fn warn_shared_queues(comm: &CudaComm, ranks_here: usize) {
     let local = comm.process_ranks_on_device.len();
+    if ranks_here < local && local > hardware_queues() {
+        warn_shared_queues_once(comm, local);
+    }
+}
+
+#[cold]
+#[inline(never)]
+fn warn_shared_queues_once(comm: &CudaComm, local: usize) {
     let queues = hardware_queues();
-    if ranks_here >= local
-        || local <= queues
-        || comm
-            .queues_warned
-            .swap(true, std::sync::atomic::Ordering::Relaxed)
+    if comm
+        .queues_warned
+        .swap(true, std::sync::atomic::Ordering::Relaxed)
     {
         return;
     }
