@@ -68,8 +68,9 @@ pub fn comm_destroy(h: usize) -> Result<()> {
     // wait for it or abort), rather than wait for peers that may never come.
     if crate::comm::handles::lookup(h).is_ok_and(|c| c.init_running()) {
         return Err(Error::invalid_argument(
-            "ncclCommDestroy: the communicator's non-blocking init is still in progress: \
-             wait until ncclCommGetAsyncError returns ncclSuccess, or call ncclCommAbort",
+            "ncclCommDestroy: a non-blocking init is still in progress (the communicator's, or \
+             that of one split or shrunk from it): wait until ncclCommGetAsyncError returns \
+             ncclSuccess, or call ncclCommAbort",
         ));
     }
     let comm = crate::comm::handles::unregister(h)?;

@@ -590,3 +590,50 @@ fn a_scatter_needs_no_send_buffer_off_the_root() {
     }
     assert_eq!(recv, [[1.0, 2.0], [3.0, 4.0]]);
 }
+
+/// `ncclCommSplit` with a color below -1 on one rank: every rank's call returns
+/// `ncclInvalidArgument` at once (the color is checked after the exchange, not before it,
+/// where the other ranks would wait in it for this one).
+#[test]
+fn a_bad_split_color_fails_every_rank_at_once() {
+    let _g = serial();
+    let mut comms: [ncclComm_t; 2] = [null_mut(); 2];
+    let devs: [c_int; 2] = [0, 1];
+    // SAFETY: valid pointers.
+    assert_eq!(
+        unsafe { ncclCommInitAll(comms.as_mut_ptr(), 2, devs.as_ptr()) }.0,
+        0
+    );
+    let t0 = std::time::Instant::now();
+    let codes: Vec<i32> = std::thread::scope(|s| {
+        let hs: Vec<_> = comms
+            .iter()
+            .enumerate()
+            .map(|(r, &c)| {
+                let c = c as usize;
+                s.spawn(move || {
+                    let mut out: ncclComm_t = null_mut();
+                    let color = if r == 0 { -5 } else { 0 };
+                    // SAFETY: a live communicator; a valid out-pointer; no config.
+                    unsafe { ncclCommSplit(c as ncclComm_t, color, 0, &mut out, null_mut()) }.0
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    assert_eq!(codes, [INVALID_ARGUMENT, INVALID_ARGUMENT]);
+    assert!(
+        last_error().contains("rank 0 gave color -5"),
+        "{}",
+        last_error()
+    );
+    assert!(
+        t0.elapsed() < std::time::Duration::from_secs(10),
+        "{:?}",
+        t0.elapsed()
+    );
+    for c in comms {
+        // SAFETY: live communicators.
+        assert_eq!(unsafe { ncclCommDestroy(c) }.0, 0);
+    }
+}

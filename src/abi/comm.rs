@@ -329,11 +329,8 @@ pub unsafe extern "C" fn ncclCommSplit(
 ) -> ncclResult_t {
     entry!("ncclCommSplit", {
         non_null(newcomm, "newcomm")?;
-        if color < -1 {
-            return Err(Error::invalid_argument(format!(
-                "color {color} must be >= 0 or NCCL_SPLIT_NOCOLOR (-1)"
-            )));
-        }
+        // (A color below -1 is refused by every rank's split after the exchange: refused
+        // here, the other ranks would wait in it for this one.)
         // SAFETY: NULL or a config of `size` bytes.
         let config = unsafe { read_config(config) }?;
         let parent = comm_arg(comm)?;

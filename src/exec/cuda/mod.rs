@@ -213,8 +213,7 @@ fn check_buffer(comm: &CudaComm, addr: usize, what: &str, name: &str) -> Result<
         &mut managed as *mut _ as *mut c_void,
     ];
     // SAFETY: three attributes, each written to its own variable of the attribute's type (the
-    // managed flag, a bool the driver may write as one byte, into a zeroed word); any address
-    // may be asked about.
+    // managed flag an unsigned int); any address may be asked about.
     let r = unsafe {
         (api.pointer_attrs)(
             attrs.len() as std::ffi::c_uint,
