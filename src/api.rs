@@ -151,9 +151,15 @@ pub fn group_end() -> Result<()> {
     crate::group::end()
 }
 
-/// Inside a group, makes `e` (a call refused before it was queued) the group's error.
-pub fn group_note_error(e: &Error) {
-    crate::group::note_error(e)
+/// `r`, whose error (not `ncclInProgress`) inside a group becomes the group's error (a call
+/// or an init refused before it was queued).
+pub fn group_noted<T>(r: Result<T>) -> Result<T> {
+    if let Err(e) = &r {
+        if e.code != crate::error::Code::InProgress {
+            crate::group::note_error(e);
+        }
+    }
+    r
 }
 
 /// How deep the calling thread is in groups (0: in none).

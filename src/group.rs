@@ -90,31 +90,27 @@ pub fn simulate_end() -> Result<bool> {
         // (An inner level: only the outermost end does anything.)
         return Ok(false);
     };
-    // (As `launch_group`.)
-    if let Some(e) = s.error {
-        abandon_inits(&s.inits, &e);
-        return Err(e);
-    }
-    crate::comm::run_inits(&s.inits)?;
+    inits_unless_refused(&s)?;
     Ok(!s.ops.is_empty())
 }
 
-/// A group that refused a call (or an init) runs none of its deferred inits and launches
-/// none of its calls (as NCCL's): its end returns that error at once, and its communicators
-/// still to be made report it, rather than wait for a rank whose init was refused.
 fn launch_group(s: GroupState) -> Result<()> {
-    if let Some(e) = s.error {
-        abandon_inits(&s.inits, &e);
-        return Err(e);
-    }
-    crate::comm::run_inits(&s.inits)?;
+    inits_unless_refused(&s)?;
     launch::run_group(s.ops)
 }
 
-fn abandon_inits(inits: &[Arc<Comm>], e: &Error) {
-    for c in inits {
-        c.abandon_init(e);
+/// Runs the group's deferred inits, unless it refused a call (or an init): then none runs and
+/// none of its calls is launched (as NCCL's), its end returns that error at once, and its
+/// communicators still to be made report it, rather than wait for a rank whose init was
+/// refused.
+fn inits_unless_refused(s: &GroupState) -> Result<()> {
+    if let Some(e) = &s.error {
+        for c in &s.inits {
+            c.abandon_init(e);
+        }
+        return Err(e.clone());
     }
+    crate::comm::run_inits(&s.inits)
 }
 
 /// Inside a group, makes `e` the group's error unless it has one: a call refused before it

@@ -22,15 +22,6 @@ struct Call {
 }
 
 fn enqueue(c: Call) -> Result<()> {
-    // A refused call is its group's error, wherever it was refused.
-    let r = checked_enqueue(c);
-    if let Err(e) = &r {
-        api::group_note_error(e);
-    }
-    r
-}
-
-fn checked_enqueue(c: Call) -> Result<()> {
     let dtype = DataType::from_raw(c.datatype.0)?;
     let op = match c.op {
         Some(op) if op.0 < 0 => {
@@ -65,11 +56,7 @@ fn checked_enqueue(c: Call) -> Result<()> {
 /// `config` is NULL or points to at least `config->size` readable bytes.
 unsafe fn check_coll_config(config: *const ncclCollConfig_t) -> Result<()> {
     // SAFETY: the caller's contract.
-    let r = unsafe { read_coll_config(config) };
-    if let Err(e) = &r {
-        api::group_note_error(e);
-    }
-    r
+    api::group_noted(unsafe { read_coll_config(config) })
 }
 
 /// `check_coll_config`'s checks.
@@ -140,7 +127,8 @@ fn call(
     comm: ncclComm_t,
     stream: cudaStream_t,
 ) -> Result<()> {
-    enqueue(Call {
+    // A refused call is its group's error, wherever it was refused.
+    api::group_noted(enqueue(Call {
         kind,
         send,
         recv,
@@ -150,7 +138,7 @@ fn call(
         root,
         comm,
         stream,
-    })
+    }))
 }
 
 use CollKind::*;

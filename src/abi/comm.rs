@@ -157,17 +157,6 @@ unsafe fn init_rank(
     in_progress(&c)
 }
 
-/// An init refused inside a group is the group's error (its end then runs none of the
-/// group's inits and launches nothing, as NCCL's); `ncclInProgress` is no error.
-fn noted(r: Result<()>) -> Result<()> {
-    if let Err(e) = &r {
-        if e.code != crate::error::Code::InProgress {
-            api::group_note_error(e);
-        }
-    }
-    r
-}
-
 /// `ncclInProgress` while a non-blocking communicator's init runs (the handle is out already;
 /// not for an init deferred to the group's end).
 fn in_progress(c: &std::sync::Arc<crate::comm::Comm>) -> Result<()> {
@@ -190,7 +179,7 @@ pub unsafe extern "C" fn ncclCommInitRankConfig(
 ) -> ncclResult_t {
     // SAFETY: pointers as the C contract gives them.
     entry!("ncclCommInitRankConfig", {
-        noted(unsafe { init_rank(comm, nranks, &[commId], rank, config) })
+        api::group_noted(unsafe { init_rank(comm, nranks, &[commId], rank, config) })
     })
 }
 
@@ -203,7 +192,7 @@ pub unsafe extern "C" fn ncclCommInitRank(
 ) -> ncclResult_t {
     // SAFETY: pointers as the C contract gives them; no config.
     entry!("ncclCommInitRank", {
-        noted(unsafe { init_rank(comm, nranks, &[commId], rank, std::ptr::null()) })
+        api::group_noted(unsafe { init_rank(comm, nranks, &[commId], rank, std::ptr::null()) })
     })
 }
 
@@ -217,7 +206,9 @@ pub unsafe extern "C" fn ncclCommInitRankScalable(
     config: *mut ncclConfig_t,
 ) -> ncclResult_t {
     entry!("ncclCommInitRankScalable", {
-        noted((|| {
+        // An init refused inside a group is the group's error (its end then runs none of
+        // the group's inits and launches nothing, as NCCL's).
+        api::group_noted((|| {
             if nId < 1 || nId > nranks.max(1) {
                 return Err(Error::invalid_argument(format!(
                     "nId {nId} must be in [1, nranks={nranks}]"

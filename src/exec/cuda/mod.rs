@@ -253,34 +253,32 @@ fn check_buffer(comm: &CudaComm, addr: usize, what: &str, name: &str) -> Result<
 /// buffers the call uses.)
 #[inline]
 fn check_aligned(q: &Call<'_>, send: bool, recv: bool) -> Result<()> {
-    let a = &q.args;
-    let size = a.dtype.size();
-    let off = |used: bool, addr: usize| used && !addr.is_multiple_of(size);
-    if q.red.is_none() || !(off(send, a.send) || off(recv, a.recv)) {
+    if q.red.is_none() {
         return Ok(());
     }
-    misaligned(q, send, recv)
-}
-
-/// `check_aligned`'s error.
-#[cold]
-#[inline(never)]
-fn misaligned(q: &Call<'_>, send: bool, recv: bool) -> Result<()> {
     let a = &q.args;
-    let size = a.dtype.size();
     for (what, addr, used) in [("sendbuff", a.send, send), ("recvbuff", a.recv, recv)] {
-        if used && addr % size != 0 {
-            return Err(Error::invalid_argument(format!(
-                "{}: {what} {addr:#x} is not aligned to its datatype's {size} bytes ({}): \
-                 the GPU cannot reduce elements at that address; {} runs on device {}",
-                a.kind.name(),
-                a.dtype.name(),
-                q.cuda().describe(),
-                q.cuda().dev
-            )));
+        if used && !addr.is_multiple_of(a.dtype.size()) {
+            return Err(misaligned(q, what, addr));
         }
     }
     Ok(())
+}
+
+/// `check_aligned`'s error: `what` at `addr`.
+#[cold]
+#[inline(never)]
+fn misaligned(q: &Call<'_>, what: &str, addr: usize) -> Error {
+    let a = &q.args;
+    Error::invalid_argument(format!(
+        "{}: {what} {addr:#x} is not aligned to its datatype's {} bytes ({}): the GPU cannot \
+         reduce elements at that address; {} runs on device {}",
+        a.kind.name(),
+        a.dtype.size(),
+        a.dtype.name(),
+        q.cuda().describe(),
+        q.cuda().dev
+    ))
 }
 
 /// The hardware queues a CUDA context spreads its streams over (`CUDA_DEVICE_MAX_CONNECTIONS`,
@@ -302,16 +300,15 @@ fn hardware_queues() -> usize {
 /// queued behind work that waits for another rank's kernel that waits for it.
 #[inline]
 fn warn_shared_queues(comm: &CudaComm, ranks_here: usize) {
-    let local = comm.process_ranks_on_device.len();
-    if ranks_here < local && local > hardware_queues() {
-        warn_shared_queues_once(comm, local);
+    let (local, queues) = (comm.process_ranks_on_device.len(), hardware_queues());
+    if ranks_here < local && local > queues {
+        warn_shared_queues_once(comm, local, queues);
     }
 }
 
 #[cold]
 #[inline(never)]
-fn warn_shared_queues_once(comm: &CudaComm, local: usize) {
-    let queues = hardware_queues();
+fn warn_shared_queues_once(comm: &CudaComm, local: usize, queues: usize) {
     if comm
         .queues_warned
         .swap(true, std::sync::atomic::Ordering::Relaxed)

@@ -28,6 +28,12 @@ static LIVE: Mutex<usize> = Mutex::new(0);
 /// more, since a free would wait for them.
 static STUCK: AtomicBool = AtomicBool::new(false);
 
+/// Whether what is let go of is freed now rather than kept (`live`: the count, its lock
+/// held): no communicator is left, and none got stuck.
+fn frees_now(live: usize) -> bool {
+    live == 0 && !STUCK.load(Ordering::SeqCst)
+}
+
 /// A spare control block page of context `ctx` (pinned there), zeroed; None where there is
 /// none.
 pub(super) fn page(ctx: usize, bytes: usize) -> Option<*mut u8> {
@@ -44,7 +50,7 @@ pub(super) fn page(ctx: usize, bytes: usize) -> Option<*mut u8> {
 /// communicator is left (a graph let go of it after the last went).
 pub(super) fn give_page(ctx: usize, p: *mut u8) {
     let live = LIVE.lock();
-    if *live == 0 && !STUCK.load(Ordering::SeqCst) {
+    if frees_now(*live) {
         super::comm::free_page(p);
         return;
     }
@@ -75,7 +81,7 @@ pub(super) fn board(ctx: usize, bytes: usize) -> Option<DevMem> {
 /// no communicator is left.
 pub(super) fn give_board(ctx: usize, bytes: usize, m: DevMem) {
     let live = LIVE.lock();
-    if *live == 0 && !STUCK.load(Ordering::SeqCst) {
+    if frees_now(*live) {
         drop(m);
         return;
     }
@@ -111,7 +117,7 @@ impl Drop for Live {
     fn drop(&mut self) {
         let mut live = LIVE.lock();
         *live -= 1;
-        if *live > 0 || STUCK.load(Ordering::SeqCst) {
+        if !frees_now(*live) {
             return;
         }
         // (Under the count's lock: a communicator made meanwhile waits for the frees, before
