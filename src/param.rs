@@ -25,8 +25,8 @@ pub const PARAMS: &[Param] = &[
         name: "OXCCL_TIMEOUT_S",
         doc: "seconds an operation waits for a peer that is alive but makes no progress before \
               ncclTimeout (unset or 0: as long as the peer lives, as NCCL does; peers that died \
-              are found without it), and the bound of the setup waits (init, a connection's \
-              setup: 300 s where unset)",
+              are found without it), and the bound of the rendezvous (init, split, shrink) and \
+              of bootstrap sends: 300 s where unset",
         default: "",
     },
     Param {
@@ -242,9 +242,11 @@ pub fn wait_limit() -> Duration {
 }
 
 /// The bound of the waits that have one whatever `OXCCL_TIMEOUT_S` says (that, else 300 s):
-/// - setup: the bootstrap (init, split, shrink: the rendezvous and the exchanges between
-///   ranks) and a connection's setup. There a peer that died before it ever connected to this
-///   rank cannot be told from a late one (no process or link to watch yet);
+/// - setup: the bootstrap's rendezvous (init, split, shrink) and its sends, and a connection's
+///   setup once both ends have their peer's blob. In the rendezvous a peer that died before it
+///   ever came cannot be told from a late one (no process or link to watch yet). A wait for a
+///   peer's bootstrap message after the rendezvous has no such bound ([`wait_limit`]): it
+///   watches the peer;
 /// - a communicator that stops (aborted, failed) waiting for its own work to stop, and its
 ///   last sends to leave at its end. Its kernels and threads stop at once when told; this
 ///   bounds what they wait behind (a stream another kernel holds).

@@ -354,3 +354,59 @@ fn a_send_to_a_rank_that_died_unseen_fails_at_the_connect_bound() {
     assert!(took < Duration::from_secs(10), "failed after {took:?}: {e}");
     let _ = api::comm_abort(api::comm_handle(&c));
 }
+
+const UNSEEN_LATER_TEST: &str = "a_rank_that_dies_while_a_first_send_awaits_it_is_seen_at_once";
+
+/// Rank 0's first send to rank 5 (8 ranks: no neighbour of rank 0, so it never connected to
+/// rank 0): rank 5 lives when the setup starts, and dies 2 s later without having called
+/// anything. Rank 0 watches it through its own bootstrap connection to it, and fails with
+/// `ncclRemoteError` naming rank 5 within seconds, not at the setup wait's bound
+/// (`OXCCL_TIMEOUT_S`, 60 s here).
+#[test]
+fn a_rank_that_dies_while_a_first_send_awaits_it_is_seen_at_once() {
+    let Some((id, n, r)) = common::rank_env() else {
+        let done = std::env::temp_dir().join(format!("oxccl-unseen2-{}", std::process::id()));
+        let _ = std::fs::remove_file(&done);
+        let kids = common::spawn_ranks(
+            UNSEEN_LATER_TEST,
+            8,
+            &[("OXCCL_TEST_DONE", done.to_str().unwrap())],
+        );
+        let ends: Vec<_> = kids.into_iter().map(|mut k| k.wait().unwrap()).collect();
+        let _ = std::fs::remove_file(&done);
+        for (r, s) in ends.iter().enumerate() {
+            assert_eq!(s.success(), r != 5, "rank {r}: {s:?}");
+        }
+        return;
+    };
+    let c = api::comm_init_rank(n as i32, &id, r as i32, Default::default()).unwrap();
+    let done = std::path::PathBuf::from(std::env::var("OXCCL_TEST_DONE").unwrap());
+    if r == 5 {
+        std::thread::sleep(Duration::from_secs(2));
+        kill_me();
+    }
+    if r != 0 {
+        let t0 = Instant::now();
+        while !done.exists() && t0.elapsed() < Duration::from_secs(120) {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let _ = api::comm_abort(api::comm_handle(&c));
+        return;
+    }
+    let send = vec![1f32; 1000];
+    let mut recv = vec![0f32; 1000];
+    let t0 = Instant::now();
+    let a = CollArgs {
+        kind: CollKind::Send,
+        root: 5,
+        ..common::all_reduce_f32(&send, &mut recv)
+    };
+    let e = api::enqueue(&c, a, StreamArg::Null).expect_err("a send to a rank that died");
+    let took = t0.elapsed();
+    std::fs::write(&done, b"").unwrap();
+    eprintln!("a send to rank 5, which died meanwhile, failed after {took:?}: {e}");
+    assert_eq!(e.code, Code::RemoteError, "{e}");
+    assert!(e.msg.contains("rank 5 is gone"), "{e}");
+    assert!(took < Duration::from_secs(15), "failed after {took:?}: {e}");
+    let _ = api::comm_abort(api::comm_handle(&c));
+}

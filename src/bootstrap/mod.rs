@@ -12,12 +12,17 @@
 //!   A root serves all its connections at once: strangers (silent, slow, garbage, wrong secret)
 //!   are dropped without delaying the ranks.
 //! - Every wait polls in short slices and watches the communicator's health (`crate::health`:
-//!   abort flag, remote abort) (-> `InvalidUsage`, "aborted") and its bound (`param::bound`:
-//!   `OXCCL_TIMEOUT_S`, 300 s where unset -> `Timeout`, naming what was awaited; past
-//!   `OXCCL_WATCHDOG_S` a WARN names it meanwhile). A wait on a peer's message, and the
-//!   rendezvous, have the kernel's keepalive watch the connection (`wire::keepalive`): a host
-//!   that stops answering ends them after `OXCCL_HEARTBEAT_S`. But a rank that died before it
-//!   ever connected has no connection to watch: it looks late.
+//!   abort flag, remote abort) (-> `InvalidUsage`, "aborted") and its bound (-> `Timeout`,
+//!   naming what was awaited; past `OXCCL_WATCHDOG_S` a WARN names it meanwhile). The
+//!   rendezvous and every send are bounded by `param::bound` (`OXCCL_TIMEOUT_S`, 300 s where
+//!   unset): a rank that died before it ever registered cannot be told from a late one.
+//! - A wait for a peer's message after the rendezvous is bounded only by `OXCCL_TIMEOUT_S`,
+//!   as NCCL's waits are not at all (a pipeline stage may reach its first send many minutes
+//!   after its peer), and ends when the peer is seen gone: its connection to this rank closes
+//!   or fails, or, where it has none, this rank's own connection to it does (made for the
+//!   purpose after a second: `Bootstrap::watch_link`); the kernel's keepalive watches both
+//!   (`wire::keepalive`), so a host that stops answering ends the wait after
+//!   `OXCCL_HEARTBEAT_S`.
 //!   Connecting to a root or a peer that refuses or does not answer is retried for at most
 //!   `OXCCL_BOOTSTRAP_CONNECT_S` (default 30 s, never past the timeout): the `Timeout` then
 //!   names the address, the attempts, how long they took and the last error.
@@ -44,6 +49,7 @@ use crate::error::{Code, Error, Result};
 use crate::health::{Health, IntoHealth};
 use parking_lot::Mutex;
 use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 use wire::Wait;
@@ -123,24 +129,38 @@ pub struct Bootstrap {
     hash: u64,
     secret: [u8; SECRET_BYTES],
     addrs: Vec<SocketAddr>,
-    /// Connections this rank writes to, made by the first send to each peer.
+    /// Connections this rank writes to, made by the first send to each peer, or by a wait
+    /// that watches the peer through one.
     out: Vec<Mutex<Option<TcpStream>>>,
+    /// How many waits watch each peer through that connection (they keep its keepalive on:
+    /// see `wire::keepalive`). Changed under the connection's lock.
+    watchers: Vec<AtomicU32>,
     receiver: Option<peer::Receiver>,
     shared: Arc<peer::Shared>,
     health: Arc<Health>,
+    /// The bound of the rendezvous and of every send.
     timeout: Duration,
+    /// The bound of a wait for a peer's message (which also ends when the peer is gone).
+    later: Duration,
     coll: Mutex<()>,
 }
 
+/// After this long without the message, a wait on a peer that has no connection to this rank
+/// makes one of its own to it, to see it go (most waits are over long before).
+const WATCH_AFTER: Duration = Duration::from_secs(1);
+
 impl Bootstrap {
-    /// Rendezvous through the root(s) of `ids`; every wait watches `health` (a comm's, or a bare abort flag) and the timeout.
+    /// Rendezvous through the root(s) of `ids`; every wait watches `health` (a comm's, or a
+    /// bare abort flag). The rendezvous and sends are bounded by `param::bound`, waits for a
+    /// peer's message by `OXCCL_TIMEOUT_S` only (see the module's comment).
     pub fn init(
         ids: &[UniqueId],
         rank: usize,
         nranks: usize,
         health: impl IntoHealth,
     ) -> Result<Bootstrap> {
-        Self::init_with_timeout(ids, rank, nranks, health, crate::param::bound())
+        let (timeout, later) = (crate::param::bound(), crate::param::wait_limit());
+        Self::init_with_timeouts(ids, rank, nranks, health, timeout, later)
     }
 
     /// As `init`, with the timeout of every wait (now and later) given.
@@ -150,6 +170,19 @@ impl Bootstrap {
         nranks: usize,
         health: impl IntoHealth,
         timeout: Duration,
+    ) -> Result<Bootstrap> {
+        Self::init_with_timeouts(ids, rank, nranks, health, timeout, timeout)
+    }
+
+    /// As `init`: `timeout` bounds the rendezvous and every send, `later` every wait for a
+    /// peer's message.
+    pub fn init_with_timeouts(
+        ids: &[UniqueId],
+        rank: usize,
+        nranks: usize,
+        health: impl IntoHealth,
+        timeout: Duration,
+        later: Duration,
     ) -> Result<Bootstrap> {
         let health = health.into_health();
         if ids.is_empty() {
@@ -245,10 +278,12 @@ impl Bootstrap {
             secret,
             addrs,
             out: (0..nranks).map(|_| Mutex::new(None)).collect(),
+            watchers: (0..nranks).map(|_| AtomicU32::new(0)).collect(),
             receiver: Some(receiver),
             shared,
             health,
             timeout,
+            later,
             coll: Mutex::new(()),
         })
     }
@@ -404,10 +439,8 @@ impl Bootstrap {
         let what = || format!("rank {peer} at {addr} (bootstrap send, tag {tag:#x})");
         let mut slot = self.out[peer].lock();
         if slot.is_none() {
-            let mut s = wire::connect(addr, w, &what)?;
-            let hs = peer::peer_handshake(&self.secret, self.rank, self.nranks);
-            wire::write_all(&mut s, &hs, w, &what)?;
-            *slot = Some(s);
+            let s = wire::connect(addr, w, &what)?;
+            *slot = Some(self.introduce(peer, s, w, &what)?);
         }
         let s = slot.as_mut().expect("connected above");
         let hdr = peer::frame_header(tag, data.len());
@@ -426,15 +459,95 @@ impl Bootstrap {
         res
     }
 
+    /// A new connection to `peer` (under its lock), once this rank has introduced itself on
+    /// it; its keepalive on where waits watch the peer.
+    fn introduce(
+        &self,
+        peer: usize,
+        mut s: TcpStream,
+        w: &Wait,
+        what: &dyn Fn() -> String,
+    ) -> Result<TcpStream> {
+        let hs = peer::peer_handshake(&self.secret, self.rank, self.nranks);
+        wire::write_all(&mut s, &hs, w, what)?;
+        wire::keepalive(&s, self.watchers[peer].load(Ordering::Relaxed) > 0);
+        Ok(s)
+    }
+
+    /// Whether `peer`, which has no connection to this rank, is still there, seen through this
+    /// rank's connection to it (made now where there is none: the peer listened since the
+    /// rendezvous, so a refusal means its bootstrap is closed). The peer never writes on that
+    /// connection: anything readable there is its end (a close, a reset, or the keepalive's
+    /// verdict on a host that stopped answering). A send that holds the connection sees it
+    /// fail for itself, so the check is skipped meanwhile.
+    fn watch_link(
+        &self,
+        watch: &mut LinkWatch,
+        tag: u32,
+        w: &Wait,
+        what: &dyn Fn() -> String,
+    ) -> Result<()> {
+        use nix::sys::socket::{recv, MsgFlags};
+        use std::os::fd::AsRawFd;
+        let peer = watch.peer;
+        let Some(mut slot) = self.out[peer].try_lock() else {
+            return Ok(());
+        };
+        if !watch.counted {
+            watch.counted = true;
+            if self.watchers[peer].fetch_add(1, Ordering::Relaxed) == 0 {
+                if let Some(s) = slot.as_ref() {
+                    wire::keepalive(s, true);
+                }
+            }
+        }
+        let gone = |why: String| {
+            Error::remote(format!(
+                "rank {}: rank {peer} is gone while rank {} waited for {}: {why}; did that rank \
+                 exit, fail, or destroy its communicator?",
+                self.rank,
+                self.rank,
+                what_tag(tag)
+            ))
+        };
+        if slot.is_none() {
+            let addr = self.addrs[peer];
+            let s = wire::connect_once(addr, w, what)?.map_err(|why| {
+                gone(format!(
+                    "its bootstrap listener at {addr} cannot be reached ({why})"
+                ))
+            })?;
+            *slot = Some(self.introduce(peer, s, w, what)?);
+        }
+        let s = slot.as_ref().expect("connected above");
+        let mut byte = [0u8; 1];
+        let flags = MsgFlags::MSG_PEEK | MsgFlags::MSG_DONTWAIT;
+        let why = match recv(s.as_raw_fd(), &mut byte, flags) {
+            Ok(0) => "it closed its bootstrap connection from this rank".to_string(),
+            Ok(_) | Err(nix::errno::Errno::EAGAIN) | Err(nix::errno::Errno::EINTR) => return Ok(()),
+            Err(e) => format!(
+                "its bootstrap connection from this rank failed: {}",
+                wire::failure(&std::io::Error::from(e))
+            ),
+        };
+        *slot = None;
+        Err(gone(why))
+    }
+
     fn recv_raw(&self, peer: usize, tag: u32) -> Result<Vec<u8>> {
         let w = Wait::new(
             format!("rank {}", self.rank),
-            self.timeout,
+            self.later,
             Some(&self.health),
         );
-        let what = || format!("rank {peer} (bootstrap message, tag {tag:#x})");
+        let what = || format!("rank {peer} ({})", what_tag(tag));
         // (Before the lock: dropped after it.)
         let _watch = peer::Watch::new(&self.shared, peer);
+        let mut link_watch = LinkWatch {
+            boot: self,
+            peer,
+            counted: false,
+        };
         let mut ib = self.shared.inbox.lock();
         loop {
             if let Some(q) = ib.queues.get_mut(&(peer, tag)) {
@@ -449,13 +562,17 @@ impl Bootstrap {
                 return Err(Error::remote(match &ib.failed[peer] {
                     Some(why) => format!(
                         "rank {}: the bootstrap connection from rank {peer} failed while rank {} \
-                         waited for a message (tag {tag:#x}): {why}",
-                        self.rank, self.rank
+                         waited for {}: {why}",
+                        self.rank,
+                        self.rank,
+                        what_tag(tag)
                     ),
                     None => format!(
                         "rank {}: rank {peer} closed its bootstrap connection while rank {} \
-                         waited for a message (tag {tag:#x}); did that rank exit or fail?",
-                        self.rank, self.rank
+                         waited for {}; did that rank exit or fail?",
+                        self.rank,
+                        self.rank,
+                        what_tag(tag)
                     ),
                 }));
             }
@@ -463,6 +580,12 @@ impl Bootstrap {
                 return Err(self.closed_err());
             }
             w.check(&what)?;
+            if ib.open[peer] == 0 && peer != self.rank && w.since.elapsed() >= WATCH_AFTER {
+                // (A message that comes meanwhile waits at most a slice.)
+                parking_lot::MutexGuard::unlocked(&mut ib, || {
+                    self.watch_link(&mut link_watch, tag, &w, &what)
+                })?;
+            }
             self.shared.cv.wait_for(&mut ib, w.slice());
         }
     }
@@ -471,6 +594,39 @@ impl Bootstrap {
 impl Drop for Bootstrap {
     fn drop(&mut self) {
         self.close();
+    }
+}
+
+/// What a message under `tag` is, for errors.
+fn what_tag(tag: u32) -> String {
+    match tag {
+        TAG_ALLGATHER => "its block of a bootstrap allgather".into(),
+        TAG_SETUP..TAG_FAILED => format!("its half of a connection's setup (tag {tag:#x})"),
+        TAG_BARRIER..TAG_SETUP => "a bootstrap barrier".into(),
+        _ => format!("a bootstrap message (tag {tag:#x})"),
+    }
+}
+
+/// A wait that watches a peer through this rank's connection to it (`watch_link`): while any
+/// does (`counted`), the connection's keepalive is on.
+struct LinkWatch<'a> {
+    boot: &'a Bootstrap,
+    peer: usize,
+    counted: bool,
+}
+
+impl Drop for LinkWatch<'_> {
+    fn drop(&mut self) {
+        let b = self.boot;
+        if self.counted && b.watchers[self.peer].fetch_sub(1, Ordering::Relaxed) == 1 {
+            // Where a send holds the connection, its keepalive stays on: a stricter watch,
+            // and the next wait's business.
+            if let Some(slot) = b.out[self.peer].try_lock() {
+                if let (0, Some(s)) = (b.watchers[self.peer].load(Ordering::Relaxed), &*slot) {
+                    wire::keepalive(s, false);
+                }
+            }
+        }
     }
 }
 

@@ -397,6 +397,68 @@ fn recv_times_out_naming_peer() {
     });
 }
 
+/// A wait for a peer's message after the rendezvous is not held to the rendezvous' bound: a
+/// peer that sends later than that (a pipeline stage's first send after a long compile) is
+/// waited for while it is there. Rank 0 watches rank 1, which has no connection to it, through
+/// a connection of its own from the first second on (`watch_link`): a live peer is no failure.
+#[test]
+fn a_late_peer_is_waited_for_past_the_setup_bound() {
+    let id = UniqueId::generate_with_timeout(T).unwrap();
+    let ids = [id];
+    let setup = Duration::from_secs(1);
+    std::thread::scope(|sc| {
+        for r in 0..2 {
+            let ids = &ids;
+            sc.spawn(move || {
+                let forever = crate::param::FOREVER;
+                let b =
+                    Bootstrap::init_with_timeouts(ids, r, 2, no_abort(), setup, forever).unwrap();
+                if r == 1 {
+                    std::thread::sleep(Duration::from_millis(2500));
+                    b.send(0, 4, b"late").unwrap();
+                    assert_eq!(b.recv(0, 5).unwrap(), b"got it");
+                } else {
+                    let t0 = Instant::now();
+                    assert_eq!(b.recv(1, 4).unwrap(), b"late");
+                    assert!(t0.elapsed() > 2 * setup);
+                    b.send(1, 5, b"got it").unwrap();
+                }
+            });
+        }
+    });
+}
+
+/// A peer that closes its bootstrap without ever having connected to this rank ends a wait
+/// for its message at once (`RemoteError` naming it), not at the wait's bound (60 s here):
+/// closed before this rank watches it (its listener refuses), and after (the watching
+/// connection closes).
+#[test]
+fn a_peer_gone_before_it_ever_connected_ends_the_wait() {
+    for delay in [Duration::ZERO, Duration::from_millis(2500)] {
+        let id = UniqueId::generate_with_timeout(T).unwrap();
+        let ids = [id];
+        std::thread::scope(|sc| {
+            for r in 0..2 {
+                let ids = &ids;
+                sc.spawn(move || {
+                    let b = Bootstrap::init_with_timeouts(ids, r, 2, no_abort(), T, T).unwrap();
+                    if r == 1 {
+                        std::thread::sleep(delay);
+                        drop(b);
+                        return;
+                    }
+                    let t0 = Instant::now();
+                    let e = b.recv(1, 4).unwrap_err();
+                    let took = t0.elapsed();
+                    assert_eq!(e.code, Code::RemoteError, "{e}");
+                    assert!(e.msg.contains("rank 1 is gone"), "{e}");
+                    assert!(took < delay + Duration::from_secs(10), "{took:?}: {e}");
+                });
+            }
+        });
+    }
+}
+
 /// A closed bootstrap closes the connections it accepted (also their second handles, kept
 /// for the keepalive, `peer::Watch`), though the value lives on: a peer's sends fail.
 #[test]

@@ -318,10 +318,10 @@ fn aborted(w: &Wait, what: &dyn Fn() -> String) -> Result<()> {
 /// quiet, the connection dropped (`ETIMEDOUT`, see `failure`) when as many go unanswered as the
 /// limit allows. A live peer's kernel answers them, however long its rank takes to come. (Not
 /// TCP_USER_TIMEOUT, which drops a live peer whose window stays closed that long.) On for the
-/// rendezvous' connections; on a rank's connection from a peer only while a receive waits on
-/// that peer (`peer::Watch`), so a link down for a while between setups is no failure, as for
-/// the network transport's heartbeats. Best effort: a socket that refuses the options keeps the
-/// setup bound.
+/// rendezvous' connections; on a rank's connections from and to a peer only while a receive
+/// waits on that peer (`peer::Watch`, `LinkWatch`), so a link down for a while between setups
+/// is no failure, as for the network transport's heartbeats. Best effort: a socket that
+/// refuses the options keeps the wait's bound.
 pub(crate) fn keepalive(s: &TcpStream, on: bool) {
     use nix::sys::socket::{setsockopt, sockopt};
     let Some(limit) = crate::param::heartbeat() else {
