@@ -168,16 +168,18 @@ fn resolve_op(comm: &Comm, op: i32, dtype: DataType, n: usize, name: &str) -> Re
             postdiv: Some(n as u64),
         })),
         _ if op >= NUM_BUILTIN_OPS => match comm.redops.get(op) {
-            Some((d, scalar)) if d == dtype => Ok(RedSpec::PreMul { dtype, scalar }),
-            Some((d, _)) => Err(Error::invalid_argument(format!(
+            Ok((d, scalar)) if d == dtype => Ok(RedSpec::PreMul { dtype, scalar }),
+            Ok((d, _)) => Err(Error::invalid_argument(format!(
                 "{name}: operator {op} was created for datatype {} but used with {}",
                 d.name(),
                 dtype.name()
             ))),
-            None => Err(Error::invalid_argument(format!(
-                "{name}: invalid reduction operator {op} (not created on this communicator, or destroyed)"
+            Err(why) => Err(Error::invalid_argument(format!(
+                "{name}: invalid reduction operator {op}: it {why}"
             ))),
         },
-        _ => Err(Error::invalid_argument(format!("{name}: invalid reduction operator {op}"))),
+        _ => Err(Error::invalid_argument(format!(
+            "{name}: invalid reduction operator {op}"
+        ))),
     }
 }

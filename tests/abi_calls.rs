@@ -637,3 +637,56 @@ fn a_bad_split_color_fails_every_rank_at_once() {
         assert_eq!(unsafe { ncclCommDestroy(c) }.0, 0);
     }
 }
+
+/// A PreMulSum operator belongs to the communicator it was created on: used on another one
+/// (here each of two single-rank communicators has made one, so the other holds an operator in
+/// the same slot), the call is `ncclInvalidArgument` saying so, as NCCL's mangled values make it,
+/// rather than a reduction with the other communicator's scalar. On its own communicator it
+/// scales, and once destroyed it is refused there too.
+#[test]
+fn a_premulsum_operator_works_only_on_its_communicator() {
+    let _g = serial();
+    let mut a: ncclComm_t = null_mut();
+    let mut b: ncclComm_t = null_mut();
+    let dev: c_int = 0;
+    let float = ncclDataType_t(7);
+    // SAFETY: valid pointers; host buffers, on the host executor.
+    unsafe {
+        assert_eq!(ncclCommInitAll(&mut a, 1, &dev).0, 0);
+        assert_eq!(ncclCommInitAll(&mut b, 1, &dev).0, 0);
+        let (mut op_a, mut op_b) = (ncclRedOp_t(0), ncclRedOp_t(0));
+        let (mut two, mut three) = (2.0f32, 3.0f32);
+        let host = ncclScalarResidence_t(1);
+        let s2 = &mut two as *mut f32 as *mut c_void;
+        let s3 = &mut three as *mut f32 as *mut c_void;
+        assert_eq!(ncclRedOpCreatePreMulSum(&mut op_a, s2, float, host, a).0, 0);
+        assert_eq!(ncclRedOpCreatePreMulSum(&mut op_b, s3, float, host, b).0, 0);
+        assert_ne!(op_a.0, op_b.0, "two communicators' first operators");
+        assert!(op_a.0 >= 5 && op_b.0 >= 5);
+        let x = [1.0f32, -4.0, 0.5];
+        let mut y = [0.0f32; 3];
+        let (xs, ys) = (x.as_ptr() as *const c_void, y.as_mut_ptr() as *mut c_void);
+        let rc = ncclAllReduce(xs, ys, 3, float, op_a, b, null_mut());
+        assert_eq!(rc.0, INVALID_ARGUMENT, "op of a on b");
+        let e = last_error();
+        assert!(e.contains("created on another communicator"), "{e}");
+        assert_eq!(y, [0.0; 3], "nothing written");
+        assert_eq!(ncclRedOpDestroy(op_a, b).0, INVALID_ARGUMENT);
+        assert!(
+            last_error().contains("another communicator"),
+            "{}",
+            last_error()
+        );
+        assert_eq!(ncclAllReduce(xs, ys, 3, float, op_a, a, null_mut()).0, 0);
+        assert_eq!(y, [2.0, -8.0, 1.0]);
+        assert_eq!(ncclAllReduce(xs, ys, 3, float, op_b, b, null_mut()).0, 0);
+        assert_eq!(y, [3.0, -12.0, 1.5]);
+        assert_eq!(ncclRedOpDestroy(op_a, a).0, 0);
+        let rc = ncclAllReduce(xs, ys, 3, float, op_a, a, null_mut());
+        assert_eq!(rc.0, INVALID_ARGUMENT, "a destroyed op");
+        assert!(last_error().contains("destroyed"), "{}", last_error());
+        assert_eq!(ncclRedOpDestroy(op_b, b).0, 0);
+        assert_eq!(ncclCommDestroy(a).0, 0);
+        assert_eq!(ncclCommDestroy(b).0, 0);
+    }
+}
