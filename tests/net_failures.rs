@@ -10,7 +10,9 @@
 //! for a rank whose link went down fails as soon (the bootstrap's keepalive); a link down for
 //! twice that limit while nobody waits on it is no failure: a split and all-reduces follow. A
 //! rank that destroys its communicator with what it sent unacknowledged (its link down) waits
-//! for it only as long.
+//! for it only as long. A first send's setup that waits for a rank which never connected to
+//! the sender, whose host then goes silent, fails as soon (the sender's own connection to it,
+//! watched).
 
 use nccl::api::{self, StreamArg};
 use nccl::error::Code;
@@ -352,4 +354,88 @@ fn failures_on_the_wire_end_in_errors() {
                 .status();
         }
     }
+}
+
+const SILENT_TEST: &str = "a_first_send_to_a_rank_whose_host_goes_silent_fails_at_the_heartbeat";
+
+/// Rank 0 (host 0) sends for the first time to rank 2 (host 1, with ranks 1 and 3), which has
+/// no bootstrap connection to rank 0 (4 ranks: no ring neighbour of it) and is late: the setup
+/// waits for its blob, watching it through rank 0's own connection to it. Host 1's link goes
+/// down meanwhile: the keepalive (`OXCCL_HEARTBEAT_S=2`) ends the wait with `ncclRemoteError`
+/// naming rank 2 and the silent host, long before the setup wait's bound (60 s here).
+#[test]
+fn a_first_send_to_a_rank_whose_host_goes_silent_fails_at_the_heartbeat() {
+    if let Ok(path) = std::env::var("OXCCL_TEST_ID_FILE") {
+        let r = common::netns::test_rank();
+        let id = common::netns::id_via_file(&path, r);
+        let c = api::comm_init_rank(4, &id, r as i32, Default::default()).unwrap();
+        if r != 0 {
+            // Until rank 0 is done (or long enough for it to have waited its bound).
+            let t0 = Instant::now();
+            while !std::path::Path::new(&format!("{path}.done")).exists()
+                && t0.elapsed() < Duration::from_secs(40)
+            {
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            let _ = api::comm_abort(api::comm_handle(&c));
+            return;
+        }
+        let send = vec![1f32; 1000];
+        let mut recv = vec![0f32; 1000];
+        let a = api::CollArgs {
+            kind: nccl::types::CollKind::Send,
+            root: 2,
+            ..common::all_reduce_f32(&send, &mut recv)
+        };
+        std::fs::write(format!("{path}.sending"), b"").unwrap();
+        let t0 = Instant::now();
+        let e = api::enqueue(&c, a, StreamArg::Null).expect_err("a send to a silent host");
+        let took = t0.elapsed();
+        std::fs::write(format!("{path}.done"), b"").unwrap();
+        eprintln!("rank 0: the send failed after {took:?}: {e}");
+        assert_eq!(e.code, Code::RemoteError, "{e}");
+        assert!(
+            e.msg.contains("rank 2 is gone") && e.msg.contains("did not answer"),
+            "{e}"
+        );
+        assert!(took < Duration::from_secs(20), "failed after {took:?}: {e}");
+        let _ = api::comm_abort(api::comm_handle(&c));
+        return;
+    }
+    let Some(mut hosts) = common::netns::Hosts::new(2) else {
+        return;
+    };
+    let path = std::env::temp_dir()
+        .join(format!("oxccl-silent-{}", std::process::id()))
+        .display()
+        .to_string();
+    let env = [("OXCCL_HEARTBEAT_S", "2"), ("NCCL_DEBUG", "WARN")];
+    hosts.start_ranks(SILENT_TEST, &path, 4, |r| usize::from(r != 0), &env);
+    let t0 = Instant::now();
+    while !std::path::Path::new(&format!("{path}.sending")).exists() {
+        assert!(t0.elapsed() < Duration::from_secs(60), "rank 0 never sent");
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    // Past the first second of the wait, when rank 0 watches rank 2.
+    std::thread::sleep(Duration::from_millis(1500));
+    let ns = hosts.ns(1);
+    let down = |how: &str| {
+        std::process::Command::new("ip")
+            .args(["-n", &ns, "link", "set", "eth0", how])
+            .status()
+            .unwrap()
+    };
+    assert!(down("down").success());
+    let ok = hosts.wait_for(Duration::from_secs(60));
+    let _ = down("up");
+    let logs = common::netns::joined_logs(&path, 4);
+    for f in [
+        path.clone(),
+        format!("{path}.sending"),
+        format!("{path}.done"),
+    ] {
+        let _ = std::fs::remove_file(f);
+    }
+    eprintln!("{logs}");
+    assert_eq!(ok, Some(vec![true, true]), "{logs}");
 }
