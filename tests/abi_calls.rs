@@ -690,3 +690,65 @@ fn a_premulsum_operator_works_only_on_its_communicator() {
         assert_eq!(ncclCommDestroy(b).0, 0);
     }
 }
+
+/// Non-blocking communicators through the C entry points, as NCCL returns: the init says
+/// `ncclInProgress`; a split and a shrink say `ncclSuccess` with the child's handle out while
+/// its init runs on (its `ncclCommGetAsyncError` says `ncclInProgress` until it is done).
+#[test]
+fn non_blocking_split_and_shrink_return_success_with_the_handle() {
+    let _g = serial();
+    const IN_PROGRESS: i32 = 7;
+    let mut id: ncclUniqueId = unsafe { std::mem::zeroed() };
+    // SAFETY: a valid out-pointer.
+    assert_eq!(unsafe { ncclGetUniqueId(&mut id) }.0, 0);
+    let settle = |c: ncclComm_t| {
+        let t0 = std::time::Instant::now();
+        loop {
+            let mut st = ncclResult_t(-1);
+            // SAFETY: a live communicator; a valid out-pointer.
+            assert_eq!(unsafe { ncclCommGetAsyncError(c, &mut st) }.0, 0);
+            match st.0 {
+                IN_PROGRESS => assert!(t0.elapsed().as_secs() < 60, "never done"),
+                0 => return,
+                e => panic!("init failed: {e}: {}", last_error()),
+            }
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+    };
+    let codes: Vec<(i32, i32, i32)> = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..2)
+            .map(|r| {
+                s.spawn(move || {
+                    let mut cfg = ncclConfig_t::undefined();
+                    cfg.blocking = 0;
+                    let (mut c, mut k, mut h): (ncclComm_t, ncclComm_t, ncclComm_t) =
+                        (null_mut(), null_mut(), null_mut());
+                    // SAFETY: valid pointers; the config outlives the calls.
+                    unsafe {
+                        let init = ncclCommInitRankConfig(&mut c, 2, id, r, &mut cfg).0;
+                        assert!(!c.is_null());
+                        settle(c);
+                        let split = ncclCommSplit(c, 0, 1 - r, &mut k, &mut cfg).0;
+                        assert!(!k.is_null(), "rank {r}: no split handle");
+                        let shrink = ncclCommShrink(c, null_mut(), 0, &mut h, &mut cfg, 0).0;
+                        assert!(!h.is_null(), "rank {r}: no shrink handle");
+                        settle(k);
+                        settle(h);
+                        let mut rank = -1;
+                        assert_eq!(ncclCommUserRank(k, &mut rank).0, 0);
+                        assert_eq!(rank, 1 - r, "the split's key orders the child");
+                        for x in [h, k, c] {
+                            assert_eq!(ncclCommDestroy(x).0, 0, "{}", last_error());
+                        }
+                        (init, split, shrink)
+                    }
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for (r, &(init, split, shrink)) in codes.iter().enumerate() {
+        assert!(init == IN_PROGRESS || init == 0, "rank {r}: init {init}");
+        assert_eq!((split, shrink), (0, 0), "rank {r}");
+    }
+}

@@ -158,7 +158,8 @@ unsafe fn init_rank(
 }
 
 /// `ncclInProgress` while a non-blocking communicator's init runs (the handle is out already;
-/// not for an init deferred to the group's end).
+/// not for an init deferred to the group's end). Only the `ncclCommInitRank*` calls return it,
+/// as NCCL's do; its split and shrink return `ncclSuccess`.
 fn in_progress(c: &std::sync::Arc<crate::comm::Comm>) -> Result<()> {
     if c.init_running() {
         return Err(Error::new(
@@ -329,7 +330,9 @@ pub unsafe extern "C" fn ncclCommSplit(
         let h = child.as_ref().map_or(std::ptr::null_mut(), comm_out);
         // SAFETY: non-null out-parameter.
         unsafe { newcomm.write(h) };
-        child.as_ref().map_or(Ok(()), in_progress)
+        // A non-blocking child's init runs on: `ncclSuccess` with the handle out, as NCCL's
+        // split returns (its `ncclCommGetAsyncError` says `ncclInProgress` meanwhile).
+        Ok(())
     })
 }
 
@@ -371,7 +374,8 @@ pub unsafe extern "C" fn ncclCommShrink(
         let child = api::comm_shrink(&parent, exclude, config, shrinkFlags & 1 != 0)?;
         // SAFETY: non-null out-parameter.
         unsafe { newcomm.write(comm_out(&child)) };
-        in_progress(&child)
+        // As the split: `ncclSuccess`, the non-blocking child's init running on.
+        Ok(())
     })
 }
 
