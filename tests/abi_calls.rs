@@ -226,6 +226,60 @@ fn config_magic_and_size() {
             assert_eq!(r, 0, "graphUsageMode {m}: {}", last_error());
             assert_eq!(ncclCommDestroy(c).0, 0);
         }
+        // The fields of NCCL's channels, CollNet, NVLS and RMA: refused out of NCCL's ranges,
+        // accepted in them, not read from a caller whose header predates them.
+        type Field = fn(&mut ncclConfig_t) -> &mut c_int;
+        let fields: [(Field, &str, c_int, c_int, u32); 8] = [
+            (
+                |c| &mut c.cgaClusterSize,
+                "cgaClusterSize is -2",
+                -2,
+                0,
+                21700,
+            ),
+            (|c| &mut c.collnetEnable, "collnetEnable is 2", 2, 1, 22700),
+            (|c| &mut c.shrinkShare, "shrinkShare is 3", 3, 0, 22700),
+            (
+                |c| &mut c.nvlsCTAs,
+                "nvlsCTAs is 0; it must be at least 1",
+                0,
+                16,
+                22700,
+            ),
+            (
+                |c| &mut c.nChannelsPerNetPeer,
+                "between 1 and 64",
+                65,
+                64,
+                22800,
+            ),
+            (
+                |c| &mut c.nvlinkCentricSched,
+                "nvlinkCentricSched is 5",
+                5,
+                1,
+                22800,
+            ),
+            (|c| &mut c.numRmaCtx, "numRmaCtx is -3", -3, 0, 22900),
+            (|c| &mut c.maxP2pPeers, "maxP2pPeers is 0", 0, 8, 23000),
+        ];
+        for (field, says, bad, good, since) in fields {
+            let mut b = ncclConfig_t::undefined();
+            *field(&mut b) = bad;
+            let r = ncclCommInitRankConfig(&mut c, 1, std::mem::zeroed(), 0, &mut b).0;
+            assert_eq!(r, INVALID_ARGUMENT, "{says}");
+            assert!(last_error().contains(says), "{says}: {}", last_error());
+            for (v, version) in [(good, since), (bad, since - 100)] {
+                let mut ok = ncclConfig_t::undefined();
+                ok.version = version;
+                *field(&mut ok) = v;
+                let mut id: ncclUniqueId = std::mem::zeroed();
+                assert_eq!(ncclGetUniqueId(&mut id).0, 0);
+                let r = ncclCommInitRankConfig(&mut c, 1, id, 0, &mut ok).0;
+                assert_eq!(r, 0, "{says}: {v} at {version}: {}", last_error());
+                assert_eq!(ncclCommDestroy(c).0, 0);
+            }
+        }
         let mut cc = ncclCollConfig_t::undefined();
         cc.magic = 0;
         let mut x = 0u8;

@@ -41,12 +41,23 @@ pub(crate) unsafe fn read_config(config: *const ncclConfig_t) -> Result<Option<C
     }
     if c.version < 21700 {
         (c.minCTAs, c.maxCTAs, c.netName) = (undef.minCTAs, undef.maxCTAs, undef.netName);
+        c.cgaClusterSize = undef.cgaClusterSize;
     }
     if c.version < 22700 {
         c.CTAPolicy = undef.CTAPolicy;
+        (c.collnetEnable, c.shrinkShare) = (undef.collnetEnable, undef.shrinkShare);
+        c.nvlsCTAs = undef.nvlsCTAs;
+    }
+    if c.version < 22800 {
+        c.nChannelsPerNetPeer = undef.nChannelsPerNetPeer;
+        c.nvlinkCentricSched = undef.nvlinkCentricSched;
     }
     if c.version < 22900 {
         c.graphUsageMode = undef.graphUsageMode;
+        c.numRmaCtx = undef.numRmaCtx;
+    }
+    if c.version < 23000 {
+        c.maxP2pPeers = undef.maxP2pPeers;
     }
     if c.version < 23005 {
         c.graphStreamOrdering = undef.graphStreamOrdering;
@@ -101,6 +112,31 @@ pub(crate) unsafe fn read_config(config: *const ncclConfig_t) -> Result<Option<C
     // `graphStreamOrdering` (0 or 1) is checked and has no effect: a communicator's launches
     // in a graph are always kept in issue order, which both values allow.
     flag(c.graphStreamOrdering, "graphStreamOrdering")?;
+    // Fields for NCCL's own channels, CollNet, NVLS and RMA, which oxccl does not have: checked
+    // as NCCL checks them (a program that NCCL refuses is refused here too), with no effect.
+    for (v, what) in [
+        (c.collnetEnable, "collnetEnable"),
+        (c.shrinkShare, "shrinkShare"),
+        (c.nvlinkCentricSched, "nvlinkCentricSched"),
+    ] {
+        flag(v, what)?;
+    }
+    let within = |v: c_int, min: c_int, max: c_int, what: &str| match v {
+        UNDEF_INT => Ok(()),
+        v if (min..=max).contains(&v) => Ok(()),
+        v => Err(Error::invalid_argument(format!(
+            "config->{what} is {v}; it must be {}",
+            match max {
+                c_int::MAX => format!("at least {min}"),
+                _ => format!("between {min} and {max}"),
+            }
+        ))),
+    };
+    within(c.cgaClusterSize, 0, c_int::MAX, "cgaClusterSize")?;
+    within(c.nvlsCTAs, 1, c_int::MAX, "nvlsCTAs")?;
+    within(c.nChannelsPerNetPeer, 1, 64, "nChannelsPerNetPeer")?;
+    within(c.numRmaCtx, 0, c_int::MAX, "numRmaCtx")?;
+    within(c.maxP2pPeers, 1, c_int::MAX, "maxP2pPeers")?;
     Ok(Some(CommConfig {
         blocking: flag(c.blocking, "blocking")?,
         comm_name: string(c.commName),
