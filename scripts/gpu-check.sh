@@ -5,8 +5,14 @@
 #                                      # example into target/gpu-check/ (what the device call carries)
 #   scripts/gpu-check.sh               # there (device tool: carry target/gpu-check); log in $OUT
 #
-# On a machine with a CUDA driver it runs, each check under a time limit (a hang fails the check,
-# it does not stall the run):
+#   scripts/gpu-check.sh --verify-pack # here: does the pack match this tree? (the run checks too)
+#
+# On a machine with a CUDA driver it runs, each step under a time limit cut to what is left of
+# the whole run's (GPU_CHECK_DEADLINE, 530 s: a hang fails its step, and the steps the deadline
+# leaves no time for are skipped and counted), the C programs with OXCCL_TIMEOUT_S=30 (a hang
+# ends in an error naming what it waited for), in the order of what the issue needs most:
+#  0. the pack against the tree (a stale pack is a failure); the environment logged, and its
+#     NCCL_*/OXCCL_* cleared;
 #  1. the CUDA executor on device buffers: where its kernels came from (the library's fatbin, and
 #     NVRTC with OXCCL_KERNELS=nvrtc); every collective x datatype x op on 1, 2 and 4 ranks of
 #     the one GPU (coll_matrix cuda), ranks as threads and as processes (cuda_ranks; with
@@ -16,13 +22,14 @@
 #     and replay (cuda_graph); a peer process killed while an eager launch or a graph's replay
 #     waits for it (cuda_peer_death: ncclRemoteError naming it, the stream drains); the TP/PP
 #     example on device buffers, 8 ranks (processes) on the one GPU;
-#  2. the perf tools on the GPU: all_reduce_perf at nranks=1 against NVIDIA's libnccl.so.2 (from
-#     the machine's Python packages) side by side (the whole sweep; the CPU time per call;
-#     8 B-32 MiB with 200 calls a size, the two in turn, best of two), then 2 and 4 ranks
-#     on the one GPU, and the other tools at 2 ranks;
+#  2. issue 13's figures: the device-to-device copy bandwidth (torch, apart from either
+#     library); all_reduce_perf at nranks=1 against NVIDIA's libnccl.so.2 (the one torch loads)
+#     side by side: the sweep, then 8 B-32 MiB with 200 calls a size and 64 MiB-1 GiB, the two
+#     in turn, best of two; 2 and 4 ranks on the one GPU, 1 GiB exactly, 8 B over 2 ranks;
+#     the targets' verdicts;
 #  3. PyTorch with LD_PRELOAD=libnccl.so.2 (scripts/gpu-torch-check.py): world sizes 1 and 2;
-#  4. the host executor there (OXCCL_DEVICE=host): the C programs, perf tools and the TP/PP
-#     example with the machine's many cores;
+#     then more perf: the CPU time per call, bfloat16, host-staged, two processes and two
+#     "hosts", every tool at 2 ranks and at nranks=1 against NVIDIA's;
 #  5. connections between processes by CUDA IPC (the default since 12-06; it passed here on
 #     12-06 behind OXCCL_CUDA_IPC=1): the connection lines of cuda_ranks with 3 processes, the
 #     TP/PP example and two processes' all_reduce_perf must say P2P/IPC, and cuda_ranks with 2
@@ -30,15 +37,28 @@
 #     all-reduce of ranks on one GPU (on by default since 12-06): coll_matrix on
 #     2, 3, 4 and 8 ranks saying it ran, the ring's (OXCCL_CUDA_DIRECT=0) all-reduce matrix
 #     on 2 ranks and its all_reduce_perf -g 2 and -g 4 beside the default's rows; the device
-#     board (ranks as threads: cuda_ranks 2 and 4 threads, 12 threads and 2 on one hardware
-#     queue (CUDA_DEVICE_MAX_CONNECTIONS), all_reduce_perf -t 2 and -t 4 against
-#     the limit); nranks=1
-#     on the wide and the copy kernel (OXCCL_CUDA_CE_COPY_BYTES=1, OXCCL_CUDA_COPY_KERNEL=1)
-#     beside the copy engine (the default since 12-06); and 2 ranks' bandwidth by blocks per
-#     lane (OXCCL_CUDA_BLOCKS) and slot size, for the next defaults.
+#     board (ranks as threads: cuda_ranks 2 and 4 threads, all_reduce_perf -t 2 and -t 4 against
+#     the limit); nranks=1 on the wide and the copy kernel (OXCCL_CUDA_CE_COPY_BYTES=1,
+#     OXCCL_CUDA_COPY_KERNEL=1) beside the copy engine (the default since 12-06); and 2 ranks'
+#     bandwidth by blocks per lane (OXCCL_CUDA_BLOCKS) and slot size, for the next defaults;
+#  6. last, what may stop by design (12 ranks as threads, more than the hardware queues; 2 on
+#     one queue, CUDA_DEVICE_MAX_CONNECTIONS=1), then the host executor there (OXCCL_DEVICE=host:
+#     the C programs, perf tools and the TP/PP example with the machine's many cores; CI runs
+#     them too).
+# What comes back ($OUT, at most 8 files): gpu-check.log (everything), summary.txt (a line a
+# step and every verdict) and aux.tgz (each step's own output).
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 pack="$root/target/gpu-check"
+
+# The sources the pack is built from.
+stamp_files() { git -C "$root" ls-files src cuda build.rs Cargo.toml Cargo.lock ffi-tests nccl-tests-compat examples scripts/gpu-torch-check.py; }
+verify_pack() {  # in $root: the files whose hashes differ from the pack's STAMP (none: ok)
+  [ -f "$pack/STAMP" ] || { echo "no $pack/STAMP: the pack predates stamps"; return 1; }
+  local bad
+  bad=$(sha256sum -c --quiet "$pack/STAMP" 2>/dev/null | sed 's/: FAILED.*//' | head -20)
+  [ -z "$bad" ] || { echo "STALE PACK: built from $(cat "$pack/COMMIT" 2>/dev/null); changed since: $bad"; return 1; }
+}
 
 if [ "${1:-}" = "--prepare" ]; then
   set -e
@@ -50,8 +70,10 @@ if [ "${1:-}" = "--prepare" ]; then
   if ! has_fatbin target/release/libnccl.so; then
     touch build.rs
     cargo build --release --lib
-    has_fatbin target/release/libnccl.so ||
-      echo "gpu-check --prepare: the library embeds no nvcc fatbin (no nvcc here? run scripts/setup.sh): its check there will fail" >&2
+    has_fatbin target/release/libnccl.so || {
+      echo "gpu-check --prepare: the library embeds no nvcc fatbin (no nvcc here? run scripts/setup.sh)" >&2
+      exit 1
+    }
   fi
   make -s -C nccl-tests-compat
   OXCCL_DEVICE=host cargo test --release --test ffi ex_single >/dev/null   # builds the C programs
@@ -72,41 +94,82 @@ if [ "${1:-}" = "--prepare" ]; then
   }
   ls "$pack/kcache"
   make -s -C examples BUILD="$pack/bin" LIBDIR="$root/target/release"
+  # What the pack was built from: the run there (and --verify-pack here) compares it with the
+  # working tree that travels with it, so that a stale pack is a failure, not a silent test of
+  # old code.
+  stamp_files | xargs sha256sum >"$pack/STAMP"
+  git rev-parse HEAD >"$pack/COMMIT"
   du -sh "$pack"
   exit 0
 fi
+if [ "${1:-}" = "--verify-pack" ]; then
+  cd "$root" && verify_pack && echo "the pack in $pack matches this tree"
+  exit $?
+fi
 
+# What comes back from the device call is at most 8 files of $OUT: the log (everything, perf
+# tables included), the summary (one line a step) and one archive of the steps' own files,
+# which are written to $AUX (packed at each section's end and at exit).
 OUT="${OUT:-$root/target/gpu-check-out}"
-mkdir -p "$OUT"
+AUX="${TMPDIR:-/tmp}/gpu-check-aux"
+rm -rf "$AUX"; mkdir -p "$OUT" "$AUX"
+export PYTHONDONTWRITEBYTECODE=1
 log="$OUT/gpu-check.log"
 : >"$log"
-fails=0
+fails=0 skipped=0
 say() { echo "$*" | tee -a "$log"; }
+summarize() { grep -E '^(== |   ok|   FAILED|   TIMED OUT|   SKIPPED|  .*(PASS|FAIL)|# |STALE)' "$log" >"$OUT/summary.txt"; }
+pack_aux() { tar czf "$OUT/aux.tgz.part" -C "$AUX" . 2>/dev/null && mv -f "$OUT/aux.tgz.part" "$OUT/aux.tgz"; summarize; }
+trap pack_aux EXIT
+# The whole run ends by GPU_CHECK_DEADLINE seconds (the device call's limit is 560): every
+# step's limit is cut to the time left, and a step with under 5 s left is skipped (counted).
+DEADLINE=${GPU_CHECK_DEADLINE:-530}
+left() { echo $((DEADLINE - SECONDS - 5)); }
 check() {  # name, limit (s), command... (a program, or a shell function of this script)
   local name=$1 limit=$2; shift 2
   say "== $name: $*"
+  [ "$limit" -le "$(left)" ] || limit=$(left)
+  if [ "$limit" -lt 5 ]; then say "   SKIPPED (the deadline, $DEADLINE s, is near)"; skipped=$((skipped + 1)); return 2; fi
   local t0=$SECONDS
   local run=("$@")
   # timeout(1) runs programs only: a function runs in a bash that has it.
   declare -F "$1" >/dev/null && run=(bash -c "$(declare -f "$1"); \"\$@\"" _ "$@")
-  if timeout -k 5 "$limit" "${run[@]}" >>"$log" 2>&1; then say "   ok ($((SECONDS - t0)) s)"
-  else say "   FAILED (rc=$?, $((SECONDS - t0)) s)"; fails=$((fails + 1)); fi
+  # A hang in a C program ends in its own error (OXCCL_TIMEOUT_S names what it waited for)
+  # before the step's limit; PyTorch's step unsets it.
+  OXCCL_TIMEOUT_S=${CHECK_TIMEOUT_S:-30} timeout -k 5 "$limit" "${run[@]}" >>"$log" 2>&1
+  local rc=$?
+  case $rc in
+    0) say "   ok ($((SECONDS - t0)) s)" ;;
+    124 | 137) say "   TIMED OUT (limit $limit s)"; fails=$((fails + 1)) ;;
+    *) say "   FAILED (rc=$rc, $((SECONDS - t0)) s)"; fails=$((fails + 1)) ;;
+  esac
+  return $rc
 }
 [ -f "$pack/lib/libnccl.so.2" ] || { say "no $pack: run scripts/gpu-check.sh --prepare here and carry target/gpu-check"; exit 2; }
 OXLIB="$pack/lib"
 B="$pack/bin"
-export B OXLIB OUT  # shell functions run under timeout in a child bash (check, perf)
+export B OXLIB OUT AUX  # shell functions run under timeout in a child bash (check, perf)
 
 say "# $(date -u) $(hostname) $(nproc) cores"
-nvidia-smi >>"$log" 2>&1 || say "(no nvidia-smi)"
+(cd "$root" && verify_pack && echo "# the pack is this tree's (built from $(cat "$pack/COMMIT" 2>/dev/null))") 2>&1 | tee -a "$log" || { say "   FAILED: the pack is not this tree's (scripts/gpu-check.sh --prepare)"; fails=$((fails + 1)); }
+# What the machine's environment sets, logged, then cleared: only this script's own settings
+# reach the steps (the NVIDIA baseline included).
+say "# inherited: $(env | grep -E '^(NCCL|OXCCL|CUDA|LD_|TORCH)' | sort | tr '\n' ' ')"
+for v in $(env | grep -oE '^(NCCL|OXCCL)_[A-Za-z0-9_]*'); do unset "$v"; done
+unset LD_PRELOAD
+timeout 20 nvidia-smi >>"$log" 2>&1 || say "(no nvidia-smi)"
 # NVIDIA's NCCL, the CUDA runtime (for the perf tools) and NVRTC from the Python packages.
 sites=$(python3 -c 'import site,sys; print(" ".join(site.getsitepackages()+[site.getusersitepackages()]))' 2>/dev/null)
-findlib() { for s in $sites /usr/local/cuda /usr/lib/x86_64-linux-gnu; do find "$s" -name "$1" 2>/dev/null | head -1; done | head -1; }
-NV_NCCL=$(findlib 'libnccl.so.2')
+findlib() { for s in $sites /usr/local/cuda /usr/lib/x86_64-linux-gnu; do timeout 20 find -L "$s/" -name "$1" 2>/dev/null | head -1; done | head -1; }
+# NVIDIA's NCCL: the one torch loads (what PyTorch users run), else the first found.
+NV_NCCL=$(timeout 60 python3 -c 'import torch
+for l in open("/proc/self/maps"):
+    if "libnccl.so" in l: print(l.split()[-1]); break' 2>/dev/null)
+[ -n "$NV_NCCL" ] || NV_NCCL=$(findlib 'libnccl.so.2')
 CUDART=$(findlib 'libcudart.so.1[0-9]*')
 NVRTC=$(findlib 'libnvrtc.so.1[0-9]')
 say "NVIDIA NCCL: ${NV_NCCL:-none}; cudart: ${CUDART:-none}; nvrtc: ${NVRTC:-none}"
-python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, "nccl", torch.cuda.nccl.version())' >>"$log" 2>&1
+timeout 60 python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, "nccl", torch.cuda.nccl.version())' >>"$log" 2>&1
 [ -n "$NVRTC" ] && export OXCCL_NVRTC="$NVRTC"
 # The library embeds nvcc's fatbin; NVRTC's images, compiled where the pack was made, serve the
 # fallback (OXCCL_KERNELS=nvrtc below; a cache miss compiles them here with NVRTC).
@@ -114,15 +177,16 @@ export OXCCL_CACHE_DIR="${TMPDIR:-/tmp}/oxccl-kcache"
 mkdir -p "$OXCCL_CACHE_DIR" && cp "$pack"/kcache/* "$OXCCL_CACHE_DIR"/ 2>/dev/null
 ls "$OXCCL_CACHE_DIR" >>"$log"
 RTDIR=$([ -n "$CUDART" ] && dirname "$CUDART")
+BASE_LD_PATH=${LD_LIBRARY_PATH:-}  # (where the machine's libcuda may be: perf keeps it)
 export LD_LIBRARY_PATH="$OXLIB${RTDIR:+:$RTDIR}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 
 # 1. The CUDA executor on device buffers.
 export NCCL_DEBUG=WARN
 check "CUDA: 1 rank, every collective" 60 env NCCL_DEBUG=INFO "$B/coll_matrix" 1 cuda big=none
 check "CUDA: 2 ranks (threads), six collectives and a send/recv ring" 60 "$B/cuda_ranks" 2 threads
-says() {  # label, regex, command...: with NCCL_DEBUG=INFO (log in $OUT/<label>.log, kept) the
+says() {  # label, regex, command...: with NCCL_DEBUG=INFO (log in $AUX/<label>.log, kept) the
   # command must succeed and print a line the (extended) regex matches
-  local log="$OUT/$1.log" re=$2; shift 2
+  local log="$AUX/$1.log" re=$2; shift 2
   env NCCL_DEBUG=INFO "$@" >"$log" 2>&1; local rc=$?
   grep -v ' NCCL INFO ' "$log" | tail -3
   grep -Em2 "$re" "$log" || { echo "no line matches: $re"; return 1; }
@@ -131,9 +195,9 @@ says() {  # label, regex, command...: with NCCL_DEBUG=INFO (log in $OUT/<label>.
 export -f says  # functions that `check` runs in a child bash call it
 kernels='CUDA kernels for sm_[0-9]+ on device [0-9]+'
 check "CUDA: the kernels are the library's fatbin (nvcc)" 60 \
-  says kernels-fatbin "$kernels: the library's own" "$B/cuda_ranks" 2 threads
+  says kernels-fatbin "$kernels: the library's own" "$B/coll_matrix" 1 cuda coll=AllReduce big=none
 check "CUDA: the kernels from NVRTC (OXCCL_KERNELS=nvrtc)" 60 \
-  says kernels-nvrtc "$kernels: (cached|NVRTC)" env OXCCL_KERNELS=nvrtc "$B/cuda_ranks" 2 threads
+  says kernels-nvrtc "$kernels: (cached|NVRTC)" env OXCCL_KERNELS=nvrtc "$B/coll_matrix" 1 cuda coll=AllReduce big=none
 check "CUDA: 2 ranks, every collective x datatype x op" 120 "$B/coll_matrix" 2 cuda big=none
 check "CUDA: 4 ranks, every collective x datatype x op" 150 "$B/coll_matrix" 4 cuda
 # ncclMemAlloc's memory comes from cuMemCreate (NCCL_CUMEM_ENABLE; an INFO line per
@@ -141,7 +205,7 @@ check "CUDA: 4 ranks, every collective x datatype x op" 150 "$B/coll_matrix" 4 c
 cumem() {
   says memalloc-3 "ncclMemAlloc: [0-9]+ bytes on device [0-9]+ at 0x[0-9a-f]+: cuMem" \
     env -u NCCL_CUMEM_ENABLE "$@" || return 1
-  ! grep -m3 "cuMem allocation .* not made" "$OUT/memalloc-3.log"
+  ! grep -m3 "cuMem allocation .* not made" "$AUX/memalloc-3.log"
 }
 check "CUDA: 3 ranks, ncclMemAlloc buffers (cuMem)" 90 cumem "$B/coll_matrix" 3 cuda memalloc big=none
 check "CUDA: 4 ranks as threads" 60 "$B/cuda_ranks" 4 threads
@@ -182,38 +246,57 @@ tppp() {
   return $rc
 }
 check "CUDA: tp_pp_mlp 8 ranks --tp 4 --pp 2 --exact" 60 tppp --tp 4 --pp 2 --exact --device cuda
-check "CUDA: tp_pp_mlp 8 ranks, float, H 512, 4 layers" 60 \
-  tppp --tp 4 --pp 2 --hidden 512 --layers 4 --microbatches 8 --batch 32 --device cuda
-check "CUDA: tp_pp_mlp 8 ranks, rows-first, exact" 60 \
-  tppp --tp 4 --pp 2 --exact --split rows-first --device cuda
 check "CUDA: tp_pp_mlp 8 ranks on 2 \"hosts\" (OXCCL_HOSTID), exact" 60 \
   env TPPP_HOSTS=2 bash -c "$(declare -f tppp); tppp --tp 4 --pp 2 --exact --microbatches 8 --device cuda"
 
+pack_aux
 # 2. Perf tools on the GPU; nranks=1 against NVIDIA's NCCL side by side.
-perf() {  # label, lib dir, args...
-  local label=$1 dir=$2 t0=$SECONDS; shift 2
+perf() {  # label, lib dir, args...: the run must be the named library's (its version line;
+  # ours on the CUDA executor), print its table, and find no wrong value
+  local label=$1 dir=$2 t0=$SECONDS limit=${PERF_LIMIT:-120}; shift 2
+  local f="$AUX/perf-$label.txt"
   say "== perf ($label): $*"
+  [ "$limit" -le "$(left)" ] || limit=$(left)
+  if [ "$limit" -lt 5 ]; then say "   SKIPPED (the deadline, $DEADLINE s, is near)"; skipped=$((skipped + 1)); return 2; fi
+  local path="$dir${RTDIR:+:$RTDIR}${BASE_LD_PATH:+:$BASE_LD_PATH}"
   if declare -F "$1" >/dev/null; then  # a shell function: run it in a bash under the limit
-    LD_LIBRARY_PATH="$dir${RTDIR:+:$RTDIR}" timeout -k 5 120 bash -c "$(declare -f "$1"); \"\$@\"" _ "$@" >"$OUT/perf-$label.txt" 2>&1
+    LD_LIBRARY_PATH="$path" timeout -k 5 "$limit" bash -c "$(declare -f "$1"); \"\$@\"" _ "$@" >"$f" 2>&1
   else
-    LD_LIBRARY_PATH="$dir${RTDIR:+:$RTDIR}" timeout -k 5 120 "$@" >"$OUT/perf-$label.txt" 2>&1
+    LD_LIBRARY_PATH="$path" timeout -k 5 "$limit" "$@" >"$f" 2>&1
   fi
-  local rc=$?
-  cat "$OUT/perf-$label.txt" >>"$log"
-  [ $rc -eq 0 ] && grep -q "Avg bus bandwidth" "$OUT/perf-$label.txt" &&
-    ! grep -q "Out of bounds values : [1-9]" "$OUT/perf-$label.txt" || { say "   FAILED (rc=$rc)"; fails=$((fails + 1)); }
+  local rc=$? why=""
+  cat "$f" >>"$log"
+  if [ "$dir" != "$OXLIB" ] && grep -q "undefined symbol" "$f"; then
+    say "   (NVIDIA's library here lacks this tool's API: left out)"
+    return 0
+  fi
+  if [ "$dir" = "$OXLIB" ]; then
+    grep -q "NCCL version 2.32.3+oxccl" "$f" || why="no oxccl version line: not oxccl's library"
+    grep -q "oxccl CUDA executor" "$f" || why="${why:+$why; }not on oxccl's CUDA executor"
+  else
+    grep -q "NCCL version" "$f" && ! grep -q "+oxccl" "$f" || why="no NVIDIA version line: not NVIDIA's library"
+  fi
+  grep -q "Avg bus bandwidth" "$f" || why="${why:+$why; }no table"
+  ! grep -q "Out of bounds values : [1-9]" "$f" || why="${why:+$why; }wrong values"
+  case $rc in
+    0) ;;
+    124 | 137) why="TIMED OUT (limit $limit s)${why:+; $why}" ;;
+    *) why="rc=$rc${why:+; $why}" ;;
+  esac
+  [ -z "$why" ] || { say "   FAILED ($why)"; fails=$((fails + 1)); }
   say "   ($label: $((SECONDS - t0)) s; $SECONDS s into the check)"
 }
 # The measurements for the next defaults (section 5) run only while the check is inside its
-# budget (GPU_CHECK_BUDGET seconds, default 420), so that the whole run stays under the device
-# call's limit and leaves device time for a second call.
+# budget (GPU_CHECK_BUDGET seconds, default 420): they are the first to go when time runs short
+# (every step also stops at the deadline). Plan for one call: 560 s of it, with the machine's
+# start, leave too little of the 15 minutes for a second.
 in_budget() {  # what would be skipped
   [ "$SECONDS" -lt "${GPU_CHECK_BUDGET:-420}" ] && return 0
   say "(past the budget of ${GPU_CHECK_BUDGET:-420} s at $SECONDS s: $1 left out)"
   return 1
 }
 # The perf tables' rows, for the target summaries below: {bytes: (time us, algbw, busbw)}.
-cat >"$OUT/perfrows.py" <<'PY'
+cat >"$AUX/perfrows.py" <<'PY'
 import sys
 def rows(name):  # perf-<name>.txt in the folder the summary was given (argv[1])
     out = sys.argv[1]
@@ -229,50 +312,73 @@ def rows(name):  # perf-<name>.txt in the folder the summary was given (argv[1])
 PY
 sweep=(-b 8 -e 1G -f 4 -n 20 -w 5)
 perf oxccl-g1 "$OXLIB" "$B/all_reduce_perf" "${sweep[@]}" -g 1
+# The device-to-device copy bandwidth that the targets' limit is built on, measured apart from
+# either library: torch's copy (the copy engine) and an SM kernel (a multiply by 1), 1 GiB,
+# 20 calls each after 3 (the library's own nranks=1 copy and NVIDIA's join them below).
+say "== device-to-device copy bandwidth, 1 GiB (torch)"
+timeout 60 python3 - "$AUX" <<'PY' 2>&1 | tee -a "$log"
+import sys, torch
+n = 1 << 30
+x = torch.ones(n, dtype=torch.uint8, device="cuda")
+y = torch.empty_like(x)
+xf, yf = x.view(torch.float32), y.view(torch.float32)
+def rate(f, k=20):
+    for _ in range(3):
+        f()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(k):
+        f()
+    b.record()
+    b.synchronize()
+    return n / (a.elapsed_time(b) / k / 1e3) / 1e9
+ce = rate(lambda: y.copy_(x))
+sm = rate(lambda: torch.mul(xf, 1, out=yf))
+open(f"{sys.argv[1]}/copybw.txt", "w").write(f"{ce} {sm}\n")
+print(f"  torch copy_ (copy engine) {ce:.1f} GB/s, torch mul (SM kernel) {sm:.1f} GB/s")
+PY
+# (The GPU must be ours alone while the figures are taken: anything else on it is logged.)
+timeout 10 nvidia-smi --query-compute-apps=pid,process_name,used_memory --format=csv,noheader 2>&1 | sed 's/^/  other process on the GPU: /' | tee -a "$log"
+
 if [ -n "$NV_NCCL" ]; then
-  perf nvidia-g1 "$(dirname "$NV_NCCL")" "$B/all_reduce_perf" "${sweep[@]}" -g 1
+  NVDIR=$(dirname "$NV_NCCL")
+  perf nvidia-g1 "$NVDIR" "$B/all_reduce_perf" "${sweep[@]}" -g 1
   # One rank moves no bytes between ranks (busbw is 0): compare algbw, the copy's rate.
   say "== nranks=1 all_reduce algbw (out of place), oxccl vs NVIDIA"
-  paste <(grep -E '^ +[0-9]+ ' "$OUT/perf-oxccl-g1.txt" | awk '{print $1, $7}') \
-        <(grep -E '^ +[0-9]+ ' "$OUT/perf-nvidia-g1.txt" | awk '{print $7, $6}') |
+  paste <(grep -E '^ +[0-9]+ ' "$AUX/perf-oxccl-g1.txt" | awk '{print $1, $7}') \
+        <(grep -E '^ +[0-9]+ ' "$AUX/perf-nvidia-g1.txt" | awk '{print $7, $6}') |
     awk '{printf "%12s B  oxccl %9s GB/s  nvidia %9s GB/s  ratio %s   (nvidia %s us)\n", $1, $2, $3, ($3>0? sprintf("%.2f",$2/$3):"-"), $4}' | tee -a "$log"
-  # Where both take a few microseconds a call, the host's cost of a call decides (12-06: ours
-  # 8.5 us at 512 B against NVIDIA's 5.7): the CPU time of an enqueue (-C 1), side by side.
-  cpu=(-b 8 -e 512K -f 16 -n 200 -w 20 -c 0 -C 1 -g 1)
-  perf oxccl-g1-cpu "$OXLIB" "$B/all_reduce_perf" "${cpu[@]}"
-  perf nvidia-g1-cpu "$(dirname "$NV_NCCL")" "$B/all_reduce_perf" "${cpu[@]}"
-  say "== nranks=1 all_reduce, CPU time per call (us, out of place), oxccl vs NVIDIA"
-  paste <(grep -E '^ +[0-9]+ ' "$OUT/perf-oxccl-g1-cpu.txt" | awk '{print $1, $6}') \
-        <(grep -E '^ +[0-9]+ ' "$OUT/perf-nvidia-g1-cpu.txt" | awk '{print $6}') |
-    awk '{printf "%12s B  oxccl %8s us  nvidia %8s us\n", $1, $2, $3}' | tee -a "$log"
   # Up to a few MiB a call takes 5-10 us on both, and one sweep's rows swing by 30% (12-06:
   # 0.72x to 1.18x): 200 calls a size, the two libraries in turn, twice, best of two.
   mid=(-b 8 -e 32M -f 4 -n 200 -w 20 -g 1)
   for round in 1 2; do
     perf "oxccl-g1-mid$round" "$OXLIB" "$B/all_reduce_perf" "${mid[@]}"
-    perf "nvidia-g1-mid$round" "$(dirname "$NV_NCCL")" "$B/all_reduce_perf" "${mid[@]}"
+    perf "nvidia-g1-mid$round" "$NVDIR" "$B/all_reduce_perf" "${mid[@]}"
   done
-  python3 - "$OUT" <<'PY' 2>&1 | tee -a "$log"
+  # Above 32 MiB: 64 MiB to 1 GiB, the two in turn, twice, best of two (no checks: the
+  # sweeps above checked these sizes).
+  big=(-b 64M -e 1G -f 2 -n 20 -w 5 -c 0 -g 1)
+  for round in 1 2; do
+    perf "oxccl-g1-big$round" "$OXLIB" "$B/all_reduce_perf" "${big[@]}"
+    perf "nvidia-g1-big$round" "$NVDIR" "$B/all_reduce_perf" "${big[@]}"
+  done
+  python3 - "$AUX" <<'PY' 2>&1 | tee -a "$log"
 import sys
 out = sys.argv[1]
 sys.path.insert(0, out)
 from perfrows import rows
-def best(lib):
-    runs = [rows(f"{lib}-g1-mid{k}") for k in (1, 2)]
-    return {b: max(r[b][1] for r in runs if b in r) for b in set().union(*runs)}
-def best_time(lib):
-    runs = [rows(f"{lib}-g1-mid{k}") for k in (1, 2)]
-    return {b: min(r[b][0] for r in runs if b in r) for b in set().union(*runs)}
-ox, nv = best("oxccl"), best("nvidia")
-bt = {lib: best_time(lib) for lib in ("oxccl", "nvidia")}
-print("== nranks=1 all_reduce, 200 calls a size, best of two runs each, in turn: algbw (GB/s), or time (us) below 64 KiB")
+def best(lib, col, pick):
+    runs = [rows(f"{lib}-g1-{k}") for k in ("mid1", "mid2", "big1", "big2")]
+    return {b: pick(r[b][col] for r in runs if b in r) for b in set().union(*runs)}
+ox, nv = best("oxccl", 1, max), best("nvidia", 1, max)
+to, tn = best("oxccl", 0, min), best("nvidia", 0, min)
+print("== nranks=1 all_reduce against NVIDIA's, the two in turn, best of two runs each (8 B-32 MiB: 200 calls a size; 64 MiB-1 GiB: 20): algbw (GB/s), or time (us) below 64 KiB")
 worst = None
 for b in sorted(set(ox) & set(nv)):
     if b < 1 << 16:
         # The tools print 0.00 GB/s there: compare times (NVIDIA's over ours).
-        to, tn = bt["oxccl"][b], bt["nvidia"][b]
-        r = tn / to if to > 0 else float("nan")
-        print(f"  {b:>10} B  oxccl {to:8.2f} us  nvidia {tn:8.2f} us  ratio {r:.2f}")
+        r = tn[b] / to[b] if to[b] > 0 else float("nan")
+        print(f"  {b:>10} B  oxccl {to[b]:8.2f} us  nvidia {tn[b]:8.2f} us  ratio {r:.2f}")
     elif nv[b] > 0:
         r = ox[b] / nv[b]
         print(f"  {b:>10} B  oxccl {ox[b]:8.1f}  nvidia {nv[b]:8.1f}  ratio {r:.2f}")
@@ -280,18 +386,90 @@ for b in sorted(set(ox) & set(nv)):
         continue
     if r == r:
         worst = r if worst is None else min(worst, r)
-if worst is not None:
-    print(f"  nranks=1, 8 B-32 MiB: worst ratio {worst:.2f} {'PASS' if worst >= 1 else 'FAIL'} (target >= 1)")
+if worst is None:
+    print("  nranks=1 against NVIDIA: no rows to compare FAIL")
+else:
+    print(f"  nranks=1, 8 B-1 GiB: worst ratio {worst:.2f} {'PASS' if worst >= 1 else 'FAIL'} (target >= 1 at every size)")
 PY
+else
+  say "   FAILED: NVIDIA's libnccl.so.2 was not found: the nranks=1 comparison is missing"
+  fails=$((fails + 1))
 fi
 perf oxccl-g2 "$OXLIB" "$B/all_reduce_perf" "${sweep[@]}" -g 2
+# (Up to 128 MiB with checks: at 1 GiB the tool's own set-up and checks of 4 x 1 GiB on the
+# host take longer than the limit; 1 GiB itself runs below, unchecked.)
+perf oxccl-g4 "$OXLIB" "$B/all_reduce_perf" -b 8 -e 256M -f 8 -n 10 -w 3 -g 4
+# The targets' sizes exactly (the sweeps' sizes stop at 512 MiB and 128 MiB): 1 GiB, no checks;
+# 8 bytes over 2 ranks, 1000 calls, twice.
+for n in 1 2 4; do
+  perf "oxccl-g$n-1g" "$OXLIB" "$B/all_reduce_perf" -b 1G -e 1G -n 20 -w 5 -c 0 -g $n
+done
+for round in 1 2; do
+  perf "oxccl-g2-8b$round" "$OXLIB" "$B/all_reduce_perf" -b 8 -e 8 -n 1000 -w 100 -g 2
+done
+# Issue 13's targets: n ranks on one GPU read n inputs and write n outputs, so busbw is at
+# most (n-1)/n^2 x 2 x the device-to-device copy bandwidth (the largest of the copies measured
+# in this run): >= 80% of it at 1 GiB; 8-byte all-reduce over 2 ranks <= 15 us; nranks=1
+# >= NVIDIA's at every size (above).
+python3 - "$AUX" <<'PY' 2>&1 | tee -a "$log"
+import sys
+out = sys.argv[1]
+sys.path.insert(0, out)
+from perfrows import rows
+G = 1 << 30
+print("== issue 13 targets")
+copies = {}
+try:
+    ce, sm = (float(x) for x in open(f"{out}/copybw.txt").read().split())
+    copies["torch copy_"], copies["torch mul"] = ce, sm
+except (OSError, ValueError):
+    pass
+for name in ("oxccl-g1-1g", "nvidia-g1-big1", "nvidia-g1-big2"):
+    if G in rows(name):
+        copies[name] = rows(name)[G][1]
+if copies:
+    which, copy = max(copies.items(), key=lambda kv: kv[1])
+    print("  copy, 1 GiB: " + ", ".join(f"{k} {v:.1f}" for k, v in copies.items()) + f" GB/s; the limit takes {which}")
+    for n in (2, 4):
+        r, lim = rows(f"oxccl-g{n}-1g"), (n - 1) / n**2 * 2 * copy
+        if G in r:
+            bw = r[G][2]
+            print(f"  {n} ranks, 1 GiB: busbw {bw:.1f} GB/s, limit {lim:.1f}: {bw / lim:.0%} {'PASS' if bw >= 0.8 * lim else 'FAIL'} (target 80%)")
+        else:
+            print(f"  {n} ranks, 1 GiB: no row FAIL")
+else:
+    print("  no copy bandwidth was measured FAIL")
+t8 = [t[0] for t in (rows(f"oxccl-g2-8b{k}").get(8) for k in (1, 2)) if t]
+if t8:
+    print(f"  8-byte all-reduce, 2 ranks, best of two runs of 1000 calls: {min(t8):.1f} us {'PASS' if min(t8) <= 15 else 'FAIL'} (target 15 us)")
+else:
+    print("  8-byte all-reduce, 2 ranks: no row FAIL")
+PY
+pack_aux
+
+# 3. PyTorch through LD_PRELOAD.
+if [ -f "$root/scripts/gpu-torch-check.py" ]; then
+  check "PyTorch: torch.distributed nccl, world 1 and 2, CUDA graph" 300 \
+    env -u OXCCL_TIMEOUT_S LD_PRELOAD="$OXLIB/libnccl.so.2" python3 "$root/scripts/gpu-torch-check.py" --timeout 120
+fi
+
+pack_aux
+# 3b. More perf: the CPU time per call, bfloat16, host-staged, processes, "hosts", every tool.
+if [ -n "$NV_NCCL" ]; then
+  # Where both take a few microseconds a call, the host's cost of a call decides (12-06: ours
+  # 8.5 us at 512 B against NVIDIA's 5.7): the CPU time of an enqueue (-C 1), side by side.
+  cpu=(-b 8 -e 512K -f 16 -n 200 -w 20 -c 0 -C 1 -g 1)
+  perf oxccl-g1-cpu "$OXLIB" "$B/all_reduce_perf" "${cpu[@]}"
+  perf nvidia-g1-cpu "$NVDIR" "$B/all_reduce_perf" "${cpu[@]}"
+  say "== nranks=1 all_reduce, CPU time per call (us, out of place), oxccl vs NVIDIA"
+  paste <(grep -E '^ +[0-9]+ ' "$AUX/perf-oxccl-g1-cpu.txt" | awk '{print $1, $6}') \
+        <(grep -E '^ +[0-9]+ ' "$AUX/perf-nvidia-g1-cpu.txt" | awk '{print $6}') |
+    awk '{printf "%12s B  oxccl %8s us  nvidia %8s us\n", $1, $2, $3}' | tee -a "$log"
+fi
 # bfloat16 (what tensor parallelism all-reduces): its kernels go element by element where
 # f32 moves 16-byte packs; the gap to the f32 run above says whether packs for 2-byte types
 # (+60% kernel compile time, more registers: tried 12-05, not landed) would pay.
 perf oxccl-g2-bf16 "$OXLIB" "$B/all_reduce_perf" -b 1M -e 256M -f 4 -n 10 -w 3 -g 2 -d bfloat16
-# Up to 256 MiB: at 1 GiB the tool's own set-up and checks of 4 x 1 GiB on the host take
-# longer than the limit (a single 1 GiB size took over 50 s there, the collective 4 ms).
-perf oxccl-g4 "$OXLIB" "$B/all_reduce_perf" -b 8 -e 256M -f 8 -n 10 -w 3 -g 4
 perf oxccl-g2-hoststaged "$OXLIB" env NCCL_P2P_DISABLE=1 OXCCL_CUDA_DIRECT=0 "$B/all_reduce_perf" -b 8 -e 64M -f 8 -n 10 -w 3 -g 2
 # Two processes on the one GPU (the GPU time-slices them);
 # "hosts": as two "hosts" (OXCCL_HOSTID), so that the network transport's proxies move the
@@ -301,7 +479,7 @@ two_procs() {  # same|hosts, command...
   shift
   [ "$where" = hosts ] && h0="OXCCL_HOSTID=gpuhost0 NCCL_DEBUG=INFO" h1="OXCCL_HOSTID=gpuhost1"
   # shellcheck disable=SC2086 # h0 and h1 are VAR=value words
-  env $h1 RANK=1 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=$port "$@" >/dev/null 2>&1 &
+  env $h1 RANK=1 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=$port "$@" >"$AUX/rank1-$port-$RANDOM.txt" 2>&1 &
   local p=$!
   # shellcheck disable=SC2086
   env $h0 RANK=0 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=$port "$@" || rc=1
@@ -312,52 +490,33 @@ two_procs() {  # same|hosts, command...
 perf oxccl-2procs-host "$OXLIB" env OXCCL_CUDA_IPC=0 bash -c \
   "$(declare -f two_procs); two_procs same $B/all_reduce_perf -b 8 -e 16M -f 8 -n 5 -w 2 -g 1"
 perf oxccl-2hosts "$OXLIB" two_procs hosts "$B/all_reduce_perf" -b 8 -e 64M -f 8 -n 5 -w 2 -g 1
-grep -m2 "via NET" "$OUT/perf-oxccl-2hosts.txt" | tee -a "$log"
+grep -m2 "via NET" "$AUX/perf-oxccl-2hosts.txt" 2>/dev/null | tee -a "$log"
 perf sendrecv-2hosts "$OXLIB" two_procs hosts "$B/sendrecv_perf" -b 8 -e 64M -f 8 -n 5 -w 2 -g 1
-for t in all_gather broadcast reduce_scatter alltoall sendrecv; do
+for t in all_gather broadcast reduce_scatter alltoall sendrecv gather scatter hypercube; do
   perf "$t-g2" "$OXLIB" "$B/${t}_perf" -b 8 -e 64M -f 8 -n 10 -w 3 -g 2
 done
 
-# Issue 13's targets, from the runs above: n ranks on one GPU read n inputs and write n
-# outputs, so busbw is at most (n-1)/n^2 x 2 x the copy bandwidth (nranks=1 out-of-place algbw
-# is that copy, measured in this run): >= 80% of it at 1 GiB (2 ranks; 4 ranks stop at
-# 256 MiB); 8-byte all-reduce over 2 ranks <= 15 us; nranks=1 algbw >= NVIDIA's.
-python3 - "$OUT" <<'PY' 2>&1 | tee -a "$log"
+# Every other tool at nranks=1 against NVIDIA's, side by side (a tool whose API NVIDIA's library
+# here lacks is left out, not failed).
+if [ -n "$NV_NCCL" ]; then
+  tools=(all_gather broadcast reduce reduce_scatter alltoall sendrecv gather scatter hypercube)
+  for t in "${tools[@]}"; do
+    perf "oxccl-$t-g1" "$OXLIB" "$B/${t}_perf" -b 8 -e 64M -f 8 -n 10 -w 3 -g 1
+    perf "nvidia-$t-g1" "$NVDIR" "$B/${t}_perf" -b 8 -e 64M -f 8 -n 10 -w 3 -g 1
+  done
+  python3 - "$AUX" "${tools[@]}" <<'PY' 2>&1 | tee -a "$log"
 import sys
-out = sys.argv[1]
+out, tools = sys.argv[1], sys.argv[2:]
 sys.path.insert(0, out)
 from perfrows import rows
-g1, g2, g4, nv = rows("oxccl-g1"), rows("oxccl-g2"), rows("oxccl-g4"), rows("nvidia-g1")
-print("== issue 13 targets")
-if g1:
-    top = max(g1)
-    copy = g1[top][1]
-    for n, r in ((2, g2), (4, g4)):
-        if r:
-            b = max(r)
-            lim = (n - 1) / n**2 * 2 * copy
-            print(f"  {n} ranks: busbw {r[b][2]:.1f} GB/s at {b} B; limit {lim:.1f} (one-rank copy {copy:.1f} GB/s at {top} B, on the copy engine since 12-06):"
-                  f" {r[b][2] / lim:.0%} {'PASS' if r[b][2] >= 0.8 * lim else 'FAIL'} (target 80%)")
-if g2.get(8):
-    t = g2[8][0]
-    print(f"  8-byte all-reduce, 2 ranks: {t:.1f} us {'PASS' if t <= 15 else 'FAIL'} (target 15 us)")
-if g1 and nv:
-    worst = min((g1[b][1] / nv[b][1], b) for b in g1 if b in nv and nv[b][1] > 0 and b >= 1 << 20)
-    print(f"  nranks=1 algbw vs NVIDIA from 1 MiB: worst {worst[0]:.2f} at {worst[1]} B {'PASS' if worst[0] >= 1 else 'FAIL'} (target >= 1)")
+print("== nranks=1, every tool: algbw (GB/s) from 64 KiB, oxccl against NVIDIA")
+for t in tools:
+    ox, nv = rows(f"oxccl-{t}-g1"), rows(f"nvidia-{t}-g1")
+    cells = [f"{b >> 10} KiB {ox[b][1] / nv[b][1]:.2f}" for b in sorted(set(ox) & set(nv)) if b >= 1 << 16 and nv[b][1] > 0]
+    print(f"  {t:>15}: " + ("  ".join(cells) if cells else "no rows to compare"))
 PY
-
-# 3. PyTorch through LD_PRELOAD.
-if [ -f "$B/gpu-torch-check.py" ]; then
-  check "PyTorch: torch.distributed nccl, world 1 and 2, CUDA graph" 300 \
-    env LD_PRELOAD="$OXLIB/libnccl.so.2" python3 "$B/gpu-torch-check.py" --timeout 120
 fi
-
-# 4. The host executor there.
-export OXCCL_DEVICE=host
-check "host: C, one process, InitAll + group" 60 "$B/ex_single_process"
-check "host: collective matrix, 8 ranks" 120 "$B/coll_matrix" 8 big=none
-check "host: all_reduce_perf -g 8" 60 "$B/all_reduce_perf" -b 8 -e 64M -f 8 -g 8 -n 5 -w 1
-check "host: tp_pp_mlp --tp 4 --pp 2 --exact" 60 tppp --tp 4 --pp 2 --exact
+pack_aux
 # 5. CUDA IPC between processes and the direct all-reduce (both on by default since 12-06)
 #    with what they replaced beside them (pinned host memory, the ring), what is off by default
 #    until this check has passed, and measurements for the next defaults (last: a run cut
@@ -375,7 +534,7 @@ check "pinned host memory (OXCCL_CUDA_IPC=0): 4 ranks as processes, in place" 90
   says host-ranks4 "via SHM" env OXCCL_CUDA_IPC=0 "$B/cuda_ranks" 4 processes inplace timeout=80
 perf oxccl-2procs-ipc "$OXLIB" env NCCL_DEBUG=INFO bash -c \
   "$(declare -f two_procs); two_procs same $B/all_reduce_perf -b 8 -e 64M -f 8 -n 5 -w 2 -g 1"
-grep -m2 "via P2P/IPC" "$OUT/perf-oxccl-2procs-ipc.txt" | tee -a "$log" ||
+grep -m2 "via P2P/IPC" "$AUX/perf-oxccl-2procs-ipc.txt" | tee -a "$log" ||
   { say "   FAILED: no connection via P2P/IPC by default"; fails=$((fails + 1)); }
 # Two GPUs or more (every lent machine so far had one): ranks on two GPUs joined by NVLink keep
 # their connections in device memory, in one process (P2P/direct pointer) and between
@@ -401,7 +560,7 @@ direct() {  # label, command...: by default the command must succeed, its all-re
   # algorithm (a silent fallback would make the target rows above the ring's)
   local label=$1; shift
   says "$label" "Algo Direct \(one kernel" env NCCL_DEBUG_SUBSYS=TUNING "$@" || return 1
-  ! grep -E "AllReduce: [1-9][0-9]* Bytes -> Algo " "$OUT/$label.log" | grep -vFm3 "Algo Direct (one kernel"
+  ! grep -E "AllReduce: [1-9][0-9]* Bytes -> Algo " "$AUX/$label.log" | grep -vFm3 "Algo Direct (one kernel"
 }
 export -f direct
 # (Only all-reduces change: coll_matrix runs those alone.)
@@ -417,7 +576,7 @@ check "CUDA direct: all_reduce_perf -g 2 takes it" 30 \
 board() {  # label, command...: as `direct`, for `Algo Direct (device board`
   local label=$1; shift
   says "$label" "Algo Direct \(device board" env NCCL_DEBUG_SUBSYS=TUNING "$@" || return 1
-  ! grep -E "AllReduce: [1-9][0-9]* Bytes -> Algo " "$OUT/$label.log" | grep -vFm3 "Algo Direct (device board"
+  ! grep -E "AllReduce: [1-9][0-9]* Bytes -> Algo " "$AUX/$label.log" | grep -vFm3 "Algo Direct (device board"
 }
 export -f board
 check "CUDA board: 2 ranks as threads, six collectives and a send/recv ring" 60 \
@@ -425,20 +584,17 @@ check "CUDA board: 2 ranks as threads, six collectives and a send/recv ring" 60 
 check "CUDA board: 4 ranks as threads, in place" 60 board board-threads4 "$B/cuda_ranks" 4 threads inplace
 check "CUDA board: all_reduce_perf -t 2 takes it" 30 \
   board board-perf "$B/all_reduce_perf" -b 8 -e 1M -f 32 -n 1 -w 0 -t 2 -g 1
-# Ranks launching apart whose streams must share hardware queues (more ranks than
-# CUDA_DEVICE_MAX_CONNECTIONS, 8 by default; then one queue, as Megatron-LM sets): the
-# library WARNs that this can stop; these say whether it does on this GPU (a failure here is
-# that hazard seen, and the WARN's advice is the way around it).
-check "CUDA board: 12 ranks as threads (more than 8 hardware queues)" 90 \
-  "$B/cuda_ranks" 12 threads
-check "CUDA board: 2 ranks as threads, CUDA_DEVICE_MAX_CONNECTIONS=1" 60 \
-  env CUDA_DEVICE_MAX_CONNECTIONS=1 "$B/cuda_ranks" 2 threads
+# (The TP/PP example's other shapes.)
+check "CUDA: tp_pp_mlp 8 ranks, float, H 512, 4 layers" 60 \
+  tppp --tp 4 --pp 2 --hidden 512 --layers 4 --microbatches 8 --batch 32 --device cuda
+check "CUDA: tp_pp_mlp 8 ranks, rows-first, exact" 60 \
+  tppp --tp 4 --pp 2 --exact --split rows-first --device cuda
 perf oxccl-t2 "$OXLIB" "$B/all_reduce_perf" -b 8 -e 1G -f 8 -n 10 -w 3 -t 2 -g 1
 perf oxccl-t4 "$OXLIB" "$B/all_reduce_perf" -b 8 -e 256M -f 8 -n 10 -w 3 -t 4 -g 1
 for t in all_gather reduce_scatter broadcast reduce; do
   perf "$t-t2" "$OXLIB" "$B/${t}_perf" -b 8 -e 64M -f 8 -n 5 -w 2 -t 2 -g 1
 done
-python3 - "$OUT" <<'PY' 2>&1 | tee -a "$log"
+python3 - "$AUX" <<'PY' 2>&1 | tee -a "$log"
 import sys
 out = sys.argv[1]
 sys.path.insert(0, out)
@@ -475,7 +631,7 @@ for t in all_reduce broadcast reduce; do
   perf "$t-g2-ch4" "$OXLIB" env OXCCL_CUDA_DIRECT=0 OXCCL_CUDA_CHANNELS=4 "$B/${t}_perf" -b 1M -e 64M -f 4 -n 10 -w 3 -g 2
   [ "$fails" -eq "$before" ] || { say "   (4 channels failed: the other tools with them left out)"; break; }
 done
-python3 - "$OUT" <<'PY' 2>&1 | tee -a "$log"
+python3 - "$AUX" <<'PY' 2>&1 | tee -a "$log"
 import sys
 out = sys.argv[1]
 sys.path.insert(0, out)
@@ -500,7 +656,7 @@ PY
 if in_budget "nranks=1 on the kernels"; then
 perf oxccl-g1-wide "$OXLIB" env OXCCL_CUDA_CE_COPY_BYTES=1 "$B/all_reduce_perf" "${sweep[@]}" -g 1
 perf oxccl-g1-copy "$OXLIB" env OXCCL_CUDA_CE_COPY_BYTES=1 OXCCL_CUDA_COPY_KERNEL=1 "$B/all_reduce_perf" "${sweep[@]}" -g 1
-python3 - "$OUT" <<'PY' 2>&1 | tee -a "$log"
+python3 - "$AUX" <<'PY' 2>&1 | tee -a "$log"
 import sys
 out = sys.argv[1]
 sys.path.insert(0, out)
@@ -529,7 +685,7 @@ if command -v nvidia-cuda-mps-control >/dev/null; then
     perf oxccl-2procs-mps "$OXLIB" env OXCCL_CUDA_IPC=0 bash -c \
       "$(declare -f two_procs); two_procs same $B/all_reduce_perf -b 8 -e 64M -f 8 -n 10 -w 3 -g 1"
     perf oxccl-2procs-mps-ipc "$OXLIB" two_procs same "$B/all_reduce_perf" -b 8 -e 64M -f 8 -n 10 -w 3 -g 1
-    python3 - "$OUT" <<'PY' 2>&1 | tee -a "$log"
+    python3 - "$AUX" <<'PY' 2>&1 | tee -a "$log"
 import sys
 out = sys.argv[1]
 sys.path.insert(0, out)
@@ -565,7 +721,7 @@ for v in "${tune[@]}"; do
   # shellcheck disable=SC2086 # VAR=value words
   perf "oxccl-g2-${v//[= ]/-}" "$OXLIB" env OXCCL_CUDA_DIRECT=0 $v "$B/all_reduce_perf" -b 128K -e 128M -f 4 -n 10 -w 3 -c 0 -g 2
 done
-python3 - "$OUT" "${tune[@]}" <<'PY' 2>&1 | tee -a "$log"
+python3 - "$AUX" "${tune[@]}" <<'PY' 2>&1 | tee -a "$log"
 import sys
 out, tune = sys.argv[1], sys.argv[2:]
 sys.path.insert(0, out)
@@ -581,5 +737,21 @@ for b in sorted(set().union(*[set(r) for r in runs])):
     print(f"  {b:>12}  {base.get(b, (0, 0, 0))[2]:>8.1f}  {cells}")
 PY
 fi
-say "# failures: $fails ($SECONDS s)"
+# Last: what may stop by design, then the host executor (CI runs it too).
+# Ranks launching apart whose streams must share hardware queues (more ranks than
+# CUDA_DEVICE_MAX_CONNECTIONS, 8 by default; then one queue, as Megatron-LM sets): the
+# library WARNs that this can stop; these say whether it does on this GPU (a failure here is
+# that hazard seen, and the WARN's advice is the way around it).
+check "CUDA board: 12 ranks as threads (more than 8 hardware queues)" 30 \
+  "$B/cuda_ranks" 12 threads timeout=20
+check "CUDA board: 2 ranks as threads, CUDA_DEVICE_MAX_CONNECTIONS=1" 30 \
+  env CUDA_DEVICE_MAX_CONNECTIONS=1 "$B/cuda_ranks" 2 threads timeout=20
+# The host executor there.
+export OXCCL_DEVICE=host
+check "host: C, one process, InitAll + group" 60 "$B/ex_single_process"
+check "host: collective matrix, 8 ranks" 120 "$B/coll_matrix" 8 big=none
+check "host: all_reduce_perf -g 8" 60 "$B/all_reduce_perf" -b 8 -e 64M -f 8 -g 8 -n 5 -w 1
+check "host: tp_pp_mlp --tp 4 --pp 2 --exact" 60 tppp --tp 4 --pp 2 --exact
+unset OXCCL_DEVICE
+say "# failures: $fails, skipped for the deadline: $skipped ($SECONDS s)"
 exit $((fails > 0))

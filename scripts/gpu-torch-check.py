@@ -185,7 +185,20 @@ def compare(got, want):
             f"got {g.flatten()[idx].item()}, expected {w.flatten()[idx].item()}")
 
 
+def die_with_parent():
+    """The rank dies with the script that started it (it runs in a session of its own, out of
+    the reach of a timeout that kills the script's process group): no orphan keeps the GPU."""
+    PR_SET_PDEATHSIG = 1
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+    if os.getppid() == 1:  # the parent is gone already
+        os._exit(1)
+
+
 def child():
+    die_with_parent()
     rank = int(os.environ["RANK"])
     world = int(os.environ["WORLD_SIZE"])
     chk = Checker(f"w{world} r{rank}")
@@ -230,6 +243,15 @@ def child():
                 return f"LD_PRELOAD={pre[0]} ({want}), but ncclAllReduce comes from {served}"
             if not hasattr(glob, "oxcclGetExecutor"):
                 return "the preloaded libnccl has no oxcclGetExecutor: not oxccl"
+            # No other libnccl beside it (torch could load NVIDIA's by its full path and bind
+            # to it while the global symbol is ours), and oxccl on the GPU, not the host.
+            others = [m for m in maps if os.path.realpath(m) != want]
+            if others:
+                return f"another libnccl is mapped beside the preloaded one: {others}"
+            if ex.value != 1:
+                return f"oxccl runs on its host executor (oxcclGetExecutor: {ex.value}), not CUDA"
+            if tuple(torch.cuda.nccl.version()[:3]) != (2, 32, 3):
+                return f"torch.cuda.nccl.version() is {torch.cuda.nccl.version()}, not oxccl's (2, 32, 3)"
             return None
 
         chk.run("oxccl-is-the-nccl-in-use", which_nccl)
