@@ -81,6 +81,8 @@ typedef struct {
   CUresult (*StreamWaitEvent)(CUstream, CUevent, unsigned int);
   CUresult (*MemcpyDtoDAsync)(CUdeviceptr, CUdeviceptr, size_t, CUstream);
   CUresult (*LaunchHostFunc)(CUstream, void (*)(void*), void*);
+  CUresult (*MemAllocAsync)(CUdeviceptr*, size_t, CUstream);
+  CUresult (*MemFreeAsync)(CUdeviceptr, CUstream);
   CUresult (*GetErrorName)(CUresult, const char**);
   CUresult (*GetErrorString)(CUresult, const char**);
 } CudaApi;
@@ -172,6 +174,8 @@ static inline void cuda_load(const char* prog) {
   cu_sym(lib, "cuStreamWaitEvent", &cu.StreamWaitEvent, 0, prog);
   cu_sym(lib, "cuMemcpyDtoDAsync_v2", &cu.MemcpyDtoDAsync, 0, prog);
   cu_sym(lib, "cuLaunchHostFunc", &cu.LaunchHostFunc, 0, prog);
+  cu_sym(lib, "cuMemAllocAsync", &cu.MemAllocAsync, 0, prog);
+  cu_sym(lib, "cuMemFreeAsync", &cu.MemFreeAsync, 0, prog);
 
   CUresult r = cu.Init(0);
   int ndev = 0;

@@ -32,6 +32,11 @@
  *      ncclCommDestroy: that replay must end without a CUDA error and leave the output as it
  *      was (oxccl's graphs keep what their launches read; a communicator that ended makes them
  *      return at once, touching no freed connection). NCCL makes no such promise.
+ *   8. an all-reduce whose input is a graph allocation of the capture (cuMemAllocAsync on the
+ *      capturing stream, as PyTorch's cudaMallocAsync backend makes tensors; freed in the graph
+ *      after it): its address exists only while the graph runs, and the driver's pointer query
+ *      may not know it at capture time (the library must not refuse it then); replayed 3 times,
+ *      checked. Left out where the driver has no cuMemAllocAsync (the emulated device).
  * Capture mode: THREAD_LOCAL by default. It forbids "unsafe" calls (implicitly synchronizing ones,
  * cuMemAlloc, ...) on the capturing thread, so a library doing one inside ncclAllReduce without
  * relaxing its own thread's mode fails the capture, while other ranks' threads (which may be
@@ -502,6 +507,31 @@ static void destroyed_replay(Rank* R, CUgraphExec ge) {
   CUCHECK(cu.GraphExecDestroy(ge));
 }
 
+/* Case 8 (see the top). */
+static void graph_alloc_case(Rank* R, int replays, int it0) {
+  const char* what = "graph of an all-reduce of a graph allocation (cuMemAllocAsync)";
+  if (no_graph || !cu.MemAllocAsync || !cu.MemFreeAsync || !cu.MemcpyDtoDAsync) {
+    if (R->rank == 0) fprintf(stderr, "  [rank 0] %s: left out (nograph, or no cuMemAllocAsync)\n", what);
+    return;
+  }
+  if (R->rank == 0) {
+    fprintf(stderr, "  [rank 0] %s, %d replays\n", what, replays);
+    fflush(stderr);
+  }
+  pthread_barrier_wait(&barrier);
+  size_t bytes = N1 * 4;
+  CUdeviceptr tmp = 0;
+  CUCHECK(cu.StreamBeginCapture(R->st, capture_mode));
+  CUCHECK(cu.MemAllocAsync(&tmp, bytes, R->st));
+  CUCHECK(cu.MemcpyDtoDAsync(tmp, R->s1.dev + PAD, bytes, R->st));
+  NCCLCHECK(ncclAllReduce((void*)(uintptr_t)tmp, buf_dptr(&R->r1), N1, ncclFloat32, ncclSum, R->comm, R->st));
+  CUCHECK(cu.MemFreeAsync(tmp, R->st));
+  CUgraph g = end_capture(R, what);
+  if (!g) return;
+  replay(R, g, replays, it0, 0, 0, what);
+  CUCHECK(cu.GraphDestroy(g));
+}
+
 static void* rank_main(void* arg) {
   Rank* R = (Rank*)arg;
   cuda_make_current(); /* before any NCCL call on this thread */
@@ -529,6 +559,7 @@ static void* rank_main(void* arg) {
   two_stream_case(R, GROUP_REPLAYS, 20);
   mixing_case(R, GROUP_REPLAYS, 40);
   mixed_case(R, GROUP_REPLAYS, 50);
+  graph_alloc_case(R, GROUP_REPLAYS, 70);
   CUgraphExec later = no_graph ? NULL : graph_for_later(R, 60);
 
   pthread_barrier_wait(&barrier); /* nobody frees device memory while a peer still runs */

@@ -192,8 +192,12 @@ fn board_program(b: &crate::plan::board::BoardOp) -> Result<DevProgram> {
 
 /// Checks that a buffer the kernels will touch is memory the device reaches (device, managed
 /// or pinned-and-mapped host memory): a pageable host pointer would fault on the GPU and spoil
-/// the context for every later call.
-fn check_buffer(comm: &CudaComm, addr: usize, what: &str, name: &str) -> Result<()> {
+/// the context for every later call. On a capturing stream, an address the driver does not
+/// know is let through (INFO): it may be a graph allocation made in the same capture
+/// (`cudaMallocAsync` there, as PyTorch's `backend:cudaMallocAsync` does), memory that exists
+/// only while the graph runs; NCCL checks no pointer by default.
+fn check_buffer(q: &Call<'_>, addr: usize, what: &str, name: &str) -> Result<()> {
+    let comm = q.cuda();
     if addr == 0 {
         return Ok(());
     }
@@ -225,6 +229,14 @@ fn check_buffer(comm: &CudaComm, addr: usize, what: &str, name: &str) -> Result<
     if r != driver::CUDA_SUCCESS || ty == 0 {
         if memory::device_of(addr) == Some(comm.dev) {
             return Ok(()); // ncclMemAlloc's, on this device
+        }
+        if driver::capture(stream::handle(&q.stream)).is_ok_and(|c| c != driver::Capture::No) {
+            crate::debug::info(&format!(
+                "{name}: {what} {addr:#x} is unknown to the driver's pointer query while its \
+                 stream captures a graph: taken as a graph allocation of that capture ({})",
+                comm.describe()
+            ));
+            return Ok(());
         }
         return Err(Error::invalid_argument(format!(
             "{name}: {what} {addr:#x} is not memory the GPU can reach (not from cudaMalloc, \
@@ -336,10 +348,10 @@ pub fn launch(ops: Vec<Call<'_>>) -> Result<()> {
             // buffer of a reduce may be anything).
             let (send, recv) = q.args.buffers_used(q.cuda().rank);
             if send {
-                check_buffer(q.cuda(), q.args.send, "sendbuff", name)?;
+                check_buffer(q, q.args.send, "sendbuff", name)?;
             }
             if recv && (!send || q.args.recv != q.args.send) {
-                check_buffer(q.cuda(), q.args.recv, "recvbuff", name)?;
+                check_buffer(q, q.args.recv, "recvbuff", name)?;
             }
             check_aligned(q, send, recv)?;
         }
