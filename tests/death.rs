@@ -287,6 +287,56 @@ fn a_peer_that_ends_after_its_part_is_no_failure() {
     }
 }
 
+/// The tests where rank 5 of 8 dies (no neighbour of rank 0, so it never connected to rank 0)
+/// and rank 0 then sends to it: the parent spawns them (`env` added) and every rank but 5 must
+/// pass.
+fn rank_5_dies(test: &str, env: &[(&str, &str)]) {
+    // Where rank 0 says it is done.
+    let done = std::env::temp_dir().join(format!("oxccl-{test}-{}", std::process::id()));
+    let _ = std::fs::remove_file(&done);
+    let mut env = env.to_vec();
+    env.push(("OXCCL_TEST_DONE", done.to_str().unwrap()));
+    let kids = common::spawn_ranks(test, 8, &env);
+    let ends: Vec<_> = kids.into_iter().map(|mut k| k.wait().unwrap()).collect();
+    let _ = std::fs::remove_file(&done);
+    for (r, s) in ends.iter().enumerate() {
+        assert_eq!(s.success(), r != 5, "rank {r}: {s:?}");
+    }
+}
+
+/// A rank of those tests other than 0 and 5 stays until rank 0 is done (so that only rank 5 is
+/// gone), then aborts: true where it was one (the caller returns).
+fn others_wait_for_rank_0(c: &std::sync::Arc<nccl::comm::Comm>, r: usize) -> bool {
+    if r == 0 {
+        return false;
+    }
+    let done = std::path::PathBuf::from(std::env::var("OXCCL_TEST_DONE").unwrap());
+    let t0 = Instant::now();
+    while !done.exists() && t0.elapsed() < Duration::from_secs(120) {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let _ = api::comm_abort(api::comm_handle(c));
+    true
+}
+
+/// Rank 0's send to rank 5 in those tests: its error and how long it took; then rank 0 says it
+/// is done.
+fn send_to_rank_5(c: &std::sync::Arc<nccl::comm::Comm>) -> (nccl::error::Error, Duration) {
+    let send = vec![1f32; 1000];
+    let mut recv = vec![0f32; 1000];
+    let t0 = Instant::now();
+    let a = CollArgs {
+        kind: CollKind::Send,
+        root: 5,
+        ..common::all_reduce_f32(&send, &mut recv)
+    };
+    let e = api::enqueue(c, a, StreamArg::Null).expect_err("a send to a dead rank");
+    let took = t0.elapsed();
+    std::fs::write(std::env::var("OXCCL_TEST_DONE").unwrap(), b"").unwrap();
+    eprintln!("a send to rank 5, which died, failed after {took:?}: {e}");
+    (e, took)
+}
+
 const UNSEEN_TEST: &str = "a_send_to_a_rank_that_died_unseen_fails_at_the_connect_bound";
 
 /// Rank 0's first send to a rank that died after init without ever connecting to rank 0 (8
@@ -297,55 +347,22 @@ const UNSEEN_TEST: &str = "a_send_to_a_rank_that_died_unseen_fails_at_the_connec
 #[test]
 fn a_send_to_a_rank_that_died_unseen_fails_at_the_connect_bound() {
     let Some((id, n, r)) = common::rank_env() else {
-        // Where rank 0 says it is done.
-        let done = std::env::temp_dir().join(format!("oxccl-unseen-{}", std::process::id()));
-        let _ = std::fs::remove_file(&done);
-        let kids = common::spawn_ranks(
-            UNSEEN_TEST,
-            8,
-            &[
-                ("OXCCL_BOOTSTRAP_CONNECT_S", "2"),
-                ("OXCCL_TEST_DONE", done.to_str().unwrap()),
-            ],
-        );
-        let ends: Vec<_> = kids.into_iter().map(|mut k| k.wait().unwrap()).collect();
-        let _ = std::fs::remove_file(&done);
-        for (r, s) in ends.iter().enumerate() {
-            assert_eq!(s.success(), r != 5, "rank {r}: {s:?}");
-        }
-        return;
+        return rank_5_dies(UNSEEN_TEST, &[("OXCCL_BOOTSTRAP_CONNECT_S", "2")]);
     };
     let c = api::comm_init_rank(n as i32, &id, r as i32, Default::default()).unwrap();
-    let count = 1000;
-    let send = vec![1f32; count];
-    let mut recv = vec![0f32; count];
+    let send = vec![1f32; 1000];
+    let mut recv = vec![0f32; 1000];
     let a = common::all_reduce_f32(&send, &mut recv);
     api::enqueue(&c, a, StreamArg::Null).unwrap();
     assert!(recv.iter().all(|&x| x == n as f32));
-    let done = std::path::PathBuf::from(std::env::var("OXCCL_TEST_DONE").unwrap());
     if r == 5 {
         kill_me();
     }
-    if r != 0 {
-        // The others stay until rank 0 is done (so that only rank 5 is gone).
-        let t0 = Instant::now();
-        while !done.exists() && t0.elapsed() < Duration::from_secs(120) {
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        let _ = api::comm_abort(api::comm_handle(&c));
+    if others_wait_for_rank_0(&c, r) {
         return;
     }
     std::thread::sleep(Duration::from_millis(200));
-    let t0 = Instant::now();
-    let a = CollArgs {
-        kind: CollKind::Send,
-        root: 5,
-        ..common::all_reduce_f32(&send, &mut recv)
-    };
-    let e = api::enqueue(&c, a, StreamArg::Null).expect_err("a send to a dead rank");
-    let took = t0.elapsed();
-    std::fs::write(&done, b"").unwrap();
-    eprintln!("a send to the dead rank 5 failed after {took:?}: {e}");
+    let (e, took) = send_to_rank_5(&c);
     assert_eq!(e.code, Code::RemoteError, "{e}");
     assert!(
         e.msg.contains("rank 5 (process ") && e.msg.contains("has died"),
@@ -365,46 +382,17 @@ const UNSEEN_LATER_TEST: &str = "a_rank_that_dies_while_a_first_send_awaits_it_i
 #[test]
 fn a_rank_that_dies_while_a_first_send_awaits_it_is_seen_at_once() {
     let Some((id, n, r)) = common::rank_env() else {
-        let done = std::env::temp_dir().join(format!("oxccl-unseen2-{}", std::process::id()));
-        let _ = std::fs::remove_file(&done);
-        let kids = common::spawn_ranks(
-            UNSEEN_LATER_TEST,
-            8,
-            &[("OXCCL_TEST_DONE", done.to_str().unwrap())],
-        );
-        let ends: Vec<_> = kids.into_iter().map(|mut k| k.wait().unwrap()).collect();
-        let _ = std::fs::remove_file(&done);
-        for (r, s) in ends.iter().enumerate() {
-            assert_eq!(s.success(), r != 5, "rank {r}: {s:?}");
-        }
-        return;
+        return rank_5_dies(UNSEEN_LATER_TEST, &[]);
     };
     let c = api::comm_init_rank(n as i32, &id, r as i32, Default::default()).unwrap();
-    let done = std::path::PathBuf::from(std::env::var("OXCCL_TEST_DONE").unwrap());
     if r == 5 {
         std::thread::sleep(Duration::from_secs(2));
         kill_me();
     }
-    if r != 0 {
-        let t0 = Instant::now();
-        while !done.exists() && t0.elapsed() < Duration::from_secs(120) {
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        let _ = api::comm_abort(api::comm_handle(&c));
+    if others_wait_for_rank_0(&c, r) {
         return;
     }
-    let send = vec![1f32; 1000];
-    let mut recv = vec![0f32; 1000];
-    let t0 = Instant::now();
-    let a = CollArgs {
-        kind: CollKind::Send,
-        root: 5,
-        ..common::all_reduce_f32(&send, &mut recv)
-    };
-    let e = api::enqueue(&c, a, StreamArg::Null).expect_err("a send to a rank that died");
-    let took = t0.elapsed();
-    std::fs::write(&done, b"").unwrap();
-    eprintln!("a send to rank 5, which died meanwhile, failed after {took:?}: {e}");
+    let (e, took) = send_to_rank_5(&c);
     assert_eq!(e.code, Code::RemoteError, "{e}");
     assert!(e.msg.contains("rank 5 is gone"), "{e}");
     assert!(took < Duration::from_secs(15), "failed after {took:?}: {e}");
