@@ -747,11 +747,13 @@ fn a_premulsum_operator_works_only_on_its_communicator() {
 
 /// Non-blocking communicators through the C entry points, as NCCL returns: the init says
 /// `ncclInProgress`; a split and a shrink say `ncclSuccess` with the child's handle out while
-/// its init runs on (its `ncclCommGetAsyncError` says `ncclInProgress` until it is done).
+/// its init runs on (its `ncclCommGetAsyncError` says `ncclInProgress` until it is done). A
+/// shrink that excludes no rank is refused, as NCCL's.
 #[test]
 fn non_blocking_split_and_shrink_return_success_with_the_handle() {
     let _g = serial();
     const IN_PROGRESS: i32 = 7;
+    // SAFETY: an all-zero ncclUniqueId is a valid value to overwrite.
     let mut id: ncclUniqueId = unsafe { std::mem::zeroed() };
     // SAFETY: a valid out-pointer.
     assert_eq!(unsafe { ncclGetUniqueId(&mut id) }.0, 0);
@@ -769,29 +771,40 @@ fn non_blocking_split_and_shrink_return_success_with_the_handle() {
             std::thread::sleep(std::time::Duration::from_millis(1));
         }
     };
+    // Ranks 0 and 1 shrink away rank 2 (which does not call it).
     let codes: Vec<(i32, i32, i32)> = std::thread::scope(|s| {
-        let hs: Vec<_> = (0..2)
+        let hs: Vec<_> = (0..3)
             .map(|r| {
                 s.spawn(move || {
                     let mut cfg = ncclConfig_t::undefined();
                     cfg.blocking = 0;
                     let (mut c, mut k, mut h): (ncclComm_t, ncclComm_t, ncclComm_t) =
                         (null_mut(), null_mut(), null_mut());
-                    // SAFETY: valid pointers; the config outlives the calls.
+                    // SAFETY: valid pointers; the config and the exclude list outlive the calls.
                     unsafe {
-                        let init = ncclCommInitRankConfig(&mut c, 2, id, r, &mut cfg).0;
+                        let init = ncclCommInitRankConfig(&mut c, 3, id, r, &mut cfg).0;
                         assert!(!c.is_null());
                         settle(c);
-                        let split = ncclCommSplit(c, 0, 1 - r, &mut k, &mut cfg).0;
+                        let split = ncclCommSplit(c, 0, 2 - r, &mut k, &mut cfg).0;
                         assert!(!k.is_null(), "rank {r}: no split handle");
-                        let shrink = ncclCommShrink(c, null_mut(), 0, &mut h, &mut cfg, 0).0;
-                        assert!(!h.is_null(), "rank {r}: no shrink handle");
                         settle(k);
-                        settle(h);
                         let mut rank = -1;
                         assert_eq!(ncclCommUserRank(k, &mut rank).0, 0);
-                        assert_eq!(rank, 1 - r, "the split's key orders the child");
-                        for x in [h, k, c] {
+                        assert_eq!(rank, 2 - r, "the split's key orders the child");
+                        let mut none = [0 as c_int; 0];
+                        let refused = ncclCommShrink(c, none.as_mut_ptr(), 0, &mut h, &mut cfg, 0);
+                        assert_eq!(refused.0, INVALID_ARGUMENT, "rank {r}: a shrink of none");
+                        let mut shrink = 0;
+                        if r < 2 {
+                            let mut out = [2 as c_int];
+                            shrink = ncclCommShrink(c, out.as_mut_ptr(), 1, &mut h, &mut cfg, 0).0;
+                            assert!(!h.is_null(), "rank {r}: no shrink handle");
+                            settle(h);
+                            assert_eq!(ncclCommCount(h, &mut rank).0, 0);
+                            assert_eq!(rank, 2, "the shrunk communicator's ranks");
+                            assert_eq!(ncclCommDestroy(h).0, 0, "{}", last_error());
+                        }
+                        for x in [k, c] {
                             assert_eq!(ncclCommDestroy(x).0, 0, "{}", last_error());
                         }
                         (init, split, shrink)

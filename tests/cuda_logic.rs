@@ -1240,6 +1240,35 @@ fn cuda_executor_logic_on_a_recording_driver() {
     // (Unset: the default.)
     std::env::remove_var("OXCCL_CUDA_DIRECT");
     nccl::param::reread();
+    // Each rank with its own PreMulSum operator (their values differ: an operator names its
+    // communicator): still one call of the ranks, so still one kernel.
+    take();
+    let premul: Vec<i32> = comms
+        .iter()
+        .map(|c| {
+            let two = nccl::types::Scalar {
+                bits: u64::from(2f32.to_bits()),
+            };
+            nccl::api::redop_create_premulsum(c, DataType::Float32, nccl::api::ScalarArg::Host(two))
+                .unwrap()
+        })
+        .collect();
+    assert_ne!(premul[0], premul[1]);
+    nccl::api::group_start().unwrap();
+    for (r, c) in comms.iter().enumerate() {
+        let (s, d) = bufs[r];
+        let a = CollArgs {
+            op: premul[r],
+            ..all_reduce(s, d, n)
+        };
+        nccl::api::enqueue(c, a, cuda([0x81, 0x82][r])).unwrap();
+    }
+    nccl::api::group_end().unwrap();
+    let ev = take();
+    assert!(
+        matches!(launches(&ev).as_slice(), [Ev::Launch { func: DIRECT4, .. }]),
+        "the ranks' PreMulSum all-reduces in one kernel: {ev:#?}"
+    );
     let group = |pairs: &[(usize, usize)], count: usize, streams: [usize; 2]| {
         nccl::api::group_start().unwrap();
         for (r, c) in comms.iter().enumerate() {

@@ -394,7 +394,12 @@ fn a_rank_that_dies_while_a_first_send_awaits_it_is_seen_at_once() {
     }
     let (e, took) = send_to_rank_5(&c);
     assert_eq!(e.code, Code::RemoteError, "{e}");
-    assert!(e.msg.contains("rank 5 is gone"), "{e}");
+    // (Where rank 0 came to its send after rank 5 died, the connect fails instead: the test
+    // above's error.)
+    assert!(
+        e.msg.contains("rank 5 is gone") || e.msg.contains("rank 5 (process "),
+        "{e}"
+    );
     assert!(took < Duration::from_secs(15), "failed after {took:?}: {e}");
     let _ = api::comm_abort(api::comm_handle(&c));
 }

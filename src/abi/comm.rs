@@ -383,9 +383,10 @@ pub unsafe extern "C" fn ncclCommShrink(
 ) -> ncclResult_t {
     entry!("ncclCommShrink", {
         non_null(newcomm, "newcomm")?;
-        if excludeRanksCount < 0 {
+        if excludeRanksCount < 1 {
             return Err(Error::invalid_argument(format!(
-                "excludeRanksCount {excludeRanksCount} < 0"
+                "excludeRanksCount is {excludeRanksCount}: a shrink excludes at least one rank, \
+                 as NCCL's (ncclCommSplit makes a communicator of every rank)"
             )));
         }
         buffer(

@@ -133,7 +133,9 @@ pub struct Bootstrap {
     /// that watches the peer through one.
     out: Vec<Mutex<Option<TcpStream>>>,
     /// How many waits watch each peer through that connection (they keep its keepalive on:
-    /// see `wire::keepalive`). Changed under the connection's lock.
+    /// see `wire::keepalive`). Raised under the connection's lock; lowered apart from it,
+    /// after which the last watcher turns the keepalive off under the lock where it can take
+    /// it (left on otherwise: a stricter watch until the next wait).
     watchers: Vec<AtomicU32>,
     receiver: Option<peer::Receiver>,
     shared: Arc<peer::Shared>,
@@ -159,7 +161,13 @@ impl Bootstrap {
         nranks: usize,
         health: impl IntoHealth,
     ) -> Result<Bootstrap> {
-        let (timeout, later) = (crate::param::bound(), crate::param::wait_limit());
+        // With the heartbeat off (`OXCCL_HEARTBEAT_S=0`) a host that stops answering is not
+        // seen: then those waits keep the bound too.
+        let timeout = crate::param::bound();
+        let later = match crate::param::heartbeat() {
+            Some(_) => crate::param::wait_limit(),
+            None => timeout,
+        };
         Self::init_with_timeouts(ids, rank, nranks, health, timeout, later)
     }
 
@@ -475,11 +483,13 @@ impl Bootstrap {
     }
 
     /// Whether `peer`, which has no connection to this rank, is still there, seen through this
-    /// rank's connection to it (made now where there is none: the peer listened since the
-    /// rendezvous, so a refusal means its bootstrap is closed). The peer never writes on that
-    /// connection: anything readable there is its end (a close, a reset, or the keepalive's
-    /// verdict on a host that stopped answering). A send that holds the connection sees it
-    /// fail for itself, so the check is skipped meanwhile.
+    /// rank's connection to it (made now where there is none, without holding its lock, so
+    /// that sends to the peer go on meanwhile). The peer listened since the rendezvous: a
+    /// refusal means its bootstrap is closed; other failures (no answer, no route) mean it is
+    /// gone only once they have lasted `OXCCL_BOOTSTRAP_CONNECT_S`. The peer never writes on
+    /// that connection: anything readable there is its end (a close, a reset, or the
+    /// keepalive's verdict on a host that stopped answering). A send that holds the connection
+    /// sees it fail for itself, so the check is skipped meanwhile.
     fn watch_link(
         &self,
         watch: &mut LinkWatch,
@@ -490,17 +500,6 @@ impl Bootstrap {
         use nix::sys::socket::{recv, MsgFlags};
         use std::os::fd::AsRawFd;
         let peer = watch.peer;
-        let Some(mut slot) = self.out[peer].try_lock() else {
-            return Ok(());
-        };
-        if !watch.counted {
-            watch.counted = true;
-            if self.watchers[peer].fetch_add(1, Ordering::Relaxed) == 0 {
-                if let Some(s) = slot.as_ref() {
-                    wire::keepalive(s, true);
-                }
-            }
-        }
         let gone = |why: String| {
             Error::remote(format!(
                 "rank {}: rank {peer} is gone while rank {} waited for {}: {why}; did that rank \
@@ -510,16 +509,50 @@ impl Bootstrap {
                 what_tag(tag)
             ))
         };
-        if slot.is_none() {
+        let linked = match self.out[peer].try_lock() {
+            None => return Ok(()),
+            Some(slot) => {
+                if !watch.counted {
+                    watch.counted = true;
+                    if self.watchers[peer].fetch_add(1, Ordering::Relaxed) == 0 {
+                        if let Some(s) = slot.as_ref() {
+                            wire::keepalive(s, true);
+                        }
+                    }
+                }
+                slot.is_some()
+            }
+        };
+        if !linked {
             let addr = self.addrs[peer];
-            let s = wire::connect_once(addr, w, what)?.map_err(|why| {
-                gone(format!(
-                    "its bootstrap listener at {addr} cannot be reached ({why})"
-                ))
-            })?;
-            *slot = Some(self.introduce(peer, s, w, what)?);
+            match wire::connect_once(addr, w, what)? {
+                Ok(s) => {
+                    let mut slot = self.out[peer].lock();
+                    if slot.is_none() {
+                        *slot = Some(self.introduce(peer, s, w, what)?);
+                    }
+                    watch.failing = None;
+                }
+                Err(why) => {
+                    let refused =
+                        std::io::Error::from_raw_os_error(nix::errno::Errno::ECONNREFUSED as i32)
+                            .to_string();
+                    let since = *watch.failing.get_or_insert_with(std::time::Instant::now);
+                    if why == refused || since.elapsed() >= crate::param::bootstrap_connect() {
+                        return Err(gone(format!(
+                            "its bootstrap listener at {addr} cannot be reached ({why})"
+                        )));
+                    }
+                    return Ok(());
+                }
+            }
         }
-        let s = slot.as_ref().expect("connected above");
+        let Some(mut slot) = self.out[peer].try_lock() else {
+            return Ok(());
+        };
+        let Some(s) = slot.as_ref() else {
+            return Ok(()); // a send's failure dropped it meanwhile: made again next time
+        };
         let mut byte = [0u8; 1];
         let flags = MsgFlags::MSG_PEEK | MsgFlags::MSG_DONTWAIT;
         let why = match recv(s.as_raw_fd(), &mut byte, flags) {
@@ -547,16 +580,12 @@ impl Bootstrap {
             boot: self,
             peer,
             counted: false,
+            failing: None,
         };
         let mut ib = self.shared.inbox.lock();
         loop {
-            if let Some(q) = ib.queues.get_mut(&(peer, tag)) {
-                if let Some(m) = q.pop_front() {
-                    if q.is_empty() {
-                        ib.queues.remove(&(peer, tag));
-                    }
-                    return Ok(m);
-                }
+            if let Some(m) = Self::pop(&mut ib, peer, tag) {
+                return Ok(m);
             }
             if ib.closed[peer] {
                 return Err(Error::remote(match &ib.failed[peer] {
@@ -582,9 +611,21 @@ impl Bootstrap {
             w.check(&what)?;
             if ib.open[peer] == 0 && peer != self.rank && w.since.elapsed() >= WATCH_AFTER {
                 // (A message that comes meanwhile waits at most a slice.)
-                parking_lot::MutexGuard::unlocked(&mut ib, || {
+                let seen = parking_lot::MutexGuard::unlocked(&mut ib, || {
                     self.watch_link(&mut link_watch, tag, &w, &what)
-                })?;
+                });
+                if let Err(e) = seen {
+                    // A peer that sent its message and then closed: the message may still be
+                    // on its way through the receiver thread. A moment for it, then the error.
+                    let until = std::time::Instant::now() + GONE_GRACE;
+                    while std::time::Instant::now() < until {
+                        if let Some(m) = Self::pop(&mut ib, peer, tag) {
+                            return Ok(m);
+                        }
+                        self.shared.cv.wait_for(&mut ib, SLICE_GRACE);
+                    }
+                    return Self::pop(&mut ib, peer, tag).ok_or(e);
+                }
             }
             self.shared.cv.wait_for(&mut ib, w.slice());
         }
@@ -596,6 +637,23 @@ impl Drop for Bootstrap {
         self.close();
     }
 }
+
+impl Bootstrap {
+    /// The oldest message from `peer` under `tag` in the inbox, taken out.
+    fn pop(ib: &mut peer::Inbox, peer: usize, tag: u32) -> Option<Vec<u8>> {
+        let q = ib.queues.get_mut(&(peer, tag))?;
+        let m = q.pop_front();
+        if q.is_empty() {
+            ib.queues.remove(&(peer, tag));
+        }
+        m
+    }
+}
+
+/// How long a wait that found its peer gone still looks for the message (it may have been
+/// sent just before), and how often meanwhile.
+const GONE_GRACE: Duration = Duration::from_millis(200);
+const SLICE_GRACE: Duration = Duration::from_millis(20);
 
 /// What a message under `tag` is, for errors.
 fn what_tag(tag: u32) -> String {
@@ -613,6 +671,8 @@ struct LinkWatch<'a> {
     boot: &'a Bootstrap,
     peer: usize,
     counted: bool,
+    /// Since when connecting to the peer has failed (other than refused).
+    failing: Option<std::time::Instant>,
 }
 
 impl Drop for LinkWatch<'_> {

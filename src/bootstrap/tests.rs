@@ -405,7 +405,7 @@ fn recv_times_out_naming_peer() {
 fn a_late_peer_is_waited_for_past_the_setup_bound() {
     let id = UniqueId::generate_with_timeout(T).unwrap();
     let ids = [id];
-    let setup = Duration::from_secs(1);
+    let setup = Duration::from_secs(2);
     std::thread::scope(|sc| {
         for r in 0..2 {
             let ids = &ids;
@@ -414,7 +414,7 @@ fn a_late_peer_is_waited_for_past_the_setup_bound() {
                 let b =
                     Bootstrap::init_with_timeouts(ids, r, 2, no_abort(), setup, forever).unwrap();
                 if r == 1 {
-                    std::thread::sleep(Duration::from_millis(2500));
+                    std::thread::sleep(Duration::from_millis(4500));
                     b.send(0, 4, b"late").unwrap();
                     assert_eq!(b.recv(0, 5).unwrap(), b"got it");
                 } else {

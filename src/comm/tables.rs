@@ -61,28 +61,36 @@ impl RedOps {
                 "ncclRedOpDestroy: operator {op} is builtin, not created by ncclRedOpCreate*"
             )));
         }
-        let slot = self.slot(op).map_err(|why| {
+        // (Looked up and freed under one lock: two destroys of one operator cannot free a slot
+        // that a create took between them.)
+        let mut ops = self.ops.lock();
+        let slot = self.slot(&ops, op).map_err(|why| {
             Error::invalid_argument(format!("ncclRedOpDestroy: operator {op} {why}"))
         })?;
-        self.ops.lock()[slot] = None;
+        ops[slot] = None;
         Ok(())
     }
 
     /// The operator `op` (`op >= NUM_BUILTIN_OPS`), or why there is none here.
     pub fn get(&self, op: i32) -> std::result::Result<(DataType, ScalarArg), &'static str> {
-        let slot = self.slot(op)?;
-        self.ops.lock()[slot].ok_or(GONE)
+        let ops = self.ops.lock();
+        let slot = self.slot(&ops, op)?;
+        ops[slot].ok_or(GONE)
     }
 
-    /// The live slot `op` names on this communicator.
-    fn slot(&self, op: i32) -> std::result::Result<usize, &'static str> {
+    /// The live slot `op` names on this communicator (`ops`: its table, locked).
+    fn slot(
+        &self,
+        ops: &[Option<(DataType, ScalarArg)>],
+        op: i32,
+    ) -> std::result::Result<usize, &'static str> {
         let v = op
             .checked_sub(NUM_BUILTIN_OPS)
             .filter(|v| *v >= 0)
             .ok_or(GONE)?;
         let slot = (v as usize) & (SLOTS - 1);
         match v >> SLOT_BITS {
-            t if t == self.tag => match self.ops.lock().get(slot) {
+            t if t == self.tag => match ops.get(slot) {
                 Some(Some(_)) => Ok(slot),
                 _ => Err(GONE),
             },

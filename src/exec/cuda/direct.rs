@@ -79,16 +79,17 @@ fn serves(members: &[usize], per_comm: &[Vec<Call<'_>>], set: &[&Call]) -> bool 
     if members.iter().any(|&j| per_comm[j].len() != 1) {
         return false;
     }
-    let a0 = q0.args;
+    // The same call by the words a mismatch is told by (not the operator's raw value: each
+    // rank's PreMulSum operator has its communicator's; each lane takes its own rank's).
+    let call =
+        |q: &Call| crate::plan::call::of_coll(q.args.kind, q.args.count, q.args.dtype, q.red, 0);
     let alike = set.iter().enumerate().all(|(r, q)| {
         let a = q.args;
         q.cuda().rank == r
             && a.kind == CollKind::AllReduce
-            && a.count == a0.count
             && a.count > 0
-            && a.dtype == a0.dtype
-            && a.op == a0.op
             && q.red.is_some()
+            && call(q) == call(q0)
             && q.cuda().ctx == q0.cuda().ctx
     });
     if !alike {

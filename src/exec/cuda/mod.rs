@@ -233,7 +233,8 @@ fn check_buffer(q: &Call<'_>, addr: usize, what: &str, name: &str) -> Result<()>
         if driver::capture(stream::handle(&q.stream)).is_ok_and(|c| c != driver::Capture::No) {
             crate::debug::info(&format!(
                 "{name}: {what} {addr:#x} is unknown to the driver's pointer query while its \
-                 stream captures a graph: taken as a graph allocation of that capture ({})",
+                 stream captures a graph: taken as a graph allocation of that capture (were it \
+                 pageable host memory, the graph's replays would fault) ({})",
                 comm.describe()
             ));
             return Ok(());
