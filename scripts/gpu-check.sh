@@ -52,7 +52,7 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 pack="$root/target/gpu-check"
 
 # The sources the pack is built from.
-stamp_files() { git -C "$root" ls-files src cuda build.rs Cargo.toml Cargo.lock ffi-tests nccl-tests-compat examples scripts/gpu-torch-check.py; }
+stamp_files() { git -C "$root" ls-files --cached --others --exclude-standard src cuda build.rs Cargo.toml Cargo.lock ffi-tests nccl-tests-compat examples scripts/gpu-torch-check.py; }
 verify_pack() {  # in $root: the files whose hashes differ from the pack's STAMP (none: ok)
   [ -f "$pack/STAMP" ] || { echo "no $pack/STAMP: the pack predates stamps"; return 1; }
   local bad
@@ -118,18 +118,19 @@ log="$OUT/gpu-check.log"
 : >"$log"
 fails=0 skipped=0
 say() { echo "$*" | tee -a "$log"; }
-summarize() { grep -E '^(== |   ok|   FAILED|   TIMED OUT|   SKIPPED|  .*(PASS|FAIL)|# |STALE)' "$log" >"$OUT/summary.txt"; }
+summarize() { grep -E '^(== |   ok|   FAILED|   TIMED OUT|   SKIPPED|  .*(PASS|FAIL)|# (failures|the pack|inherited|[A-Z][a-z][a-z] [A-Z][a-z][a-z] )|STALE)' "$log" >"$OUT/summary.txt"; }
 pack_aux() { tar czf "$OUT/aux.tgz.part" -C "$AUX" . 2>/dev/null && mv -f "$OUT/aux.tgz.part" "$OUT/aux.tgz"; summarize; }
 trap pack_aux EXIT
 # The whole run ends by GPU_CHECK_DEADLINE seconds (the device call's limit is 560): every
 # step's limit is cut to the time left, and a step with under 5 s left is skipped (counted).
 DEADLINE=${GPU_CHECK_DEADLINE:-530}
 left() { echo $((DEADLINE - SECONDS - 5)); }
+cut() { local l=$1; [ "$l" -le "$(left)" ] || l=$(left); [ "$l" -ge 5 ] && echo "$l"; }  # a limit cut to what is left; fails under 5 s
+skip() { say "   SKIPPED (the deadline, $DEADLINE s, is near)"; skipped=$((skipped + 1)); return 2; }
 check() {  # name, limit (s), command... (a program, or a shell function of this script)
   local name=$1 limit=$2; shift 2
   say "== $name: $*"
-  [ "$limit" -le "$(left)" ] || limit=$(left)
-  if [ "$limit" -lt 5 ]; then say "   SKIPPED (the deadline, $DEADLINE s, is near)"; skipped=$((skipped + 1)); return 2; fi
+  limit=$(cut "$limit") || { skip; return 2; }
   local t0=$SECONDS
   local run=("$@")
   # timeout(1) runs programs only: a function runs in a bash that has it.
@@ -256,8 +257,7 @@ perf() {  # label, lib dir, args...: the run must be the named library's (its ve
   local label=$1 dir=$2 t0=$SECONDS limit=${PERF_LIMIT:-120}; shift 2
   local f="$AUX/perf-$label.txt"
   say "== perf ($label): $*"
-  [ "$limit" -le "$(left)" ] || limit=$(left)
-  if [ "$limit" -lt 5 ]; then say "   SKIPPED (the deadline, $DEADLINE s, is near)"; skipped=$((skipped + 1)); return 2; fi
+  limit=$(cut "$limit") || { skip; return 2; }
   local path="$dir${RTDIR:+:$RTDIR}${BASE_LD_PATH:+:$BASE_LD_PATH}"
   if declare -F "$1" >/dev/null; then  # a shell function: run it in a bash under the limit
     LD_LIBRARY_PATH="$path" timeout -k 5 "$limit" bash -c "$(declare -f "$1"); \"\$@\"" _ "$@" >"$f" 2>&1

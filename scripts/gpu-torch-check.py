@@ -250,8 +250,12 @@ def child():
                 return f"another libnccl is mapped beside the preloaded one: {others}"
             if ex.value != 1:
                 return f"oxccl runs on its host executor (oxcclGetExecutor: {ex.value}), not CUDA"
-            if tuple(torch.cuda.nccl.version()[:3]) != (2, 32, 3):
-                return f"torch.cuda.nccl.version() is {torch.cuda.nccl.version()}, not oxccl's (2, 32, 3)"
+            # (torch.cuda.nccl.version() is the version torch was built against: the running
+            # library's is ncclGetVersion's, as ProcessGroupNCCL asks it.)
+            v = ctypes.c_int(0)
+            glob.ncclGetVersion(ctypes.byref(v))
+            if v.value != 23203:
+                return f"ncclGetVersion says {v.value}, not oxccl's 23203"
             return None
 
         chk.run("oxccl-is-the-nccl-in-use", which_nccl)
