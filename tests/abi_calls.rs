@@ -819,3 +819,103 @@ fn non_blocking_split_and_shrink_return_success_with_the_handle() {
         assert_eq!((split, shrink), (0, 0), "rank {r}");
     }
 }
+
+/// The device API's pointer queries and resource requirements are exported (a PyTorch built
+/// against NCCL >= 2.29 imports `ncclGetLsaMultimemDevicePointer`, and `import torch` binds
+/// every symbol at once) and each says it is not built: `ncclInvalidUsage` naming itself, its
+/// output untouched; the int and team helpers return -1 and the empty team.
+#[test]
+fn the_device_api_queries_load_and_say_they_are_not_built() {
+    let _g = serial();
+    const USAGE: i32 = INVALID_USAGE;
+    let mut p: *mut c_void = 8usize as *mut c_void;
+    let (mut le, mut off) = (7u32, 9usize);
+    let team = ncclTeam {
+        nRanks: 1,
+        rank: 0,
+        stride: 1,
+    };
+    let mm = ncclMultimemHandle {
+        mcBasePtr: null_mut(),
+    };
+    let w: ncclWindow_t = null_mut();
+    let mut h = [0u8; 64];
+    let mut req = [0u8; 256];
+    let (hp, rp) = (
+        h.as_mut_ptr() as *mut c_void,
+        req.as_mut_ptr() as *mut c_void,
+    );
+    let mut comm: ncclComm_t = null_mut();
+    let dev: c_int = 0;
+    // SAFETY: valid pointers; nothing is written through them (checked below).
+    unsafe {
+        assert_eq!(ncclCommInitAll(&mut comm, 1, &dev).0, 0);
+        let calls: [(&str, i32); 11] = [
+            (
+                "ncclGetLsaMultimemDevicePointer",
+                ncclGetLsaMultimemDevicePointer(w, 0, &mut p).0,
+            ),
+            (
+                "ncclGetMultimemDevicePointer",
+                ncclGetMultimemDevicePointer(w, 0, mm, &mut p).0,
+            ),
+            (
+                "ncclGetLsaDevicePointer",
+                ncclGetLsaDevicePointer(w, 0, 0, &mut p).0,
+            ),
+            (
+                "ncclGetPeerDevicePointer",
+                ncclGetPeerDevicePointer(w, 0, 0, &mut p).0,
+            ),
+            (
+                "ncclGetMultimemDeviceLeInfo",
+                ncclGetMultimemDeviceLeInfo(w, 0, &mut le, &mut off).0,
+            ),
+            (
+                "ncclGetCftDeviceLeInfo",
+                ncclGetCftDeviceLeInfo(w, 0, 0, team, &mut le, &mut off).0,
+            ),
+            (
+                "ncclGetPeerDeviceLeInfo",
+                ncclGetPeerDeviceLeInfo(w, 0, 0, &mut le, &mut off).0,
+            ),
+            (
+                "ncclLsaBarrierCreateRequirement",
+                ncclLsaBarrierCreateRequirement(team, 1, hp.cast(), rp.cast()).0,
+            ),
+            (
+                "ncclGinBarrierCreateRequirement",
+                ncclGinBarrierCreateRequirement(comm, team, 1, hp.cast(), rp.cast()).0,
+            ),
+            (
+                "ncclLLA2ACreateRequirement",
+                ncclLLA2ACreateRequirement(1, 8, hp.cast(), rp.cast()).0,
+            ),
+            (
+                "pncclGetLsaMultimemDevicePointer",
+                pncclGetLsaMultimemDevicePointer(w, 0, &mut p).0,
+            ),
+        ];
+        for (name, rc) in calls {
+            assert_eq!(rc, USAGE, "{name}");
+        }
+        assert!(last_error().contains("not built"), "{}", last_error());
+        assert_eq!(ncclLLA2ACalcSlots(64, 16), -1);
+        assert!(
+            last_error().contains("ncclLLA2ACalcSlots"),
+            "{}",
+            last_error()
+        );
+        for t in [ncclTeamCft(comm, 0), ncclTeamCftMultimem(comm)] {
+            assert_eq!((t.nRanks, t.rank, t.stride), (0, 0, 0));
+        }
+        assert!(
+            last_error().contains("ncclTeamCftMultimem"),
+            "{}",
+            last_error()
+        );
+        assert_eq!(ncclCommDestroy(comm).0, 0);
+    }
+    assert_eq!((p as usize, le, off), (8, 7, 9), "outputs untouched");
+    assert!(h.iter().chain(&req).all(|&b| b == 0), "outputs untouched");
+}

@@ -388,6 +388,23 @@ fn exports_and_soname() {
         "ncclTeamRankToLsa",
         "ncclDevCommCreate",
         "ncclDevCommDestroy",
+        // Exported only so that programs importing them load (every call says the device
+        // API is not built): every nccl* that NVIDIA's libnccl.so.2 exports is here but its
+        // internal ncclResetDebugInitInternal, and the two GIN box requirements that its
+        // headers declare for Windows only.
+        "ncclGetLsaMultimemDevicePointer",
+        "ncclGetMultimemDevicePointer",
+        "ncclGetLsaDevicePointer",
+        "ncclGetPeerDevicePointer",
+        "ncclGetMultimemDeviceLeInfo",
+        "ncclGetCftDeviceLeInfo",
+        "ncclGetPeerDeviceLeInfo",
+        "ncclLsaBarrierCreateRequirement",
+        "ncclGinBarrierCreateRequirement",
+        "ncclLLA2ACreateRequirement",
+        "ncclLLA2ACalcSlots",
+        "ncclTeamCft",
+        "ncclTeamCftMultimem",
     ] {
         wanted.insert(f.into());
         wanted.insert(format!("p{f}"));

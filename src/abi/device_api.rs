@@ -3,15 +3,16 @@
 //! host `ncclComm_t`; core.h's `ncclDevComm const&` overloads are device-only inline functions).
 //! NCCL declares them outside nccl.h, so include/nccl.h does not.
 //! Device communicators (`ncclDevCommCreate`/`ncclDevCommDestroy`) are not built yet, on either
-//! executor: they check their arguments and say so. The window/pointer queries
-//! (`ncclGetLsaDevicePointer`, ...) and the resource requirements are not exported yet.
+//! executor: they check their arguments and say so; so do the window/pointer queries
+//! (`ncclGetLsaDevicePointer`, ...) and the resource requirements, exported so that programs
+//! importing them load.
 
 use super::types::*;
 use super::{
     comm_arg, comm_cuda_dev, comm_hash, comm_nranks, comm_rank, entry, non_null, run_value,
 };
 use crate::error::Error;
-use std::ffi::c_int;
+use std::ffi::{c_int, c_void};
 use std::mem::{offset_of, size_of};
 
 /// Fills `ncclCommProperties_t` up to the caller's `size` (older callers have shorter structs).
@@ -186,5 +187,197 @@ pub unsafe extern "C" fn ncclTeamRankToLsa(comm: ncclComm_t, team: ncclTeam, ran
     run_value("ncclTeamRankToLsa", -1, || {
         let (_, _, lsa_rank, _) = geometry(comm)?;
         Ok(lsa_rank.wrapping_add(rank.wrapping_sub(team.rank).wrapping_mul(team.stride)))
+    })
+}
+
+/// The device API's window/multimem pointer queries and resource requirements
+/// (`nccl_device/*.h`). They are exported so that programs importing them load: a PyTorch
+/// built against NCCL >= 2.29 imports `ncclGetLsaMultimemDevicePointer`, and Python loads it
+/// with every symbol bound at once, so a missing one fails `import torch`. There are no
+/// windows nor device communicators yet, so every call is `ncclInvalidUsage` saying so, its
+/// outputs untouched.
+fn device_api_not_built<T>(name: &str) -> crate::error::Result<T> {
+    Err(Error::invalid_usage(format!(
+        "{name}: {DEV_COMM_NOT_BUILT} (nor windows, ncclCommWindowRegister)"
+    )))
+}
+
+/// `ncclResult_t ncclGetLsaMultimemDevicePointer(ncclWindow_t, size_t, void**)`.
+#[no_mangle]
+pub unsafe extern "C" fn ncclGetLsaMultimemDevicePointer(
+    window: ncclWindow_t,
+    offset: usize,
+    outPtr: *mut *mut c_void,
+) -> ncclResult_t {
+    let _ = (window, offset, outPtr);
+    entry!("ncclGetLsaMultimemDevicePointer", {
+        device_api_not_built("ncclGetLsaMultimemDevicePointer")
+    })
+}
+
+/// `ncclResult_t ncclGetMultimemDevicePointer(ncclWindow_t, size_t, ncclMultimemHandle_t,
+/// void**)`.
+#[no_mangle]
+pub unsafe extern "C" fn ncclGetMultimemDevicePointer(
+    window: ncclWindow_t,
+    offset: usize,
+    multimem: ncclMultimemHandle,
+    outPtr: *mut *mut c_void,
+) -> ncclResult_t {
+    let _ = (window, offset, multimem, outPtr);
+    entry!("ncclGetMultimemDevicePointer", {
+        device_api_not_built("ncclGetMultimemDevicePointer")
+    })
+}
+
+/// `ncclResult_t ncclGetLsaDevicePointer(ncclWindow_t, size_t, int lsaRank, void**)`.
+#[no_mangle]
+pub unsafe extern "C" fn ncclGetLsaDevicePointer(
+    window: ncclWindow_t,
+    offset: usize,
+    lsaRank: c_int,
+    outPtr: *mut *mut c_void,
+) -> ncclResult_t {
+    let _ = (window, offset, lsaRank, outPtr);
+    entry!("ncclGetLsaDevicePointer", {
+        device_api_not_built("ncclGetLsaDevicePointer")
+    })
+}
+
+/// `ncclResult_t ncclGetPeerDevicePointer(ncclWindow_t, size_t, int peer, void**)`.
+#[no_mangle]
+pub unsafe extern "C" fn ncclGetPeerDevicePointer(
+    window: ncclWindow_t,
+    offset: usize,
+    peer: c_int,
+    outPtr: *mut *mut c_void,
+) -> ncclResult_t {
+    let _ = (window, offset, peer, outPtr);
+    entry!("ncclGetPeerDevicePointer", {
+        device_api_not_built("ncclGetPeerDevicePointer")
+    })
+}
+
+/// `ncclResult_t ncclGetMultimemDeviceLeInfo(ncclWindow_t, size_t, ncclCftLeId*, size_t*)`.
+#[no_mangle]
+pub unsafe extern "C" fn ncclGetMultimemDeviceLeInfo(
+    window: ncclWindow_t,
+    offset: usize,
+    leId: *mut u32,
+    leOffset: *mut usize,
+) -> ncclResult_t {
+    let _ = (window, offset, leId, leOffset);
+    entry!("ncclGetMultimemDeviceLeInfo", {
+        device_api_not_built("ncclGetMultimemDeviceLeInfo")
+    })
+}
+
+/// `ncclResult_t ncclGetCftDeviceLeInfo(ncclWindow_t, size_t, int peerCft, ncclTeam_t cftTeam,
+/// ncclCftLeId*, size_t*)`.
+#[no_mangle]
+pub unsafe extern "C" fn ncclGetCftDeviceLeInfo(
+    window: ncclWindow_t,
+    offset: usize,
+    peerCft: c_int,
+    cftTeam: ncclTeam,
+    leId: *mut u32,
+    leOffset: *mut usize,
+) -> ncclResult_t {
+    let _ = (window, offset, peerCft, cftTeam, leId, leOffset);
+    entry!("ncclGetCftDeviceLeInfo", {
+        device_api_not_built("ncclGetCftDeviceLeInfo")
+    })
+}
+
+/// `ncclResult_t ncclGetPeerDeviceLeInfo(ncclWindow_t, size_t, int peerWorld, ncclCftLeId*,
+/// size_t*)`.
+#[no_mangle]
+pub unsafe extern "C" fn ncclGetPeerDeviceLeInfo(
+    window: ncclWindow_t,
+    offset: usize,
+    peerWorld: c_int,
+    leId: *mut u32,
+    leOffset: *mut usize,
+) -> ncclResult_t {
+    let _ = (window, offset, peerWorld, leId, leOffset);
+    entry!("ncclGetPeerDeviceLeInfo", {
+        device_api_not_built("ncclGetPeerDeviceLeInfo")
+    })
+}
+
+/// `ncclResult_t ncclLsaBarrierCreateRequirement(ncclTeam_t, int nBarriers,
+/// ncclLsaBarrierHandle_t*, ncclDevResourceRequirements_t*)`.
+#[no_mangle]
+pub unsafe extern "C" fn ncclLsaBarrierCreateRequirement(
+    team: ncclTeam,
+    nBarriers: c_int,
+    outHandle: *mut ncclLsaBarrierHandle_t,
+    outReq: *mut ncclDevResourceRequirements_t,
+) -> ncclResult_t {
+    let _ = (team, nBarriers, outHandle, outReq);
+    entry!("ncclLsaBarrierCreateRequirement", {
+        device_api_not_built("ncclLsaBarrierCreateRequirement")
+    })
+}
+
+/// `ncclResult_t ncclGinBarrierCreateRequirement(ncclComm_t, ncclTeam_t, int nBarriers,
+/// ncclGinBarrierHandle_t*, ncclDevResourceRequirements_t*)`.
+#[no_mangle]
+pub unsafe extern "C" fn ncclGinBarrierCreateRequirement(
+    comm: ncclComm_t,
+    team: ncclTeam,
+    nBarriers: c_int,
+    outHandle: *mut ncclGinBarrierHandle_t,
+    outReq: *mut ncclDevResourceRequirements_t,
+) -> ncclResult_t {
+    let _ = (team, nBarriers, outHandle, outReq);
+    entry!("ncclGinBarrierCreateRequirement", {
+        comm_arg(comm)?;
+        device_api_not_built("ncclGinBarrierCreateRequirement")
+    })
+}
+
+/// `ncclResult_t ncclLLA2ACreateRequirement(int nBlocks, int nSlots, ncclLLA2AHandle_t*,
+/// ncclDevResourceRequirements_t*)`.
+#[no_mangle]
+pub unsafe extern "C" fn ncclLLA2ACreateRequirement(
+    nBlocks: c_int,
+    nSlots: c_int,
+    outHandle: *mut ncclLLA2AHandle_t,
+    outReq: *mut ncclDevResourceRequirements_t,
+) -> ncclResult_t {
+    let _ = (nBlocks, nSlots, outHandle, outReq);
+    entry!("ncclLLA2ACreateRequirement", {
+        device_api_not_built("ncclLLA2ACreateRequirement")
+    })
+}
+
+/// `int ncclLLA2ACalcSlots(int maxElts, int maxEltSize)`: -1 (no LL all-to-all without the
+/// device API), the reason in `ncclGetLastError`.
+#[no_mangle]
+pub unsafe extern "C" fn ncclLLA2ACalcSlots(maxElts: c_int, maxEltSize: c_int) -> c_int {
+    let _ = (maxElts, maxEltSize);
+    run_value("ncclLLA2ACalcSlots", -1, || {
+        device_api_not_built("ncclLLA2ACalcSlots")
+    })
+}
+
+/// `ncclTeam_t ncclTeamCft(ncclComm_t, ncclCftTeamMode_t)`: no CFT teams without the device
+/// API: the empty team, the reason in `ncclGetLastError`.
+#[no_mangle]
+pub unsafe extern "C" fn ncclTeamCft(comm: ncclComm_t, mode: ncclCftTeamMode_t) -> ncclTeam {
+    let _ = mode;
+    run_value("ncclTeamCft", NO_TEAM, || {
+        comm_arg(comm)?;
+        device_api_not_built("ncclTeamCft")
+    })
+}
+
+/// `ncclTeam_t ncclTeamCftMultimem(ncclComm_t)`: as `ncclTeamCft`.
+#[no_mangle]
+pub unsafe extern "C" fn ncclTeamCftMultimem(comm: ncclComm_t) -> ncclTeam {
+    run_value("ncclTeamCftMultimem", NO_TEAM, || {
+        comm_arg(comm)?;
+        device_api_not_built("ncclTeamCftMultimem")
     })
 }

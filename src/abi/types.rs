@@ -252,6 +252,13 @@ impl ncclCollConfig_v23200 {
 
 // ---- Device-API host types (declared by NCCL in nccl_device/*.h, not in nccl.h) ----
 
+/// `struct ncclMultimemHandle` (nccl_device/impl/core__types.h), passed by value.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct ncclMultimemHandle {
+    pub mcBasePtr: *mut c_void,
+}
+
 /// `struct ncclTeam`.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -276,6 +283,30 @@ pub struct ncclDevCommRequirements {
     _opaque: [u8; 0],
 }
 pub type ncclDevCommRequirements_t = ncclDevCommRequirements;
+
+/// The device API's opaque out-parameters of the resource-requirement helpers (never touched:
+/// those calls say the device API is not built), and `ncclCftTeamMode_t` (an enum there).
+#[repr(C)]
+pub struct ncclDevResourceRequirements {
+    _opaque: [u8; 0],
+}
+pub type ncclDevResourceRequirements_t = ncclDevResourceRequirements;
+#[repr(C)]
+pub struct ncclLsaBarrierHandle {
+    _opaque: [u8; 0],
+}
+pub type ncclLsaBarrierHandle_t = ncclLsaBarrierHandle;
+#[repr(C)]
+pub struct ncclGinBarrierHandle {
+    _opaque: [u8; 0],
+}
+pub type ncclGinBarrierHandle_t = ncclGinBarrierHandle;
+#[repr(C)]
+pub struct ncclLLA2AHandle {
+    _opaque: [u8; 0],
+}
+pub type ncclLLA2AHandle_t = ncclLLA2AHandle;
+pub type ncclCftTeamMode_t = c_int;
 
 /// `ncclCommProperties_t` (nccl_device/host.h). `ncclGinType_t` and `ncclGinConnectionType_t`
 /// are C enums, i.e. `int`.
