@@ -196,9 +196,10 @@ pub unsafe extern "C" fn ncclTeamRankToLsa(comm: ncclComm_t, team: ncclTeam, ran
 /// with every symbol bound at once, so a missing one fails `import torch`. There are no
 /// windows nor device communicators yet, so every call is `ncclInvalidUsage` saying so, its
 /// outputs untouched.
-fn device_api_not_built<T>(name: &str) -> crate::error::Result<T> {
+/// (The entry point's name leads the message already: `entry!`, `run_value`.)
+fn device_api_not_built<T>() -> crate::error::Result<T> {
     Err(Error::invalid_usage(format!(
-        "{name}: {DEV_COMM_NOT_BUILT} (nor windows, ncclCommWindowRegister)"
+        "{DEV_COMM_NOT_BUILT} (nor windows, ncclCommWindowRegister)"
     )))
 }
 
@@ -211,7 +212,7 @@ pub unsafe extern "C" fn ncclGetLsaMultimemDevicePointer(
 ) -> ncclResult_t {
     let _ = (window, offset, outPtr);
     entry!("ncclGetLsaMultimemDevicePointer", {
-        device_api_not_built("ncclGetLsaMultimemDevicePointer")
+        device_api_not_built()
     })
 }
 
@@ -225,9 +226,7 @@ pub unsafe extern "C" fn ncclGetMultimemDevicePointer(
     outPtr: *mut *mut c_void,
 ) -> ncclResult_t {
     let _ = (window, offset, multimem, outPtr);
-    entry!("ncclGetMultimemDevicePointer", {
-        device_api_not_built("ncclGetMultimemDevicePointer")
-    })
+    entry!("ncclGetMultimemDevicePointer", { device_api_not_built() })
 }
 
 /// `ncclResult_t ncclGetLsaDevicePointer(ncclWindow_t, size_t, int lsaRank, void**)`.
@@ -239,9 +238,7 @@ pub unsafe extern "C" fn ncclGetLsaDevicePointer(
     outPtr: *mut *mut c_void,
 ) -> ncclResult_t {
     let _ = (window, offset, lsaRank, outPtr);
-    entry!("ncclGetLsaDevicePointer", {
-        device_api_not_built("ncclGetLsaDevicePointer")
-    })
+    entry!("ncclGetLsaDevicePointer", { device_api_not_built() })
 }
 
 /// `ncclResult_t ncclGetPeerDevicePointer(ncclWindow_t, size_t, int peer, void**)`.
@@ -253,9 +250,7 @@ pub unsafe extern "C" fn ncclGetPeerDevicePointer(
     outPtr: *mut *mut c_void,
 ) -> ncclResult_t {
     let _ = (window, offset, peer, outPtr);
-    entry!("ncclGetPeerDevicePointer", {
-        device_api_not_built("ncclGetPeerDevicePointer")
-    })
+    entry!("ncclGetPeerDevicePointer", { device_api_not_built() })
 }
 
 /// `ncclResult_t ncclGetMultimemDeviceLeInfo(ncclWindow_t, size_t, ncclCftLeId*, size_t*)`.
@@ -267,9 +262,7 @@ pub unsafe extern "C" fn ncclGetMultimemDeviceLeInfo(
     leOffset: *mut usize,
 ) -> ncclResult_t {
     let _ = (window, offset, leId, leOffset);
-    entry!("ncclGetMultimemDeviceLeInfo", {
-        device_api_not_built("ncclGetMultimemDeviceLeInfo")
-    })
+    entry!("ncclGetMultimemDeviceLeInfo", { device_api_not_built() })
 }
 
 /// `ncclResult_t ncclGetCftDeviceLeInfo(ncclWindow_t, size_t, int peerCft, ncclTeam_t cftTeam,
@@ -284,9 +277,7 @@ pub unsafe extern "C" fn ncclGetCftDeviceLeInfo(
     leOffset: *mut usize,
 ) -> ncclResult_t {
     let _ = (window, offset, peerCft, cftTeam, leId, leOffset);
-    entry!("ncclGetCftDeviceLeInfo", {
-        device_api_not_built("ncclGetCftDeviceLeInfo")
-    })
+    entry!("ncclGetCftDeviceLeInfo", { device_api_not_built() })
 }
 
 /// `ncclResult_t ncclGetPeerDeviceLeInfo(ncclWindow_t, size_t, int peerWorld, ncclCftLeId*,
@@ -300,9 +291,7 @@ pub unsafe extern "C" fn ncclGetPeerDeviceLeInfo(
     leOffset: *mut usize,
 ) -> ncclResult_t {
     let _ = (window, offset, peerWorld, leId, leOffset);
-    entry!("ncclGetPeerDeviceLeInfo", {
-        device_api_not_built("ncclGetPeerDeviceLeInfo")
-    })
+    entry!("ncclGetPeerDeviceLeInfo", { device_api_not_built() })
 }
 
 /// `ncclResult_t ncclLsaBarrierCreateRequirement(ncclTeam_t, int nBarriers,
@@ -316,7 +305,7 @@ pub unsafe extern "C" fn ncclLsaBarrierCreateRequirement(
 ) -> ncclResult_t {
     let _ = (team, nBarriers, outHandle, outReq);
     entry!("ncclLsaBarrierCreateRequirement", {
-        device_api_not_built("ncclLsaBarrierCreateRequirement")
+        device_api_not_built()
     })
 }
 
@@ -333,7 +322,7 @@ pub unsafe extern "C" fn ncclGinBarrierCreateRequirement(
     let _ = (team, nBarriers, outHandle, outReq);
     entry!("ncclGinBarrierCreateRequirement", {
         comm_arg(comm)?;
-        device_api_not_built("ncclGinBarrierCreateRequirement")
+        device_api_not_built()
     })
 }
 
@@ -347,9 +336,7 @@ pub unsafe extern "C" fn ncclLLA2ACreateRequirement(
     outReq: *mut ncclDevResourceRequirements_t,
 ) -> ncclResult_t {
     let _ = (nBlocks, nSlots, outHandle, outReq);
-    entry!("ncclLLA2ACreateRequirement", {
-        device_api_not_built("ncclLLA2ACreateRequirement")
-    })
+    entry!("ncclLLA2ACreateRequirement", { device_api_not_built() })
 }
 
 /// `int ncclLLA2ACalcSlots(int maxElts, int maxEltSize)`: -1 (no LL all-to-all without the
@@ -357,9 +344,7 @@ pub unsafe extern "C" fn ncclLLA2ACreateRequirement(
 #[no_mangle]
 pub unsafe extern "C" fn ncclLLA2ACalcSlots(maxElts: c_int, maxEltSize: c_int) -> c_int {
     let _ = (maxElts, maxEltSize);
-    run_value("ncclLLA2ACalcSlots", -1, || {
-        device_api_not_built("ncclLLA2ACalcSlots")
-    })
+    run_value("ncclLLA2ACalcSlots", -1, device_api_not_built)
 }
 
 /// `ncclTeam_t ncclTeamCft(ncclComm_t, ncclCftTeamMode_t)`: no CFT teams without the device
@@ -369,7 +354,7 @@ pub unsafe extern "C" fn ncclTeamCft(comm: ncclComm_t, mode: ncclCftTeamMode_t) 
     let _ = mode;
     run_value("ncclTeamCft", NO_TEAM, || {
         comm_arg(comm)?;
-        device_api_not_built("ncclTeamCft")
+        device_api_not_built()
     })
 }
 
@@ -378,6 +363,6 @@ pub unsafe extern "C" fn ncclTeamCft(comm: ncclComm_t, mode: ncclCftTeamMode_t) 
 pub unsafe extern "C" fn ncclTeamCftMultimem(comm: ncclComm_t) -> ncclTeam {
     run_value("ncclTeamCftMultimem", NO_TEAM, || {
         comm_arg(comm)?;
-        device_api_not_built("ncclTeamCftMultimem")
+        device_api_not_built()
     })
 }

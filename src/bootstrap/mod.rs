@@ -534,11 +534,8 @@ impl Bootstrap {
                     watch.failing = None;
                 }
                 Err(why) => {
-                    let refused =
-                        std::io::Error::from_raw_os_error(nix::errno::Errno::ECONNREFUSED as i32)
-                            .to_string();
                     let since = *watch.failing.get_or_insert_with(std::time::Instant::now);
-                    if why == refused || since.elapsed() >= crate::param::bootstrap_connect() {
+                    if wire::refused(&why) || since.elapsed() >= crate::param::bootstrap_connect() {
                         return Err(gone(format!(
                             "its bootstrap listener at {addr} cannot be reached ({why})"
                         )));
@@ -565,6 +562,16 @@ impl Bootstrap {
         };
         *slot = None;
         Err(gone(why))
+    }
+
+    /// The oldest message from `peer` under `tag` in the inbox, taken out.
+    fn pop(ib: &mut peer::Inbox, peer: usize, tag: u32) -> Option<Vec<u8>> {
+        let q = ib.queues.get_mut(&(peer, tag))?;
+        let m = q.pop_front();
+        if q.is_empty() {
+            ib.queues.remove(&(peer, tag));
+        }
+        m
     }
 
     fn recv_raw(&self, peer: usize, tag: u32) -> Result<Vec<u8>> {
@@ -635,18 +642,6 @@ impl Bootstrap {
 impl Drop for Bootstrap {
     fn drop(&mut self) {
         self.close();
-    }
-}
-
-impl Bootstrap {
-    /// The oldest message from `peer` under `tag` in the inbox, taken out.
-    fn pop(ib: &mut peer::Inbox, peer: usize, tag: u32) -> Option<Vec<u8>> {
-        let q = ib.queues.get_mut(&(peer, tag))?;
-        let m = q.pop_front();
-        if q.is_empty() {
-            ib.queues.remove(&(peer, tag));
-        }
-        m
     }
 }
 

@@ -371,6 +371,11 @@ pub(crate) fn connect_once(
     Ok(s)
 }
 
+/// Whether a failure `connect_once` gave (its `why`) is a refusal: nobody listens there.
+pub(crate) fn refused(why: &str) -> bool {
+    why == std::io::Error::from_raw_os_error(nix::errno::Errno::ECONNREFUSED as i32).to_string()
+}
+
 /// Connects as [`Connector::connect`] does, for one connection.
 pub(crate) fn connect(addr: SocketAddr, w: &Wait, what: &dyn Fn() -> String) -> Result<TcpStream> {
     Connector::new(addr).connect(w, what)
