@@ -28,6 +28,9 @@
 #     in turn, best of two; 2 and 4 ranks on the one GPU, 1 GiB exactly, 8 B over 2 ranks;
 #     the targets' verdicts;
 #  3. PyTorch with LD_PRELOAD=libnccl.so.2 (scripts/gpu-torch-check.py): world sizes 1 and 2;
+#     NVIDIA's own perf tools (upstream nccl-tests, scripts/build-nccl-tests.sh: built here
+#     against NVIDIA's headers) unchanged on our library: every tool, datatype and op with
+#     checks at nranks=1, graphs, registered buffers, and all_reduce_perf beside NVIDIA's;
 #     then more perf: the CPU time per call, bfloat16, host-staged, two processes and two
 #     "hosts", every tool at 2 ranks and at nranks=1 against NVIDIA's;
 #  5. connections between processes by CUDA IPC (the default since 12-06; it passed here on
@@ -94,6 +97,15 @@ if [ "${1:-}" = "--prepare" ]; then
   }
   ls "$pack/kcache"
   make -s -C examples BUILD="$pack/bin" LIBDIR="$root/target/release"
+  # NVIDIA's own perf tools (upstream nccl-tests), built as users build them, packed (the carry
+  # limit: 58 MB stripped, 15 MB packed). NCCL_TESTS_SRC names their sources (a folder, or a git
+  # repository with the release), else they are cloned; NCCL_TESTS_SRC=none leaves them out,
+  # and the run says so.
+  if [ "${NCCL_TESTS_SRC:-}" != none ]; then
+    rm -rf target/nccl-tests
+    scripts/build-nccl-tests.sh target/nccl-tests >/dev/null
+    tar czf "$pack/nccl-tests.tgz" -C target nccl-tests
+  fi
   # What the pack was built from: the run there (and --verify-pack here) compares it with the
   # working tree that travels with it, so that a stale pack is a failure, not a silent test of
   # old code.
@@ -272,7 +284,10 @@ perf() {  # label, lib dir, args...: the run must be the named library's (its ve
   fi
   if [ "$dir" = "$OXLIB" ]; then
     grep -q "NCCL version 2.32.3+oxccl" "$f" || why="no oxccl version line: not oxccl's library"
-    grep -q "oxccl CUDA executor" "$f" || why="${why:+$why; }not on oxccl's CUDA executor"
+    # (Our tools print the executor; upstream's do not, and run with OXCCL_DEVICE=cuda, which
+    # fails rather than fall back to the host executor.)
+    grep -q "oxccl CUDA executor" "$f" || [[ " $* " == *" OXCCL_DEVICE=cuda "* ]] ||
+      why="${why:+$why; }not on oxccl's CUDA executor"
   else
     grep -q "NCCL version" "$f" && ! grep -q "+oxccl" "$f" || why="no NVIDIA version line: not NVIDIA's library"
   fi
@@ -451,6 +466,50 @@ pack_aux
 if [ -f "$root/scripts/gpu-torch-check.py" ]; then
   check "PyTorch: torch.distributed nccl, world 1 and 2, CUDA graph" 300 \
     env -u OXCCL_TIMEOUT_S LD_PRELOAD="$OXLIB/libnccl.so.2" python3 "$root/scripts/gpu-torch-check.py" --timeout 120
+fi
+
+pack_aux
+# 3a. NVIDIA's own perf tools (upstream nccl-tests), built where the pack was made against
+#     NVIDIA's headers and linked to libnccl.so.2, as users' binaries are: unchanged on our
+#     library (OXCCL_DEVICE=cuda: no silent host executor; NCCL_DEBUG=VERSION: the version line
+#     says which library ran). Without MPI they put rank r on GPU r, so one GPU holds one rank:
+#     every tool with its data checked (buffers from ncclMemAlloc), every datatype x op, CUDA
+#     graphs (-G), registered buffers (-R 1), the NULL stream and blocking waits; then
+#     all_reduce_perf against NVIDIA's library, side by side.
+if [ -f "$pack/nccl-tests.tgz" ]; then
+  UP="${TMPDIR:-/tmp}/gpu-check-nccl-tests"
+  rm -rf "$UP" && mkdir -p "$UP" && tar xzf "$pack/nccl-tests.tgz" -C "$UP" && UP="$UP/nccl-tests"
+  say "# $(cat "$UP/VERSION" 2>/dev/null)"
+  up=(env OXCCL_DEVICE=cuda NCCL_DEBUG=VERSION)
+  for t in all_reduce all_gather broadcast reduce reduce_scatter alltoall alltoallv gather scatter sendrecv hypercube; do
+    PERF_LIMIT=30 perf "upstream-$t" "$OXLIB" "${up[@]}" "$UP/${t}_perf" -b 8 -e 32M -f 32 -n 5 -w 1 -c 1 -g 1
+  done
+  PERF_LIMIT=60 perf upstream-types-ops "$OXLIB" "${up[@]}" "$UP/all_reduce_perf" -d all -o all -b 8 -e 1M -f 128 -n 2 -w 1 -c 1 -g 1
+  PERF_LIMIT=30 perf upstream-graphs "$OXLIB" "${up[@]}" "$UP/all_reduce_perf" -G 3 -b 8 -e 16M -f 64 -n 5 -w 1 -c 1 -g 1
+  for t in all_reduce sendrecv; do
+    PERF_LIMIT=30 perf "upstream-$t-registered" "$OXLIB" "${up[@]}" "$UP/${t}_perf" -R 1 -b 8 -e 16M -f 64 -n 5 -w 1 -c 1 -g 1
+  done
+  PERF_LIMIT=30 perf upstream-nullstream-blocking "$OXLIB" "${up[@]}" "$UP/all_reduce_perf" -y 1 -z 1 -u 1 -b 8 -e 1M -f 64 -n 5 -w 1 -c 1 -g 1
+  if [ -n "$NV_NCCL" ]; then
+    upsweep=(-b 8 -e 1G -f 8 -n 20 -w 5 -c 0 -g 1)
+    perf upstream-oxccl-g1 "$OXLIB" "${up[@]}" "$UP/all_reduce_perf" "${upsweep[@]}"
+    perf upstream-nvidia-g1 "$NVDIR" env NCCL_DEBUG=VERSION "$UP/all_reduce_perf" "${upsweep[@]}"
+    python3 - "$AUX" <<'PY' 2>&1 | tee -a "$log"
+import sys
+out = sys.argv[1]
+sys.path.insert(0, out)
+from perfrows import rows
+ox, nv = rows("upstream-oxccl-g1"), rows("upstream-nvidia-g1")
+print("== upstream all_reduce_perf, nranks=1: oxccl against NVIDIA's library (one run each; section 2 has best of two)")
+for b in sorted(set(ox) & set(nv)):
+    o, n = ox[b], nv[b]
+    r = (n[0] / o[0] if o[0] > 0 else float("nan")) if b < 1 << 16 else (o[1] / n[1] if n[1] > 0 else float("nan"))
+    print(f"  {b:>12} B  oxccl {o[0]:9.2f} us {o[1]:7.1f} GB/s  nvidia {n[0]:9.2f} us {n[1]:7.1f} GB/s  ratio {r:.2f}")
+PY
+  fi
+else
+  say "   FAILED: no nccl-tests.tgz in the pack (NCCL_TESTS_SRC=none at --prepare?): NVIDIA's own tools did not run"
+  fails=$((fails + 1))
 fi
 
 pack_aux
