@@ -128,3 +128,146 @@ fn an_unusable_plugin_is_a_warning_and_everything_works() {
         "{text}"
     );
 }
+
+/// The child of `config_net_name_picks_the_network_between_hosts`: one of two ranks on two
+/// "hosts", its `config.netName` from `OXCCL_TEST_NET_NAME_<rank>` (unset: none); an
+/// all-reduce checked, or (`OXCCL_TEST_EXPECT=error`) an init that fails.
+#[test]
+fn net_name_rank() {
+    let Some((id, n, r)) = common::rank_env() else {
+        return;
+    };
+    let config = nccl::types::CommConfig {
+        net_name: std::env::var(format!("OXCCL_TEST_NET_NAME_{r}")).ok(),
+        ..Default::default()
+    };
+    let res = nccl::api::comm_init_rank(n as i32, &id, r as i32, config);
+    if std::env::var("OXCCL_TEST_EXPECT").as_deref() == Ok("error") {
+        let e = res.err().expect("the init must fail");
+        println!("RESULT {:?}: {}", e.code, e.msg);
+        return;
+    }
+    let comm = res.unwrap();
+    let send: Vec<f32> = (0..4096).map(|i| (i * (r + 1)) as f32).collect();
+    let mut recv = vec![0f32; send.len()];
+    let a = common::all_reduce_f32(&send, &mut recv);
+    nccl::api::enqueue(&comm, a, nccl::exec::Stream::Null).unwrap();
+    assert!(recv.iter().enumerate().all(|(i, &x)| x == (3 * i) as f32));
+    nccl::api::comm_destroy(nccl::api::comm_handle(&comm)).unwrap();
+    println!("RESULT ok");
+}
+
+/// Runs `net_name_rank` as two ranks on two "hosts" with oxccl's socket transport loaded as a
+/// net plugin (name `oxsocket`), rank r's `config.netName` `names[r]`, `env` added: each
+/// rank's output.
+fn net_name_ranks(names: [Option<&str>; 2], expect: &str, env: &[(&str, &str)]) -> Vec<String> {
+    let exe = std::env::current_exe().unwrap();
+    let plugin = exe
+        .parent()
+        .unwrap()
+        .parent()
+        .unwrap()
+        .join("libnccl_net_oxccl.so");
+    assert!(
+        plugin.exists(),
+        "{} is missing: cargo build --release --workspace --lib builds it",
+        plugin.display()
+    );
+    let id = nccl::api::get_unique_id().unwrap();
+    let hex: String = id.iter().map(|b| format!("{b:02x}")).collect();
+    let kids: Vec<_> = (0..2)
+        .map(|r| {
+            let mut c = Command::new(&exe);
+            c.args(["--exact", "net_name_rank", "--nocapture"])
+                .env("OXCCL_DEVICE", "host")
+                .env("OXCCL_TEST_ID", &hex)
+                .env("OXCCL_TEST_N", "2")
+                .env("OXCCL_TEST_RANK", r.to_string())
+                .env("OXCCL_TIMEOUT_S", "60")
+                .env("OXCCL_HOSTID", format!("net-name-host-{r}"))
+                .env("NCCL_NET_PLUGIN", &plugin)
+                .env("NCCL_DEBUG", "INFO")
+                .env("OXCCL_TEST_EXPECT", expect)
+                .env_remove("NCCL_NET")
+                .envs(env.iter().copied())
+                .stdout(std::process::Stdio::piped())
+                .stderr(std::process::Stdio::piped());
+            if let Some(name) = names[r] {
+                c.env(format!("OXCCL_TEST_NET_NAME_{r}"), name);
+            }
+            c.spawn().unwrap()
+        })
+        .collect();
+    kids.into_iter()
+        .map(|k| {
+            let out = k.wait_with_output().unwrap();
+            let text = String::from_utf8_lossy(&out.stdout).to_string()
+                + &String::from_utf8_lossy(&out.stderr);
+            assert!(out.status.success(), "{names:?}:\n{text}");
+            text
+        })
+        .collect()
+}
+
+/// `config.netName` picks the network between hosts per communicator, as in NCCL: `Socket`
+/// the socket transport although a plugin is loaded, the plugin's name (any case) the plugin,
+/// unset the plugin, and `NCCL_NET` overrides it; a name that is neither fails the init with
+/// ncclInvalidUsage naming what there is; ranks that pick differently fail their init naming
+/// both, where NCCL's would fail their connections.
+#[test]
+fn config_net_name_picks_the_network_between_hosts() {
+    let socket = [("NCCL_NET", "Socket")];
+    for (names, env, via) in [
+        (
+            [Some("Socket"), Some("socket")],
+            &[][..],
+            "via NET/Socket/0",
+        ),
+        (
+            [Some("OXSOCKET"), Some("oxsocket")],
+            &[],
+            "via NET/oxsocket/0",
+        ),
+        ([None, None], &[], "via NET/oxsocket/0"),
+        (
+            [Some("oxsocket"), Some("oxsocket")],
+            &socket,
+            "via NET/Socket/0",
+        ),
+    ] {
+        let outs = net_name_ranks(names, "ok", env);
+        for t in &outs {
+            assert!(t.contains("RESULT ok"), "{names:?}:\n{t}");
+        }
+        let all = outs.concat();
+        assert!(all.contains(via), "{names:?}: no '{via}' in\n{all}");
+        assert_eq!(
+            all.matches("via NET/").count(),
+            all.matches(via).count(),
+            "{all}"
+        );
+        if !env.is_empty() {
+            let reset = "NCCL INFO Comm config netName oxsocket reset to NCCL_NET=Socket";
+            assert!(all.contains(reset), "{all}");
+        }
+    }
+    let outs = net_name_ranks([Some("IB"), Some("IB")], "error", &[]);
+    for t in &outs {
+        assert!(
+            t.contains(
+                "RESULT InvalidUsage: config.netName \"IB\": no such network here \
+                 (oxccl has Socket and the net plugin 'oxsocket')"
+            ),
+            "{t}"
+        );
+    }
+    let outs = net_name_ranks([Some("Socket"), None], "error", &[]);
+    for t in &outs {
+        assert!(
+            t.contains("RESULT InvalidUsage: rank 0 (process ")
+                && t.contains("moves data between hosts through the socket transport and rank 1 (process ")
+                && t.contains("through the net plugin: config.netName (or NCCL_NET, which overrides it) must name one network on every rank"),
+            "{t}"
+        );
+    }
+}

@@ -374,16 +374,19 @@ impl Comm {
 fn build_core(p: PendingInit) -> Result<Core> {
     crate::plan::algo::check_env();
     crate::transport::plugin::check_once();
+    // The network between hosts (before the bootstrap: a name that is nothing fails at once).
+    let plugin = crate::transport::plugin::uses_plugin(p.config.net_name.as_deref())?;
     let health = Arc::new(Health::with_flag(p.abort.clone()));
     let boot = Bootstrap::init(&p.ids, p.rank, p.nranks, health.clone())
         .map_err(|e| e.context(format!("bootstrap of rank {} of {}", p.rank, p.nranks)))?;
-    let me = PeerInfo::mine(p.dev.unwrap_or(-1));
+    let me = PeerInfo::mine(p.dev.unwrap_or(-1)).with_net_plugin(plugin);
     let all = boot.allgather(&me.to_bytes())?;
     let peers = all
         .iter()
         .enumerate()
         .map(|(r, b)| PeerInfo::from_bytes(b).map_err(|e| e.context(format!("rank {r}"))))
         .collect::<Result<Vec<_>>>()?;
+    PeerInfo::one_network(&peers)?;
     let cuda_dev = match p.dev {
         Some(d) => d,
         // A host slot per rank of this process: 0, 1, ... in rank order.

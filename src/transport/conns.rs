@@ -238,7 +238,9 @@ impl Conns {
         if crate::debug::level() < crate::debug::Level::Info {
             return;
         }
-        let plugin = super::plugin::net().map(|n| format!("NET/{}/0", n.name));
+        let plugin = super::plugin::net()
+            .filter(|_| self.peers[self.rank].net_plugin())
+            .map(|n| format!("NET/{}/0", n.name));
         let via = match self.locality(k.peer()) {
             Locality::SameProcess if on_device => "P2P/direct pointer",
             Locality::SameProcess => "SHM/direct/direct",

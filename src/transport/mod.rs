@@ -281,20 +281,17 @@ static SHM: shm::Shm = shm::Shm;
 static NET: net::Net = net::Net;
 static NET_PLUGIN: net_plugin::NetPlugin = net_plugin::NetPlugin;
 
-/// The transports, in order of preference: between hosts, the net plugin where one is in use
-/// (`plugin::net`), else the socket transport.
-pub fn transports() -> [&'static dyn Transport; 3] {
-    let net: &'static dyn Transport = if plugin::net().is_some() {
+/// The transport that connects `me` with `peer`, in order of preference: in process, shared
+/// memory, and between hosts the net plugin where `me` moves data through it (its
+/// communicator's choice, `plugin::uses_plugin`, which every rank shares:
+/// `PeerInfo::one_network`), else the socket transport.
+pub fn pick(me: &PeerInfo, peer: &PeerInfo) -> Result<&'static dyn Transport> {
+    let net: &'static dyn Transport = if me.net_plugin() && plugin::net().is_some() {
         &NET_PLUGIN
     } else {
         &NET
     };
-    [&INPROC, &SHM, net]
-}
-
-/// The transport that connects `me` with `peer`.
-pub fn pick(me: &PeerInfo, peer: &PeerInfo) -> Result<&'static dyn Transport> {
-    transports()
+    [&INPROC as &dyn Transport, &SHM, net]
         .into_iter()
         .find(|t| t.reaches(me, peer))
         .ok_or_else(|| Error::internal("no transport reaches the peer"))

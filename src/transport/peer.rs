@@ -44,6 +44,9 @@ const FORMAT: &[u8; 4] = b"OXP\x02";
 const FLAG_IPC: u32 = 1;
 /// The process left the slot size to oxccl (`OXCCL_CHUNK_BYTES` unset): see `comm_slot_bytes`.
 const FLAG_DEFAULT_SLOTS: u32 = 2;
+/// Between hosts this rank moves data through the net plugin, not the socket transport
+/// (`plugin::uses_plugin`: `config.netName`, `NCCL_NET`).
+const FLAG_NET_PLUGIN: u32 = 4;
 /// Bits 8-10 of the flags: the rings a large ring collective is split across on this rank
 /// (`OXCCL_CUDA_CHANNELS` on the CUDA executor, else 1): see `comm_channels`.
 const CHANNELS_SHIFT: u32 = 8;
@@ -233,6 +236,49 @@ impl PeerInfo {
         })
     }
 
+    /// This rank's information, moving data between hosts through the net plugin
+    /// (`plugin`) or the socket transport.
+    pub fn with_net_plugin(mut self, plugin: bool) -> PeerInfo {
+        self.flags = self.flags & !FLAG_NET_PLUGIN | if plugin { FLAG_NET_PLUGIN } else { 0 };
+        self
+    }
+
+    /// Whether this rank moves data between hosts through the net plugin.
+    pub fn net_plugin(&self) -> bool {
+        self.flags & FLAG_NET_PLUGIN != 0
+    }
+
+    /// A communicator across hosts moves data between them one way on every rank: the net
+    /// plugin, or the socket transport (the two ends of a connection must speak one). Rank 0
+    /// and the first rank that differs otherwise (every rank finds the same, from the same
+    /// list): ncclInvalidUsage at init, where a mismatch would otherwise fail connections.
+    pub fn one_network(peers: &[PeerInfo]) -> Result<()> {
+        let Some(first) = peers.first() else {
+            return Ok(());
+        };
+        if peers.iter().all(|p| p.host == first.host) {
+            return Ok(());
+        }
+        let way = |p: &PeerInfo| match p.net_plugin() {
+            true => "the net plugin",
+            false => "the socket transport",
+        };
+        match peers
+            .iter()
+            .position(|p| p.net_plugin() != first.net_plugin())
+        {
+            None => Ok(()),
+            Some(r) => Err(Error::invalid_usage(format!(
+                "{} moves data between hosts through {} and {} through {}: config.netName \
+                 (or NCCL_NET, which overrides it) must name one network on every rank",
+                first.describe(0),
+                way(first),
+                peers[r].describe(r),
+                way(&peers[r])
+            ))),
+        }
+    }
+
     /// Whether this rank's process takes connections in device memory by CUDA IPC.
     fn takes_ipc(&self) -> bool {
         self.flags & FLAG_IPC != 0
@@ -418,6 +464,33 @@ mod tests {
         let mut host = a.clone();
         host.gpu = [0; 16];
         assert_eq!(PeerInfo::comm_channels(&[b, a, host]), 1);
+    }
+
+    /// Ranks of one host may differ in their network (they never use it); across hosts every
+    /// rank must take the same, through the bytes, and a mismatch names rank 0 and the first
+    /// that differs.
+    #[test]
+    fn ranks_across_hosts_take_one_network() {
+        let a = PeerInfo::mine(0).with_net_plugin(true);
+        let a = PeerInfo::from_bytes(&a.to_bytes()).unwrap();
+        assert!(a.net_plugin() && !a.clone().with_net_plugin(false).net_plugin());
+        let b = a.clone().with_net_plugin(false);
+        assert!(PeerInfo::one_network(&[a.clone(), b.clone()]).is_ok());
+        let mut c = b.clone();
+        c.host ^= 1;
+        assert!(PeerInfo::one_network(&[b.clone(), c.clone()]).is_ok());
+        let e = PeerInfo::one_network(&[a.clone(), a.clone(), c]).unwrap_err();
+        assert_eq!(e.code, crate::error::Code::InvalidUsage);
+        assert!(
+            e.msg.starts_with("rank 0 (process ")
+                && e.msg
+                    .contains("through the net plugin and rank 2 (process ")
+                && e.msg
+                    .contains("through the socket transport: config.netName"),
+            "{}",
+            e.msg
+        );
+        assert!(PeerInfo::one_network(&[]).is_ok());
     }
 
     #[test]

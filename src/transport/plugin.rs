@@ -93,6 +93,37 @@ pub(crate) fn net() -> Option<&'static abi::Net> {
     NET.as_ref()
 }
 
+/// Whether a communicator moves data between hosts through the net plugin (else the socket
+/// transport), by its `config.netName`, as NCCL picks a network: `NCCL_NET`, where set,
+/// overrides it (see `load`); `Socket` is the socket transport; the loaded plugin's name (any
+/// case) is the plugin; unset, the plugin where one is in use. Any other name is
+/// ncclInvalidUsage naming what there is (NCCL fails such an init too).
+pub fn uses_plugin(net_name: Option<&str>) -> crate::error::Result<bool> {
+    let net = net();
+    let Some(name) = net_name else {
+        return Ok(net.is_some());
+    };
+    if let Some(env) = crate::param::get_str("NCCL_NET") {
+        crate::debug::info(&format!(
+            "Comm config netName {name} reset to NCCL_NET={env}"
+        ));
+        return Ok(net.is_some());
+    }
+    if name.eq_ignore_ascii_case("socket") {
+        return Ok(false);
+    }
+    if net.is_some_and(|n| n.name.eq_ignore_ascii_case(name)) {
+        return Ok(true);
+    }
+    Err(crate::error::Error::invalid_usage(format!(
+        "config.netName {name:?}: no such network here (oxccl has Socket{})",
+        net.map_or(String::new(), |n| format!(
+            " and the net plugin '{}'",
+            n.name
+        ))
+    )))
+}
+
 fn load() -> Option<abi::Net> {
     let value = crate::param::get_str("NCCL_NET_PLUGIN");
     let wanted = crate::param::get_str("NCCL_NET");
