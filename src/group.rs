@@ -1,6 +1,7 @@
 //! Groups: this thread's calls collected until the outermost `ncclGroupEnd` (group state only).
 //! Outside a group every call is a group of one, launched at once. At the group's end deferred
-//! inits run first, all at once; then the calls are launched together (`launch`).
+//! inits run first, all at once; then the calls are launched together (`launch`). A group of
+//! only non-blocking inits ends at once, `ncclInProgress`, its inits running on (as NCCL's).
 
 use crate::comm::Comm;
 use crate::error::{Error, Result};
@@ -95,8 +96,31 @@ pub fn simulate_end() -> Result<bool> {
 }
 
 fn launch_group(s: GroupState) -> Result<()> {
+    if background_inits(&s) {
+        // As NCCL's group end with non-blocking communicators: it returns at once, and each
+        // communicator's ncclCommGetAsyncError says when its init is done. (A thread that
+        // makes several communicators, each in a group of its own, in an order its peers do
+        // not share, would otherwise wait in the first for a peer that waits in another.)
+        for c in &s.inits {
+            c.start_init()?;
+        }
+        return Err(Error::new(
+            crate::error::Code::InProgress,
+            "non-blocking inits in progress",
+        ));
+    }
     inits_unless_refused(&s)?;
     launch::run_group(s.ops)
+}
+
+/// Whether the group's end starts its inits and returns: it holds inits, all non-blocking,
+/// and nothing else (calls in the group wait for them: the group then runs as a blocking one,
+/// and returns when its calls are launched).
+fn background_inits(s: &GroupState) -> bool {
+    s.error.is_none()
+        && s.ops.is_empty()
+        && !s.inits.is_empty()
+        && s.inits.iter().all(|c| c.is_nonblocking())
 }
 
 /// Runs the group's deferred inits, unless it refused a call (or an init): then none runs and

@@ -224,6 +224,79 @@ fn nonblocking_init_completes_in_the_background() {
     }
 }
 
+/// A group holding only non-blocking inits ends at once with `ncclInProgress`, the inits
+/// running on, as NCCL's: two threads (two processes' main threads, say) that each make two
+/// non-blocking communicators, each in a group of its own, in opposite orders, both get
+/// through (a group end that waited for its inits would wait for good: each thread's first
+/// init waits for the other thread's second). A group with a call in it still runs its inits
+/// first and returns when the call is launched.
+#[test]
+fn nonblocking_inits_in_a_group_run_on_after_its_end() {
+    std::env::set_var("OXCCL_DEVICE", "host");
+    let ids = [api::get_unique_id().unwrap(), api::get_unique_id().unwrap()];
+    let made: Vec<Vec<_>> = std::thread::scope(|s| {
+        let hs: Vec<_> = [[0usize, 1], [1, 0]]
+            .into_iter()
+            .enumerate()
+            .map(|(rank, order)| {
+                let ids = &ids;
+                s.spawn(move || {
+                    let t0 = Instant::now();
+                    let mut comms = vec![None, None];
+                    for which in order {
+                        api::group_start().unwrap();
+                        let c = api::comm_init_rank(2, &ids[which], rank as i32, nonblocking());
+                        let c = c.expect("returns ncclSuccess inside the group, as NCCL's");
+                        let e = api::group_end().expect_err("the inits run on");
+                        assert_eq!(e.code, Code::InProgress, "{e}");
+                        comms[which] = Some(c);
+                    }
+                    assert!(t0.elapsed() < Duration::from_secs(10), "a group end waited");
+                    let comms: Vec<_> = comms.into_iter().map(Option::unwrap).collect();
+                    for c in &comms {
+                        while api::comm_async_error(c) == Code::InProgress {
+                            assert!(t0.elapsed() < Duration::from_secs(30), "never done");
+                            std::thread::sleep(Duration::from_millis(1));
+                        }
+                        assert_eq!(api::comm_async_error(c), Code::Success);
+                    }
+                    comms
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for which in 0..2 {
+        std::thread::scope(|s| {
+            for (r, per_rank) in made.iter().enumerate() {
+                let c = &per_rank[which];
+                s.spawn(move || sum_check(c, r as f32 + 1.0, 3.0, "group-made non-blocking comm"));
+            }
+        });
+    }
+    // One thread, both ranks: two non-blocking inits and an all-reduce of the communicators
+    // made above, in one group, which returns once the inits are done and the call launched.
+    let id = api::get_unique_id().unwrap();
+    let send = [vec![1f32; 64], vec![2f32; 64]];
+    let mut recv = [vec![0f32; 64], vec![0f32; 64]];
+    api::group_start().unwrap();
+    let two: Vec<_> = (0..2)
+        .map(|r| api::comm_init_rank(2, &id, r, nonblocking()).unwrap())
+        .collect();
+    for (r, per_rank) in made.iter().enumerate() {
+        let a = common::all_reduce_f32(&send[r], &mut recv[r]);
+        api::enqueue(&per_rank[0], a, StreamArg::Null).unwrap();
+    }
+    api::group_end().expect("a group with a call returns when it is launched");
+    assert!(recv.iter().flatten().all(|&x| x == 3.0));
+    for c in &two {
+        assert_eq!(api::comm_async_error(c), Code::Success);
+    }
+    for c in made.into_iter().flatten().chain(two) {
+        api::comm_destroy(api::comm_handle(&c)).unwrap();
+    }
+}
+
 /// A non-blocking shrink's new communicator inits in the background, and, as in NCCL (where
 /// that init is a job of the parent), the parent's `ncclCommGetAsyncError` says `ncclInProgress`
 /// until it is done: PyTorch waits on the parent after a shrink, then asks the new

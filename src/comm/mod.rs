@@ -193,6 +193,11 @@ impl Comm {
         Ok(())
     }
 
+    /// Whether the communicator is non-blocking (`config.blocking = 0`, `NCCL_COMM_BLOCKING`).
+    pub fn is_nonblocking(&self) -> bool {
+        self.nonblocking
+    }
+
     /// Whether a non-blocking init is still running (`ncclInProgress`).
     pub fn init_in_progress(&self) -> bool {
         self.async_error() == Code::InProgress
@@ -201,7 +206,7 @@ impl Comm {
     /// Whether a non-blocking init was started and still runs: what makes the call that made
     /// the communicator return `ncclInProgress`. Not an init deferred to the end of the
     /// caller's group, blocking or not: that call returns `ncclSuccess`, as NCCL's (the group's
-    /// end runs it).
+    /// end starts it, and says `ncclInProgress` where it runs on: `group::end`).
     pub fn init_running(&self) -> bool {
         self.nonblocking && self.init_thread.lock().is_some() && self.init_in_progress()
     }
