@@ -7,7 +7,8 @@ with --child; env MASTER_ADDR=127.0.0.1, MASTER_PORT a free port, RANK, WORLD_SI
 every rank on cuda:0, and checks against expected values:
   all_reduce (sum float32, sum bfloat16, max int64), broadcast, all_gather_into_tensor,
   reduce_scatter_tensor, all_to_all_single, send/recv between ranks 0 and 1 and a
-  batch_isend_irecv ring (world 2), and one all_reduce captured in a torch.cuda.CUDAGraph (warmed up on a
+  batch_isend_irecv ring (world 2), all_reduce in subgroups (dist.new_group: all ranks, then
+  each rank alone; made by ncclCommSplit), and one all_reduce captured in a torch.cuda.CUDAGraph (warmed up on a
   side stream first, replayed 3 times with new inputs copied into the static input).
 Each check prints "ok <name>" or "FAIL <name>: ..." (prefixed with [wW rR]). Rank 0 prints the
 torch and NCCL versions (torch.cuda.nccl.version()), the libnccl files the process mapped
@@ -363,6 +364,25 @@ def child():
         del g
         return None
 
+    def new_groups():
+        # Subgroups: with a bound device torch makes them by ncclCommSplit of the default
+        # communicator (non-blocking, as its eager communicators are), the ranks left out
+        # passing NCCL_SPLIT_NOCOLOR; all ranks, then rank 0 alone, then (world 2) rank 1 alone.
+        errs = []
+        subsets = [list(range(world)), [0]] + ([[1]] if world >= 2 else [])
+        for k, ranks in enumerate(subsets):
+            g = dist.new_group(ranks=ranks)
+            if rank in ranks:
+                x = val(rank, 30 + k).float()
+                dist.all_reduce(x, group=g)
+                e = compare(x, sum(val(r, 30 + k) for r in ranks).float())
+                if e:
+                    errs.append(f"group {ranks}: {e}")
+            torch.cuda.synchronize()
+            if rank in ranks:
+                dist.destroy_process_group(g)
+        return "; ".join(errs) or None
+
     checks = [
         ("all_reduce-sum-float32", all_reduce_sum_f32),
         ("all_reduce-sum-bfloat16", all_reduce_sum_bf16),
@@ -374,6 +394,7 @@ def child():
     ]
     if world >= 2:  # torch refuses a send to oneself
         checks += [("send-recv-0-1", send_recv), ("batch_isend_irecv-ring", isend_irecv_ring)]
+    checks.append(("new_group-split-all_reduce", new_groups))
     checks.append(("cuda-graph-all_reduce", cuda_graph_all_reduce))
     for name, fn in checks:
         chk.run(name, fn)
