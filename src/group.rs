@@ -101,8 +101,14 @@ fn launch_group(s: GroupState) -> Result<()> {
         // communicator's ncclCommGetAsyncError says when its init is done. (A thread that
         // makes several communicators, each in a group of its own, in an order its peers do
         // not share, would otherwise wait in the first for a peer that waits in another.)
-        for c in &s.inits {
-            c.start_init()?;
+        for (k, c) in s.inits.iter().enumerate() {
+            if let Err(e) = c.start_init() {
+                // (No thread to run it: this init and those not started report the error.)
+                for rest in &s.inits[k..] {
+                    rest.abandon_init(&e);
+                }
+                return Err(e);
+            }
         }
         return Err(Error::new(
             crate::error::Code::InProgress,
