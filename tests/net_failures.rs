@@ -226,18 +226,7 @@ fn failures_on_the_wire_end_in_errors() {
     let Some(mut hosts) = common::netns::Hosts::new(2) else {
         return;
     };
-    let plugin = std::env::current_exe()
-        .unwrap()
-        .parent()
-        .and_then(|d| d.parent())
-        .unwrap()
-        .join("libnccl_net_oxccl.so");
-    assert!(
-        plugin.exists(),
-        "{} is missing: cargo build --release --workspace --lib builds it",
-        plugin.display()
-    );
-    let plugin = plugin.display().to_string();
+    let plugin = common::oxccl_net_plugin().display().to_string();
     for (case, net_plugin, threads) in [
         ("kill", "", "1"),
         ("link-down", "", "1"),

@@ -162,17 +162,7 @@ fn net_name_rank() {
 /// rank's output.
 fn net_name_ranks(names: [Option<&str>; 2], expect: &str, env: &[(&str, &str)]) -> Vec<String> {
     let exe = std::env::current_exe().unwrap();
-    let plugin = exe
-        .parent()
-        .unwrap()
-        .parent()
-        .unwrap()
-        .join("libnccl_net_oxccl.so");
-    assert!(
-        plugin.exists(),
-        "{} is missing: cargo build --release --workspace --lib builds it",
-        plugin.display()
-    );
+    let plugin = common::oxccl_net_plugin();
     let id = nccl::api::get_unique_id().unwrap();
     let hex: String = id.iter().map(|b| format!("{b:02x}")).collect();
     let kids: Vec<_> = (0..2)

@@ -764,12 +764,7 @@ fn every_collective_through_a_net_plugin() {
     };
     let check = |name: &str, v: u32, outs: &[Output]| check_plugin("testnet", name, v, outs);
     // oxccl's own socket transport as a plugin (net-plugin/, built with the library).
-    let ours = profile_dir().join("libnccl_net_oxccl.so");
-    assert!(
-        ours.exists(),
-        "{} is missing: cargo build --release --workspace --lib builds it",
-        ours.display()
-    );
+    let ours = common::oxccl_net_plugin();
     let envs = [
         ("NCCL_NET_PLUGIN", ours.to_str().unwrap()),
         ("NCCL_DEBUG", "INFO"),

@@ -125,6 +125,24 @@ pub fn all_reduce_f32_at(send: usize, recv: usize, count: usize) -> nccl::api::C
     }
 }
 
+/// oxccl's socket transport built as a net plugin (`net-plugin/`, name `oxsocket`), beside
+/// the test binaries' profile folder; a test that needs it fails when it was not built.
+#[allow(dead_code)]
+pub fn oxccl_net_plugin() -> std::path::PathBuf {
+    let exe = std::env::current_exe().unwrap();
+    let plugin = exe
+        .parent()
+        .and_then(|deps| deps.parent())
+        .unwrap()
+        .join("libnccl_net_oxccl.so");
+    assert!(
+        plugin.exists(),
+        "{} is missing: cargo build --release --workspace --lib builds it",
+        plugin.display()
+    );
+    plugin
+}
+
 /// A TCP port free on this machine now (for MASTER_PORT; another socket may take it before the
 /// rank binds it, which callers that can should retry).
 #[allow(dead_code)]
