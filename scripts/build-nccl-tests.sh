@@ -36,6 +36,7 @@ if [ -z "$src" ]; then
   git clone -q --depth 1 --branch "$ref" https://github.com/NVIDIA/nccl-tests "$work/src"
 elif [ -d "$src/src" ] && [ -f "$src/Makefile" ]; then
   cp -r "$src" "$work/src"
+  ref="the sources in $src"
 else
   mkdir "$work/src" && git -C "$src" archive "$ref" | tar x -C "$work/src"
 fi
