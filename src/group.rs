@@ -84,39 +84,48 @@ pub fn end() -> Result<()> {
 }
 
 /// `ncclGroupSimulateEnd`: ends the group as `end` does, but launches none of its calls (as
-/// NCCL's, which only estimates their time); deferred inits still run. Whether the group held
+/// NCCL's, which only estimates their time); deferred inits still run (non-blocking ones in
+/// the background, as `end` starts them). Whether the group held
 /// calls (false also for an inner level): their time is not estimated yet.
 pub fn simulate_end() -> Result<bool> {
     let Some(s) = close("ncclGroupSimulateEnd")? else {
         // (An inner level: only the outermost end does anything.)
         return Ok(false);
     };
+    if background_inits(&s) {
+        return Err(start_inits(&s));
+    }
     inits_unless_refused(&s)?;
     Ok(!s.ops.is_empty())
 }
 
 fn launch_group(s: GroupState) -> Result<()> {
     if background_inits(&s) {
-        // As NCCL's group end with non-blocking communicators: it returns at once, and each
-        // communicator's ncclCommGetAsyncError says when its init is done. (A thread that
-        // makes several communicators, each in a group of its own, in an order its peers do
-        // not share, would otherwise wait in the first for a peer that waits in another.)
-        for (k, c) in s.inits.iter().enumerate() {
-            if let Err(e) = c.start_init() {
-                // (No thread to run it: this init and those not started report the error.)
-                for rest in &s.inits[k..] {
-                    rest.abandon_init(&e);
-                }
-                return Err(e);
-            }
-        }
-        return Err(Error::new(
-            crate::error::Code::InProgress,
-            "non-blocking inits in progress",
-        ));
+        return Err(start_inits(&s));
     }
     inits_unless_refused(&s)?;
     launch::run_group(s.ops)
+}
+
+/// Starts a group's non-blocking inits, each on a thread of its own, as NCCL's group end does
+/// with non-blocking communicators: it returns at once (`ncclInProgress`, what this gives),
+/// and each communicator's ncclCommGetAsyncError says when its init is done. (A thread that
+/// makes several communicators, each in a group of its own, in an order its peers do not
+/// share, would otherwise wait in the first for a peer that waits in another.)
+fn start_inits(s: &GroupState) -> Error {
+    for (k, c) in s.inits.iter().enumerate() {
+        if let Err(e) = c.start_init() {
+            // (No thread to run it: this init and those not started report the error.)
+            for rest in &s.inits[k..] {
+                rest.abandon_init("its group's end could not start the init", &e);
+            }
+            return e;
+        }
+    }
+    Error::new(
+        crate::error::Code::InProgress,
+        "non-blocking inits in progress",
+    )
 }
 
 /// Whether the group's end starts its inits and returns: it holds inits, all non-blocking,
@@ -136,7 +145,7 @@ fn background_inits(s: &GroupState) -> bool {
 fn inits_unless_refused(s: &GroupState) -> Result<()> {
     if let Some(e) = &s.error {
         for c in &s.inits {
-            c.abandon_init(e);
+            c.abandon_init("a call of the group its init was in failed", e);
         }
         return Err(e.clone());
     }

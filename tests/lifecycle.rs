@@ -234,37 +234,40 @@ fn nonblocking_init_completes_in_the_background() {
 fn nonblocking_inits_in_a_group_run_on_after_its_end() {
     std::env::set_var("OXCCL_DEVICE", "host");
     let ids = [api::get_unique_id().unwrap(), api::get_unique_id().unwrap()];
-    let made: Vec<Vec<_>> = std::thread::scope(|s| {
-        let hs: Vec<_> = [[0usize, 1], [1, 0]]
-            .into_iter()
-            .enumerate()
-            .map(|(rank, order)| {
-                let ids = &ids;
-                s.spawn(move || {
-                    let t0 = Instant::now();
-                    let mut comms = vec![None, None];
-                    for which in order {
-                        api::group_start().unwrap();
-                        let c = api::comm_init_rank(2, &ids[which], rank as i32, nonblocking());
-                        let c = c.expect("returns ncclSuccess inside the group, as NCCL's");
-                        let e = api::group_end().expect_err("the inits run on");
-                        assert_eq!(e.code, Code::InProgress, "{e}");
-                        comms[which] = Some(c);
-                    }
-                    assert!(t0.elapsed() < Duration::from_secs(10), "a group end waited");
-                    let comms: Vec<_> = comms.into_iter().map(Option::unwrap).collect();
-                    for c in &comms {
-                        while api::comm_async_error(c) == Code::InProgress {
-                            assert!(t0.elapsed() < Duration::from_secs(30), "never done");
-                            std::thread::sleep(Duration::from_millis(1));
+    let what = "two threads' non-blocking group inits";
+    let made: Vec<Vec<_>> = common::within(60, what, move || {
+        std::thread::scope(|s| {
+            let hs: Vec<_> = [[0usize, 1], [1, 0]]
+                .into_iter()
+                .enumerate()
+                .map(|(rank, order)| {
+                    let ids = &ids;
+                    s.spawn(move || {
+                        let t0 = Instant::now();
+                        let mut comms = vec![None, None];
+                        for which in order {
+                            api::group_start().unwrap();
+                            let c = api::comm_init_rank(2, &ids[which], rank as i32, nonblocking());
+                            let c = c.expect("returns ncclSuccess inside the group, as NCCL's");
+                            let e = api::group_end().expect_err("the inits run on");
+                            assert_eq!(e.code, Code::InProgress, "{e}");
+                            comms[which] = Some(c);
                         }
-                        assert_eq!(api::comm_async_error(c), Code::Success);
-                    }
-                    comms
+                        assert!(t0.elapsed() < Duration::from_secs(10), "a group end waited");
+                        let comms: Vec<_> = comms.into_iter().map(Option::unwrap).collect();
+                        for c in &comms {
+                            while api::comm_async_error(c) == Code::InProgress {
+                                assert!(t0.elapsed() < Duration::from_secs(30), "never done");
+                                std::thread::sleep(Duration::from_millis(1));
+                            }
+                            assert_eq!(api::comm_async_error(c), Code::Success);
+                        }
+                        comms
+                    })
                 })
-            })
-            .collect();
-        hs.into_iter().map(|h| h.join().unwrap()).collect()
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        })
     });
     for which in 0..2 {
         std::thread::scope(|s| {
@@ -294,6 +297,35 @@ fn nonblocking_inits_in_a_group_run_on_after_its_end() {
     }
     for c in made.into_iter().flatten().chain(two) {
         api::comm_destroy(api::comm_handle(&c)).unwrap();
+    }
+}
+
+/// A communicator destroyed (or aborted) inside the group that would make it is not made at
+/// the group's end: the end does not wait for its peers, which will never come.
+#[test]
+fn a_communicator_destroyed_before_its_group_ends_is_not_made() {
+    std::env::set_var("OXCCL_DEVICE", "host");
+    for (config, abort) in [(CommConfig::default(), false), (nonblocking(), true)] {
+        let what = "a group ending after its communicator's destroy";
+        common::within(30, what, move || {
+            let id = api::get_unique_id().unwrap();
+            api::group_start().unwrap();
+            let c = api::comm_init_rank(2, &id, 0, config).unwrap();
+            let h = api::comm_handle(&c);
+            if abort {
+                api::comm_abort(h).unwrap();
+            } else {
+                api::comm_destroy(h).unwrap();
+            }
+            let t0 = Instant::now();
+            let _ = api::group_end();
+            assert!(
+                t0.elapsed() < Duration::from_secs(5),
+                "the group's end waited"
+            );
+            let e = c.core().err().expect("not made");
+            assert!(e.msg.contains("destroyed"), "{e}");
+        });
     }
 }
 

@@ -256,7 +256,8 @@ fn config_net_name_picks_the_network_between_hosts() {
         assert!(
             t.contains("RESULT InvalidUsage: rank 0 (process ")
                 && t.contains("moves data between hosts through the socket transport and rank 1 (process ")
-                && t.contains("through the net plugin: config.netName (or NCCL_NET, which overrides it) must name one network on every rank"),
+                && t.contains("through the net plugin: config.netName (or NCCL_NET, which overrides it) must name one network on every rank")
+                && t.contains("and a net plugin load on every host or none"),
             "{t}"
         );
     }

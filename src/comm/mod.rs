@@ -305,17 +305,20 @@ impl Comm {
         }
     }
 
-    /// A deferred init that will not run (its group failed with `e`): the communicator
-    /// reports why from now on.
-    pub fn abandon_init(&self, e: &Error) {
+    /// An init deferred to a group's end that has not come yet (the communicator is `how`,
+    /// destroyed or aborted, first): it will not run then, and connect to nobody.
+    fn abandon_unstarted(&self, how: &str) {
+        let why = format!("it was {how} before its group's end ran its init");
+        self.abandon_init(&why, &Error::invalid_usage("ncclGroupEnd"));
+    }
+
+    /// A deferred init that will not run (`why`, whose error is `e`): the communicator
+    /// reports it from now on.
+    pub fn abandon_init(&self, why: &str, e: &Error) {
         if self.pending.lock().take().is_some() {
             *self.init_error.lock() = Some(Error::new(
                 e.code,
-                format!(
-                    "the communicator was not made: a call of the group its init was in \
-                     failed: {}",
-                    e.msg
-                ),
+                format!("the communicator was not made: {why}: {}", e.msg),
             ));
         }
     }
@@ -332,6 +335,7 @@ impl Comm {
     }
 
     pub fn destroy(&self) -> Result<()> {
+        self.abandon_unstarted("destroyed");
         self.join_init();
         let r = match self.core.get() {
             Some(c) => {
@@ -352,6 +356,7 @@ impl Comm {
     }
 
     pub fn abort(&self) {
+        self.abandon_unstarted("aborted");
         // A non-blocking init still running gives up (its waits watch this flag).
         self.init_abort.store(true, Ordering::SeqCst);
         if let Some(c) = self.core.get() {

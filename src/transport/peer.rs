@@ -270,7 +270,9 @@ impl PeerInfo {
             None => Ok(()),
             Some(r) => Err(Error::invalid_usage(format!(
                 "{} moves data between hosts through {} and {} through {}: config.netName \
-                 (or NCCL_NET, which overrides it) must name one network on every rank",
+                 (or NCCL_NET, which overrides it) must name one network on every rank, and a \
+                 net plugin load on every host or none (a host that could not load it says \
+                 why in a WARN)",
                 first.describe(0),
                 way(first),
                 peers[r].describe(r),

@@ -125,6 +125,33 @@ pub fn all_reduce_f32_at(send: usize, recv: usize, count: usize) -> nccl::api::C
     }
 }
 
+/// Runs `f` on a thread of its own and fails the test when it has not returned within `secs`
+/// (a hang is a failure with a message, not a test run that never ends); `f`'s panic is the
+/// test's.
+#[allow(dead_code)]
+pub fn within<T: Send + 'static>(
+    secs: u64,
+    what: &str,
+    f: impl FnOnce() -> T + Send + 'static,
+) -> T {
+    use std::sync::mpsc::RecvTimeoutError;
+    let (tx, rx) = std::sync::mpsc::channel();
+    let h = std::thread::spawn(move || {
+        let _ = tx.send(f());
+    });
+    match rx.recv_timeout(std::time::Duration::from_secs(secs)) {
+        Ok(v) => {
+            let _ = h.join();
+            v
+        }
+        Err(RecvTimeoutError::Timeout) => panic!("{what}: still running after {secs} s"),
+        Err(RecvTimeoutError::Disconnected) => match h.join() {
+            Err(p) => std::panic::resume_unwind(p),
+            Ok(()) => unreachable!("the thread sent its result"),
+        },
+    }
+}
+
 /// oxccl's socket transport built as a net plugin (`net-plugin/`, name `oxsocket`), beside
 /// the test binaries' profile folder; a test that needs it fails when it was not built.
 #[allow(dead_code)]
