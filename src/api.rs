@@ -118,6 +118,11 @@ pub fn comm_split(
     key: i32,
     config: Option<CommConfig>,
 ) -> Result<Option<Arc<Comm>>> {
+    if crate::group::depth() > 0 {
+        return crate::comm::split_at_group_end(comm, color, key, config, |c| {
+            crate::group::defer_init(c);
+        });
+    }
     crate::comm::split(comm, color, key, config)
 }
 

@@ -300,6 +300,58 @@ fn nonblocking_inits_in_a_group_run_on_after_its_end() {
     }
 }
 
+/// `ncclCommSplit` inside a group runs at the group's end, as NCCL's: one thread splits the
+/// communicators of all its ranks in one group (each split's exchange needs the others'),
+/// blocking or not; a rank with `NCCL_SPLIT_NOCOLOR` gets no communicator but takes part.
+#[test]
+fn one_thread_splits_all_its_ranks_in_one_group() {
+    std::env::set_var("OXCCL_DEVICE", "host");
+    for config in [None, Some(nonblocking())] {
+        common::within(60, "splits in one group", move || {
+            let comms = api::comm_init_all(&[0, 1, 2, 3]).unwrap();
+            api::group_start().unwrap();
+            // Colors 0, 1, 0, none; keys put old rank 2 before old rank 0.
+            let kids: Vec<_> = (0..4)
+                .map(|r| {
+                    let color = if r == 3 { -1 } else { (r % 2) as i32 };
+                    api::comm_split(&comms[r], color, -(r as i32), config.clone()).unwrap()
+                })
+                .collect();
+            assert!(kids[3].is_none() && kids[..3].iter().all(Option::is_some));
+            match api::group_end() {
+                Ok(()) => assert!(config.is_none()),
+                Err(e) => assert_eq!((e.code, config.is_some()), (Code::InProgress, true), "{e}"),
+            }
+            let kids: Vec<_> = kids.into_iter().flatten().collect();
+            for k in &kids {
+                while api::comm_async_error(k) == Code::InProgress {
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+                assert_eq!(api::comm_async_error(k), Code::Success);
+            }
+            let place = |k: &std::sync::Arc<nccl::comm::Comm>| {
+                let c = k.core().unwrap();
+                (c.rank, c.nranks)
+            };
+            let places: Vec<_> = kids.iter().map(place).collect();
+            assert_eq!(places, [(1, 2), (0, 1), (0, 2)], "old ranks 0, 1, 2");
+            // Color 0 (old ranks 0 and 2) reduces; color 1 (old rank 1 alone) copies.
+            let send = [vec![1f32; 256], vec![2f32; 256], vec![4f32; 256]];
+            let mut recv = [vec![0f32; 256], vec![0f32; 256], vec![0f32; 256]];
+            api::group_start().unwrap();
+            for (k, (s, r)) in kids.iter().zip(send.iter().zip(recv.iter_mut())) {
+                api::enqueue(k, common::all_reduce_f32(s, r), StreamArg::Null).unwrap();
+            }
+            api::group_end().unwrap();
+            assert!(recv[0].iter().chain(&recv[2]).all(|&x| x == 5.0));
+            assert!(recv[1].iter().all(|&x| x == 2.0));
+            for c in kids.into_iter().chain(comms) {
+                api::comm_destroy(api::comm_handle(&c)).unwrap();
+            }
+        });
+    }
+}
+
 /// A communicator destroyed (or aborted) inside the group that would make it is not made at
 /// the group's end: the end does not wait for its peers, which will never come.
 #[test]

@@ -63,6 +63,49 @@ pub fn split(
     config: Option<CommConfig>,
 ) -> Result<Option<Arc<Comm>>> {
     let core = comm.core()?.clone();
+    match place(&core, color, key)? {
+        None => Ok(None),
+        Some(members) => {
+            let id = share_id(&core, &members, SPLIT_TAG)?;
+            make(&core, &members, id, config).map(Some)
+        }
+    }
+}
+
+/// `ncclCommSplit` inside a group: as NCCL's, it runs at the group's end (one thread may split
+/// several of its ranks' communicators in one group: each exchange needs the others). The
+/// handle is out at once (None for `NCCL_SPLIT_NOCOLOR`); the exchange and the init run at
+/// the group's end (`group`: where to queue it), a non-blocking one in the background.
+pub fn split_at_group_end(
+    comm: &Arc<Comm>,
+    color: i32,
+    key: i32,
+    config: Option<CommConfig>,
+    group: impl FnOnce(&Arc<Comm>),
+) -> Result<Option<Arc<Comm>>> {
+    let core = comm.core()?.clone();
+    let dev = Some(core.cuda_dev);
+    let config = config.unwrap_or_else(|| core.config.clone());
+    let c = super::new_placed(
+        config,
+        dev,
+        Box::new(move || {
+            let Some(members) = place(&core, color, key)? else {
+                return Ok(None);
+            };
+            let id = share_id(&core, &members, SPLIT_TAG)?;
+            let rank = members.iter().position(|&r| r == core.rank);
+            Ok(rank.map(|r| (members.len(), r, id)))
+        }),
+    )?;
+    // (A rank that joins none still takes part in the exchange: its hidden communicator.)
+    group(&c);
+    Ok((color != -1).then_some(c))
+}
+
+/// A split's exchange over the parent's bootstrap: the members of this rank's new
+/// communicator (old ranks, in new rank order), or None for `NCCL_SPLIT_NOCOLOR`.
+fn place(core: &Core, color: i32, key: i32) -> Result<Option<Vec<usize>>> {
     // (No wait for the parent's work, as NCCL's split: the split only talks over the
     // bootstrap, and a peer's matching calls may come after its own split.)
     let mut mine = color.to_le_bytes().to_vec();
@@ -90,9 +133,7 @@ pub fn split(
         .map(|(r, b)| (parse(b, 4), r))
         .collect();
     members.sort();
-    let members: Vec<usize> = members.into_iter().map(|(_, r)| r).collect();
-    let id = share_id(&core, &members, SPLIT_TAG)?;
-    make(&core, &members, id, config).map(Some)
+    Ok(Some(members.into_iter().map(|(_, r)| r).collect()))
 }
 
 /// `ncclCommShrink`: the ranks not in `exclude` form a new communicator, in their old order.

@@ -6,7 +6,7 @@ mod derive;
 pub mod handles;
 pub mod tables;
 
-pub use derive::{shrink, split};
+pub use derive::{shrink, split, split_at_group_end};
 
 use crate::bootstrap::{Bootstrap, UniqueId, ID_BYTES as UNIQUE_ID_BYTES};
 use crate::error::{Code, Error, Result};
@@ -91,6 +91,10 @@ impl Core {
     }
 }
 
+/// Where a split deferred to its group's end learns its place, when the init runs: (ranks,
+/// rank, unique id) of the new communicator, or None where this rank joins none.
+type Placement = Box<dyn FnOnce() -> Result<Option<(usize, usize, UniqueId)>> + Send>;
+
 /// What a deferred init needs.
 struct PendingInit {
     nranks: usize,
@@ -100,6 +104,8 @@ struct PendingInit {
     dev: Option<i32>,
     /// Set by `ncclCommAbort` while the init runs (it becomes the communicator's abort flag).
     abort: Arc<AtomicBool>,
+    /// A split deferred to its group's end: `nranks`, `rank` and `ids` come from here first.
+    placement: Option<Placement>,
 }
 
 /// A communicator handle's object: its core once initialised.
@@ -268,9 +274,22 @@ impl Comm {
 
     /// Runs a pending init (blocking): rendezvous, exchange of peer facts, core set up.
     pub fn run_init(&self) -> Result<()> {
-        let Some(p) = self.pending.lock().take() else {
+        let Some(mut p) = self.pending.lock().take() else {
             return Ok(());
         };
+        if let Some(place) = p.placement.take() {
+            match place() {
+                // (Not a member: the split handed out no handle to this communicator.)
+                Ok(None) => return Ok(()),
+                Ok(Some((nranks, rank, id))) => {
+                    (p.nranks, p.rank, p.ids) = (nranks, rank, vec![id])
+                }
+                Err(e) => {
+                    *self.init_error.lock() = Some(e.clone());
+                    return Err(e);
+                }
+            }
+        }
         let aborted = p.abort.clone();
         match build_core(p) {
             Ok(core) => {
@@ -520,6 +539,25 @@ pub(crate) fn new_comm(
         config,
         dev,
         abort: Arc::new(AtomicBool::new(false)),
+        placement: None,
+    })))
+}
+
+/// A communicator made at its group's end by a split whose place (`placement`) is learned
+/// there, on `dev`.
+pub(crate) fn new_placed(
+    config: CommConfig,
+    dev: Option<i32>,
+    placement: Placement,
+) -> Result<Arc<Comm>> {
+    Ok(Arc::new(Comm::pending(PendingInit {
+        nranks: 1,
+        rank: 0,
+        ids: Vec::new(),
+        config,
+        dev: bind_device(dev)?,
+        abort: Arc::new(AtomicBool::new(false)),
+        placement: Some(placement),
     })))
 }
 
