@@ -92,19 +92,22 @@ pub fn simulate_end() -> Result<bool> {
         // (An inner level: only the outermost end does anything.)
         return Ok(false);
     };
-    if background_inits(&s) {
-        return Err(start_inits(&s));
-    }
-    inits_unless_refused(&s)?;
+    group_inits(&s)?;
     Ok(!s.ops.is_empty())
 }
 
 fn launch_group(s: GroupState) -> Result<()> {
-    if background_inits(&s) {
-        return Err(start_inits(&s));
-    }
-    inits_unless_refused(&s)?;
+    group_inits(&s)?;
     launch::run_group(s.ops)
+}
+
+/// A group's deferred inits at its end: started in the background where they are all it holds
+/// and all non-blocking (`ncclInProgress`), else run here unless the group refused a call.
+fn group_inits(s: &GroupState) -> Result<()> {
+    if background_inits(s) {
+        return Err(start_inits(s));
+    }
+    inits_unless_refused(s)
 }
 
 /// Starts a group's non-blocking inits, each on a thread of its own, as NCCL's group end does

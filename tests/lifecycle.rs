@@ -146,6 +146,19 @@ fn revoke_stops_work_in_flight() {
     }
 }
 
+/// Polls a non-blocking communicator until its init ends (within 30 s of `t0`), which must be
+/// a success.
+fn await_ready(c: &std::sync::Arc<nccl::comm::Comm>, t0: Instant) {
+    while api::comm_async_error(c) == Code::InProgress {
+        assert!(
+            t0.elapsed() < Duration::from_secs(30),
+            "init never completed"
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    assert_eq!(api::comm_async_error(c), Code::Success);
+}
+
 fn nonblocking() -> CommConfig {
     CommConfig {
         blocking: Some(false),
@@ -181,14 +194,7 @@ fn nonblocking_init_completes_in_the_background() {
     let c1 = api::comm_init_rank(2, &id, 1, nonblocking()).unwrap();
     let t0 = Instant::now();
     for c in [&c0, &c1] {
-        while api::comm_async_error(c) == Code::InProgress {
-            assert!(
-                t0.elapsed() < Duration::from_secs(30),
-                "init never completed"
-            );
-            std::thread::sleep(Duration::from_millis(1));
-        }
-        assert_eq!(api::comm_async_error(c), Code::Success);
+        await_ready(c, t0);
     }
     std::thread::scope(|s| {
         for (r, c) in [&c0, &c1].into_iter().enumerate() {
@@ -210,10 +216,7 @@ fn nonblocking_init_completes_in_the_background() {
             hs.into_iter().map(|h| h.join().unwrap().unwrap()).collect()
         });
         for k in &two {
-            while api::comm_async_error(k) == Code::InProgress {
-                std::thread::sleep(Duration::from_millis(1));
-            }
-            assert_eq!(api::comm_async_error(k), Code::Success);
+            await_ready(k, Instant::now());
             let core = k.core().expect("initialised");
             assert_eq!(core.config.blocking, Some(false), "{config:?}");
         }
@@ -256,11 +259,7 @@ fn nonblocking_inits_in_a_group_run_on_after_its_end() {
                         assert!(t0.elapsed() < Duration::from_secs(10), "a group end waited");
                         let comms: Vec<_> = comms.into_iter().map(Option::unwrap).collect();
                         for c in &comms {
-                            while api::comm_async_error(c) == Code::InProgress {
-                                assert!(t0.elapsed() < Duration::from_secs(30), "never done");
-                                std::thread::sleep(Duration::from_millis(1));
-                            }
-                            assert_eq!(api::comm_async_error(c), Code::Success);
+                            await_ready(c, t0);
                         }
                         comms
                     })
@@ -324,10 +323,7 @@ fn one_thread_splits_all_its_ranks_in_one_group() {
             }
             let kids: Vec<_> = kids.into_iter().flatten().collect();
             for k in &kids {
-                while api::comm_async_error(k) == Code::InProgress {
-                    std::thread::sleep(Duration::from_millis(1));
-                }
-                assert_eq!(api::comm_async_error(k), Code::Success);
+                await_ready(k, Instant::now());
             }
             let place = |k: &std::sync::Arc<nccl::comm::Comm>| {
                 let c = k.core().unwrap();
