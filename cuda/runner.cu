@@ -14,6 +14,8 @@
 // Connection region layout (`src/transport/mod.rs`): tail (u64) at 0, head (u64) at 64, attach
 // count (u32) at 128, which ends have closed (u32, the host's only) at 192, per slot (call word
 // 0, call word 1, bytes) as u64 at 1024 + 24 * slot; slot data at `slots + slot * slot_bytes`.
+// A slot whose bytes word has OX_REF_FLAG holds no data but, in its first 8 bytes, the address
+// of the sender's memory that holds it (`OX_STEP_REF_*`).
 
 #include "reduce.cuh"
 #include "direct.cuh"
@@ -46,7 +48,7 @@ struct OxAddr {  // kind 0 none, 1 address `at`
   uint64_t at;
 };
 struct OxStepD {  // 56 bytes
-  uint32_t prim, prep;
+  uint32_t prim, prep;  // prep: OX_STEP_* flags
   uint32_t send, recv;  // connection index, or OX_NONE
   OxAddr src, dst;
   uint64_t len;
@@ -66,6 +68,15 @@ struct OxProgD {  // 80 bytes
   uint64_t call0, call1;
 };
 #define OX_NONE 0xffffffffu
+// A step's `prep` flags. PREP: a send applies the reduction's pre-multiplication. REF_SRC /
+// REF_DST: the step sends its slices by reference, the address of its source (REF_SRC) or of
+// its destination once written (REF_DST) in place of the bytes, for a receiver that reads this
+// process's memory (`src/exec/cuda/desc.rs`: `mark_refs`, which says when); the program then
+// waits at its end until the receiver has taken every slot (`ox_drain`).
+#define OX_STEP_PREP 1u
+#define OX_STEP_REF_SRC 2u
+#define OX_STEP_REF_DST 4u
+#define OX_REF_FLAG (1ull << 63)
 struct OxHeadD {  // 16 bytes
   uint64_t reserved;
   uint16_t nconns, nprogs, nsteps, nlanes;
@@ -124,6 +135,10 @@ enum {
 // kernels (tests/cuda_emu) lets other blocks, which are threads there, have the cores.
 #ifndef OX_SPIN
 #define OX_SPIN()
+#endif
+// OX_TOOK_REF: what a receiver taking a slot by reference also does (the host emulation counts).
+#ifndef OX_TOOK_REF
+#define OX_TOOK_REF()
 #endif
 __device__ __forceinline__ uint64_t ld_vol64(const uint64_t* p) {
   OX_SPIN();
@@ -381,13 +396,14 @@ __device__ void reduce_any(int prim, bool prep, const uint8_t* src, const uint8_
 }
 
 // One primitive over one slice (all threads).
-__device__ __forceinline__ void run_prim(const OxStepD& s, const OxProgD& p, const OxRed& r,
-                                         const uint8_t* src, uint8_t* dst, const uint8_t* in,
-                                         uint8_t* out, size_t n, int tid, int nt) {
+__device__ __forceinline__ void run_prim(uint32_t prim, bool prep, const OxProgD& p,
+                                         const OxRed& r, const uint8_t* src, uint8_t* dst,
+                                         const uint8_t* in, uint8_t* out, size_t n, int tid,
+                                         int nt) {
   size_t bytes = n * p.esize;
-  switch (s.prim) {
+  switch (prim) {
     case P_SEND:
-      if (s.prep && r.has_premul)
+      if (prep && r.has_premul)
         reduce_any(P_SEND, true, src, nullptr, nullptr, out, n, r, tid, nt);
       else
         copy_bytes(out, nullptr, src, bytes, false, tid, nt);
@@ -401,9 +417,20 @@ __device__ __forceinline__ void run_prim(const OxStepD& s, const OxProgD& p, con
       if (!r.has_premul && r.postdiv <= 1)
         copy_bytes(dst, nullptr, src, bytes, false, tid, nt);
       else
-        reduce_any(s.prim, s.prep, src, in, dst, out, n, r, tid, nt);
+        reduce_any(prim, prep, src, in, dst, out, n, r, tid, nt);
       break;
-    default: reduce_any(s.prim, s.prep, src, in, dst, out, n, r, tid, nt); break;
+    default: reduce_any(prim, prep, src, in, dst, out, n, r, tid, nt); break;
+  }
+}
+
+// What a step that sends by reference does itself: its primitive without the send (OX_NONE:
+// nothing, for a plain send).
+__device__ __forceinline__ uint32_t ox_unsent(uint32_t prim) {
+  switch (prim) {
+    case P_COPY_SEND: return P_LOCAL_COPY;
+    case P_RECV_COPY_SEND: return P_RECV;
+    case P_RECV_REDUCE_COPY_SEND: return P_RECV_REDUCE_COPY;
+    default: return OX_NONE;
   }
 }
 
@@ -505,7 +532,14 @@ __device__ bool ox_wait_slots(const OxView& v, const OxStepD& s, const OxProgD& 
       ox_fail(ctl, OX_ERR_CALL, (uint64_t)s.recv, t0, t1, p.call0, p.call1);
       return false;
     }
-    sh->in = (const uint8_t*)(c.slots + idx * c.slot_bytes);
+    // (The slot, or the sender's memory it refers to.)
+    const uint8_t* slot = (const uint8_t*)(c.slots + idx * c.slot_bytes);
+    if (ld_vol64(meta + 2) & OX_REF_FLAG) {
+      sh->in = (const uint8_t*)ld_vol64((const uint64_t*)slot);
+      OX_TOOK_REF();
+    } else {
+      sh->in = slot;
+    }
     sh->rstep = head;
   }
   if (s.send != OX_NONE) {
@@ -543,9 +577,10 @@ __device__ bool ox_wait_slots(const OxView& v, const OxStepD& s, const OxProgD& 
 
 // Thread 0, after the block's part of a step: counts the block in (with `nb` blocks per lane)
 // and, if it is the last, publishes the step (head for the receive, metadata and tail for the
-// send). The block's writes were made visible before it counts itself in.
+// send; `ref` not 0: the slot refers to the slice's bytes there). The block's writes were made
+// visible before it counts itself in.
 __device__ void ox_post(const OxView& v, const OxStepD& s, const OxProgD& p, OxShared* sh,
-                        uint64_t bytes, uint32_t nb, bool gpu) {
+                        uint64_t bytes, uint32_t nb, bool gpu, uint64_t ref) {
   ox_step_fence(gpu);
   if (s.recv != OX_NONE) {
     const OxConnD& c = v.conns[s.recv];
@@ -577,6 +612,10 @@ __device__ void ox_post(const OxView& v, const OxStepD& s, const OxProgD& p, OxS
     }
     if (last) {
       uint64_t* meta = (uint64_t*)(c.hdr + 1024 + 24 * (sh->sstep % c.nsteps));
+      if (ref) {
+        st_vol64((uint64_t*)(c.slots + (sh->sstep % c.nsteps) * c.slot_bytes), ref);
+        bytes |= OX_REF_FLAG;
+      }
       st_vol64(meta, p.call0);
       st_vol64(meta + 1, p.call1);
       st_vol64(meta + 2, bytes);
@@ -585,6 +624,24 @@ __device__ void ox_post(const OxView& v, const OxStepD& s, const OxProgD& p, OxS
     }
     if (s.send < OX_MAX_CONNS) sh->next[s.send] = sh->sstep + 1;
   }
+}
+
+// Thread 0, at the end of a program with steps that sent by reference (OX_STEP_REF_*): waits
+// until the receivers have taken every slot the block sent on those steps' connections, so
+// that nothing reads the memory the slots refer to once the kernel ends. False when the
+// kernel must stop (abort or error).
+__device__ bool ox_drain(const OxView& v, const OxProgD& p, OxCtl* ctl, OxShared* sh) {
+  unsigned spins = 0;
+  for (uint32_t k = 0; k < p.nsteps; k++) {
+    const OxStepD& s = v.steps[p.first_step + k];
+    if (s.send == OX_NONE || !(s.prep & (OX_STEP_REF_SRC | OX_STEP_REF_DST))) continue;
+    const OxConnD& c = v.conns[s.send];
+    const uint64_t want = ox_next(c, s.send, true, sh);
+    while (ld_vol64((const uint64_t*)c.hdr + 8) < want) {
+      if ((++spins & 1023) == 0 && !ox_still_waits(ctl, c.hdr, want - 1, spins)) return false;
+    }
+  }
+  return true;
 }
 
 // Reads a PreMulSum scalar of `esize` bytes from device memory.
@@ -931,6 +988,7 @@ __device__ __forceinline__ void ox_run(const uint64_t* words) {
     __syncthreads();
     // Elements per share, a multiple of 16 bytes.
     const uint64_t align = p.esize < 16 ? 16 / p.esize : 1;
+    bool refs = false;
     for (uint64_t it = 0; it < p.niter; it++) {
       for (uint32_t k = 0; k < p.nsteps; k++) {
         const OxStepD& s = v.steps[p.first_step + k];
@@ -944,16 +1002,31 @@ __device__ __forceinline__ void ox_run(const uint64_t* words) {
         uint64_t lo = per * part < n ? per * part : n;
         uint64_t hi = lo + per < n ? lo + per : n;
         uint64_t at = (off + lo) * p.esize;
+        // A send by reference: the slot gets the slice's address, not its bytes.
+        const uint32_t byref =
+            s.send != OX_NONE ? s.prep & (OX_STEP_REF_SRC | OX_STEP_REF_DST) : 0;
+        const uint32_t prim = byref ? ox_unsent(s.prim) : s.prim;
+        refs |= byref != 0;
         const uint8_t* in = sh.in ? sh.in + lo * p.esize : nullptr;
-        uint8_t* out = sh.out ? sh.out + lo * p.esize : nullptr;
+        uint8_t* out = sh.out && !byref ? sh.out + lo * p.esize : nullptr;
         const uint8_t* src = s.src.at ? (const uint8_t*)(s.src.at + at) : nullptr;
         uint8_t* dst = s.dst.at ? (uint8_t*)(s.dst.at + at) : nullptr;
-        if (hi > lo) run_prim(s, p, r, src, dst, in, out, hi - lo, tid, nt);
+        if (hi > lo && prim != OX_NONE)
+          run_prim(prim, s.prep & OX_STEP_PREP, p, r, src, dst, in, out, hi - lo, tid, nt);
         // The block's writes reach thread 0 at the barrier; its fences in ox_post (cumulative)
         // order them before what it publishes.
         __syncthreads();
-        if (tid == 0) ox_post(v, s, p, &sh, n * p.esize, nb, gpu);
+        if (tid == 0) {
+          const uint64_t ref =
+              byref ? (byref & OX_STEP_REF_SRC ? s.src.at : s.dst.at) + off * p.esize : 0;
+          ox_post(v, s, p, &sh, n * p.esize, nb, gpu, ref);
+        }
       }
+    }
+    if (refs) {
+      if (tid == 0) sh.stop = !ox_drain(v, p, ctl, &sh);
+      __syncthreads();
+      if (sh.stop) return;
     }
   }
 }
@@ -972,8 +1045,8 @@ __device__ __forceinline__ void ox_local(const uint64_t* words) {
     OxRed r = ox_red(p);
     for (uint32_t k = 0; k < p.nsteps; k++) {
       const OxStepD& s = v.steps[p.first_step + k];
-      run_prim(s, p, r, (const uint8_t*)s.src.at, (uint8_t*)s.dst.at, nullptr, nullptr, s.len,
-               tid, nt);
+      run_prim(s.prim, s.prep & OX_STEP_PREP, p, r, (const uint8_t*)s.src.at,
+               (uint8_t*)s.dst.at, nullptr, nullptr, s.len, tid, nt);
     }
   }
 }

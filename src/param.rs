@@ -104,6 +104,11 @@ pub const PARAMS: &[Param] = &[
         default: "1",
     },
     Param {
+        name: "NCCL_P2P_DIRECT_DISABLE",
+        doc: "1: on the CUDA executor, a rank never reads another rank's buffers of its own process, as in NCCL; otherwise, where both ends of a connection are kernels of this process on one GPU and a program sends more slots on it than its FIFO holds, the steps that send a caller's buffer (or scratch) as it is send its address instead of its bytes, and the receiving kernel reads them there (one copy instead of two; the sending kernel then waits at its program's end until the receiver has read them)",
+        default: "0",
+    },
+    Param {
         name: "OXCCL_SYSFS_ROOT",
         doc: "where the CUDA executor reads the PCIe tree (bus/pci/devices/<GPU's bus id>, a link into devices/pci...) to tell how far apart two GPUs are (NCCL_P2P_LEVEL): for containers that mount sysfs elsewhere, and tests",
         default: "/sys",
@@ -374,6 +379,7 @@ static CUDA_CE_COPY_BYTES: PerLaunch = PerLaunch::new("OXCCL_CUDA_CE_COPY_BYTES"
 static CUDA_COPY_KERNEL: PerLaunch = PerLaunch::new("OXCCL_CUDA_COPY_KERNEL");
 static CUDA_DIRECT: PerLaunch = PerLaunch::new("OXCCL_CUDA_DIRECT");
 static CUDA_CHANNELS: PerLaunch = PerLaunch::new("OXCCL_CUDA_CHANNELS");
+static P2P_DIRECT_DISABLE: PerLaunch = PerLaunch::new("NCCL_P2P_DIRECT_DISABLE");
 /// `OXCCL_CUDA_FENCE`: 0 sys (or unset), 1 gpu, 2 neither.
 static CUDA_FENCE: PerLaunch = PerLaunch::read_by("OXCCL_CUDA_FENCE", |name| match get_str(name) {
     None => 0,
@@ -383,8 +389,8 @@ static CUDA_FENCE: PerLaunch = PerLaunch::read_by("OXCCL_CUDA_FENCE", |name| mat
 });
 
 /// Has the CUDA executor's per-launch parameters (`OXCCL_CUDA_CE_COPY_BYTES`,
-/// `OXCCL_CUDA_COPY_KERNEL`, `OXCCL_CUDA_DIRECT`, `OXCCL_CUDA_CHANNELS`, `OXCCL_CUDA_FENCE`)
-/// read from the environment again at their next use: for tests that change them between
+/// `OXCCL_CUDA_COPY_KERNEL`, `OXCCL_CUDA_DIRECT`, `OXCCL_CUDA_CHANNELS`, `OXCCL_CUDA_FENCE`,
+/// `NCCL_P2P_DIRECT_DISABLE`) read from the environment again at their next use: for tests that change them between
 /// launches.
 #[doc(hidden)]
 pub fn reread() {
@@ -394,6 +400,7 @@ pub fn reread() {
         &CUDA_DIRECT,
         &CUDA_CHANNELS,
         &CUDA_FENCE,
+        &P2P_DIRECT_DISABLE,
     ] {
         p.value.store(UNREAD, std::sync::atomic::Ordering::Relaxed);
     }
@@ -409,6 +416,12 @@ pub fn cuda_ce_copy_bytes() -> u64 {
 /// all-reduce as one kernel (see `PerLaunch`).
 pub fn cuda_direct() -> bool {
     CUDA_DIRECT.get() != 0
+}
+
+/// Not `NCCL_P2P_DIRECT_DISABLE=1`: the CUDA executor's kernels may read the buffers of ranks
+/// of their process (`exec::cuda::desc`'s sends by reference).
+pub fn p2p_direct() -> bool {
+    P2P_DIRECT_DISABLE.get() == 0
 }
 
 /// Whether step programs may run later slices ahead of blocked earlier ones.

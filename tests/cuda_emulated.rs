@@ -10,7 +10,8 @@
 //! failures); and a process per rank (2 and 3, `cuda_emu/processes.rs`), with
 //! connections in device memory opened by IPC handles (the default) and, with
 //! `OXCCL_CUDA_IPC=0`, in shared host memory; ranks on 2 "hosts" over the network transport; ranks on two devices
-//! (`cuda_emu/peers.rs`), with and without native peer atomics. And failures: a call mismatch, an abort, a refused launch or allocation,
+//! (`cuda_emu/peers.rs`), with and without native peer atomics; sends by reference between
+//! ranks of one process on one device (`by_reference`). And failures: a call mismatch, an abort, a refused launch or allocation,
 //! a peer process that dies during an eager launch or a graph's replay (on this host, on
 //! another, and in another PID namespace of this host), one that never comes, and one that did
 //! its part and left (no failure).
@@ -1400,6 +1401,91 @@ fn few_blocks_process() {
     println!("few blocks: {checked} cases");
 }
 
+/// Sends by reference (`NCCL_P2P_DIRECT_DISABLE` unset), in a process of its own with 16 KiB
+/// slots (a FIFO of 128 KiB, below the operations' bytes per connection): between ranks of
+/// one process on one device, a program that sends more than its FIFO holds sends its
+/// buffers' addresses, and the receiving kernel reads them there (`desc::mark_refs`).
+fn by_reference(so: &Path) {
+    let (ok, report) = child(
+        so,
+        &[("OXEMU_REFS", "1"), ("OXCCL_CHUNK_BYTES", "16384")],
+        Duration::from_secs(300),
+    );
+    assert!(
+        ok && report.contains("by reference: "),
+        "sends by reference:\n{report}"
+    );
+}
+
+/// `by_reference`'s process: on the ring (`OXCCL_CUDA_DIRECT=0`), every collective over 2 and
+/// 4 ranks of the one device, in and out of place, checked element by element, ranks in one
+/// launch and (all-reduce) a thread per rank launching apart; the receivers took slots by
+/// reference for every kind of collective. With `NCCL_P2P_DIRECT_DISABLE=1`, none.
+fn by_reference_process() {
+    let cache = start(Path::new(&std::env::var("OXEMU_LIB").unwrap()));
+    std::env::set_var("OXCCL_CUDA_DIRECT", "0");
+    nccl::param::reread();
+    let mut checked = 0;
+    for n in [2usize, 4] {
+        let comms = nccl::api::comm_init_all(&vec![0; n]).expect("ranks on one device");
+        let own: Vec<usize> = (0..n).map(|_| new_stream()).collect();
+        let all = cases(n, &[300_001]);
+        let mut by_kind: Vec<(CollKind, u64)> = Vec::new();
+        for c in all.iter().filter(|c| c.dtype == DataType::Float32) {
+            let before = device::refs_taken();
+            check(&comms, &own, c);
+            release_buffers();
+            checked += 1;
+            let took = device::refs_taken() - before;
+            match by_kind.iter_mut().find(|(k, _)| *k == c.kind) {
+                Some((_, t)) => *t += took,
+                None => by_kind.push((c.kind, took)),
+            }
+        }
+        // (Every kind has a step that sends a buffer as it is: a send, the first hop of a
+        // reduction, a forwarded or finished slice.)
+        for (kind, took) in &by_kind {
+            assert!(*took > 0, "{n} ranks: no {kind:?} took a slot by reference");
+        }
+        let before = device::refs_taken();
+        threads(n, &all[0], false);
+        assert!(
+            device::refs_taken() > before,
+            "{n} ranks in threads: no slot by reference"
+        );
+        checked += 1;
+        for c in &comms {
+            nccl::api::comm_destroy(nccl::api::comm_handle(c)).unwrap();
+        }
+    }
+    std::env::set_var("NCCL_P2P_DIRECT_DISABLE", "1");
+    nccl::param::reread();
+    let comms = nccl::api::comm_init_all(&[0; 2]).expect("ranks on one device");
+    let own: Vec<usize> = (0..2).map(|_| new_stream()).collect();
+    let before = device::refs_taken();
+    for c in cases(2, &[300_001])
+        .iter()
+        .filter(|c| c.dtype == DataType::Float32 && !c.in_place)
+    {
+        check(&comms, &own, c);
+        release_buffers();
+        checked += 1;
+    }
+    assert_eq!(
+        device::refs_taken(),
+        before,
+        "NCCL_P2P_DIRECT_DISABLE=1, yet slots went by reference"
+    );
+    for c in &comms {
+        nccl::api::comm_destroy(nccl::api::comm_handle(c)).unwrap();
+    }
+    let _ = std::fs::remove_dir_all(&cache);
+    println!(
+        "by reference: {checked} cases, {} slots",
+        device::refs_taken()
+    );
+}
+
 /// Whether this process may make PID namespaces (root; CI is, and must).
 fn can_unshare_pid() -> bool {
     let ok = Command::new("unshare")
@@ -1433,6 +1519,9 @@ fn cuda_executor_on_emulated_kernels() {
     }
     if std::env::var("OXEMU_STALL").is_ok() {
         return stall_process();
+    }
+    if std::env::var("OXEMU_REFS").is_ok() {
+        return by_reference_process();
     }
     let Some(so) = device::build_emu() else {
         return;
@@ -1548,6 +1637,7 @@ fn cuda_executor_on_emulated_kernels() {
     failures();
     stall(&so);
     few_blocks(&so);
+    by_reference(&so);
     peer_devices(&so);
     // (ipc None: OXCCL_CUDA_IPC unset, the default, which is IPC.)
     for (n, ipc, hosts) in [

@@ -43,9 +43,11 @@ const _: () = assert!(ATTACH_OFF + 4 <= CLOSED_OFF && CLOSED_OFF + 4 <= CALL_OFF
 const CALL_OFF: usize = 1024;
 const META_BYTES: usize = 24;
 /// In a slot's byte count: the slot holds no bytes but the address of the caller's memory that
-/// holds them. At the end that sends the slot over the network: posted so
-/// (`Conn::post_send_ref`); at a network receiving end: read there, into the memory the
-/// executor named for the slot (`Conn::post_recv_ref`). No other end sees such a slot.
+/// holds them (in its first 8 bytes). At the end that sends the slot over the network: posted
+/// so (`Conn::post_send_ref`); at a network receiving end: read there, into the memory the
+/// executor named for the slot (`Conn::post_recv_ref`). Between kernels of one process on one
+/// GPU, the CUDA executor's sending kernel posts such slots and its receiving kernel reads the
+/// bytes at the address (`exec::cuda::desc`'s `mark_refs`). No other end sees such a slot.
 const REF_FLAG: u64 = 1 << 63;
 const HDR_BYTES: usize = 4096;
 const _: () = assert!(CALL_OFF + 64 * META_BYTES <= HDR_BYTES); // nsteps <= 64 (param::nsteps)

@@ -22,10 +22,12 @@ const NOT_READY: CUresult = 600;
 
 type LaunchFn = unsafe extern "C" fn(*const c_char, c_uint, c_uint, c_uint, *const c_void) -> c_int;
 type ParamBytesFn = unsafe extern "C" fn(*const c_char) -> usize;
+type RefsFn = unsafe extern "C" fn() -> u64;
 
 struct Emu {
     launch: LaunchFn,
     param_bytes: ParamBytesFn,
+    refs: RefsFn,
     _lib: libloading::Library,
 }
 static EMU: OnceLock<Emu> = OnceLock::new();
@@ -76,13 +78,22 @@ pub fn load_emu(so: &Path) {
         let lib = libloading::Library::new(so).expect("load the emulated kernels");
         let launch = *lib.get::<LaunchFn>(b"oxemu_launch\0").unwrap();
         let param_bytes = *lib.get::<ParamBytesFn>(b"oxemu_param_bytes\0").unwrap();
+        let refs = *lib.get::<RefsFn>(b"oxemu_refs_taken\0").unwrap();
         Emu {
             launch,
             param_bytes,
+            refs,
             _lib: lib,
         }
     };
     assert!(EMU.set(emu).is_ok(), "loaded twice");
+}
+
+/// The slots the kernels' receivers have taken by reference so far (`OX_TOOK_REF`).
+pub fn refs_taken() -> u64 {
+    let emu = EMU.get().expect("the emulated kernels are loaded");
+    // SAFETY: a plain read of a counter.
+    unsafe { (emu.refs)() }
 }
 
 // ---- streams and events ----------------------------------------------------------------------

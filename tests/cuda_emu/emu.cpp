@@ -23,6 +23,7 @@
 #include <string.h>
 #include <ucontext.h>
 
+#include <atomic>
 #include <condition_variable>
 #include <mutex>
 #include <string>
@@ -75,6 +76,11 @@ static inline unsigned atomicAdd(unsigned* p, unsigned v) {
 static inline unsigned atomicExch(unsigned* p, unsigned v) {
   return __atomic_exchange_n(p, v, __ATOMIC_SEQ_CST);
 }
+
+// Slots the receivers took by reference (the sender's memory, not the slot): the tests count
+// them (`oxemu_refs_taken`).
+static std::atomic<unsigned long long> ox_refs_taken;
+#define OX_TOOK_REF() ox_refs_taken.fetch_add(1)
 
 #define OX_LARGE 1
 #include "runner.cu"
@@ -146,6 +152,9 @@ static void run_block(Kernel k, const void* params, dim3 at, dim3 grid, unsigned
 }
 
 extern "C" {
+
+// Slots taken by reference so far, by every launch of this process.
+unsigned long long oxemu_refs_taken() { return ox_refs_taken.load(); }
 
 // The parameter bytes kernel `name` takes; 0 for a name runner.cu has no kernel of.
 size_t oxemu_param_bytes(const char* name) {

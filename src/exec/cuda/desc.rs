@@ -32,6 +32,10 @@ const LANE: usize = 24;
 const _: () = assert!(PROG == 80 && STEP == 56);
 /// Connections a launch may have to run several blocks per lane (`OX_MAX_CONNS`).
 const MAX_CONNS_MULTI: usize = 64;
+/// A step's flags beside `prep` (bit 0): it sends its source's address (`OX_STEP_REF_SRC`), or
+/// its destination's once written (`OX_STEP_REF_DST`), in place of the bytes (`mark_refs`).
+const STEP_REF_SRC: u32 = 2;
+const STEP_REF_DST: u32 = 4;
 
 /// A program bound to this rank's connections, its addresses in device memory.
 pub type DevProgram = Program<Arc<Conn>>;
@@ -186,6 +190,7 @@ impl Desc {
                 }
             }
             let conns = &mut self.conns;
+            let at = self.steps.len();
             encode_program(p, &mut self.steps, &mut self.progs, |c| match c {
                 None => Ok(NONE),
                 Some(c) => Ok(match conns.iter().position(|x| Arc::ptr_eq(x, c)) {
@@ -196,6 +201,9 @@ impl Desc {
                     }
                 }),
             })?;
+            if crate::param::p2p_direct() {
+                mark_refs(p, &mut self.steps[at..]);
+            }
         }
         let n = self.progs.len() - first;
         let (Ok(first), Ok(n)) = (u16::try_from(first), u16::try_from(n)) else {
@@ -358,8 +366,13 @@ impl Desc {
                             i.to_string()
                         }
                     };
+                    let by = match s.prep & (STEP_REF_SRC | STEP_REF_DST) {
+                        0 => "",
+                        STEP_REF_SRC => " ref src",
+                        _ => " ref dst",
+                    };
                     out += &format!(
-                        " p{} r{} s{} len {} {:#x}->{:#x};",
+                        " p{} r{} s{} len {} {:#x}->{:#x}{by};",
                         s.prim,
                         c(s.recv),
                         c(s.send),
@@ -399,6 +412,59 @@ impl Desc {
                 })
                 .collect(),
         )
+    }
+}
+
+/// Marks the steps of `p` (`flat`, as encoded) that send by reference: the receiving kernel
+/// reads the slice where the step found it (the caller's buffer, or scratch that lives until
+/// this launch ends) instead of out of a slot, which spares the copy into the slot. Only
+/// - on a connection whose ends are both kernels of this process on one GPU
+///   (`Conn::same_device`: the receiver reads this memory at the same address, whatever
+///   allocated it);
+/// - for a step whose slices go out as they are (no pre-multiplication to apply): the source of a
+///   `Send` or `CopySend`, the destination of a `RecvCopySend` or `RecvReduceCopySend` once
+///   the step wrote it;
+/// - where no other step of the program writes that memory (in place, a ring all-reduce writes
+///   its result over the input it sent first);
+/// - where the program sends more slots on the connection than its FIFO holds. The kernel
+///   waits at the program's end until the receiver has taken every slot (`ox_drain`), so that
+///   nothing reads the memory once the launch is done; a program that fills its FIFO waited
+///   for that receiver already, so the wait adds no dependency between ranks that there was
+///   not (a short send still ends without its receiver, as before).
+fn mark_refs(p: &DevProgram, flat: &mut [FlatStep]) {
+    let es = p.esize as u64;
+    let premul = match p.red {
+        Some(crate::plan::RedSpec::Ready(r)) => r.premul.is_some(),
+        Some(crate::plan::RedSpec::PreMul { .. }) => true,
+        None => false,
+    };
+    for (k, s) in p.steps.iter().enumerate() {
+        let Some(c) = s.send.as_ref().filter(|c| c.same_device) else {
+            continue;
+        };
+        let (flag, at) = match s.prim {
+            _ if s.prep && premul => continue,
+            Prim::Send | Prim::CopySend => (STEP_REF_SRC, flat[k].src.at),
+            Prim::RecvCopySend | Prim::RecvReduceCopySend => (STEP_REF_DST, flat[k].dst.at),
+            _ => continue,
+        };
+        let slots: usize = p
+            .steps
+            .iter()
+            .filter(|t| t.send.as_ref().is_some_and(|x| Arc::ptr_eq(x, c)))
+            .map(|t| t.len.div_ceil(p.slice))
+            .sum();
+        if at == 0 || slots as u64 <= c.nsteps {
+            continue;
+        }
+        let end = at + s.len as u64 * es;
+        let written = flat
+            .iter()
+            .enumerate()
+            .any(|(j, t)| j != k && t.dst.at != 0 && t.dst.at < end && at < t.dst.at + t.len * es);
+        if !written {
+            flat[k].prep |= flag;
+        }
     }
 }
 
@@ -888,6 +954,85 @@ mod tests {
         for n in [2, 3, 4, 8, 16] {
             let c = channels_that_fit(n, 4);
             assert!(descriptor_bytes(2 * c, c, c * (2 * n - 1), c) <= PARAM_BYTES || c == 1);
+        }
+    }
+
+    /// Which steps send by reference (`mark_refs`): on a connection between kernels of this
+    /// process on one GPU, past a FIFO's worth of slots, the source of a send and the finished
+    /// destination of a forwarding step, unless another step of the program writes it or the
+    /// slice needs its pre-multiplication; nothing otherwise.
+    #[test]
+    fn sends_by_reference_only_where_the_memory_stays() {
+        let conn = |name: &str, same: bool| {
+            let region = inproc::open(name, crate::transport::region_bytes(4, 4096)).unwrap();
+            let mut c = Conn::new(Region::Heap(region), 4, 4096, (0, 1), true);
+            c.same_device = same;
+            Arc::new(c)
+        };
+        let (gpu, apart) = (
+            conn("oxccl-desc-ref-a", true),
+            conn("oxccl-desc-ref-b", false),
+        );
+        let step = |prim, c: &Arc<Conn>, src: usize, dst: usize, len: usize| Step {
+            prim,
+            recv: (prim != Prim::Send).then(|| c.clone()),
+            send: (prim != Prim::Recv).then(|| c.clone()),
+            src: Addr::user(src),
+            dst: Addr::user(dst),
+            len,
+            prep: prim == Prim::Send,
+        };
+        // A ring all-reduce's shape over 2 ranks (send my half, reduce and pass on the other,
+        // receive my half's result), out of place (`dst` 0x100000) or in place, `len`
+        // elements a step and 8 a slice: 2 len / 8 slots sent on the connection, 4 in its FIFO.
+        let flags = |c: &Arc<Conn>, dst: usize, len: usize, red: Option<RedSpec>| -> Vec<u32> {
+            let prog: DevProgram = Program {
+                steps: vec![
+                    step(Prim::Send, c, 0x1000, 0, len),
+                    step(
+                        Prim::RecvReduceCopySend,
+                        c,
+                        0x1000 + 4 * len,
+                        dst + 4 * len,
+                        len,
+                    ),
+                    step(Prim::Recv, c, 0, dst, len),
+                ],
+                esize: 4,
+                slice: 8,
+                niter: len.div_ceil(8),
+                red,
+                call: [1, 2],
+            };
+            let mut d = Desc::new();
+            d.lane([&prog], 1).unwrap();
+            d.steps.iter().map(|s| s.prep & !1).collect()
+        };
+        let sum = |premul: Option<u64>| {
+            Some(RedSpec::Ready(Reduction {
+                dtype: DataType::Float32,
+                kind: ReduceKind::Sum,
+                premul: premul.map(|bits| crate::types::Scalar { bits }),
+                postdiv: None,
+            }))
+        };
+        assert_eq!(
+            flags(&gpu, 0x100000, 64, sum(None)),
+            [STEP_REF_SRC, STEP_REF_DST, 0]
+        );
+        // In place, the first step's source is the last step's destination.
+        assert_eq!(flags(&gpu, 0x1000, 64, sum(None)), [0, STEP_REF_DST, 0]);
+        // A slice to scale before it goes.
+        assert_eq!(
+            flags(&gpu, 0x100000, 64, sum(Some(1))),
+            [0, STEP_REF_DST, 0]
+        );
+        // Within the FIFO (2 slots of 8 each step): as before, the bytes go in the slots.
+        assert_eq!(flags(&gpu, 0x100000, 16, sum(None)), [0, 0, 0]);
+        // The receiver is not a kernel of this process on this GPU.
+        assert_eq!(flags(&apart, 0x100000, 64, sum(None)), [0, 0, 0]);
+        for name in ["oxccl-desc-ref-a", "oxccl-desc-ref-b"] {
+            inproc::forget(name);
         }
     }
 }
