@@ -15,7 +15,8 @@
 // count (u32) at 128, which ends have closed (u32, the host's only) at 192, per slot (call word
 // 0, call word 1, bytes) as u64 at 1024 + 24 * slot; slot data at `slots + slot * slot_bytes`.
 // A slot whose bytes word has OX_REF_FLAG holds no data but, in its first 8 bytes, the address
-// of the sender's memory that holds it (`OX_STEP_REF_*`).
+// of the sender's memory that holds it (`OX_STEP_REF_*`); the receiving blocks' claims on that
+// memory (u32) are at 256, and whether the sender revoked its slots (u32) at 320 (`ox_drain`).
 
 #include "reduce.cuh"
 #include "direct.cuh"
@@ -77,6 +78,8 @@ struct OxProgD {  // 80 bytes
 #define OX_STEP_REF_SRC 2u
 #define OX_STEP_REF_DST 4u
 #define OX_REF_FLAG (1ull << 63)
+#define OX_REF_CLAIMS 256
+#define OX_REF_REVOKED 320
 struct OxHeadD {  // 16 bytes
   uint64_t reserved;
   uint16_t nconns, nprogs, nsteps, nlanes;
@@ -128,7 +131,8 @@ enum {
   OX_ERR_CALL = 1,
   OX_ERR_ABORT = 2,
   OX_ERR_BOARD_CALL = 3,
-  OX_ERR_BOARD_LEFT = 4
+  OX_ERR_BOARD_LEFT = 4,
+  OX_ERR_REF_REVOKED = 5
 };
 
 // OX_SPIN: what a read of a counter may also do. Nothing on a GPU; the host emulation of the
@@ -209,6 +213,7 @@ __device__ __forceinline__ uint4 ld_fresh(const uint4* p) {
 struct OxShared {
   const uint8_t* in;
   uint8_t* out;
+  unsigned* claim;  // the claims word of the connection the block reads a referred slice of
   uint64_t rstep, sstep;
   int stop;
   OxRed red;
@@ -508,6 +513,8 @@ __device__ bool ox_wait_slots(const OxView& v, const OxStepD& s, const OxProgD& 
   unsigned spins = 0;
   sh->in = nullptr;
   sh->out = nullptr;
+  sh->claim = nullptr;
+  const uint8_t* referred = nullptr;
   if (s.recv != OX_NONE) {
     const OxConnD& c = v.conns[s.recv];
     uint64_t* hdr = (uint64_t*)c.hdr;
@@ -535,8 +542,7 @@ __device__ bool ox_wait_slots(const OxView& v, const OxStepD& s, const OxProgD& 
     // (The slot, or the sender's memory it refers to.)
     const uint8_t* slot = (const uint8_t*)(c.slots + idx * c.slot_bytes);
     if (ld_vol64(meta + 2) & OX_REF_FLAG) {
-      sh->in = (const uint8_t*)ld_vol64((const uint64_t*)slot);
-      OX_TOOK_REF();
+      referred = (const uint8_t*)ld_vol64((const uint64_t*)slot);
     } else {
       sh->in = slot;
     }
@@ -571,6 +577,23 @@ __device__ bool ox_wait_slots(const OxView& v, const OxStepD& s, const OxProgD& 
     }
     sh->out = (uint8_t*)(c.slots + (tail % c.nsteps) * c.slot_bytes);
     sh->sstep = tail;
+  }
+  if (referred) {
+    // The sender's memory: claimed (released once the block has read its share, in
+    // `ox_run`), unless the sender's kernel stopped and revoked its slots (`ox_revoke`): a
+    // claim made before the revocation is seen by it, which waits for its release.
+    const OxConnD& c = v.conns[s.recv];
+    unsigned* claims = (unsigned*)(c.hdr + OX_REF_CLAIMS);
+    atomicAdd(claims, 1u);
+    __threadfence();
+    if (ld_vol32((const uint32_t*)(c.hdr + OX_REF_REVOKED)) != 0) {
+      atomicAdd(claims, ~0u);
+      ox_fail(ctl, OX_ERR_REF_REVOKED, (uint64_t)s.recv, 0, 0, 0, 0);
+      return false;
+    }
+    sh->claim = claims;
+    sh->in = referred;
+    OX_TOOK_REF();
   }
   return true;
 }
@@ -629,7 +652,7 @@ __device__ void ox_post(const OxView& v, const OxStepD& s, const OxProgD& p, OxS
 // Thread 0, at the end of a program with steps that sent by reference (OX_STEP_REF_*): waits
 // until the receivers have taken every slot the block sent on those steps' connections, so
 // that nothing reads the memory the slots refer to once the kernel ends. False when the
-// kernel must stop (abort or error).
+// kernel must stop (abort or error): `ox_revoke` then.
 __device__ bool ox_drain(const OxView& v, const OxProgD& p, OxCtl* ctl, OxShared* sh) {
   unsigned spins = 0;
   for (uint32_t k = 0; k < p.nsteps; k++) {
@@ -642,6 +665,28 @@ __device__ bool ox_drain(const OxView& v, const OxProgD& p, OxCtl* ctl, OxShared
     }
   }
   return true;
+}
+
+// Thread 0, when a program that sent slots by reference stops before its receivers took them
+// all (abort, error): revokes them, then waits until no receiving block holds a claim on the
+// memory they refer to (a block holds one only while it reads a slice, which ends), so that
+// nothing reads that memory once the kernel ends. A receiver that comes later finds them
+// revoked and stops with OX_ERR_REF_REVOKED. (Both ends are on this GPU: device scope.)
+__device__ void ox_revoke(const OxView& v, const OxProgD& p) {
+  for (int pass = 0; pass < 2; pass++) {
+    for (uint32_t k = 0; k < p.nsteps; k++) {
+      const OxStepD& s = v.steps[p.first_step + k];
+      if (s.send == OX_NONE || !(s.prep & (OX_STEP_REF_SRC | OX_STEP_REF_DST))) continue;
+      const uint64_t hdr = v.conns[s.send].hdr;
+      if (pass == 0) {
+        atomicExch((unsigned*)(hdr + OX_REF_REVOKED), 1u);
+        __threadfence();
+      } else {
+        while (ld_vol32((const uint32_t*)(hdr + OX_REF_CLAIMS)) != 0) {
+        }
+      }
+    }
+  }
 }
 
 // Reads a PreMulSum scalar of `esize` bytes from device memory.
@@ -995,7 +1040,10 @@ __device__ __forceinline__ void ox_run(const uint64_t* words) {
         uint64_t off = it * p.slice;
         if (off >= s.len) continue;
         uint64_t n = s.len - off < p.slice ? s.len - off : p.slice;
-        if (tid == 0) sh.stop = !ox_wait_slots(v, s, p, ctl, &sh, gpu);
+        if (tid == 0) {
+          sh.stop = !ox_wait_slots(v, s, p, ctl, &sh, gpu);
+          if (sh.stop && refs) ox_revoke(v, p);
+        }
         __syncthreads();
         if (sh.stop) return;
         uint64_t per = ((n + nb - 1) / nb + align - 1) / align * align;
@@ -1014,9 +1062,14 @@ __device__ __forceinline__ void ox_run(const uint64_t* words) {
         if (hi > lo && prim != OX_NONE)
           run_prim(prim, s.prep & OX_STEP_PREP, p, r, src, dst, in, out, hi - lo, tid, nt);
         // The block's writes reach thread 0 at the barrier; its fences in ox_post (cumulative)
-        // order them before what it publishes.
+        // order them before what it publishes. Its reads of a referred slice are done: the
+        // claim on it goes.
         __syncthreads();
         if (tid == 0) {
+          if (sh.claim) {
+            __threadfence();
+            atomicAdd(sh.claim, ~0u);
+          }
           const uint64_t ref =
               byref ? (byref & OX_STEP_REF_SRC ? s.src.at : s.dst.at) + off * p.esize : 0;
           ox_post(v, s, p, &sh, n * p.esize, nb, gpu, ref);
@@ -1024,7 +1077,10 @@ __device__ __forceinline__ void ox_run(const uint64_t* words) {
       }
     }
     if (refs) {
-      if (tid == 0) sh.stop = !ox_drain(v, p, ctl, &sh);
+      if (tid == 0) {
+        sh.stop = !ox_drain(v, p, ctl, &sh);
+        if (sh.stop) ox_revoke(v, p);
+      }
       __syncthreads();
       if (sh.stop) return;
     }

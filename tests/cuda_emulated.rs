@@ -1458,6 +1458,7 @@ fn by_reference_process() {
             nccl::api::comm_destroy(nccl::api::comm_handle(c)).unwrap();
         }
     }
+    revoked_refs();
     std::env::set_var("NCCL_P2P_DIRECT_DISABLE", "1");
     nccl::param::reread();
     let comms = nccl::api::comm_init_all(&[0; 2]).expect("ranks on one device");
@@ -1484,6 +1485,57 @@ fn by_reference_process() {
         "by reference: {checked} cases, {} slots",
         device::refs_taken()
     );
+}
+
+/// A sender aborted while its receiver has not come: its kernel had posted a FIFO's worth of
+/// slots by reference and waited for room; the abort stops it at once (it revokes the slots:
+/// nothing may read its buffer once it is done). The receiver, which comes later, reads none
+/// of it and fails with `ncclRemoteError` (the launch fails, or, as here, its kernel stops on
+/// the revoked slot and says so).
+fn revoked_refs() {
+    let comms = nccl::api::comm_init_all(&[0; 2]).expect("ranks on one device");
+    let streams = [new_stream(), new_stream()];
+    let count = 300_001;
+    let (send, recv) = (buffer(count * 4), buffer(count * 4));
+    // (First a send that connects the two ranks: connections are made at a first call, by
+    // both ranks.)
+    nccl::api::group_start().unwrap();
+    let args = p2p_f32(CollKind::Send, send, 0, 1, 1);
+    nccl::api::enqueue(&comms[0], args, stream_arg(streams[0])).expect("send");
+    let args = p2p_f32(CollKind::Recv, 0, recv, 1, 0);
+    nccl::api::enqueue(&comms[1], args, stream_arg(streams[1])).expect("receive");
+    nccl::api::group_end().expect("connected");
+    sync_all(&streams, "the first send");
+    pattern(send, recv, count);
+    let before = device::refs_taken();
+    let args = p2p_f32(CollKind::Send, send, 0, count, 1);
+    nccl::api::enqueue(&comms[0], args, stream_arg(streams[0])).expect("send");
+    assert!(
+        !sync(streams[0], Duration::from_millis(300)),
+        "a send of more than a FIFO holds ended without its receiver"
+    );
+    nccl::api::comm_abort(nccl::api::comm_handle(&comms[0])).expect("abort");
+    assert!(
+        sync(streams[0], Duration::from_secs(10)),
+        "the sending kernel went on after the abort"
+    );
+    let args = p2p_f32(CollKind::Recv, 0, recv, count, 0);
+    let launched = nccl::api::enqueue(&comms[1], args, stream_arg(streams[1]));
+    if launched.is_ok() {
+        sync_all(&streams[1..], "the receive after its sender's abort");
+        assert_eq!(
+            async_error(&comms[1]),
+            nccl::error::Code::RemoteError,
+            "the receive from an aborted sender"
+        );
+    }
+    eprintln!("after the sender's abort: {launched:?}");
+    assert_eq!(device::refs_taken(), before, "a revoked slot was read");
+    for i in 0..count {
+        assert_eq!(get(DataType::Float32, recv, i), -1.0, "element {i} arrived");
+    }
+    let _ = nccl::api::comm_abort(nccl::api::comm_handle(&comms[1]));
+    release_buffers();
 }
 
 /// Whether this process may make PID namespaces (root; CI is, and must).

@@ -36,7 +36,13 @@ const ATTACH_OFF: usize = 128;
 /// when an end's `Conn` goes (its communicator destroyed or aborted), so that the other end
 /// stops waiting for it (`peer_closed`).
 const CLOSED_OFF: usize = 192;
-const _: () = assert!(ATTACH_OFF + 4 <= CLOSED_OFF && CLOSED_OFF + 4 <= CALL_OFF);
+/// For slots sent by reference between kernels (`REF_FLAG`): the receiving blocks' claims on
+/// the sender's memory, and whether the sender revoked its slots (u32 each; `cuda/runner.cu`:
+/// `OX_REF_CLAIMS`, `OX_REF_REVOKED`). The host never touches them.
+const REF_CLAIMS_OFF: usize = 256;
+const REF_REVOKED_OFF: usize = 320;
+const _: () = assert!(ATTACH_OFF + 4 <= CLOSED_OFF && CLOSED_OFF + 4 <= REF_CLAIMS_OFF);
+const _: () = assert!(REF_CLAIMS_OFF + 4 <= REF_REVOKED_OFF && REF_REVOKED_OFF + 4 <= CALL_OFF);
 /// Per slot, the words of the call that filled it (`plan::call`) and the bytes it holds: the
 /// receiver checks the call against its own before using the slot; a proxy that moves slots
 /// over the network moves these too, and only the bytes the slot holds.

@@ -1066,6 +1066,12 @@ fn kernel_error(name: &str, code: u32, info: [u64; 6]) -> Error {
              (its kernel stopped: an abort, an error, a failed peer), at part {}",
             info[0], info[1]
         )),
+        5 => Error::remote(format!(
+            "{name}: the peer that sent on the launch's connection {} stopped its kernel (an \
+             abort, an error) before this rank read what it sent by reference (seen by block \
+             {}); none of it was read",
+            info[0], info[5]
+        )),
         c => Error::internal(format!("{name}: a kernel stopped with code {c}")),
     }
 }
