@@ -201,7 +201,11 @@ impl Desc {
                     }
                 }),
             })?;
-            if crate::param::p2p_direct() {
+            if p.steps
+                .iter()
+                .any(|s| s.send.as_ref().is_some_and(|c| c.same_device))
+                && crate::param::p2p_direct()
+            {
                 mark_refs(p, &mut self.steps[at..]);
             }
         }
@@ -431,6 +435,7 @@ impl Desc {
 ///   nothing reads the memory once the launch is done; a program that fills its FIFO waited
 ///   for that receiver already, so the wait adds no dependency between ranks that there was
 ///   not (a short send still ends without its receiver, as before).
+#[inline(never)]
 fn mark_refs(p: &DevProgram, flat: &mut [FlatStep]) {
     let es = p.esize as u64;
     let premul = match p.red {
