@@ -702,6 +702,27 @@ for n, name in ((2, "oxccl-g2"), (4, "oxccl-g4")):
     if n == 2 and ring.get(8):
         print(f"  8-byte all-reduce, 2 ranks: ring {ring[8][0]:.1f} us")
 PY
+# Sends by reference between ranks of one process on one GPU (the default past a FIFO's worth,
+# 8 MiB a connection: the receiver reads the sender's buffer) beside NCCL_P2P_DIRECT_DISABLE=1
+# (every byte through the FIFO's slots): send/recv, and the ring's all-reduce, on 2 ranks, the
+# data checked by the tools (#wrong).
+if in_budget "sends by reference beside the slots"; then
+  perf sendrecv-g2 "$OXLIB" "$B/sendrecv_perf" -b 2M -e 512M -f 4 -n 10 -w 3 -g 2
+  perf sendrecv-g2-slots "$OXLIB" env NCCL_P2P_DIRECT_DISABLE=1 "$B/sendrecv_perf" -b 2M -e 512M -f 4 -n 10 -w 3 -g 2
+  perf oxccl-g2-ring-slots "$OXLIB" env OXCCL_CUDA_DIRECT=0 NCCL_P2P_DIRECT_DISABLE=1 "$B/all_reduce_perf" -b 2M -e 512M -f 4 -n 10 -w 3 -g 2
+  python3 - "$AUX" <<'PY' 2>&1 | tee -a "$log"
+import sys
+sys.path.insert(0, sys.argv[1])
+from perfrows import rows
+print("== sends by reference (default) / through the slots (NCCL_P2P_DIRECT_DISABLE=1), busbw, 2 ranks on the GPU")
+for what, ref, slots in (("send/recv", "sendrecv-g2", "sendrecv-g2-slots"),
+                         ("ring all-reduce", "oxccl-g2-ring", "oxccl-g2-ring-slots")):
+    a, b = rows(ref), rows(slots)
+    for size in sorted(set(a) & set(b)):
+        if size >= 1 << 20 and b[size][2] > 0:
+            print(f"  {what} {size} B: {a[size][2]:.1f} / {b[size][2]:.1f} GB/s = {a[size][2] / b[size][2]:.2f}")
+PY
+fi
 # NVIDIA's own all_reduce_perf (section 3a) at nranks=1 on both libraries, 8 B-1 GiB, one run
 # each (section 2 has our tool's best of two): the same figures from NVIDIA's binary.
 if [ -n "$NV_NCCL" ] && [ -x "${UP:-}/all_reduce_perf" ] && in_budget "NVIDIA's all_reduce_perf on both libraries"; then

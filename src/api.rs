@@ -134,6 +134,11 @@ pub fn comm_shrink(
     config: Option<CommConfig>,
     abort: bool,
 ) -> Result<Arc<Comm>> {
+    if crate::group::depth() > 0 {
+        return crate::comm::shrink_at_group_end(comm, exclude, config, abort, |c| {
+            crate::group::defer_init(c);
+        });
+    }
     crate::comm::shrink(comm, exclude, config, abort)
 }
 

@@ -348,6 +348,54 @@ fn one_thread_splits_all_its_ranks_in_one_group() {
     }
 }
 
+/// `ncclCommShrink` inside a group runs at the group's end, as NCCL's: one thread shrinks the
+/// communicators of 3 of its 4 ranks in one group (each shrink's exchange needs the others'),
+/// blocking, and non-blocking with `NCCL_SHRINK_ABORT`; a bad exclusion list is refused at
+/// the call. The new communicators all-reduce.
+#[test]
+fn one_thread_shrinks_its_ranks_in_one_group() {
+    std::env::set_var("OXCCL_DEVICE", "host");
+    for (config, abort) in [(None, false), (Some(nonblocking()), true)] {
+        common::within(60, "shrinks in one group", move || {
+            let comms = api::comm_init_all(&[0, 1, 2, 3]).unwrap();
+            api::group_start().unwrap();
+            let e = err(api::group_noted(api::comm_shrink(
+                &comms[0],
+                &[3, 3],
+                None,
+                abort,
+            )));
+            assert_eq!(e.code, Code::InvalidArgument, "{e}");
+            api::group_end().expect_err("the group of a refused shrink");
+            api::group_start().unwrap();
+            let kids: Vec<_> = (0..3)
+                .map(|r| api::comm_shrink(&comms[r], &[3], config.clone(), abort).unwrap())
+                .collect();
+            match api::group_end() {
+                Ok(()) => assert!(config.is_none()),
+                Err(e) => assert_eq!((e.code, config.is_some()), (Code::InProgress, true), "{e}"),
+            }
+            for k in &kids {
+                await_ready(k, Instant::now());
+            }
+            for (r, k) in kids.iter().enumerate() {
+                assert_eq!((k.rank().unwrap(), k.nranks().unwrap()), (r as i32, 3));
+            }
+            let send = [vec![1f32; 256], vec![2f32; 256], vec![4f32; 256]];
+            let mut recv = [vec![0f32; 256], vec![0f32; 256], vec![0f32; 256]];
+            api::group_start().unwrap();
+            for (k, (s, r)) in kids.iter().zip(send.iter().zip(recv.iter_mut())) {
+                api::enqueue(k, common::all_reduce_f32(s, r), StreamArg::Null).unwrap();
+            }
+            api::group_end().unwrap();
+            assert!(recv.iter().flatten().all(|&x| x == 7.0));
+            for c in kids.into_iter().chain(comms) {
+                api::comm_destroy(api::comm_handle(&c)).unwrap();
+            }
+        });
+    }
+}
+
 /// A communicator destroyed (or aborted) inside the group that would make it is not made at
 /// the group's end: the end does not wait for its peers, which will never come.
 #[test]

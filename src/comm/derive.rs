@@ -148,6 +148,53 @@ pub fn shrink(
     abort: bool,
 ) -> Result<Arc<Comm>> {
     let core = comm.core()?.clone();
+    let members = stayers(&core, exclude)?;
+    let id = shrink_id(comm, &core, &members, abort)?;
+    let child = make(&core, &members, id, config)?;
+    if abort {
+        // Recovered from: as NCCL clears the abort it used, the old communicator's failure is
+        // no longer its asynchronous error (PyTorch waits on it after a shrink, and would
+        // fail the shrink); its calls still fail.
+        core.health.retire();
+    }
+    Ok(child)
+}
+
+/// `ncclCommShrink` inside a group: as NCCL's, it runs at the group's end (one thread may
+/// shrink several of its ranks' communicators in one group: each exchange needs the others),
+/// as `split_at_group_end` does; the list is checked at once. The old communicator's work is
+/// stopped (`abort`) or waited for at the group's end, and its asynchronous error cleared
+/// there once the new communicator's id is shared (a non-blocking one inits on in the
+/// background, as a shrink outside a group).
+pub fn shrink_at_group_end(
+    comm: &Arc<Comm>,
+    exclude: &[i32],
+    config: Option<CommConfig>,
+    abort: bool,
+    group: impl FnOnce(&Arc<Comm>),
+) -> Result<Arc<Comm>> {
+    let core = comm.core()?.clone();
+    let members = stayers(&core, exclude)?;
+    let config = config.unwrap_or_else(|| core.config.clone());
+    let old = comm.clone();
+    let c = super::new_placed(
+        config,
+        Some(core.cuda_dev),
+        Box::new(move || {
+            let id = shrink_id(&old, &core, &members, abort)?;
+            if abort {
+                core.health.retire();
+            }
+            let rank = members.iter().position(|&r| r == core.rank);
+            Ok(rank.map(|r| (members.len(), r, id)))
+        }),
+    )?;
+    group(&c);
+    Ok(c)
+}
+
+/// The ranks a shrink keeps (old ranks, in order), from its `excludeRanksList`.
+fn stayers(core: &Core, exclude: &[i32]) -> Result<Vec<usize>> {
     let n = core.nranks;
     let mut out = vec![false; n];
     for &r in exclude {
@@ -166,6 +213,12 @@ pub fn shrink(
             core.rank
         )));
     }
+    Ok((0..n).filter(|&r| !out[r]).collect())
+}
+
+/// A shrink's exchange: the old communicator's work stopped (`abort`) or waited for, then the
+/// new communicator's id shared among `members`.
+fn shrink_id(comm: &Arc<Comm>, core: &Core, members: &[usize], abort: bool) -> Result<UniqueId> {
     if abort {
         comm.stop_work(
             "had its work stopped by ncclCommShrink with NCCL_SHRINK_ABORT: only \
@@ -174,14 +227,5 @@ pub fn shrink(
     } else {
         core.wait_idle()?;
     }
-    let members: Vec<usize> = (0..n).filter(|&r| !out[r]).collect();
-    let id = share_id(&core, &members, SHRINK_TAG)?;
-    let child = make(&core, &members, id, config)?;
-    if abort {
-        // Recovered from: as NCCL clears the abort it used, the old communicator's failure is
-        // no longer its asynchronous error (PyTorch waits on it after a shrink, and would
-        // fail the shrink); its calls still fail.
-        core.health.retire();
-    }
-    Ok(child)
+    share_id(core, members, SHRINK_TAG)
 }

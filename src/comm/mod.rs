@@ -6,7 +6,7 @@ mod derive;
 pub mod handles;
 pub mod tables;
 
-pub use derive::{shrink, split, split_at_group_end};
+pub use derive::{shrink, shrink_at_group_end, split, split_at_group_end};
 
 use crate::bootstrap::{Bootstrap, UniqueId, ID_BYTES as UNIQUE_ID_BYTES};
 use crate::error::{Code, Error, Result};
