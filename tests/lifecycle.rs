@@ -396,6 +396,55 @@ fn one_thread_shrinks_its_ranks_in_one_group() {
     }
 }
 
+/// A non-blocking split or shrink made inside a group keeps its parent's
+/// `ncclCommGetAsyncError` at `ncclInProgress` until the new communicator's init is done, as
+/// one made outside a group does (PyTorch waits on the parent): rank 0's, in a group, waits
+/// for the other ranks, which come later, from threads of their own.
+#[test]
+fn nonblocking_children_made_in_a_group_keep_the_parent_in_progress() {
+    std::env::set_var("OXCCL_DEVICE", "host");
+    for shrink in [false, true] {
+        common::within(60, "a parent of a child made in a group", move || {
+            let comms = api::comm_init_all(&[0, 1, 2]).unwrap();
+            let derive = |r: usize| {
+                if shrink {
+                    api::comm_shrink(&comms[r], &[2], Some(nonblocking()), false).unwrap()
+                } else {
+                    let c = api::comm_split(&comms[r], 0, r as i32, Some(nonblocking()));
+                    c.unwrap().expect("a member")
+                }
+            };
+            api::group_start().unwrap();
+            let k0 = derive(0);
+            assert_eq!(api::group_end().unwrap_err().code, Code::InProgress);
+            std::thread::sleep(Duration::from_millis(200));
+            assert_eq!(
+                api::comm_async_error(&comms[0]),
+                Code::InProgress,
+                "the parent while its child waits for the other ranks (shrink: {shrink})"
+            );
+            let others: Vec<_> = std::thread::scope(|s| {
+                let late = if shrink { 1..2 } else { 1..3 };
+                let ts: Vec<_> = late.map(|r| s.spawn(move || derive(r))).collect();
+                ts.into_iter().map(|t| t.join().unwrap()).collect()
+            });
+            let t0 = Instant::now();
+            while api::comm_async_error(&comms[0]) == Code::InProgress {
+                assert!(t0.elapsed() < Duration::from_secs(30), "never done");
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            assert_eq!(api::comm_async_error(&comms[0]), Code::Success);
+            assert_eq!(api::comm_async_error(&k0), Code::Success);
+            for k in &others {
+                await_ready(k, Instant::now());
+            }
+            for c in others.into_iter().chain([k0]).chain(comms) {
+                api::comm_destroy(api::comm_handle(&c)).unwrap();
+            }
+        });
+    }
+}
+
 /// A communicator destroyed (or aborted) inside the group that would make it is not made at
 /// the group's end: the end does not wait for its peers, which will never come.
 #[test]

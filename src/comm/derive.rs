@@ -84,6 +84,7 @@ pub fn split_at_group_end(
     group: impl FnOnce(&Arc<Comm>),
 ) -> Result<Option<Arc<Comm>>> {
     let core = comm.core()?.clone();
+    let parent = core.clone();
     let dev = Some(core.cuda_dev);
     let config = config.unwrap_or_else(|| core.config.clone());
     let c = super::new_placed(
@@ -98,7 +99,11 @@ pub fn split_at_group_end(
             Ok(rank.map(|r| (members.len(), r, id)))
         }),
     )?;
-    // (A rank that joins none still takes part in the exchange: its hidden communicator.)
+    // (A rank that joins none still takes part in the exchange: its hidden communicator,
+    // which never inits, so the parent does not wait on it.)
+    if color != -1 {
+        parent.add_deferred_child(&c);
+    }
     group(&c);
     Ok((color != -1).then_some(c))
 }
@@ -177,6 +182,7 @@ pub fn shrink_at_group_end(
     let members = stayers(&core, exclude)?;
     let config = config.unwrap_or_else(|| core.config.clone());
     let old = comm.clone();
+    let parent = core.clone();
     let c = super::new_placed(
         config,
         Some(core.cuda_dev),
@@ -189,6 +195,7 @@ pub fn shrink_at_group_end(
             Ok(rank.map(|r| (members.len(), r, id)))
         }),
     )?;
+    parent.add_deferred_child(&c);
     group(&c);
     Ok(c)
 }

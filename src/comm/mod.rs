@@ -66,6 +66,14 @@ impl Core {
         }
     }
 
+    /// Notes a non-blocking communicator made from this one whose init waits for the end of
+    /// the caller's group (a split or shrink there): until it is done, as `add_child`.
+    pub fn add_deferred_child(&self, c: &Arc<Comm>) {
+        if c.is_nonblocking() {
+            self.children.lock().push(Arc::downgrade(c));
+        }
+    }
+
     /// Whether the non-blocking init of a communicator made from this one still runs.
     fn child_init_running(&self) -> bool {
         let mut kids = self.children.lock();
