@@ -299,6 +299,19 @@ fn nonblocking_inits_in_a_group_run_on_after_its_end() {
     }
 }
 
+/// One group of a float sum all-reduce on each of 3 communicators of this thread's ranks, of
+/// 256 ones, twos and fours: what each received.
+fn all_reduce_each(comms: &[std::sync::Arc<nccl::comm::Comm>]) -> [Vec<f32>; 3] {
+    let send = [vec![1f32; 256], vec![2f32; 256], vec![4f32; 256]];
+    let mut recv = [vec![0f32; 256], vec![0f32; 256], vec![0f32; 256]];
+    api::group_start().unwrap();
+    for (k, (s, r)) in comms.iter().zip(send.iter().zip(recv.iter_mut())) {
+        api::enqueue(k, common::all_reduce_f32(s, r), StreamArg::Null).unwrap();
+    }
+    api::group_end().unwrap();
+    recv
+}
+
 /// `ncclCommSplit` inside a group runs at the group's end, as NCCL's: one thread splits the
 /// communicators of all its ranks in one group (each split's exchange needs the others'),
 /// blocking or not; a rank with `NCCL_SPLIT_NOCOLOR` gets no communicator but takes part.
@@ -332,13 +345,7 @@ fn one_thread_splits_all_its_ranks_in_one_group() {
             let places: Vec<_> = kids.iter().map(place).collect();
             assert_eq!(places, [(1, 2), (0, 1), (0, 2)], "old ranks 0, 1, 2");
             // Color 0 (old ranks 0 and 2) reduces; color 1 (old rank 1 alone) copies.
-            let send = [vec![1f32; 256], vec![2f32; 256], vec![4f32; 256]];
-            let mut recv = [vec![0f32; 256], vec![0f32; 256], vec![0f32; 256]];
-            api::group_start().unwrap();
-            for (k, (s, r)) in kids.iter().zip(send.iter().zip(recv.iter_mut())) {
-                api::enqueue(k, common::all_reduce_f32(s, r), StreamArg::Null).unwrap();
-            }
-            api::group_end().unwrap();
+            let recv = all_reduce_each(&kids);
             assert!(recv[0].iter().chain(&recv[2]).all(|&x| x == 5.0));
             assert!(recv[1].iter().all(|&x| x == 2.0));
             for c in kids.into_iter().chain(comms) {
@@ -381,13 +388,7 @@ fn one_thread_shrinks_its_ranks_in_one_group() {
             for (r, k) in kids.iter().enumerate() {
                 assert_eq!((k.rank().unwrap(), k.nranks().unwrap()), (r as i32, 3));
             }
-            let send = [vec![1f32; 256], vec![2f32; 256], vec![4f32; 256]];
-            let mut recv = [vec![0f32; 256], vec![0f32; 256], vec![0f32; 256]];
-            api::group_start().unwrap();
-            for (k, (s, r)) in kids.iter().zip(send.iter().zip(recv.iter_mut())) {
-                api::enqueue(k, common::all_reduce_f32(s, r), StreamArg::Null).unwrap();
-            }
-            api::group_end().unwrap();
+            let recv = all_reduce_each(&kids);
             assert!(recv.iter().flatten().all(|&x| x == 7.0));
             for c in kids.into_iter().chain(comms) {
                 api::comm_destroy(api::comm_handle(&c)).unwrap();

@@ -846,15 +846,18 @@ mod tests {
         assert_eq!(names[n + 2 * n * (n - 1)..], rings, "{names:?}");
     }
 
+    /// A sending end of 4 slots of 4 KiB in region `name` (kept until `inproc::forget`), its
+    /// ends kernels on one GPU in this process where `same`.
+    fn conn(name: &str, same: bool) -> Arc<Conn> {
+        let region = inproc::open(name, crate::transport::region_bytes(4, 4096)).unwrap();
+        let mut c = Conn::new(Region::Heap(region), 4, 4096, (0, 1), true);
+        c.same_device = same;
+        Arc::new(c)
+    }
+
     /// Device-scope fences only where every connection of the descriptor is on this GPU.
     #[test]
     fn gpu_fences_need_every_connection_on_the_gpu() {
-        let conn = |name: &str, same: bool| {
-            let region = inproc::open(name, crate::transport::region_bytes(4, 4096)).unwrap();
-            let mut c = Conn::new(Region::Heap(region), 4, 4096, (0, 1), true);
-            c.same_device = same;
-            Arc::new(c)
-        };
         let (a, b) = (
             conn("oxccl-desc-fence-a", true),
             conn("oxccl-desc-fence-b", false),
@@ -968,12 +971,6 @@ mod tests {
     /// slice needs its pre-multiplication; nothing otherwise.
     #[test]
     fn sends_by_reference_only_where_the_memory_stays() {
-        let conn = |name: &str, same: bool| {
-            let region = inproc::open(name, crate::transport::region_bytes(4, 4096)).unwrap();
-            let mut c = Conn::new(Region::Heap(region), 4, 4096, (0, 1), true);
-            c.same_device = same;
-            Arc::new(c)
-        };
         let (gpu, apart) = (
             conn("oxccl-desc-ref-a", true),
             conn("oxccl-desc-ref-b", false),
