@@ -16,7 +16,7 @@
 // 0, call word 1, bytes) as u64 at 1024 + 24 * slot; slot data at `slots + slot * slot_bytes`.
 // A slot whose bytes word has OX_REF_FLAG holds no data but, in its first 8 bytes, the address
 // of the sender's memory that holds it (`OX_STEP_REF_*`); the receiving blocks' claims on that
-// memory (u32) are at 256, and whether the sender revoked its slots (u32) at 320 (`ox_drain`).
+// memory (u32) are at 256, and whether the sender revoked its slots (u32) at 320 (`ox_revoke`).
 
 #include "reduce.cuh"
 #include "direct.cuh"

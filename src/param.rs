@@ -105,7 +105,7 @@ pub const PARAMS: &[Param] = &[
     },
     Param {
         name: "NCCL_P2P_DIRECT_DISABLE",
-        doc: "1: on the CUDA executor, a rank never reads another rank's buffers of its own process, as in NCCL; otherwise, where both ends of a connection are kernels of this process on one GPU and a program sends more slots on it than its FIFO holds, the steps that send a caller's buffer (or scratch) as it is send its address instead of its bytes, and the receiving kernel reads them there (one copy instead of two; the sending kernel then waits at its program's end until the receiver has read them)",
+        doc: "1: on the CUDA executor, what goes through a connection's FIFO between ranks of this process is copied into its slots, never read from the sender's buffer. Otherwise (the default), where both ends of a connection are kernels of this process on one GPU and a program sends more slots on it than its FIFO holds (OXCCL_NSTEPS slots of the communicator's slot bytes: 8 of 1 MiB by default), the steps that send a caller's buffer (or scratch) as it is send its address instead of its bytes, and the receiving kernel reads them there (one copy instead of two; the sending kernel then waits at its program's end until the receiver has read them). The device board and the one-kernel all-reduce read peers' buffers whatever this says (OXCCL_CUDA_DIRECT=0 turns them off)",
         default: "0",
     },
     Param {

@@ -432,9 +432,11 @@ impl Desc {
 ///   its result over the input it sent first);
 /// - where the program sends more slots on the connection than its FIFO holds. The kernel
 ///   waits at the program's end until the receiver has taken every slot (`ox_drain`), so that
-///   nothing reads the memory once the launch is done; a program that fills its FIFO waited
-///   for that receiver already, so the wait adds no dependency between ranks that there was
-///   not (a short send still ends without its receiver, as before).
+///   nothing reads the memory once the launch is done. A program that fills its FIFO waited
+///   for that receiver already, though only for the slots before the FIFO's last worth: the
+///   wait for those is new (where every rank makes the same calls in the same order and the
+///   device holds a ring's lanes at once, as `lane_key` needs, it ends; a short send still
+///   ends without its receiver, as before).
 #[inline(never)]
 fn mark_refs(p: &DevProgram, flat: &mut [FlatStep]) {
     let es = p.esize as u64;
