@@ -649,6 +649,11 @@ __device__ void ox_post(const OxView& v, const OxStepD& s, const OxProgD& p, OxS
   }
 }
 
+// The step's OX_STEP_REF_* flag, where it sends by reference; 0 where it does not.
+__device__ __forceinline__ uint32_t ox_byref(const OxStepD& s) {
+  return s.send != OX_NONE ? s.prep & (OX_STEP_REF_SRC | OX_STEP_REF_DST) : 0;
+}
+
 // Thread 0, at the end of a program with steps that sent by reference (OX_STEP_REF_*): waits
 // until the receivers have taken every slot the block sent on those steps' connections, so
 // that nothing reads the memory the slots refer to once the kernel ends. False when the
@@ -657,7 +662,7 @@ __device__ bool ox_drain(const OxView& v, const OxProgD& p, OxCtl* ctl, OxShared
   unsigned spins = 0;
   for (uint32_t k = 0; k < p.nsteps; k++) {
     const OxStepD& s = v.steps[p.first_step + k];
-    if (s.send == OX_NONE || !(s.prep & (OX_STEP_REF_SRC | OX_STEP_REF_DST))) continue;
+    if (!ox_byref(s)) continue;
     const OxConnD& c = v.conns[s.send];
     const uint64_t want = ox_next(c, s.send, true, sh);
     while (ld_vol64((const uint64_t*)c.hdr + 8) < want) {
@@ -676,7 +681,7 @@ __device__ void ox_revoke(const OxView& v, const OxProgD& p) {
   for (int pass = 0; pass < 2; pass++) {
     for (uint32_t k = 0; k < p.nsteps; k++) {
       const OxStepD& s = v.steps[p.first_step + k];
-      if (s.send == OX_NONE || !(s.prep & (OX_STEP_REF_SRC | OX_STEP_REF_DST))) continue;
+      if (!ox_byref(s)) continue;
       const uint64_t hdr = v.conns[s.send].hdr;
       if (pass == 0) {
         atomicExch((unsigned*)(hdr + OX_REF_REVOKED), 1u);
@@ -1051,8 +1056,7 @@ __device__ __forceinline__ void ox_run(const uint64_t* words) {
         uint64_t hi = lo + per < n ? lo + per : n;
         uint64_t at = (off + lo) * p.esize;
         // A send by reference: the slot gets the slice's address, not its bytes.
-        const uint32_t byref =
-            s.send != OX_NONE ? s.prep & (OX_STEP_REF_SRC | OX_STEP_REF_DST) : 0;
+        const uint32_t byref = ox_byref(s);
         const uint32_t prim = byref ? ox_unsent(s.prim) : s.prim;
         refs |= byref != 0;
         const uint8_t* in = sh.in ? sh.in + lo * p.esize : nullptr;

@@ -390,8 +390,8 @@ static CUDA_FENCE: PerLaunch = PerLaunch::read_by("OXCCL_CUDA_FENCE", |name| mat
 
 /// Has the CUDA executor's per-launch parameters (`OXCCL_CUDA_CE_COPY_BYTES`,
 /// `OXCCL_CUDA_COPY_KERNEL`, `OXCCL_CUDA_DIRECT`, `OXCCL_CUDA_CHANNELS`, `OXCCL_CUDA_FENCE`,
-/// `NCCL_P2P_DIRECT_DISABLE`) read from the environment again at their next use: for tests that change them between
-/// launches.
+/// `NCCL_P2P_DIRECT_DISABLE`) read from the environment again at their next use: for tests
+/// that change them between launches.
 #[doc(hidden)]
 pub fn reread() {
     for p in [

@@ -39,13 +39,11 @@ fn make(
     id: UniqueId,
     config: Option<CommConfig>,
 ) -> Result<Arc<Comm>> {
-    let new_rank = members
-        .iter()
-        .position(|&r| r == core.rank)
+    let (nranks, rank, id) = seat(core, members, id)
         .ok_or_else(|| Error::internal("this rank is not a member of its new communicator"))?;
     let c = new_comm(
-        members.len() as i32,
-        new_rank as i32,
+        nranks as i32,
+        rank as i32,
         vec![id],
         config.unwrap_or_else(|| core.config.clone()),
         Some(core.cuda_dev),
@@ -84,28 +82,43 @@ pub fn split_at_group_end(
     group: impl FnOnce(&Arc<Comm>),
 ) -> Result<Option<Arc<Comm>>> {
     let core = comm.core()?.clone();
-    let parent = core.clone();
-    let dev = Some(core.cuda_dev);
-    let config = config.unwrap_or_else(|| core.config.clone());
-    let c = super::new_placed(
-        config,
-        dev,
-        Box::new(move || {
-            let Some(members) = place(&core, color, key)? else {
-                return Ok(None);
-            };
-            let id = share_id(&core, &members, SPLIT_TAG)?;
-            let rank = members.iter().position(|&r| r == core.rank);
-            Ok(rank.map(|r| (members.len(), r, id)))
-        }),
-    )?;
+    let placed = core.clone();
     // (A rank that joins none still takes part in the exchange: its hidden communicator,
     // which never inits, so the parent does not wait on it.)
-    if color != -1 {
-        parent.add_deferred_child(&c);
+    let c = deferred(&core, config, color != -1, group, move || {
+        let Some(members) = place(&placed, color, key)? else {
+            return Ok(None);
+        };
+        let id = share_id(&placed, &members, SPLIT_TAG)?;
+        Ok(seat(&placed, &members, id))
+    })?;
+    Ok((color != -1).then_some(c))
+}
+
+/// A communicator made at the end of the caller's group from `core`'s (`group` queues its
+/// init there), whose place `placement` learns then; listed as the parent's child where
+/// `listed` (one that inits).
+fn deferred(
+    core: &Core,
+    config: Option<CommConfig>,
+    listed: bool,
+    group: impl FnOnce(&Arc<Comm>),
+    placement: impl FnOnce() -> Result<Option<(usize, usize, UniqueId)>> + Send + 'static,
+) -> Result<Arc<Comm>> {
+    let config = config.unwrap_or_else(|| core.config.clone());
+    let c = super::new_placed(config, Some(core.cuda_dev), Box::new(placement))?;
+    if listed {
+        core.add_deferred_child(&c);
     }
     group(&c);
-    Ok((color != -1).then_some(c))
+    Ok(c)
+}
+
+/// This rank's place among `members` (old ranks, in new rank order) of the communicator `id`
+/// names: (ranks, rank, id), or None where it is not one of them.
+fn seat(core: &Core, members: &[usize], id: UniqueId) -> Option<(usize, usize, UniqueId)> {
+    let rank = members.iter().position(|&r| r == core.rank)?;
+    Some((members.len(), rank, id))
 }
 
 /// A split's exchange over the parent's bootstrap: the members of this rank's new
@@ -180,24 +193,14 @@ pub fn shrink_at_group_end(
 ) -> Result<Arc<Comm>> {
     let core = comm.core()?.clone();
     let members = stayers(&core, exclude)?;
-    let config = config.unwrap_or_else(|| core.config.clone());
-    let old = comm.clone();
-    let parent = core.clone();
-    let c = super::new_placed(
-        config,
-        Some(core.cuda_dev),
-        Box::new(move || {
-            let id = shrink_id(&old, &core, &members, abort)?;
-            if abort {
-                core.health.retire();
-            }
-            let rank = members.iter().position(|&r| r == core.rank);
-            Ok(rank.map(|r| (members.len(), r, id)))
-        }),
-    )?;
-    parent.add_deferred_child(&c);
-    group(&c);
-    Ok(c)
+    let (old, placed) = (comm.clone(), core.clone());
+    deferred(&core, config, true, group, move || {
+        let id = shrink_id(&old, &placed, &members, abort)?;
+        if abort {
+            placed.health.retire();
+        }
+        Ok(seat(&placed, &members, id))
+    })
 }
 
 /// The ranks a shrink keeps (old ranks, in order), from its `excludeRanksList`.

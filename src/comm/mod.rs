@@ -99,8 +99,8 @@ impl Core {
     }
 }
 
-/// Where a split deferred to its group's end learns its place, when the init runs: (ranks,
-/// rank, unique id) of the new communicator, or None where this rank joins none.
+/// Where a split or shrink deferred to its group's end learns its place, when the init runs:
+/// (ranks, rank, unique id) of the new communicator, or None where this rank joins none.
 type Placement = Box<dyn FnOnce() -> Result<Option<(usize, usize, UniqueId)>> + Send>;
 
 /// What a deferred init needs.
@@ -112,7 +112,8 @@ struct PendingInit {
     dev: Option<i32>,
     /// Set by `ncclCommAbort` while the init runs (it becomes the communicator's abort flag).
     abort: Arc<AtomicBool>,
-    /// A split deferred to its group's end: `nranks`, `rank` and `ids` come from here first.
+    /// A split or shrink deferred to its group's end: `nranks`, `rank` and `ids` come from
+    /// here first.
     placement: Option<Placement>,
 }
 
@@ -551,8 +552,8 @@ pub(crate) fn new_comm(
     })))
 }
 
-/// A communicator made at its group's end by a split whose place (`placement`) is learned
-/// there, on `dev`.
+/// A communicator made at its group's end by a split or shrink whose place (`placement`) is
+/// learned there, on `dev`.
 pub(crate) fn new_placed(
     config: CommConfig,
     dev: Option<i32>,
