@@ -39,8 +39,11 @@ enum OxPrim {
 struct OxConnD {  // 32 bytes
   uint64_t hdr;
   uint64_t slots;
-  uint64_t nsteps;
-  uint64_t slot_bytes;
+  uint32_t nsteps;
+  uint32_t slot_bytes;
+  // What a step sending by reference on it adds to the address it posts: where the receiver,
+  // a kernel of another process, sees the memory (0 in this process).
+  int64_t ref_delta;
 };
 // Programs and steps in the plan's flat form (`FlatProgram`, `FlatStep`, `FlatRed`,
 // `FlatAddr` of `src/plan/encode.rs`).
@@ -72,7 +75,9 @@ struct OxProgD {  // 80 bytes
 // A step's `prep` flags. PREP: a send applies the reduction's pre-multiplication. REF_SRC /
 // REF_DST: the step sends its slices by reference, the address of its source (REF_SRC) or of
 // its destination once written (REF_DST) in place of the bytes, for a receiver that reads this
-// process's memory (`src/exec/cuda/desc.rs`: `mark_refs`, which says when); the program then
+// memory (a kernel of this process, or of another process on this GPU that opened it: the address
+// as it sees it, the connection's `ref_delta` added) (`src/exec/cuda/desc.rs`: `mark_refs`, which
+// says when); the program then
 // waits at its end until the receiver has taken every slot (`ox_drain`).
 #define OX_STEP_PREP 1u
 #define OX_STEP_REF_SRC 2u
@@ -672,12 +677,33 @@ __device__ bool ox_drain(const OxView& v, const OxProgD& p, OxCtl* ctl, OxShared
   return true;
 }
 
+// Nanoseconds of a clock every block reads alike (the GPU's global timer; the host emulation
+// defines OX_NOW_NS as its monotonic clock).
+#ifndef OX_NOW_NS
+__device__ __forceinline__ uint64_t ox_now_ns() {
+#ifdef __CUDA_ARCH__
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+#else
+  return 0;
+#endif
+}
+#define OX_NOW_NS() ox_now_ns()
+#endif
+// How long a sender that revokes its slots waits for the receivers' claims (`ox_revoke`).
+#define OX_CLAIMS_WAIT_NS 10000000000ull
+
 // Thread 0, when a program that sent slots by reference stops before its receivers took them
 // all (abort, error): revokes them, then waits until no receiving block holds a claim on the
 // memory they refer to (a block holds one only while it reads a slice, which ends), so that
 // nothing reads that memory once the kernel ends. A receiver that comes later finds them
-// revoked and stops with OX_ERR_REF_REVOKED. (Both ends are on this GPU: device scope.)
+// revoked and stops with OX_ERR_REF_REVOKED. (Both ends are on this GPU: device scope.) A
+// receiver in another process that died while it held a claim never lets go: past
+// OX_CLAIMS_WAIT_NS (a live one reads a slice in microseconds, or within its process's next
+// time slice) the sender stops waiting, its communicator failed already.
 __device__ void ox_revoke(const OxView& v, const OxProgD& p) {
+  const uint64_t t0 = OX_NOW_NS();
   for (int pass = 0; pass < 2; pass++) {
     for (uint32_t k = 0; k < p.nsteps; k++) {
       const OxStepD& s = v.steps[p.first_step + k];
@@ -687,7 +713,8 @@ __device__ void ox_revoke(const OxView& v, const OxProgD& p) {
         atomicExch((unsigned*)(hdr + OX_REF_REVOKED), 1u);
         __threadfence();
       } else {
-        while (ld_vol32((const uint32_t*)(hdr + OX_REF_CLAIMS)) != 0) {
+        while (ld_vol32((const uint32_t*)(hdr + OX_REF_CLAIMS)) != 0 &&
+               OX_NOW_NS() - t0 < OX_CLAIMS_WAIT_NS) {
         }
       }
     }
@@ -1075,7 +1102,9 @@ __device__ __forceinline__ void ox_run(const uint64_t* words) {
             atomicAdd(sh.claim, ~0u);
           }
           const uint64_t ref =
-              byref ? (byref & OX_STEP_REF_SRC ? s.src.at : s.dst.at) + off * p.esize : 0;
+              byref ? (byref & OX_STEP_REF_SRC ? s.src.at : s.dst.at) + off * p.esize +
+                          (uint64_t)v.conns[s.send].ref_delta
+                    : 0;
           ox_post(v, s, p, &sh, n * p.esize, nb, gpu, ref);
         }
       }

@@ -1742,6 +1742,13 @@ fn cuda_executor_on_emulated_kernels() {
         }
         run_processes(&so, n, ipc, hosts, Some(how), None);
     }
+    // Registered buffers that the kernels of other processes on the one device read where they
+    // are (16 KiB slots: 1.2 MB is more than a FIFO's worth), over 2 and 3 processes.
+    std::env::set_var("OXCCL_CHUNK_BYTES", "16384");
+    for n in [2, 3] {
+        run_processes(&so, n, None, 1, Some("registered"), None);
+    }
+    std::env::remove_var("OXCCL_CHUNK_BYTES");
     let _ = std::fs::remove_file(&so);
     let _ = std::fs::remove_dir_all(&cache);
 }

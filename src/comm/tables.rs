@@ -105,12 +105,31 @@ impl RedOps {
 
 const GONE: &str = "was not created on this communicator, or is destroyed";
 
-/// Buffers registered with `ncclCommRegister`; the host executor needs no pinning, but handles
-/// are real and checked.
-#[derive(Default)]
+/// Buffers registered with `ncclCommRegister`: the host executor needs no pinning, but handles
+/// are real and checked; the CUDA executor lets kernels of other processes on the GPU read
+/// them where they are (`transport::registered`), until they are deregistered or the
+/// communicator goes.
 pub struct Registry {
     regs: Mutex<HashMap<usize, (usize, usize)>>,
     next: Mutex<usize>,
+    /// The registry's number among the process's (what `registered` knows it by).
+    id: u64,
+}
+
+impl Default for Registry {
+    fn default() -> Registry {
+        static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+        Registry {
+            regs: Mutex::default(),
+            next: Mutex::default(),
+            id: NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
+        }
+    }
+}
+
+/// Whether registrations are the CUDA executor's.
+fn on_cuda() -> bool {
+    crate::exec::kind() == crate::exec::Kind::Cuda
 }
 
 impl Registry {
@@ -119,13 +138,28 @@ impl Registry {
         *n += 1;
         let h = *n;
         self.regs.lock().insert(h, (buf, size));
+        if on_cuda() {
+            crate::transport::registered::register(self.id, h, buf, size);
+        }
         Ok(h)
     }
 
     pub fn deregister(&self, h: usize) -> Result<()> {
-        self.regs.lock().remove(&h).map(|_| ()).ok_or_else(|| {
+        self.regs.lock().remove(&h).ok_or_else(|| {
             Error::invalid_argument(format!("ncclCommDeregister: unknown handle {h:#x}"))
-        })
+        })?;
+        if on_cuda() {
+            crate::transport::registered::deregister(self.id, Some(h));
+        }
+        Ok(())
+    }
+}
+
+impl Drop for Registry {
+    fn drop(&mut self) {
+        if !self.regs.get_mut().is_empty() && on_cuda() {
+            crate::transport::registered::deregister(self.id, None);
+        }
     }
 }
 

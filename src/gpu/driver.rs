@@ -55,6 +55,10 @@ pub const CU_GRAPH_USER_OBJECT_MOVE: c_uint = 1;
 pub const CU_POINTER_ATTRIBUTE_MEMORY_TYPE: c_int = 2;
 pub const CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL: c_int = 9;
 pub const CU_POINTER_ATTRIBUTE_IS_MANAGED: c_int = 8;
+pub const CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE: c_int = 10;
+/// The allocation that holds an address: its base (a device pointer) and size (a size_t).
+pub const CU_POINTER_ATTRIBUTE_RANGE_START_ADDR: c_int = 11;
+pub const CU_POINTER_ATTRIBUTE_RANGE_SIZE: c_int = 12;
 pub const CU_MEMORYTYPE_HOST: c_uint = 1;
 pub const CU_MEMORYTYPE_DEVICE: c_uint = 2;
 pub const CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES: c_int = 8;

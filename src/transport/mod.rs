@@ -19,6 +19,7 @@ pub mod net_plugin;
 pub mod peer;
 pub mod plugin;
 pub mod proxy;
+pub mod registered;
 pub mod shm;
 #[cfg(test)]
 mod tests;
@@ -343,6 +344,11 @@ pub struct Conn {
     /// memory: nothing off the GPU touches its counters or slots (device-scope fences suffice,
     /// `OXCCL_CUDA_FENCE`).
     pub same_device: bool,
+    /// A sending end whose receiver is a kernel of another process on this GPU, the
+    /// connection in the receiving end's memory (CUDA IPC): that process's key
+    /// (`liveness::process_key`), which `exec::cuda::registered` asks to read registered
+    /// buffers where they are.
+    pub peer_process: Option<u64>,
     /// The class of traffic the connection was made for (set where it is connected; `Ring`
     /// for one made by hand).
     pub class: Class,
@@ -379,6 +385,7 @@ impl Conn {
             proxy: None,
             shared_blocks: true,
             same_device: false,
+            peer_process: None,
             class: Class::Ring,
         }
     }
@@ -822,6 +829,8 @@ pub(crate) struct Named {
     shared_blocks: bool,
     /// See `Conn::same_device`.
     same_device: bool,
+    /// See `Conn::peer_process`.
+    peer_process: Option<u64>,
 }
 
 /// Whether a connection between `spec`'s ranks lives in device memory: ranks on one GPU, on
@@ -889,6 +898,17 @@ impl Named {
             }
             Region::Heap(h)
         };
+        // Between kernels of two processes on one GPU, the sending one may refer to its
+        // registered buffers: the receiving process serves their opening.
+        let peer_process = (shm
+            && spec.same_device
+            && spec.ipc
+            && spec.peer_pid != 0
+            && in_device_memory(spec, true))
+        .then(|| crate::liveness::process_key(spec.peer_pid, crate::liveness::pid_namespace()));
+        if peer_process.is_some() && !spec.is_sender {
+            registered::serve();
+        }
         let mut blob = name.as_bytes().to_vec();
         if let Some(h) = handle {
             blob.push(HANDLE_MARK);
@@ -908,6 +928,7 @@ impl Named {
                 // (In one process only, until a GPU has checked device-scope fences between
                 // processes that share a GPU by CUDA IPC.)
                 same_device: !shm && spec.same_device && in_device_memory(spec, shm),
+                peer_process: peer_process.filter(|_| spec.is_sender),
             }),
             blob,
         ))
@@ -933,6 +954,7 @@ impl Endpoint for Named {
         let mut conn = Conn::new(region, n.nsteps, n.slot_bytes, (n.me, n.peer), n.is_sender);
         conn.shared_blocks = n.shared_blocks;
         conn.same_device = n.same_device;
+        conn.peer_process = n.peer_process;
         let (name, handle) = split_blob(peer_blob);
         if name != n.name.as_bytes() {
             return Err(Error::internal(format!(

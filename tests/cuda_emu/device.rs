@@ -188,14 +188,14 @@ fn reachable(p: u64) -> bool {
 }
 
 /// The memory a runner launch's connections live in that a kernel cannot reach: each one's
-/// header and the first and last byte of its slots (`OxConnD`: header, slots, steps, slot
-/// bytes; their count is the low 16 bits of the descriptor's second word).
+/// header and the first and last byte of its slots (`OxConnD`: header, slots, steps and slot
+/// bytes (32 bits each), offset; their count is the low 16 bits of the descriptor's second word).
 fn unreachable_conns(params: &[u64]) -> Vec<u64> {
     let n = (params[1] & 0xffff) as usize;
     (0..n)
         .flat_map(|i| {
             let c = &params[2 + 4 * i..6 + 4 * i];
-            let slots = c[2] * c[3];
+            let slots = (c[2] & 0xffff_ffff) * (c[2] >> 32);
             let mut at = vec![c[0]];
             if c[1] != 0 && slots > 0 {
                 at.extend([c[1], c[1] + slots - 1]);
@@ -1096,9 +1096,26 @@ unsafe extern "C" fn event_destroy(e: *mut c_void) -> CUresult {
         None => 400, // CUDA_ERROR_INVALID_HANDLE
     }
 }
-unsafe extern "C" fn pointer_attr(v: *mut c_void, a: c_int, _: u64) -> CUresult {
-    // Device memory (2) of device 0, not managed.
-    unsafe { *(v as *mut c_uint) = if a == 9 || a == 8 { 0 } else { 2 } };
+unsafe extern "C" fn pointer_attr(v: *mut c_void, a: c_int, p: u64) -> CUresult {
+    // The allocation (cuMemAlloc) that holds `p`: its base and size, and whether it has a
+    // legacy IPC handle.
+    let alloc = || {
+        ALLOCS.lock().as_ref().and_then(|m| {
+            m.iter()
+                .find(|(&at, &(_, n))| at <= p && p < at + n as u64)
+                .map(|(&at, &(_, n))| (at, n as u64))
+        })
+    };
+    match a {
+        // SAFETY: the attributes' types: a device pointer, a size_t, an int.
+        11 | 12 => match alloc() {
+            Some((at, n)) => unsafe { *(v as *mut u64) = if a == 11 { at } else { n } },
+            None => return 1,
+        },
+        10 => unsafe { *(v as *mut c_uint) = c_uint::from(alloc().is_some()) },
+        // Device memory (2) of device 0, not managed.
+        _ => unsafe { *(v as *mut c_uint) = if a == 9 || a == 8 { 0 } else { 2 } },
+    }
     OK
 }
 stand_in::pointer_attrs_over!(stand_in, pointer_attr);

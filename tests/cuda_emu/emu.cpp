@@ -24,6 +24,7 @@
 #include <ucontext.h>
 
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <mutex>
 #include <string>
@@ -81,6 +82,12 @@ static inline unsigned atomicExch(unsigned* p, unsigned v) {
 // them (`oxemu_refs_taken`).
 static std::atomic<unsigned long long> ox_refs_taken;
 #define OX_TOOK_REF() ox_refs_taken.fetch_add(1)
+
+// The clock a revoking sender bounds its wait by (`ox_revoke`).
+#define OX_NOW_NS() \
+  ((uint64_t)std::chrono::duration_cast<std::chrono::nanoseconds>( \
+       std::chrono::steady_clock::now().time_since_epoch())          \
+       .count())
 
 #define OX_LARGE 1
 #include "runner.cu"

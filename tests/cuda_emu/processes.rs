@@ -194,6 +194,9 @@ pub fn trouble(
     if how == "graph-finish" {
         return graph_finish(comm, r, stream);
     }
+    if how == "registered" {
+        return registered(comm, r, n, stream);
+    }
     let c = cases(n, &[300_001])[0];
     let b = buffers(&c, n)[r];
     fill(&c, n, r, b, 0);
@@ -361,6 +364,107 @@ pub fn graph_finish(comm: Arc<nccl::comm::Comm>, r: usize, stream: usize) {
     }
 }
 
+/// Registered buffers read where they are by the kernels of another process on the one GPU
+/// (with 16 KiB slots, `OXCCL_CHUNK_BYTES`, so that 1.2 MB is more than a FIFO's worth): each
+/// rank registers a send and a receive buffer of its own (device memory, `cuMemAlloc`), sends
+/// the next rank its send buffer while it receives the previous one's, then all-reduces the
+/// two out of place; every element checked. Its kernels took slots by reference (the other
+/// process opened its buffers through its registration service); once every rank deregistered
+/// them, each process has closed what it opened, and the same calls take nothing by
+/// reference and give the same results.
+pub fn registered(comm: Arc<nccl::comm::Comm>, r: usize, n: usize, stream: usize) {
+    let count = 300_001;
+    let bytes = 4 * count;
+    let api = driver::api().unwrap();
+    let alloc = || {
+        let mut p = 0;
+        // SAFETY: writes one device pointer (freed below).
+        assert_eq!(unsafe { (api.mem_alloc)(&mut p, bytes) }, 0, "cuMemAlloc");
+        p as usize
+    };
+    let (send, recv) = (alloc(), alloc());
+    let value = |from: usize, i: usize| ((i % 1000) * (from + 1)) as f64;
+    let handles = [send, recv].map(|b| nccl::api::comm_register(&comm, b, bytes).unwrap());
+    let on = stream_arg(stream);
+    // (The refs taken, and how many of the other processes' buffers this one had open after
+    // the point-to-point calls: no rank deregisters before all took part in the all-reduce.)
+    let run = |what: &str| -> (u64, usize) {
+        for i in 0..count {
+            put(DataType::Float32, send, i, value(r, i));
+            put(DataType::Float32, recv, i, -1.0);
+        }
+        let before = device::refs_taken();
+        nccl::api::group_start().unwrap();
+        let to = p2p_f32(CollKind::Send, send, 0, count, (r + 1) % n);
+        let from = p2p_f32(CollKind::Recv, 0, recv, count, (r + n - 1) % n);
+        nccl::api::enqueue(&comm, to, on.clone()).unwrap();
+        nccl::api::enqueue(&comm, from, on.clone()).unwrap();
+        nccl::api::group_end().unwrap();
+        sync_all(&[stream], what);
+        no_async_error(std::slice::from_ref(&comm), what);
+        for i in 0..count {
+            let want = value((r + n - 1) % n, i);
+            assert_eq!(
+                get(DataType::Float32, recv, i),
+                want,
+                "{what}: received element {i}"
+            );
+        }
+        let opened = nccl::transport::registered::opened();
+        let all = CollArgs {
+            send,
+            recv,
+            ..p2p_f32(CollKind::AllReduce, 0, 0, count, 0)
+        };
+        nccl::api::enqueue(&comm, all, on.clone()).unwrap();
+        sync_all(&[stream], what);
+        no_async_error(std::slice::from_ref(&comm), what);
+        for i in 0..count {
+            let want: f64 = (0..n).map(|q| value(q, i)).sum();
+            assert_eq!(
+                get(DataType::Float32, recv, i),
+                want,
+                "{what}: reduced element {i}"
+            );
+        }
+        (device::refs_taken() - before, opened)
+    };
+    let (took, opened) = run("registered buffers");
+    assert!(
+        took > 0,
+        "rank {r}: nothing taken by reference from registered buffers"
+    );
+    assert!(
+        opened > 0,
+        "rank {r}: opened none of the other processes' buffers"
+    );
+    for h in handles {
+        nccl::api::comm_deregister(&comm, h).unwrap();
+    }
+    // (Every rank deregistered before its part of these calls: each asked the other
+    // processes to close its buffers, and waited.)
+    let (again, _) = run("deregistered buffers");
+    assert_eq!(
+        again, 0,
+        "rank {r}: slots by reference from deregistered buffers"
+    );
+    assert_eq!(
+        nccl::transport::registered::opened(),
+        0,
+        "rank {r}: the other processes' deregistered buffers are still open here"
+    );
+    nccl::api::comm_destroy(nccl::api::comm_handle(&comm)).unwrap();
+    no_faults();
+    for b in [send, recv] {
+        // SAFETY: allocated above; nothing uses it any more.
+        unsafe { (api.mem_free)(b as u64) };
+    }
+    println!(
+        "survived: took {took} slots by reference from registered buffers (opened {opened} of \
+         the other processes'), none once they were deregistered"
+    );
+}
+
 /// The library's segments in /dev/shm.
 pub fn shm_names() -> BTreeSet<String> {
     std::fs::read_dir("/dev/shm")
@@ -524,6 +628,10 @@ pub fn run_processes(
             "death" => assert_eq!(last.0.signal(), Some(9), "{report}"),
             "finish" => assert!(
                 last.0.success() && last.1.contains("sent and left"),
+                "{report}"
+            ),
+            "registered" => assert!(
+                last.0.success() && last.1.contains("survived: "),
                 "{report}"
             ),
             _ => assert!(

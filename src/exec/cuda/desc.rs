@@ -79,6 +79,12 @@ pub struct Desc {
     board_bytes: usize,
     /// Whether some step is more than a plain copy.
     transforms: bool,
+    /// Whether steps may send registered buffers by reference to kernels of other processes
+    /// (`allow_peer_refs`).
+    peer_refs: bool,
+    /// What the kernels add to the addresses they send by reference on a connection (by its
+    /// index; 0 where not listed): where the receiver sees the memory (`mark_refs`).
+    offsets: SmallVec<[(u32, i64); 2]>,
 }
 
 /// The bytes of a descriptor of `conns` connections, `progs` programs, `steps` steps and
@@ -134,6 +140,13 @@ impl Desc {
 
     pub fn lanes(&self) -> usize {
         self.lanes.len()
+    }
+
+    /// Lets the lanes added from now on send registered buffers by reference to kernels of
+    /// other processes on this GPU (`registered`): not for a launch captured into a graph,
+    /// whose replays may come after a buffer is deregistered.
+    pub fn allow_peer_refs(&mut self) {
+        self.peer_refs = true;
     }
 
     /// Board lanes among them.
@@ -201,12 +214,19 @@ impl Desc {
                     }
                 }),
             })?;
-            if p.steps
-                .iter()
-                .any(|s| s.send.as_ref().is_some_and(|c| c.same_device))
-                && crate::param::p2p_direct()
+            let peer = self.peer_refs && crate::transport::registered::any();
+            if crate::param::p2p_direct()
+                && p.steps
+                    .iter()
+                    .any(|s| s.send.as_ref().is_some_and(|c| by_ref_may(c, peer)))
             {
-                mark_refs(p, &mut self.steps[at..]);
+                mark_refs(
+                    p,
+                    &mut self.steps[at..],
+                    peer,
+                    &mut self.offsets,
+                    crate::transport::registered::peer_offset,
+                );
             }
         }
         let n = self.progs.len() - first;
@@ -323,9 +343,17 @@ impl Desc {
         ] {
             b.extend_from_slice(&n16(n));
         }
-        for c in &self.conns {
+        for (i, c) in self.conns.iter().enumerate() {
             let (hdr, slots) = c.device_view();
-            for v in [hdr as u64, slots as u64, c.nsteps, c.slot_bytes as u64] {
+            let (Ok(n), Ok(sb)) = (u32::try_from(c.nsteps), u32::try_from(c.slot_bytes)) else {
+                return Err(Error::internal(format!(
+                    "a connection of {} slots of {} bytes",
+                    c.nsteps, c.slot_bytes
+                )));
+            };
+            let offset = self.offset(i);
+            let steps = u64::from(n) | u64::from(sb) << 32;
+            for v in [hdr as u64, slots as u64, steps, offset as u64] {
                 b.extend_from_slice(&v.to_le_bytes());
             }
         }
@@ -390,9 +418,21 @@ impl Desc {
         }
         for (i, c) in self.conns.iter().enumerate() {
             let (h, sl) = c.device_view();
-            out += &format!(" conn {i} {} hdr {h:#x} slots {sl:#x};", c.counters());
+            out += &format!(" conn {i} {} hdr {h:#x} slots {sl:#x}", c.counters());
+            if self.offset(i) != 0 {
+                out += &format!(" refs {:+#x}", self.offset(i));
+            }
+            out += ";";
         }
         out
+    }
+
+    /// What the kernels add to an address they send by reference on connection `i`.
+    fn offset(&self, i: usize) -> i64 {
+        self.offsets
+            .iter()
+            .find(|o| o.0 as usize == i)
+            .map_or(0, |o| o.1)
     }
 
     /// The largest step, in bytes (sizes a local launch).
@@ -424,7 +464,11 @@ impl Desc {
 /// this launch ends) instead of out of a slot, which spares the copy into the slot. Only
 /// - on a connection whose ends are both kernels of this process on one GPU
 ///   (`Conn::same_device`: the receiver reads this memory at the same address, whatever
-///   allocated it);
+///   allocated it), or whose receiver is a kernel of another process on this GPU
+///   (`Conn::peer_process`) that opened the registered buffer holding the memory
+///   (`registered`; `peer`: not in a captured launch). The slot then carries the address as
+///   that process sees it: the kernels add the connection's offset (`offsets`), one per
+///   connection;
 /// - for a step whose slices go out as they are (no pre-multiplication to apply): the source of a
 ///   `Send` or `CopySend`, the destination of a `RecvCopySend` or `RecvReduceCopySend` once
 ///   the step wrote it;
@@ -438,7 +482,13 @@ impl Desc {
 ///   device holds a ring's lanes at once, as `lane_key` needs, it ends; a short send still
 ///   ends without its receiver, as before).
 #[inline(never)]
-fn mark_refs(p: &DevProgram, flat: &mut [FlatStep]) {
+fn mark_refs(
+    p: &DevProgram,
+    flat: &mut [FlatStep],
+    peer: bool,
+    offsets: &mut SmallVec<[(u32, i64); 2]>,
+    mut peer_offset: impl FnMut(u64, u64, u64) -> Option<i64>,
+) {
     let es = p.esize as u64;
     let premul = match p.red {
         Some(crate::plan::RedSpec::Ready(r)) => r.premul.is_some(),
@@ -446,7 +496,7 @@ fn mark_refs(p: &DevProgram, flat: &mut [FlatStep]) {
         None => false,
     };
     for (k, s) in p.steps.iter().enumerate() {
-        let Some(c) = s.send.as_ref().filter(|c| c.same_device) else {
+        let Some(c) = s.send.as_ref().filter(|c| by_ref_may(c, peer)) else {
             continue;
         };
         let (flag, at) = match s.prim {
@@ -469,10 +519,35 @@ fn mark_refs(p: &DevProgram, flat: &mut [FlatStep]) {
             .iter()
             .enumerate()
             .any(|(j, t)| j != k && t.dst.at != 0 && t.dst.at < end && at < t.dst.at + t.len * es);
-        if !written {
-            flat[k].prep |= flag;
+        if written {
+            continue;
         }
+        // Where the receiver sees the memory: here on this GPU in this process; in the
+        // receiving process, a registered buffer it opened. One offset per connection (a
+        // step whose memory the receiver sees at another sends its bytes).
+        let offset = match c.peer_process {
+            _ if c.same_device => 0,
+            Some(key) => match peer_offset(key, at, end) {
+                Some(o) => o,
+                None => continue,
+            },
+            None => continue,
+        };
+        let ci = flat[k].send;
+        match offsets.iter().find(|o| o.0 == ci) {
+            Some(o) if o.1 != offset => continue,
+            Some(_) => {}
+            None => offsets.push((ci, offset)),
+        }
+        flat[k].prep |= flag;
     }
+}
+
+/// Whether steps sending on `c` may send by reference (`mark_refs`): its receiver is a kernel
+/// of this process on this GPU, or (`peer`: registered buffers, outside a capture) of another
+/// process on this GPU.
+fn by_ref_may(c: &Conn, peer: bool) -> bool {
+    c.same_device || (peer && c.peer_process.is_some())
 }
 
 /// Where a lane goes in a launch (lanes sort by it; ties keep their order).
@@ -650,7 +725,9 @@ mod tests {
         );
         let (hdr, slots) = conn.device_view();
         assert_eq!([rd64(&b, 16), rd64(&b, 24)], [hdr as u64, slots as u64]);
-        assert_eq!([rd64(&b, 32), rd64(&b, 40)], [4, 4096]);
+        // (Steps and slot bytes, 32 bits each; the offset of sends by reference: none.)
+        assert_eq!([rd32(&b, 32), rd32(&b, 36)], [4, 4096]);
+        assert_eq!(rd64(&b, 40), 0);
         // OxProgD: first_step, nsteps, esize, slice, niter, red {kind, dtype, op, flags,
         // scalar, postdiv}, call.
         let p = 16 + CONN;
@@ -1038,5 +1115,73 @@ mod tests {
         for name in ["oxccl-desc-ref-a", "oxccl-desc-ref-b"] {
             inproc::forget(name);
         }
+    }
+
+    /// To a kernel of another process on this GPU (`Conn::peer_process`), only memory that
+    /// process opened (`registered`) goes by reference, and on a connection only memory it sees
+    /// at one offset (the connection's, which the kernels add): here a ring all-reduce's
+    /// source and destination, two allocations.
+    #[test]
+    fn sends_by_reference_to_another_process_where_it_opened_the_memory() {
+        let name = "oxccl-desc-ref-p";
+        let mut c = conn(name, false);
+        Arc::get_mut(&mut c).unwrap().peer_process = Some(77);
+        let step = |prim, src: usize, dst: usize| Step {
+            prim,
+            recv: (prim != Prim::Send).then(|| c.clone()),
+            send: (prim != Prim::Recv).then(|| c.clone()),
+            src: Addr::user(src),
+            dst: Addr::user(dst),
+            len: 64,
+            prep: prim == Prim::Send,
+        };
+        let prog: DevProgram = Program {
+            steps: vec![
+                step(Prim::Send, 0x1000, 0),
+                step(Prim::RecvReduceCopySend, 0x1100, 0x100100),
+                step(Prim::Recv, 0, 0x100000),
+            ],
+            esize: 4,
+            slice: 8,
+            niter: 8,
+            red: None,
+            call: [1, 2],
+        };
+        // (The offsets of the source's allocation and the destination's, where opened.)
+        let marks = |peer: bool, src: Option<i64>, dst: Option<i64>| {
+            let (mut steps, mut progs) = (Vec::new(), Vec::new());
+            encode_program(&prog, &mut steps, &mut progs, |c| {
+                Ok(if c.is_some() { 0 } else { NONE })
+            })
+            .unwrap();
+            let mut offsets = SmallVec::new();
+            mark_refs(&prog, &mut steps, peer, &mut offsets, |key, at, _| {
+                assert_eq!(key, 77, "the receiving process's key");
+                if at < 0x100000 {
+                    src
+                } else {
+                    dst
+                }
+            });
+            let flags: Vec<u32> = steps.iter().map(|s| s.prep & !1).collect();
+            (flags, offsets.to_vec())
+        };
+        assert_eq!(
+            marks(true, Some(0x5000), Some(-0x9000)),
+            (vec![STEP_REF_SRC, 0, 0], vec![(0, 0x5000)]),
+            "one offset a connection: the first step's"
+        );
+        assert_eq!(
+            marks(true, Some(0x5000), Some(0x5000)),
+            (vec![STEP_REF_SRC, STEP_REF_DST, 0], vec![(0, 0x5000)])
+        );
+        assert_eq!(
+            marks(true, None, Some(-0x9000)),
+            (vec![0, STEP_REF_DST, 0], vec![(0, -0x9000)])
+        );
+        assert_eq!(marks(true, None, None), (vec![0, 0, 0], vec![]));
+        // A captured launch (or nothing registered): the offsets are not even asked for.
+        assert_eq!(marks(false, Some(1), Some(1)), (vec![0, 0, 0], vec![]));
+        inproc::forget(name);
     }
 }

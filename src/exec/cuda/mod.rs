@@ -805,6 +805,9 @@ fn launch_stage(
 ) -> Result<()> {
     let comm0 = jobs[0].comm;
     let mut d = Desc::new();
+    if !captured {
+        d.allow_peer_refs();
+    }
     let mut filled: smallvec::SmallVec<[(usize, bool); 4]> = smallvec::SmallVec::new();
     let mut r = Ok(());
     for (i, j) in jobs.iter_mut().enumerate() {
