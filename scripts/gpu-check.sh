@@ -724,12 +724,15 @@ for what, ref, slots in (("send/recv", "sendrecv-g2", "sendrecv-g2-slots"),
 PY
 fi
 # Registered buffers between two processes on the one GPU (CUDA IPC): with -R 1 the tool
-# registers its buffers (ncclMemAlloc; NCCL_CUMEM_ENABLE=0 makes them cuMemAlloc memory, which
-# has a legacy IPC handle), and the other process's kernels read them where they are, beside
-# the same transfers through the slots; the data checked by the tool (#wrong). (The processes
-# time-slice the GPU without MPS: slow either way; the ratio is what counts.)
+# registers its buffers (ncclMemAlloc: cuMem memory, which the other process maps by a file
+# descriptor; with NCCL_CUMEM_ENABLE=0 cuMemAlloc memory, opened by its legacy IPC handle),
+# and the other process's kernels read them where they are, beside the same transfers through
+# the slots; the data checked by the tool (#wrong). (The processes time-slice the GPU without
+# MPS: slow either way; the ratio is what counts.)
 if in_budget "registered buffers between processes"; then
-  perf sendrecv-2procs-registered "$OXLIB" env NCCL_CUMEM_ENABLE=0 bash -c \
+  perf sendrecv-2procs-registered "$OXLIB" bash -c \
+    "$(declare -f two_procs); two_procs same $B/sendrecv_perf -R 1 -b 4M -e 64M -f 4 -n 5 -w 2 -g 1"
+  perf sendrecv-2procs-registered-legacy "$OXLIB" env NCCL_CUMEM_ENABLE=0 bash -c \
     "$(declare -f two_procs); two_procs same $B/sendrecv_perf -R 1 -b 4M -e 64M -f 4 -n 5 -w 2 -g 1"
   perf sendrecv-2procs-slots "$OXLIB" env NCCL_CUMEM_ENABLE=0 bash -c \
     "$(declare -f two_procs); two_procs same $B/sendrecv_perf -b 4M -e 64M -f 4 -n 5 -w 2 -g 1"
@@ -738,10 +741,13 @@ import sys
 sys.path.insert(0, sys.argv[1])
 from perfrows import rows
 print("== registered buffers read in place / through the slots, send/recv busbw, 2 processes on the GPU")
-a, b = rows("sendrecv-2procs-registered"), rows("sendrecv-2procs-slots")
-for size in sorted(set(a) & set(b)):
-    if b[size][2] > 0:
-        print(f"  {size} B: {a[size][2]:.2f} / {b[size][2]:.2f} GB/s = {a[size][2] / b[size][2]:.2f}")
+b = rows("sendrecv-2procs-slots")
+for label, reg in (("ncclMemAlloc (cuMem)", "sendrecv-2procs-registered"),
+                   ("cuMemAlloc (legacy IPC)", "sendrecv-2procs-registered-legacy")):
+    a = rows(reg)
+    for size in sorted(set(a) & set(b)):
+        if b[size][2] > 0:
+            print(f"  {label} {size} B: {a[size][2]:.2f} / {b[size][2]:.2f} GB/s = {a[size][2] / b[size][2]:.2f}")
 PY
 fi
 # NVIDIA's own all_reduce_perf (section 3a) at nranks=1 on both libraries, 8 B-1 GiB, one run

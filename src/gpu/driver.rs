@@ -334,6 +334,8 @@ driver_api! {
     mem_map = "cuMemMap": fn(CUdeviceptr, usize, usize, u64, u64);
     mem_unmap = "cuMemUnmap": fn(CUdeviceptr, usize);
     mem_set_access = "cuMemSetAccess": fn(CUdeviceptr, usize, *const CUmemAccessDesc, usize);
+    mem_export = "cuMemExportToShareableHandle": fn(*mut c_void, u64, c_uint, u64);
+    mem_import = "cuMemImportFromShareableHandle": fn(*mut u64, *mut c_void, c_uint);
     error_name = "cuGetErrorName": fn(CUresult, *mut *const c_char);
     error_string = "cuGetErrorString": fn(CUresult, *mut *const c_char);
 }

@@ -286,6 +286,44 @@ pub fn unpin_if_cuda(ptr: *mut u8) {
     }
 }
 
+/// Maps allocation `handle` (`size` bytes, whole) at a range reserved for it (aligned to
+/// `align`; 0: the driver's choice) with `access`: its address. Undoes its own steps when one
+/// fails (the handle stays the caller's).
+pub fn map_handle(
+    api: &driver::Api,
+    handle: u64,
+    size: usize,
+    align: usize,
+    access: &[driver::CUmemAccessDesc],
+) -> Result<driver::CUdeviceptr> {
+    let mut p: driver::CUdeviceptr = 0;
+    // SAFETY: writes one address; a fresh range of `size`.
+    check(
+        unsafe { (api.mem_address_reserve)(&mut p, size, align, 0, 0) },
+        || format!("cuMemAddressReserve of {size} bytes"),
+    )?;
+    // SAFETY: the whole allocation at the start of the range just reserved.
+    check(unsafe { (api.mem_map)(p, size, 0, handle, 0) }, || {
+        "cuMemMap".into()
+    })
+    .and_then(|_| {
+        // SAFETY: the range mapped above; `access` holds that many descriptors.
+        check(
+            unsafe { (api.mem_set_access)(p, size, access.as_ptr(), access.len()) },
+            || "cuMemSetAccess".into(),
+        )
+        .inspect_err(|_| {
+            // SAFETY: mapped above, unused.
+            unsafe { (api.mem_unmap)(p, size) };
+        })
+    })
+    .inspect_err(|_| {
+        // SAFETY: reserved above, nothing mapped there now.
+        unsafe { (api.mem_address_free)(p, size) };
+    })?;
+    Ok(p)
+}
+
 /// Device memory of the calling thread's current context (the communicator's, entered by
 /// whoever makes it), else device 0's, zeroed before use; freed when dropped.
 pub struct DevMem {

@@ -2,30 +2,37 @@
 //! where they are: sends by reference between processes (`exec::cuda::desc::mark_refs`).
 //!
 //! - A kernel of another process reads this process's buffer only where that process has
-//!   opened the buffer's allocation by a CUDA IPC handle, at an address of its own. The first
-//!   launch that would send a registered buffer by reference to a kernel of such a process asks
-//!   that process's registration service for it: a thread (started once the process has a
-//!   receiving end a kernel of another process on its GPU sends on, `serve`) that opens the
-//!   handle in the GPU's primary context and answers the address it sees the allocation at. The
-//!   launch's slots then carry the address as the receiver sees it: the sender adds the offset
-//!   between the two (`OxConnD::ref_delta`).
+//!   opened the buffer's allocation, at an address of its own: by its legacy CUDA IPC handle
+//!   (`cuMemAlloc` memory), or, for `ncclMemAlloc`'s cuMem memory, by a POSIX file descriptor
+//!   of its physical memory (sent over the socket), which it maps. The first launch that would
+//!   send a registered buffer by reference to a kernel of such a process asks that process's
+//!   registration service for it: a thread (started once the process has a receiving end a
+//!   kernel of another process on its GPU sends on, `serve`) that opens the allocation in the
+//!   GPU's primary context and answers the address it sees it at. The launch's slots then carry
+//!   the address as the receiver sees it: the sender adds the offset between the two
+//!   (`OxConnD::ref_delta`).
+//! - A buffer is found by its address among all of this process's registrations (NCCL keeps
+//!   them per communicator: a buffer registered with one communicator and sent on another is
+//!   read in place too; the caller keeps it until it deregisters it either way).
 //! - `ncclCommDeregister`, and the communicator's end, ask every process that opened a buffer
 //!   to close it, and wait for the answer: the caller may free the buffer once it returns.
 //! - A process that cannot open a buffer (no service, another user, the handle refused, no
 //!   answer within `ASK_WAIT`) is not asked again for it: its receives of that buffer go
-//!   through the slots, as everything did before. So does memory whose allocation has no legacy
-//!   IPC handle (`ncclMemAlloc`'s cuMem allocations, for now), and every launch captured into a
-//!   CUDA graph (a replay may come after the buffer is deregistered).
+//!   through the slots, as everything did before. So does memory that has neither kind of
+//!   handle, and every launch captured into a CUDA graph (a replay may come after the buffer is
+//!   deregistered).
 //! - The service answers only processes of this user, and closes a buffer only at the request
 //!   of the process that sent it (told by the socket's credentials).
 
 use crate::debug;
 use crate::gpu::driver::{self, check, CtxGuard};
 use crate::liveness::{my_process_key, pid_namespace, process_key};
+use nix::sys::socket::{recvmsg, sendmsg, ControlMessage, ControlMessageOwned, MsgFlags};
 use parking_lot::Mutex;
 use std::collections::HashMap;
 use std::ffi::{c_int, c_void};
-use std::io::{Read, Write};
+use std::io::{IoSlice, IoSliceMut, Read, Write};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::linux::net::SocketAddrExt;
 use std::os::unix::net::{SocketAddr, UnixListener, UnixStream};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -36,14 +43,29 @@ const ASK_WAIT: Duration = Duration::from_secs(10);
 /// How long the service waits for a request's bytes (a process sends them as it connects; one
 /// that does not holds the service up no longer).
 const SERVE_WAIT: Duration = Duration::from_secs(2);
-/// A request: what (`OPEN`, `CLOSE`), the asking process's key, the buffer's number there, the
-/// GPU's UUID and the allocation's IPC handle.
+/// A request: what (`OPEN`, `OPEN_FD`, `CLOSE`), the asking process's key, the buffer's number
+/// there, the GPU's UUID, and the allocation's IPC handle (`OPEN`) or its size (`OPEN_FD`, the
+/// file descriptor beside the bytes).
 const REQUEST: usize = 1 + 8 + 8 + 16 + 64;
 const OPEN: u8 = 1;
 const CLOSE: u8 = 2;
+const OPEN_FD: u8 = 3;
 
-/// An allocation as another process opens it: its base, IPC handle and GPU's UUID.
-type Export = (u64, [u8; 64], [u8; 16]);
+/// How another process opens an allocation.
+enum Handle {
+    /// `cuMemAlloc` memory: its legacy IPC handle.
+    Legacy([u8; 64]),
+    /// cuMem memory (`ncclMemAlloc`): a file descriptor of its physical memory, and the size
+    /// mapped.
+    Fd(OwnedFd, u64),
+}
+
+/// An allocation as another process opens it.
+struct Export {
+    base: u64,
+    uuid: [u8; 16],
+    handle: Handle,
+}
 
 /// A registered buffer of this process.
 struct Reg {
@@ -54,7 +76,7 @@ struct Reg {
     end: u64,
     /// Its number among this process's registrations (what its peers know it by).
     id: u64,
-    /// Its allocation's base, IPC handle and GPU, once asked for (None inside: it has none).
+    /// Its allocation, once asked for (None inside: no other process can open it).
     export: Option<Option<Export>>,
     /// The processes asked to open it: their key, and where they see the allocation's base
     /// (None: they could not open it).
@@ -65,6 +87,19 @@ static REGS: Mutex<Vec<Reg>> = Mutex::new(Vec::new());
 /// How many registrations there are (a launch looks only where there are some).
 static COUNT: AtomicUsize = AtomicUsize::new(0);
 static NEXT_ID: AtomicU64 = AtomicU64::new(1);
+
+/// `ncclMemAlloc`'s cuMem mappings: base, size, device, allocation handle.
+static MAPPED: Mutex<Vec<(u64, u64, i32, u64)>> = Mutex::new(Vec::new());
+
+/// Notes a cuMem mapping of `ncclMemAlloc` (exported by a file descriptor when registered).
+pub fn note_mapped(base: u64, size: usize, dev: i32, handle: u64) {
+    MAPPED.lock().push((base, size as u64, dev, handle));
+}
+
+/// Forgets a mapping `note_mapped` noted (`ncclMemFree`).
+pub fn forget_mapped(base: u64) {
+    MAPPED.lock().retain(|m| m.0 != base);
+}
 
 /// Whether this process has registered buffers.
 pub fn any() -> bool {
@@ -99,11 +134,8 @@ pub fn deregister(owner: u64, handle: Option<usize>) {
         gone
     };
     for r in gone {
-        let Some(Some((_, h, uuid))) = r.export else {
-            continue;
-        };
         for (peer, _) in r.peers.iter().filter(|p| p.1.is_some()) {
-            if ask(*peer, CLOSE, r.id, &uuid, &h).is_none() {
+            if ask(*peer, CLOSE, r.id, &[0; 16], &[0; 64], None).is_none() {
                 debug::info(&format!(
                     "ncclCommDeregister: the process of key {peer:#x} did not confirm it closed \
                      buffer {:#x} (it may have ended)",
@@ -120,29 +152,66 @@ pub fn deregister(owner: u64, handle: Option<usize>) {
 pub fn peer_offset(peer: u64, at: u64, end: u64) -> Option<i64> {
     let mut regs = REGS.lock();
     let r = regs.iter_mut().find(|r| r.at <= at && end <= r.end)?;
-    let (base, handle, uuid) = (*r.export.get_or_insert_with(|| export(r.at)))?;
-    let seen = match r.peers.iter().find(|p| p.0 == peer) {
-        Some(p) => p.1,
-        None => {
-            let b = ask(peer, OPEN, r.id, &uuid, &handle);
-            if b.is_none() {
-                debug::info(&format!(
-                    "registered buffer {:#x}: the process of key {peer:#x} did not open it; \
-                     what it receives of it goes through the connection's slots",
-                    r.at
-                ));
-            }
-            r.peers.push((peer, b));
-            b
+    if let Some(p) = r.peers.iter().find(|p| p.0 == peer) {
+        let base = r.export.as_ref()?.as_ref()?.base;
+        return p.1.map(|seen| seen.wrapping_sub(base) as i64);
+    }
+    let x = r.export.get_or_insert_with(|| export(r.at)).as_ref()?;
+    let seen = match &x.handle {
+        Handle::Legacy(h) => ask(peer, OPEN, r.id, &x.uuid, h, None),
+        Handle::Fd(fd, size) => {
+            let mut payload = [0u8; 64];
+            payload[..8].copy_from_slice(&size.to_le_bytes());
+            ask(peer, OPEN_FD, r.id, &x.uuid, &payload, Some(fd.as_raw_fd()))
         }
-    }?;
-    Some(seen.wrapping_sub(base) as i64)
+    };
+    if seen.is_none() {
+        debug::info(&format!(
+            "registered buffer {:#x}: the process of key {peer:#x} did not open it; what it \
+             receives of it goes through the connection's slots",
+            r.at
+        ));
+    }
+    let base = x.base;
+    r.peers.push((peer, seen));
+    Some(seen?.wrapping_sub(base) as i64)
 }
 
-/// The base, IPC handle and GPU of the allocation that holds `at` (None where the driver gives
-/// no legacy IPC handle for it).
+/// The allocation that holds `at`, as another process opens it: `ncclMemAlloc`'s cuMem mapping
+/// by a file descriptor, other memory by its legacy IPC handle (None where it has neither).
 fn export(at: u64) -> Option<Export> {
     let api = driver::api().ok()?;
+    let mapped = MAPPED
+        .lock()
+        .iter()
+        .find(|m| m.0 <= at && at < m.0 + m.1)
+        .copied();
+    if let Some((base, size, dev, h)) = mapped {
+        let mut fd: c_int = -1;
+        let _g = CtxGuard::enter(driver::primary_context(dev).ok()?).ok()?;
+        driver::relaxed(|| {
+            // SAFETY: writes one int, a new descriptor of ours; `h` is ncclMemAlloc's handle.
+            check(
+                unsafe {
+                    (api.mem_export)(
+                        &mut fd as *mut c_int as *mut c_void,
+                        h,
+                        driver::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+                        0,
+                    )
+                },
+                || format!("cuMemExportToShareableHandle of registered buffer {at:#x}"),
+            )
+        })
+        .ok()?;
+        // SAFETY: the driver gave us this descriptor; nothing else owns it.
+        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+        return Some(Export {
+            base,
+            uuid: driver::device_uuid(dev).ok()?,
+            handle: Handle::Fd(fd, size),
+        });
+    }
     let (mut base, mut size, mut dev, mut legacy): (u64, u64, c_int, c_int) = (0, 0, -1, 0);
     let mut attrs = [
         driver::CU_POINTER_ATTRIBUTE_RANGE_START_ADDR,
@@ -169,8 +238,7 @@ fn export(at: u64) -> Option<Export> {
     if r != driver::CUDA_SUCCESS || base == 0 || size == 0 || dev < 0 || legacy == 0 {
         return None;
     }
-    let ctx = driver::primary_context(dev).ok()?;
-    let _g = CtxGuard::enter(ctx).ok()?;
+    let _g = CtxGuard::enter(driver::primary_context(dev).ok()?).ok()?;
     let h = driver::relaxed(|| {
         let mut h = driver::CUipcMemHandle { reserved: [0; 64] };
         // SAFETY: writes one handle; `base` is the allocation's.
@@ -180,7 +248,11 @@ fn export(at: u64) -> Option<Export> {
         Ok(h.reserved)
     })
     .ok()?;
-    Some((base, h, driver::device_uuid(dev).ok()?))
+    Some(Export {
+        base,
+        uuid: driver::device_uuid(dev).ok()?,
+        handle: Handle::Legacy(h),
+    })
 }
 
 /// The name of process `key`'s service (abstract: nothing to remove).
@@ -188,9 +260,16 @@ fn service_name(key: u64) -> String {
     format!("oxccl-registered-{key:016x}")
 }
 
-/// Asks process `peer`'s service to open (`OPEN`: the address it sees the allocation at) or
-/// close (`CLOSE`: Some(0)) this process's buffer `id`.
-fn ask(peer: u64, op: u8, id: u64, uuid: &[u8; 16], handle: &[u8; 64]) -> Option<u64> {
+/// Asks process `peer`'s service to open (`OPEN`, `OPEN_FD` with `fd`: the address it sees
+/// the allocation at) or close (`CLOSE`: Some(0)) this process's buffer `id`.
+fn ask(
+    peer: u64,
+    op: u8,
+    id: u64,
+    uuid: &[u8; 16],
+    payload: &[u8; 64],
+    fd: Option<RawFd>,
+) -> Option<u64> {
     let addr = SocketAddr::from_abstract_name(service_name(peer)).ok()?;
     let mut s = UnixStream::connect_addr(&addr).ok()?;
     s.set_read_timeout(Some(ASK_WAIT)).ok()?;
@@ -200,8 +279,22 @@ fn ask(peer: u64, op: u8, id: u64, uuid: &[u8; 16], handle: &[u8; 64]) -> Option
     req.extend_from_slice(&my_process_key().to_le_bytes());
     req.extend_from_slice(&id.to_le_bytes());
     req.extend_from_slice(uuid);
-    req.extend_from_slice(handle);
-    s.write_all(&req).ok()?;
+    req.extend_from_slice(payload);
+    let fds: Vec<RawFd> = fd.into_iter().collect();
+    let cmsg: Vec<ControlMessage> = if fds.is_empty() {
+        Vec::new()
+    } else {
+        vec![ControlMessage::ScmRights(&fds)]
+    };
+    let sent = sendmsg::<()>(
+        s.as_raw_fd(),
+        &[IoSlice::new(&req)],
+        &cmsg,
+        MsgFlags::empty(),
+        None,
+    )
+    .ok()?;
+    s.write_all(&req[sent..]).ok()?;
     let mut ans = [0u8; 9];
     s.read_exact(&mut ans).ok()?;
     (ans[0] == 1).then(|| u64::from_le_bytes(ans[1..].try_into().expect("8 bytes")))
@@ -236,9 +329,18 @@ pub fn serve() {
     }
 }
 
-/// Buffers of other processes this process opened: by (their process, their number), the
-/// address and the context; and the handle (a handle opened twice is mapped once).
-type Opened = HashMap<(u64, u64), (u64, usize, [u8; 64])>;
+/// How this process opened another's buffer.
+#[derive(Clone, Copy)]
+enum Opening {
+    /// By its legacy IPC handle (a handle opened twice is opened once).
+    Legacy([u8; 64]),
+    /// Its physical memory mapped at a range of this size reserved here.
+    Mapped(u64),
+}
+
+/// Buffers of other processes this process opened, by (their process, their number): the
+/// address, the context, and how.
+type Opened = HashMap<(u64, u64), (u64, usize, Opening)>;
 static OPENED: Mutex<Option<Opened>> = Mutex::new(None);
 
 /// How many buffers of other processes this process has open.
@@ -252,18 +354,43 @@ fn answer(mut s: UnixStream) -> std::io::Result<()> {
     s.set_write_timeout(Some(SERVE_WAIT))?;
     let cred = nix::sys::socket::getsockopt(&s, nix::sys::socket::sockopt::PeerCredentials)?;
     let mut req = [0u8; REQUEST];
-    s.read_exact(&mut req)?;
+    let mut fds: Vec<OwnedFd> = Vec::new();
+    let got = {
+        let mut space = nix::cmsg_space!([RawFd; 2]);
+        let mut iov = [IoSliceMut::new(&mut req)];
+        let msg = recvmsg::<()>(
+            s.as_raw_fd(),
+            &mut iov,
+            Some(&mut space),
+            MsgFlags::MSG_CMSG_CLOEXEC,
+        )?;
+        for c in msg.cmsgs()? {
+            if let ControlMessageOwned::ScmRights(v) = c {
+                // SAFETY: descriptors the kernel just installed in this process for us.
+                fds.extend(v.into_iter().map(|f| unsafe { OwnedFd::from_raw_fd(f) }));
+            }
+        }
+        msg.bytes
+    };
+    if got == 0 {
+        return Ok(());
+    }
+    s.read_exact(&mut req[got..])?;
     let word = |i: usize| u64::from_le_bytes(req[i..i + 8].try_into().expect("8 bytes"));
     let (op, from, id) = (req[0], word(1), word(9));
     let uuid: [u8; 16] = req[17..33].try_into().expect("16 bytes");
-    let handle: [u8; 64] = req[33..].try_into().expect("64 bytes");
+    let payload: [u8; 64] = req[33..].try_into().expect("64 bytes");
     // Only a process of this user, and only for its own buffers.
     // SAFETY: geteuid has no preconditions and cannot fail.
     let uid = unsafe { nix::libc::geteuid() };
     let mine = cred.uid() == uid && from == process_key(cred.pid() as u32, pid_namespace());
     let r = match op {
         _ if !mine => None,
-        OPEN => open(from, id, &uuid, &handle),
+        OPEN => open(from, id, &uuid, Opening::Legacy(payload), None),
+        OPEN_FD => match fds.first() {
+            Some(fd) => open(from, id, &uuid, Opening::Mapped(word(33)), Some(fd)),
+            None => None,
+        },
         CLOSE => close(from, id).then_some(0),
         _ => None,
     };
@@ -275,14 +402,16 @@ fn answer(mut s: UnixStream) -> std::io::Result<()> {
     s.write_all(&ans)
 }
 
-/// Opens process `from`'s buffer `id` (once), in the primary context of the GPU of `uuid`.
-fn open(from: u64, id: u64, uuid: &[u8; 16], handle: &[u8; 64]) -> Option<u64> {
+/// Opens process `from`'s buffer `id` (once), in the primary context of the GPU of `uuid`: by
+/// its legacy IPC handle, or by mapping the physical memory of `fd` (`Opening::Mapped`'s size).
+fn open(from: u64, id: u64, uuid: &[u8; 16], how: Opening, fd: Option<&OwnedFd>) -> Option<u64> {
     let mut opened = OPENED.lock();
     let m = opened.get_or_insert_with(HashMap::new);
-    if let Some(&v) = m
-        .get(&(from, id))
-        .or_else(|| m.values().find(|v| &v.2 == handle))
-    {
+    let same = |v: &(u64, usize, Opening)| match (v.2, how) {
+        (Opening::Legacy(a), Opening::Legacy(b)) => a == b,
+        _ => false,
+    };
+    if let Some(&v) = m.get(&(from, id)).or_else(|| m.values().find(|v| same(v))) {
         m.insert((from, id), v);
         return Some(v.0);
     }
@@ -290,45 +419,86 @@ fn open(from: u64, id: u64, uuid: &[u8; 16], handle: &[u8; 64]) -> Option<u64> {
     let dev = crate::gpu::memory::device_of_uuid(uuid)?;
     let ctx = driver::primary_context(dev).ok()?;
     let _g = CtxGuard::enter(ctx).ok()?;
-    let a = driver::relaxed(|| {
-        let mut p: driver::CUdeviceptr = 0;
-        let h = driver::CUipcMemHandle { reserved: *handle };
-        // SAFETY: writes one device pointer; the handle came from the other process's
-        // cuIpcGetMemHandle (a wrong one is refused).
-        check(
-            unsafe {
-                (api.ipc_open_mem_handle)(&mut p, h, driver::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS)
-            },
-            || "cuIpcOpenMemHandle of another process's registered buffer".into(),
-        )?;
-        Ok(p)
+    let a = driver::relaxed(|| match (how, fd) {
+        (Opening::Legacy(h), _) => {
+            let mut p: driver::CUdeviceptr = 0;
+            let h = driver::CUipcMemHandle { reserved: h };
+            // SAFETY: writes one device pointer; the handle came from the other process's
+            // cuIpcGetMemHandle (a wrong one is refused).
+            check(
+                unsafe {
+                    (api.ipc_open_mem_handle)(&mut p, h, driver::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS)
+                },
+                || "cuIpcOpenMemHandle of another process's registered buffer".into(),
+            )?;
+            Ok(p)
+        }
+        (Opening::Mapped(size), Some(fd)) => map_fd(api, dev, fd, size as usize),
+        (Opening::Mapped(_), None) => Err(crate::error::Error::internal("no descriptor")),
     })
     .ok()?;
-    m.insert((from, id), (a, ctx, *handle));
+    m.insert((from, id), (a, ctx, how));
     Some(a)
 }
 
-/// Closes process `from`'s buffer `id` (its mapping once no other number names it).
+/// Maps the physical memory of `fd` (another process's cuMem allocation, `size` bytes) at a
+/// range reserved for it, read-write for `dev`; undoes its own steps when one fails.
+fn map_fd(api: &driver::Api, dev: i32, fd: &OwnedFd, size: usize) -> crate::error::Result<u64> {
+    let mut h: u64 = 0;
+    // SAFETY: writes one handle; the descriptor is one of ours, which the driver reads.
+    check(
+        unsafe {
+            (api.mem_import)(
+                &mut h,
+                fd.as_raw_fd() as isize as *mut c_void,
+                driver::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+            )
+        },
+        || "cuMemImportFromShareableHandle of another process's registered buffer".into(),
+    )?;
+    let access = [driver::CUmemAccessDesc {
+        location: driver::CUmemLocation {
+            kind: driver::CU_MEM_LOCATION_TYPE_DEVICE,
+            id: dev,
+        },
+        flags: driver::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+    }];
+    // (`size` is the exporter's mapped size: a multiple of its granularity.)
+    let r = crate::gpu::memory::map_handle(api, h, size, 0, &access);
+    // SAFETY: the imported handle, released once (a mapping keeps the memory).
+    unsafe { (api.mem_release)(h) };
+    r
+}
+
+/// Closes process `from`'s buffer `id` (a legacy opening once no other number names it).
 fn close(from: u64, id: u64) -> bool {
     let mut opened = OPENED.lock();
     let Some(m) = opened.as_mut() else {
         return false;
     };
-    let Some((a, ctx, h)) = m.remove(&(from, id)) else {
+    let Some((a, ctx, how)) = m.remove(&(from, id)) else {
         return false;
     };
-    if m.values().any(|v| v.2 == h) {
+    if m.values().any(|v| v.0 == a) {
         return true;
     }
     let (Ok(api), Ok(_g)) = (driver::api(), CtxGuard::enter(ctx)) else {
         return false;
     };
-    driver::relaxed(|| {
-        // SAFETY: opened by `open`, closed once (the kernels that read it ended: the sender's
-        // drained before its buffer could be deregistered).
-        check(unsafe { (api.ipc_close_mem_handle)(a) }, || {
+    // SAFETY: opened by `open`, closed once (the kernels that read it ended: the sender's
+    // drained before its buffer could be deregistered).
+    driver::relaxed(|| match how {
+        Opening::Legacy(_) => check(unsafe { (api.ipc_close_mem_handle)(a) }, || {
             "cuIpcCloseMemHandle".into()
-        })
+        }),
+        Opening::Mapped(size) => {
+            let size = size as usize;
+            let unmap = check(unsafe { (api.mem_unmap)(a, size) }, || "cuMemUnmap".into());
+            let free = check(unsafe { (api.mem_address_free)(a, size) }, || {
+                "cuMemAddressFree".into()
+            });
+            unmap.and(free)
+        }
     })
     .is_ok()
 }
@@ -384,6 +554,8 @@ mod tests {
             Some([0; 9]),
             "the service answers after the half request"
         );
+        // Open by a descriptor without one: refused.
+        assert_eq!(send(&request(OPEN_FD, me)), Some([0; 9]), "no descriptor");
         assert_eq!(opened(), 0);
     }
 
@@ -404,7 +576,7 @@ mod tests {
         assert!(REGS
             .lock()
             .iter()
-            .any(|r| r.owner == 1000 && r.export == Some(None)));
+            .any(|r| r.owner == 1000 && matches!(r.export, Some(None))));
         deregister(1000, Some(1));
         assert!(!REGS.lock().iter().any(|r| r.owner == 1000));
     }

@@ -1288,6 +1288,40 @@ unsafe extern "C" fn mem_release(h: u64) -> CUresult {
     };
     OK
 }
+unsafe extern "C" fn mem_export(out: *mut c_void, h: u64, kind: c_uint, _: u64) -> CUresult {
+    let Some((fd, _)) = HANDLES.lock().as_ref().and_then(|m| m.get(&h).copied()) else {
+        return INVALID_VALUE;
+    };
+    if kind != 1 {
+        return INVALID_VALUE; // a POSIX file descriptor only
+    }
+    // SAFETY: a new descriptor of the handle's file, the caller's to close.
+    unsafe { *(out as *mut c_int) = nix::libc::dup(fd) };
+    OK
+}
+unsafe extern "C" fn mem_import(h: *mut u64, fd: *mut c_void, kind: c_uint) -> CUresult {
+    use nix::libc;
+    if kind != 1 {
+        return INVALID_VALUE;
+    }
+    // SAFETY: the caller's descriptor, duplicated (the handle's own, closed by cuMemRelease),
+    // its size read.
+    let (fd, size) = unsafe {
+        let fd = libc::dup(fd as isize as c_int);
+        let mut st: libc::stat = std::mem::zeroed();
+        if fd < 0 || libc::fstat(fd, &mut st) != 0 {
+            return INVALID_VALUE;
+        }
+        (fd, st.st_size as usize)
+    };
+    let handle = 0x7000_0000 + fd as u64;
+    HANDLES
+        .lock()
+        .get_or_insert_with(HashMap::new)
+        .insert(handle, (fd, size));
+    unsafe { *h = handle };
+    OK
+}
 unsafe extern "C" fn address_reserve(
     p: *mut u64,
     size: usize,
@@ -1446,6 +1480,11 @@ pub fn stand_in_with(extra: &[(&str, *const c_void)]) -> Api {
         ),
         ("cuMemCreate", mem_create as *const c_void),
         ("cuMemRelease", mem_release as *const c_void),
+        ("cuMemExportToShareableHandle", mem_export as *const c_void),
+        (
+            "cuMemImportFromShareableHandle",
+            mem_import as *const c_void,
+        ),
         ("cuMemAddressReserve", address_reserve as *const c_void),
         ("cuMemAddressFree", address_free as *const c_void),
         ("cuMemMap", mem_map as *const c_void),

@@ -366,29 +366,22 @@ pub fn graph_finish(comm: Arc<nccl::comm::Comm>, r: usize, stream: usize) {
 
 /// Registered buffers read where they are by the kernels of another process on the one GPU
 /// (with 16 KiB slots, `OXCCL_CHUNK_BYTES`, so that 1.2 MB is more than a FIFO's worth): each
-/// rank registers a send and a receive buffer of its own (device memory, `cuMemAlloc`), sends
-/// the next rank its send buffer while it receives the previous one's, then all-reduces the
-/// two out of place; every element checked. Its kernels took slots by reference (the other
-/// process opened its buffers through its registration service); once every rank deregistered
-/// them, each process has closed what it opened, and the same calls take nothing by
-/// reference and give the same results.
+/// rank registers a send and a receive buffer of its own, device memory from `cuMemAlloc`
+/// (opened by its legacy IPC handle), then from `ncclMemAlloc` (cuMem, opened by a file
+/// descriptor of its physical memory); sends the next rank its send buffer while it receives
+/// the previous one's, then all-reduces the two out of place; every element checked. Its
+/// kernels took slots by reference (the other processes opened its buffers through their
+/// registration services); once every rank deregistered them, each process has closed what it
+/// opened, and the same calls take nothing by reference and give the same results.
 pub fn registered(comm: Arc<nccl::comm::Comm>, r: usize, n: usize, stream: usize) {
     let count = 300_001;
     let bytes = 4 * count;
     let api = driver::api().unwrap();
-    let alloc = || {
-        let mut p = 0;
-        // SAFETY: writes one device pointer (freed below).
-        assert_eq!(unsafe { (api.mem_alloc)(&mut p, bytes) }, 0, "cuMemAlloc");
-        p as usize
-    };
-    let (send, recv) = (alloc(), alloc());
     let value = |from: usize, i: usize| ((i % 1000) * (from + 1)) as f64;
-    let handles = [send, recv].map(|b| nccl::api::comm_register(&comm, b, bytes).unwrap());
     let on = stream_arg(stream);
     // (The refs taken, and how many of the other processes' buffers this one had open after
     // the point-to-point calls: no rank deregisters before all took part in the all-reduce.)
-    let run = |what: &str| -> (u64, usize) {
+    let run = |send: usize, recv: usize, what: &str| -> (u64, usize) {
         for i in 0..count {
             put(DataType::Float32, send, i, value(r, i));
             put(DataType::Float32, recv, i, -1.0);
@@ -429,39 +422,69 @@ pub fn registered(comm: Arc<nccl::comm::Comm>, r: usize, n: usize, stream: usize
         }
         (device::refs_taken() - before, opened)
     };
-    let (took, opened) = run("registered buffers");
-    assert!(
-        took > 0,
-        "rank {r}: nothing taken by reference from registered buffers"
-    );
-    assert!(
-        opened > 0,
-        "rank {r}: opened none of the other processes' buffers"
-    );
-    for h in handles {
-        nccl::api::comm_deregister(&comm, h).unwrap();
+    let mut said = Vec::new();
+    for how in ["cuMemAlloc", "ncclMemAlloc"] {
+        let alloc = || {
+            if how == "ncclMemAlloc" {
+                return nccl::api::mem_alloc(bytes).unwrap();
+            }
+            let mut p = 0;
+            // SAFETY: writes one device pointer (freed below).
+            assert_eq!(unsafe { (api.mem_alloc)(&mut p, bytes) }, 0, "cuMemAlloc");
+            p as usize
+        };
+        let (send, recv) = (alloc(), alloc());
+        let handles = [send, recv].map(|b| nccl::api::comm_register(&comm, b, bytes).unwrap());
+        let (took, opened) = run(send, recv, &format!("registered {how} buffers"));
+        assert!(
+            took > 0,
+            "rank {r}: nothing taken by reference from registered {how} buffers"
+        );
+        assert!(
+            opened > 0,
+            "rank {r}: opened none of the other processes' {how} buffers"
+        );
+        for h in handles {
+            nccl::api::comm_deregister(&comm, h).unwrap();
+        }
+        // (Every rank deregistered before its part of these calls: each asked the other
+        // processes to close its buffers, and waited.)
+        let (again, _) = run(send, recv, &format!("deregistered {how} buffers"));
+        assert_eq!(
+            again, 0,
+            "rank {r}: slots by reference from deregistered {how} buffers"
+        );
+        assert_eq!(
+            nccl::transport::registered::opened(),
+            0,
+            "rank {r}: the other processes' deregistered {how} buffers are still open here"
+        );
+        // No rank goes on (to register more) before every rank has looked.
+        let b = buffer(4);
+        let barrier = CollArgs {
+            send: b,
+            recv: b,
+            ..p2p_f32(CollKind::AllReduce, 0, 0, 1, 0)
+        };
+        nccl::api::enqueue(&comm, barrier, on.clone()).unwrap();
+        sync_all(&[stream], "the barrier");
+        for b in [send, recv] {
+            if how == "ncclMemAlloc" {
+                nccl::api::mem_free(b).unwrap();
+            } else {
+                // SAFETY: allocated above; nothing uses it any more.
+                unsafe { (api.mem_free)(b as u64) };
+            }
+        }
+        said.push(format!(
+            "{how}: took {took} slots by reference, opened {opened}"
+        ));
     }
-    // (Every rank deregistered before its part of these calls: each asked the other
-    // processes to close its buffers, and waited.)
-    let (again, _) = run("deregistered buffers");
-    assert_eq!(
-        again, 0,
-        "rank {r}: slots by reference from deregistered buffers"
-    );
-    assert_eq!(
-        nccl::transport::registered::opened(),
-        0,
-        "rank {r}: the other processes' deregistered buffers are still open here"
-    );
     nccl::api::comm_destroy(nccl::api::comm_handle(&comm)).unwrap();
     no_faults();
-    for b in [send, recv] {
-        // SAFETY: allocated above; nothing uses it any more.
-        unsafe { (api.mem_free)(b as u64) };
-    }
     println!(
-        "survived: took {took} slots by reference from registered buffers (opened {opened} of \
-         the other processes'), none once they were deregistered"
+        "survived: registered buffers read in place ({}), none once deregistered",
+        said.join("; ")
     );
 }
 

@@ -236,6 +236,12 @@ unsafe extern "C" fn error_str(_: CUresult, s: *mut *const c_char) -> CUresult {
     OK
 }
 
+/// `CUDA_ERROR_NOT_SUPPORTED`, whatever the arguments (a call no stand-in test makes unless it
+/// brings its own).
+unsafe extern "C" fn not_supported() -> CUresult {
+    801
+}
+
 /// A driver table: `own` (the test's functions, by symbol), then the common ones above for the
 /// symbols `own` does not name. Panics where a symbol the executor needs is in neither.
 ///
@@ -268,7 +274,15 @@ pub unsafe fn driver(own: &[(&str, *const c_void)]) -> Api {
             exchange_mode as *const c_void,
         ),
     ];
-    let more: [(&str, *const c_void); 5] = [
+    let more: [(&str, *const c_void); 7] = [
+        (
+            "cuMemExportToShareableHandle",
+            not_supported as *const c_void,
+        ),
+        (
+            "cuMemImportFromShareableHandle",
+            not_supported as *const c_void,
+        ),
         ("cuDeviceCanAccessPeer", can_access_peer as *const c_void),
         ("cuDeviceGetP2PAttribute", p2p_attr as *const c_void),
         ("cuCtxEnablePeerAccess", enable_peer_access as *const c_void),

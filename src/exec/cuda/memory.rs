@@ -70,6 +70,7 @@ pub fn alloc(bytes: usize) -> Result<usize> {
             crate::debug::info(&format!(
                 "ncclMemAlloc: {bytes} bytes on device {dev} at {p:#x}: cuMem, {size} mapped"
             ));
+            crate::transport::registered::note_mapped(p, size, dev, handle);
             (p, Kind::Mapped { handle, size })
         }
         None => {
@@ -142,40 +143,15 @@ fn map_new(api: &Api, dev: i32, bytes: usize) -> Result<(CUdeviceptr, u64, usize
         unsafe { (api.mem_create)(&mut handle, size, &prop, 0) },
         || format!("cuMemCreate of {size} bytes"),
     )?;
-    let mut p: CUdeviceptr = 0;
-    // SAFETY: writes one address; a fresh range of `size` aligned to the granularity.
-    let r = check(
-        unsafe { (api.mem_address_reserve)(&mut p, size, gran, 0, 0) },
-        || format!("cuMemAddressReserve of {size} bytes"),
-    )
-    .and_then(|_| {
-        // SAFETY: the whole allocation at the start of the range just reserved.
-        check(unsafe { (api.mem_map)(p, size, 0, handle, 0) }, || {
-            "cuMemMap".into()
-        })
-        .and_then(|_| {
-            let access = access_for(api, dev);
-            // SAFETY: the range mapped above; `access` holds that many descriptors.
-            check(
-                unsafe { (api.mem_set_access)(p, size, access.as_ptr(), access.len()) },
-                || "cuMemSetAccess".into(),
-            )
-            .inspect_err(|_| {
-                // SAFETY: mapped above, unused.
-                unsafe { (api.mem_unmap)(p, size) };
-            })
-        })
-        .inspect_err(|_| {
-            // SAFETY: reserved above, nothing mapped there now.
-            unsafe { (api.mem_address_free)(p, size) };
-        })
-    });
-    if let Err(e) = r {
-        // SAFETY: created above, mapped nowhere now.
-        unsafe { (api.mem_release)(handle) };
-        return Err(e);
+    let access = access_for(api, dev);
+    match crate::gpu::memory::map_handle(api, handle, size, gran, &access) {
+        Ok(p) => Ok((p, handle, size)),
+        Err(e) => {
+            // SAFETY: created above, mapped nowhere now.
+            unsafe { (api.mem_release)(handle) };
+            Err(e)
+        }
     }
-    Ok((p, handle, size))
 }
 
 /// Read-write access to memory of `dev`: for it, and for every device that can reach it as a
@@ -222,6 +198,7 @@ pub fn free(ptr: usize) -> Result<()> {
             format!("ncclMemFree: cuMemFree of {ptr:#x}")
         }),
         Kind::Mapped { handle, size } => {
+            crate::transport::registered::forget_mapped(p);
             // SAFETY: as above: our mapping of `handle` over our reservation of `size`.
             let unmap = check(unsafe { (api.mem_unmap)(p, size) }, || {
                 format!("ncclMemFree: cuMemUnmap of {ptr:#x}")
