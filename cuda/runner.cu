@@ -82,6 +82,8 @@ struct OxProgD {  // 80 bytes
 #define OX_STEP_PREP 1u
 #define OX_STEP_REF_SRC 2u
 #define OX_STEP_REF_DST 4u
+// Beside REF_SRC or REF_DST: the receiver is a kernel of another process (`ox_revoke`).
+#define OX_STEP_REF_PEER 8u
 #define OX_REF_FLAG (1ull << 63)
 #define OX_REF_CLAIMS 256
 #define OX_REF_REVOKED 320
@@ -699,9 +701,10 @@ __device__ __forceinline__ uint64_t ox_now_ns() {
 // memory they refer to (a block holds one only while it reads a slice, which ends), so that
 // nothing reads that memory once the kernel ends. A receiver that comes later finds them
 // revoked and stops with OX_ERR_REF_REVOKED. (Both ends are on this GPU: device scope.) A
-// receiver in another process that died while it held a claim never lets go: past
-// OX_CLAIMS_WAIT_NS (a live one reads a slice in microseconds, or within its process's next
-// time slice) the sender stops waiting, its communicator failed already.
+// receiver in another process (OX_STEP_REF_PEER) that died while it held a claim never lets go:
+// past OX_CLAIMS_WAIT_NS (a live one reads a slice in microseconds, or within its process's
+// next time slice) the sender stops waiting for it, its communicator failed already. A
+// receiver in this process is waited for as long as it takes.
 __device__ void ox_revoke(const OxView& v, const OxProgD& p) {
   const uint64_t t0 = OX_NOW_NS();
   for (int pass = 0; pass < 2; pass++) {
@@ -713,8 +716,9 @@ __device__ void ox_revoke(const OxView& v, const OxProgD& p) {
         atomicExch((unsigned*)(hdr + OX_REF_REVOKED), 1u);
         __threadfence();
       } else {
+        const bool bounded = s.prep & OX_STEP_REF_PEER;
         while (ld_vol32((const uint32_t*)(hdr + OX_REF_CLAIMS)) != 0 &&
-               OX_NOW_NS() - t0 < OX_CLAIMS_WAIT_NS) {
+               (!bounded || OX_NOW_NS() - t0 < OX_CLAIMS_WAIT_NS)) {
         }
       }
     }

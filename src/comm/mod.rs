@@ -115,6 +115,8 @@ struct PendingInit {
     /// A split or shrink deferred to its group's end: `nranks`, `rank` and `ids` come from
     /// here first.
     placement: Option<Placement>,
+    /// The communicator's `Registry::id` (set by `Comm::pending`).
+    registry: u64,
 }
 
 /// A communicator handle's object: its core once initialised.
@@ -137,7 +139,9 @@ pub struct Comm {
 }
 
 impl Comm {
-    fn pending(p: PendingInit) -> Comm {
+    fn pending(mut p: PendingInit) -> Comm {
+        let registry = Registry::default();
+        p.registry = registry.id();
         // NCCL_COMM_BLOCKING, where 0 or 1, overrides the config (as NCCL's).
         let blocking = match crate::param::get_str("NCCL_COMM_BLOCKING").as_deref() {
             Some("0") => false,
@@ -155,7 +159,7 @@ impl Comm {
             finalized: AtomicBool::new(false),
             revoked: AtomicBool::new(false),
             redops: RedOps::default(),
-            registry: Registry::default(),
+            registry,
         }
     }
 
@@ -470,6 +474,7 @@ fn build_core(p: PendingInit) -> Result<Core> {
         name: p.config.comm_name.clone(),
         dev: cuda_dev,
         graph_usage: p.config.graph_usage(),
+        registry: p.registry,
     })?;
     let local = peers.iter().filter(|q| q.host == me.host).count();
     let conns = Conns::new(boot, peers, hash, health.clone());
@@ -549,6 +554,7 @@ pub(crate) fn new_comm(
         dev,
         abort: Arc::new(AtomicBool::new(false)),
         placement: None,
+        registry: 0,
     })))
 }
 
@@ -567,6 +573,7 @@ pub(crate) fn new_placed(
         dev: bind_device(dev)?,
         abort: Arc::new(AtomicBool::new(false)),
         placement: Some(placement),
+        registry: 0,
     })))
 }
 

@@ -108,7 +108,7 @@ const GONE: &str = "was not created on this communicator, or is destroyed";
 /// Buffers registered with `ncclCommRegister`: the host executor needs no pinning, but handles
 /// are real and checked; the CUDA executor lets kernels of other processes on the GPU read
 /// them where they are (`transport::registered`), until they are deregistered or the
-/// communicator goes.
+/// communicator's executor ends (`CudaComm`'s drop).
 pub struct Registry {
     regs: Mutex<HashMap<usize, (usize, usize)>>,
     next: Mutex<usize>,
@@ -133,6 +133,11 @@ fn on_cuda() -> bool {
 }
 
 impl Registry {
+    /// Its number among the process's registries.
+    pub fn id(&self) -> u64 {
+        self.id
+    }
+
     pub fn register(&self, buf: usize, size: usize) -> Result<usize> {
         let mut n = self.next.lock();
         *n += 1;
@@ -152,14 +157,6 @@ impl Registry {
             crate::transport::registered::deregister(self.id, Some(h));
         }
         Ok(())
-    }
-}
-
-impl Drop for Registry {
-    fn drop(&mut self) {
-        if !self.regs.get_mut().is_empty() && on_cuda() {
-            crate::transport::registered::deregister(self.id, None);
-        }
     }
 }
 

@@ -74,6 +74,9 @@ pub struct CommSetup<'a> {
     pub dev: i32,
     /// `CommConfig::graph_usage` (CUDA executor): 2 orders graph replays and eager launches.
     pub graph_usage: i32,
+    /// The communicator's registry of `ncclCommRegister` buffers (`Registry::id`): the CUDA
+    /// executor's launches look there for buffers other processes may read in place.
+    pub registry: u64,
 }
 
 impl CommExec {

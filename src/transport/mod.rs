@@ -346,7 +346,7 @@ pub struct Conn {
     pub same_device: bool,
     /// A sending end whose receiver is a kernel of another process on this GPU, the
     /// connection in the receiving end's memory (CUDA IPC): that process's key
-    /// (`liveness::process_key`), which `exec::cuda::registered` asks to read registered
+    /// (`liveness::process_key`), which `registered` asks to read registered
     /// buffers where they are.
     pub peer_process: Option<u64>,
     /// The class of traffic the connection was made for (set where it is connected; `Ring`

@@ -11,18 +11,22 @@
 //!   GPU's primary context and answers the address it sees it at. The launch's slots then carry
 //!   the address as the receiver sees it: the sender adds the offset between the two
 //!   (`OxConnD::ref_delta`).
-//! - A buffer is found by its address among all of this process's registrations (NCCL keeps
-//!   them per communicator: a buffer registered with one communicator and sent on another is
-//!   read in place too; the caller keeps it until it deregisters it either way).
-//! - `ncclCommDeregister`, and the communicator's end, ask every process that opened a buffer
-//!   to close it, and wait for the answer: the caller may free the buffer once it returns.
+//! - A buffer is found by its address among the launching communicator's registrations, as
+//!   NCCL keeps them (another communicator's deregistration must not close what this one's
+//!   kernels read), within one allocation.
+//! - `ncclCommDeregister`, and the communicator's end, ask every process asked to open a
+//!   buffer to close it, and wait for the answer (up to `ASK_WAIT` each): the caller may free
+//!   the buffer once it returns. A process that ended or does not answer keeps its opening
+//!   until it exits; so do all where the communicator ended while its kernels still ran
+//!   (`abandon`: the other processes' kernels may still read).
 //! - A process that cannot open a buffer (no service, another user, the handle refused, no
 //!   answer within `ASK_WAIT`) is not asked again for it: its receives of that buffer go
 //!   through the slots, as everything did before. So does memory that has neither kind of
 //!   handle, and every launch captured into a CUDA graph (a replay may come after the buffer is
 //!   deregistered).
 //! - The service answers only processes of this user, and closes a buffer only at the request
-//!   of the process that sent it (told by the socket's credentials).
+//!   of the process that sent it (told by the socket's credentials); a sender checks the same
+//!   of the service (its name is a convention anyone could bind) before it sends a handle.
 
 use crate::debug;
 use crate::gpu::driver::{self, check, CtxGuard};
@@ -31,7 +35,7 @@ use nix::sys::socket::{recvmsg, sendmsg, ControlMessage, ControlMessageOwned, Ms
 use parking_lot::Mutex;
 use std::collections::HashMap;
 use std::ffi::{c_int, c_void};
-use std::io::{IoSlice, IoSliceMut, Read, Write};
+use std::io::{IoSlice, IoSliceMut, Read};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::linux::net::SocketAddrExt;
 use std::os::unix::net::{SocketAddr, UnixListener, UnixStream};
@@ -63,6 +67,7 @@ enum Handle {
 /// An allocation as another process opens it.
 struct Export {
     base: u64,
+    size: u64,
     uuid: [u8; 16],
     handle: Handle,
 }
@@ -133,8 +138,10 @@ pub fn deregister(owner: u64, handle: Option<usize>) {
         COUNT.store(regs.len(), Ordering::Relaxed);
         gone
     };
+    // (Every process asked, not only those that answered: one whose answer was lost may have
+    // opened it.)
     for r in gone {
-        for (peer, _) in r.peers.iter().filter(|p| p.1.is_some()) {
+        for (peer, _) in &r.peers {
             if ask(*peer, CLOSE, r.id, &[0; 16], &[0; 64], None).is_none() {
                 debug::info(&format!(
                     "ncclCommDeregister: the process of key {peer:#x} did not confirm it closed \
@@ -146,17 +153,31 @@ pub fn deregister(owner: u64, handle: Option<usize>) {
     }
 }
 
-/// What to add to an address of this process in `[at, end)` for the kernels of process `peer`
-/// (on this GPU) to read it: Some only where a registered buffer holds the range and that
-/// process has opened it (asked here the first time).
-pub fn peer_offset(peer: u64, at: u64, end: u64) -> Option<i64> {
+/// Forgets registry `owner`'s buffers without asking anyone to close them: its communicator
+/// ended while its kernels still ran (other processes' kernels may still read them; their
+/// openings stay until those processes end).
+pub fn abandon(owner: u64) {
     let mut regs = REGS.lock();
-    let r = regs.iter_mut().find(|r| r.at <= at && end <= r.end)?;
-    if let Some(p) = r.peers.iter().find(|p| p.0 == peer) {
-        let base = r.export.as_ref()?.as_ref()?.base;
-        return p.1.map(|seen| seen.wrapping_sub(base) as i64);
-    }
+    regs.retain(|r| r.owner != owner);
+    COUNT.store(regs.len(), Ordering::Relaxed);
+}
+
+/// What to add to an address of this process in `[at, end)` for the kernels of process `peer`
+/// (on this GPU) to read it: Some only where a buffer registered with registry `owner` (the
+/// launching communicator's) holds the range within one allocation, and that process has
+/// opened the allocation (asked here the first time).
+pub fn peer_offset(owner: u64, peer: u64, at: u64, end: u64) -> Option<i64> {
+    let mut regs = REGS.lock();
+    let r = regs
+        .iter_mut()
+        .find(|r| r.owner == owner && r.at <= at && end <= r.end)?;
     let x = r.export.get_or_insert_with(|| export(r.at)).as_ref()?;
+    if at < x.base || end > x.base + x.size {
+        return None; // (a registration across two allocations)
+    }
+    if let Some(p) = r.peers.iter().find(|p| p.0 == peer) {
+        return p.1.map(|seen| seen.wrapping_sub(x.base) as i64);
+    }
     let seen = match &x.handle {
         Handle::Legacy(h) => ask(peer, OPEN, r.id, &x.uuid, h, None),
         Handle::Fd(fd, size) => {
@@ -208,6 +229,7 @@ fn export(at: u64) -> Option<Export> {
         let fd = unsafe { OwnedFd::from_raw_fd(fd) };
         return Some(Export {
             base,
+            size,
             uuid: driver::device_uuid(dev).ok()?,
             handle: Handle::Fd(fd, size),
         });
@@ -250,6 +272,7 @@ fn export(at: u64) -> Option<Export> {
     .ok()?;
     Some(Export {
         base,
+        size,
         uuid: driver::device_uuid(dev).ok()?,
         handle: Handle::Legacy(h),
     })
@@ -274,6 +297,19 @@ fn ask(
     let mut s = UnixStream::connect_addr(&addr).ok()?;
     s.set_read_timeout(Some(ASK_WAIT)).ok()?;
     s.set_write_timeout(Some(ASK_WAIT)).ok()?;
+    // The name is the peer's by convention only: the listener must be that process, of this
+    // user (anyone else would get the buffer's handle, and could answer any address).
+    let cred = nix::sys::socket::getsockopt(&s, nix::sys::socket::sockopt::PeerCredentials).ok()?;
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    if cred.uid() != unsafe { nix::libc::geteuid() } || cred.pid() as u32 != peer as u32 {
+        debug::warn(&format!(
+            "the registration service of the process of key {peer:#x} is another process's \
+             (pid {}, uid {}): not asked",
+            cred.pid(),
+            cred.uid()
+        ));
+        return None;
+    }
     let mut req = Vec::with_capacity(REQUEST);
     req.push(op);
     req.extend_from_slice(&my_process_key().to_le_bytes());
@@ -290,14 +326,27 @@ fn ask(
         s.as_raw_fd(),
         &[IoSlice::new(&req)],
         &cmsg,
-        MsgFlags::empty(),
+        MsgFlags::MSG_NOSIGNAL,
         None,
     )
     .ok()?;
-    s.write_all(&req[sent..]).ok()?;
+    send_all(&s, &req[sent..]).ok()?;
     let mut ans = [0u8; 9];
     s.read_exact(&mut ans).ok()?;
     (ans[0] == 1).then(|| u64::from_le_bytes(ans[1..].try_into().expect("8 bytes")))
+}
+
+/// Writes all of `b` to `s`, without a SIGPIPE where the other end has gone (the process may
+/// be a C program's, where that signal ends it).
+fn send_all(s: &UnixStream, mut b: &[u8]) -> std::io::Result<()> {
+    while !b.is_empty() {
+        match nix::sys::socket::send(s.as_raw_fd(), b, MsgFlags::MSG_NOSIGNAL) {
+            Ok(n) => b = &b[n..],
+            Err(nix::errno::Errno::EINTR) => {}
+            Err(e) => return Err(e.into()),
+        }
+    }
+    Ok(())
 }
 
 /// The process whose service runs (a forked child starts its own).
@@ -315,8 +364,14 @@ pub fn serve() {
         std::thread::Builder::new()
             .name("oxccl-registered".into())
             .spawn(move || {
-                for s in l.incoming().flatten() {
-                    let _ = answer(s);
+                for s in l.incoming() {
+                    match s {
+                        Ok(s) => {
+                            let _ = answer(s);
+                        }
+                        // (Out of descriptors, say: not a spin.)
+                        Err(_) => std::thread::sleep(Duration::from_millis(10)),
+                    }
                 }
             })
     });
@@ -399,7 +454,12 @@ fn answer(mut s: UnixStream) -> std::io::Result<()> {
         ans[0] = 1;
         ans[1..].copy_from_slice(&a.to_le_bytes());
     }
-    s.write_all(&ans)
+    let sent = send_all(&s, &ans);
+    if sent.is_err() && r.is_some() && op != CLOSE {
+        // The process that asked will not use what it did not hear of.
+        close(from, id);
+    }
+    sent
 }
 
 /// Opens process `from`'s buffer `id` (once), in the primary context of the GPU of `uuid`: by
@@ -506,6 +566,7 @@ fn close(from: u64, id: u64) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::io::Write;
 
     /// Sends `req` to this process's service; its answer (None: the connection closed).
     fn send(req: &[u8]) -> Option<[u8; 9]> {
@@ -559,6 +620,20 @@ mod tests {
         assert_eq!(opened(), 0);
     }
 
+    /// A listener at another process's name that is not that process (here: this one, at the
+    /// name of pid 1's) is sent nothing: no handle, no descriptor.
+    #[test]
+    fn a_stranger_at_a_peers_name_gets_nothing() {
+        let fake = process_key(1, pid_namespace());
+        let addr = SocketAddr::from_abstract_name(service_name(fake)).unwrap();
+        let l = UnixListener::bind_addr(&addr).unwrap();
+        assert_eq!(ask(fake, OPEN, 1, &[0; 16], &[7; 64], None), None);
+        let (mut s, _) = l.accept().unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
+        let mut b = [0u8; 1];
+        assert!(matches!(s.read(&mut b), Ok(0)), "the client sent {b:?}");
+    }
+
     /// A process without a service is asked nothing twice: its sends of the buffer go through
     /// the slots. A range no registration holds has no offset.
     #[test]
@@ -567,12 +642,17 @@ mod tests {
         register(1000, 1, 0x10_0000, 0x1000);
         assert!(any());
         assert_eq!(
-            peer_offset(42, 0x20_0000, 0x20_0010),
+            peer_offset(1000, 42, 0x20_0000, 0x20_0010),
             None,
             "not registered"
         );
         // No driver here: the buffer has no handle to send.
-        assert_eq!(peer_offset(42, 0x10_0000, 0x10_0010), None);
+        assert_eq!(peer_offset(1000, 42, 0x10_0000, 0x10_0010), None);
+        assert_eq!(
+            peer_offset(1001, 42, 0x10_0000, 0x10_0010),
+            None,
+            "another communicator's registration"
+        );
         assert!(REGS
             .lock()
             .iter()

@@ -1272,6 +1272,14 @@ unsafe extern "C" fn mem_create(
         fd >= 0 && unsafe { libc::ftruncate(fd, size as i64) } == 0,
         "memfd"
     );
+    // SAFETY: the caller's handle pointer.
+    unsafe { new_handle(h, fd, size) }
+}
+/// Makes a handle of memory file `fd` (`size` bytes), written to `h`.
+///
+/// # Safety
+/// `h` is writable.
+unsafe fn new_handle(h: *mut u64, fd: c_int, size: usize) -> CUresult {
     let handle = 0x7000_0000 + fd as u64;
     HANDLES
         .lock()
@@ -1314,13 +1322,8 @@ unsafe extern "C" fn mem_import(h: *mut u64, fd: *mut c_void, kind: c_uint) -> C
         }
         (fd, st.st_size as usize)
     };
-    let handle = 0x7000_0000 + fd as u64;
-    HANDLES
-        .lock()
-        .get_or_insert_with(HashMap::new)
-        .insert(handle, (fd, size));
-    unsafe { *h = handle };
-    OK
+    // SAFETY: the caller's handle pointer.
+    unsafe { new_handle(h, fd, size) }
 }
 unsafe extern "C" fn address_reserve(
     p: *mut u64,

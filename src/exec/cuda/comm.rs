@@ -354,6 +354,9 @@ pub struct CudaComm {
     /// group that holds both.
     side: once_cell::sync::OnceCell<Side>,
     name: String,
+    /// Its registry of `ncclCommRegister` buffers (`transport::registered`): launches send
+    /// those other processes may read in place; they are deregistered when it ends.
+    pub(super) registry: u64,
     /// Counted among the process's communicators (last: dropped after its control block and
     /// board went to the spares, `spare::Live`).
     _live: super::spare::Live,
@@ -502,6 +505,7 @@ impl CudaComm {
             queues_warned: Default::default(),
             side: Default::default(),
             name,
+            registry: s.registry,
             _live: live,
         })
     }
@@ -698,9 +702,15 @@ impl Drop for CudaComm {
                 std::mem::forget(self.ctl.clone());
                 std::mem::forget(self.board.clone());
                 super::spare::stuck();
+                // (Other processes' kernels may still read its registered buffers: they stay
+                // open there.)
+                crate::transport::registered::abandon(self.registry);
                 return;
             }
         }
+        // Other processes close what they opened of its registered buffers (its kernels, and
+        // so theirs that read them, are done).
+        crate::transport::registered::deregister(self.registry, None);
         // (Its events go when the graphs that name them do too: `Events`.)
         self.last.lock().recorded = false;
         if let Some(side) = self.side.get() {

@@ -36,6 +36,9 @@ const MAX_CONNS_MULTI: usize = 64;
 /// its destination's once written (`OX_STEP_REF_DST`), in place of the bytes (`mark_refs`).
 const STEP_REF_SRC: u32 = 2;
 const STEP_REF_DST: u32 = 4;
+/// Beside one of those: the receiver is a kernel of another process (`OX_STEP_REF_PEER`: a
+/// sender that revokes its slots waits for its claims only so long).
+const STEP_REF_PEER: u32 = 8;
 
 /// A program bound to this rank's connections, its addresses in device memory.
 pub type DevProgram = Program<Arc<Conn>>;
@@ -49,6 +52,9 @@ pub struct LaneComm {
     pub board: u64,
     pub rank: u16,
     pub nranks: u16,
+    /// The communicator's registry of `ncclCommRegister` buffers (`transport::registered`;
+    /// not in the descriptor).
+    pub registry: u64,
 }
 
 impl LaneComm {
@@ -225,7 +231,7 @@ impl Desc {
                     &mut self.steps[at..],
                     peer,
                     &mut self.offsets,
-                    crate::transport::registered::peer_offset,
+                    |k, a, e| crate::transport::registered::peer_offset(lc.registry, k, a, e),
                 );
             }
         }
@@ -525,10 +531,10 @@ fn mark_refs(
         // Where the receiver sees the memory: here on this GPU in this process; in the
         // receiving process, a registered buffer it opened. One offset per connection (a
         // step whose memory the receiver sees at another sends its bytes).
-        let offset = match c.peer_process {
-            _ if c.same_device => 0,
+        let (offset, peer_flag) = match c.peer_process {
+            _ if c.same_device => (0, 0),
             Some(key) => match peer_offset(key, at, end) {
-                Some(o) => o,
+                Some(o) => (o, STEP_REF_PEER),
                 None => continue,
             },
             None => continue,
@@ -539,7 +545,7 @@ fn mark_refs(
             Some(_) => {}
             None => offsets.push((ci, offset)),
         }
-        flat[k].prep |= flag;
+        flat[k].prep |= flag | peer_flag;
     }
 }
 
@@ -791,6 +797,7 @@ mod tests {
             board: 0xb0a4d,
             rank: 2,
             nranks: 3,
+            registry: 0,
         };
         let mut d = Desc::new();
         d.lane_on([&prog(1, Prim::LocalReduce)], lc)
@@ -1168,16 +1175,23 @@ mod tests {
         };
         assert_eq!(
             marks(true, Some(0x5000), Some(-0x9000)),
-            (vec![STEP_REF_SRC, 0, 0], vec![(0, 0x5000)]),
+            (vec![STEP_REF_SRC | STEP_REF_PEER, 0, 0], vec![(0, 0x5000)]),
             "one offset a connection: the first step's"
         );
         assert_eq!(
             marks(true, Some(0x5000), Some(0x5000)),
-            (vec![STEP_REF_SRC, STEP_REF_DST, 0], vec![(0, 0x5000)])
+            (
+                vec![
+                    STEP_REF_SRC | STEP_REF_PEER,
+                    STEP_REF_DST | STEP_REF_PEER,
+                    0
+                ],
+                vec![(0, 0x5000)]
+            )
         );
         assert_eq!(
             marks(true, None, Some(-0x9000)),
-            (vec![0, STEP_REF_DST, 0], vec![(0, -0x9000)])
+            (vec![0, STEP_REF_DST | STEP_REF_PEER, 0], vec![(0, -0x9000)])
         );
         assert_eq!(marks(true, None, None), (vec![0, 0, 0], vec![]));
         // A captured launch (or nothing registered): the offsets are not even asked for.

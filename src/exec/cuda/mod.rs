@@ -892,14 +892,18 @@ fn ordered_lanes<'j>(
         // several communicators came in.)
         let ci = j.comm.hash as usize;
         let ctl = j.comm.ctl.addr();
+        let plain = desc::LaneComm {
+            registry: j.comm.registry,
+            ..desc::LaneComm::of(ctl)
+        };
         let board = match (&j.comm.board, j.on_board(slot)) {
             (Some(b), true) => desc::LaneComm {
-                ctl,
                 board: b.addr(),
                 rank: j.comm.rank as u16,
                 nranks: j.comm.nranks as u16,
+                ..plain
             },
-            _ => desc::LaneComm::of(ctl),
+            _ => plain,
         };
         for (index, lane) in j.lanes(slot).enumerate() {
             let ends = lane
@@ -909,11 +913,7 @@ fn ordered_lanes<'j>(
                 .map(|c| (c.me, c.peer, c.is_sender, c.class));
             let key = desc::lane_key(ends, j.comm.nranks, ci, index, j.comm.rank);
             // (A board lane is the stage's only one, before the point-to-point lanes.)
-            let lc = if index == 0 {
-                board
-            } else {
-                desc::LaneComm::of(ctl)
-            };
+            let lc = if index == 0 { board } else { plain };
             v.push((key, lane.as_slice(), lc));
         }
     }
