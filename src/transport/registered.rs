@@ -299,9 +299,8 @@ fn ask(
     s.set_write_timeout(Some(ASK_WAIT)).ok()?;
     // The name is the peer's by convention only: the listener must be that process, of this
     // user (anyone else would get the buffer's handle, and could answer any address).
-    let cred = nix::sys::socket::getsockopt(&s, nix::sys::socket::sockopt::PeerCredentials).ok()?;
-    // SAFETY: geteuid has no preconditions and cannot fail.
-    if cred.uid() != unsafe { nix::libc::geteuid() } || cred.pid() as u32 != peer as u32 {
+    let (is_peer, cred) = other_end_is(&s, peer).ok()?;
+    if !is_peer {
         debug::warn(&format!(
             "the registration service of the process of key {peer:#x} is another process's \
              (pid {}, uid {}): not asked",
@@ -334,6 +333,19 @@ fn ask(
     let mut ans = [0u8; 9];
     s.read_exact(&mut ans).ok()?;
     (ans[0] == 1).then(|| u64::from_le_bytes(ans[1..].try_into().expect("8 bytes")))
+}
+
+/// Whether the other end of `s` is process `key` (of this PID namespace) and of this user: its
+/// credentials (the kernel's, taken when it connected or listened) with the answer.
+fn other_end_is(
+    s: &UnixStream,
+    key: u64,
+) -> std::io::Result<(bool, nix::sys::socket::UnixCredentials)> {
+    let cred = nix::sys::socket::getsockopt(s, nix::sys::socket::sockopt::PeerCredentials)?;
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    let uid = unsafe { nix::libc::geteuid() };
+    let is = cred.uid() == uid && key == process_key(cred.pid() as u32, pid_namespace());
+    Ok((is, cred))
 }
 
 /// Writes all of `b` to `s`, without a SIGPIPE where the other end has gone (the process may
@@ -407,7 +419,6 @@ pub fn opened() -> usize {
 fn answer(mut s: UnixStream) -> std::io::Result<()> {
     s.set_read_timeout(Some(SERVE_WAIT))?;
     s.set_write_timeout(Some(SERVE_WAIT))?;
-    let cred = nix::sys::socket::getsockopt(&s, nix::sys::socket::sockopt::PeerCredentials)?;
     let mut req = [0u8; REQUEST];
     let mut fds: Vec<OwnedFd> = Vec::new();
     let got = {
@@ -436,9 +447,7 @@ fn answer(mut s: UnixStream) -> std::io::Result<()> {
     let uuid: [u8; 16] = req[17..33].try_into().expect("16 bytes");
     let payload: [u8; 64] = req[33..].try_into().expect("64 bytes");
     // Only a process of this user, and only for its own buffers.
-    // SAFETY: geteuid has no preconditions and cannot fail.
-    let uid = unsafe { nix::libc::geteuid() };
-    let mine = cred.uid() == uid && from == process_key(cred.pid() as u32, pid_namespace());
+    let (mine, _) = other_end_is(&s, from)?;
     let r = match op {
         _ if !mine => None,
         OPEN => open(from, id, &uuid, Opening::Legacy(payload), None),
